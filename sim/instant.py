@@ -1,0 +1,101 @@
+"""The instant driver: runs plans at zero cost, for tests and fast regression runs.
+
+Each step takes one unit of time; async compression batches complete a configurable number of
+steps after their launch; output tokens are deterministic numbers (the scheduling never depends
+on them). With `check=True` every step goes through the `InvariantChecker`, and the run fails if
+it exceeds the step bound derived in docs/architecture.md ("Deadlock freedom").
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from zipage.core.invariants import InvariantChecker
+from zipage.core.metrics import MetricsRecorder, request_records, summarize
+from zipage.core.plan import StepResult
+from zipage.core.scheduler import Scheduler
+from zipage.core.sequence import Sequence
+
+
+class StepBoundExceeded(AssertionError):
+    pass
+
+
+@dataclass
+class InstantRun:
+    summary: dict
+    steps: list
+    requests: list
+    decision_log: list[str] = field(default_factory=list)
+
+
+def step_bound(sequences: list[Sequence], scheduler: Scheduler, max_delay: int) -> int:
+    """Upper bound on the steps of a run (docs/architecture.md, "Deadlock freedom")."""
+    config = scheduler.config
+    requests = len(sequences)
+    tokens = sum(seq.max_output_tokens for seq in sequences)
+    compressions = sum(seq.max_output_tokens // config.block_size + 1 for seq in sequences)
+    per_round = requests + tokens + compressions * (max_delay + 1)
+    return 2 * per_round * (requests + 1)
+
+
+class InstantDriver:
+    def __init__(self, scheduler: Scheduler, compress_delay: int | tuple[int, int] = 0,
+                 seed: int = 0, check: bool = False, log_decisions: bool = False) -> None:
+        self.scheduler = scheduler
+        # A fixed delay in steps, or a (low, high) range drawn per batch.
+        self.delay_range = compress_delay if isinstance(compress_delay, tuple) else (
+            compress_delay, compress_delay)
+        self.rng = random.Random(seed)
+        self.checker = InvariantChecker(scheduler) if check else None
+        self.log_decisions = log_decisions
+        self.metrics = MetricsRecorder(scheduler.block_manager.num_blocks)
+
+    def run(self, sequences: list[Sequence]) -> InstantRun:
+        """Add each request once the clock reaches its arrival (in steps), run to the end."""
+        scheduler, checker = self.scheduler, self.checker
+        arrivals = sorted(sequences, key=lambda seq: seq.arrival_s)
+        bound = step_bound(sequences, scheduler, self.delay_range[1])
+        log: list[str] = []
+        completions: dict[int, int] = {}  # batch id -> step whose result reports it done
+        now = 0
+        next_arrival = 0
+        while next_arrival < len(arrivals) or scheduler.has_unfinished():
+            while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_s <= now:
+                seq = arrivals[next_arrival]
+                scheduler.add(seq)
+                if checker:
+                    checker.note_added(seq)
+                next_arrival += 1
+            plan = scheduler.schedule()
+            if plan is None:  # nothing queued: jump to the next arrival, if any
+                if next_arrival == len(arrivals):
+                    break
+                now = max(now + 1, int(arrivals[next_arrival].arrival_s))
+                continue
+            if plan.step_id > bound:
+                raise StepBoundExceeded(f"run exceeded its step bound {bound}")
+            if self.log_decisions:
+                log.append(plan.describe())
+            if checker:
+                checker.after_schedule(plan)
+                checker.record_plan_writes(plan)
+            if plan.compress_launch is not None:
+                delay = self.rng.randint(*self.delay_range)
+                completions[plan.compress_launch.batch_id] = plan.step_id + delay
+            result = StepResult(step_id=plan.step_id, t_start=float(now), t_end=float(now + 1))
+            result.completed_batches = [
+                batch for batch, due in completions.items() if due <= plan.step_id]
+            for batch in result.completed_batches:
+                del completions[batch]
+            scheduler.finish(result)
+            self.metrics.record_step(plan, result)
+            if checker:
+                checker.after_finish()
+            now += 1
+        if checker:
+            checker.at_end()
+        requests = request_records(scheduler.finished + scheduler.rejected)
+        return InstantRun(summarize(self.metrics.steps, requests), self.metrics.steps, requests,
+                          log)

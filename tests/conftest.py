@@ -1,0 +1,13 @@
+"""Test configuration: hypothesis profiles.
+
+`ci` (the default) runs a fixed, derandomized number of examples so CI is repeatable;
+`thorough` is for long local runs: `pytest --hypothesis-profile=thorough tests/test_core_properties.py`.
+"""
+
+from hypothesis import HealthCheck, settings
+
+_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("ci", max_examples=200, derandomize=True, print_blob=True, **_common)
+settings.register_profile("thorough", max_examples=5000, print_blob=True, **_common)
+settings.register_profile("dev", max_examples=30, **_common)
+settings.load_profile("ci")

@@ -1,0 +1,65 @@
+"""Golden step-by-step decision logs, one small trace per scheduling mode.
+
+Any change in scheduling behaviour shows up as a diff of tests/golden/*.log in review. After an
+intended change, regenerate with `ZIPAGE_UPDATE_GOLDEN=1 pytest tests/test_golden_logs.py` and
+read the diff before committing it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from zipage.core.config import ZipageConfig
+from zipage.core.scheduler import Scheduler
+from zipage.core.sequence import Sequence
+from zipage.sim.instant import InstantDriver
+
+GOLDEN = Path(__file__).parent / "golden"
+MODES = {
+    "constrained": dict(hybrid=False, prefix_cache=False),
+    "hybrid": dict(hybrid=True, prefix_cache=False),
+    "hybrid_prefix": dict(hybrid=True, prefix_cache=True),
+}
+
+
+def golden_trace() -> list[Sequence]:
+    """Six requests on 16-token blocks (N_max = 3): three share a 40-token prompt prefix, one
+    has a prompt longer than N_max blocks, one is short/short, arrivals over the first steps."""
+    shared = list(range(500, 540))
+    prompts = [
+        ("a", shared + [1, 2, 3], 70, 0),
+        ("b", shared + [4, 5], 60, 1),  # hits a's two full prefix blocks
+        ("c", list(range(1000, 1050)), 40, 1),  # 50 tokens: 4 blocks > N_max
+        ("d", list(range(2000, 2010)), 5, 2),
+        ("e", list(range(3000, 3020)), 50, 3),
+        ("f", shared + [6], 30, 5),
+    ]
+    return [Sequence(seq_id, tokens, output, arrival_s=arrival)
+            for seq_id, tokens, output, arrival in prompts]
+
+
+def decision_log(mode: str) -> str:
+    config = ZipageConfig(block_size=16, window=4, kv_budget=32, async_compress=False,
+                          **MODES[mode])
+    scheduler = Scheduler(config, num_blocks=10, num_query_slots=2)
+    run = InstantDriver(scheduler, check=True, log_decisions=True).run(golden_trace())
+    assert run.summary["completed"] == 6
+    return "\n".join(run.decision_log) + "\n"
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_decision_log_matches_golden(mode):
+    path = GOLDEN / f"{mode}.log"
+    log = decision_log(mode)
+    if os.environ.get("ZIPAGE_UPDATE_GOLDEN"):
+        path.write_text(log)
+    assert path.exists(), f"missing {path}: run with ZIPAGE_UPDATE_GOLDEN=1 once"
+    assert log == path.read_text(), f"scheduling decisions changed in mode {mode}"
+
+
+def test_modes_really_differ():
+    logs = {mode: decision_log(mode) for mode in MODES}
+    assert len(set(logs.values())) == len(MODES)

@@ -1,0 +1,32 @@
+"""Regenerate every shipped workload trace in this folder from its generator with seed 0.
+
+The shipped files are exactly what `zipage.workloads.make_trace(kind, seed=0)` produces;
+`tests/test_trace.py` regenerates them and fails if a file drifts from its generator. Run
+`python traces/make_all.py` after changing a generator, and commit the files it rewrites.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+TRACES_DIR = Path(__file__).resolve().parent
+# Lets the script run from a plain checkout, without `pip install -e .`.
+sys.path.insert(0, str(TRACES_DIR.parent))
+
+from zipage.trace import save_trace  # noqa: E402
+from zipage.workloads import WORKLOADS, make_trace  # noqa: E402
+
+SHIPPED_SEED = 0
+
+
+def main() -> None:
+    for kind in WORKLOADS:
+        trace = make_trace(kind, seed=SHIPPED_SEED)
+        path = TRACES_DIR / f"{kind}.json"
+        save_trace(trace, path)
+        print(f"{path}: {len(trace.requests)} requests")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""KV blocks: allocation, reference counts, the prefix index and compression targets.
+
+A block's reference count is the number of holders: block tables, plus compression jobs that
+hold blocks outside any table while they run. Free blocks sit in an LRU order and keep their
+content and hash until they are handed out again, so a later request with the same prompt prefix
+can take a free block back from the prefix index (as vLLM does).
+
+Prefix index: the full blocks of a prompt are keyed by a chained content hash (the hash of a
+block covers every token before it too), so equal hashes mean equal prefixes. Only prompt blocks
+of uncompressed requests enter the index (DESIGN.md rule 7); a block whose content a compression
+overwrites leaves it at once.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from zipage.core.sequence import Sequence
+
+
+def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """Chained hashes of every full block of a prompt."""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    hashes = []
+    previous = 0
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        hasher = xxhash.xxh64(seed=0)
+        hasher.update(previous.to_bytes(8, "little"))
+        hasher.update(tokens[start:start + block_size].tobytes())
+        previous = hasher.intdigest()
+        hashes.append(previous)
+    return hashes
+
+
+@dataclass
+class CompressionTargets:
+    """Where a compression writes: see DESIGN.md section 3, rule 5."""
+
+    target_blocks: list[int]
+    new_block: int
+    fresh_blocks: list[int]  # newly allocated (a subset of target_blocks + [new_block])
+    released: list[int]  # blocks of the old table that are not in the new one
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.prefix_cache = prefix_cache
+        self.refcount = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        # Ordered set of free blocks, least recently freed first.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
+
+    # ---- allocation ----
+
+    def allocate(self) -> int:
+        """Hand out a fresh block (its old content, and so its hash, is gone)."""
+        block, _ = self.free_blocks.popitem(last=False)
+        self._forget_hash(block)
+        self.refcount[block] = 1
+        return block
+
+    def release(self, block: int) -> None:
+        self.refcount[block] -= 1
+        assert self.refcount[block] >= 0, f"block {block} released more often than held"
+        if self.refcount[block] == 0:
+            self.free_blocks[block] = None
+
+    def release_all(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self.release(block)
+
+    # ---- prefix cache ----
+
+    def cached_prefix_blocks(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Leading blocks of `seq` already in the prefix index, for a prefill of num_tokens.
+
+        The block holding the last token is always computed (its logits, and its window queries
+        for rule 7), so only blocks entirely before the last token are looked up.
+        """
+        if not self.prefix_cache:
+            return []
+        limit = min(len(seq.prompt_block_hashes), (num_tokens - 1) // self.block_size)
+        hits = []
+        for block_hash in seq.prompt_block_hashes[:limit]:
+            block = self.hash_to_block.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def can_allocate_prefill(self, cached: list[int], num_tokens: int) -> bool:
+        needed = -(-num_tokens // self.block_size) - len(cached)
+        cached_but_free = sum(1 for block in cached if self.refcount[block] == 0)
+        return self.num_free_blocks >= needed + cached_but_free
+
+    def allocate_prefill(self, cached: list[int], num_tokens: int) -> list[int]:
+        """Block table for a prefill: the cached prefix blocks, then fresh ones."""
+        table = []
+        for block in cached:
+            if self.refcount[block] == 0:
+                del self.free_blocks[block]
+            self.refcount[block] += 1
+            table.append(block)
+        needed = -(-num_tokens // self.block_size) - len(cached)
+        table.extend(self.allocate() for _ in range(needed))
+        return table
+
+    def register_prompt_blocks(self, seq: Sequence, first: int, end: int) -> None:
+        """Index the full prompt blocks [first, end) of `seq` that a prefill just computed."""
+        if not self.prefix_cache:
+            return
+        for index in range(first, min(end, len(seq.prompt_block_hashes))):
+            block = seq.block_table[index]
+            block_hash = seq.prompt_block_hashes[index]
+            if block_hash in self.hash_to_block:
+                continue  # an equal block is already indexed; keep the first
+            self._forget_hash(block)
+            self.block_hash[block] = block_hash
+            self.hash_to_block[block_hash] = block
+
+    def _forget_hash(self, block: int) -> None:
+        block_hash = self.block_hash[block]
+        if block_hash is not None:
+            if self.hash_to_block.get(block_hash) == block:
+                del self.hash_to_block[block_hash]
+            self.block_hash[block] = None
+
+    # ---- compression ----
+
+    def is_shared(self, block: int) -> bool:
+        return self.refcount[block] > 1
+
+    def fresh_blocks_for_compression(self, table: list[int], n_max: int) -> int:
+        """How many free blocks compressing a request with this table needs (rule 5)."""
+        prefix_targets, own = self._split_for_compression(table, n_max)
+        return prefix_targets + max(0, n_max - prefix_targets - len(own))
+
+    def plan_compression(self, table: list[int], n_max: int) -> CompressionTargets | None:
+        """Choose target blocks for compressing `table`; None if the free blocks don't suffice.
+
+        Shared leading blocks are never overwritten: as many fresh blocks as there are shared
+        leading ones (up to n_max - 1) take their place; the request's own unshared blocks, in
+        order, take the remaining target places and the new-token place; fresh blocks fill any
+        shortfall. Blocks that will be overwritten leave the prefix index right away, so no other
+        request can pick them up while the compression runs.
+        """
+        prefix_targets, own = self._split_for_compression(table, n_max)
+        own_used = own[: n_max - prefix_targets]
+        shortfall = n_max - prefix_targets - len(own_used)
+        if self.num_free_blocks < prefix_targets + shortfall:
+            return None
+        prefix_fresh = [self.allocate() for _ in range(prefix_targets)]
+        extra_fresh = [self.allocate() for _ in range(shortfall)]
+        for block in own_used:
+            self._forget_hash(block)
+        new_table = prefix_fresh + own_used + extra_fresh
+        kept = set(new_table)
+        return CompressionTargets(
+            target_blocks=new_table[: n_max - 1],
+            new_block=new_table[n_max - 1],
+            fresh_blocks=prefix_fresh + extra_fresh,
+            released=[block for block in table if block not in kept],
+        )
+
+    def _split_for_compression(self, table: list[int], n_max: int) -> tuple[int, list[int]]:
+        shared_prefix = 0
+        while shared_prefix < len(table) and self.is_shared(table[shared_prefix]):
+            shared_prefix += 1
+        own = [block for block in table if not self.is_shared(block)]
+        return min(shared_prefix, n_max - 1), own

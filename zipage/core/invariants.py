@@ -1,0 +1,176 @@
+"""Checks of the core's invariants (DESIGN.md section 5), run by drivers under test.
+
+`InvariantChecker` watches a scheduler step by step: `after_schedule(plan)` before the driver
+executes the plan, `record_computed(seq, start, end)` for every KV range a driver computes, and
+`after_finish()` once the step is applied; `at_end()` when the run is over. A violation raises
+`InvariantViolation` with the step and the request. The checks read the scheduler's state; they
+never change it, so a run with checks on makes exactly the decisions of a run without them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from zipage.core.plan import StepPlan
+from zipage.core.scheduler import Scheduler
+from zipage.core.sequence import Sequence, SequenceStatus
+
+
+class InvariantViolation(AssertionError):
+    pass
+
+
+class InvariantChecker:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.step_id = -1
+        # Window queries written into each request's slot since its last compression:
+        # window index -> KV entry whose query it holds.
+        self.window_queries: dict[Sequence, dict[int, int]] = {}
+        self.accepted_order: list = []  # ids of accepted requests, in the order they arrived
+
+    def fail(self, message: str) -> None:
+        raise InvariantViolation(f"step {self.step_id}: {message}")
+
+    # ---- hooks ----
+
+    def after_schedule(self, plan: StepPlan) -> None:
+        self.step_id = plan.step_id
+        scheduler = self.scheduler
+        for seq in plan.preempted:
+            if seq.num_compressions or seq.compressing:
+                self.fail(f"{seq.seq_id} was preempted although compressed or compressing")
+            self.window_queries.pop(seq, None)
+        for job in plan.compressions:
+            self._check_compression(job)
+        self._check_writes(plan)
+        self._check_blocks()
+        self._check_slots()
+
+    def record_plan_writes(self, plan: StepPlan) -> None:
+        """Record the KV ranges (and so the window queries) a driver computes for `plan`."""
+        for item in plan.prefill:
+            self.record_computed(item.seq, item.num_cached_tokens, item.num_tokens)
+        for seq in plan.decode:
+            self.record_computed(seq, seq.kv_len, seq.kv_len + 1)
+
+    def record_computed(self, seq: Sequence, start: int, end: int) -> None:
+        """A driver computed KV entries [start, end) of `seq` (and wrote their window queries)."""
+        first, last = self.scheduler.window_query_range(seq, start, end)
+        b, w = self.scheduler.block_size, self.scheduler.window
+        written = self.window_queries.setdefault(seq, {})
+        for entry in range(first, last):
+            written[entry % b - (b - w)] = entry
+
+    def after_finish(self) -> None:
+        self._check_blocks()
+        self._check_slots()
+        n_max = self.scheduler.n_max
+        for seq in self.scheduler.running:
+            if seq.num_compressions and len(seq.block_table) > n_max:
+                self.fail(f"{seq.seq_id} holds {len(seq.block_table)} > N_max = {n_max} blocks "
+                          "after its first compression")
+        for seq in self.scheduler.finished:
+            if seq.num_output_tokens > seq.max_output_tokens:
+                self.fail(f"{seq.seq_id} produced {seq.num_output_tokens} tokens, more than "
+                          f"its {seq.max_output_tokens}")
+
+    def at_end(self, stopped_early: set = frozenset()) -> None:
+        scheduler = self.scheduler
+        if scheduler.has_unfinished():
+            self.fail("run ended with unfinished requests")
+        manager = scheduler.block_manager
+        if manager.num_free_blocks != manager.num_blocks or any(manager.refcount):
+            self.fail(f"leak: {manager.num_blocks - manager.num_free_blocks} blocks still held")
+        if len(scheduler.free_slots) != scheduler.num_query_slots:
+            self.fail("leak: query slots still held")
+        for seq in scheduler.finished:
+            if seq.seq_id not in stopped_early and seq.num_output_tokens != seq.max_output_tokens:
+                self.fail(f"{seq.seq_id} finished with {seq.num_output_tokens} tokens, "
+                          f"expected {seq.max_output_tokens}")
+        arrival_rank = {seq_id: rank for rank, seq_id in enumerate(self.accepted_order)}
+        ranks = [arrival_rank[seq_id] for seq_id in scheduler.admission_order]
+        if ranks != sorted(ranks):
+            self.fail(f"first admissions out of arrival order: {scheduler.admission_order}")
+
+    def note_added(self, seq: Sequence) -> None:
+        if seq.status is not SequenceStatus.REJECTED:
+            self.accepted_order.append(seq.seq_id)
+
+    # ---- the checks ----
+
+    def _check_compression(self, job) -> None:
+        scheduler = self.scheduler
+        manager = scheduler.block_manager
+        seq = job.seq
+        if seq.query_slot is None or job.query_slot != seq.query_slot:
+            self.fail(f"{seq.seq_id} is compressed without its query slot")
+        for block in job.target_blocks + [job.new_block]:
+            holders = self._holders()[block]
+            if manager.refcount[block] != 1 or holders != 1:
+                self.fail(f"compression target {block} of {seq.seq_id} is shared "
+                          f"(refcount {manager.refcount[block]})")
+        # Rule 7: all w window queries of the final (full) block were written since it filled.
+        b, w = scheduler.block_size, scheduler.window
+        final_start = (len(job.source_table) - 1) * b
+        written = self.window_queries.get(seq, {})
+        for index in range(w):
+            expected = final_start + b - w + index
+            if written.get(index) != expected:
+                self.fail(f"{seq.seq_id}: window query {index} of its final block is missing "
+                          f"(holds entry {written.get(index)}, expected {expected})")
+        self.window_queries.pop(seq, None)
+
+    def _check_writes(self, plan: StepPlan) -> None:
+        """No prefill or decode writes KV into a block another holder can see."""
+        manager = self.scheduler.block_manager
+        b = self.scheduler.block_size
+        writes = []
+        for item in plan.prefill:
+            table = item.seq.block_table
+            for index in range(item.num_cached_tokens // b, -(-item.num_tokens // b)):
+                writes.append((item.seq, table[index]))
+        for seq in plan.decode:
+            writes.append((seq, seq.block_table[seq.kv_len // b]))
+        for seq, block in writes:
+            if manager.refcount[block] != 1:
+                self.fail(f"{seq.seq_id} writes KV into block {block} with refcount "
+                          f"{manager.refcount[block]} (shared blocks are never written)")
+
+    def _holders(self) -> Counter:
+        holders: Counter = Counter()
+        for seq in self.scheduler.running:
+            holders.update(seq.block_table)
+        for job in self.scheduler.in_flight_jobs():
+            in_table = set(job.seq.block_table)
+            involved = set(job.source_table) | set(job.target_blocks) | {job.new_block}
+            holders.update(involved - in_table)
+        return holders
+
+    def _check_blocks(self) -> None:
+        manager = self.scheduler.block_manager
+        holders = self._holders()
+        for block in range(manager.num_blocks):
+            if manager.refcount[block] != holders[block]:
+                self.fail(f"block {block}: refcount {manager.refcount[block]} but "
+                          f"{holders[block]} holders")
+            if (manager.refcount[block] == 0) != (block in manager.free_blocks):
+                self.fail(f"block {block}: refcount {manager.refcount[block]} disagrees with "
+                          "the free list")
+        if manager.num_free_blocks + manager.num_used_blocks != manager.num_blocks:
+            self.fail("free + used != total")
+
+    def _check_slots(self) -> None:
+        scheduler = self.scheduler
+        slots = [seq.query_slot for seq in scheduler.running if seq.query_slot is not None]
+        if len(slots) != len(set(slots)) or len(slots) > scheduler.num_query_slots:
+            self.fail(f"query slots double-booked or over M: {slots}")
+        if len(slots) + len(scheduler.free_slots) != scheduler.num_query_slots:
+            self.fail("query slots leaked")
+        if scheduler.compress and scheduler.config.hybrid:
+            for position, seq in enumerate(scheduler.running):
+                if seq.query_slot is not None and position >= scheduler.num_query_slots:
+                    self.fail(f"{seq.seq_id} holds a slot at running position {position} >= M")
+        elif scheduler.compress:
+            if any(seq.query_slot is None for seq in scheduler.running):
+                self.fail("constrained scheduling ran a request without a query slot")

@@ -1,0 +1,125 @@
+"""Per-step and per-request records, one schema for the simulator and the real engine.
+
+Every driver calls `MetricsRecorder.record_step(plan, result)` after `Scheduler.finish`, and
+`request_records(scheduler)` at the end. `summarize` turns both into the summary every report
+prints (DESIGN.md section 9): TPS = output tokens / (last finish - first arrival); TPOT of a
+request = (finish - first token) / (output_len - 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from zipage.core.plan import StepPlan, StepResult
+from zipage.core.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class StepRecord:
+    step_id: int
+    t_start: float
+    t_end: float
+    kind: str
+    n_prefill: int
+    n_decode: int
+    n_compress: int
+    n_running: int
+    n_waiting: int
+    blocks_used: int
+    blocks_total: int
+    slots_used: int
+    preempted: int
+    prefill_tokens: int
+    decode_context_tokens: int
+
+
+@dataclass
+class RequestRecord:
+    id: str
+    arrival: float
+    first_token: float | None
+    finish: float | None
+    prompt_len: int
+    output_len: int
+    n_preempted: int
+    n_compressions: int
+    max_blocks_held_after_first_compression: int
+    status: str
+    error: str | None
+
+
+STEP_COLUMNS = [f.name for f in fields(StepRecord)]
+REQUEST_COLUMNS = [f.name for f in fields(RequestRecord)]
+
+
+class MetricsRecorder:
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.steps: list[StepRecord] = []
+
+    def record_step(self, plan: StepPlan, result: StepResult) -> None:
+        self.steps.append(StepRecord(
+            step_id=plan.step_id, t_start=result.t_start, t_end=result.t_end, kind=plan.kind,
+            n_prefill=len(plan.prefill), n_decode=len(plan.decode),
+            n_compress=len(plan.compress_sync) + (
+                len(plan.compress_launch.jobs) if plan.compress_launch else 0),
+            n_running=plan.num_running, n_waiting=plan.num_waiting,
+            blocks_used=plan.blocks_used, blocks_total=self.num_blocks,
+            slots_used=plan.slots_used, preempted=len(plan.preempted),
+            prefill_tokens=plan.num_prefill_tokens,
+            decode_context_tokens=plan.decode_context_tokens,
+        ))
+
+
+def request_record(seq: Sequence) -> RequestRecord:
+    return RequestRecord(
+        id=str(seq.seq_id), arrival=seq.arrival_s, first_token=seq.first_token_time,
+        finish=seq.finish_time, prompt_len=seq.prompt_len,
+        output_len=seq.num_output_tokens, n_preempted=seq.num_preemptions,
+        n_compressions=seq.num_compressions,
+        max_blocks_held_after_first_compression=seq.max_blocks_after_first_compression,
+        status=seq.status.value, error=seq.error,
+    )
+
+
+def request_records(sequences: list[Sequence]) -> list[RequestRecord]:
+    return [request_record(seq) for seq in sequences]
+
+
+def summarize(steps: list[StepRecord], requests: list[RequestRecord]) -> dict:
+    """The run's headline numbers (keys shared by every driver's `--json`)."""
+    done = [r for r in requests if r.status == SequenceStatus.FINISHED.value]
+    output_tokens = sum(r.output_len for r in done)
+    if done:
+        start = min(r.arrival for r in requests)
+        makespan = max(r.finish for r in done) - start
+    else:
+        makespan = 0.0
+    tpots = [(r.finish - r.first_token) / (r.output_len - 1) for r in done if r.output_len > 1]
+    busy = [s for s in steps if s.kind != "idle"]
+    weighted_time = sum(s.t_end - s.t_start for s in steps)
+    if weighted_time > 0:
+        mean_running = sum(s.n_running * (s.t_end - s.t_start) for s in steps) / weighted_time
+    else:
+        mean_running = sum(s.n_running for s in steps) / len(steps) if steps else 0.0
+    compressed = [r.max_blocks_held_after_first_compression for r in done if r.n_compressions]
+    return {
+        "requests": len(requests),
+        "completed": len(done),
+        "failed": len(requests) - len(done),
+        "output_tokens": output_tokens,
+        "makespan_s": makespan,
+        "tps": output_tokens / makespan if makespan > 0 else 0.0,
+        "mean_tpot_ms": 1000.0 * sum(tpots) / len(tpots) if tpots else 0.0,
+        "mean_ttft_s": (sum(r.first_token - r.arrival for r in done) / len(done)) if done else 0.0,
+        "peak_running": max((s.n_running for s in steps), default=0),
+        "mean_running": mean_running,
+        "preemptions": sum(s.preempted for s in steps),
+        "compressions": sum(r.n_compressions for r in requests),
+        "max_blocks_after_compress": max(compressed, default=0),
+        "steps": len(busy),
+    }
+
+
+def as_rows(records: list) -> list[dict]:
+    return [asdict(record) for record in records]

@@ -1,0 +1,146 @@
+"""StepPlan / StepResult: the only things that cross between the core and a driver.
+
+The scheduler decides everything (who prefills, who decodes, who is compressed into which
+blocks, who is preempted) and writes it into a `StepPlan`. A driver — the simulator, the real
+engine, the instant test driver — executes the plan and answers with a `StepResult`: how long it
+took, which async compression batches completed, which requests stopped early (EOS). Drivers
+never make a scheduling or block decision of their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zipage.core.sequence import Sequence
+
+PREFILL = "prefill"
+DECODE = "decode"
+IDLE = "idle"  # nothing runnable: the driver waits for the in-flight compression batch
+
+
+@dataclass
+class PrefillItem:
+    """One request computed by a prefill step.
+
+    Tokens [num_cached_tokens, num_tokens) are computed; the first num_cached_tokens come from
+    the prefix cache. For a request that was preempted, num_tokens also covers the output tokens
+    it had generated (they are recomputed, not regenerated).
+    """
+
+    seq: Sequence
+    num_cached_tokens: int
+    num_tokens: int
+
+    @property
+    def num_new_tokens(self) -> int:
+        return self.num_tokens - self.num_cached_tokens
+
+
+@dataclass
+class CompressionJob:
+    """Compress one request's KV cache into `target_blocks` (DESIGN.md section 3, rule 5).
+
+    The driver scores the entries in `source_table` (the full final block's window queries live
+    in `query_slot`), keeps the top (len(target_blocks) * block_size) per (layer, kv-head) and
+    writes them densely, in order, into `target_blocks`. After completion the request's table is
+    `target_blocks + [new_block]`; the scheduler drops `released` when the result reports it done.
+    """
+
+    seq: Sequence
+    source_table: list[int]
+    target_blocks: list[int]
+    new_block: int
+    released: list[int]
+    query_slot: int
+    is_first: bool  # the request was never compressed before (pooling "first" applies)
+
+    @property
+    def num_source_blocks(self) -> int:
+        return len(self.source_table)
+
+
+@dataclass
+class CompressionBatch:
+    """Compressions launched together on the compression stream (async mode)."""
+
+    batch_id: int
+    jobs: list[CompressionJob]
+
+    @property
+    def total_blocks(self) -> int:
+        return sum(job.num_source_blocks for job in self.jobs)
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    kind: str
+    prefill: list[PrefillItem] = field(default_factory=list)
+    decode: list[Sequence] = field(default_factory=list)
+    # Sync compression: run before this step's decode; the compressed requests are in `decode`
+    # with their new tables.
+    compress_sync: list[CompressionJob] = field(default_factory=list)
+    # Async compression: start this batch now; its requests are out of decode until it is done.
+    compress_launch: CompressionBatch | None = None
+    preempted: list[Sequence] = field(default_factory=list)
+    # Sum over decode requests of the KV entries each one attends to this step (its cached
+    # entries plus the token being decoded): what a decode step reads from the KV cache.
+    decode_context_tokens: int = 0
+    # Snapshot of the scheduler right after this plan was made (for the metrics records).
+    num_running: int = 0
+    num_waiting: int = 0
+    blocks_used: int = 0
+    slots_used: int = 0
+
+    @property
+    def num_decode(self) -> int:
+        return len(self.decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.prefill)
+
+    @property
+    def is_idle(self) -> bool:
+        return self.kind == IDLE
+
+    @property
+    def compressions(self) -> list[CompressionJob]:
+        launched = self.compress_launch.jobs if self.compress_launch else []
+        return self.compress_sync + launched
+
+    def describe(self) -> str:
+        """One line of the decision log: what was decided, in a stable, diff-friendly form."""
+        parts = [f"step {self.step_id} {self.kind}"]
+        if self.prefill:
+            parts.append("prefill=" + ",".join(
+                f"{item.seq.seq_id}[{item.num_cached_tokens}:{item.num_tokens}]"
+                + (f"@q{item.seq.query_slot}" if item.seq.query_slot is not None else "")
+                for item in self.prefill))
+        if self.decode:
+            parts.append("decode=" + ",".join(sorted(str(seq.seq_id) for seq in self.decode)))
+        mode = "sync" if self.compress_sync else "launch"
+        for job in self.compressions:
+            parts.append(f"compress({mode})={job.seq.seq_id}:{job.source_table}->"
+                         f"{job.target_blocks}+{job.new_block}")
+        if self.preempted:
+            parts.append("preempt=" + ",".join(str(seq.seq_id) for seq in self.preempted))
+        parts.append(f"run={self.num_running} wait={self.num_waiting} "
+                     f"blocks={self.blocks_used} slots={self.slots_used}")
+        return " ".join(parts)
+
+
+@dataclass
+class StepResult:
+    """What a driver reports back after executing a plan."""
+
+    step_id: int
+    t_start: float = 0.0
+    t_end: float = 0.0
+    # Async compression batches that have finished by the end of this step.
+    completed_batches: list[int] = field(default_factory=list)
+    # Requests that stopped before their max tokens (EOS / stop token). The simulator never
+    # sets it: a trace request ends after exactly its output_len tokens.
+    stopped: set = field(default_factory=set)

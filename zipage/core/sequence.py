@@ -1,0 +1,138 @@
+"""Per-request state as the scheduler sees it.
+
+A `Sequence` knows its prompt, how many output tokens it must produce, its block table, how many
+KV entries it has cached (`kv_len`, smaller than its token count once compressed), its query slot
+and its bookkeeping for metrics. It never stores output token ids: the core only needs counts
+(drivers that need the tokens keep them), and only prompt blocks enter the prefix index.
+
+Steady decoding is lazy. While a request decodes one token per decode step with no decision to
+make, its counters are not touched step by step: it records the decode clock when it became
+steady and its counters are derived from the clock. The scheduler settles it (writes the counters
+back) whenever a decision is due. This is what lets the simulator replay 1,280 long reasoning
+requests in seconds: per step, the core only touches requests that have an event.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    REJECTED = "rejected"
+
+
+class DecodeClock:
+    """Number of decode steps finished so far; shared by the scheduler and its sequences."""
+
+    __slots__ = ("ticks",)
+
+    def __init__(self) -> None:
+        self.ticks = 0
+
+
+class Sequence:
+    __slots__ = (
+        "seq_id", "arrival_s", "prompt_token_ids", "prompt_len", "max_output_tokens",
+        "prompt_block_hashes", "status", "block_table", "query_slot", "num_compressions",
+        "compressing", "running_rank", "error",
+        "_kv_len", "_num_output_tokens", "_clock", "_steady_since", "steady_epoch",
+        "first_admitted_step", "first_token_time", "finish_time", "num_preemptions",
+        "max_blocks_after_first_compression",
+    )
+
+    def __init__(
+        self,
+        seq_id: str,
+        prompt_token_ids: list[int] | None,
+        max_output_tokens: int,
+        arrival_s: float = 0.0,
+        prompt_len: int | None = None,
+    ) -> None:
+        if prompt_token_ids is None and prompt_len is None:
+            raise ValueError("a Sequence needs prompt_token_ids or prompt_len")
+        self.seq_id = seq_id
+        self.arrival_s = arrival_s
+        self.prompt_token_ids = prompt_token_ids
+        self.prompt_len = len(prompt_token_ids) if prompt_token_ids is not None else prompt_len
+        self.max_output_tokens = max_output_tokens
+        self.prompt_block_hashes: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.query_slot: int | None = None
+        self.num_compressions = 0
+        self.compressing = False  # a compression job holds this request (sync or async)
+        self.running_rank = -1  # position key in the running queue (admission order)
+        self.error: str | None = None
+        self._kv_len = 0
+        self._num_output_tokens = 0
+        self._clock: DecodeClock | None = None
+        self._steady_since: int | None = None
+        self.steady_epoch = 0  # bumps whenever the request leaves steady decoding
+        self.first_admitted_step: int | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.num_preemptions = 0
+        self.max_blocks_after_first_compression = 0
+
+    # ---- counters (derived from the decode clock while steady) ----
+
+    @property
+    def kv_len(self) -> int:
+        """KV entries cached for this request (the slot index the next token is written to)."""
+        if self._steady_since is None:
+            return self._kv_len
+        return self._kv_len + self._clock.ticks - self._steady_since
+
+    @property
+    def num_output_tokens(self) -> int:
+        if self._steady_since is None:
+            return self._num_output_tokens
+        return self._num_output_tokens + self._clock.ticks - self._steady_since
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens (the last generated one has no KV entry yet)."""
+        return self.prompt_len + self.num_output_tokens
+
+    @property
+    def position(self) -> int:
+        """True position of the token decoded next: unchanged by compression (DESIGN rule 4)."""
+        return self.num_tokens - 1
+
+    @property
+    def is_steady(self) -> bool:
+        return self._steady_since is not None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (SequenceStatus.FINISHED, SequenceStatus.REJECTED)
+
+    @property
+    def remaining_output_tokens(self) -> int:
+        return self.max_output_tokens - self.num_output_tokens
+
+    def set_counters(self, kv_len: int, num_output_tokens: int) -> None:
+        assert self._steady_since is None, "settle a steady sequence before changing it"
+        self._kv_len = kv_len
+        self._num_output_tokens = num_output_tokens
+
+    def join_steady(self, clock: DecodeClock) -> None:
+        self._clock = clock
+        self._steady_since = clock.ticks
+
+    def settle(self) -> None:
+        """Leave steady decoding: write the clock-derived counters back."""
+        if self._steady_since is None:
+            return
+        self._kv_len = self.kv_len
+        self._num_output_tokens = self.num_output_tokens
+        self._steady_since = None
+        self.steady_epoch += 1
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id!r}, {self.status.value}, kv_len={self.kv_len}, "
+                f"out={self.num_output_tokens}/{self.max_output_tokens}, "
+                f"blocks={self.block_table}, slot={self.query_slot})")

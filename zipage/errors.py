@@ -1,0 +1,30 @@
+"""User-facing errors.
+
+Every mistake a user can make (bad trace, bad config, a prompt that can never fit, infeasible
+memory) raises a `ZipageError` subclass whose message names the field and the fix. The CLI prints
+the message without a traceback and exits with status 2; anything else is a bug in Zipage.
+"""
+
+
+class ZipageError(Exception):
+    """Base class of every error a user can cause."""
+
+
+class ConfigError(ZipageError):
+    """A knob has an invalid value or the knobs contradict each other."""
+
+
+class MemoryPlanError(ZipageError):
+    """The memory available cannot hold the requested configuration."""
+
+
+class TraceError(ZipageError):
+    """A trace file is malformed: the message names the request and the field."""
+
+
+class RequestRejected(ZipageError):
+    """One request can never be served under this configuration; the others still run."""
+
+
+class UnknownModelError(ZipageError):
+    """A model name, path or preset could not be resolved."""
