@@ -31,13 +31,20 @@ class InstantRun:
 
 
 def step_bound(sequences: list[Sequence], scheduler: Scheduler, max_delay: int) -> int:
-    """Upper bound on the steps of a run (docs/architecture.md, "Deadlock freedom")."""
-    config = scheduler.config
+    """Upper bound on the steps of a run (derived in docs/architecture.md, "Deadlock freedom").
+
+    Prefill steps admit at least one request each: at most R first admissions plus one
+    re-admission per preemption. Decode steps decode at least one request each and tokens are
+    never lost (a preempted request keeps its outputs): at most T = sum of output lengths. A
+    decode step preempts each request at most once, so preemptions <= R * T. Idle steps wait for
+    an async batch: at most (max_delay + 1) per batch, and batches <= compressions <=
+    sum(1 + output_len // block_size) (compressed requests are never preempted, so no
+    compression is redone).
+    """
     requests = len(sequences)
     tokens = sum(seq.max_output_tokens for seq in sequences)
-    compressions = sum(seq.max_output_tokens // config.block_size + 1 for seq in sequences)
-    per_round = requests + tokens + compressions * (max_delay + 1)
-    return 2 * per_round * (requests + 1)
+    compressions = sum(1 + seq.max_output_tokens // scheduler.block_size for seq in sequences)
+    return requests + (requests + 1) * tokens + compressions * (max_delay + 1)
 
 
 class InstantDriver:

@@ -7,7 +7,9 @@ not matter. Numbers are the public `config.json` values of each model.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from zipage.errors import UnknownModelError
 
@@ -133,3 +135,115 @@ def get_preset(name: str) -> ModelShape:
             "(or pass a HF model directory or a .gguf file)"
         )
     return PRESETS[key]
+
+
+# ---------------------------------------------------------------- shapes of models on disk
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def shape_from_hf_config(config: dict, name: str) -> ModelShape:
+    """The `ModelShape` of a HF config (`PretrainedConfig.to_dict()`, or a config.json of the same form).
+
+    Features our implementations lack are refused here, naming the config field, rather than
+    silently computing something else.
+    """
+    architecture = config.get("model_type")
+    if architecture not in ARCHITECTURES:
+        raise UnknownModelError(
+            f"model: {name}: model_type {architecture!r} is not supported; "
+            f"supported model types are {', '.join(ARCHITECTURES)}"
+        )
+    unsupported = {
+        "hidden_act": config.get("hidden_act", "silu") != "silu",
+        "attention_bias": architecture != "qwen2" and bool(config.get("attention_bias")),
+        "mlp_bias": bool(config.get("mlp_bias")),
+        "use_sliding_window": bool(config.get("use_sliding_window")),
+    }
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope_theta = float(rope.pop("rope_theta", config.get("rope_theta", 10000.0)))
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    unsupported["rope_parameters.rope_type"] = rope_type not in ROPE_TYPES
+    unsupported["rope_parameters.partial_rotary_factor"] = (
+        rope.pop("partial_rotary_factor", 1.0) != 1.0)
+    refused = [field_name for field_name, is_refused in unsupported.items() if is_refused]
+    if refused:
+        raise UnknownModelError(
+            f"model: {name}: unsupported config value(s) for {', '.join(refused)} (we implement "
+            f"SiLU MLPs without biases, full attention, RoPE types {', '.join(ROPE_TYPES)})"
+        )
+    num_heads = config["num_attention_heads"]
+    return ModelShape(
+        name=name,
+        architecture=architecture,
+        num_layers=config["num_hidden_layers"],
+        hidden_size=config["hidden_size"],
+        num_heads=num_heads,
+        num_kv_heads=config.get("num_key_value_heads") or num_heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+        intermediate_size=config["intermediate_size"],
+        vocab_size=config["vocab_size"],
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        rope_theta=rope_theta,
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        max_position=config["max_position_embeddings"],
+        rope_scaling={} if rope_type == "default" else {"rope_type": rope_type, **rope},
+        qkv_bias=architecture == "qwen2",
+        qk_norm=architecture == "qwen3",
+    )
+
+
+def shape_from_gguf(path: Path) -> ModelShape:
+    """Read a GGUF file's architecture metadata (no weights, no torch) into a `ModelShape`."""
+    try:
+        from gguf import GGUFReader
+    except ImportError as error:
+        raise UnknownModelError(
+            f"model: reading {path} needs the gguf package: pip install 'zipage[gguf]'") from error
+    reader = GGUFReader(str(path))
+
+    def value(key: str, default=None):
+        field_ = reader.fields.get(key)
+        if field_ is None:
+            if default is None:
+                raise UnknownModelError(f"model: {path}: GGUF metadata lacks {key}")
+            return default
+        return field_.contents()
+
+    architecture = value("general.architecture")
+    if architecture not in ("llama", "qwen2", "qwen3"):
+        raise UnknownModelError(f"model: {path}: GGUF architecture {architecture!r} is not "
+                                f"supported; supported: {', '.join(ARCHITECTURES)}")
+    heads = int(value(f"{architecture}.attention.head_count"))
+    hidden = int(value(f"{architecture}.embedding_length"))
+    has_output = any(tensor.name == "output.weight" for tensor in reader.tensors)
+    return ModelShape(
+        name=path.stem, architecture=architecture,
+        num_layers=int(value(f"{architecture}.block_count")), hidden_size=hidden,
+        num_heads=heads, num_kv_heads=int(value(f"{architecture}.attention.head_count_kv", heads)),
+        head_dim=int(value(f"{architecture}.attention.key_length", hidden // heads)),
+        intermediate_size=int(value(f"{architecture}.feed_forward_length")),
+        vocab_size=len(value("tokenizer.ggml.tokens")), tie_embeddings=not has_output,
+        rope_theta=float(value(f"{architecture}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(value(f"{architecture}.attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position=int(value(f"{architecture}.context_length")),
+        qkv_bias=architecture == "qwen2", qk_norm=architecture == "qwen3",
+    )
+
+
+def resolve_shape(spec: str) -> ModelShape:
+    """The shape behind any `--model` value: a preset (optionally `random:`), a HF model
+    directory, or a .gguf file. The simulator needs nothing else of a model."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise UnknownModelError(f"model: {spec} is a directory without config.json; pass a "
+                                    "HF model directory, a .gguf file or a preset name")
+        return shape_from_hf_config(json.loads(config_path.read_text()), path.name)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise UnknownModelError(f"model: GGUF file {spec} does not exist")
+        return shape_from_gguf(path)
+    return get_preset(spec)

@@ -178,8 +178,9 @@ class BlockManager:
         )
 
     def _split_for_compression(self, table: list[int], n_max: int) -> tuple[int, list[int]]:
+        refcount = self.refcount
         shared_prefix = 0
-        while shared_prefix < len(table) and self.is_shared(table[shared_prefix]):
+        while shared_prefix < len(table) and refcount[table[shared_prefix]] > 1:
             shared_prefix += 1
-        own = [block for block in table if not self.is_shared(block)]
+        own = [block for block in table if refcount[block] == 1]
         return min(shared_prefix, n_max - 1), own

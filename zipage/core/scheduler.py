@@ -68,6 +68,10 @@ class Scheduler:
         self._finish_due: defaultdict[int, list] = defaultdict(list)
         self._pending: list[Sequence] = []  # need a decision at the next decode step
         self._blocked: dict[Sequence, int] = {}  # request -> resource version when it blocked
+        # Requests waiting for a query slot (hybrid): only a slot hand-out can release them, so
+        # they are not rescanned each step.
+        self._waiting_for_slot: set[Sequence] = set()
+        self._admission_failed_at: tuple[Sequence, int] | None = None
         self._resource_version = 0  # bumps whenever blocks, slots or the running set change
         self._num_slotless_running = 0
 
@@ -160,6 +164,7 @@ class Scheduler:
         if plan.kind == PREFILL:
             for item in plan.prefill:
                 self._finish_prefill(item, result)
+            self._resource_version += 1  # new prefix-index entries may admit the waiting head
         elif plan.kind == DECODE:
             for job in plan.compress_sync:
                 self._complete_compression(job, swap_table=False)
@@ -179,8 +184,11 @@ class Scheduler:
     def _schedule_prefill(self, plan: StepPlan) -> None:
         config = self.config
         batched_tokens = 0
+        if self._admission_failed_at == (self.waiting[0], self._resource_version):
+            return  # nothing that admission depends on changed since the head last failed
         while self.waiting:
             seq = self.waiting[0]
+            self._admission_failed_at = (seq, self._resource_version)
             if len(self.running) >= config.max_num_seqs:
                 break
             num_tokens = seq.num_tokens  # a preempted request recomputes its outputs too
@@ -236,10 +244,11 @@ class Scheduler:
                 self._pending.append(seq)
         candidates = self._pending
         self._pending = []
-        for seq, version in list(self._blocked.items()):
-            if version != self._resource_version:
-                del self._blocked[seq]
-                candidates.append(seq)
+        if self._blocked:
+            for seq, version in list(self._blocked.items()):
+                if version != self._resource_version:
+                    del self._blocked[seq]
+                    candidates.append(seq)
         candidates.sort(key=lambda seq: seq.running_rank)
 
         jobs: list[CompressionJob] = []
@@ -274,7 +283,7 @@ class Scheduler:
                 seq.max_blocks_after_first_compression = max(
                     seq.max_blocks_after_first_compression, len(table))
         elif seq.query_slot is None and self.needs_slot(seq.kv_len):
-            self._block(seq)
+            self._waiting_for_slot.add(seq)
             return
         self._join_steady(seq)
 
@@ -338,7 +347,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Free every block of `seq` and send it to the front of `waiting` (recompute later)."""
         self._leave_steady(seq)
-        self._blocked.pop(seq, None)
+        self._forget_blocked(seq)
         self.block_manager.release_all(seq.block_table)
         seq.block_table = []
         seq.set_counters(0, seq.num_output_tokens)
@@ -350,6 +359,10 @@ class Scheduler:
 
     def _block(self, seq: Sequence) -> None:
         self._blocked[seq] = self._resource_version
+
+    def _forget_blocked(self, seq: Sequence) -> None:
+        self._blocked.pop(seq, None)
+        self._waiting_for_slot.discard(seq)
 
     # ------------------------------------------------------------------ steady decoding
 
@@ -419,6 +432,9 @@ class Scheduler:
                 seq.query_slot = heapq.heappop(self.free_slots)
                 self._num_slotless_running -= 1
                 self._resource_version += 1
+                if seq in self._waiting_for_slot:
+                    self._waiting_for_slot.discard(seq)
+                    self._pending.append(seq)
                 if not (self.free_slots and self._num_slotless_running):
                     return
 
@@ -456,7 +472,7 @@ class Scheduler:
 
     def _finish_sequence(self, seq: Sequence, time: float) -> None:
         self._leave_steady(seq)
-        self._blocked.pop(seq, None)
+        self._forget_blocked(seq)
         self.block_manager.release_all(seq.block_table)
         seq.block_table = []
         self._remove_from_running(seq)

@@ -1,0 +1,38 @@
+"""`zipage replay` in the simulator: settings in, a simulated run out.
+
+Resolves the model's shape (preset, HF directory or GGUF file: only the shapes are read), the GPU
+from the hardware table, the capacity from the shared memory planner and the cost model, then
+drives the core with the SimPy simulator.
+"""
+
+from __future__ import annotations
+
+from zipage.core.scheduler import Scheduler
+from zipage.presets import resolve_shape
+from zipage.replay import (
+    ReplaySettings, dtype_bytes, effective_config, plan_capacity, run_summary, trace_sequences,
+)
+from zipage.trace import Trace
+
+from .cost_model import load_cost_model
+from .hardware import get_hardware
+from .simulator import SimulationRun, Simulator
+
+
+def simulate(trace: Trace, settings: ReplaySettings, *, progress: bool = False,
+             log_decisions: bool = False, check: bool = False) -> tuple[dict, SimulationRun]:
+    shape = resolve_shape(settings.model)
+    gpu = get_hardware(settings.hardware)
+    config = effective_config(settings, shape)
+    capacity = plan_capacity(settings, shape, gpu.memory_bytes)
+    cost_model = load_cost_model(
+        settings.cost_model, shape, gpu, dtype_bytes=dtype_bytes(settings.dtype),
+        block_size=config.block_size, window=config.window, kv_budget=config.kv_budget,
+        redundancy=config.redundancy, layer_stride=config.layer_stride,
+        global_score=config.global_score, tensor_parallel=settings.tensor_parallel)
+    scheduler = Scheduler(config, capacity.num_blocks, capacity.num_query_slots)
+    sequences = trace_sequences(trace, shape.vocab_size, need_tokens=config.prefix_cache)
+    simulator = Simulator(scheduler, cost_model, check=check, log_decisions=log_decisions,
+                          progress=progress)
+    run = simulator.run(sequences)
+    return run_summary(run.summary, capacity, config, settings, "simulator"), run

@@ -1,0 +1,152 @@
+"""The simulator twin: a SimPy driver of the shared core.
+
+Three processes share one SimPy clock:
+- arrivals: adds each trace request to the scheduler at its arrival time;
+- the engine loop: `schedule()` -> wait the cost model's duration -> `finish(result)`, exactly the
+  step protocol the real engine follows (DESIGN.md section 6);
+- the compressor: runs each async compression batch for `compress_time(batch)` while the engine
+  loop keeps decoding; decode steps that start while a batch is in flight are stretched by the
+  cost model's contention factor.
+
+The simulator never decides anything itself: who runs, who is compressed into which blocks and
+who is preempted all come from the plans. With sync compression its decisions are exactly the
+instant driver's and the real engine's, step for step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import simpy
+
+from zipage.core.invariants import InvariantChecker
+from zipage.core.metrics import MetricsRecorder, request_records, summarize
+from zipage.core.plan import IDLE, PREFILL, StepPlan, StepResult
+from zipage.core.scheduler import Scheduler
+from zipage.core.sequence import Sequence
+
+from .cost_model import CostModel
+
+
+@dataclass
+class SimulationRun:
+    summary: dict
+    steps: list
+    requests: list
+    decision_log: list[str] = field(default_factory=list)
+
+
+class Simulator:
+    def __init__(self, scheduler: Scheduler, cost_model: CostModel, *, check: bool = False,
+                 log_decisions: bool = False, progress: bool = False) -> None:
+        self.scheduler = scheduler
+        self.cost_model = cost_model
+        self.checker = InvariantChecker(scheduler) if check else None
+        self.log_decisions = log_decisions
+        self.progress = progress
+        self.metrics = MetricsRecorder(scheduler.block_manager.num_blocks)
+        self.env = simpy.Environment()
+        self._completed_batches: list[int] = []
+        self._compression_done: simpy.Event | None = None
+        self._compression_ends_at = 0.0
+        self._request_arrived: simpy.Event | None = None
+        self._arrivals_left = 0
+
+    def run(self, sequences: list[Sequence]) -> SimulationRun:
+        started = time.perf_counter()
+        arrivals = sorted(sequences, key=lambda seq: seq.arrival_s)
+        self._arrivals_left = len(arrivals)
+        self._bar = _progress_bar(len(arrivals)) if self.progress else None
+        log: list[str] = []
+        self.env.process(self._arrivals(arrivals))
+        engine = self.env.process(self._engine_loop(log))
+        self.env.run(until=engine)
+        if self._bar is not None:
+            self._bar.close()
+        if self.checker:
+            self.checker.at_end()
+        scheduler = self.scheduler
+        requests = request_records(scheduler.finished + scheduler.rejected)
+        summary = summarize(self.metrics.steps, requests)
+        summary["wall_s"] = time.perf_counter() - started
+        return SimulationRun(summary, self.metrics.steps, requests, log)
+
+    # ---- processes ----
+
+    def _arrivals(self, arrivals: list[Sequence]):
+        for seq in arrivals:
+            if seq.arrival_s > self.env.now:
+                yield self.env.timeout(seq.arrival_s - self.env.now)
+            self.scheduler.add(seq)
+            if self.checker:
+                self.checker.note_added(seq)
+            if seq.error is not None and self._bar is not None:
+                self._bar.update(1)
+            self._arrivals_left -= 1
+            if self._request_arrived is not None:
+                self._request_arrived.succeed()
+                self._request_arrived = None
+
+    def _engine_loop(self, log: list[str]):
+        scheduler, checker, cost = self.scheduler, self.checker, self.cost_model
+        finished_before = 0
+        while True:
+            plan = scheduler.schedule()
+            if plan is None:
+                if self._arrivals_left == 0:
+                    return
+                self._request_arrived = self.env.event()
+                yield self._request_arrived
+                continue
+            if self.log_decisions:
+                log.append(plan.describe())
+            if checker:
+                checker.after_schedule(plan)
+                checker.record_plan_writes(plan)
+            t_start = self.env.now
+            if plan.compress_launch is not None:
+                self._compression_done = self.env.event()
+                duration = cost.compress_time(plan.compress_launch.jobs)
+                self._compression_ends_at = t_start + duration
+                self.env.process(self._compress(plan.compress_launch.batch_id, duration))
+            if plan.kind == IDLE:
+                yield self._compression_done
+            else:
+                yield self.env.timeout(self._step_time(plan))
+            result = StepResult(step_id=plan.step_id, t_start=t_start, t_end=self.env.now,
+                                completed_batches=self._completed_batches)
+            self._completed_batches = []
+            scheduler.finish(result)
+            self.metrics.record_step(plan, result)
+            if checker:
+                checker.after_finish()
+            if self._bar is not None and len(scheduler.finished) != finished_before:
+                self._bar.update(len(scheduler.finished) - finished_before)
+                finished_before = len(scheduler.finished)
+
+    def _compress(self, batch_id: int, duration: float):
+        yield self.env.timeout(duration)
+        self._completed_batches.append(batch_id)
+        self._compression_done.succeed()
+
+    def _step_time(self, plan: StepPlan) -> float:
+        """The step's duration; the part of it that runs beside an async compression batch
+        is stretched by the cost model's contention factor."""
+        cost = self.cost_model
+        if plan.kind == PREFILL:
+            duration = cost.prefill_time(plan)
+        else:
+            duration = cost.decode_time(plan)
+            if plan.compress_sync:
+                duration += cost.compress_time(plan.compress_sync)
+        overlap = self._compression_ends_at - self.env.now
+        if overlap > 0 and duration > 0:
+            duration *= cost.decode_contention(min(1.0, overlap / duration))
+        return duration
+
+
+def _progress_bar(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req", leave=False, mininterval=0.5)

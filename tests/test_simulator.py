@@ -1,0 +1,154 @@
+"""The simulator twin: same decisions as the instant driver in sync mode, the core's invariants
+under random step and compression durations (async included), and the CLI's contract."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from strategies import MODES, cases
+from zipage.core.config import ZipageConfig
+from zipage.core.scheduler import Scheduler
+from zipage.replay import ReplaySettings
+from zipage.sim.cost_model import CostModel
+from zipage.sim.instant import InstantDriver
+from zipage.sim.replay import simulate
+from zipage.sim.simulator import Simulator
+from zipage.trace import load_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class RandomCostModel(CostModel):
+    """Durations drawn at random: the core's decisions must stay valid whatever the timing."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def decode_time(self, plan) -> float:
+        return self.rng.uniform(0.001, 0.05)
+
+    def prefill_time(self, plan) -> float:
+        return self.rng.uniform(0.001, 0.2)
+
+    def compress_time(self, jobs) -> float:
+        return self.rng.uniform(0.0, 0.3)
+
+    def decode_contention(self, overlap_fraction: float) -> float:
+        return 1.0 + 0.3 * overlap_fraction
+
+    def decode_time_for(self, batch, context_tokens):
+        raise NotImplementedError
+
+    def prefill_time_for(self, requests):
+        raise NotImplementedError
+
+    def compress_time_for(self, blocks):
+        raise NotImplementedError
+
+
+def offline(case):
+    return replace(case, requests=[(i, t, o, 0) for i, t, o, _ in case.requests])
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_sync_simulator_decides_exactly_like_the_instant_driver(mode):
+    @settings(max_examples=60)
+    @given(case=cases(mode), seed=st.integers(0, 1000))
+    def check(case, seed):
+        case = offline(case)
+        config = replace(case.config, async_compress=False)
+        instant = InstantDriver(Scheduler(config, case.num_blocks, case.num_slots),
+                                log_decisions=True).run(case.sequences())
+        simulated = Simulator(Scheduler(config, case.num_blocks, case.num_slots),
+                              RandomCostModel(seed), log_decisions=True).run(case.sequences())
+        assert simulated.decision_log == instant.decision_log
+
+    check()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_invariants_hold_under_random_timing(mode):
+    @settings(max_examples=100)
+    @given(case=cases(mode), seed=st.integers(0, 1000))
+    def check(case, seed):
+        scheduler = Scheduler(case.config, case.num_blocks, case.num_slots)
+        sequences = case.sequences()
+        for seq in sequences:  # arrivals in seconds instead of steps
+            seq.arrival_s = seq.arrival_s * 0.05
+        run = Simulator(scheduler, RandomCostModel(seed), check=True).run(sequences)
+        accepted = [seq for seq in sequences if seq.error is None]
+        assert run.summary["completed"] == len(accepted)
+        assert all(seq.num_output_tokens == seq.max_output_tokens for seq in accepted)
+
+    check()
+
+
+def test_tiny_trace_decisions_match_instant_driver_with_real_cost_model():
+    trace = load_trace(ROOT / "traces" / "tiny.json")
+    config = ZipageConfig(block_size=16, window=4, kv_budget=64, async_compress=False)
+    settings_ = ReplaySettings(model="qwen3-0.6b", kv_memory_gb=0.05, config=config)
+    summary, run = simulate(trace, settings_, log_decisions=True, check=True)
+    from zipage.presets import resolve_shape
+    from zipage.replay import trace_sequences
+
+    shape = resolve_shape("qwen3-0.6b")
+    scheduler = Scheduler(replace(config, max_model_len=shape.max_position),
+                          summary["num_blocks"], summary["max_concurrency"])
+    instant = InstantDriver(scheduler, log_decisions=True).run(
+        trace_sequences(trace, shape.vocab_size, need_tokens=True))
+    assert run.decision_log == instant.decision_log
+    assert summary["completed"] == len(trace.requests) and summary["compressions"] > 0
+
+
+def test_async_compression_overlaps_decoding():
+    trace = load_trace(ROOT / "traces" / "tiny.json")
+    base = ZipageConfig(block_size=16, window=4, kv_budget=64)
+    results = {}
+    for asynchronous in (True, False):
+        config = replace(base, async_compress=asynchronous)
+        summary, _ = simulate(trace, ReplaySettings(model="qwen3-8b", kv_memory_gb=1.0,
+                                                    config=config))
+        results[asynchronous] = summary
+    assert results[True]["compressions"] > 0
+    assert results[True]["makespan_s"] < results[False]["makespan_s"]
+
+
+def run_cli(*arguments: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zipage.cli", *arguments], capture_output=True,
+                          text=True, cwd=ROOT)
+
+
+def test_cli_json_prints_exactly_one_object(tmp_path):
+    result = run_cli("replay", "traces/tiny.json", "--json", "--out", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    required = {"requests", "completed", "failed", "output_tokens", "makespan_s", "tps",
+                "mean_tpot_ms", "peak_running", "mean_running", "preemptions", "compressions",
+                "max_blocks_after_compress", "n_max", "max_concurrency", "num_blocks", "steps",
+                "wall_s"}
+    assert required <= set(summary)
+    for name in ("summary.json", "steps.csv", "requests.csv", "decisions.log", "timeline.png"):
+        assert (tmp_path / "run" / name).stat().st_size > 0
+
+
+@pytest.mark.parametrize("arguments,fragment", [
+    (("replay", "traces/tiny.json", "--budget", "100"), "kv_budget"),
+    (("replay", "traces/tiny.json", "--model", "gpt-17"), "unknown preset"),
+    (("replay", "traces/tiny.json", "--kv-memory-gb", "0.01"), "cannot hold one request"),
+    (("replay", "traces/tiny.json", "--hardware", "tpu"), "unknown GPU"),
+    (("replay", "no-such-trace.json"), "no-such-trace.json"),
+])
+def test_cli_errors_exit_2_with_one_line(arguments, fragment):
+    result = run_cli(*arguments)
+    assert result.returncode == 2
+    assert fragment in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

@@ -1,0 +1,253 @@
+"""The `zipage` command line: replay, trace, report, compare.
+
+Every subcommand maps flags onto the same objects the Python API uses (`ZipageConfig`,
+`ReplaySettings`). A `ZipageError` — anything a user can cause — prints one line and exits 2;
+anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from zipage.core.config import POOLING_MODES, REDUNDANCY_MODES, ZipageConfig
+from zipage.errors import ZipageError
+from zipage.replay import ReplaySettings
+
+SUMMARY_ROWS = [
+    ("requests", "requests", "{}"), ("completed", "completed", "{}"), ("failed", "failed", "{}"),
+    ("output tokens", "output_tokens", "{:,}"), ("makespan (s)", "makespan_s", "{:,.1f}"),
+    ("throughput (tok/s)", "tps", "{:,.1f}"), ("mean TPOT (ms)", "mean_tpot_ms", "{:.2f}"),
+    ("peak running", "peak_running", "{}"), ("mean running", "mean_running", "{:.1f}"),
+    ("preemptions", "preemptions", "{:,}"), ("compressions", "compressions", "{:,}"),
+    ("max blocks after compression", "max_blocks_after_compress", "{}"),
+    ("N_max", "n_max", "{}"), ("max concurrency M", "max_concurrency", "{}"),
+    ("KV blocks", "num_blocks", "{:,}"), ("steps", "steps", "{:,}"),
+    ("wall time (s)", "wall_s", "{:.2f}"),
+]
+
+
+# ---------------------------------------------------------------- flags shared by subcommands
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """Model, memory and every knob of DESIGN.md section 2."""
+    model = parser.add_argument_group("model and memory")
+    model.add_argument("--model", default="qwen3-8b",
+                       help="preset name (e.g. qwen3-8b, random:qwen3-0.6b), HF model directory or "
+                            ".gguf file; the simulator reads only its shapes (default: qwen3-8b)")
+    model.add_argument("--hardware", default="a100-80gb",
+                       help="GPU of the simulated deployment: a100-80gb, h100-80gb, h200-141gb")
+    model.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    model.add_argument("--gpu-memory-gb", type=float, default=None,
+                       help="GPU memory to plan with (default: the hardware's)")
+    model.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="share of GPU memory Zipage may use (default 0.9)")
+    model.add_argument("--kv-memory-gb", type=float, default=None,
+                       help="exact memory for KV blocks + query slots; overrides the two above")
+    model.add_argument("--tensor-parallel", type=int, default=1)
+    model.add_argument("--cost-model", default="analytic",
+                       help="'analytic' (roofline) or a profile JSON written by `zipage calibrate`")
+    model.add_argument("--seed", type=int, default=0,
+                       help="sampling seed of the real engine; the simulator is deterministic and "
+                            "only records it")
+
+    knobs = parser.add_argument_group("compression and scheduling")
+    defaults = ZipageConfig()
+    knobs.add_argument("--block-size", type=int, default=defaults.block_size)
+    knobs.add_argument("--window", type=int, default=defaults.window)
+    knobs.add_argument("--budget", type=int, default=defaults.kv_budget,
+                       help="KV cache budget k (tokens kept per request after compression)")
+    knobs.add_argument("--no-compress", action="store_true",
+                       help="Full KV: plain PagedAttention, the baseline")
+    knobs.add_argument("--no-hybrid", action="store_true", help="constrained scheduling")
+    knobs.add_argument("--no-prefix-cache", action="store_true")
+    knobs.add_argument("--no-async", action="store_true", help="synchronous compression")
+    knobs.add_argument("--no-global-score", action="store_true")
+    knobs.add_argument("--alpha", type=float, default=defaults.alpha)
+    knobs.add_argument("--pooling", choices=POOLING_MODES, default=defaults.pooling)
+    knobs.add_argument("--redundancy", choices=REDUNDANCY_MODES, default=defaults.redundancy)
+    knobs.add_argument("--lambda", dest="lambda_weight", type=float, default=defaults.lambda_weight)
+    knobs.add_argument("--tau", type=float, default=defaults.tau)
+    knobs.add_argument("--similarity-threshold", type=float,
+                       default=defaults.similarity_threshold)
+    knobs.add_argument("--layer-stride", type=int, default=defaults.layer_stride)
+    knobs.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    knobs.add_argument("--max-num-batched-tokens", type=int,
+                       default=defaults.max_num_batched_tokens)
+    knobs.add_argument("--max-compress-batch-blocks", type=int,
+                       default=defaults.max_compress_batch_blocks)
+    knobs.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output (default: the model's context length)")
+
+
+def config_from_args(args: argparse.Namespace) -> ZipageConfig:
+    return ZipageConfig(
+        block_size=args.block_size, window=args.window, kv_budget=args.budget,
+        compress=not args.no_compress, hybrid=not args.no_hybrid,
+        prefix_cache=not args.no_prefix_cache, async_compress=not args.no_async,
+        global_score=not args.no_global_score, alpha=args.alpha, pooling=args.pooling,
+        redundancy=args.redundancy, lambda_weight=args.lambda_weight, tau=args.tau,
+        similarity_threshold=args.similarity_threshold, layer_stride=args.layer_stride,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_compress_batch_blocks=args.max_compress_batch_blocks,
+        max_model_len=args.max_model_len,
+    )
+
+
+def settings_from_args(args: argparse.Namespace) -> ReplaySettings:
+    return ReplaySettings(
+        model=args.model, hardware=args.hardware, dtype=args.dtype,
+        gpu_memory_gb=args.gpu_memory_gb, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_memory_gb=args.kv_memory_gb, tensor_parallel=args.tensor_parallel,
+        cost_model=args.cost_model, seed=args.seed, config=config_from_args(args),
+    )
+
+
+# ---------------------------------------------------------------- zipage replay
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from zipage.sim.replay import simulate
+    from zipage.trace import load_trace
+
+    trace = load_trace(args.trace)
+    settings = settings_from_args(args)
+    show_progress = not args.no_progress and not args.json
+    summary, run = simulate(trace, settings, progress=show_progress,
+                            log_decisions=args.out is not None)
+    if args.out is not None:
+        from zipage.replay import write_run
+
+        write_run(args.out, summary, run.steps, run.requests, run.decision_log)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print_summary(summary, title=f"{trace.name} on {settings.model} "
+                                     f"({summary['driver']}, {settings.hardware})")
+        failed = [request for request in run.requests if request.error]
+        for request in failed[:5]:
+            print(f"  failed: {request.error}")
+        if args.out is not None:
+            print(f"wrote {args.out}/summary.json, steps.csv, requests.csv, decisions.log, "
+                  "timeline.png")
+    return 0
+
+
+def print_summary(summary: dict, title: str) -> None:
+    print(title)
+    width = max(len(label) for label, _, _ in SUMMARY_ROWS)
+    for label, key, pattern in SUMMARY_ROWS:
+        value = summary.get(key)
+        text = "-" if value is None else pattern.format(value)
+        print(f"  {label:<{width}}  {text}")
+
+
+# ---------------------------------------------------------------- zipage trace
+
+def cmd_trace_make(args: argparse.Namespace) -> int:
+    from zipage.trace import load_trace, save_trace, stamp_arrivals
+    from zipage.workloads import make_trace
+
+    source = Path(args.kind)
+    trace = load_trace(source) if source.suffix == ".json" else make_trace(args.kind, args.seed)
+    if args.rate is not None:
+        trace = stamp_arrivals(trace, args.rate, pattern=args.arrivals, seed=args.seed,
+                               burst_size=args.burst_size)
+    save_trace(trace, args.output)
+    print(f"wrote {args.output}: {len(trace.requests)} requests")
+    return 0
+
+
+# ---------------------------------------------------------------- zipage report / compare
+
+def cmd_report_ablation(args: argparse.Namespace) -> int:
+    from zipage.analysis.ablation import check_paper_directions, run_ablation, write_ablation_report
+    from zipage.core.config import ZipageConfig
+    from zipage.sim.replay import simulate
+    from zipage.trace import load_trace
+
+    base = settings_from_args(args)
+
+    def simulate_variant(trace_path: str, overrides: dict) -> dict:
+        settings = ReplaySettings(**{**base.__dict__, "config": ZipageConfig.from_dict(
+            {**base.config.to_dict(), **overrides})})
+        summary, _ = simulate(load_trace(trace_path), settings)
+        return summary
+
+    table = run_ablation(args.traces, simulate_variant, progress=not args.no_progress)
+    write_ablation_report(table, args.out)
+    print((Path(args.out) / "ablation.md").read_text())
+    for claim, holds, detail in check_paper_directions(table):
+        print(f"  [{'yes' if holds else 'NO '}] {claim}: {detail}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from zipage.analysis.compare import compare_runs, format_report
+
+    print(format_report(compare_runs(args.sim_dir, args.real_dir)))
+    return 0
+
+
+# ---------------------------------------------------------------- entry point
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zipage", description="Compressed PagedAttention inference and its simulator twin")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    replay = commands.add_parser("replay", help="replay a trace (simulator by default)")
+    replay.add_argument("trace", help="trace JSON (see docs/traces.md)")
+    add_engine_flags(replay)
+    replay.add_argument("--json", action="store_true",
+                        help="print exactly one JSON object (the summary) on stdout")
+    replay.add_argument("--out", default=None, help="directory for summary.json, steps.csv, "
+                        "requests.csv, decisions.log and timeline.png")
+    replay.add_argument("--no-progress", action="store_true")
+    replay.set_defaults(handler=cmd_replay)
+
+    trace = commands.add_parser("trace", help="make workload traces")
+    trace_commands = trace.add_subparsers(dest="trace_command", required=True)
+    make = trace_commands.add_parser("make", help="generate a workload trace")
+    make.add_argument("kind", help="amc23, gsm8k, mixture, longbench, tiny - or a trace .json to "
+                                   "re-stamp with arrivals")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("-o", "--output", required=True)
+    make.add_argument("--rate", type=float, default=None,
+                      help="stamp online arrivals at this many requests per second")
+    make.add_argument("--arrivals", choices=["poisson", "bursty"], default="poisson")
+    make.add_argument("--burst-size", type=int, default=8)
+    make.set_defaults(handler=cmd_trace_make)
+
+    report = commands.add_parser("report", help="reports over several simulated runs")
+    report_commands = report.add_subparsers(dest="report_command", required=True)
+    ablation = report_commands.add_parser(
+        "ablation", help="Zipage vs no-async / no-hybrid / no-prefix-cache / Full KV")
+    ablation.add_argument("traces", nargs="+")
+    add_engine_flags(ablation)
+    ablation.add_argument("--out", required=True)
+    ablation.add_argument("--no-progress", action="store_true")
+    ablation.set_defaults(handler=cmd_report_ablation)
+
+    compare = commands.add_parser("compare", help="how far two runs of one trace agree")
+    compare.add_argument("sim_dir")
+    compare.add_argument("real_dir")
+    compare.set_defaults(handler=cmd_compare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except ZipageError as error:
+        print(f"zipage: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("zipage: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

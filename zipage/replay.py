@@ -1,0 +1,125 @@
+"""Replaying a trace: from settings to a finished run directory, for either twin.
+
+`ReplaySettings` carries what `zipage replay` accepts (model, memory, knobs, cost model). Both
+drivers size their caches with the same function (`plan_capacity`) and turn trace requests into
+`Sequence`s the same way (`trace_sequences`), so the same flags give the same blocks, slots and
+prompt tokens in the simulator and in the real engine. `write_run` writes the files every run
+directory has: summary.json, steps.csv, requests.csv, decisions.log and timeline.png.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from zipage.core.config import ZipageConfig
+from zipage.core.memory import DTYPE_BYTES, GIB, MemoryPlan, available_kv_bytes, plan_memory
+from zipage.core.metrics import REQUEST_COLUMNS, STEP_COLUMNS
+from zipage.core.sequence import Sequence
+from zipage.errors import ConfigError
+from zipage.presets import ModelShape
+from zipage.trace import Trace, prompt_token_ids
+
+
+@dataclass
+class ReplaySettings:
+    model: str = "qwen3-8b"
+    hardware: str = "a100-80gb"
+    dtype: str = "bfloat16"
+    gpu_memory_gb: float | None = None  # default: the hardware table's memory
+    gpu_memory_utilization: float = 0.9
+    kv_memory_gb: float | None = None  # overrides the two above: exactly this much for caches
+    tensor_parallel: int = 1
+    cost_model: str = "analytic"
+    seed: int = 0
+    config: ZipageConfig = field(default_factory=ZipageConfig)
+
+    def to_dict(self) -> dict:
+        values = asdict(self)
+        values["config"] = self.config.to_dict()
+        return values
+
+
+def dtype_bytes(dtype: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"dtype: got {dtype!r}, expected one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+def plan_capacity(settings: ReplaySettings, shape: ModelShape,
+                  gpu_memory_bytes: int | None) -> MemoryPlan:
+    """Blocks and query slots for these settings (DESIGN.md section 4).
+
+    `--kv-memory-gb` fixes the cache memory exactly (what makes a simulated and a real run plan
+    the same capacity); otherwise the caches get what the GPU has left after weights and
+    activations at the given utilisation.
+    """
+    element = dtype_bytes(settings.dtype)
+    if settings.kv_memory_gb is not None:
+        if settings.kv_memory_gb <= 0:
+            raise ConfigError(f"kv_memory_gb: got {settings.kv_memory_gb}, expected > 0")
+        available = int(settings.kv_memory_gb * GIB)
+    else:
+        if settings.gpu_memory_gb is not None:
+            gpu_memory_bytes = int(settings.gpu_memory_gb * GIB)
+        available = available_kv_bytes(shape, gpu_memory_bytes, settings.gpu_memory_utilization,
+                                       element, settings.tensor_parallel)
+    return plan_memory(shape, settings.config, available, element, settings.tensor_parallel)
+
+
+def effective_config(settings: ReplaySettings, shape: ModelShape) -> ZipageConfig:
+    """The knobs with the model's context length as the default request-length limit."""
+    config = settings.config
+    if config.max_model_len is None:
+        return ZipageConfig.from_dict({**config.to_dict(), "max_model_len": shape.max_position})
+    return config
+
+
+def trace_sequences(trace: Trace, vocab_size: int, need_tokens: bool) -> list[Sequence]:
+    """One Sequence per trace request; prompt tokens are synthesised only when needed (prefix
+    caching hashes them; the engine feeds them to the model)."""
+    sequences = []
+    for request in trace.requests:
+        tokens = prompt_token_ids(request, vocab_size=vocab_size) if need_tokens else None
+        sequences.append(Sequence(request.id, tokens, request.output_len,
+                                  arrival_s=request.arrival_s, prompt_len=request.prompt_len))
+    return sequences
+
+
+def run_summary(summary: dict, capacity: MemoryPlan, config: ZipageConfig,
+                settings: ReplaySettings, driver: str) -> dict:
+    """The `--json` object: the metrics summary plus the capacity the run was planned with."""
+    return {
+        **summary,
+        "n_max": config.n_max if config.compress else None,
+        "max_concurrency": capacity.num_query_slots if config.compress else None,
+        "num_blocks": capacity.num_blocks,
+        "driver": driver,
+        "settings": settings.to_dict(),
+    }
+
+
+def write_run(out_dir: str | Path, summary: dict, steps: list, requests: list,
+              decision_log: list[str]) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _write_csv(out / "steps.csv", STEP_COLUMNS, steps)
+    _write_csv(out / "requests.csv", REQUEST_COLUMNS, requests)
+    (out / "decisions.log").write_text("\n".join(decision_log) + ("\n" if decision_log else ""))
+    from zipage.analysis.timeline import load_run, plot_timeline
+
+    plot_timeline(load_run(out).steps, out / "timeline.png",
+                  title=f"{summary['settings']['model']} · {summary['driver']}")
+    return out
+
+
+def _write_csv(path: Path, columns: list[str], records: list) -> None:
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(columns)
+        for record in records:
+            row = asdict(record)
+            writer.writerow([row[column] for column in columns])
