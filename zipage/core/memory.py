@@ -42,7 +42,7 @@ class MemoryPlan:
 def block_bytes(shape: ModelShape, config: ZipageConfig, dtype_bytes: int,
                 tensor_parallel: int = 1) -> int:
     """m_kv: K and V of one block over all layers (per GPU), plus its global scores."""
-    kv_heads = _heads_per_gpu(shape.num_kv_heads, tensor_parallel)
+    kv_heads = heads_per_gpu(shape.num_kv_heads, tensor_parallel)
     per_token = 2 * shape.num_layers * kv_heads * shape.head_dim * dtype_bytes
     if config.compress and config.global_score:
         # One score per (layer, kv head, token), in the KV dtype: the paper's (1 + 1/(2d)).
@@ -53,7 +53,7 @@ def block_bytes(shape: ModelShape, config: ZipageConfig, dtype_bytes: int,
 def query_slot_bytes(shape: ModelShape, config: ZipageConfig, dtype_bytes: int,
                      tensor_parallel: int = 1) -> int:
     """m_q: the w window queries of every layer and query head."""
-    heads = _heads_per_gpu(shape.num_heads, tensor_parallel)
+    heads = heads_per_gpu(shape.num_heads, tensor_parallel)
     return shape.num_layers * config.window * heads * shape.head_dim * dtype_bytes
 
 
@@ -115,7 +115,7 @@ def available_kv_bytes(shape: ModelShape, gpu_memory_bytes: int, gpu_memory_util
     return free
 
 
-def _heads_per_gpu(heads: int, tensor_parallel: int) -> int:
+def heads_per_gpu(heads: int, tensor_parallel: int) -> int:
     if tensor_parallel < 1:
         raise MemoryPlanError(f"tensor_parallel: got {tensor_parallel}, expected >= 1")
     # KV heads are replicated when there are fewer of them than GPUs (as vLLM does).

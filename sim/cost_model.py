@@ -1,0 +1,623 @@
+"""Step durations for the simulator: how long a prefill, a decode step and a compression take.
+
+The simulator asks a `CostModel` three questions (DESIGN.md section 8) and a fourth about async
+overlap: `prefill_time(plan)`, `decode_time(plan)`, `compress_time(jobs)` and
+`decode_contention(overlap_fraction)`. Two implementations answer them. `AnalyticCostModel` is a
+roofline over the model's shape and a `GPUSpec`: every operation costs
+max-ish(bytes / achievable bandwidth, FLOPs / achievable compute) plus launch and host
+overheads, with the compression pipeline of DESIGN.md section 7 costed kernel by kernel.
+`CalibratedCostModel` is a least-squares fit of simple linear models to a profile measured on a
+real GPU (format in docs/cost_model.md). `load_cost_model` picks one from a command-line spec.
+Every formula, constant and assumption is written out in docs/cost_model.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+import numpy as np
+
+from zipage.core.config import REDUNDANCY_MODES
+from zipage.core.memory import DTYPE_BYTES, heads_per_gpu
+from zipage.errors import ConfigError
+from zipage.presets import ModelShape
+
+from .hardware import GPUSpec, get_hardware
+
+if TYPE_CHECKING:
+    from zipage.core.plan import CompressionBatch, CompressionJob, StepPlan
+
+PROFILES_DIR = Path(__file__).parent / "profiles"
+PROFILE_VERSION = 1
+FLOAT32_BYTES = 4
+
+# Real kernels do not switch abruptly from memory- to compute-bound at the ridge point: measured
+# on the H200, Qwen3-8B's decode GEMMs at batch 176 (where both limits are ~4.0 ms) took 5.0 ms.
+# A cube-norm of the two times fits that (5.0 ms) and equals the max away from the ridge.
+ROOFLINE_SHARPNESS = 3.0
+# Shares of the GPU's achievable rates (a copy, a large square GEMM) that each kernel class reaches,
+# measured on the H200 with Qwen3-8B's shapes under CUDA graphs: the decode GEMV chain streamed
+# weights at 3.79 TB/s (0.89 of the 4.27 a copy gets); the projection GEMMs at 512..8192 rows ran
+# at 667..680 TFLOP/s (0.85 of 791); torch's flash SDPA streamed a batch-176 decode KV cache at
+# 4.19 TB/s (a copy's rate, so no factor) and ran causal prefill at 0.70 (8k tokens) and 0.51 (2k)
+# of 791 TFLOP/s.
+LINEAR_BANDWIDTH_EFFICIENCY = 0.89
+LINEAR_COMPUTE_EFFICIENCY = 0.85
+ATTENTION_COMPUTE_EFFICIENCY = 0.70
+# The similarity kernels of the redundancy score work on small tiles (16x64) with fp32 norms and a
+# per-column threshold scan, so they run far below dense-matmul throughput; the paper's kernel
+# profile shows (flash) redundancy 1-2 orders of magnitude slower than the other operations.
+REDUNDANCY_EFFICIENCY = 0.25
+# A step cannot be faster than its chain of kernels: about 12 per layer (norms, projections, rope,
+# cache store, attention, activation), each at least a few microseconds even inside a CUDA graph.
+KERNELS_PER_LAYER = 12
+MIN_KERNEL_TIME_S = 3e-6
+# Host work that grows with the batch: building block tables, positions and slot mappings, and
+# appending each sampled token, in Python.
+PER_SEQUENCE_OVERHEAD_S = 5e-6
+# Compression runs eagerly (no CUDA graph: shapes change every batch). One launch costs about the
+# 9.4 us measured for an eager op on the H200 host; torch.topk keeping 2048 of 2304 scores took
+# 0.42 ms per call there (64 rows), once per launch group.
+KERNEL_LAUNCH_S = 10e-6
+TOPK_CALL_S = 0.4e-3
+# Per batch: gathering block tables, slots and flags into device tensors, and the event that
+# reports completion.
+COMPRESS_BATCH_OVERHEAD_S = 0.5e-3
+# Fp32 passes over the (padded) attention logits w x q_heads x N*b: the score kernel writes them,
+# softmax reads and writes them, the max over each group's query heads reads them.
+SCORE_LOGIT_PASSES = 4
+# Fp32 passes over the per-kv-head scores N*b: mean over the window, pooling, window fill,
+# redundancy normalisation and softmax, the lambda combination, top-k input and keep-mask output.
+SCORE_ELEMENT_PASSES = 10
+# Tensor parallelism: ring all-reduce over NVLink at this share of the link rate, plus a fixed
+# latency per all-reduce (small messages inside a CUDA graph).
+INTERCONNECT_EFFICIENCY = 0.80
+ALLREDUCE_LATENCY_S = 10e-6
+# A decode step overlapping an async compression batch shares SMs and HBM bandwidth with it. The
+# paper (appendix, lightning redundancy) sees no visible slowdown of async decoding with the
+# lightning score and a clear one with the flash score, whose compute-heavy kernels hold SMs for
+# milliseconds. These are the multipliers for a fully overlapped step.
+DEFAULT_CONTENTION = {"off": 1.10, "lightning": 1.10, "flash": 1.30}
+
+ANALYTIC = "analytic"
+KNOBS = ("dtype_bytes", "block_size", "window", "kv_budget", "redundancy", "layer_stride",
+         "global_score", "tensor_parallel", "contention_factor")
+
+
+class CostModel(ABC):
+    """Durations in seconds of the steps a `StepPlan` describes.
+
+    Subclasses answer from counts (`*_time_for`); the plan-level methods here extract those counts,
+    so the engine's calibration tool and tests can ask without building plans. A step with sync
+    compression costs `compress_time(plan.compress_sync) + decode_time(plan)`.
+    """
+
+    # Multiplier of a decode step fully overlapped by an async compression batch.
+    contention_factor: float
+
+    def decode_time(self, plan: StepPlan) -> float:
+        batch = plan.num_decode
+        return self.decode_time_for(batch, plan.decode_context_tokens) if batch else 0.0
+
+    def prefill_time(self, plan: StepPlan) -> float:
+        if not plan.prefill:
+            return 0.0
+        return self.prefill_time_for(
+            [(item.num_new_tokens, item.num_cached_tokens) for item in plan.prefill]
+        )
+
+    def compress_time(self, jobs: Iterable[CompressionJob] | CompressionBatch) -> float:
+        """Duration of one compression batch (the jobs of a plan, or a `CompressionBatch`)."""
+        jobs = getattr(jobs, "jobs", jobs)
+        blocks = [job.num_source_blocks for job in jobs]
+        return self.compress_time_for(blocks) if blocks else 0.0
+
+    def decode_contention(self, overlap_fraction: float) -> float:
+        """Multiplier of a decode step whose `overlap_fraction` (0..1) ran beside a compression."""
+        overlap = min(1.0, max(0.0, overlap_fraction))
+        return 1.0 + (self.contention_factor - 1.0) * overlap
+
+    @abstractmethod
+    def decode_time_for(self, batch: int, context_tokens: int) -> float:
+        """A decode step of `batch` requests attending to `context_tokens` KV entries in total."""
+
+    @abstractmethod
+    def prefill_time_for(self, requests: Sequence[tuple[int, int]]) -> float:
+        """A prefill step over (new_tokens, cached_tokens) per request."""
+
+    @abstractmethod
+    def compress_time_for(self, blocks: Sequence[int]) -> float:
+        """A compression batch of requests holding `blocks[i]` source blocks each."""
+
+
+def _roofline(memory_s: float, compute_s: float) -> float:
+    power = ROOFLINE_SHARPNESS
+    return (memory_s**power + compute_s**power) ** (1.0 / power)
+
+
+def launch_groups(num_layers: int, layer_stride: int) -> int:
+    """Launch groups of cross-layer compression: `layer_stride` layers per group."""
+    if layer_stride <= 0 or layer_stride >= num_layers:
+        return 1
+    return math.ceil(num_layers / layer_stride)
+
+
+def compression_launches_per_group(redundancy: str, global_score: bool) -> int:
+    """Kernel launches (besides top-k) that one launch group of the section-7 pipeline issues."""
+    # score kernel, softmax, group max, window mean, pooling, window fill, keep mask, K/V compaction
+    launches = 8
+    if global_score:
+        launches += 2  # global-score update, F compaction
+    if redundancy != "off":
+        launches += 4  # similarity kernel, row-sum normalisation, softmax, lambda combination
+    if redundancy == "flash":
+        launches += 1  # reduction of the N x N x b accumulator R'
+    return launches
+
+
+class AnalyticCostModel(CostModel):
+    """Roofline durations from a model shape and a GPU spec (formulas: docs/cost_model.md)."""
+
+    def __init__(self, shape: ModelShape, gpu: GPUSpec, *, dtype_bytes: int = 2,
+                 block_size: int = 256, window: int = 16, kv_budget: int = 2048,
+                 redundancy: str = "lightning", layer_stride: int = 8, global_score: bool = True,
+                 tensor_parallel: int = 1, contention_factor: float | None = None) -> None:
+        _check_knobs(shape, dtype_bytes, block_size, window, kv_budget, redundancy, layer_stride,
+                     tensor_parallel, contention_factor)
+        self.shape, self.gpu = shape, gpu
+        self.dtype_bytes, self.block_size, self.window = dtype_bytes, block_size, window
+        self.kv_budget, self.redundancy, self.layer_stride = kv_budget, redundancy, layer_stride
+        self.global_score, self.tensor_parallel = global_score, tensor_parallel
+        self.contention_factor = (DEFAULT_CONTENTION[redundancy] if contention_factor is None
+                                  else contention_factor)
+
+        layers, head_dim = shape.num_layers, shape.head_dim
+        self.q_heads = heads_per_gpu(shape.num_heads, tensor_parallel)
+        self.kv_heads = heads_per_gpu(shape.num_kv_heads, tensor_parallel)
+        lm_head_params = shape.vocab_size * shape.hidden_size
+        # The input embedding is a gather of a few rows; every other weight streams each step (a
+        # tied embedding streams once, as the LM head).
+        streamed_params = shape.num_params - (0 if shape.tie_embeddings else lm_head_params)
+        body_params = (streamed_params - lm_head_params) / tensor_parallel
+        lm_head_params /= tensor_parallel
+        self.weight_bytes = (body_params + lm_head_params) * dtype_bytes
+        self.kv_bytes_per_token = 2 * layers * self.kv_heads * head_dim * dtype_bytes
+
+        linear_bandwidth = gpu.achievable_bandwidth * LINEAR_BANDWIDTH_EFFICIENCY
+        linear_flops = gpu.achievable_flops * LINEAR_COMPUTE_EFFICIENCY
+        self._weight_s = self.weight_bytes / linear_bandwidth
+        self._decode_token_flop_s = 2 * (body_params + lm_head_params) / linear_flops
+        # Prefill computes logits for each request's last token only.
+        self._prefill_token_flop_s = 2 * body_params / linear_flops
+        self._prefill_request_flop_s = 2 * lm_head_params / linear_flops
+        self._kv_token_s = self.kv_bytes_per_token / gpu.achievable_bandwidth
+        # One query-key pair costs a multiply-add in QK^T and one in PV, per query head and layer.
+        self._attention_pair_s = (4 * layers * self.q_heads * head_dim
+                                  / (gpu.achievable_flops * ATTENTION_COMPUTE_EFFICIENCY))
+        self._kernel_floor_s = layers * KERNELS_PER_LAYER * MIN_KERNEL_TIME_S
+        self._step_overhead_s = gpu.step_overhead_s
+        self._allreduce_token_s, self._allreduce_fixed_s = 0.0, 0.0
+        if tensor_parallel > 1:
+            # Two all-reduces of the hidden state per layer plus the logits gather; a ring moves
+            # 2 (tp - 1) / tp of the message over each link.
+            link = gpu.interconnect_bytes_per_s * INTERCONNECT_EFFICIENCY
+            ring = 2 * (tensor_parallel - 1) / tensor_parallel
+            self._allreduce_token_s = 2 * layers * shape.hidden_size * dtype_bytes * ring / link
+            self._allreduce_fixed_s = (2 * layers + 1) * ALLREDUCE_LATENCY_S
+
+        self.num_launch_groups = launch_groups(layers, layer_stride)
+        self.compress_fixed_s = COMPRESS_BATCH_OVERHEAD_S + self.num_launch_groups * (
+            compression_launches_per_group(redundancy, global_score) * KERNEL_LAUNCH_S
+            + TOPK_CALL_S
+        )
+
+    def decode_time_for(self, batch: int, context_tokens: int) -> float:
+        # Weights stream once for the whole batch; each request reads its own KV entries.
+        linear = _roofline(self._weight_s, batch * self._decode_token_flop_s)
+        attention = _roofline(context_tokens * self._kv_token_s,
+                              context_tokens * self._attention_pair_s)
+        gpu = linear + attention + self._allreduce_fixed_s + batch * self._allreduce_token_s
+        if gpu < self._kernel_floor_s:
+            gpu = self._kernel_floor_s
+        return gpu + self._step_overhead_s + batch * PER_SEQUENCE_OVERHEAD_S
+
+    def prefill_time_for(self, requests: Sequence[tuple[int, int]]) -> float:
+        new_tokens = cached_tokens = pairs = 0
+        for new, cached in requests:
+            new_tokens += new
+            cached_tokens += cached
+            # Causal: the i-th new token (0-based) sees the cached prefix and i + 1 new tokens.
+            pairs += new * cached + new * (new + 1) // 2
+        linear = _roofline(self._weight_s, new_tokens * self._prefill_token_flop_s
+                           + len(requests) * self._prefill_request_flop_s)
+        # The prefix is read from the cache; new entries are written, then read by attention.
+        attention = _roofline((cached_tokens + 2 * new_tokens) * self._kv_token_s,
+                              pairs * self._attention_pair_s)
+        gpu = max(linear + attention + self._allreduce_fixed_s
+                  + new_tokens * self._allreduce_token_s, self._kernel_floor_s)
+        return gpu + self._step_overhead_s + len(requests) * PER_SEQUENCE_OVERHEAD_S
+
+    def compress_time_for(self, blocks: Sequence[int]) -> float:
+        block_size = self.block_size
+        tokens = sum(blocks) * block_size
+        # Torch ops between the kernels run on the batch padded to its longest request.
+        padded_tokens = len(blocks) * max(blocks) * block_size
+        kept_tokens = sum(min(self.kv_budget, count * block_size) for count in blocks)
+        return (self.compress_fixed_s
+                + self._attention_score_s(tokens, padded_tokens, len(blocks))
+                + self._score_elementwise_s(tokens, padded_tokens)
+                + self._redundancy_s(blocks)
+                + self._compaction_s(tokens, kept_tokens))
+
+    def _attention_score_s(self, tokens: int, padded_tokens: int, requests: int) -> float:
+        """Step 1: w window queries per query head against every cached key, all layers."""
+        shape, size = self.shape, self.dtype_bytes
+        group_queries = self.window * self.q_heads
+        read_keys = tokens * self.kv_heads * shape.head_dim * size
+        read_queries = requests * group_queries * shape.head_dim * size
+        logits = SCORE_LOGIT_PASSES * padded_tokens * group_queries * FLOAT32_BYTES
+        memory = shape.num_layers * (read_keys + read_queries + logits)
+        flops = shape.num_layers * 2 * group_queries * tokens * shape.head_dim
+        return _roofline(memory / self.gpu.achievable_bandwidth, flops / self.gpu.achievable_flops)
+
+    def _score_elementwise_s(self, tokens: int, padded_tokens: int) -> float:
+        """Steps 2-6 outside the kernels: global score, pooling, window, softmaxes, top-k input."""
+        per_layer = SCORE_ELEMENT_PASSES * padded_tokens * self.kv_heads * FLOAT32_BYTES
+        if self.global_score:
+            per_layer += 2 * tokens * self.kv_heads * self.dtype_bytes  # read and write F
+        return self.shape.num_layers * per_layer / self.gpu.achievable_bandwidth
+
+    def _redundancy_s(self, blocks: Sequence[int]) -> float:
+        """Step 4: cosine similarity of keys, within each block (lightning) or all pairs (flash)."""
+        if self.redundancy == "off":
+            return 0.0
+        shape, block_size = self.shape, self.block_size
+        key_bytes = block_size * shape.head_dim * self.dtype_bytes
+        if self.redundancy == "lightning":
+            block_pairs = sum(blocks)  # each block against itself
+            # Keys read once; one fp32 row sum per key written.
+            per_head = sum(blocks) * (key_bytes + block_size * FLOAT32_BYTES)
+        else:
+            block_pairs = sum(count * count for count in blocks)
+            # The program of block m streams every block i and writes R'[i, m] (b fp32 sums),
+            # which the reduction then reads back.
+            per_head = block_pairs * (key_bytes + 2 * block_size * FLOAT32_BYTES)
+        layers_heads = shape.num_layers * self.kv_heads
+        flops = layers_heads * block_pairs * 2 * block_size * block_size * shape.head_dim
+        return _roofline(layers_heads * per_head / self.gpu.achievable_bandwidth,
+                         flops / (self.gpu.achievable_flops * REDUNDANCY_EFFICIENCY))
+
+    def _compaction_s(self, tokens: int, kept_tokens: int) -> float:
+        """Step 7: two-pointer move of the kept K, V (and F) entries into the target blocks."""
+        shape, size = self.shape, self.dtype_bytes
+        per_entry = 2 * 2 * shape.head_dim * size  # K and V, read and written
+        if self.global_score:
+            per_entry += 2 * size
+        per_layer = self.kv_heads * (kept_tokens * per_entry + tokens)  # + the one-byte keep mask
+        return shape.num_layers * per_layer / self.gpu.achievable_bandwidth
+
+
+def _check_knobs(shape: ModelShape, dtype_bytes: int, block_size: int, window: int,
+                 kv_budget: int, redundancy: str, layer_stride: int, tensor_parallel: int,
+                 contention_factor: float | None) -> None:
+    if dtype_bytes not in DTYPE_BYTES.values():
+        raise ConfigError(f"dtype_bytes: got {dtype_bytes!r}, expected one of "
+                          f"{sorted(set(DTYPE_BYTES.values()))}")
+    if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
+        raise ConfigError(f"block_size: got {block_size!r}, expected a power of two")
+    if not isinstance(window, int) or window < 1 or 2 * window > block_size:
+        raise ConfigError(f"window: got {window!r}, expected 1 <= window <= block_size/2")
+    if not isinstance(kv_budget, int) or kv_budget < block_size or kv_budget % block_size:
+        raise ConfigError(f"kv_budget: got {kv_budget!r}, expected a positive multiple of "
+                          f"block_size {block_size}")
+    if redundancy not in REDUNDANCY_MODES:
+        raise ConfigError(f"redundancy: got {redundancy!r}, expected one of "
+                          f"{', '.join(REDUNDANCY_MODES)}")
+    if not isinstance(layer_stride, int):
+        raise ConfigError(f"layer_stride: got {layer_stride!r}, expected an integer "
+                          "(<= 0 or >= layers: all layers in one launch group)")
+    if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise ConfigError(f"tensor_parallel: got {tensor_parallel!r}, expected an integer >= 1")
+    if shape.num_heads % tensor_parallel or (shape.num_kv_heads % tensor_parallel
+                                             and tensor_parallel % shape.num_kv_heads):
+        raise ConfigError(
+            f"tensor_parallel: {tensor_parallel} GPUs cannot split {shape.name}'s "
+            f"{shape.num_heads} query / {shape.num_kv_heads} kv heads evenly; pick a divisor "
+            f"of {shape.num_heads}"
+        )
+    if contention_factor is not None and not contention_factor >= 1.0:
+        raise ConfigError(f"contention_factor: got {contention_factor!r}, expected a number >= 1")
+
+
+@dataclass(frozen=True)
+class LinearFit:
+    """time_s = sum(coefficients[i] * feature_i), feature 0 being the constant 1."""
+
+    feature_names: tuple[str, ...]
+    coefficients: tuple[float, ...]
+    relative_rms_error: float  # over the profile points it was fitted to
+    num_points: int
+    floor_s: float  # fastest measured time: a prediction below it is clamped to it
+
+    def predict(self, *features: float) -> float:
+        value = self.coefficients[0] + sum(c * f for c, f in zip(self.coefficients[1:], features))
+        return max(value, self.floor_s)
+
+
+class CalibratedCostModel(CostModel):
+    """Linear models fitted to a measured profile (format: docs/cost_model.md).
+
+    decode:   a + b * batch + c * context_tokens
+    prefill:  a + b * new_tokens + c * attention_pairs   (pairs: sum of T*C + T(T+1)/2)
+    compress: a + b * blocks [+ c * blocks_squared with the flash redundancy score]
+    """
+
+    def __init__(self, decode: LinearFit, prefill: LinearFit, compress: LinearFit | None,
+                 contention_factor: float, header: dict[str, Any], source: str) -> None:
+        self.decode_fit, self.prefill_fit, self.compress_fit = decode, prefill, compress
+        self.contention_factor = contention_factor
+        self.header, self.source = header, source
+        self._decode_a, self._decode_b, self._decode_c = decode.coefficients
+        self._decode_floor = decode.floor_s
+
+    @classmethod
+    def from_profile(cls, profile: str | Path | dict, *, shape: ModelShape | None = None,
+                     gpu: GPUSpec | None = None, **knobs: Any) -> "CalibratedCostModel":
+        """Fit a profile (a path or an already-parsed dict); check it matches the run if given."""
+        source, data = _read_profile(profile)
+        header = _check_header(source, data, shape, gpu, knobs)
+        redundancy = header.get("redundancy", "lightning")
+        decode_rows = _points(source, data, "decode", ("batch", "context_tokens"), {})
+        decode = _fit(source, "decode", ("batch", "context_tokens"),
+                      [[row["batch"], row["context_tokens"]] for row in decode_rows],
+                      [row["time_s"] for row in decode_rows])
+        prefill_rows = _points(source, data, "prefill", ("new_tokens",),
+                               {"cached_tokens": 0, "requests": 1})
+        prefill = _fit(source, "prefill", ("new_tokens", "attention_pairs"),
+                       [[row["requests"] * row["new_tokens"],
+                         row["requests"] * _causal_pairs(row["new_tokens"], row["cached_tokens"])]
+                        for row in prefill_rows],
+                       [row["time_s"] for row in prefill_rows])
+        compress = None
+        if "compress" in data:
+            compress_rows = _points(source, data, "compress", ("requests", "blocks"),
+                                    {"blocks_squared": None})
+            times = [row["time_s"] for row in compress_rows]
+            if redundancy == "flash":
+                compress = _fit(source, "compress", ("blocks", "blocks_squared"),
+                                [[row["blocks"], _blocks_squared(row)] for row in compress_rows],
+                                times)
+            else:
+                compress = _fit(source, "compress", ("blocks",),
+                                [[row["blocks"]] for row in compress_rows], times)
+        contention = knobs.get("contention_factor")
+        if contention is None:
+            contention = data.get("contention_factor", DEFAULT_CONTENTION[redundancy])
+        if isinstance(contention, bool) or not isinstance(contention, (int, float)) \
+                or not contention >= 1.0:
+            raise ConfigError(f"{source}: contention_factor: got {contention!r}, "
+                              "expected a number >= 1")
+        return cls(decode, prefill, compress, float(contention), header, source)
+
+    def decode_time_for(self, batch: int, context_tokens: int) -> float:
+        value = self._decode_a + self._decode_b * batch + self._decode_c * context_tokens
+        return value if value > self._decode_floor else self._decode_floor
+
+    def prefill_time_for(self, requests: Sequence[tuple[int, int]]) -> float:
+        new_tokens = sum(new for new, _ in requests)
+        pairs = sum(_causal_pairs(new, cached) for new, cached in requests)
+        return self.prefill_fit.predict(new_tokens, pairs)
+
+    def compress_time_for(self, blocks: Sequence[int]) -> float:
+        if self.compress_fit is None:
+            raise ConfigError(f"{self.source}: the profile has no \"compress\" section, so it "
+                              "cannot time compressions; measure one, or run with compression off "
+                              "or the analytic cost model")
+        return self.compress_fit.predict(sum(blocks), sum(count * count for count in blocks))
+
+
+def _causal_pairs(new_tokens: int, cached_tokens: int) -> int:
+    return new_tokens * cached_tokens + new_tokens * (new_tokens + 1) // 2
+
+
+def _blocks_squared(row: dict) -> float:
+    # Without the per-request split, assume the batch's blocks were spread evenly.
+    if row["blocks_squared"] is not None:
+        return row["blocks_squared"]
+    return row["blocks"] ** 2 / row["requests"]
+
+
+def _read_profile(profile: str | Path | dict) -> tuple[str, dict]:
+    if isinstance(profile, dict):
+        return "profile", profile
+    path = Path(profile)
+    source = f"profile {path}"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"{source}: not a readable JSON file ({error})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a JSON object at the top level")
+    return source, data
+
+
+def _check_header(source: str, data: dict, shape: ModelShape | None, gpu: GPUSpec | None,
+                  knobs: dict[str, Any]) -> dict[str, Any]:
+    """Validate the profile's metadata and refuse a profile measured for a different setup."""
+    _check_knob_names(knobs)
+    if data.get("version") != PROFILE_VERSION:
+        raise ConfigError(f"{source}: version: got {data.get('version')!r}, expected "
+                          f"{PROFILE_VERSION}")
+    for name in ("model", "gpu"):
+        if not isinstance(data.get(name), str):
+            raise ConfigError(f"{source}: {name}: expected a string naming the "
+                              f"{'model preset' if name == 'model' else 'GPU'} it was measured on")
+    header = {key: value for key, value in data.items()
+              if key not in ("decode", "prefill", "compress")}
+    if header.get("redundancy", "lightning") not in REDUNDANCY_MODES:
+        raise ConfigError(f"{source}: redundancy: got {header['redundancy']!r}, expected one of "
+                          f"{', '.join(REDUNDANCY_MODES)}")
+    if "dtype" in header and header["dtype"] not in DTYPE_BYTES:
+        raise ConfigError(f"{source}: dtype: got {header['dtype']!r}, expected one of "
+                          f"{', '.join(DTYPE_BYTES)}")
+    fix = "measure a profile for this setup, or use --cost-model analytic"
+    if shape is not None and _plain(data["model"]) != _plain(shape.name):
+        raise ConfigError(f"{source}: model: measured on {data['model']!r}, but this run uses "
+                          f"{shape.name!r}; {fix}")
+    if gpu is not None and _gpu_name(data["gpu"]) != gpu.name:
+        raise ConfigError(f"{source}: gpu: measured on {data['gpu']!r}, but this run uses "
+                          f"{gpu.name!r}; {fix}")
+    if "dtype_bytes" in knobs and "dtype" in header \
+            and DTYPE_BYTES[header["dtype"]] != knobs["dtype_bytes"]:
+        raise ConfigError(f"{source}: dtype: measured in {header['dtype']}, but this run uses "
+                          f"{knobs['dtype_bytes']}-byte values; {fix}")
+    for name in ("block_size", "window", "kv_budget", "redundancy", "layer_stride",
+                 "global_score", "tensor_parallel"):
+        if name in knobs and name in header and knobs[name] != header[name]:
+            raise ConfigError(f"{source}: {name}: measured with {header[name]!r}, but this run "
+                              f"uses {knobs[name]!r}; {fix}")
+    return header
+
+
+def _check_knob_names(knobs: dict[str, Any]) -> None:
+    unknown = sorted(set(knobs) - set(KNOBS))
+    if unknown:
+        raise ConfigError(f"cost model: unknown knob(s) {', '.join(unknown)}; known: "
+                          f"{', '.join(KNOBS)}")
+
+
+def _plain(name: str) -> str:
+    return name.strip().lower().replace("_", "-").split("/")[-1].removeprefix("random:")
+
+
+def _gpu_name(name: str) -> str:
+    try:
+        return get_hardware(name).name
+    except ConfigError:
+        return _plain(name)
+
+
+def _points(source: str, data: dict, section: str, required: tuple[str, ...],
+            optional: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of one profile section, every field checked to be a non-negative number."""
+    rows = data.get(section)
+    if not isinstance(rows, list):
+        raise ConfigError(f"{source}: {section}: expected a list of measured points "
+                          f"({', '.join(required + ('time_s',))}), got {type(rows).__name__}")
+    points = []
+    for index, row in enumerate(rows):
+        where = f"{source}: {section}[{index}]"
+        if not isinstance(row, dict):
+            raise ConfigError(f"{where}: expected an object, got {row!r}")
+        point = {}
+        for name in required + ("time_s",) + tuple(optional):
+            if name not in row:
+                if name in optional:
+                    point[name] = optional[name]
+                    continue
+                raise ConfigError(f"{where}.{name}: missing")
+            value = row[name]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{where}.{name}: expected a non-negative number, got {value!r}")
+            point[name] = value
+        if not point["time_s"] > 0:
+            raise ConfigError(f"{where}.time_s: expected a positive duration, got "
+                              f"{point['time_s']!r}")
+        if "requests" in point and not point["requests"] >= 1:
+            raise ConfigError(f"{where}.requests: expected at least 1, got {point['requests']!r}")
+        points.append(point)
+    return points
+
+
+def _fit(source: str, section: str, names: tuple[str, ...], features: list[list[float]],
+         times: list[float]) -> LinearFit:
+    """Least squares in relative error, so short steps are fitted as well as long ones."""
+    unknowns = len(names) + 1
+    if len(times) < unknowns + 1:
+        raise ConfigError(f"{source}: {section}: {len(times)} point(s) cannot fit "
+                          f"{' + '.join(('constant',) + names)}; measure at least {unknowns + 1}")
+    time = np.asarray(times, dtype=float)
+    design = np.column_stack([np.ones(len(times)), np.asarray(features, dtype=float)])
+    # Columns span orders of magnitude (tokens vs 1): scale them before judging the rank.
+    scale = np.abs(design).max(axis=0)
+    scale[scale == 0] = 1.0
+    weighted = design / scale / time[:, None]
+    if np.linalg.matrix_rank(weighted) < unknowns:
+        raise ConfigError(f"{source}: {section}: the points do not vary "
+                          f"{' and '.join(names)} independently, so their effects cannot be "
+                          "separated; measure more varied points")
+    solution, *_ = np.linalg.lstsq(weighted, np.ones(len(times)), rcond=None)
+    coefficients = solution / scale
+    relative = design @ coefficients / time - 1.0
+    return LinearFit(
+        feature_names=("constant",) + names,
+        coefficients=tuple(float(value) for value in coefficients),
+        relative_rms_error=float(np.sqrt(np.mean(relative**2))),
+        num_points=len(times),
+        floor_s=float(time.min()),
+    )
+
+
+def load_cost_model(spec: str, shape: ModelShape, gpu: GPUSpec, **knobs: Any) -> CostModel:
+    """"analytic", a profile JSON path, or the name of a profile shipped in sim/profiles/."""
+    if spec == ANALYTIC:
+        _check_knob_names(knobs)
+        return AnalyticCostModel(shape, gpu, **knobs)
+    path = Path(spec)
+    if not path.exists() and (PROFILES_DIR / f"{spec}.json").exists():
+        path = PROFILES_DIR / f"{spec}.json"
+    if not path.exists():
+        shipped = ", ".join(sorted(p.stem for p in PROFILES_DIR.glob("*.json")))
+        raise ConfigError(f"cost model: {spec!r} is neither \"analytic\" nor a profile file; "
+                          f"shipped profiles: {shipped or 'none'}")
+    return CalibratedCostModel.from_profile(path, shape=shape, gpu=gpu, **knobs)
+
+
+def synthesize_profile(model: AnalyticCostModel, *, noise: float = 0.03,
+                       seed: int = 0) -> dict[str, Any]:
+    """A profile in the measured format, timed by `model` with multiplicative Gaussian noise.
+
+    It exercises the calibrated path without a GPU; real profiles come from the engine.
+    """
+    rng = np.random.default_rng(seed)
+
+    def jitter(seconds: float) -> float:
+        return round(seconds * (1.0 + noise * rng.standard_normal()), 9)
+
+    decode = [{"batch": batch, "context_tokens": batch * context,
+               "time_s": jitter(model.decode_time_for(batch, batch * context))}
+              for batch in (1, 8, 32, 64, 128, 176, 256) for context in (512, 2048, 4096)]
+    prefill = [{"new_tokens": new, "cached_tokens": cached, "requests": 1,
+                "time_s": jitter(model.prefill_time_for([(new, cached)]))}
+               for new in (128, 512, 2048, 8192) for cached in (0, 2048)]
+    compress = [{"requests": requests, "blocks": requests * each,
+                 "time_s": jitter(model.compress_time_for([each] * requests))}
+                for requests in (1, 2, 4, 8) for each in (9, 12, 16)]
+    return {
+        "version": PROFILE_VERSION,
+        "note": (f"SYNTHETIC: generated by sim.cost_model.synthesize_profile from the analytic "
+                 f"model with {noise:.0%} Gaussian noise (seed {seed}); not a measurement"),
+        "source": "synthetic",
+        "model": model.shape.name,
+        "gpu": model.gpu.name,
+        "dtype": "bfloat16" if model.dtype_bytes == 2 else "float32",
+        "block_size": model.block_size,
+        "window": model.window,
+        "kv_budget": model.kv_budget,
+        "redundancy": model.redundancy,
+        "layer_stride": model.layer_stride,
+        "global_score": model.global_score,
+        "tensor_parallel": model.tensor_parallel,
+        "contention_factor": model.contention_factor,
+        "decode": decode,
+        "prefill": prefill,
+        "compress": compress,
+    }
