@@ -1,0 +1,86 @@
+"""The engine's entry points for paged attention: each call goes to the Triton kernel or to the torch reference.
+
+Triton runs when the tensors live on a CUDA device, or on the CPU when ``ZIPAGE_FORCE_TRITON=1`` or
+``TRITON_INTERPRET=1`` is set (the Triton interpreter, used by the tests); everything else, including a machine
+without Triton, runs the pure-torch reference of ``attention_ref.py``. The Triton module is imported only when
+first needed, so CPU-only use never pays for (or depends on) importing Triton.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from types import ModuleType
+
+import torch
+
+from zipage.kernels.attention_ref import (
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+    store_kv_ref,
+)
+
+_TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+
+
+def _triton_backend(tensor: torch.Tensor) -> ModuleType | None:
+    """The Triton kernels module if this call should use it, else None (use the reference)."""
+    if not _TRITON_AVAILABLE:
+        return None
+    forced = os.environ.get("ZIPAGE_FORCE_TRITON") == "1" or os.environ.get("TRITON_INTERPRET") == "1"
+    if not (tensor.is_cuda or forced):
+        return None
+    from zipage.kernels import attention_triton
+
+    return attention_triton
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into cache slots
+    ``block_id * block_size + offset`` given by ``slot_mapping`` (int64, -1 = skip), in place."""
+    backend = _triton_backend(key)
+    if backend is None:
+        store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        backend.store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of the new tokens ``q`` ``[total_q_tokens, num_heads, head_dim]`` of each sequence over
+    its paged cache (cached prefix + the new tokens, already stored); see ``paged_prefill_attention_ref``."""
+    backend = _triton_backend(q)
+    if backend is None:
+        return paged_prefill_attention_ref(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
+    return backend.paged_prefill_attention_triton(
+        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale
+    )
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence, ``q`` ``[batch, num_heads, head_dim]``, over its ``context_lens[i]`` cached
+    entries; see ``paged_decode_attention_ref``."""
+    backend = _triton_backend(q)
+    if backend is None:
+        return paged_decode_attention_ref(q, k_cache, v_cache, context_lens, block_tables, scale)
+    return backend.paged_decode_attention_triton(q, k_cache, v_cache, context_lens, block_tables, scale)

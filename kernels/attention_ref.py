@@ -1,0 +1,114 @@
+"""Pure-torch paged attention: the CPU path of the engine and the oracle the Triton kernels are tested against.
+
+The KV cache of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``; a sequence's
+KV entry number ``i`` lives in block ``block_tables[seq, i // block_size]`` at offset ``i % block_size``. These
+functions have exactly the signatures of the Triton versions in ``attention_triton.py`` and favour obviousness
+over speed: one sequence at a time, softmax in float32, output in the query's dtype. Grouped-query attention
+follows the usual convention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the cache slots named by
+    ``slot_mapping`` (``block_id * block_size + offset``); a slot of -1 means the token is not stored."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = key[keep].to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[keep].to(v_cache.dtype)
+
+
+def gather_sequence_kv(
+    cache: torch.Tensor, block_table_row: torch.Tensor, context_len: int
+) -> torch.Tensor:
+    """The first ``context_len`` entries of one sequence, densely: ``[context_len, num_kv_heads, head_dim]``.
+    Only the blocks that hold those entries are read, so the table's padding (-1 or 0) is never dereferenced."""
+    block_size = cache.shape[1]
+    num_used_blocks = -(-context_len // block_size)
+    blocks = block_table_row[:num_used_blocks].long()
+    return cache[blocks].reshape(-1, cache.shape[2], cache.shape[3])[:context_len]
+
+
+def _attend_sequence(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table_row: torch.Tensor,
+    context_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of ``q_len`` new queries that are the last ``q_len`` of a sequence's ``context_len``
+    cached entries. Returns ``[q_len, num_heads, head_dim]`` in the query's dtype."""
+    q_len, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    keys = gather_sequence_kv(k_cache, block_table_row, context_len).float()
+    values = gather_sequence_kv(v_cache, block_table_row, context_len).float()
+    # [num_kv_heads, group, q_len, head_dim] against [num_kv_heads, 1, context_len, head_dim]: one KV head
+    # serves its whole group by broadcasting instead of being copied per query head.
+    queries = q.float().reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    keys = keys.permute(1, 0, 2).unsqueeze(1)
+    values = values.permute(1, 0, 2).unsqueeze(1)
+    logits = torch.matmul(queries, keys.transpose(-1, -2)) * scale
+    query_positions = torch.arange(context_len - q_len, context_len, device=q.device).unsqueeze(1)
+    key_positions = torch.arange(context_len, device=q.device).unsqueeze(0)
+    logits = logits.masked_fill(key_positions > query_positions, float("-inf"))
+    probabilities = torch.softmax(logits, dim=-1)
+    out = torch.matmul(probabilities, values)
+    return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(q.dtype)
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of variable-length new tokens over the paged cache.
+
+    ``q`` is ``[total_q_tokens, num_heads, head_dim]``; sequence ``i`` owns rows ``cu_seqlens_q[i]`` to
+    ``cu_seqlens_q[i+1]`` and has ``context_lens[i]`` cached entries, its new tokens already stored as the last
+    ones. Query ``j`` of the sequence sees KV entries ``0 .. context_lens[i] - q_len + j``, so a cached prefix
+    (``context_lens[i] > q_len``) is attended to fully."""
+    out = torch.zeros_like(q)
+    cu_seqlens = cu_seqlens_q.tolist()
+    lengths = context_lens.tolist()
+    for seq, context_len in enumerate(lengths):
+        start, end = cu_seqlens[seq], cu_seqlens[seq + 1]
+        if end == start:
+            continue
+        out[start:end] = _attend_sequence(q[start:end], k_cache, v_cache, block_tables[seq], context_len, scale)
+    return out
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence (``q`` is ``[batch, num_heads, head_dim]``) over its ``context_lens[i]`` cached
+    entries. A sequence with no entries (a padding slot of a captured batch) gets a zero output."""
+    out = torch.zeros_like(q)
+    for seq, context_len in enumerate(context_lens.tolist()):
+        if context_len == 0:
+            continue
+        out[seq : seq + 1] = _attend_sequence(
+            q[seq : seq + 1], k_cache, v_cache, block_tables[seq], context_len, scale
+        )
+    return out

@@ -1,0 +1,582 @@
+"""Triton paged attention: storing K/V into cache slots, prefill over variable-length prompts, split-K decode.
+
+Same signatures and semantics as ``attention_ref.py`` (the oracle the tests compare against). Each kernel reads a
+sequence's KV entries through its block table one token tile at a time, gathering the slot of every token, so any
+block size works and a tile may straddle blocks. Grouped-query attention is handled by giving one program all the
+query heads of a KV head: the group's heads become rows of the same matrix product, so each K/V tile is loaded once
+per group instead of once per query head. Softmax is the online (running max and sum) form in float32, in base 2
+with ``scale * log2(e)`` folded into the logits.
+
+Decode splits each sequence into partitions processed by separate programs, then a second kernel merges the
+partial results with their log-sum-exp; the partition size comes from tensor shapes only (never from values on the
+device), so a decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2_E = 1.4426950408889634
+
+# Tokens per K/V tile in the inner loops. 64 keeps a [64, 128] bfloat16 tile (16 KiB) per operand in shared memory
+# with room for double buffering.
+_KV_TILE = 64
+# Query rows (tokens x heads of a group) per prefill program.
+_PREFILL_ROWS = 64
+# tl.dot on tensor cores needs every dimension to be at least 16.
+_MIN_DOT_DIM = 16
+# A decode partition is never shorter than this many tiles: below it the partial write and the merge cost more
+# than the parallelism gained.
+_MIN_TILES_PER_PARTITION = 2
+# Decode aims for this many programs per streaming multiprocessor, enough to hide memory latency.
+_PROGRAMS_PER_SM = 4
+# Partial results merged per iteration of the decode merge kernel.
+_MERGE_TILE = 16
+# The interpreter has no streaming multiprocessors to fill; a small count keeps its grids small.
+_INTERPRETER_SM_COUNT = 2
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs would otherwise run as tf32 on the GPU and differ from the reference by ~1e-3.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.lru_cache(maxsize=None)
+def _streaming_multiprocessor_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError(
+            "k_cache and v_cache must share one layout [num_blocks, block_size, num_kv_heads, head_dim] with a "
+            f"contiguous head_dim; got strides {tuple(k_cache.stride())} and {tuple(v_cache.stride())}"
+        )
+
+
+def _group_size(num_heads: int, num_kv_heads: int) -> int:
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    return num_heads // num_kv_heads
+
+
+def _with_contiguous_head_dim(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    key_token_stride,
+    key_head_stride,
+    value_token_stride,
+    value_head_stride,
+    cache_block_stride,
+    cache_slot_stride,
+    cache_head_stride,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PADDED: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot >= 0:
+        heads = tl.arange(0, HEADS_PADDED)[:, None]
+        dims = tl.arange(0, HEAD_DIM_PADDED)[None, :]
+        mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
+        cache_offsets = (slot // BLOCK_SIZE) * cache_block_stride + (slot % BLOCK_SIZE) * cache_slot_stride
+        cache_offsets += heads * cache_head_stride + dims
+        token_offset = token.to(tl.int64)
+        key = tl.load(key_ptr + token_offset * key_token_stride + heads * key_head_stride + dims, mask=mask)
+        value = tl.load(value_ptr + token_offset * value_token_stride + heads * value_head_stride + dims, mask=mask)
+        tl.store(k_cache_ptr + cache_offsets, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + cache_offsets, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the slots of ``slot_mapping``
+    (``block_id * block_size + offset``, -1 = skip). One program per token."""
+    _check_cache(k_cache, v_cache)
+    key = _with_contiguous_head_dim(key)
+    value = _with_contiguous_head_dim(value)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        BLOCK_SIZE=k_cache.shape[1],
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+    )
+
+
+@triton.jit
+def _attend_kv_tile(
+    queries,
+    running_max,
+    running_sum,
+    accumulator,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_row_ptr,
+    kv_head,
+    tile_start,
+    kv_end,
+    visible_until,
+    qk_scale,
+    cache_block_stride,
+    cache_slot_stride,
+    cache_head_stride,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    KV_TILE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step: fold the KV entries ``tile_start .. tile_start + KV_TILE - 1`` (those below
+    ``kv_end``) into the running state of every query row; row ``r`` sees entries ``<= visible_until[r]``."""
+    tokens = tile_start + tl.arange(0, KV_TILE)
+    token_mask = tokens < kv_end
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    block_ids = tl.load(block_table_row_ptr + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
+    token_offsets = block_ids * cache_block_stride + (tokens % BLOCK_SIZE) * cache_slot_stride
+    token_offsets += kv_head * cache_head_stride
+    kv_offsets = token_offsets[:, None] + dims[None, :]
+    kv_mask = token_mask[:, None] & (dims[None, :] < HEAD_DIM)
+    keys = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    logits = tl.dot(queries, tl.trans(keys), input_precision=DOT_PRECISION) * qk_scale
+    visible = token_mask[None, :] & (tokens[None, :] <= visible_until[:, None])
+    logits = tl.where(visible, logits, float("-inf"))
+    # Every row sees entry 0 and the first tile starts there, so the running max is finite after one step and
+    # a row with nothing visible in a later tile just gets zero weights.
+    new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+    rescale = tl.exp2(running_max - new_max)
+    weights = tl.exp2(logits - new_max[:, None])
+    running_sum = running_sum * rescale + tl.sum(weights, axis=1)
+    values = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    accumulator = accumulator * rescale[:, None] + tl.dot(
+        weights.to(values.dtype), values, input_precision=DOT_PRECISION
+    )
+    return new_max, running_sum, accumulator
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    cu_seqlens_q_ptr,
+    context_lens_ptr,
+    block_tables_ptr,
+    qk_scale,
+    q_token_stride,
+    q_head_stride,
+    out_token_stride,
+    out_head_stride,
+    cache_block_stride,
+    cache_slot_stride,
+    cache_head_stride,
+    block_table_stride,
+    GROUP: tl.constexpr,
+    GROUP_PADDED: tl.constexpr,
+    QUERY_TOKENS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    KV_TILE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    query_tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    context_len = tl.load(context_lens_ptr + seq)
+    first_token = query_tile * QUERY_TOKENS
+
+    # Row r of this program is query token first_token + r // GROUP_PADDED, head r % GROUP_PADDED of the group.
+    rows = tl.arange(0, QUERY_TOKENS * GROUP_PADDED)
+    row_tokens = first_token + rows // GROUP_PADDED
+    row_heads = kv_head * GROUP + rows % GROUP_PADDED
+    row_mask = (row_tokens < q_len) & (rows % GROUP_PADDED < GROUP)
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    dim_mask = dims < HEAD_DIM
+    io_mask = row_mask[:, None] & dim_mask[None, :]
+    q_offsets = (q_start + row_tokens).to(tl.int64)[:, None] * q_token_stride
+    q_offsets += row_heads[:, None] * q_head_stride + dims[None, :]
+    queries = tl.load(q_ptr + q_offsets, mask=io_mask, other=0.0)
+
+    # The new tokens are the last q_len cached entries; causality is by KV index.
+    cached_prefix = context_len - q_len
+    visible_until = cached_prefix + row_tokens
+    last_token = tl.minimum(first_token + QUERY_TOKENS, q_len) - 1
+    # A tile past the end of the sequence (the grid is sized for the longest one) loops zero times.
+    kv_end = tl.where(first_token < q_len, cached_prefix + last_token + 1, 0)
+
+    running_max = tl.full([QUERY_TOKENS * GROUP_PADDED], float("-inf"), tl.float32)
+    running_sum = tl.zeros([QUERY_TOKENS * GROUP_PADDED], tl.float32)
+    accumulator = tl.zeros([QUERY_TOKENS * GROUP_PADDED, HEAD_DIM_PADDED], tl.float32)
+    block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * block_table_stride
+    for tile_start in range(0, kv_end, KV_TILE):
+        running_max, running_sum, accumulator = _attend_kv_tile(
+            queries,
+            running_max,
+            running_sum,
+            accumulator,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table_row_ptr,
+            kv_head,
+            tile_start,
+            kv_end,
+            visible_until,
+            qk_scale,
+            cache_block_stride,
+            cache_slot_stride,
+            cache_head_stride,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            HEAD_DIM_PADDED,
+            KV_TILE,
+            DOT_PRECISION,
+        )
+
+    out = accumulator / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+    out_offsets = (q_start + row_tokens).to(tl.int64)[:, None] * out_token_stride
+    out_offsets += row_heads[:, None] * out_head_stride + dims[None, :]
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def paged_prefill_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its paged cache (prefix + new tokens, stored).
+
+    Grid: (query tiles of the longest sequence, batch, num_kv_heads). A program owns ``QUERY_TOKENS`` new tokens
+    times the ``GROUP`` query heads of one KV head and walks the KV tiles up to its last token's causal limit.
+    Sizing the grid reads the longest query length from the device once; prefill is not graph-captured."""
+    _check_cache(k_cache, v_cache)
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q is {q.dtype} but the KV cache is {k_cache.dtype}; they must match")
+    q = _with_contiguous_head_dim(q)
+    total_q_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    batch = context_lens.shape[0]
+    out = torch.empty((total_q_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if total_q_tokens == 0 or batch == 0:
+        return out
+    group = _group_size(num_heads, num_kv_heads)
+    group_padded = triton.next_power_of_2(group)
+    query_tokens = max(_PREFILL_ROWS // group_padded, 1)
+    max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+    grid = (triton.cdiv(max_q_len, query_tokens), batch, num_kv_heads)
+    _prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        cu_seqlens_q,
+        context_lens,
+        block_tables,
+        scale * _LOG2_E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        GROUP_PADDED=group_padded,
+        QUERY_TOKENS=query_tokens,
+        BLOCK_SIZE=k_cache.shape[1],
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=max(triton.next_power_of_2(head_dim), _MIN_DOT_DIM),
+        KV_TILE=_KV_TILE,
+        DOT_PRECISION=_dot_precision(q.dtype),
+    )
+    return out
+
+
+@triton.jit
+def _decode_partition_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    partial_out_ptr,
+    partial_log_sum_ptr,
+    context_lens_ptr,
+    block_tables_ptr,
+    qk_scale,
+    q_batch_stride,
+    q_head_stride,
+    out_batch_stride,
+    out_head_stride,
+    cache_block_stride,
+    cache_slot_stride,
+    cache_head_stride,
+    block_table_stride,
+    num_partitions,
+    partition_size,
+    NUM_HEADS: tl.constexpr,
+    SINGLE_PARTITION: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    KV_TILE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    partition = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    partition_start = partition * partition_size
+    partition_end = tl.minimum(partition_start + partition_size, context_len)
+
+    group_rows = tl.arange(0, GROUP_PADDED)
+    heads = kv_head * GROUP + group_rows
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    io_mask = (group_rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
+    q_offsets = seq.to(tl.int64) * q_batch_stride + heads[:, None] * q_head_stride + dims[None, :]
+    queries = tl.load(q_ptr + q_offsets, mask=io_mask, other=0.0)
+
+    running_max = tl.full([GROUP_PADDED], float("-inf"), tl.float32)
+    running_sum = tl.zeros([GROUP_PADDED], tl.float32)
+    accumulator = tl.zeros([GROUP_PADDED, HEAD_DIM_PADDED], tl.float32)
+    # The one query sits after every cached entry, so nothing is masked causally.
+    visible_until = tl.full([GROUP_PADDED], 2147483647, tl.int32)
+    block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * block_table_stride
+    # A partition past the sequence's end (the grid is sized for the block table's capacity) loops zero times.
+    for tile_start in range(partition_start, partition_end, KV_TILE):
+        running_max, running_sum, accumulator = _attend_kv_tile(
+            queries,
+            running_max,
+            running_sum,
+            accumulator,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table_row_ptr,
+            kv_head,
+            tile_start,
+            partition_end,
+            visible_until,
+            qk_scale,
+            cache_block_stride,
+            cache_slot_stride,
+            cache_head_stride,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            HEAD_DIM_PADDED,
+            KV_TILE,
+            DOT_PRECISION,
+        )
+
+    # An empty sequence (a padding slot of a captured batch) has a zero sum and gets a zero output.
+    out = accumulator / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+    if SINGLE_PARTITION:
+        out_offsets = seq.to(tl.int64) * out_batch_stride + heads[:, None] * out_head_stride + dims[None, :]
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        # Partial results are [batch, num_heads, num_partitions, HEAD_DIM_PADDED] and [batch, num_heads,
+        # num_partitions]; the merge reads only the partitions that hold entries, so empty ones write nothing.
+        partial_rows = (seq.to(tl.int64) * NUM_HEADS + heads) * num_partitions + partition
+        if partition_start < context_len:
+            tl.store(partial_out_ptr + partial_rows[:, None] * HEAD_DIM_PADDED + dims[None, :], out, mask=io_mask)
+            tl.store(
+                partial_log_sum_ptr + partial_rows, running_max + tl.log2(running_sum), mask=group_rows < GROUP
+            )
+
+
+@triton.jit
+def _decode_merge_kernel(
+    out_ptr,
+    partial_out_ptr,
+    partial_log_sum_ptr,
+    context_lens_ptr,
+    out_batch_stride,
+    out_head_stride,
+    num_partitions,
+    partition_size,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    MERGE_TILE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    context_len = tl.load(context_lens_ptr + seq)
+    num_used_partitions = tl.cdiv(context_len, partition_size)
+    first_row = (seq.to(tl.int64) * NUM_HEADS + head) * num_partitions
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+
+    # Partition p's output was normalised by its own sum 2^log_sum[p]; weighting it by 2^(log_sum[p] - max) and
+    # dividing by the total weight gives the softmax over the whole sequence.
+    running_max = tl.full([1], float("-inf"), tl.float32)
+    total_weight = tl.zeros([1], tl.float32)
+    accumulator = tl.zeros([HEAD_DIM_PADDED], tl.float32)
+    for merge_start in range(0, num_used_partitions, MERGE_TILE):
+        partitions = merge_start + tl.arange(0, MERGE_TILE)
+        used = partitions < num_used_partitions
+        log_sums = tl.load(partial_log_sum_ptr + first_row + partitions, mask=used, other=float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(log_sums, axis=0))
+        rescale = tl.exp2(running_max - new_max)
+        weights = tl.exp2(log_sums - new_max)
+        partial_outs = tl.load(
+            partial_out_ptr + (first_row + partitions)[:, None] * HEAD_DIM_PADDED + dims[None, :],
+            mask=used[:, None],
+            other=0.0,
+        )
+        accumulator = accumulator * rescale + tl.sum(weights[:, None] * partial_outs, axis=0)
+        total_weight = total_weight * rescale + tl.sum(weights, axis=0)
+        running_max = new_max
+
+    out = accumulator / tl.where(total_weight > 0, total_weight, 1.0)
+    out_offsets = seq.to(tl.int64) * out_batch_stride + head * out_head_stride + dims
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+def decode_partition_size(
+    batch: int, num_kv_heads: int, max_context_capacity: int, streaming_multiprocessors: int
+) -> int:
+    """Tokens per decode partition, from shapes only: enough partitions that batch x kv-heads x partitions
+    reaches ``_PROGRAMS_PER_SM`` programs per SM, none shorter than ``_MIN_TILES_PER_PARTITION`` tiles.
+    A large batch therefore gets one partition (no merge pass); a single long sequence gets many."""
+    target_programs = _PROGRAMS_PER_SM * streaming_multiprocessors
+    wanted_partitions = triton.cdiv(target_programs, batch * num_kv_heads)
+    partition_size = triton.cdiv(max_context_capacity, wanted_partitions)
+    partition_tiles = max(triton.cdiv(partition_size, _KV_TILE), _MIN_TILES_PER_PARTITION)
+    return partition_tiles * _KV_TILE
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    *,
+    partition_size: int | None = None,
+) -> torch.Tensor:
+    """One query per sequence over its ``context_lens[i]`` cached entries, split-K.
+
+    Grid of the first pass: (batch, num_kv_heads, partitions); each program attends the whole query group of one
+    KV head to one partition of the sequence. With more than one partition a merge pass, grid (batch, num_heads),
+    combines the partial outputs by their log-sum-exp. The number of partitions follows from the block table's
+    width (its capacity), not from ``context_lens``, so nothing is read back from the device.
+    ``partition_size`` (a multiple of the KV tile, 64) overrides the automatic choice; tests use it."""
+    _check_cache(k_cache, v_cache)
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q is {q.dtype} but the KV cache is {k_cache.dtype}; they must match")
+    q = _with_contiguous_head_dim(q)
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    group = _group_size(num_heads, num_kv_heads)
+    head_dim_padded = max(triton.next_power_of_2(head_dim), _MIN_DOT_DIM)
+    max_context_capacity = block_tables.shape[1] * block_size
+    if partition_size is None:
+        streaming_multiprocessors = (
+            _streaming_multiprocessor_count(q.device.index or 0) if q.is_cuda else _INTERPRETER_SM_COUNT
+        )
+        partition_size = decode_partition_size(batch, num_kv_heads, max_context_capacity, streaming_multiprocessors)
+    elif partition_size % _KV_TILE != 0:
+        raise ValueError(f"partition_size must be a multiple of {_KV_TILE}, got {partition_size}")
+    num_partitions = max(1, triton.cdiv(max_context_capacity, partition_size))
+    if num_partitions > 1:
+        partial_out = torch.empty(
+            (batch, num_heads, num_partitions, head_dim_padded), dtype=torch.float32, device=q.device
+        )
+        partial_log_sum = torch.empty((batch, num_heads, num_partitions), dtype=torch.float32, device=q.device)
+    else:
+        # Unused by the single-partition kernel, which writes the output directly.
+        partial_out = partial_log_sum = out
+    _decode_partition_kernel[(batch, num_kv_heads, num_partitions)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        partial_out,
+        partial_log_sum,
+        context_lens,
+        block_tables,
+        scale * _LOG2_E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        num_partitions,
+        partition_size,
+        NUM_HEADS=num_heads,
+        SINGLE_PARTITION=num_partitions == 1,
+        GROUP=group,
+        GROUP_PADDED=max(triton.next_power_of_2(group), _MIN_DOT_DIM),
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=head_dim_padded,
+        KV_TILE=_KV_TILE,
+        DOT_PRECISION=_dot_precision(q.dtype),
+    )
+    if num_partitions > 1:
+        _decode_merge_kernel[(batch, num_heads)](
+            out,
+            partial_out,
+            partial_log_sum,
+            context_lens,
+            out.stride(0),
+            out.stride(1),
+            num_partitions,
+            partition_size,
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PADDED=head_dim_padded,
+            MERGE_TILE=_MERGE_TILE,
+        )
+    return out

@@ -1,0 +1,323 @@
+"""Paged attention kernels: the torch reference against dense causal attention, and the Triton kernels against the
+reference through the Triton interpreter (CPU, float32 and float16; the interpreter mis-computes bfloat16 dots).
+
+Triton decides whether it interprets when it is first imported, so the Triton tests run in a child pytest process
+started with ``TRITON_INTERPRET=1`` (``test_triton_kernels_under_the_interpreter``); in the parent they are skipped
+and the parent never imports Triton, which keeps the rest of the session unaffected. To run them directly:
+``TRITON_INTERPRET=1 pytest tests/test_kernels_attention.py``.
+
+Shapes are tiny because the interpreter runs every program in Python. Caches are filled with random values
+everywhere, so a kernel that reads a block it does not own, or a padding entry of a block table, gets a wrong
+answer instead of a lucky zero.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from zipage.kernels import attention  # noqa: E402
+from zipage.kernels.attention_ref import (  # noqa: E402
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+    store_kv_ref,
+)
+
+HEAD_DIM = 64
+NUM_KV_HEADS = 2
+TOLERANCES = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=4e-3, rtol=4e-3)}
+UNDER_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+under_interpreter = pytest.mark.skipif(
+    not (UNDER_INTERPRETER and TRITON_INSTALLED),
+    reason="Triton test: runs in the TRITON_INTERPRET=1 child process of test_triton_kernels_under_the_interpreter",
+)
+
+
+@pytest.fixture(scope="module")
+def triton_kernels():
+    from zipage.kernels import attention_triton
+
+    return attention_triton
+
+
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
+@pytest.mark.skipif(UNDER_INTERPRETER, reason="this is the child process already")
+def test_triton_kernels_under_the_interpreter():
+    environment = {**os.environ, "TRITON_INTERPRET": "1"}
+    environment.pop("ZIPAGE_FORCE_TRITON", None)
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+
+
+COMPILER_API_MISSING = 3
+
+
+def compile_kernels_for_hopper() -> int:
+    """Compile every kernel to a Hopper (sm_90) binary in bfloat16 without a GPU. The interpreter runs programs
+    the compiler would reject, so this is the CPU-side check that the kernels build. Returns an exit code."""
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:
+        return COMPILER_API_MISSING
+    from zipage.kernels import attention_triton as kernels
+
+    pointers = {name: "*bf16" for name in ("key_ptr", "value_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+    pointers |= {name: "*fp32" for name in ("partial_out_ptr", "partial_log_sum_ptr")}
+    pointers |= {name: "*i32" for name in ("cu_seqlens_q_ptr", "context_lens_ptr", "block_tables_ptr")}
+    pointers |= {"slot_mapping_ptr": "*i64", "qk_scale": "fp32"}
+    shape = dict(BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PADDED=128)
+    attention_shape = shape | dict(GROUP=8, KV_TILE=64, DOT_PRECISION="tf32")
+    launches = [
+        (kernels._store_kv_kernel, shape | dict(NUM_KV_HEADS=2, HEADS_PADDED=2)),
+        (kernels._prefill_kernel, attention_shape | dict(GROUP_PADDED=8, QUERY_TOKENS=8)),
+        (
+            kernels._decode_partition_kernel,
+            attention_shape | dict(NUM_HEADS=16, SINGLE_PARTITION=False, GROUP_PADDED=16),
+        ),
+        (kernels._decode_merge_kernel, dict(NUM_HEADS=16, HEAD_DIM=128, HEAD_DIM_PADDED=128, MERGE_TILE=16)),
+    ]
+    for kernel, constants in launches:
+        signature = {
+            name: "constexpr" if name in constants else pointers.get(name, "i32") for name in kernel.arg_names
+        }
+        triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
+    return 0
+
+
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
+@pytest.mark.skipif(UNDER_INTERPRETER, reason="the compiler needs Triton imported without the interpreter")
+def test_kernels_compile_for_hopper():
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    child = subprocess.run(
+        [sys.executable, __file__, "compile-for-hopper"], env=environment, capture_output=True, text=True, timeout=600
+    )
+    if child.returncode == COMPILER_API_MISSING:
+        pytest.skip("this Triton has no triton.compiler.ASTSource / GPUTarget to compile ahead of time")
+    assert child.returncode == 0, child.stderr[-6000:]
+
+
+@dataclass
+class PagedBatch:
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    dense_keys: list[torch.Tensor]
+    dense_values: list[torch.Tensor]
+
+
+def make_paged_batch(
+    context_lens: list[int],
+    block_size: int,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+    padding: int = -1,
+) -> PagedBatch:
+    """Random dense K/V per sequence, stored with the reference into randomly chosen blocks of a random cache;
+    block tables are ragged and padded with ``padding``, and a few spare blocks stay unowned."""
+    blocks_per_sequence = [-(-length // block_size) for length in context_lens]
+    num_blocks = sum(blocks_per_sequence) + 3
+    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=generator).to(dtype)
+    v_cache = torch.randn(shape, generator=generator).to(dtype)
+    block_order = torch.randperm(num_blocks, generator=generator)
+    block_tables = torch.full((len(context_lens), max(blocks_per_sequence) + 1), padding, dtype=torch.int32)
+    dense_keys, dense_values = [], []
+    next_block = 0
+    for seq, (length, num_seq_blocks) in enumerate(zip(context_lens, blocks_per_sequence)):
+        owned = block_order[next_block : next_block + num_seq_blocks]
+        next_block += num_seq_blocks
+        block_tables[seq, :num_seq_blocks] = owned.to(torch.int32)
+        positions = torch.arange(length)
+        slot_mapping = owned[positions // block_size] * block_size + positions % block_size
+        keys = torch.randn((length, NUM_KV_HEADS, HEAD_DIM), generator=generator).to(dtype)
+        values = torch.randn((length, NUM_KV_HEADS, HEAD_DIM), generator=generator).to(dtype)
+        store_kv_ref(keys, values, k_cache, v_cache, slot_mapping)
+        dense_keys.append(keys)
+        dense_values.append(values)
+    return PagedBatch(
+        k_cache,
+        v_cache,
+        block_tables,
+        torch.tensor(context_lens, dtype=torch.int32),
+        dense_keys,
+        dense_values,
+    )
+
+
+def cumulative(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+
+
+def dense_causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Plain float64 attention of the last ``len(q)`` positions of a dense sequence, KV heads repeated per group."""
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.double().repeat_interleave(group, dim=1)
+    values = values.double().repeat_interleave(group, dim=1)
+    q_len, context_len = q.shape[0], keys.shape[0]
+    logits = torch.einsum("qhd,khd->hqk", q.double(), keys) * scale
+    future = torch.arange(context_len)[None, :] > torch.arange(context_len - q_len, context_len)[:, None]
+    weights = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
+    return torch.einsum("hqk,khd->qhd", weights, values)
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_reference_matches_dense_causal_attention(group):
+    generator = torch.Generator().manual_seed(group)
+    block_size, scale = 16, HEAD_DIM**-0.5
+    context_lens = [37, 16, 5]
+    q_lens = [9, 16, 1]  # cached prefix of 28, no prefix, prefix of 4
+    batch = make_paged_batch(context_lens, block_size, torch.float32, generator)
+    num_heads = NUM_KV_HEADS * group
+    q = torch.randn((sum(q_lens), num_heads, HEAD_DIM), generator=generator)
+    out = paged_prefill_attention_ref(
+        q, batch.k_cache, batch.v_cache, cumulative(q_lens), batch.context_lens, batch.block_tables, scale
+    )
+    starts = cumulative(q_lens).tolist()
+    for seq in range(len(context_lens)):
+        rows = slice(starts[seq], starts[seq + 1])
+        expected = dense_causal_attention(q[rows], batch.dense_keys[seq], batch.dense_values[seq], scale)
+        torch.testing.assert_close(out[rows].double(), expected, atol=1e-5, rtol=1e-5)
+
+    decode_q = torch.randn((len(context_lens), num_heads, HEAD_DIM), generator=generator)
+    decode_out = paged_decode_attention_ref(
+        decode_q, batch.k_cache, batch.v_cache, batch.context_lens, batch.block_tables, scale
+    )
+    for seq in range(len(context_lens)):
+        expected = dense_causal_attention(
+            decode_q[seq : seq + 1], batch.dense_keys[seq], batch.dense_values[seq], scale
+        )
+        torch.testing.assert_close(decode_out[seq : seq + 1].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_decode_of_an_empty_sequence_is_zero():
+    generator = torch.Generator().manual_seed(0)
+    batch = make_paged_batch([3, 1], 16, torch.float32, generator)
+    q = torch.randn((2, NUM_KV_HEADS, HEAD_DIM), generator=generator)
+    out = paged_decode_attention_ref(
+        q, batch.k_cache, batch.v_cache, torch.tensor([3, 0], dtype=torch.int32), batch.block_tables, 0.1
+    )
+    assert torch.count_nonzero(out[1]) == 0
+
+
+@under_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_kv_matches_reference(triton_kernels, dtype):
+    generator = torch.Generator().manual_seed(1)
+    num_blocks, block_size = 4, 16
+    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=generator).to(dtype)
+    v_cache = torch.randn(shape, generator=generator).to(dtype)
+    # Keys as a model produces them: a slice of a fused projection, so the token stride is not heads x dim.
+    fused = torch.randn((6, 3, NUM_KV_HEADS, HEAD_DIM), generator=generator).to(dtype)
+    key, value = fused[:, 1], fused[:, 2]
+    slot_mapping = torch.tensor([5, -1, 63, 16, -1, 40], dtype=torch.int64)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    store_kv_ref(key, value, expected_k, expected_v, slot_mapping)
+    triton_kernels.store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    assert torch.equal(k_cache, expected_k)
+    assert torch.equal(v_cache, expected_v)
+
+
+PREFILL_CASES = [
+    # (dtype, group, block_size, padding of the block tables)
+    (torch.float32, 1, 16, -1),
+    (torch.float32, 3, 32, 0),
+    (torch.float32, 8, 16, -1),
+    (torch.float16, 1, 32, -1),
+    (torch.float16, 3, 16, 0),
+    (torch.float16, 8, 32, -1),
+]
+
+
+@under_interpreter
+@pytest.mark.parametrize("dtype,group,block_size,padding", PREFILL_CASES)
+def test_prefill_matches_reference(triton_kernels, dtype, group, block_size, padding):
+    generator = torch.Generator().manual_seed(group * block_size)
+    # A prefix-cached prompt (two full cached blocks plus new tokens that straddle a block end), a prompt with
+    # nothing cached and more tokens than one query tile, a single new token, and an empty chunk.
+    context_lens = [2 * block_size + 23, 70, block_size + 1, 4]
+    q_lens = [23, 70, 1, 0]
+    batch = make_paged_batch(context_lens, block_size, dtype, generator, padding)
+    q = torch.randn((sum(q_lens), NUM_KV_HEADS * group, HEAD_DIM), generator=generator).to(dtype)
+    arguments = (q, batch.k_cache, batch.v_cache, cumulative(q_lens), batch.context_lens, batch.block_tables, 0.125)
+    out = triton_kernels.paged_prefill_attention_triton(*arguments)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, paged_prefill_attention_ref(*arguments), **TOLERANCES[dtype])
+
+
+DECODE_CASES = [
+    # (dtype, group, block_size, partition_size: None = automatic; 64 forces several partitions and the merge)
+    (torch.float32, 1, 16, None),
+    (torch.float32, 3, 32, 64),
+    (torch.float32, 8, 16, 64),
+    (torch.float16, 1, 32, 64),
+    (torch.float16, 3, 16, None),
+    (torch.float16, 8, 32, 64),
+]
+
+
+@under_interpreter
+@pytest.mark.parametrize("dtype,group,block_size,partition_size", DECODE_CASES)
+def test_decode_matches_reference(triton_kernels, dtype, group, block_size, partition_size):
+    generator = torch.Generator().manual_seed(group * block_size + 7)
+    # Ragged lengths: several partitions, exactly one partition, one entry, and an empty padding slot.
+    context_lens = [200, 64, 1, 0]
+    batch = make_paged_batch([max(length, 1) for length in context_lens], block_size, dtype, generator)
+    batch.context_lens = torch.tensor(context_lens, dtype=torch.int32)
+    q = torch.randn((len(context_lens), NUM_KV_HEADS * group, HEAD_DIM), generator=generator).to(dtype)
+    arguments = (q, batch.k_cache, batch.v_cache, batch.context_lens, batch.block_tables, 0.125)
+    out = triton_kernels.paged_decode_attention_triton(*arguments, partition_size=partition_size)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, paged_decode_attention_ref(*arguments), **TOLERANCES[dtype])
+    assert torch.count_nonzero(out[3]) == 0
+
+
+@under_interpreter
+def test_decode_partition_size_splits_small_batches_only(triton_kernels):
+    decode_partition_size = triton_kernels.decode_partition_size
+    single_sequence = decode_partition_size(1, 8, 2048, streaming_multiprocessors=132)
+    large_batch = decode_partition_size(256, 8, 2048, streaming_multiprocessors=132)
+    assert single_sequence < 2048 and single_sequence % 64 == 0
+    assert large_batch == 2048
+
+
+@under_interpreter
+def test_dispatch_uses_reference_for_cpu_tensors_unless_forced(triton_kernels, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("ZIPAGE_FORCE_TRITON", raising=False)
+    generator = torch.Generator().manual_seed(3)
+    batch = make_paged_batch([5], 16, torch.float32, generator)
+    q = torch.randn((1, NUM_KV_HEADS, HEAD_DIM), generator=generator)
+    calls = []
+    monkeypatch.setattr(
+        triton_kernels,
+        "paged_decode_attention_triton",
+        lambda *arguments: calls.append(arguments) or torch.zeros_like(q),
+    )
+    arguments = (q, batch.k_cache, batch.v_cache, batch.context_lens, batch.block_tables, 0.125)
+    torch.testing.assert_close(attention.paged_decode_attention(*arguments), paged_decode_attention_ref(*arguments))
+    assert not calls
+    monkeypatch.setenv("ZIPAGE_FORCE_TRITON", "1")
+    attention.paged_decode_attention(*arguments)
+    assert len(calls) == 1
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["compile-for-hopper"]:
+    sys.exit(compile_kernels_for_hopper())
