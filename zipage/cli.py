@@ -108,14 +108,19 @@ def settings_from_args(args: argparse.Namespace) -> ReplaySettings:
 # ---------------------------------------------------------------- zipage replay
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from zipage.sim.replay import simulate
     from zipage.trace import load_trace
 
     trace = load_trace(args.trace)
     settings = settings_from_args(args)
     show_progress = not args.no_progress and not args.json
-    summary, run = simulate(trace, settings, progress=show_progress,
-                            log_decisions=args.out is not None)
+    engine = "gpu" if args.gpu else args.engine
+    if engine == "sim":
+        from zipage.sim.replay import simulate
+
+        summary, run = simulate(trace, settings, progress=show_progress,
+                                log_decisions=args.out is not None)
+    else:
+        summary, run = _replay_on_engine(trace, settings, engine, args, show_progress)
     if args.out is not None:
         from zipage.replay import write_run
 
@@ -132,6 +137,22 @@ def cmd_replay(args: argparse.Namespace) -> int:
             print(f"wrote {args.out}/summary.json, steps.csv, requests.csv, decisions.log, "
                   "timeline.png")
     return 0
+
+
+def _replay_on_engine(trace, settings: ReplaySettings, engine: str, args, progress: bool):
+    try:
+        import torch
+    except ImportError as error:
+        raise ZipageError("the real engine needs torch: pip install 'zipage[engine]' (on a "
+                          "machine without a GPU: pip install torch==2.13.0 first)") from error
+    if engine == "gpu" and not torch.cuda.is_available():
+        raise ZipageError("--gpu: no CUDA device is visible; use --engine cpu for the CPU path "
+                          "(small models) or run the simulator (no flag)")
+    from zipage.engine.replay import replay_on_engine
+
+    return replay_on_engine(trace, settings, "cuda" if engine == "gpu" else "cpu",
+                            cuda_graphs=not args.no_cuda_graphs, progress=progress,
+                            log_decisions=args.out is not None)
 
 
 def print_summary(summary: dict, title: str) -> None:
@@ -200,6 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
     replay = commands.add_parser("replay", help="replay a trace (simulator by default)")
     replay.add_argument("trace", help="trace JSON (see docs/traces.md)")
     add_engine_flags(replay)
+    replay.add_argument("--gpu", action="store_true",
+                        help="run the real engine on the GPU (same as --engine gpu)")
+    replay.add_argument("--engine", choices=["sim", "gpu", "cpu"], default="sim",
+                        help="sim (default), the real engine on the GPU, or on the CPU (small "
+                             "models; --kv-memory-gb defaults to 1)")
+    replay.add_argument("--no-cuda-graphs", action="store_true",
+                        help="real engine: run decode eagerly")
     replay.add_argument("--json", action="store_true",
                         help="print exactly one JSON object (the summary) on stdout")
     replay.add_argument("--out", default=None, help="directory for summary.json, steps.csv, "

@@ -51,7 +51,9 @@ class ZipageConfig:
         b = self.block_size
         if not isinstance(b, int) or b < 16 or b > 1024 or b & (b - 1):
             _bad("block_size", b, "a power of two between 16 and 1024 (e.g. --block-size 256)")
-        if not isinstance(self.window, int) or self.window < 1 or 2 * self.window > b:
+        # The window only exists for compression; Full KV may use blocks smaller than 2 * window.
+        if self.compress and (
+                not isinstance(self.window, int) or self.window < 1 or 2 * self.window > b):
             _bad("window", self.window, f"an integer with 1 <= window <= block_size/2 = {b // 2}")
         if not isinstance(self.kv_budget, int) or self.kv_budget < b or self.kv_budget % b:
             _bad("kv_budget", self.kv_budget,

@@ -1,0 +1,64 @@
+"""The forward context: the per-step batch layout that the attention layers read during a forward pass.
+
+A model's forward only takes token ids and positions; everything attention needs to find a sequence's
+KV entries in the paged cache (slot mapping, per-sequence query offsets, cached lengths, block tables)
+is set here by the model runner right before the forward and cleared after it. Keeping it out of the
+call signatures lets every layer stay a plain `nn.Module` and lets a captured CUDA graph replay with
+the same (static) tensors, which the runner refills in place between replays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardContext:
+    """What one forward step needs beyond token ids and positions. Tensors live on the model's device.
+
+    - `slot_mapping` int64 [num_tokens]: the KV cache slot (block * block_size + offset) of each token,
+      -1 for a token whose KV is not stored.
+    - `cu_seqlens_q` int32 [num_seqs + 1]: prefill only, where each sequence's new tokens start and end.
+    - `context_lens` int32 [num_seqs]: KV entries of each sequence once this step's tokens are stored.
+    - `block_tables` int32 [num_seqs, max_blocks]: each sequence's blocks, padded with -1.
+    - `query_slot_mapping` int64 [num_tokens], optional: the compression hook. A token whose entry is
+      not -1 has its post-RoPE query written into the query cache at flat index
+      `query_slot * window + window_index` (DESIGN.md section 3, rule 7).
+    """
+
+    is_prefill: bool = False
+    slot_mapping: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+    query_slot_mapping: torch.Tensor | None = None
+
+
+_current = ForwardContext()
+
+
+def get_context() -> ForwardContext:
+    return _current
+
+
+def set_context(context: ForwardContext) -> None:
+    global _current
+    _current = context
+
+
+def reset_context() -> None:
+    set_context(ForwardContext())
+
+
+@contextmanager
+def forward_context(context: ForwardContext) -> Iterator[ForwardContext]:
+    """Make `context` current for the duration of a `with` block, resetting it afterwards even on error."""
+    set_context(context)
+    try:
+        yield context
+    finally:
+        reset_context()

@@ -1,0 +1,160 @@
+"""`LLM(model, **knobs).generate(prompts, sampling_params)`: the vLLM-style public API.
+
+Also `build_engine`, shared with `zipage replay --gpu`: load the model, size the caches with the
+core's memory planner (the same function the simulator calls, so equal flags give equal blocks and
+slots), and put a scheduler and a model runner around it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zipage.core.config import ZipageConfig
+from zipage.core.memory import MemoryPlan
+from zipage.core.scheduler import Scheduler
+from zipage.core.sequence import Sequence
+from zipage.engine.loader import load_model
+from zipage.engine.loop import EngineLoop, EngineRun
+from zipage.engine.runner import ModelRunner
+from zipage.engine.sampler import SamplingParams
+from zipage.errors import ConfigError
+from zipage.presets import ModelShape
+from zipage.replay import ReplaySettings, effective_config, plan_capacity
+
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+CPU_KV_MEMORY_GB = 1.0  # cache size on the CPU when none is given (small models only)
+
+
+@dataclass
+class Engine:
+    model: torch.nn.Module
+    shape: ModelShape
+    tokenizer: object | None
+    config: ZipageConfig
+    capacity: MemoryPlan
+    runner: ModelRunner
+    device: torch.device
+
+    def new_scheduler(self) -> Scheduler:
+        """A fresh scheduler over the same caches (one per run)."""
+        scheduler = Scheduler(self.config, self.capacity.num_blocks,
+                              self.capacity.num_query_slots)
+        self.runner.scheduler = scheduler
+        return scheduler
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def build_engine(settings: ReplaySettings, device: str | None = None,
+                 cuda_graphs: bool = True) -> Engine:
+    device = resolve_device(device)
+    if settings.dtype not in TORCH_DTYPES:
+        raise ConfigError(f"dtype: got {settings.dtype!r}, expected one of "
+                          f"{', '.join(TORCH_DTYPES)}")
+    dtype = TORCH_DTYPES[settings.dtype]
+    model, shape, tokenizer = load_model(settings.model, dtype, device)
+    config = effective_config(settings, shape)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = None
+        if settings.kv_memory_gb is None:
+            settings = ReplaySettings(**{**settings.__dict__, "kv_memory_gb": CPU_KV_MEMORY_GB})
+    capacity = plan_capacity(settings, shape, total)
+    scheduler = Scheduler(config, capacity.num_blocks, capacity.num_query_slots)
+    runner = ModelRunner(model, shape, scheduler, capacity, dtype, device,
+                         cuda_graphs=cuda_graphs)
+    return Engine(model, shape, tokenizer, config, capacity, runner, device)
+
+
+@dataclass
+class RequestOutput:
+    prompt: str | list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "length", "stop", or "error" (the request alone failed: see `error`)
+    error: str | None = None
+
+
+class LLM:
+    """Offline batched generation with Zipage's scheduler.
+
+    `model`: a preset (`random:qwen3-0.6b`), a HF model directory or a .gguf file. Keyword
+    arguments are `ZipageConfig` knobs (block_size, kv_budget, compress, hybrid, ...) plus
+    dtype, device, kv_memory_gb, gpu_memory_utilization and cuda_graphs.
+    """
+
+    def __init__(self, model: str, *, dtype: str = "auto", device: str | None = None,
+                 kv_memory_gb: float | None = None, gpu_memory_utilization: float = 0.9,
+                 cuda_graphs: bool = True, **knobs) -> None:
+        resolved = resolve_device(device)
+        if dtype == "auto":
+            dtype = "bfloat16" if resolved.type == "cuda" else "float32"
+        settings = ReplaySettings(model=model, dtype=dtype, kv_memory_gb=kv_memory_gb,
+                                  gpu_memory_utilization=gpu_memory_utilization,
+                                  config=ZipageConfig(**knobs))
+        self.engine = build_engine(settings, str(resolved), cuda_graphs)
+        self.tokenizer = self.engine.tokenizer
+        self.last_run: EngineRun | None = None
+
+    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+                 progress: bool = True) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ConfigError(f"sampling_params: got {len(sampling_params)} for "
+                              f"{len(prompts)} prompts; pass one or one per prompt")
+        token_lists = [self._encode(prompt) for prompt in prompts]
+        sequences, params, ignore_eos = [], {}, {}
+        for index, (tokens, sampling) in enumerate(zip(token_lists, sampling_params)):
+            seq_id = str(index)
+            sequences.append(Sequence(seq_id, tokens, sampling.max_tokens))
+            params[seq_id] = sampling
+            ignore_eos[seq_id] = sampling.ignore_eos
+        loop = EngineLoop(self.engine.new_scheduler(), self.engine.runner,
+                          eos_token_ids=self._eos_ids(), progress=progress)
+        run = loop.run(sequences, {seq.seq_id: seq.prompt_token_ids for seq in sequences},
+                       params, ignore_eos)
+        self.last_run = run
+        outputs = []
+        for prompt, seq in zip(prompts, sequences):
+            if seq.error is not None:
+                outputs.append(RequestOutput(prompt, [], None, "error", seq.error))
+                continue
+            generated = run.tokens[seq.seq_id][seq.prompt_len:]
+            text = self.tokenizer.decode(generated) if self.tokenizer is not None else None
+            reason = "length" if len(generated) >= seq.max_output_tokens else "stop"
+            outputs.append(RequestOutput(prompt, generated, text, reason))
+        return outputs
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError("prompts: this model has no tokenizer (random weights); pass "
+                                  "token-id lists instead of strings")
+            return list(self.tokenizer.encode(prompt))
+        return list(prompt)
+
+    def _eos_ids(self) -> frozenset[int]:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            return frozenset()
+        return frozenset(eos if isinstance(eos, (list, tuple)) else [eos])
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and isinstance(prompts[0], int):
+        return [list(prompts)]
+    return list(prompts)

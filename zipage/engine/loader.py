@@ -1,0 +1,222 @@
+"""Turns a model spec into one of our models with its weights: a HF directory, a GGUF file, or random weights.
+
+- A HF model directory (`config.json` plus `*.safetensors`, sharded or not): the config becomes a
+  `ModelShape`, and each checkpoint tensor is copied into our parameters; the separate q/k/v and
+  gate/up projections land in their rows of our fused ones.
+- A `.gguf` file: transformers' GGUF support dequantises it into a HF model (float32, on the CPU),
+  whose state dict is then copied in exactly like a checkpoint's.
+- `random:<preset>` (e.g. `random:qwen3-8b`, from `zipage.presets`, the table the simulator uses too):
+  parameters filled with seeded random values directly on the target device, for throughput work
+  where the weights do not matter.
+
+Parameters are allocated once, uninitialised, in the requested dtype on the requested device; nothing
+is built on the CPU and moved.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from zipage.engine.layers import FusedLinear, RMSNorm
+from zipage.engine.models import MODEL_CLASSES
+from zipage.engine.models.llama import LlamaForCausalLM
+from zipage.errors import UnknownModelError
+from zipage.presets import PRESETS, ModelShape, get_preset, shape_from_hf_config
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+RANDOM_PREFIX = "random:"
+RANDOM_SEED = 0
+RANDOM_STD = 0.02  # the initializer_range of HF configs: keeps activations of a random model finite
+
+# Checkpoint projection name -> (our fused module, its shard).
+_FUSED_PROJECTIONS = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def load_model(
+    spec: str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None
+) -> tuple[LlamaForCausalLM, ModelShape, PreTrainedTokenizerBase | None]:
+    """Build the model named by `spec` on `device` (default: CUDA if present, else CPU) in `dtype`.
+
+    Returns the model (inference only: no gradients), its shape, and its tokenizer (a transformers
+    tokenizer), or None for random weights and for directories that ship no tokenizer files.
+    """
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if spec.lower().startswith(RANDOM_PREFIX):
+        shape = get_preset(spec)
+        model = build_model(shape, dtype, device)
+        initialise_random(model, RANDOM_SEED)
+        return model, shape, None
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(path, dtype, device)
+    if path.is_dir() and (path / "config.json").is_file():
+        return _load_hf_directory(path, dtype, device)
+    raise UnknownModelError(_unresolved_message(spec, path))
+
+
+def build_model(shape: ModelShape, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """Our model for `shape`, parameters allocated but not initialised, on `device` in `dtype`."""
+    previous_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = MODEL_CLASSES[shape.architecture](shape)
+    finally:
+        torch.set_default_dtype(previous_dtype)
+    return model.requires_grad_(False).eval()
+
+
+@torch.no_grad()
+def initialise_random(model: LlamaForCausalLM, seed: int) -> None:
+    """Seeded random weights, generated on the model's device: N(0, 0.02) matrices, unit norms, zero biases."""
+    device = model.model.embed_tokens.weight.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for module in model.modules():
+        for name, parameter in module.named_parameters(recurse=False):
+            if isinstance(module, RMSNorm):
+                parameter.fill_(1.0)
+            elif name == "bias":
+                parameter.zero_()
+            else:
+                parameter.normal_(0.0, RANDOM_STD, generator=generator)
+
+
+@torch.no_grad()
+def load_weights(model: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors (HF names) into the model, converting dtype and device. Every parameter
+    must be covered, and every tensor must find a parameter (or fused shard) of the same shape."""
+    parameters = dict(model.named_parameters())
+    fused_modules = {name: module for name, module in model.named_modules() if isinstance(module, FusedLinear)}
+    missing = set(_expected_checkpoint_names(parameters, fused_modules))
+    for name, tensor in tensors:
+        if name.endswith("rotary_emb.inv_freq") or (model.lm_head is None and name == "lm_head.weight"):
+            continue  # recomputed by us / the tied head is the embedding itself
+        module_path, _, parameter_name = name.rpartition(".")
+        owner_path, _, projection = module_path.rpartition(".")
+        target = None
+        if projection in _FUSED_PROJECTIONS:
+            fused_name, shard = _FUSED_PROJECTIONS[projection]
+            fused_module = fused_modules.get(f"{owner_path}.{fused_name}")
+            if fused_module is not None:
+                target = fused_module.shard_view(parameter_name, shard)
+        elif name in parameters:
+            target = parameters[name].data
+        if target is None:
+            raise UnknownModelError(
+                f"model: checkpoint tensor {name!r} has no place in our {model.shape.architecture} model"
+            )
+        if target.shape != tensor.shape:
+            raise UnknownModelError(
+                f"model: checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the config implies "
+                f"{tuple(target.shape)}: config.json and the weights disagree"
+            )
+        target.copy_(tensor)
+        missing.discard(name)
+    if missing:
+        raise UnknownModelError(f"model: the checkpoint lacks {len(missing)} tensor(s), e.g. {sorted(missing)[:3]}")
+
+
+def _expected_checkpoint_names(
+    parameters: dict[str, torch.nn.Parameter], fused_modules: dict[str, FusedLinear]
+) -> Iterator[str]:
+    """The HF names of every tensor a checkpoint must provide for our parameters."""
+    for name in parameters:
+        module_path, _, parameter_name = name.rpartition(".")
+        if module_path not in fused_modules:
+            yield name
+            continue
+        owner_path, _, fused_name = module_path.rpartition(".")
+        for projection, (fused, _) in _FUSED_PROJECTIONS.items():
+            if fused == fused_name:
+                yield f"{owner_path}.{projection}.{parameter_name}"
+
+
+def _load_hf_directory(
+    directory: Path, dtype: torch.dtype, device: torch.device
+) -> tuple[LlamaForCausalLM, ModelShape, PreTrainedTokenizerBase | None]:
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoTokenizer
+
+    # AutoConfig rather than the raw json: it fills each architecture's defaults (Qwen3's head_dim is 128,
+    # not hidden/heads) and brings older rope_theta/rope_scaling keys into today's form.
+    config = AutoConfig.from_pretrained(directory).to_dict()
+    shape = shape_from_hf_config(config, directory.name)
+    files = _safetensors_files(directory)
+    model = build_model(shape, dtype, device)
+
+    def checkpoint_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as reader:
+                for name in reader.keys():
+                    yield name, reader.get_tensor(name)
+
+    load_weights(model, checkpoint_tensors())
+    has_tokenizer = any((directory / file).is_file() for file in _TOKENIZER_FILES)
+    tokenizer = AutoTokenizer.from_pretrained(directory) if has_tokenizer else None
+    return model, shape, tokenizer
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [directory / file for file in sorted(set(weight_map.values()))]
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise UnknownModelError(
+            f"model: {directory} has no *.safetensors weights (only safetensors checkpoints are read; "
+            "re-save the model with save_pretrained(..., safe_serialization=True))"
+        )
+    return files
+
+
+def _load_transformers_gguf(path: Path) -> torch.nn.Module:
+    """transformers' dequantised float32 CPU model of a GGUF file (the slow part: it parses the file)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+
+
+def _load_gguf(
+    path: Path, dtype: torch.dtype, device: torch.device
+) -> tuple[LlamaForCausalLM, ModelShape, PreTrainedTokenizerBase]:
+    if importlib.util.find_spec("gguf") is None:
+        raise UnknownModelError(f"model: reading {path.name} needs the gguf package: pip install 'zipage[gguf]'")
+    from transformers import AutoTokenizer
+
+    reference = _load_transformers_gguf(path)
+    shape = shape_from_hf_config(reference.config.to_dict(), path.stem)
+    model = build_model(shape, dtype, device)
+    load_weights(model, reference.state_dict().items())
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return model, shape, tokenizer
+
+
+def _unresolved_message(spec: str, path: Path) -> str:
+    accepted = "a HF model directory (config.json + *.safetensors), a .gguf file, or random:<preset>"
+    if path.exists():
+        return f"model: {spec!r} is not {accepted}"
+    hints = [f"pass {accepted}"]
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        hints.append(f"Hub ids are not downloaded: fetch it first (huggingface-cli download {spec} --local-dir DIR)")
+    try:
+        get_preset(spec)
+        hints.append(f"for random weights of that shape pass 'random:{spec}'")
+    except UnknownModelError:
+        hints.append(f"presets: {', '.join(sorted(PRESETS))}")
+    return f"model: no such path {spec!r}; " + "; ".join(hints)

@@ -1,0 +1,30 @@
+"""`zipage replay TRACE --gpu` (or `--engine cpu`): a trace through the real engine.
+
+Same settings, same capacity planning and same prompt tokens as the simulator (`zipage.replay`),
+greedy decoding with EOS ignored so every request produces exactly its trace `output_len`; the
+result has the simulator's summary keys and run-directory files, so `zipage compare` can put the
+two side by side.
+"""
+
+from __future__ import annotations
+
+from zipage.engine.llm import build_engine
+from zipage.engine.loop import EngineLoop, EngineRun
+from zipage.engine.sampler import SamplingParams
+from zipage.replay import ReplaySettings, run_summary, trace_sequences
+from zipage.trace import Trace
+
+
+def replay_on_engine(trace: Trace, settings: ReplaySettings, device: str | None = None, *,
+                     cuda_graphs: bool = True, progress: bool = False,
+                     log_decisions: bool = False) -> tuple[dict, EngineRun]:
+    engine = build_engine(settings, device, cuda_graphs)
+    sequences = trace_sequences(trace, engine.shape.vocab_size, need_tokens=True)
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+    loop = EngineLoop(engine.new_scheduler(), engine.runner, progress=progress,
+                      log_decisions=log_decisions)
+    run = loop.run(sequences, {seq.seq_id: seq.prompt_token_ids for seq in sequences},
+                   {seq.seq_id: greedy for seq in sequences},
+                   {seq.seq_id: True for seq in sequences})
+    driver = f"engine-{engine.device.type}"
+    return run_summary(run.summary, engine.capacity, engine.config, settings, driver), run

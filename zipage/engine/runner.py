@@ -1,0 +1,215 @@
+"""The model runner: KV cache memory, per-step batch layout, CUDA graphs and sampling.
+
+The runner turns one `StepPlan` into tensors, runs the model and samples one token per request.
+It owns the caches: K and V for every layer in one allocation ([2, layers, blocks, block_size,
+kv_heads, head_dim]) and, with compression on, the query cache ([layers, slots, window, heads,
+head_dim]) that holds the observation-window queries; each attention layer gets views of them.
+Decode steps replay CUDA graphs captured for a ladder of batch sizes (eager above the largest);
+prefill steps run eagerly. On the CPU the same code runs the torch reference kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zipage.core.memory import MemoryPlan
+from zipage.core.plan import PREFILL, StepPlan
+from zipage.core.scheduler import Scheduler
+from zipage.core.sequence import Sequence
+from zipage.engine.context import ForwardContext, forward_context
+from zipage.engine.sampler import SamplingParams, sample
+from zipage.presets import ModelShape
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, shape: ModelShape, scheduler: Scheduler,
+                 capacity: MemoryPlan, dtype: torch.dtype, device: torch.device,
+                 cuda_graphs: bool = True) -> None:
+        self.model = model
+        self.shape = shape
+        self.scheduler = scheduler
+        self.config = scheduler.config
+        self.block_size = scheduler.block_size
+        self.dtype = dtype
+        self.device = device
+        config = self.config
+        self.kv_cache = torch.zeros(
+            2, shape.num_layers, capacity.num_blocks, config.block_size, shape.num_kv_heads,
+            shape.head_dim, dtype=dtype, device=device)
+        self.query_cache = None
+        if config.compress:
+            self.query_cache = torch.zeros(
+                shape.num_layers, capacity.num_query_slots, config.window, shape.num_heads,
+                shape.head_dim, dtype=dtype, device=device)
+        for index, attention in enumerate(model.attention_layers()):
+            attention.k_cache = self.kv_cache[0, index]
+            attention.v_cache = self.kv_cache[1, index]
+            if self.query_cache is not None:
+                attention.query_cache = self.query_cache[index]
+        # Widest block table a request can have: its whole context in blocks.
+        self.max_blocks_per_seq = -(-(config.max_model_len or shape.max_position) // self.block_size)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_inputs: dict[str, torch.Tensor] = {}
+        if cuda_graphs and device.type == "cuda":
+            self.capture_decode_graphs()
+
+    # ------------------------------------------------------------------ one step
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, tokens: dict[str, list[int]],
+                params: dict[str, SamplingParams]) -> dict[str, int]:
+        """Run the prefill or decode of `plan`; return the sampled token of every request in it."""
+        if plan.kind == PREFILL:
+            sequences = [item.seq for item in plan.prefill]
+            logits = self._prefill(plan, tokens)
+        else:
+            sequences = plan.decode
+            if not sequences:
+                return {}
+            logits = self._decode(sequences, tokens)
+        sampled = sample(logits, [params[seq.seq_id] for seq in sequences],
+                         [seq.num_output_tokens for seq in sequences])
+        return dict(zip((seq.seq_id for seq in sequences), sampled.tolist()))
+
+    def _prefill(self, plan: StepPlan, tokens: dict[str, list[int]]) -> torch.Tensor:
+        b, window = self.block_size, self.config.window
+        input_ids, positions, slots, query_slots = [], [], [], []
+        cu_seqlens, context_lens, tables = [0], [], []
+        for item in plan.prefill:
+            seq, start, end = item.seq, item.num_cached_tokens, item.num_tokens
+            table = torch.tensor(seq.block_table, dtype=torch.int64)
+            entries = torch.arange(start, end, dtype=torch.int64)
+            input_ids.append(torch.tensor(tokens[seq.seq_id][start:end], dtype=torch.int64))
+            positions.append(entries)
+            slots.append(table[entries // b] * b + entries % b)
+            query = torch.full((end - start,), -1, dtype=torch.int64)
+            first, last = self.scheduler.window_query_range(seq, start, end)
+            if last > first:
+                window_entries = torch.arange(first, last)
+                query[first - start:] = seq.query_slot * window + window_entries % b - (b - window)
+            query_slots.append(query)
+            cu_seqlens.append(cu_seqlens[-1] + end - start)
+            context_lens.append(end)
+            tables.append(seq.block_table)
+        context = ForwardContext(
+            is_prefill=True, slot_mapping=self._to_device(torch.cat(slots)),
+            cu_seqlens_q=self._to_device(torch.tensor(cu_seqlens, dtype=torch.int32)),
+            context_lens=self._to_device(torch.tensor(context_lens, dtype=torch.int32)),
+            block_tables=self._to_device(_pad_tables(tables, max(len(t) for t in tables))),
+            query_slot_mapping=self._query_mapping(torch.cat(query_slots)))
+        with forward_context(context):
+            hidden = self.model(self._to_device(torch.cat(input_ids)),
+                                self._to_device(torch.cat(positions)))
+            return self.model.compute_logits(hidden)
+
+    def _decode_inputs(self, sequences: list[Sequence], tokens: dict[str, list[int]]):
+        """Per-request decode inputs as host tensors (token, position, slot, context, query)."""
+        b, window = self.block_size, self.config.window
+        input_ids, positions, slots, context_lens, query_slots = [], [], [], [], []
+        for seq in sequences:
+            kv_len = seq.kv_len
+            input_ids.append(tokens[seq.seq_id][-1])
+            positions.append(seq.position)
+            slots.append(seq.block_table[kv_len // b] * b + kv_len % b)
+            context_lens.append(kv_len + 1)
+            first, last = self.scheduler.window_query_range(seq, kv_len, kv_len + 1)
+            query_slots.append(seq.query_slot * window + kv_len % b - (b - window)
+                               if last > first else -1)
+        return (torch.tensor(input_ids, dtype=torch.int64),
+                torch.tensor(positions, dtype=torch.int64),
+                torch.tensor(slots, dtype=torch.int64),
+                torch.tensor(context_lens, dtype=torch.int32),
+                torch.tensor(query_slots, dtype=torch.int64))
+
+    def _decode(self, sequences: list[Sequence], tokens: dict[str, list[int]]) -> torch.Tensor:
+        input_ids, positions, slots, context_lens, query_slots = self._decode_inputs(
+            sequences, tokens)
+        batch = len(sequences)
+        width = max(len(seq.block_table) for seq in sequences)
+        bucket = next((size for size in self.graphs if size >= batch), None)
+        if bucket is None:
+            context = ForwardContext(
+                is_prefill=False, slot_mapping=self._to_device(slots),
+                context_lens=self._to_device(context_lens),
+                block_tables=self._to_device(
+                    _pad_tables([seq.block_table for seq in sequences], width)),
+                query_slot_mapping=self._query_mapping(query_slots))
+            with forward_context(context):
+                hidden = self.model(self._to_device(input_ids), self._to_device(positions))
+                return self.model.compute_logits(hidden)
+        # Graph replay: refill the static inputs in place; padded rows attend to one entry of
+        # block 0 and store nothing, so they cannot disturb real requests.
+        static = self.graph_inputs
+        static["input_ids"][:batch].copy_(input_ids)
+        static["positions"][:batch].copy_(positions)
+        static["slot_mapping"].fill_(-1)
+        static["slot_mapping"][:batch].copy_(slots)
+        static["query_slot_mapping"].fill_(-1)
+        static["query_slot_mapping"][:batch].copy_(query_slots)
+        static["context_lens"].fill_(1)
+        static["context_lens"][:batch].copy_(context_lens)
+        static["block_tables"].fill_(0)
+        static["block_tables"][:batch, :width].copy_(
+            _pad_tables([seq.block_table for seq in sequences], width))
+        self.graphs[bucket].replay()
+        return static["logits"][:batch]
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def capture_decode_graphs(self) -> None:
+        """Capture one decode graph per batch size of the ladder, largest first (shared pool)."""
+        largest = min(self.config.max_num_seqs, GRAPH_BATCH_SIZES[-1])
+        sizes = [size for size in GRAPH_BATCH_SIZES if size <= largest]
+        device = self.device
+        static = {
+            "input_ids": torch.zeros(largest, dtype=torch.int64, device=device),
+            "positions": torch.zeros(largest, dtype=torch.int64, device=device),
+            "slot_mapping": torch.full((largest,), -1, dtype=torch.int64, device=device),
+            "query_slot_mapping": torch.full((largest,), -1, dtype=torch.int64, device=device),
+            "context_lens": torch.ones(largest, dtype=torch.int32, device=device),
+            "block_tables": torch.zeros(largest, self.max_blocks_per_seq, dtype=torch.int32,
+                                        device=device),
+        }
+        static["logits"] = torch.empty(largest, self.shape.vocab_size, dtype=self.dtype,
+                                       device=device)
+        pool = None
+        for size in reversed(sizes):
+            context = ForwardContext(
+                is_prefill=False, slot_mapping=static["slot_mapping"][:size],
+                context_lens=static["context_lens"][:size],
+                block_tables=static["block_tables"][:size],
+                query_slot_mapping=static["query_slot_mapping"][:size]
+                if self.query_cache is not None else None)
+            graph = torch.cuda.CUDAGraph()
+            with forward_context(context), torch.inference_mode():
+                # Warm up outside the graph (Triton compiles and autotunes on first call).
+                self.model.compute_logits(self.model(static["input_ids"][:size],
+                                                     static["positions"][:size]))
+                torch.cuda.synchronize()
+                with torch.cuda.graph(graph, pool=pool):
+                    hidden = self.model(static["input_ids"][:size], static["positions"][:size])
+                    static["logits"][:size] = self.model.compute_logits(hidden)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        self.graphs = dict(sorted(self.graphs.items()))
+        self.graph_inputs = static
+        torch.cuda.synchronize()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device, non_blocking=True)
+
+    def _query_mapping(self, mapping: torch.Tensor) -> torch.Tensor | None:
+        if self.query_cache is None:
+            return None
+        return self._to_device(mapping)
+
+
+def _pad_tables(tables: list[list[int]], width: int) -> torch.Tensor:
+    padded = torch.zeros(len(tables), width, dtype=torch.int32)
+    for row, table in enumerate(tables):
+        padded[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
+    return padded
