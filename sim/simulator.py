@@ -38,30 +38,62 @@ class SimulationRun:
 
 
 class Simulator:
+    """One simulated engine. `run(sequences)` replays a trace on its own clock; a router
+    (sim/cluster.py) instead shares one clock among several engines: it calls `start()`,
+    `submit(seq)` at each arrival it routes here, and `close()` when no more will come."""
+
     def __init__(self, scheduler: Scheduler, cost_model: CostModel, *, check: bool = False,
-                 log_decisions: bool = False, progress: bool = False) -> None:
+                 log_decisions: bool = False, progress: bool = False,
+                 env: simpy.Environment | None = None) -> None:
         self.scheduler = scheduler
         self.cost_model = cost_model
         self.checker = InvariantChecker(scheduler) if check else None
         self.log_decisions = log_decisions
         self.progress = progress
         self.metrics = MetricsRecorder(scheduler.block_manager.num_blocks)
-        self.env = simpy.Environment()
+        self.env = env or simpy.Environment()
+        self.decision_log: list[str] = []
         self._completed_batches: list[int] = []
         self._compression_done: simpy.Event | None = None
         self._compression_ends_at = 0.0
         self._request_arrived: simpy.Event | None = None
-        self._arrivals_left = 0
+        self._closed = False  # no more requests will be submitted
+        self._bar = None
 
     def run(self, sequences: list[Sequence]) -> SimulationRun:
         started = time.perf_counter()
         arrivals = sorted(sequences, key=lambda seq: seq.arrival_s)
-        self._arrivals_left = len(arrivals)
-        self._bar = _progress_bar(len(arrivals)) if self.progress else None
-        log: list[str] = []
+        if self.progress:
+            self._bar = _progress_bar(len(arrivals))
+        engine = self.start()
         self.env.process(self._arrivals(arrivals))
-        engine = self.env.process(self._engine_loop(log))
         self.env.run(until=engine)
+        result = self.result()
+        result.summary["wall_s"] = time.perf_counter() - started
+        return result
+
+    def start(self) -> simpy.Process:
+        return self.env.process(self._engine_loop(self.decision_log))
+
+    def submit(self, seq: Sequence) -> None:
+        """A request arrives now."""
+        self.scheduler.add(seq)
+        if self.checker:
+            self.checker.note_added(seq)
+        if seq.error is not None and self._bar is not None:
+            self._bar.update(1)
+        self._wake()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake()
+
+    @property
+    def load(self) -> int:
+        """Requests queued or running: what a least-loaded router compares."""
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    def result(self) -> SimulationRun:
         if self._bar is not None:
             self._bar.close()
         if self.checker:
@@ -69,8 +101,7 @@ class Simulator:
         scheduler = self.scheduler
         requests = request_records(scheduler.finished + scheduler.rejected)
         summary = summarize(self.metrics.steps, requests)
-        summary["wall_s"] = time.perf_counter() - started
-        return SimulationRun(summary, self.metrics.steps, requests, log)
+        return SimulationRun(summary, self.metrics.steps, requests, self.decision_log)
 
     # ---- processes ----
 
@@ -78,15 +109,13 @@ class Simulator:
         for seq in arrivals:
             if seq.arrival_s > self.env.now:
                 yield self.env.timeout(seq.arrival_s - self.env.now)
-            self.scheduler.add(seq)
-            if self.checker:
-                self.checker.note_added(seq)
-            if seq.error is not None and self._bar is not None:
-                self._bar.update(1)
-            self._arrivals_left -= 1
-            if self._request_arrived is not None:
-                self._request_arrived.succeed()
-                self._request_arrived = None
+            self.submit(seq)
+        self.close()
+
+    def _wake(self) -> None:
+        if self._request_arrived is not None:
+            self._request_arrived.succeed()
+            self._request_arrived = None
 
     def _engine_loop(self, log: list[str]):
         scheduler, checker, cost = self.scheduler, self.checker, self.cost_model
@@ -94,7 +123,7 @@ class Simulator:
         while True:
             plan = scheduler.schedule()
             if plan is None:
-                if self._arrivals_left == 0:
+                if self._closed:
                     return
                 self._request_arrived = self.env.event()
                 yield self._request_arrived

@@ -8,7 +8,7 @@ request = (finish - first token) / (output_len - 1).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 from zipage.core.plan import StepPlan, StepResult
 from zipage.core.sequence import Sequence, SequenceStatus
@@ -103,6 +103,12 @@ def summarize(steps: list[StepRecord], requests: list[RequestRecord]) -> dict:
     else:
         mean_running = sum(s.n_running for s in steps) / len(steps) if steps else 0.0
     compressed = [r.max_blocks_held_after_first_compression for r in done if r.n_compressions]
+    ttfts = [r.first_token - r.arrival for r in done]
+    latency = {}
+    for name, values, scale in (("ttft", ttfts, 1.0), ("tpot", tpots, 1000.0)):
+        unit = "s" if name == "ttft" else "ms"
+        for percent in (50, 90, 99):
+            latency[f"{name}_p{percent}_{unit}"] = scale * percentile(values, percent)
     return {
         "requests": len(requests),
         "completed": len(done),
@@ -111,7 +117,8 @@ def summarize(steps: list[StepRecord], requests: list[RequestRecord]) -> dict:
         "makespan_s": makespan,
         "tps": output_tokens / makespan if makespan > 0 else 0.0,
         "mean_tpot_ms": 1000.0 * sum(tpots) / len(tpots) if tpots else 0.0,
-        "mean_ttft_s": (sum(r.first_token - r.arrival for r in done) / len(done)) if done else 0.0,
+        "mean_ttft_s": sum(ttfts) / len(ttfts) if ttfts else 0.0,
+        **latency,
         "peak_running": max((s.n_running for s in steps), default=0),
         "mean_running": mean_running,
         "preemptions": sum(s.preempted for s in steps),
@@ -121,5 +128,12 @@ def summarize(steps: list[StepRecord], requests: list[RequestRecord]) -> dict:
     }
 
 
-def as_rows(records: list) -> list[dict]:
-    return [asdict(record) for record in records]
+def percentile(values: list[float], percent: float) -> float:
+    """Linear-interpolated percentile (numpy's default), 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * percent / 100
+    lower = int(position)
+    upper = min(lower + 1, len(ordered) - 1)
+    return ordered[lower] + (ordered[upper] - ordered[lower]) * (position - lower)
