@@ -9,6 +9,7 @@ that hit EOS. The core's decisions are the simulator's; only the durations diffe
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from zipage.core.invariants import InvariantChecker
@@ -18,7 +19,6 @@ from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.engine.runner import ModelRunner
 from zipage.engine.sampler import SamplingParams
-from zipage.errors import ConfigError
 
 
 @dataclass
@@ -33,11 +33,8 @@ class EngineRun:
 class EngineLoop:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, *,
                  eos_token_ids: frozenset[int] = frozenset(), check: bool = False,
-                 log_decisions: bool = False, progress: bool = False) -> None:
-        if scheduler.config.compress:
-            raise ConfigError(
-                "compress: the real engine runs Full KV only for now (compression kernels land "
-                "with the compression issue); use --no-compress / compress=False")
+                 log_decisions: bool = False, progress: bool = False,
+                 next_token: Callable[[str, int], int] | None = None) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.eos_token_ids = eos_token_ids
@@ -45,6 +42,8 @@ class EngineLoop:
         self.log_decisions = log_decisions
         self.progress = progress
         self.metrics = MetricsRecorder(scheduler.block_manager.num_blocks)
+        # Teacher forcing: (request id, sampled token) -> the token to append instead.
+        self.next_token = next_token
 
     def run(self, sequences: list[Sequence], prompts: dict[str, list[int]],
             params: dict[str, SamplingParams], ignore_eos: dict[str, bool]) -> EngineRun:
@@ -74,17 +73,21 @@ class EngineLoop:
             if checker:
                 checker.after_schedule(plan)
                 checker.record_plan_writes(plan)
-            assert plan.kind != IDLE, "Full KV never waits for a compression"
             t_start = time.perf_counter() - started
             sampled = runner.execute(plan, tokens, params)
+            # An idle step exists only to wait for the in-flight compression batch.
+            completed = (runner.compressor.completed(wait=plan.kind == IDLE)
+                         if runner.compressor is not None else [])
             t_end = time.perf_counter() - started
             stopped = set()
             for seq_id, token in sampled.items():
+                if self.next_token is not None:
+                    token = self.next_token(seq_id, token)
                 tokens[seq_id].append(token)
                 if token in self.eos_token_ids and not ignore_eos[seq_id]:
                     stopped.add(seq_id)
             scheduler.finish(StepResult(step_id=plan.step_id, t_start=t_start, t_end=t_end,
-                                        stopped=stopped))
+                                        completed_batches=completed, stopped=stopped))
             self.metrics.record_step(plan, StepResult(plan.step_id, t_start, t_end))
             if checker:
                 checker.after_finish()

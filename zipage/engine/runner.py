@@ -16,6 +16,7 @@ from zipage.core.memory import MemoryPlan
 from zipage.core.plan import PREFILL, StepPlan
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
+from zipage.engine.compressor import Compressor
 from zipage.engine.context import ForwardContext, forward_context
 from zipage.engine.sampler import SamplingParams, sample
 from zipage.presets import ModelShape
@@ -39,10 +40,18 @@ class ModelRunner:
             2, shape.num_layers, capacity.num_blocks, config.block_size, shape.num_kv_heads,
             shape.head_dim, dtype=dtype, device=device)
         self.query_cache = None
+        self.score_cache = None
         if config.compress:
             self.query_cache = torch.zeros(
                 shape.num_layers, capacity.num_query_slots, config.window, shape.num_heads,
                 shape.head_dim, dtype=dtype, device=device)
+            if config.global_score:
+                # One score per (layer, block entry, kv head), in the KV dtype: the memory
+                # planner counts it in every block (the paper's 1 + 1/(2d) factor).
+                self.score_cache = torch.zeros(
+                    shape.num_layers, capacity.num_blocks, config.block_size,
+                    shape.num_kv_heads, dtype=dtype, device=device)
+        self.compressor = Compressor(self) if config.compress else None
         for index, attention in enumerate(model.attention_layers()):
             attention.k_cache = self.kv_cache[0, index]
             attention.v_cache = self.kv_cache[1, index]
@@ -50,6 +59,7 @@ class ModelRunner:
                 attention.query_cache = self.query_cache[index]
         # Widest block table a request can have: its whole context in blocks.
         self.max_blocks_per_seq = -(-(config.max_model_len or shape.max_position) // self.block_size)
+        self.last_logits: torch.Tensor | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_inputs: dict[str, torch.Tensor] = {}
         if cuda_graphs and device.type == "cuda":
@@ -61,6 +71,11 @@ class ModelRunner:
     def execute(self, plan: StepPlan, tokens: dict[str, list[int]],
                 params: dict[str, SamplingParams]) -> dict[str, int]:
         """Run the prefill or decode of `plan`; return the sampled token of every request in it."""
+        if self.compressor is not None:
+            if plan.compress_sync:
+                self.compressor.run(plan.compress_sync)
+            if plan.compress_launch is not None:
+                self.compressor.launch(plan.compress_launch)
         if plan.kind == PREFILL:
             sequences = [item.seq for item in plan.prefill]
             logits = self._prefill(plan, tokens)
@@ -69,6 +84,7 @@ class ModelRunner:
             if not sequences:
                 return {}
             logits = self._decode(sequences, tokens)
+        self.last_logits = logits  # for analysis (teacher-forced fidelity); never copied
         sampled = sample(logits, [params[seq.seq_id] for seq in sequences],
                          [seq.num_output_tokens for seq in sequences])
         return dict(zip((seq.seq_id for seq in sequences), sampled.tolist()))

@@ -1,0 +1,170 @@
+"""Pure-torch reference of the compression pipeline (DESIGN.md section 7).
+
+The CPU path and the test oracle of the Triton kernels. One call compresses a batch of requests
+over a group of layers (the runner passes `layer_stride` layers at a time). Shapes, with L layers
+in the group, R requests, N source blocks at most, b the block size, w the window:
+
+- k_cache, v_cache  [L, num_blocks, b, Hkv, d]   the paged KV cache of the group's layers
+- score_cache       [L, num_blocks, b, Hkv]      global scores F (None when the global score is off)
+- query_cache       [L, num_slots, w, Hq, d]     window queries, post-RoPE
+- source_tables     int [R, N]                   blocks being compressed (padded with -1)
+- num_source_blocks int [R]                      N_r; every source block is full
+- target_tables     int [R, T]                   T = N_max - 1 blocks receiving the kept entries
+- query_slots       int [R]
+- is_compressed     bool [R]                     compressed before (global-score decay, pooling)
+
+Every step is computed in float32 per (layer, request, kv head), then the top k = T * b entries
+are kept in their original order and written densely into the target blocks. All kept entries are
+gathered before any is written, so a target block may also be a source block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CompressionParams:
+    block_size: int
+    window: int
+    alpha: float = 0.8
+    global_score: bool = True
+    pooling: str = "first"  # "first" | "always" | "off"
+    redundancy: str = "lightning"  # "lightning" | "flash" | "off"
+    lambda_weight: float = 0.2
+    tau: float = 0.4
+    similarity_threshold: float = 0.5
+    pool_kernel: int = 5
+
+
+def attention_scores(queries: torch.Tensor, keys: torch.Tensor, length: int, block_size: int,
+                     scale: float) -> torch.Tensor:
+    """S [Hkv, length]: softmax of the window queries over the keys, max over each kv head's
+    group of query heads, mean over the w window rows (causal inside the final block).
+
+    queries [w, Hq, d], keys [length, Hkv, d] (length = N * b, the final block is full).
+    """
+    window, query_heads, _ = queries.shape
+    kv_heads = keys.shape[1]
+    group = query_heads // kv_heads
+    grouped_keys = keys.float().repeat_interleave(group, dim=1)  # [length, Hq, d]
+    logits = torch.einsum("whd,thd->hwt", queries.float(), grouped_keys) * scale
+    # Window query u sits at in-block offset b - w + u of the final block and sees offsets <= it.
+    entry = torch.arange(length)
+    query_entry = length - window + torch.arange(window)
+    logits = logits.masked_fill(entry[None, :] > query_entry[:, None], float("-inf"))
+    probabilities = torch.softmax(logits, dim=-1)  # [Hq, w, length]
+    per_kv_head = probabilities.view(kv_heads, group, window, length).amax(dim=1)
+    return per_kv_head.mean(dim=1)  # [Hkv, length]
+
+
+def update_global_scores(scores: torch.Tensor, previous: torch.Tensor, compressed: bool,
+                         block_size: int, alpha: float) -> torch.Tensor:
+    """The decayed max of historical scores (G-KV): scores and previous are [Hkv, length].
+
+    For a request compressed before, every entry but those of the final block (decoded since the
+    last compression) becomes max(alpha * F, S); an uncompressed request just takes S.
+    """
+    if not compressed:
+        return scores
+    history = scores[:, :-block_size]
+    merged = torch.maximum(alpha * previous[:, :-block_size].float(), history)
+    return torch.cat([merged, scores[:, -block_size:]], dim=1)
+
+
+def pool_scores(scores: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Max-pool along the sequence (SnapKV): neighbours of a high score score high too."""
+    return torch.nn.functional.max_pool1d(scores[:, None, :], kernel, stride=1,
+                                          padding=kernel // 2)[:, 0, :]
+
+
+def redundancy_scores(keys: torch.Tensor, mode: str, block_size: int, threshold: float,
+                      tau: float) -> torch.Tensor:
+    """R [Hkv, length]: how redundant each key is among its comparison set (R-KV style).
+
+    Cosine similarity among normalised keys — within each block ("lightning", O(N b^2)) or all
+    pairs ("flash") — with the diagonal zeroed; in each column the similarity to the newest row
+    above the threshold is zeroed, so of two near-duplicates the newer survives. Row sums over
+    tau times the number of keys compared, softmax over the sequence.
+    """
+    length, kv_heads, _ = keys.shape
+    normalised = torch.nn.functional.normalize(keys.float(), dim=-1).transpose(0, 1)  # [H, T, d]
+    if mode == "lightning":
+        blocks = normalised.reshape(kv_heads, length // block_size, block_size, -1)
+        similarity = blocks @ blocks.transpose(-1, -2)  # [H, N, b, b]
+        compared = block_size
+    else:
+        similarity = (normalised @ normalised.transpose(-1, -2))[:, None]  # [H, 1, T, T]
+        compared = length
+    size = similarity.shape[-1]
+    similarity = similarity * (1 - torch.eye(size))
+    rows = torch.arange(size)[:, None].expand(size, size)
+    above = similarity > threshold
+    newest = torch.where(above, rows, torch.full_like(rows, -1)).amax(dim=-2, keepdim=True)
+    similarity = similarity.masked_fill((rows == newest) & above, 0.0)
+    redundancy = similarity.sum(dim=-1).reshape(kv_heads, length) / (tau * compared)
+    return torch.softmax(redundancy, dim=-1)
+
+
+def final_scores(keys: torch.Tensor, queries: torch.Tensor, previous: torch.Tensor | None,
+                 compressed: bool, params: CompressionParams, scale: float
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(final score [Hkv, length] with the window at +inf, new global scores or None)."""
+    length = keys.shape[0]
+    scores = attention_scores(queries, keys, length, params.block_size, scale)
+    stored = None
+    if params.global_score:
+        scores = update_global_scores(scores, previous, compressed, params.block_size,
+                                      params.alpha)
+        stored = scores
+    if params.pooling == "always" or (params.pooling == "first" and not compressed):
+        scores = pool_scores(scores, params.pool_kernel)
+    if params.redundancy != "off":
+        redundancy = redundancy_scores(keys, params.redundancy, params.block_size,
+                                       params.similarity_threshold, params.tau)
+        scores = params.lambda_weight * scores - (1 - params.lambda_weight) * redundancy
+    scores = scores.clone()
+    scores[:, -params.window:] = float("inf")
+    return scores, stored
+
+
+def kept_entries(scores: torch.Tensor, keep: int) -> torch.Tensor:
+    """Indices [Hkv, keep] of the highest scores per kv head, in their original order."""
+    return scores.topk(keep, dim=-1).indices.sort(dim=-1).values
+
+
+def compress_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Tensor | None,
+                 query_cache: torch.Tensor, source_tables: torch.Tensor,
+                 num_source_blocks: torch.Tensor, target_tables: torch.Tensor,
+                 query_slots: torch.Tensor, is_compressed: torch.Tensor,
+                 params: CompressionParams, scale: float) -> None:
+    b = params.block_size
+    layers = k_cache.shape[0]
+    targets_per_request = target_tables.shape[1]
+    keep = targets_per_request * b
+    for request in range(source_tables.shape[0]):
+        count = int(num_source_blocks[request])
+        source = source_tables[request, :count].long()
+        target = target_tables[request].long()
+        slot = int(query_slots[request])
+        compressed = bool(is_compressed[request])
+        for layer in range(layers):
+            keys = k_cache[layer, source].flatten(0, 1)  # [N*b, Hkv, d]
+            values = v_cache[layer, source].flatten(0, 1)
+            previous = (score_cache[layer, source].flatten(0, 1).transpose(0, 1)
+                        if score_cache is not None else None)
+            scores, stored = final_scores(keys, query_cache[layer, slot], previous, compressed,
+                                          params, scale)
+            kept = kept_entries(scores, keep)  # [Hkv, keep]
+            heads = torch.arange(keys.shape[1])[:, None]
+            kept_keys = keys[kept, heads]  # [Hkv, keep, d]: gathered before any write
+            kept_values = values[kept, heads]
+            shape = (keep // b, b) + keys.shape[1:]
+            k_cache[layer, target] = kept_keys.transpose(0, 1).reshape(shape)
+            v_cache[layer, target] = kept_values.transpose(0, 1).reshape(shape)
+            if score_cache is not None:
+                kept_scores = torch.gather(stored, 1, kept)  # [Hkv, keep]
+                score_cache[layer, target] = kept_scores.transpose(0, 1).reshape(
+                    keep // b, b, -1).to(score_cache.dtype)

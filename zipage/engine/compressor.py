@@ -1,0 +1,95 @@
+"""Runs the core's compression jobs on the engine's caches, synchronously or asynchronously.
+
+Sync jobs run on the main stream before the step's decode. An async batch runs on its own CUDA
+stream, overlapping the decode steps of the other requests: it first waits for everything the main
+stream has queued (the KV entries it reads), and records an event the step loop polls; the core
+keeps the compressed requests out of decode until the batch is reported done. Blocks the batch
+reads or writes are held by the core until then, so no other request can touch them. On the CPU
+an async batch simply runs at launch and is done at the next poll.
+
+Layers are compressed `layer_stride` at a time (the paper's cross-layer parallel compression):
+fewer, larger launches.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from zipage.core.plan import CompressionBatch, CompressionJob
+from zipage.kernels.compress import CompressionParams, compress
+
+if TYPE_CHECKING:
+    from zipage.engine.runner import ModelRunner
+
+
+class Compressor:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        # The pipeline itself; analysis swaps in baseline eviction policies of the same signature.
+        self.compress_fn = compress
+        config = runner.config
+        self.params = CompressionParams(
+            block_size=config.block_size, window=config.window, alpha=config.alpha,
+            global_score=config.global_score, pooling=config.pooling,
+            redundancy=config.redundancy, lambda_weight=config.lambda_weight, tau=config.tau,
+            similarity_threshold=config.similarity_threshold)
+        self.scale = runner.shape.head_dim ** -0.5
+        self.layer_stride = config.layer_stride
+        self.on_gpu = runner.device.type == "cuda"
+        self.stream = torch.cuda.Stream(runner.device) if self.on_gpu else None
+        self.in_flight: tuple[int, torch.cuda.Event | None] | None = None
+
+    def run(self, jobs: list[CompressionJob]) -> None:
+        """Compress `jobs` now, on the current stream."""
+        runner = self.runner
+        device = runner.device
+        longest = max(len(job.source_table) for job in jobs)
+        source = torch.full((len(jobs), longest), -1, dtype=torch.int32)
+        for row, job in enumerate(jobs):
+            source[row, :len(job.source_table)] = torch.tensor(job.source_table)
+        tensors = dict(
+            source_tables=source.to(device),
+            num_source_blocks=torch.tensor([len(job.source_table) for job in jobs],
+                                           dtype=torch.int32, device=device),
+            target_tables=torch.tensor([job.target_blocks for job in jobs], dtype=torch.int32,
+                                       device=device),
+            query_slots=torch.tensor([job.query_slot for job in jobs], dtype=torch.int64,
+                                     device=device),
+            is_compressed=torch.tensor([not job.is_first for job in jobs], device=device),
+        )
+        layers = runner.shape.num_layers
+        for first in range(0, layers, self.layer_stride):
+            group = slice(first, min(first + self.layer_stride, layers))
+            self.compress_fn(runner.kv_cache[0, group], runner.kv_cache[1, group],
+                     runner.score_cache[group] if runner.score_cache is not None else None,
+                     runner.query_cache[group], params=self.params, scale=self.scale, **tensors)
+
+    def launch(self, batch: CompressionBatch) -> None:
+        assert self.in_flight is None, "the core allows one compression batch in flight"
+        if not self.on_gpu:
+            self.run(batch.jobs)
+            self.in_flight = (batch.batch_id, None)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            self.run(batch.jobs)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self.in_flight = (batch.batch_id, done)
+
+    def completed(self, wait: bool = False) -> list[int]:
+        """Ids of async batches finished by now (blocking until then when `wait`)."""
+        if self.in_flight is None:
+            return []
+        batch_id, done = self.in_flight
+        if done is not None:
+            if wait:
+                done.synchronize()
+            elif not done.query():
+                return []
+            # Later main-stream work (decoding the compressed requests) must see the writes.
+            torch.cuda.current_stream().wait_event(done)
+        self.in_flight = None
+        return [batch_id]
