@@ -46,12 +46,14 @@ def test_compressed_requests_stay_under_n_max(tiny_model, asynchronous):  # noqa
 def test_shared_prefix_blocks_survive_another_requests_compression(tiny_model, asynchronous):  # noqa: F811
     directory, _ = tiny_model
     # One request per prefill batch, so "short" finds "long"'s prompt blocks in the prefix cache.
-    llm = LLM(str(directory), async_compress=asynchronous, max_num_batched_tokens=50, **SMALL)
+    llm = LLM(str(directory), async_compress=asynchronous, max_num_batched_tokens=80, **SMALL)
     engine = llm.engine
     scheduler = engine.new_scheduler()
     runner = engine.runner
     shared = list(range(100, 148))  # three full 16-token blocks
-    prompts = {"long": shared + [1, 2], "short": shared + [3]}
+    # "long" (78 tokens, 5 blocks) compresses at its 3rd decode; "short" (49 tokens) only at its
+    # 15th, so "long" compresses while the two still share the prefix blocks.
+    prompts = {"long": shared + list(range(1, 31)), "short": shared + [3]}
     sequences = [Sequence("long", prompts["long"], 60), Sequence("short", prompts["short"], 200)]
     snapshots: dict[int, torch.Tensor] = {}
     checked = []
