@@ -1,14 +1,18 @@
 """Check the Triton paged-attention kernels against the torch reference in bfloat16 on a GPU, then time them.
 
 Part 1 compares ``store_kv``, ``paged_prefill_attention`` (with prefix-cached prompts) and ``paged_decode_attention``
-(automatic split and a forced many-partition split) with the references of ``zipage.kernels.attention_ref`` over
-random cases: GQA ratios 1/3/8, head_dim 64/128 (and 80, which is padded inside the kernels), block sizes
-16/64/256, ragged context lengths. Part 2 times decode for a Qwen3-8B-shaped layer (32 query heads, 8 KV heads,
-head_dim 128) at batch 1/32/128/256 x 2k contexts and at 32k contexts, and reports the bandwidth achieved on the KV
-bytes read; part 3 times one prefill against torch's dense scaled_dot_product_attention for scale.
+(automatic split, automatic split with a wide padded block table as a CUDA graph uses, and a forced
+many-partition split) with the references of ``zipage.kernels.attention_ref`` over random cases: GQA ratios 1/3/8,
+head_dim 64/128 (and 80, which is padded inside the kernels), block sizes 16/64/256, ragged context lengths.
+Part 2 times decode for a Qwen3-8B-shaped layer (32 query heads, 8 KV heads, head_dim 128) at batch 1/32/128/256 x
+2k contexts and at 32k contexts, and reports the bandwidth achieved on the KV bytes read against the measured
+device-to-device copy bandwidth, with tight and wide (``max_model_len`` = 40960) block tables; part 3 times one
+prefill against torch's dense scaled_dot_product_attention for scale. ``--sweep`` also times a few decode and
+prefill launch configurations (tile, warps, pipeline stages, programs per SM), for tuning.
 
-Usage: ``python bench/check_attention_gpu.py`` (needs a CUDA GPU). Prints a short table; with ``$OUT`` set, also
-writes ``$OUT/check_attention_gpu.log`` and ``$OUT/check_attention_gpu.json``. Exits 1 if any check fails.
+Usage: ``python bench/check_attention_gpu.py [--sweep]`` (needs a CUDA GPU). Prints a short table; with ``$OUT``
+set, also writes ``$OUT/check_attention_gpu.log`` and ``$OUT/check_attention_gpu.json``. Exits 1 if any check
+fails or a section crashes.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import datetime
 import json
 import os
 import sys
+import traceback
 
 import torch
 import triton
@@ -28,8 +33,9 @@ from zipage.kernels.attention_ref import (
     paged_prefill_attention_ref,
     store_kv_ref,
 )
+from zipage.kernels import attention_triton
 from zipage.kernels.attention_triton import (
-    decode_partition_size,
+    decode_num_partitions,
     paged_decode_attention_triton,
     paged_prefill_attention_triton,
     store_kv_triton,
@@ -41,6 +47,12 @@ DTYPE = torch.bfloat16
 ATOL = RTOL = 2e-2
 CHECK_KV_HEADS = 2
 TIMED_HEADS, TIMED_KV_HEADS, TIMED_HEAD_DIM = 32, 8, 128
+# The runner's CUDA graphs use block tables of ceil(max_model_len / block_size) columns (Qwen3-8B: 40960).
+GRAPH_MAX_MODEL_LEN = 40960
+CHECK_CONFIGURATIONS = [(g, d, b) for g in (1, 3, 8) for d in (64, 128) for b in (16, 64, 256)] + [(3, 80, 16)]
+DECODE_SHAPES = [(batch, 2048) for batch in (1, 32, 128, 256)] + [(1, 32768), (8, 32768)]
+DECODE_BLOCK_SIZES = (16, 256)
+PREFILL_SHAPE = (4, 2048)  # prompts x tokens
 
 
 def log(line: str = "") -> None:
@@ -144,15 +156,23 @@ def check_configuration(group: int, head_dim: int, block_size: int, generator: t
     for partition_size, name in ((None, "auto split"), (64, "64-token partitions")):
         actual = paged_decode_attention_triton(*arguments, partition_size=partition_size)
         results.append(compare(f"decode {name} {label}", actual, expected))
+    wide_arguments = (q, k_cache, v_cache, lens, widen(block_tables, block_size), scale)
+    results.append(compare(f"decode wide table {label}", paged_decode_attention_triton(*wide_arguments), expected))
     return results
+
+
+def widen(block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The block table padded with -1 to the width a CUDA graph of the runner uses."""
+    width = max(triton.cdiv(GRAPH_MAX_MODEL_LEN, block_size), block_tables.shape[1])
+    wide = torch.full((block_tables.shape[0], width), -1, dtype=block_tables.dtype, device=block_tables.device)
+    wide[:, : block_tables.shape[1]] = block_tables
+    return wide
 
 
 def run_checks(seed: int) -> list[dict]:
     generator = torch.Generator(device=DEVICE).manual_seed(seed)
-    configurations = [(g, d, b) for g in (1, 3, 8) for d in (64, 128) for b in (16, 64, 256)]
-    configurations.append((3, 80, 16))
     results = []
-    for group, head_dim, block_size in configurations:
+    for group, head_dim, block_size in CHECK_CONFIGURATIONS:
         results += check_configuration(group, head_dim, block_size, generator)
     failures = [result for result in results if not result["passed"]]
     worst = max(results, key=lambda result: result["max_abs_error"])
@@ -169,7 +189,7 @@ def time_microseconds(function) -> float:
 
 
 def time_with_cuda_graph_microseconds(function) -> float | None:
-    """Time replaying a captured graph, as the engine's decode does; None if capture fails."""
+    """Time replaying a captured graph, as the engine's decode does (L2 not flushed); None if capture fails."""
     try:
         return triton.testing.do_bench_cudagraph(function, rep=50, return_mode="median") * 1e3
     except RuntimeError as error:
@@ -177,66 +197,228 @@ def time_with_cuda_graph_microseconds(function) -> float | None:
         return None
 
 
-def time_decode(seed: int) -> list[dict]:
+def copy_bandwidth_gigabytes_per_second() -> float:
+    """Device-to-device copy of 1 GiB, counting bytes read and written: the ceiling decode is compared with."""
+    source = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
+    destination = torch.empty_like(source)
+    microseconds = time_microseconds(lambda: destination.copy_(source))
+    del source, destination
+    return 2 * (1 << 30) / microseconds / 1e3
+
+
+def legacy_partition_size(batch: int, capacity: int, streaming_multiprocessors: int) -> int:
+    """The first version's split (partition length from the block table's capacity), kept here to show what a
+    wide table cost it."""
+    wanted_partitions = triton.cdiv(4 * streaming_multiprocessors, batch * TIMED_KV_HEADS)
+    tile = attention_triton._DECODE_KV_TILE
+    return max(triton.cdiv(triton.cdiv(capacity, wanted_partitions), tile), 2) * tile
+
+
+def decode_case(batch: int, context_len: int, block_size: int, generator: torch.Generator) -> tuple:
+    k_cache, v_cache, block_tables = random_paged_cache(
+        [context_len] * batch, block_size, TIMED_KV_HEADS, TIMED_HEAD_DIM, generator
+    )
+    q = torch.randn((batch, TIMED_HEADS, TIMED_HEAD_DIM), generator=generator, device=DEVICE).to(DTYPE)
+    lens = torch.full((batch,), context_len, dtype=torch.int32, device=DEVICE)
+    return q, k_cache, v_cache, lens, block_tables, TIMED_HEAD_DIM**-0.5
+
+
+def kv_bytes(batch: int, context_len: int) -> int:
+    return 2 * batch * context_len * TIMED_KV_HEADS * TIMED_HEAD_DIM * DTYPE.itemsize
+
+
+def time_decode(seed: int, copy_gigabytes_per_second: float) -> list[dict]:
     generator = torch.Generator(device=DEVICE).manual_seed(seed)
     streaming_multiprocessors = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    shapes = [(batch, 2048) for batch in (1, 32, 128, 256)] + [(1, 32768), (8, 32768)]
     log()
     log(f"decode, {TIMED_HEADS} q heads / {TIMED_KV_HEADS} kv heads / head_dim {TIMED_HEAD_DIM}, bfloat16; "
-        "GB/s = K+V bytes read / time (L2 flushed)")
+        f"GB/s = K+V bytes read / time (L2 flushed); copy = {copy_gigabytes_per_second:.0f} GB/s; graph = CUDA "
+        f"graph replay (L2 not flushed); wide = block table of ceil({GRAPH_MAX_MODEL_LEN}/block) columns; "
+        "old = the first version's capacity-based split; 1-part = no split")
     header = (f"{'block':>5} {'batch':>5} {'context':>7} {'parts':>5} {'KV MB':>8} {'us':>8} {'GB/s':>7} "
-              f"{'graph us':>8} {'1-part us':>9}")
+              f"{'%copy':>5} {'graph us':>8} {'wide us':>8} {'wide gr':>8} {'old wide':>8} {'1-part us':>9}")
     log(header)
-    for block_size in (16, 256):
-        for batch, context_len in shapes:
-            k_cache, v_cache, block_tables = random_paged_cache(
-                [context_len] * batch, block_size, TIMED_KV_HEADS, TIMED_HEAD_DIM, generator
-            )
-            q = torch.randn((batch, TIMED_HEADS, TIMED_HEAD_DIM), generator=generator, device=DEVICE).to(DTYPE)
-            lens = torch.full((batch,), context_len, dtype=torch.int32, device=DEVICE)
-            capacity = block_tables.shape[1] * block_size
-            partition = decode_partition_size(batch, TIMED_KV_HEADS, capacity, streaming_multiprocessors)
-            arguments = (q, k_cache, v_cache, lens, block_tables, TIMED_HEAD_DIM**-0.5)
+    for block_size in DECODE_BLOCK_SIZES:
+        for batch, context_len in DECODE_SHAPES:
+            arguments = decode_case(batch, context_len, block_size, generator)
+            q, k_cache, v_cache, lens, block_tables, scale = arguments
+            wide_arguments = (q, k_cache, v_cache, lens, widen(block_tables, block_size), scale)
+            wide_capacity = wide_arguments[4].shape[1] * block_size
+            tile = attention_triton._DECODE_KV_TILE
             microseconds = time_microseconds(lambda: paged_decode_attention_triton(*arguments))
             graph_microseconds = time_with_cuda_graph_microseconds(lambda: paged_decode_attention_triton(*arguments))
-            one_partition = triton.cdiv(capacity, 64) * 64
+            wide_microseconds = time_microseconds(lambda: paged_decode_attention_triton(*wide_arguments))
+            wide_graph_microseconds = time_with_cuda_graph_microseconds(
+                lambda: paged_decode_attention_triton(*wide_arguments)
+            )
+            old_partition = legacy_partition_size(batch, wide_capacity, streaming_multiprocessors)
+            old_wide_microseconds = time_microseconds(
+                lambda: paged_decode_attention_triton(*wide_arguments, partition_size=old_partition)
+            )
+            one_partition = triton.cdiv(block_tables.shape[1] * block_size, tile) * tile
             one_partition_microseconds = time_microseconds(
                 lambda: paged_decode_attention_triton(*arguments, partition_size=one_partition)
             )
-            kv_bytes = 2 * batch * context_len * TIMED_KV_HEADS * TIMED_HEAD_DIM * DTYPE.itemsize
+            gigabytes_per_second = kv_bytes(batch, context_len) / microseconds / 1e3
             row = {
                 "block_size": block_size,
                 "batch": batch,
                 "context": context_len,
-                "partitions": triton.cdiv(capacity, partition),
-                "kv_megabytes": kv_bytes / 1e6,
+                "partitions": decode_num_partitions(batch, TIMED_KV_HEADS, streaming_multiprocessors),
+                "kv_megabytes": kv_bytes(batch, context_len) / 1e6,
                 "microseconds": microseconds,
-                "gigabytes_per_second": kv_bytes / microseconds / 1e3,
+                "gigabytes_per_second": gigabytes_per_second,
+                "percent_of_copy": 100 * gigabytes_per_second / copy_gigabytes_per_second,
                 "graph_microseconds": graph_microseconds,
+                "wide_microseconds": wide_microseconds,
+                "wide_graph_microseconds": wide_graph_microseconds,
+                "old_split_wide_microseconds": old_wide_microseconds,
                 "one_partition_microseconds": one_partition_microseconds,
             }
             rows.append(row)
-            graph = f"{graph_microseconds:8.1f}" if graph_microseconds is not None else f"{'n/a':>8}"
+
+            def optional(value: float | None) -> str:
+                return f"{value:8.1f}" if value is not None else f"{'n/a':>8}"
+
             log(f"{block_size:>5} {batch:>5} {context_len:>7} {row['partitions']:>5} {row['kv_megabytes']:>8.1f} "
-                f"{microseconds:>8.1f} {row['gigabytes_per_second']:>7.0f} {graph} {one_partition_microseconds:>9.1f}")
-            del k_cache, v_cache
+                f"{microseconds:>8.1f} {gigabytes_per_second:>7.0f} {row['percent_of_copy']:>5.0f} "
+                f"{optional(graph_microseconds)} {wide_microseconds:>8.1f} {optional(wide_graph_microseconds)} "
+                f"{old_wide_microseconds:>8.1f} {one_partition_microseconds:>9.1f}")
+            del arguments, wide_arguments, q, k_cache, v_cache
     return rows
 
 
-def time_prefill(seed: int) -> dict:
+DECODE_DEFAULTS = (
+    "_DECODE_KV_TILE", "_DECODE_NUM_WARPS", "_DECODE_NUM_STAGES", "_PROGRAMS_PER_SM", "_ROUND_PARTITIONS_UP"
+)
+# (tile, warps, stages, programs per SM, round the partition count up); the first is the first version's choice.
+DECODE_SWEEP = [
+    (64, 4, 3, 4, True), (64, 4, 3, 4, False), (64, 4, 3, 2, False), (64, 4, 3, 3, False), (64, 4, 3, 5, False),
+    (64, 4, 3, 6, False), (64, 4, 3, 8, False), (64, 4, 2, 4, False), (64, 4, 4, 4, False), (64, 8, 3, 4, False),
+    (128, 4, 2, 3, False), (128, 4, 3, 3, False), (128, 8, 3, 3, False), (32, 4, 4, 6, False),
+]
+SWEEP_DECODE_SHAPES = [(1, 2048), (32, 2048), (64, 2048), (128, 2048), (256, 2048), (4, 8192), (16, 8192), (1, 32768),
+                       (8, 32768)]
+PREFILL_DEFAULTS = ("_PREFILL_ROWS", "_KV_TILE", "_PREFILL_NUM_WARPS", "_PREFILL_NUM_STAGES")
+PREFILL_SWEEP = [
+    (64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2)
+]
+
+
+def with_settings(names: tuple, values: tuple, function):
+    saved = [getattr(attention_triton, name) for name in names]
+    try:
+        for name, value in zip(names, values):
+            setattr(attention_triton, name, value)
+        return function()
+    finally:
+        for name, value in zip(names, saved):
+            setattr(attention_triton, name, value)
+
+
+def compiled_kernel_report() -> list[str]:
+    """Registers, spills and shared memory of every compiled decode-partition kernel, and how many programs of
+    it fit on one SM (65536 registers, 227 KiB of shared memory, 64 warps)."""
+    lines: list[str] = []
+    try:
+        for device_cache in attention_triton._decode_partition_kernel.device_caches.values():
+            for compiled in device_cache[0].values():
+                compiled._init_handles()
+                warps = compiled.metadata.num_warps
+                shared = compiled.metadata.shared
+                by_registers = 65536 // max(1, compiled.n_regs * 32 * warps)
+                by_shared = 232448 // max(1, shared)
+                resident = min(by_registers, by_shared, 64 // warps)
+                lines.append(f"  decode kernel, warps={warps} stages={compiled.metadata.num_stages}: "
+                             f"{compiled.n_regs} regs, {compiled.n_spills} spills, {shared} B shared -> "
+                             f"{resident} programs/SM")
+    except Exception as error:  # noqa: BLE001 - internals differ between Triton versions
+        lines.append(f"  (no kernel report: {error!r})")
+    # Every variant compiled so far (the checks' shapes too), each distinct line once with its count.
+    return [f"{line} (x{lines.count(line)})" for line in dict.fromkeys(lines)]
+
+
+def sweep(seed: int, copy_gigabytes_per_second: float) -> dict:
+    """Decode (block 256, CUDA graph replay, so no launch overhead) and prefill (L2 flushed) timings over launch
+    configurations; each output is compared with the default configuration's."""
     generator = torch.Generator(device=DEVICE).manual_seed(seed)
-    batch, prompt_len, block_size = 4, 2048, 256
+    shapes = SWEEP_DECODE_SHAPES
+    log()
+    log(f"sweep, decode block 256, CUDA graph replay: GB/s (us) per (tile, warps, stages, programs/SM, round up); "
+        f"copy = {copy_gigabytes_per_second:.0f} GB/s; ! = output differs from the default's by > {ATOL}")
+    log(f"{'config':>22} " + " ".join(f"{f'{b}x{c}':>14}" for b, c in shapes))
+    decode_results = []
+    for config in DECODE_SWEEP:
+        decode_results.append({"config": config, "microseconds": [], "max_abs_difference": 0.0})
+    cells = [[] for _ in DECODE_SWEEP]
+    for batch, context_len in shapes:
+        arguments = decode_case(batch, context_len, 256, generator)
+        reference = paged_decode_attention_triton(*arguments)
+        for entry, row_cells in zip(decode_results, cells):
+            config = entry["config"]
+            try:
+                actual = with_settings(DECODE_DEFAULTS, config, lambda: paged_decode_attention_triton(*arguments))
+                difference = (actual.float() - reference.float()).abs().max().item()
+                entry["max_abs_difference"] = max(entry["max_abs_difference"], difference)
+                microseconds = with_settings(
+                    DECODE_DEFAULTS,
+                    config,
+                    lambda: time_with_cuda_graph_microseconds(lambda: paged_decode_attention_triton(*arguments)),
+                )
+                entry["microseconds"].append(microseconds)
+                bad = "!" if difference > ATOL else ""
+                row_cells.append(f"{kv_bytes(batch, context_len) / microseconds / 1e3:6.0f}({microseconds:6.1f}){bad}")
+            except Exception as error:  # noqa: BLE001 - a configuration that does not compile is a result
+                entry["microseconds"].append(None)
+                entry["error"] = repr(error)[:200]
+                row_cells.append(f"{'error':>14}")
+        del arguments, reference
+    for entry, row_cells in zip(decode_results, cells):
+        log(f"{str(entry['config']):>22} " + " ".join(row_cells))
+    for line in compiled_kernel_report():
+        log(line)
+
+    batch, prompt_len = PREFILL_SHAPE
+    prefill_arguments = prefill_case(batch, prompt_len, generator)
+    reference = paged_prefill_attention_triton(*prefill_arguments)
+    log(f"sweep, prefill {batch} x {prompt_len} block 256, ms per (rows, tile, warps, stages)")
+    prefill_results = []
+    for config in PREFILL_SWEEP:
+        entry = {"config": config}
+        try:
+            actual = with_settings(PREFILL_DEFAULTS, config, lambda: paged_prefill_attention_triton(*prefill_arguments))
+            entry["max_abs_difference"] = (actual.float() - reference.float()).abs().max().item()
+            entry["microseconds"] = with_settings(
+                PREFILL_DEFAULTS,
+                config,
+                lambda: time_microseconds(lambda: paged_prefill_attention_triton(*prefill_arguments)),
+            )
+            log(f"{str(config):>16} {entry['microseconds'] / 1e3:8.3f} ms  (max diff {entry['max_abs_difference']:.1e})")
+        except Exception as error:  # noqa: BLE001
+            entry["error"] = repr(error)[:200]
+            log(f"{str(config):>16} error {entry['error']}")
+        prefill_results.append(entry)
+    return {"decode": decode_results, "prefill": prefill_results}
+
+
+def prefill_case(batch: int, prompt_len: int, generator: torch.Generator) -> tuple:
+    block_size = 256
     k_cache, v_cache, block_tables = random_paged_cache(
         [prompt_len] * batch, block_size, TIMED_KV_HEADS, TIMED_HEAD_DIM, generator
     )
     q = torch.randn((batch * prompt_len, TIMED_HEADS, TIMED_HEAD_DIM), generator=generator, device=DEVICE).to(DTYPE)
     cu_seqlens_q = torch.arange(0, batch + 1, device=DEVICE, dtype=torch.int32) * prompt_len
     lens = torch.full((batch,), prompt_len, dtype=torch.int32, device=DEVICE)
-    scale = TIMED_HEAD_DIM**-0.5
-    paged = time_microseconds(
-        lambda: paged_prefill_attention_triton(q, k_cache, v_cache, cu_seqlens_q, lens, block_tables, scale)
-    )
+    return q, k_cache, v_cache, cu_seqlens_q, lens, block_tables, TIMED_HEAD_DIM**-0.5
+
+
+def time_prefill(seed: int) -> dict:
+    generator = torch.Generator(device=DEVICE).manual_seed(seed)
+    (batch, prompt_len), block_size = PREFILL_SHAPE, 256
+    arguments = prefill_case(batch, prompt_len, generator)
+    q, scale = arguments[0], arguments[-1]
+    paged = time_microseconds(lambda: paged_prefill_attention_triton(*arguments))
     dense_q = q.view(batch, prompt_len, TIMED_HEADS, TIMED_HEAD_DIM).transpose(1, 2)
     # KV repeated per query head, so any torch version's flash backend takes it.
     dense_kv = torch.randn((batch, TIMED_HEADS, prompt_len, TIMED_HEAD_DIM), generator=generator, device=DEVICE)
@@ -255,23 +437,56 @@ def time_prefill(seed: int) -> dict:
     return {"paged_microseconds": paged, "dense_sdpa_microseconds": dense, "flops": flops}
 
 
+def section(name: str, function, failures: list[str]):
+    """Run one part of the check; a crash is logged with its traceback and counted as a failure, and the
+    remaining parts still run."""
+    try:
+        return function()
+    except Exception:  # noqa: BLE001
+        failures.append(name)
+        log(f"{name} CRASHED:")
+        for line in traceback.format_exc().splitlines():
+            log("  " + line)
+        return None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sweep", action="store_true", help="also time several launch configurations")
     arguments = parser.parse_args()
     if not torch.cuda.is_available():
         print("check_attention_gpu.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    log(f"{datetime.datetime.now().isoformat(timespec='seconds')} {torch.cuda.get_device_name(0)}, "
-        f"torch {torch.__version__}, triton {triton.__version__}")
-    checks = run_checks(arguments.seed)
-    decode_rows = time_decode(arguments.seed)
-    prefill = time_prefill(arguments.seed)
+    properties = torch.cuda.get_device_properties(0)
+    log(f"{datetime.datetime.now().isoformat(timespec='seconds')} {torch.cuda.get_device_name(0)} "
+        f"({properties.multi_processor_count} SMs), torch {torch.__version__}, triton {triton.__version__}")
+    crashed: list[str] = []
+    copy = section("copy bandwidth", copy_bandwidth_gigabytes_per_second, crashed) or float("nan")
+    log(f"device-to-device copy: {copy:.0f} GB/s (read + write)")
+    checks = section("checks", lambda: run_checks(arguments.seed), crashed) or []
+    decode_rows = section("decode timing", lambda: time_decode(arguments.seed, copy), crashed)
+    prefill = section("prefill timing", lambda: time_prefill(arguments.seed), crashed)
+    tuning = section("sweep", lambda: sweep(arguments.seed, copy), crashed) if arguments.sweep else None
     output_dir = os.environ.get("OUT")
     if output_dir:
         with open(os.path.join(output_dir, "check_attention_gpu.json"), "w") as json_file:
-            json.dump({"checks": checks, "decode": decode_rows, "prefill": prefill}, json_file, indent=1)
-    return 0 if all(result["passed"] for result in checks) else 1
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(0),
+                    "copy_gigabytes_per_second": copy,
+                    "checks": checks,
+                    "decode": decode_rows,
+                    "prefill": prefill,
+                    "sweep": tuning,
+                    "crashed": crashed,
+                },
+                json_file,
+                indent=1,
+            )
+    passed = bool(checks) and all(result["passed"] for result in checks) and not crashed
+    log(f"RESULT: {'PASS' if passed else 'FAIL'}" + (f" (crashed: {', '.join(crashed)})" if crashed else ""))
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

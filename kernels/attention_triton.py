@@ -8,8 +8,9 @@ per group instead of once per query head. Softmax is the online (running max and
 with ``scale * log2(e)`` folded into the logits.
 
 Decode splits each sequence into partitions processed by separate programs, then a second kernel merges the
-partial results with their log-sum-exp; the partition size comes from tensor shapes only (never from values on the
-device), so a decode step can be captured in a CUDA graph.
+partial results with their log-sum-exp. The number of partitions comes from the batch size only and each
+sequence's partition length from its context length, read on the device, so a decode step can be captured in a
+CUDA graph and a wide (padded) block table costs nothing.
 """
 
 from __future__ import annotations
@@ -22,18 +23,29 @@ import triton.language as tl
 
 _LOG2_E = 1.4426950408889634
 
-# Tokens per K/V tile in the inner loops. 64 keeps a [64, 128] bfloat16 tile (16 KiB) per operand in shared memory
+# Tokens per K/V tile in the prefill loop. 64 keeps a [64, 128] bfloat16 tile (16 KiB) per operand in shared memory
 # with room for double buffering.
 _KV_TILE = 64
 # Query rows (tokens x heads of a group) per prefill program.
 _PREFILL_ROWS = 64
+_PREFILL_NUM_WARPS = 4
+_PREFILL_NUM_STAGES = 3
 # tl.dot on tensor cores needs every dimension to be at least 16.
 _MIN_DOT_DIM = 16
+# Decode: tokens per K/V tile, warps per program and software-pipelining depth of the partition kernel.
+_DECODE_KV_TILE = 64
+_DECODE_NUM_WARPS = 4
+_DECODE_NUM_STAGES = 3
 # A decode partition is never shorter than this many tiles: below it the partial write and the merge cost more
 # than the parallelism gained.
 _MIN_TILES_PER_PARTITION = 2
-# Decode aims for this many programs per streaming multiprocessor, enough to hide memory latency.
+# Decode aims for at most this many programs per streaming multiprocessor: as many as fit on an SM at once, so
+# that a batch of equal-length sequences runs in one wave with no short last wave.
 _PROGRAMS_PER_SM = 4
+# Round the partition count up instead of down (the first version's rule, kept for bench/check_attention_gpu.py).
+_ROUND_PARTITIONS_UP = False
+# Upper bound on decode partitions per sequence (a single sequence on many SMs).
+_MAX_PARTITIONS = 256
 # Partial results merged per iteration of the decode merge kernel.
 _MERGE_TILE = 16
 # The interpreter has no streaming multiprocessors to fill; a small count keeps its grids small.
@@ -331,8 +343,25 @@ def paged_prefill_attention_triton(
         HEAD_DIM_PADDED=max(triton.next_power_of_2(head_dim), _MIN_DOT_DIM),
         KV_TILE=_KV_TILE,
         DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=_PREFILL_NUM_WARPS,
+        num_stages=_PREFILL_NUM_STAGES,
     )
     return out
+
+
+@triton.jit
+def _decode_partition_tokens(
+    context_len, num_partitions, fixed_partition_size, KV_TILE: tl.constexpr, MIN_TILES: tl.constexpr
+):
+    """Entries per partition of one sequence: ``fixed_partition_size`` when it is positive, else the sequence's own
+    length cut into ``num_partitions`` whole tiles, at least ``MIN_TILES`` of them. Read on the device from
+    ``context_lens``, so a CUDA graph replays it correctly for any lengths."""
+    if fixed_partition_size > 0:
+        partition_size = fixed_partition_size
+    else:
+        partition_tiles = tl.cdiv(tl.cdiv(context_len, num_partitions), KV_TILE)
+        partition_size = tl.maximum(partition_tiles, MIN_TILES) * KV_TILE
+    return partition_size
 
 
 @triton.jit
@@ -355,7 +384,7 @@ def _decode_partition_kernel(
     cache_head_stride,
     block_table_stride,
     num_partitions,
-    partition_size,
+    fixed_partition_size,
     NUM_HEADS: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr,
     GROUP: tl.constexpr,
@@ -364,12 +393,14 @@ def _decode_partition_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
     KV_TILE: tl.constexpr,
+    MIN_TILES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     partition = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
+    partition_size = _decode_partition_tokens(context_len, num_partitions, fixed_partition_size, KV_TILE, MIN_TILES)
     partition_start = partition * partition_size
     partition_end = tl.minimum(partition_start + partition_size, context_len)
 
@@ -386,7 +417,7 @@ def _decode_partition_kernel(
     # The one query sits after every cached entry, so nothing is masked causally.
     visible_until = tl.full([GROUP_PADDED], 2147483647, tl.int32)
     block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * block_table_stride
-    # A partition past the sequence's end (the grid is sized for the block table's capacity) loops zero times.
+    # A partition past the sequence's end (a short sequence needs fewer than num_partitions) loops zero times.
     for tile_start in range(partition_start, partition_end, KV_TILE):
         running_max, running_sum, accumulator = _attend_kv_tile(
             queries,
@@ -436,15 +467,18 @@ def _decode_merge_kernel(
     out_batch_stride,
     out_head_stride,
     num_partitions,
-    partition_size,
+    fixed_partition_size,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
+    KV_TILE: tl.constexpr,
+    MIN_TILES: tl.constexpr,
     MERGE_TILE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
+    partition_size = _decode_partition_tokens(context_len, num_partitions, fixed_partition_size, KV_TILE, MIN_TILES)
     num_used_partitions = tl.cdiv(context_len, partition_size)
     first_row = (seq.to(tl.int64) * NUM_HEADS + head) * num_partitions
     dims = tl.arange(0, HEAD_DIM_PADDED)
@@ -475,17 +509,18 @@ def _decode_merge_kernel(
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-def decode_partition_size(
-    batch: int, num_kv_heads: int, max_context_capacity: int, streaming_multiprocessors: int
-) -> int:
-    """Tokens per decode partition, from shapes only: enough partitions that batch x kv-heads x partitions
-    reaches ``_PROGRAMS_PER_SM`` programs per SM, none shorter than ``_MIN_TILES_PER_PARTITION`` tiles.
-    A large batch therefore gets one partition (no merge pass); a single long sequence gets many."""
+def decode_num_partitions(batch: int, num_kv_heads: int, streaming_multiprocessors: int) -> int:
+    """Partitions per sequence (the decode grid's third dimension), from the batch size alone: as many as keep
+    batch x kv-heads x partitions within ``_PROGRAMS_PER_SM`` programs per SM. A large batch gets one partition
+    (no merge pass); a single sequence gets many. Each sequence's partition length is then its own
+    ``context_len`` cut into that many tiles, on the device, so neither the block table's width (a CUDA graph's
+    table is as wide as ``max_model_len``) nor the lengths of this step change the grid."""
     target_programs = _PROGRAMS_PER_SM * streaming_multiprocessors
-    wanted_partitions = triton.cdiv(target_programs, batch * num_kv_heads)
-    partition_size = triton.cdiv(max_context_capacity, wanted_partitions)
-    partition_tiles = max(triton.cdiv(partition_size, _KV_TILE), _MIN_TILES_PER_PARTITION)
-    return partition_tiles * _KV_TILE
+    if _ROUND_PARTITIONS_UP:
+        num_partitions = triton.cdiv(target_programs, batch * num_kv_heads)
+    else:
+        num_partitions = target_programs // (batch * num_kv_heads)
+    return max(1, min(num_partitions, _MAX_PARTITIONS))
 
 
 def paged_decode_attention_triton(
@@ -502,9 +537,11 @@ def paged_decode_attention_triton(
 
     Grid of the first pass: (batch, num_kv_heads, partitions); each program attends the whole query group of one
     KV head to one partition of the sequence. With more than one partition a merge pass, grid (batch, num_heads),
-    combines the partial outputs by their log-sum-exp. The number of partitions follows from the block table's
-    width (its capacity), not from ``context_lens``, so nothing is read back from the device.
-    ``partition_size`` (a multiple of the KV tile, 64) overrides the automatic choice; tests use it."""
+    combines the partial outputs by their log-sum-exp. The number of partitions follows from the batch size
+    (``decode_num_partitions``) and each sequence's partition length from its ``context_lens`` entry, read on the
+    device, so nothing is read back and the call can be captured in a CUDA graph.
+    ``partition_size`` (a multiple of ``_DECODE_KV_TILE``) instead fixes every partition's length, with enough
+    partitions for the block table's capacity; tests use it to force the merge."""
     _check_cache(k_cache, v_cache)
     if q.dtype != k_cache.dtype:
         raise ValueError(f"q is {q.dtype} but the KV cache is {k_cache.dtype}; they must match")
@@ -517,15 +554,18 @@ def paged_decode_attention_triton(
         return out
     group = _group_size(num_heads, num_kv_heads)
     head_dim_padded = max(triton.next_power_of_2(head_dim), _MIN_DOT_DIM)
-    max_context_capacity = block_tables.shape[1] * block_size
+    kv_tile = _DECODE_KV_TILE
     if partition_size is None:
         streaming_multiprocessors = (
             _streaming_multiprocessor_count(q.device.index or 0) if q.is_cuda else _INTERPRETER_SM_COUNT
         )
-        partition_size = decode_partition_size(batch, num_kv_heads, max_context_capacity, streaming_multiprocessors)
-    elif partition_size % _KV_TILE != 0:
-        raise ValueError(f"partition_size must be a multiple of {_KV_TILE}, got {partition_size}")
-    num_partitions = max(1, triton.cdiv(max_context_capacity, partition_size))
+        num_partitions = decode_num_partitions(batch, num_kv_heads, streaming_multiprocessors)
+        fixed_partition_size = 0
+    elif partition_size <= 0 or partition_size % kv_tile != 0:
+        raise ValueError(f"partition_size must be a positive multiple of {kv_tile}, got {partition_size}")
+    else:
+        num_partitions = max(1, triton.cdiv(block_tables.shape[1] * block_size, partition_size))
+        fixed_partition_size = partition_size
     if num_partitions > 1:
         partial_out = torch.empty(
             (batch, num_heads, num_partitions, head_dim_padded), dtype=torch.float32, device=q.device
@@ -553,7 +593,7 @@ def paged_decode_attention_triton(
         k_cache.stride(2),
         block_tables.stride(0),
         num_partitions,
-        partition_size,
+        fixed_partition_size,
         NUM_HEADS=num_heads,
         SINGLE_PARTITION=num_partitions == 1,
         GROUP=group,
@@ -561,8 +601,11 @@ def paged_decode_attention_triton(
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=head_dim_padded,
-        KV_TILE=_KV_TILE,
+        KV_TILE=kv_tile,
+        MIN_TILES=_MIN_TILES_PER_PARTITION,
         DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=_DECODE_NUM_WARPS,
+        num_stages=_DECODE_NUM_STAGES,
     )
     if num_partitions > 1:
         _decode_merge_kernel[(batch, num_heads)](
@@ -573,10 +616,12 @@ def paged_decode_attention_triton(
             out.stride(0),
             out.stride(1),
             num_partitions,
-            partition_size,
+            fixed_partition_size,
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
             HEAD_DIM_PADDED=head_dim_padded,
+            KV_TILE=kv_tile,
+            MIN_TILES=_MIN_TILES_PER_PARTITION,
             MERGE_TILE=_MERGE_TILE,
         )
     return out

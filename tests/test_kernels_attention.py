@@ -88,9 +88,12 @@ def compile_kernels_for_hopper() -> int:
         (kernels._prefill_kernel, attention_shape | dict(GROUP_PADDED=8, QUERY_TOKENS=8)),
         (
             kernels._decode_partition_kernel,
-            attention_shape | dict(NUM_HEADS=16, SINGLE_PARTITION=False, GROUP_PADDED=16),
+            attention_shape | dict(NUM_HEADS=16, SINGLE_PARTITION=False, GROUP_PADDED=16, MIN_TILES=2),
         ),
-        (kernels._decode_merge_kernel, dict(NUM_HEADS=16, HEAD_DIM=128, HEAD_DIM_PADDED=128, MERGE_TILE=16)),
+        (
+            kernels._decode_merge_kernel,
+            dict(NUM_HEADS=16, HEAD_DIM=128, HEAD_DIM_PADDED=128, KV_TILE=64, MIN_TILES=2, MERGE_TILE=16),
+        ),
     ]
     for kernel, constants in launches:
         signature = {
@@ -290,12 +293,33 @@ def test_decode_matches_reference(triton_kernels, dtype, group, block_size, part
 
 
 @under_interpreter
-def test_decode_partition_size_splits_small_batches_only(triton_kernels):
-    decode_partition_size = triton_kernels.decode_partition_size
-    single_sequence = decode_partition_size(1, 8, 2048, streaming_multiprocessors=132)
-    large_batch = decode_partition_size(256, 8, 2048, streaming_multiprocessors=132)
-    assert single_sequence < 2048 and single_sequence % 64 == 0
-    assert large_batch == 2048
+def test_decode_splits_small_batches_only(triton_kernels):
+    decode_num_partitions = triton_kernels.decode_num_partitions
+    assert decode_num_partitions(1, 8, streaming_multiprocessors=132) > 1
+    assert decode_num_partitions(256, 8, streaming_multiprocessors=132) == 1
+
+
+@under_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_with_a_wide_padded_block_table(triton_kernels, dtype, monkeypatch):
+    """A CUDA graph's block table is as wide as max_model_len: the same answer as a tight table, several
+    partitions per sequence (split by each sequence's own length), ragged lengths and an empty slot."""
+    generator = torch.Generator().manual_seed(11)
+    context_lens = [300, 45, 1, 0]
+    batch = make_paged_batch([max(length, 1) for length in context_lens], 16, dtype, generator)
+    batch.context_lens = torch.tensor(context_lens, dtype=torch.int32)
+    wide = torch.full((len(context_lens), 64), -1, dtype=torch.int32)
+    wide[:, : batch.block_tables.shape[1]] = batch.block_tables
+    q = torch.randn((len(context_lens), NUM_KV_HEADS * 3, HEAD_DIM), generator=generator).to(dtype)
+    tight_arguments = (q, batch.k_cache, batch.v_cache, batch.context_lens, batch.block_tables, 0.125)
+    wide_arguments = (q, batch.k_cache, batch.v_cache, batch.context_lens, wide, 0.125)
+    # 4 sequences x 2 KV heads x 4 partitions = 32 programs on the interpreter's 2 "SMs".
+    monkeypatch.setattr(triton_kernels, "_PROGRAMS_PER_SM", 16)
+    assert triton_kernels.decode_num_partitions(len(context_lens), NUM_KV_HEADS, 2) == 4
+    out = triton_kernels.paged_decode_attention_triton(*wide_arguments)
+    torch.testing.assert_close(out, paged_decode_attention_ref(*tight_arguments), **TOLERANCES[dtype])
+    torch.testing.assert_close(out, triton_kernels.paged_decode_attention_triton(*tight_arguments))
+    assert torch.count_nonzero(out[3]) == 0
 
 
 @under_interpreter
