@@ -26,6 +26,7 @@ import torch
 
 from zipage.core.config import ZipageConfig
 from zipage.core.memory import GIB
+from zipage.core.plan import DECODE, StepPlan
 from zipage.core.sequence import Sequence
 from zipage.engine.llm import LLM, build_engine
 from zipage.engine.sampler import SamplingParams
@@ -75,6 +76,7 @@ def decode_roofline(model: str, batches: list[int], bandwidth: float) -> list[di
     scheduler = engine.new_scheduler()
     manager = scheduler.block_manager
     rows = []
+    greedy = SamplingParams(temperature=0.0)
     for batch in batches:
         sequences, tokens = [], {}
         blocks = -(-CONTEXT // scheduler.block_size)
@@ -85,17 +87,20 @@ def decode_roofline(model: str, batches: list[int], bandwidth: float) -> list[di
             sequences.append(seq)
             tokens[seq.seq_id] = [index % shape.vocab_size]
         row = {"model": model, "batch": batch}
+        # A whole engine step minus scheduling: inputs, forward, sampling, tokens back on the host.
+        plan = StepPlan(step_id=0, kind=DECODE, decode=sequences)
+        params = {seq.seq_id: greedy for seq in sequences}
         for graphs in (True, False):
             saved = runner.graphs
             if not graphs:
                 runner.graphs = {}
             for _ in range(3):
-                runner._decode(sequences, tokens)
+                runner.execute(plan, tokens, params)
             torch.cuda.synchronize()
             iterations = 20
             started = time.perf_counter()
             for _ in range(iterations):
-                runner._decode(sequences, tokens)
+                runner.execute(plan, tokens, params)
             torch.cuda.synchronize()
             row["graphs" if graphs else "eager"] = (time.perf_counter() - started) / iterations
             runner.graphs = saved

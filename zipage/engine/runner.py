@@ -62,6 +62,7 @@ class ModelRunner:
         self.last_logits: torch.Tensor | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_inputs: dict[str, torch.Tensor] = {}
+        self.staging: dict[str, torch.Tensor] = {}
         if cuda_graphs and device.type == "cuda":
             self.capture_decode_graphs()
 
@@ -120,55 +121,60 @@ class ModelRunner:
                                 self._to_device(torch.cat(positions)))
             return self.model.compute_logits(hidden)
 
-    def _decode_inputs(self, sequences: list[Sequence], tokens: dict[str, list[int]]):
-        """Per-request decode inputs as host tensors (token, position, slot, context, query)."""
+    def _decode_inputs(self, sequences: list[Sequence], tokens: dict[str, list[int]],
+                       rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host tensors for a decode step, padded to `rows` requests and `width` table columns.
+
+        Returns an int64 [5, rows] tensor (token, position, KV slot, context length, query-cache
+        index) and an int32 [rows, width] block table. Padded rows attend to one entry of block 0
+        and store nothing, so they cannot disturb real requests.
+        """
         b, window = self.block_size, self.config.window
-        input_ids, positions, slots, context_lens, query_slots = [], [], [], [], []
+        columns = [[], [], [], [], []]
+        tables = []
         for seq in sequences:
             kv_len = seq.kv_len
-            input_ids.append(tokens[seq.seq_id][-1])
-            positions.append(seq.position)
-            slots.append(seq.block_table[kv_len // b] * b + kv_len % b)
-            context_lens.append(kv_len + 1)
+            table = seq.block_table
+            columns[0].append(tokens[seq.seq_id][-1])
+            columns[1].append(seq.position)
+            columns[2].append(table[kv_len // b] * b + kv_len % b)
+            columns[3].append(kv_len + 1)
             first, last = self.scheduler.window_query_range(seq, kv_len, kv_len + 1)
-            query_slots.append(seq.query_slot * window + kv_len % b - (b - window)
-                               if last > first else -1)
-        return (torch.tensor(input_ids, dtype=torch.int64),
-                torch.tensor(positions, dtype=torch.int64),
-                torch.tensor(slots, dtype=torch.int64),
-                torch.tensor(context_lens, dtype=torch.int32),
-                torch.tensor(query_slots, dtype=torch.int64))
+            columns[4].append(seq.query_slot * window + kv_len % b - (b - window)
+                              if last > first else -1)
+            tables.append(table + [0] * (width - len(table)))
+        padding = rows - len(sequences)
+        for column, pad in zip(columns, (0, 0, -1, 1, -1)):
+            column.extend([pad] * padding)
+        tables.extend([[0] * width] * padding)
+        return (torch.tensor(columns, dtype=torch.int64),
+                torch.tensor(tables, dtype=torch.int32).reshape(rows, width))
 
     def _decode(self, sequences: list[Sequence], tokens: dict[str, list[int]]) -> torch.Tensor:
-        input_ids, positions, slots, context_lens, query_slots = self._decode_inputs(
-            sequences, tokens)
         batch = len(sequences)
-        width = max(len(seq.block_table) for seq in sequences)
         bucket = next((size for size in self.graphs if size >= batch), None)
         if bucket is None:
+            width = max(len(seq.block_table) for seq in sequences)
+            columns, tables = self._decode_inputs(sequences, tokens, batch, width)
+            columns, tables = self._to_device(columns), self._to_device(tables)
             context = ForwardContext(
-                is_prefill=False, slot_mapping=self._to_device(slots),
-                context_lens=self._to_device(context_lens),
-                block_tables=self._to_device(
-                    _pad_tables([seq.block_table for seq in sequences], width)),
-                query_slot_mapping=self._query_mapping(query_slots))
+                is_prefill=False, slot_mapping=columns[2], context_lens=columns[3].int(),
+                block_tables=tables, query_slot_mapping=columns[4]
+                if self.query_cache is not None else None)
             with forward_context(context):
-                hidden = self.model(self._to_device(input_ids), self._to_device(positions))
+                hidden = self.model(columns[0], columns[1])
                 return self.model.compute_logits(hidden)
-        # Graph replay: refill the static inputs in place; padded rows attend to one entry of
-        # block 0 and store nothing, so they cannot disturb real requests.
+        # Graph replay: stage the padded inputs in pinned memory, copy them into the graph's
+        # static tensors without blocking the host, replay.
         static = self.graph_inputs
-        static["input_ids"][:batch].copy_(input_ids)
-        static["positions"][:batch].copy_(positions)
-        static["slot_mapping"].fill_(-1)
-        static["slot_mapping"][:batch].copy_(slots)
-        static["query_slot_mapping"].fill_(-1)
-        static["query_slot_mapping"][:batch].copy_(query_slots)
-        static["context_lens"].fill_(1)
-        static["context_lens"][:batch].copy_(context_lens)
-        static["block_tables"].fill_(0)
-        static["block_tables"][:batch, :width].copy_(
-            _pad_tables([seq.block_table for seq in sequences], width))
+        columns, tables = self._decode_inputs(sequences, tokens, bucket, self.max_blocks_per_seq)
+        staged_columns = self.staging["columns"][:, :bucket]
+        staged_tables = self.staging["tables"][:bucket]
+        staged_columns.copy_(columns)
+        staged_tables.copy_(tables)
+        static["columns"][:, :bucket].copy_(staged_columns, non_blocking=True)
+        static["block_tables"][:bucket].copy_(staged_tables, non_blocking=True)
+        static["context_lens"][:bucket].copy_(static["columns"][3, :bucket])
         self.graphs[bucket].replay()
         return static["logits"][:batch]
 
@@ -179,33 +185,35 @@ class ModelRunner:
         largest = min(self.config.max_num_seqs, GRAPH_BATCH_SIZES[-1])
         sizes = [size for size in GRAPH_BATCH_SIZES if size <= largest]
         device = self.device
+        columns = torch.zeros(5, largest, dtype=torch.int64, device=device)
+        columns[2:5:2] = -1  # store nothing anywhere until real requests fill the rows
         static = {
-            "input_ids": torch.zeros(largest, dtype=torch.int64, device=device),
-            "positions": torch.zeros(largest, dtype=torch.int64, device=device),
-            "slot_mapping": torch.full((largest,), -1, dtype=torch.int64, device=device),
-            "query_slot_mapping": torch.full((largest,), -1, dtype=torch.int64, device=device),
+            "columns": columns,  # token, position, KV slot, context length, query index
             "context_lens": torch.ones(largest, dtype=torch.int32, device=device),
             "block_tables": torch.zeros(largest, self.max_blocks_per_seq, dtype=torch.int32,
                                         device=device),
+        }
+        self.staging = {
+            "columns": torch.zeros(5, largest, dtype=torch.int64).pin_memory(),
+            "tables": torch.zeros(largest, self.max_blocks_per_seq, dtype=torch.int32
+                                  ).pin_memory(),
         }
         static["logits"] = torch.empty(largest, self.shape.vocab_size, dtype=self.dtype,
                                        device=device)
         pool = None
         for size in reversed(sizes):
             context = ForwardContext(
-                is_prefill=False, slot_mapping=static["slot_mapping"][:size],
+                is_prefill=False, slot_mapping=columns[2, :size],
                 context_lens=static["context_lens"][:size],
                 block_tables=static["block_tables"][:size],
-                query_slot_mapping=static["query_slot_mapping"][:size]
-                if self.query_cache is not None else None)
+                query_slot_mapping=columns[4, :size] if self.query_cache is not None else None)
             graph = torch.cuda.CUDAGraph()
             with forward_context(context), torch.inference_mode():
                 # Warm up outside the graph (Triton compiles and autotunes on first call).
-                self.model.compute_logits(self.model(static["input_ids"][:size],
-                                                     static["positions"][:size]))
+                self.model.compute_logits(self.model(columns[0, :size], columns[1, :size]))
                 torch.cuda.synchronize()
                 with torch.cuda.graph(graph, pool=pool):
-                    hidden = self.model(static["input_ids"][:size], static["positions"][:size])
+                    hidden = self.model(columns[0, :size], columns[1, :size])
                     static["logits"][:size] = self.model.compute_logits(hidden)
             pool = graph.pool()
             self.graphs[size] = graph
@@ -225,7 +233,5 @@ class ModelRunner:
 
 
 def _pad_tables(tables: list[list[int]], width: int) -> torch.Tensor:
-    padded = torch.zeros(len(tables), width, dtype=torch.int32)
-    for row, table in enumerate(tables):
-        padded[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
-    return padded
+    return torch.tensor([table + [0] * (width - len(table)) for table in tables],
+                        dtype=torch.int32).reshape(len(tables), width)
