@@ -5,7 +5,9 @@ sequences of a step side by side, and the batch layout comes from the forward co
 (`zipage.engine.context`). Parameters are created uninitialised (`torch.empty`) on whatever device
 and default dtype the caller has set, because the loader always overwrites them: from a checkpoint or
 with seeded random values. The maths follows the HF reference implementations of Llama, Qwen2 and
-Qwen3 so that greedy decoding matches them token for token in float32.
+Qwen3 so that greedy decoding matches them token for token in float32. The elementwise maths (norms, the
+residual adds, RoPE, SwiGLU) runs as fused kernels of `zipage.kernels.fused_ops`, a few launches per layer
+instead of dozens; on the CPU those are the torch references, bit-identical to the unfused HF code.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from torch import nn
 
 from zipage.engine.context import get_context
 from zipage.kernels.attention import paged_decode_attention, paged_prefill_attention, store_kv
+# rotary_qk and silu_and_mul are used by the models, which take all their building blocks from this module.
+from zipage.kernels.fused_ops import add_rms_norm, rms_norm, rotary_qk, silu_and_mul  # noqa: F401
 from zipage.presets import ROPE_TYPES
 
 # RoPE variants we implement (HF's `rope_type`); "default" is plain RoPE. Dynamic NTK and LongRoPE change
@@ -25,17 +29,23 @@ from zipage.presets import ROPE_TYPES
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 and cast back before the scale, as HF does."""
+    """Root-mean-square norm, computed in float32 and cast back before the scale, as HF does.
+
+    Given the residual stream too, it first adds `x` (a sublayer's output) to it, in the same kernel, and
+    returns the normalised sum with the new stream: `hidden, residual = norm(hidden, residual)`.
+    """
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(
@@ -127,16 +137,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", angles.sin() * attention_factor, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [num_tokens, head_dim / 2] of each token's position."""
+        """cos and sin [num_tokens, head_dim / 2] of each token's position, as `rotary_qk` takes them."""
         return self.cos[positions], self.sin[positions]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [num_tokens, num_heads, head_dim] by its tokens' angles, in HF's half-split pair layout."""
-    first, second = x.float().chunk(2, dim=-1)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
-    return rotated.to(x.dtype)
 
 
 class Linear(nn.Module):
@@ -186,12 +188,6 @@ class GateUpLinear(FusedLinear):
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__(hidden_size, {"gate": intermediate_size, "up": intermediate_size})
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU activation of a fused [gate | up] projection: silu(gate) * up."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 class Embedding(nn.Module):

@@ -2,8 +2,10 @@
 
 Pre-norm decoder layers: RMSNorm -> GQA attention with RoPE over the paged KV cache -> residual,
 RMSNorm -> SwiGLU MLP -> residual. Query/key/value and gate/up projections are fused into one matmul
-each. Module names mirror HF's (`model.layers.N.self_attn...`) so that the loader only has to map the
-fused projections. Qwen2 and Qwen3 subclass the attention block; everything else is shared.
+each, and each residual add is fused into the norm that follows it: a layer takes and returns the
+residual stream beside its output, and the next norm adds the two (Nano-vLLM's layout). Module names
+mirror HF's (`model.layers.N.self_attn...`) so that the loader only has to map the fused projections.
+Qwen2 and Qwen3 subclass the attention block; everything else is shared.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from zipage.engine.layers import (
     QKVLinear,
     RMSNorm,
     RotaryEmbedding,
-    apply_rotary,
+    rotary_qk,
     silu_and_mul,
 )
 from zipage.presets import ModelShape
@@ -44,9 +46,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(shape.num_heads * shape.head_dim, shape.hidden_size)
         self.attn = PagedAttention(shape.num_heads, shape.num_kv_heads, shape.head_dim)
 
-    def normalise_query_key(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hook applied to per-head queries and keys before RoPE; Llama has none."""
-        return query, key
+    def rotate_query_key(
+        self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE of the per-head queries and keys, one kernel for both; Qwen3 also normalises each head first."""
+        return rotary_qk(query, key, cos, sin)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         query_size = self.num_heads * self.head_dim
@@ -55,8 +59,7 @@ class LlamaAttention(nn.Module):
         query = query.reshape(-1, self.num_heads, self.head_dim)
         key = key.reshape(-1, self.num_kv_heads, self.head_dim)
         value = value.reshape(-1, self.num_kv_heads, self.head_dim)
-        query, key = self.normalise_query_key(query, key)
-        query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        query, key = self.rotate_query_key(query, key, cos, sin)
         out = self.attn(query, key, value)
         return self.o_proj(out.reshape(-1, query_size))
 
@@ -79,9 +82,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.mlp = LlamaMLP(shape)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`hidden` is the previous layer's MLP output, still to be added to the residual stream `residual`
+        (None before the first layer, whose `hidden` is the embedding: the stream starts there). Returns this
+        layer's MLP output and the stream, for the next layer's norm to add up."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -94,10 +107,11 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos, sin = self.rotary_emb(positions)  # looked up once, shared by every layer
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
 
 
 class LlamaForCausalLM(nn.Module):

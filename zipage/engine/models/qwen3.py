@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from zipage.engine.layers import RMSNorm
+from zipage.engine.layers import RMSNorm, rotary_qk
 from zipage.engine.models.llama import LlamaAttention, LlamaForCausalLM
 from zipage.presets import ModelShape
 
@@ -14,11 +14,14 @@ class Qwen3Attention(LlamaAttention):
 
     def __init__(self, shape: ModelShape) -> None:
         super().__init__(shape)
+        # Hold the checkpoints' q_norm / k_norm weights; the rotary kernel applies them, fused with RoPE.
         self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps)
         self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps)
 
-    def normalise_query_key(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q_norm(query), self.k_norm(key)
+    def rotate_query_key(
+        self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary_qk(query, key, cos, sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
