@@ -135,3 +135,16 @@ def test_engine_and_simulator_make_the_same_decisions(tiny_model, tmp_path):
     assert sim_log == (tmp_path / "cpu" / "decisions.log").read_text()
     for name in ("steps.csv", "requests.csv", "timeline.png", "summary.json"):
         assert (tmp_path / "cpu" / name).stat().st_size > 0
+
+
+def test_cli_generate_with_token_ids(tiny_model):
+    directory, reference = tiny_model
+    prompt = [5, 17, 33, 2]
+    result = subprocess.run(
+        [sys.executable, "-m", "zipage.cli", "generate", "ids:" + ",".join(map(str, prompt)),
+         "--model", str(directory), "--max-tokens", "12", "--ignore-eos", "--no-compress",
+         "--block-size", "16", "--kv-memory-gb", "0.01"],
+        capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    expected = hf_greedy(reference, [prompt], 12)[0]
+    assert result.stdout.split() == [str(token) for token in expected]

@@ -53,6 +53,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="sampling seed of the real engine; the simulator is deterministic and "
                             "only records it")
 
+    add_knob_flags(parser)
+
+
+def add_knob_flags(parser: argparse.ArgumentParser) -> None:
+    """Every compression and scheduling knob of DESIGN.md section 2."""
     knobs = parser.add_argument_group("compression and scheduling")
     defaults = ZipageConfig()
     knobs.add_argument("--block-size", type=int, default=defaults.block_size)
@@ -164,6 +169,42 @@ def print_summary(summary: dict, title: str) -> None:
         print(f"  {label:<{width}}  {text}")
 
 
+# ---------------------------------------------------------------- zipage generate
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    try:
+        from zipage.engine.llm import LLM
+        from zipage.engine.sampler import SamplingParams
+    except ImportError as error:
+        raise ZipageError("zipage generate needs the engine: pip install 'zipage[engine]'"
+                          ) from error
+    config = config_from_args(args)
+    llm = LLM(args.model, dtype="auto" if args.dtype is None else args.dtype,
+              device=args.device, kv_memory_gb=args.kv_memory_gb,
+              gpu_memory_utilization=args.gpu_memory_utilization, **config.to_dict())
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            seed=args.seed, max_tokens=args.max_tokens,
+                            ignore_eos=args.ignore_eos)
+    prompts = [_parse_prompt(prompt) for prompt in args.prompts]
+    for output in llm.generate(prompts, params, progress=False):
+        if output.error is not None:
+            print(f"[failed] {output.error}")
+        else:
+            print(output.text if output.text is not None else " ".join(map(str, output.token_ids)))
+    return 0
+
+
+def _parse_prompt(prompt: str) -> str | list[int]:
+    """A prompt is text, or token ids written as `ids:1,2,3` (for models without a tokenizer)."""
+    if prompt.startswith("ids:"):
+        try:
+            return [int(token) for token in prompt[4:].split(",") if token]
+        except ValueError as error:
+            raise ZipageError(f"prompt: {prompt!r} is not a list of token ids like ids:1,2,3"
+                              ) from error
+    return prompt
+
+
 # ---------------------------------------------------------------- zipage trace
 
 def cmd_trace_make(args: argparse.Namespace) -> int:
@@ -234,6 +275,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "requests.csv, decisions.log and timeline.png")
     replay.add_argument("--no-progress", action="store_true")
     replay.set_defaults(handler=cmd_replay)
+
+    generate = commands.add_parser("generate", help="generate text with the real engine")
+    generate.add_argument("prompts", nargs="+",
+                          help="prompt text, or token ids as ids:1,2,3 for random-weight models")
+    generate.add_argument("--model", required=True,
+                          help="HF model directory, .gguf file or random:<preset>")
+    generate.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+    generate.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                          help="default: bfloat16 on the GPU, float32 on the CPU")
+    generate.add_argument("--kv-memory-gb", type=float, default=None)
+    generate.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    generate.add_argument("--max-tokens", type=int, default=128)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--ignore-eos", action="store_true")
+    add_knob_flags(generate)
+    generate.set_defaults(handler=cmd_generate)
 
     trace = commands.add_parser("trace", help="make workload traces")
     trace_commands = trace.add_subparsers(dest="trace_command", required=True)

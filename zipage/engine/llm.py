@@ -12,14 +12,14 @@ from dataclasses import dataclass
 import torch
 
 from zipage.core.config import ZipageConfig
-from zipage.core.memory import MemoryPlan
+from zipage.core.memory import GIB, MemoryPlan
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.engine.loader import load_model
 from zipage.engine.loop import EngineLoop, EngineRun
 from zipage.engine.runner import ModelRunner
 from zipage.engine.sampler import SamplingParams
-from zipage.errors import ConfigError
+from zipage.errors import ConfigError, MemoryPlanError
 from zipage.presets import ModelShape
 from zipage.replay import ReplaySettings, effective_config, plan_capacity
 
@@ -67,10 +67,24 @@ def build_engine(settings: ReplaySettings, device: str | None = None,
         if settings.kv_memory_gb is None:
             settings = ReplaySettings(**{**settings.__dict__, "kv_memory_gb": CPU_KV_MEMORY_GB})
     capacity = plan_capacity(settings, shape, total)
+    if device.type == "cuda":
+        _check_fits(capacity, device)
     scheduler = Scheduler(config, capacity.num_blocks, capacity.num_query_slots)
     runner = ModelRunner(model, shape, scheduler, capacity, dtype, device,
                          cuda_graphs=cuda_graphs)
     return Engine(model, shape, tokenizer, config, capacity, runner, device)
+
+
+def _check_fits(capacity: MemoryPlan, device: torch.device) -> None:
+    """The planner works from the GPU's total memory (so the simulator plans the same capacity
+    for the same flags); refuse clearly if other processes left less than that free."""
+    free, _ = torch.cuda.mem_get_info(device)
+    needed = capacity.kv_bytes + capacity.query_bytes
+    if needed > free:
+        raise MemoryPlanError(
+            f"gpu memory: the caches need {needed / GIB:.1f} GiB but only {free / GIB:.1f} GiB "
+            "are free on the GPU (another process?); lower --gpu-memory-utilization or set "
+            "--kv-memory-gb")
 
 
 @dataclass
