@@ -1,11 +1,13 @@
 """Pure-torch reference of the compression pipeline (DESIGN.md section 7).
 
-The CPU path and the test oracle of the Triton kernels. One call compresses a batch of requests
+The CPU path and the test oracle of the Triton kernels (it runs on any device, so a GPU check can
+compare on the GPU). One call compresses a batch of requests
 over a group of layers (the runner passes `layer_stride` layers at a time). Shapes, with L layers
 in the group, R requests, N source blocks at most, b the block size, w the window:
 
 - k_cache, v_cache  [L, num_blocks, b, Hkv, d]   the paged KV cache of the group's layers
-- score_cache       [L, num_blocks, b, Hkv]      global scores F (None when the global score is off)
+- score_cache       [L, num_blocks, b, Hkv]      global scores F (None, or ignored, when the global score
+                                                 is off)
 - query_cache       [L, num_slots, w, Hq, d]     window queries, post-RoPE
 - source_tables     int [R, N]                   blocks being compressed (padded with -1)
 - num_source_blocks int [R]                      N_r; every source block is full
@@ -52,8 +54,8 @@ def attention_scores(queries: torch.Tensor, keys: torch.Tensor, length: int, blo
     grouped_keys = keys.float().repeat_interleave(group, dim=1)  # [length, Hq, d]
     logits = torch.einsum("whd,thd->hwt", queries.float(), grouped_keys) * scale
     # Window query u sits at in-block offset b - w + u of the final block and sees offsets <= it.
-    entry = torch.arange(length)
-    query_entry = length - window + torch.arange(window)
+    entry = torch.arange(length, device=keys.device)
+    query_entry = length - window + torch.arange(window, device=keys.device)
     logits = logits.masked_fill(entry[None, :] > query_entry[:, None], float("-inf"))
     probabilities = torch.softmax(logits, dim=-1)  # [Hq, w, length]
     per_kv_head = probabilities.view(kv_heads, group, window, length).amax(dim=1)
@@ -99,8 +101,8 @@ def redundancy_scores(keys: torch.Tensor, mode: str, block_size: int, threshold:
         similarity = (normalised @ normalised.transpose(-1, -2))[:, None]  # [H, 1, T, T]
         compared = length
     size = similarity.shape[-1]
-    similarity = similarity * (1 - torch.eye(size))
-    rows = torch.arange(size)[:, None].expand(size, size)
+    similarity = similarity * (1 - torch.eye(size, device=keys.device))
+    rows = torch.arange(size, device=keys.device)[:, None].expand(size, size)
     above = similarity > threshold
     newest = torch.where(above, rows, torch.full_like(rows, -1)).amax(dim=-2, keepdim=True)
     similarity = similarity.masked_fill((rows == newest) & above, 0.0)
@@ -135,36 +137,51 @@ def kept_entries(scores: torch.Tensor, keep: int) -> torch.Tensor:
     return scores.topk(keep, dim=-1).indices.sort(dim=-1).values
 
 
+def write_kept_entries(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Tensor | None,
+                       source: torch.Tensor, target: torch.Tensor, kept: torch.Tensor,
+                       stored: torch.Tensor | None) -> None:
+    """Compaction of one (layer, request): the entries `kept` [Hkv, keep] (sorted) of the blocks `source`
+    move densely, in order, into the blocks `target` of one layer's caches (k_cache [num_blocks, b, Hkv, d]);
+    the global scores `stored` [Hkv, length] of the kept entries go to `score_cache` when both are given.
+    Everything is gathered before anything is written, so a target block may also be a source block."""
+    keys = k_cache[source].flatten(0, 1)  # [N*b, Hkv, d]
+    values = v_cache[source].flatten(0, 1)
+    block_size = k_cache.shape[1]
+    keep = kept.shape[1]
+    heads = torch.arange(keys.shape[1], device=keys.device)[:, None]
+    kept_keys = keys[kept, heads]  # [Hkv, keep, d]
+    kept_values = values[kept, heads]
+    shape = (keep // block_size, block_size) + keys.shape[1:]
+    k_cache[target] = kept_keys.transpose(0, 1).reshape(shape)
+    v_cache[target] = kept_values.transpose(0, 1).reshape(shape)
+    if score_cache is not None and stored is not None:
+        kept_scores = torch.gather(stored, 1, kept)  # [Hkv, keep]
+        score_cache[target] = kept_scores.transpose(0, 1).reshape(
+            keep // block_size, block_size, -1).to(score_cache.dtype)
+
+
 def compress_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Tensor | None,
                  query_cache: torch.Tensor, source_tables: torch.Tensor,
                  num_source_blocks: torch.Tensor, target_tables: torch.Tensor,
                  query_slots: torch.Tensor, is_compressed: torch.Tensor,
                  params: CompressionParams, scale: float) -> None:
-    b = params.block_size
-    layers = k_cache.shape[0]
-    targets_per_request = target_tables.shape[1]
-    keep = targets_per_request * b
+    if params.global_score and score_cache is None:
+        raise ValueError("the global score is on but score_cache is None")
+    # Without the global score the score cache (if any) is neither read nor written.
+    score_cache = score_cache if params.global_score else None
+    keep = target_tables.shape[1] * params.block_size
     for request in range(source_tables.shape[0]):
         count = int(num_source_blocks[request])
         source = source_tables[request, :count].long()
         target = target_tables[request].long()
         slot = int(query_slots[request])
         compressed = bool(is_compressed[request])
-        for layer in range(layers):
+        for layer in range(k_cache.shape[0]):
             keys = k_cache[layer, source].flatten(0, 1)  # [N*b, Hkv, d]
-            values = v_cache[layer, source].flatten(0, 1)
             previous = (score_cache[layer, source].flatten(0, 1).transpose(0, 1)
                         if score_cache is not None else None)
             scores, stored = final_scores(keys, query_cache[layer, slot], previous, compressed,
                                           params, scale)
-            kept = kept_entries(scores, keep)  # [Hkv, keep]
-            heads = torch.arange(keys.shape[1])[:, None]
-            kept_keys = keys[kept, heads]  # [Hkv, keep, d]: gathered before any write
-            kept_values = values[kept, heads]
-            shape = (keep // b, b) + keys.shape[1:]
-            k_cache[layer, target] = kept_keys.transpose(0, 1).reshape(shape)
-            v_cache[layer, target] = kept_values.transpose(0, 1).reshape(shape)
-            if score_cache is not None:
-                kept_scores = torch.gather(stored, 1, kept)  # [Hkv, keep]
-                score_cache[layer, target] = kept_scores.transpose(0, 1).reshape(
-                    keep // b, b, -1).to(score_cache.dtype)
+            write_kept_entries(k_cache[layer], v_cache[layer],
+                               score_cache[layer] if score_cache is not None else None,
+                               source, target, kept_entries(scores, keep), stored)

@@ -212,9 +212,13 @@ def store_queries(query: torch.Tensor, query_cache: torch.Tensor, query_slot_map
     """
     flat = query_cache.view(-1, *query_cache.shape[2:])
     keep = query_slot_mapping >= 0
-    anchor = torch.argmax(keep.int())  # the first kept row (argmax returns the first maximum), else row 0
-    anchor_index = query_slot_mapping[anchor].clamp(min=0)
-    anchor_value = torch.where(keep[anchor], query[anchor].to(flat.dtype), flat[anchor_index])
+    # One-element index tensors, never 0-d ones: indexing with a 0-d tensor converts it to a
+    # Python int on the host, which a CUDA graph capture cannot contain.
+    anchor = torch.argmax(keep.int()).view(1)  # the first kept row (first maximum), else row 0
+    anchor_index = query_slot_mapping.index_select(0, anchor).clamp(min=0)
+    anchor_value = torch.where(keep.index_select(0, anchor)[:, None, None],
+                               query.index_select(0, anchor).to(flat.dtype),
+                               flat.index_select(0, anchor_index))
     indices = torch.where(keep, query_slot_mapping, anchor_index)
     values = torch.where(keep[:, None, None], query.to(flat.dtype), anchor_value)
     flat.index_copy_(0, indices, values)

@@ -1,0 +1,507 @@
+"""The compression pipeline (DESIGN.md section 7): the torch reference's pieces against tiny hand-computed cases,
+and the Triton kernels against the reference through the Triton interpreter (CPU, float32 and float16; the
+interpreter mis-computes bfloat16 dots, which bench/compress_gpu.py checks on a GPU).
+
+Triton decides whether it interprets when it is first imported, so the Triton tests run in a child pytest process
+started with ``TRITON_INTERPRET=1`` (``test_triton_kernels_under_the_interpreter``); in the parent they are skipped
+and the parent never imports Triton. Run them directly with ``TRITON_INTERPRET=1 pytest
+tests/test_kernels_compress.py``. A second child, started alongside, compiles every kernel for Hopper without a
+GPU.
+
+How Triton is compared with the reference, per random batch: final scores and global scores must agree to float32
+rounding; the kept sets (top-k) must agree except where the reference scores tie with the k-th largest within
+that rounding (max-pooling copies a score onto its neighbours, so without redundancy exact ties at the cut are
+common and either choice is right); the K, V and score caches written by Triton must equal, bit for bit, what the
+reference compaction writes given Triton's kept sets, and equal the reference pipeline's caches outright when
+every kept set agrees.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from zipage.kernels import compress as compress_module  # noqa: E402
+from zipage.kernels.compress_ref import (  # noqa: E402
+    CompressionParams,
+    attention_scores,
+    compress_ref,
+    final_scores,
+    kept_entries,
+    pool_scores,
+    redundancy_scores,
+    update_global_scores,
+    write_kept_entries,
+)
+
+UNDER_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+under_interpreter = pytest.mark.skipif(
+    not (UNDER_INTERPRETER and TRITON_INSTALLED),
+    reason="Triton test: runs in the TRITON_INTERPRET=1 child process of test_triton_kernels_under_the_interpreter",
+)
+E = math.e
+
+
+# ---------------------------------------------------------------- the reference against hand-computed cases
+
+
+def test_attention_score_of_one_block_by_hand():
+    """b = 4, w = 2, one KV head serving two query heads, scale 1. Window query u sits at offset 2 + u."""
+    queries = torch.tensor([[[1.0, 0.0], [0.0, 1.0]], [[0.0, 0.0], [1.0, 1.0]]])  # [w, Hq, d]
+    keys = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [2.0, 0.0]])[:, None, :]  # [4, Hkv, d]
+    scores = attention_scores(queries, keys, length=4, block_size=4, scale=1.0)
+    # u = 0 sees offsets 0..2: head 0 logits (1, 0, 1), head 1 logits (0, 1, 1); max over heads per entry.
+    first_row = [E / (2 * E + 1), E / (2 * E + 1), E / (2 * E + 1), 0.0]
+    # u = 1 sees all four: head 0 is uniform, head 1 logits (1, 1, 2, 2).
+    second_row = [max(0.25, 1 / (2 + 2 * E)), max(0.25, 1 / (2 + 2 * E)), max(0.25, E / (2 + 2 * E)),
+                  max(0.25, E / (2 + 2 * E))]
+    expected = torch.tensor([[(a + b) / 2 for a, b in zip(first_row, second_row)]])
+    torch.testing.assert_close(scores, expected)
+
+
+def test_global_score_decays_all_but_the_last_block():
+    scores = torch.tensor([[0.1, 0.5, 0.2, 0.3]])
+    previous = torch.tensor([[1.0, 0.1, 9.0, 9.0]])
+    merged = update_global_scores(scores, previous, compressed=True, block_size=2, alpha=0.5)
+    # Block 0 merges max(0.5 * F, S); block 1 holds tokens decoded since the last compression: raw S.
+    torch.testing.assert_close(merged, torch.tensor([[0.5, 0.5, 0.2, 0.3]]))
+    assert update_global_scores(scores, previous, compressed=False, block_size=2, alpha=0.5) is scores
+
+
+def test_pooling_spreads_a_peak_over_its_neighbours():
+    pooled = pool_scores(torch.tensor([[0.0, 0.0, 5.0, 0.0, 0.0, 0.0, 0.0, 1.0]]), kernel=5)
+    torch.testing.assert_close(pooled, torch.tensor([[5.0, 5.0, 5.0, 5.0, 5.0, 1.0, 1.0, 1.0]]))
+
+
+def test_redundancy_zeroes_the_newest_similar_row_of_each_column():
+    """Keys k0 = k1 = (1, 0), k2 = (0, 1), k3 = (1, 1): similarities 1 (k0, k1), 1/sqrt(2) (k3 with the rest).
+    Threshold 0.5: columns 0, 1 and 2 lose their entry in row 3 (the newest above it), column 3 its entry in
+    row 2. Row sums: 1 + 1/sqrt(2) for k0 and k1, 0 for k2 and k3."""
+    keys = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])[:, None, :]
+    row_sum = 1 + 1 / math.sqrt(2)
+    tau = 0.4
+    expected = torch.softmax(torch.tensor([[row_sum, row_sum, 0.0, 0.0]]) / (tau * 4), dim=-1)
+    # All pairs over two blocks of 2, and within one block of 4: the same comparison set, the same answer.
+    flash = redundancy_scores(keys, "flash", block_size=2, threshold=0.5, tau=tau)
+    lightning = redundancy_scores(keys, "lightning", block_size=4, threshold=0.5, tau=tau)
+    torch.testing.assert_close(flash, expected)
+    torch.testing.assert_close(lightning, expected)
+    # Within blocks of 2 each pair is the other's newest similar row: everything is zeroed, R is uniform.
+    split = redundancy_scores(keys, "lightning", block_size=2, threshold=0.5, tau=tau)
+    torch.testing.assert_close(split, torch.full((1, 4), 0.25))
+
+
+def test_final_score_weights_and_the_window():
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn((8, 1, 4), generator=generator)
+    queries = torch.randn((2, 1, 4), generator=generator)
+    params = CompressionParams(block_size=4, window=2, global_score=False, pooling="first", redundancy="flash")
+    scores, stored = final_scores(keys, queries, None, compressed=True, params=params, scale=0.5)
+    attention = attention_scores(queries, keys, 8, 4, 0.5)  # compressed: "first" does not pool
+    redundancy = redundancy_scores(keys, "flash", 4, params.similarity_threshold, params.tau)
+    expected = params.lambda_weight * attention - (1 - params.lambda_weight) * redundancy
+    torch.testing.assert_close(scores[:, :-2], expected[:, :-2])
+    assert stored is None and torch.all(scores[:, -2:] == float("inf"))
+
+
+def test_compaction_keeps_order_and_may_overwrite_its_sources():
+    """Two heads keep different entries of source blocks (3, 1, 2) into targets (3, 0): block 3 is both read and
+    written. Entry values encode (block, offset, head) so the written order is visible."""
+    num_blocks, block_size, heads = 4, 2, 2
+    ids = torch.arange(num_blocks * block_size * heads, dtype=torch.float32).view(num_blocks, block_size, heads, 1)
+    k_cache, v_cache = ids.clone(), -ids.clone()
+    score_cache = torch.zeros((num_blocks, block_size, heads))
+    source, target = torch.tensor([3, 1, 2]), torch.tensor([3, 0])
+    kept = torch.tensor([[1, 2, 4, 5], [0, 3, 4, 5]])  # sequence entries kept by head 0 and by head 1
+    stored = torch.arange(12, dtype=torch.float32).view(heads, 6) / 10
+    write_kept_entries(k_cache, v_cache, score_cache, source, target, kept, stored)
+    sequence = ids[source].flatten(0, 1)[:, :, 0]  # [6 entries, heads]
+    for head in range(heads):
+        written = torch.cat([k_cache[3, :, head, 0], k_cache[0, :, head, 0]])
+        assert torch.equal(written, sequence[kept[head], head])
+        assert torch.equal(torch.cat([v_cache[3, :, head, 0], v_cache[0, :, head, 0]]), -written)
+        torch.testing.assert_close(torch.cat([score_cache[3, :, head], score_cache[0, :, head]]),
+                                   stored[head, kept[head]])
+    assert torch.equal(k_cache[1], ids[1]) and torch.equal(k_cache[2], ids[2])  # released blocks untouched
+
+
+def test_kept_entries_are_the_top_k_in_sequence_order():
+    scores = torch.tensor([[0.3, 0.9, 0.1, 0.8, float("inf"), float("inf")]])
+    assert kept_entries(scores, 4).tolist() == [[1, 3, 4, 5]]
+
+
+def test_reference_score_cache_follows_the_global_score_switch():
+    batch = make_batch(torch.float32, group=1, block_size=16, window=4, seed=0)
+    params = CompressionParams(block_size=16, window=4, global_score=False)
+    untouched = batch.score_cache.clone()
+    compress_ref(*batch.arguments(params))
+    assert torch.equal(batch.score_cache, untouched)
+    with pytest.raises(ValueError, match="score_cache"):
+        compress_ref(*replace(batch, score_cache=None).arguments(replace(params, global_score=True)))
+
+
+# ---------------------------------------------------------------- random batches
+
+
+LAYERS, KV_HEADS, HEAD_DIM, NUM_SLOTS = 2, 2, 64, 4
+N_MAX = 3  # two target blocks per request
+
+
+@dataclass
+class Batch:
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    score_cache: torch.Tensor | None
+    query_cache: torch.Tensor
+    source_tables: torch.Tensor
+    num_source_blocks: torch.Tensor
+    target_tables: torch.Tensor
+    query_slots: torch.Tensor
+    is_compressed: torch.Tensor
+
+    def arguments(self, params: CompressionParams, scale: float = HEAD_DIM**-0.5) -> tuple:
+        return (self.k_cache, self.v_cache, self.score_cache, self.query_cache, self.source_tables,
+                self.num_source_blocks, self.target_tables, self.query_slots, self.is_compressed, params, scale)
+
+    def clone(self) -> Batch:
+        return replace(self, k_cache=self.k_cache.clone(), v_cache=self.v_cache.clone(),
+                       score_cache=self.score_cache.clone())
+
+
+def make_batch(dtype: torch.dtype, group: int, block_size: int, window: int, seed: int,
+               layers: int = LAYERS) -> Batch:
+    """Three requests with ragged block counts (4, 3, 3) over a cache of random values (a kernel that reads a
+    block it does not own gets a wrong answer, not a lucky zero), in random block order:
+
+    - request 0 shares its first block with request 2 (a prefix); targets: a fresh block, then its own block 1
+      at the same index (rule 5: read and written in place);
+    - request 1 owns blocks 0 and 2 but block 1 (shared with request 2's last block) is not its own, so the
+      core's targets are its own blocks in order: block 0 in place and block 2 moved up to target index 1, where
+      in-place compaction would overwrite entries not yet read (the staged path);
+    - request 2: a fresh block for the shared prefix block, then its own block 1.
+
+    A quarter of the entries of each block copy another entry of the same block, and a few copy an entry of
+    another block, plus noise (cosine similarity ~0.98, far above any threshold used, while random pairs sit
+    near 0): the redundancy's threshold rule has work to do in both modes without sitting on a rounding edge.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    num_blocks = 20
+    shape = (layers, num_blocks, block_size, KV_HEADS, HEAD_DIM)
+    keys = torch.randn(shape, generator=generator)
+    for _ in range(num_blocks * block_size // 4):
+        layer, block, other_block = (int(value) for value in torch.randint(0, num_blocks, (3,), generator=generator))
+        layer %= layers
+        entry, copied = (int(value) for value in torch.randint(0, block_size, (2,), generator=generator))
+        source_block = other_block if entry % 8 == 0 else block
+        keys[layer, block, entry] = keys[layer, source_block, copied] + 0.2 * torch.randn(
+            (KV_HEADS, HEAD_DIM), generator=generator)
+    values = torch.randn(shape, generator=generator)
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    shared_prefix, shared_middle = order[0], order[1]
+    own = iter(order[2:])
+    tables = [
+        [shared_prefix] + [next(own) for _ in range(3)],
+        [next(own), shared_middle, next(own)],
+        [shared_prefix, next(own), shared_middle],
+    ]
+    targets = [[next(own), tables[0][1]], [tables[1][0], tables[1][2]], [next(own), tables[2][1]]]
+    source_tables = torch.full((3, 4), -1, dtype=torch.int32)
+    for row, table in enumerate(tables):
+        source_tables[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
+    query_cache = torch.randn((layers, NUM_SLOTS, window, KV_HEADS * group, HEAD_DIM), generator=generator)
+    # Global scores of the size of attention scores over ~64 entries, so the decayed max picks either side.
+    score_cache = 0.03 * torch.rand(shape[:4], generator=generator)
+    return Batch(
+        k_cache=keys.to(dtype),
+        v_cache=values.to(dtype),
+        score_cache=score_cache.to(dtype),
+        query_cache=query_cache.to(dtype),
+        source_tables=source_tables,
+        num_source_blocks=torch.tensor([len(table) for table in tables], dtype=torch.int32),
+        target_tables=torch.tensor(targets, dtype=torch.int32),
+        query_slots=torch.tensor([2, 0, 3], dtype=torch.int64),
+        is_compressed=torch.tensor([seed % 2 == 0, True, False]),
+    )
+
+
+def reference_scores(batch: Batch, params: CompressionParams, scale: float = HEAD_DIM**-0.5):
+    """The reference's (final scores, stored global scores) of every (layer, request), [Hkv, length] each."""
+    results = {}
+    for request, count in enumerate(batch.num_source_blocks.tolist()):
+        source = batch.source_tables[request, :count].long()
+        for layer in range(batch.k_cache.shape[0]):
+            keys = batch.k_cache[layer, source].flatten(0, 1)
+            previous = batch.score_cache[layer, source].flatten(0, 1).transpose(0, 1)
+            results[layer, request] = final_scores(keys, batch.query_cache[layer, batch.query_slots[request]],
+                                                   previous, bool(batch.is_compressed[request]), params, scale)
+    return results
+
+
+# ---------------------------------------------------------------- Triton, through the interpreter
+
+
+@pytest.fixture(scope="module")
+def triton_kernels():
+    from zipage.kernels import compress_triton
+
+    return compress_triton
+
+
+COMPILER_API_MISSING = 3
+
+
+class ChildProcesses:
+    """The interpreter run and the Hopper compilation, both single-threaded, started together on first use so
+    they run side by side."""
+
+    def __init__(self) -> None:
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    def start(self) -> None:
+        interpreted = {**os.environ, "TRITON_INTERPRET": "1"}
+        interpreted.pop("ZIPAGE_FORCE_TRITON", None)
+        compiled = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+        commands = {
+            "interpreter": ([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"], interpreted),
+            "hopper": ([sys.executable, __file__, "compile-for-hopper"], compiled),
+        }
+        for name, (command, environment) in commands.items():
+            self.processes[name] = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE,
+                                                    stderr=subprocess.PIPE, text=True)
+
+    def result(self, name: str) -> tuple[int, str, str]:
+        if not self.processes:
+            self.start()
+        stdout, stderr = self.processes[name].communicate(timeout=600)
+        return self.processes[name].returncode, stdout, stderr
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+
+
+@pytest.fixture(scope="module")
+def child_processes():
+    children = ChildProcesses()
+    yield children
+    children.stop()
+
+
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
+@pytest.mark.skipif(UNDER_INTERPRETER, reason="this is the child process already")
+def test_triton_kernels_under_the_interpreter(child_processes):
+    returncode, stdout, stderr = child_processes.result("interpreter")
+    assert returncode == 0, stdout[-6000:] + stderr[-2000:]
+
+
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
+@pytest.mark.skipif(UNDER_INTERPRETER, reason="the compiler needs Triton imported without the interpreter")
+def test_kernels_compile_for_hopper(child_processes):
+    returncode, _, stderr = child_processes.result("hopper")
+    if returncode == COMPILER_API_MISSING:
+        pytest.skip("this Triton has no triton.compiler.ASTSource / GPUTarget to compile ahead of time")
+    assert returncode == 0, stderr[-6000:]
+
+
+def compile_kernels_for_hopper() -> int:
+    """Compile every kernel to a Hopper (sm_90) binary in bfloat16 without a GPU: the interpreter runs programs
+    the compiler would reject (and ignores barriers). Small shapes keep it quick. Returns an exit code."""
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:
+        return COMPILER_API_MISSING
+    from zipage.kernels import compress_triton as kernels
+
+    pointers = {name: "*bf16" for name in ("query_cache_ptr", "k_cache_ptr", "v_cache_ptr", "score_cache_ptr",
+                                           "k_scratch_ptr", "v_scratch_ptr")}
+    pointers |= {name: "*fp32" for name in ("block_max_ptr", "block_sum_ptr", "scores_ptr", "redundancy_ptr",
+                                            "final_ptr")}
+    pointers |= {name: "*i32" for name in ("source_tables_ptr", "num_source_blocks_ptr", "target_tables_ptr",
+                                           "newest_ptr", "staging_count_ptr")}
+    pointers |= {name: "*i64" for name in ("query_slots_ptr", "kept_ptr", "staging_queue_ptr")}
+    pointers |= {"is_compressed_ptr": "*i1"}
+    floats = {"qk_scale", "alpha", "threshold", "tau", "lambda_weight"}
+    score = dict(NUM_KV_HEADS=8, WINDOW=16, GROUP=3, WINDOW_PADDED=16, GROUP_PADDED=4, BLOCK_SIZE=64,
+                 HEAD_DIM=128, HEAD_DIM_PADDED=128, KEY_TILE=64, DOT_PRECISION="tf32")
+    redundancy = dict(NUM_KV_HEADS=8, BLOCK_SIZE=64, HEAD_DIM=128, HEAD_DIM_PADDED=128, TILE=64,
+                      DOT_PRECISION="tf32")
+    compaction = dict(NUM_KV_HEADS=8, NUM_DIM_TILES=2, KEEP=512, BLOCK_SIZE=64, HEAD_DIM=128, DIM_TILE=64,
+                      ENTRY_TILE=64)
+    launches = [
+        (kernels._block_softmax_stats_kernel, score),
+        (kernels._attention_score_kernel, score | dict(STATS_CHUNK=16, GLOBAL_SCORE=True)),
+        (kernels._newest_similar_row_kernel, redundancy | dict(LIGHTNING=False)),
+        (kernels._redundancy_kernel, redundancy | dict(LIGHTNING=True)),
+        (kernels._final_score_kernel, dict(NUM_KV_HEADS=8, BLOCK_SIZE=64, WINDOW=16, POOLING=1, POOL_RADIUS=2,
+                                           REDUNDANCY=True, TILE=1024)),
+        (kernels._compact_in_place_kernel,
+         compaction | dict(NUM_TARGETS=8, TARGETS_PADDED=8, SOURCES_PADDED=16, GLOBAL_SCORE=True)),
+        (kernels._compact_staged_kernel, compaction),
+    ]
+    for kernel, constants in launches:
+        signature = {
+            name: "constexpr" if name in constants else pointers.get(name, "fp32" if name in floats else "i32")
+            for name in kernel.arg_names
+        }
+        triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
+    return 0
+
+
+TRITON_CASES = [
+    # (dtype, group, block size, redundancy, pooling, global score, small tiles)
+    (torch.float32, 1, 16, "lightning", "first", True, False),
+    (torch.float32, 3, 32, "flash", "always", True, False),
+    (torch.float32, 8, 16, "off", "off", False, False),
+    (torch.float16, 3, 32, "lightning", "off", True, True),
+    (torch.float16, 8, 32, "flash", "first", False, False),
+    (torch.float16, 1, 16, "off", "always", True, True),
+]
+# Tiles smaller than a block and than a sequence, so every loop of every kernel runs more than once: several key
+# tiles per block, several row/column tiles per block (lightning's backward walk), softmax statistics merged over
+# several chunks, several final-score tiles, several compaction chunks and head-dim slices. These cases use one
+# layer (the interpreter's time grows with the number of programs); the others batch two.
+SMALL_TILES = dict(_SCORE_KEY_TILE=16, _REDUNDANCY_TILE=16, _STATS_CHUNK=2, _FINAL_TILE=32,
+                   _COMPACTION_ENTRIES=16, _COMPACTION_DIM_TILE=32)
+# Final scores are float32 sums of a few hundred terms of size ~1e-2 (exp2 instead of exp, a product by
+# 1 / sum instead of a division, the norm applied after the dot instead of before): 1e-6 covers it.
+SCORE_TOLERANCE = dict(atol=1e-6, rtol=1e-5)
+
+
+@under_interpreter
+@pytest.mark.parametrize("dtype,group,block_size,redundancy,pooling,global_score,small_tiles", TRITON_CASES)
+def test_pipeline_matches_reference(triton_kernels, monkeypatch, dtype, group, block_size, redundancy, pooling,
+                                    global_score, small_tiles):
+    if small_tiles:
+        for name, value in SMALL_TILES.items():
+            monkeypatch.setattr(triton_kernels, name, value)
+    window = 4
+    params = CompressionParams(block_size=block_size, window=window, redundancy=redundancy, pooling=pooling,
+                               global_score=global_score)
+    batch = make_batch(dtype, group, block_size, window, seed=group * block_size, layers=1 if small_tiles else LAYERS)
+    keep = batch.target_tables.shape[1] * block_size
+    # Record what compress_triton computes on the way: its final and stored scores and its kept sets.
+    recorded = {}
+    scores_function, compact_function = triton_kernels.compression_scores_triton, triton_kernels.compact_triton
+
+    def record_scores(*arguments):
+        recorded["final"], recorded["scores"] = scores_function(*arguments)
+        return recorded["final"], recorded["scores"]
+
+    def record_compaction(*arguments):
+        recorded["kept"] = arguments[6]
+        return compact_function(*arguments)
+
+    monkeypatch.setattr(triton_kernels, "compression_scores_triton", record_scores)
+    monkeypatch.setattr(triton_kernels, "compact_triton", record_compaction)
+    result = batch.clone()
+    triton_kernels.compress_triton(*result.arguments(params))
+
+    expected = reference_scores(batch, params)
+    from_kept = batch.clone()  # the reference compaction applied to Triton's kept sets
+    all_agree = True
+    for (layer, request), (final, stored) in expected.items():
+        length = final.shape[1]
+        final_triton = recorded["final"][layer, request]
+        assert torch.all(final_triton[:, length:] == float("-inf"))
+        final_triton = final_triton[:, :length]
+        assert torch.equal(torch.isinf(final_triton), torch.isinf(final))
+        finite = torch.isfinite(final)
+        torch.testing.assert_close(final_triton[finite], final[finite], **SCORE_TOLERANCE)
+        if global_score:
+            torch.testing.assert_close(recorded["scores"][layer, request, :, :length], stored, **SCORE_TOLERANCE)
+        kept = recorded["kept"][layer, request]
+        kept_reference = kept_entries(final, keep)
+        for head in range(KV_HEADS):
+            differing = set(kept[head].tolist()) ^ set(kept_reference[head].tolist())
+            if differing:
+                all_agree = False
+                cut = final[head].topk(keep).values[-1]
+                near_cut = (final[head, sorted(differing)] - cut).abs() <= 1e-6 + 1e-5 * cut.abs()
+                assert torch.all(near_cut), (layer, request, head, sorted(differing))
+        source = batch.source_tables[request, :batch.num_source_blocks[request]].long()
+        write_kept_entries(from_kept.k_cache[layer], from_kept.v_cache[layer],
+                           from_kept.score_cache[layer] if global_score else None, source,
+                           batch.target_tables[request].long(), kept,
+                           recorded["scores"][layer, request, :, :length])
+    assert torch.equal(result.k_cache, from_kept.k_cache)
+    assert torch.equal(result.v_cache, from_kept.v_cache)
+    assert torch.equal(result.score_cache, from_kept.score_cache)
+    if all_agree:
+        reference = batch.clone()
+        compress_ref(*reference.arguments(params))
+        assert torch.equal(result.k_cache, reference.k_cache)
+        assert torch.equal(result.v_cache, reference.v_cache)
+        torch.testing.assert_close(result.score_cache, reference.score_cache, **SCORE_TOLERANCE)
+
+
+@under_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_compaction_in_place_and_staged(triton_kernels, dtype):
+    """Random kept sets moved by the compaction kernels, against the reference compaction: in-place targets
+    (same index, earlier index, fresh) and a target that is a later source (queued to the staged kernel), with
+    several requests staged at once so the staged programs take turns over the queue."""
+    generator = torch.Generator().manual_seed(5)
+    block_size, num_blocks, requests = 16, 24, 4
+    shape = (LAYERS, num_blocks, block_size, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=generator).to(dtype)
+    v_cache = torch.randn(shape, generator=generator).to(dtype)
+    score_cache = torch.rand(shape[:4], generator=generator).to(dtype)
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    tables = [order[0:4], order[4:8], order[8:12], order[12:16]]
+    fresh = order[16:]
+    targets = [
+        [tables[0][0], tables[0][1], tables[0][2]],  # in place, same index
+        [fresh[0], tables[1][0], tables[1][1]],  # own blocks at later target indices: in place is still safe
+        [tables[2][0], tables[2][3], fresh[1]],  # source 3 -> target 1: staged
+        [tables[3][2], fresh[2], tables[3][1]],  # source 2 -> target 0: staged
+    ]
+    keep = 3 * block_size
+    kept = torch.stack([torch.randperm(4 * block_size, generator=generator)[:keep].sort().values
+                        for _ in range(LAYERS * requests * KV_HEADS)]).view(LAYERS, requests, KV_HEADS, keep)
+    scores = torch.rand((LAYERS, requests, KV_HEADS, 4 * block_size), generator=generator)
+    source_tables = torch.tensor(tables, dtype=torch.int32)
+    target_tables = torch.tensor(targets, dtype=torch.int32)
+    caches = [tensor.clone() for tensor in (k_cache, v_cache, score_cache)]
+    triton_kernels.compact_triton(*caches, source_tables, torch.full((requests,), 4, dtype=torch.int32),
+                                  target_tables, kept, scores, True)
+    for layer in range(LAYERS):
+        for request in range(requests):
+            write_kept_entries(k_cache[layer], v_cache[layer], score_cache[layer], source_tables[request].long(),
+                               target_tables[request].long(), kept[layer, request], scores[layer, request])
+    for result, expected in zip(caches, (k_cache, v_cache, score_cache)):
+        assert torch.equal(result, expected)
+
+
+@under_interpreter
+def test_dispatch_uses_reference_for_cpu_tensors_unless_forced(triton_kernels, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("ZIPAGE_FORCE_TRITON", raising=False)
+    calls = []
+    monkeypatch.setattr(triton_kernels, "compress_triton", lambda *arguments: calls.append(arguments))
+    params = CompressionParams(block_size=16, window=4)
+    reference_batch = make_batch(torch.float32, group=1, block_size=16, window=4, seed=2)
+    dispatched_batch = reference_batch.clone()
+    compress_ref(*reference_batch.arguments(params))
+    compress_module.compress(*dispatched_batch.arguments(params))
+    assert not calls
+    assert torch.equal(dispatched_batch.k_cache, reference_batch.k_cache)
+    monkeypatch.setenv("ZIPAGE_FORCE_TRITON", "1")
+    compress_module.compress(*dispatched_batch.arguments(params))
+    assert len(calls) == 1
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["compile-for-hopper"]:
+    sys.exit(compile_kernels_for_hopper())
