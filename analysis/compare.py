@@ -1,113 +1,255 @@
-"""`zipage compare SIM_DIR REAL_DIR`: how far two runs of one trace agree.
+"""`zipage compare SIM_DIR REAL_DIR`: how closely a simulated run reproduces a real one.
 
-Typically a simulated run and a real-engine run with the same flags. Reports (a) scheduling
-agreement — `decisions.log` line by line (identical in sync mode, since both drive the same
-core), (b) per-step duration errors overall and per step kind, (c) per-request errors of TTFT,
-TPOT and finish time, and (d) the summaries side by side.
+Both directories hold runs of one trace with the same flags, typically the simulator twin and the
+real engine. `compare_runs` measures (a) scheduling agreement: `decisions.log` line by line, which
+must be identical with synchronous compression since both drivers run the same core; (b) the cost
+model's accuracy: relative error of every step's duration, overall and per step kind, and of the
+total time; (c) per-request errors of TTFT, TPOT and finish time; (d) the summaries side by side.
+Errors are always sim against real: (sim - real) / real, so a positive bias means the simulator
+is slow. `format_report` turns the result into the text the CLI prints.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from zipage.analysis.timeline import load_run, run_file
+from zipage.analysis.timeline import DECISIONS_FILE, load_run, run_file
 
-SUMMARY_KEYS = ["tps", "makespan_s", "mean_tpot_ms", "steps", "preemptions", "compressions"]
-
-
-def _error_stats(reference: pd.Series, other: pd.Series) -> dict:
-    """Relative errors of `other` against `reference` (rows where the reference is positive)."""
-    valid = reference > 0
-    relative = ((other[valid] - reference[valid]) / reference[valid]).abs()
-    if relative.empty:
-        return {"count": 0}
-    return {"count": int(relative.size), "median": float(relative.median()),
-            "p90": float(relative.quantile(0.9)), "mape": float(relative.mean())}
+SUMMARY_KEYS = ("tps", "makespan_s", "mean_tpot_ms", "steps", "preemptions", "compressions")
+# Capacity the run was planned with: when these differ, the schedules cannot agree.
+CAPACITY_KEYS = ("n_max", "max_concurrency", "num_blocks")
+FINISHED = "finished"
+_STEP_ID = re.compile(r"step (\d+)\b")
 
 
-def compare_runs(first_dir: str | Path, second_dir: str | Path) -> dict:
-    first, second = load_run(first_dir), load_run(second_dir)
-    first_log = run_file(first_dir, "decisions.log").read_text().splitlines()
-    second_log = run_file(second_dir, "decisions.log").read_text().splitlines()
-    same = sum(a == b for a, b in zip(first_log, second_log))
-    longest = max(len(first_log), len(second_log), 1)
-    first_difference = next(
-        (index for index, (a, b) in enumerate(zip(first_log, second_log)) if a != b),
-        None if len(first_log) == len(second_log) else min(len(first_log), len(second_log)))
-    decisions = {
-        "identical": first_log == second_log,
-        "identical_fraction": same / longest,
-        "steps": [len(first_log), len(second_log)],
+def read_decisions(directory: str | Path) -> list[str]:
+    """The lines of a run directory's `decisions.log`."""
+    return run_file(directory, DECISIONS_FILE).read_text().splitlines()
+
+
+def compare_decisions(sim_lines: list[str], real_lines: list[str]) -> dict:
+    """Line-by-line agreement of two decision logs; nothing is ignored."""
+    identical_lines = sum(sim == real for sim, real in zip(sim_lines, real_lines))
+    result = {
+        "identical": sim_lines == real_lines,
+        "lines": {"sim": len(sim_lines), "real": len(real_lines)},
+        "identical_lines": identical_lines,
+        # Over the longer log, so a log that stops early does not look like full agreement.
+        "identical_fraction": identical_lines / max(len(sim_lines), len(real_lines), 1),
+        "first_difference": None,
     }
-    if first_difference is not None:
-        decisions["first_difference"] = {
-            "step": first_difference,
-            "first": first_log[first_difference] if first_difference < len(first_log) else None,
-            "second": (second_log[first_difference]
-                       if first_difference < len(second_log) else None)}
+    for index in range(max(len(sim_lines), len(real_lines))):
+        sim = sim_lines[index] if index < len(sim_lines) else None
+        real = real_lines[index] if index < len(real_lines) else None
+        if sim != real:
+            match = _STEP_ID.match(sim if sim is not None else real)
+            result["first_difference"] = {"line": index + 1,
+                                          "step": int(match.group(1)) if match else None,
+                                          "sim": sim, "real": real}
+            break
+    return result
 
-    steps = first.steps.merge(second.steps, on="step_id", suffixes=("_a", "_b"))
-    duration_a = steps.t_end_a - steps.t_start_a
-    duration_b = steps.t_end_b - steps.t_start_b
-    step_errors = {"all": _error_stats(duration_a, duration_b)}
-    for kind in sorted(set(steps.kind_a)):
-        mask = steps.kind_a == kind
-        step_errors[kind] = _error_stats(duration_a[mask], duration_b[mask])
 
-    requests = first.requests.merge(second.requests, on="id", suffixes=("_a", "_b"))
-    requests = requests[(requests.status_a == "finished") & (requests.status_b == "finished")]
-    request_errors = {
-        "ttft": _error_stats(requests.first_token_a - requests.arrival_a,
-                             requests.first_token_b - requests.arrival_b),
-        "finish": _error_stats(requests.finish_a - requests.arrival_a,
-                               requests.finish_b - requests.arrival_b),
+def error_stats(sim: pd.Series, real: pd.Series) -> dict:
+    """Errors of `sim` against `real`, matched by position.
+
+    `median`, `p90` and `mape` are of the absolute relative error |sim - real| / real (fractions);
+    `bias` is the median signed relative error; `median_abs` the median absolute error in the
+    metric's own unit. Rows where the real value is missing or not positive have no relative error:
+    they count in `excluded`.
+    """
+    sim_values = sim.to_numpy(dtype=float)
+    real_values = real.to_numpy(dtype=float)
+    valid = np.isfinite(sim_values) & np.isfinite(real_values) & (real_values > 0)
+    relative = (sim_values[valid] - real_values[valid]) / real_values[valid]
+    if relative.size == 0:
+        return {"count": 0, "excluded": int((~valid).sum()), "median": None, "p90": None,
+                "mape": None, "bias": None, "median_abs": None}
+    absolute_relative = np.abs(relative)
+    return {
+        "count": int(relative.size),
+        "excluded": int((~valid).sum()),
+        "median": float(np.median(absolute_relative)),
+        "p90": float(np.quantile(absolute_relative, 0.9)),
+        "mape": float(absolute_relative.mean()),
+        "bias": float(np.median(relative)),
+        "median_abs": float(np.median(np.abs(sim_values[valid] - real_values[valid]))),
     }
-    decoding = requests[(requests.output_len_a > 1) & (requests.output_len_b > 1)]
-    request_errors["tpot"] = _error_stats(
-        (decoding.finish_a - decoding.first_token_a) / (decoding.output_len_a - 1),
-        (decoding.finish_b - decoding.first_token_b) / (decoding.output_len_b - 1))
 
-    summaries = {key: [first.summary.get(key), second.summary.get(key)] for key in SUMMARY_KEYS}
-    return {"runs": [str(first_dir), str(second_dir)], "decisions": decisions,
-            "step_time_error": step_errors, "request_error": request_errors,
-            "summary": summaries}
+
+def _relative_error(sim: float | None, real: float | None) -> float | None:
+    if sim is None or real is None or not real:
+        return None
+    return (sim - real) / real
+
+
+def compare_step_times(sim_steps: pd.DataFrame, real_steps: pd.DataFrame) -> dict:
+    """Step durations joined on step_id, grouped by the real run's step kind."""
+    joined = sim_steps.merge(real_steps, on="step_id", suffixes=("_sim", "_real"))
+    sim_duration = joined["t_end_sim"] - joined["t_start_sim"]
+    real_duration = joined["t_end_real"] - joined["t_start_real"]
+    by_kind = {
+        str(kind): error_stats(sim_duration[joined["kind_real"] == kind],
+                               real_duration[joined["kind_real"] == kind])
+        for kind in sorted(joined["kind_real"].unique())
+    }
+
+    def span(steps: pd.DataFrame) -> float | None:
+        return float(steps["t_end"].max() - steps["t_start"].min()) if len(steps) else None
+
+    sim_span, real_span = span(sim_steps), span(real_steps)
+    return {
+        "matched_steps": len(joined),
+        "sim_only_steps": len(sim_steps) - len(joined),
+        "real_only_steps": len(real_steps) - len(joined),
+        "kind_mismatches": int((joined["kind_sim"] != joined["kind_real"]).sum()),
+        "duration": {"all": error_stats(sim_duration, real_duration), **by_kind},
+        "total_time": {"sim": sim_span, "real": real_span,
+                       "relative_error": _relative_error(sim_span, real_span)},
+    }
+
+
+def compare_request_times(sim_requests: pd.DataFrame, real_requests: pd.DataFrame) -> dict:
+    """TTFT, TPOT and finish time (from arrival) of the requests finished in both runs."""
+    joined = sim_requests.merge(real_requests, on="id", suffixes=("_sim", "_real"))
+    finished = joined[(joined["status_sim"] == FINISHED) & (joined["status_real"] == FINISHED)]
+
+    def per_run(run: str) -> dict[str, pd.Series]:
+        arrival = finished[f"arrival_{run}"]
+        first_token = finished[f"first_token_{run}"]
+        finish = finished[f"finish_{run}"]
+        # TPOT is undefined for one-token outputs (DESIGN.md section 9): NaN, hence excluded.
+        decode_tokens = (finished[f"output_len_{run}"] - 1).where(
+            finished[f"output_len_{run}"] > 1)
+        return {"ttft": first_token - arrival, "tpot": (finish - first_token) / decode_tokens,
+                "finish": finish - arrival}
+
+    sim, real = per_run("sim"), per_run("real")
+    return {
+        "matched_requests": len(joined),
+        "sim_only_requests": len(sim_requests) - len(joined),
+        "real_only_requests": len(real_requests) - len(joined),
+        "status_mismatches": int((joined["status_sim"] != joined["status_real"]).sum()),
+        "finished_in_both": len(finished),
+        **{metric: error_stats(sim[metric], real[metric]) for metric in ("ttft", "tpot", "finish")},
+    }
+
+
+def compare_summaries(sim_summary: dict, real_summary: dict) -> dict:
+    """Each headline number of both runs and their ratio sim / real (None where undefined)."""
+    side_by_side = {}
+    for key in SUMMARY_KEYS:
+        sim, real = sim_summary.get(key), real_summary.get(key)
+        ratio = sim / real if sim is not None and real else None
+        side_by_side[key] = {"sim": sim, "real": real, "ratio": ratio}
+    return side_by_side
+
+
+def _flatten(settings: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def setup_differences(sim_summary: dict, real_summary: dict) -> dict:
+    """Planned capacity and settings (flattened, "config.hybrid") that differ between the runs."""
+    sim = {**{key: sim_summary.get(key) for key in CAPACITY_KEYS},
+           **_flatten(sim_summary.get("settings", {}))}
+    real = {**{key: real_summary.get(key) for key in CAPACITY_KEYS},
+            **_flatten(real_summary.get("settings", {}))}
+    return {key: {"sim": sim.get(key), "real": real.get(key)}
+            for key in sorted(set(sim) | set(real)) if sim.get(key) != real.get(key)}
+
+
+def compare_runs(sim_dir: str | Path, real_dir: str | Path) -> dict:
+    """Every comparison of two run directories; a ZipageError names any missing file."""
+    sim, real = load_run(sim_dir), load_run(real_dir)
+    return {
+        "runs": {"sim": str(sim_dir), "real": str(real_dir)},
+        "setup_differences": setup_differences(sim.summary, real.summary),
+        "decisions": compare_decisions(read_decisions(sim_dir), read_decisions(real_dir)),
+        "step_time": compare_step_times(sim.steps, real.steps),
+        "request_time": compare_request_times(sim.requests, real.requests),
+        "summary": compare_summaries(sim.summary, real.summary),
+    }
 
 
 def format_report(comparison: dict) -> str:
-    first, second = comparison["runs"]
+    """The text report of `compare_runs`' result."""
+    runs = comparison["runs"]
+    lines = [f"sim:  {runs['sim']}", f"real: {runs['real']}"]
+    if comparison["setup_differences"]:
+        lines += ["", "setup differences (sim | real):"]
+        lines += [f"  {key}: {_number(values['sim'])} | {_number(values['real'])}"
+                  for key, values in comparison["setup_differences"].items()]
+
     decisions = comparison["decisions"]
-    lines = [f"A = {first}", f"B = {second}", "",
-             f"scheduling decisions: {'identical' if decisions['identical'] else 'DIFFERENT'} "
-             f"({100 * decisions['identical_fraction']:.1f}% of steps; "
-             f"{decisions['steps'][0]} vs {decisions['steps'][1]} steps)"]
-    if "first_difference" in decisions:
-        difference = decisions["first_difference"]
-        lines += [f"  first difference at step {difference['step']}:",
-                  f"    A: {difference['first']}", f"    B: {difference['second']}"]
-    lines += ["", "step duration error of B against A (relative):"]
-    for kind, stats in comparison["step_time_error"].items():
-        lines.append("  " + _format_stats(kind, stats))
-    lines += ["", "per-request error of B against A (relative):"]
-    for name, stats in comparison["request_error"].items():
-        lines.append("  " + _format_stats(name, stats))
-    lines += ["", f"{'summary':<14} {'A':>14} {'B':>14} {'B/A':>8}"]
-    for key, (a, b) in comparison["summary"].items():
-        ratio = f"{b / a:8.3f}" if isinstance(a, (int, float)) and a and b is not None else "       -"
-        lines.append(f"{key:<14} {_number(a):>14} {_number(b):>14} {ratio}")
-    return "\n".join(lines)
+    lines += ["", "(a) scheduling decisions: "
+              + ("identical" if decisions["identical"] else "DIFFERENT")
+              + f" ({decisions['identical_lines']} of {max(decisions['lines'].values())} lines"
+              f" identical, {100 * decisions['identical_fraction']:.1f}%;"
+              f" sim {decisions['lines']['sim']} lines, real {decisions['lines']['real']})"]
+    difference = decisions["first_difference"]
+    if difference is not None:
+        lines += [f"  first difference at line {difference['line']} (step {difference['step']}):",
+                  f"    sim:  {difference['sim'] if difference['sim'] is not None else '<end of log>'}",
+                  f"    real: {difference['real'] if difference['real'] is not None else '<end of log>'}"]
+
+    step_time = comparison["step_time"]
+    lines += ["", f"(b) step duration error, sim against real ({step_time['matched_steps']} steps"
+              f" matched, {step_time['sim_only_steps']} sim-only, {step_time['real_only_steps']}"
+              f" real-only, {step_time['kind_mismatches']} of another kind):"]
+    lines += ["  " + _format_stats(kind, stats, unit_scale=1000.0, unit="ms")
+              for kind, stats in step_time["duration"].items()]
+    total = step_time["total_time"]
+    lines.append(f"  total time: sim {_number(total['sim'])} s, real {_number(total['real'])} s,"
+                 f" error {_percent(total['relative_error'])}")
+
+    request_time = comparison["request_time"]
+    lines += ["", f"(c) per-request error, sim against real ({request_time['finished_in_both']}"
+              f" finished in both; {request_time['sim_only_requests']} sim-only,"
+              f" {request_time['real_only_requests']} real-only,"
+              f" {request_time['status_mismatches']} with another status):"]
+    lines += ["  " + _format_stats(metric, request_time[metric], unit_scale=scale, unit=unit)
+              for metric, scale, unit in (("ttft", 1.0, "s"), ("tpot", 1000.0, "ms"),
+                                          ("finish", 1.0, "s"))]
+
+    lines += ["", f"(d) {'summary':<14} {'sim':>14} {'real':>14} {'sim/real':>9}"]
+    for key, values in comparison["summary"].items():
+        ratio = f"{values['ratio']:9.3f}" if values["ratio"] is not None else f"{'-':>9}"
+        lines.append(f"    {key:<14} {_number(values['sim']):>14} {_number(values['real']):>14}"
+                     f" {ratio}")
+    return "\n".join(lines) + "\n"
 
 
-def _format_stats(name: str, stats: dict) -> str:
-    if not stats.get("count"):
-        return f"{name:<8} no data"
-    return (f"{name:<8} median {100 * stats['median']:6.2f}%  p90 {100 * stats['p90']:6.2f}%  "
-            f"MAPE {100 * stats['mape']:6.2f}%  (n={stats['count']})")
+def _format_stats(name: str, stats: dict, unit_scale: float, unit: str) -> str:
+    if not stats["count"]:
+        return f"{name:<8} no comparable values ({stats['excluded']} excluded)"
+    return (f"{name:<8} |error| median {_percent(stats['median'])}, p90 {_percent(stats['p90'])},"
+            f" MAPE {_percent(stats['mape'])}; bias {_percent(stats['bias'], signed=True)};"
+            f" median |error| {stats['median_abs'] * unit_scale:.3g} {unit}"
+            f" (n={stats['count']}" + (f", {stats['excluded']} excluded)" if stats["excluded"]
+                                       else ")"))
 
 
-def _number(value) -> str:
-    if value is None:
+def _percent(fraction: float | None, signed: bool = False) -> str:
+    if fraction is None:
         return "-"
-    return f"{value:,.2f}" if isinstance(value, float) and not np.isnan(value) else str(value)
+    return f"{100 * fraction:+.2f}%" if signed else f"{100 * fraction:.2f}%"
+
+
+def _number(value: object) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1000 else f"{value:,.1f}"
+    return str(value)

@@ -175,43 +175,48 @@ def plot_timeline(steps: pd.DataFrame, path: str | Path, title: str | None = Non
     return path
 
 
+def _per_bin(values: np.ndarray) -> np.ndarray:
+    # A steps-post line needs one value per bin edge to reach the end of the last bin.
+    return np.append(values, values[-1])
+
+
 def _draw_panels(binned: _BinnedSteps, throughput_axis: Axes, queue_axis: Axes,
                  memory_axis: Axes, max_concurrency: int | None) -> None:
-    times = binned.edges[:-1] - binned.edges[0]
-    bin_count = len(times)
-
+    edges = binned.edges - binned.edges[0]
+    centres = (edges[:-1] + edges[1:]) / 2
     with np.errstate(divide="ignore", invalid="ignore"):
         raw_rate = np.where(binned.decode_seconds > 0,
                             binned.decode_tokens / binned.decode_seconds, np.nan)
-    window_bins = max(1, round(SMOOTHING_FRACTION * bin_count))
-    throughput_axis.fill_between(times, 0, binned.prefill_share, step="post", color="tab:orange",
-                                 alpha=0.15, linewidth=0, label="prefill share of time",
+    window_bins = max(1, round(SMOOTHING_FRACTION * len(centres)))
+    throughput_axis.fill_between(edges, 0, _per_bin(binned.prefill_share), step="post",
+                                 color="tab:orange", alpha=0.15, linewidth=0,
+                                 label="prefill share of time",
                                  transform=throughput_axis.get_xaxis_transform())
-    throughput_axis.plot(times, raw_rate, drawstyle="steps-post", color="tab:blue", alpha=0.25,
-                         linewidth=0.6, label="per bin")
-    throughput_axis.plot(times, _smoothed_rate(binned.decode_tokens, binned.decode_seconds,
-                                               window_bins),
+    throughput_axis.plot(edges, _per_bin(raw_rate), drawstyle="steps-post", color="tab:blue",
+                         alpha=0.25, linewidth=0.6, label="per bin")
+    throughput_axis.plot(centres, _smoothed_rate(binned.decode_tokens, binned.decode_seconds,
+                                                 window_bins),
                          color="tab:blue", linewidth=1.5, label=f"smoothed ({window_bins} bins)")
     throughput_axis.set_ylabel("decode tokens / s")
     throughput_axis.set_ylim(bottom=0)
     throughput_axis.set_title("(a) real-time throughput", loc="left", fontsize=10)
     throughput_axis.legend(loc="upper right", fontsize=8)
 
-    queue_axis.plot(times, binned.running, drawstyle="steps-post", color="tab:green",
+    queue_axis.plot(edges, _per_bin(binned.running), drawstyle="steps-post", color="tab:green",
                     label="running")
-    queue_axis.plot(times, binned.waiting, drawstyle="steps-post", color="tab:red",
+    queue_axis.plot(edges, _per_bin(binned.waiting), drawstyle="steps-post", color="tab:red",
                     label="waiting")
     queue_axis.set_ylabel("requests")
     queue_axis.set_ylim(bottom=0)
     queue_axis.set_title("(b) running and waiting requests", loc="left", fontsize=10)
     queue_axis.legend(loc="upper right", fontsize=8)
 
-    memory_axis.plot(times, binned.block_occupancy_percent, drawstyle="steps-post",
+    memory_axis.plot(edges, _per_bin(binned.block_occupancy_percent), drawstyle="steps-post",
                      color="tab:purple", label="blocks used")
     memory_axis.set_ylabel("block occupancy (%)")
     memory_axis.set_ylim(0, 105)
     slot_axis = memory_axis.twinx()
-    slot_axis.plot(times, binned.slots_used, drawstyle="steps-post", color="tab:brown",
+    slot_axis.plot(edges, _per_bin(binned.slots_used), drawstyle="steps-post", color="tab:brown",
                    label="query slots used")
     if max_concurrency is not None:
         slot_axis.axhline(max_concurrency, color="tab:brown", linestyle="--", linewidth=0.8,

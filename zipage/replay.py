@@ -112,7 +112,8 @@ def write_run(out_dir: str | Path, summary: dict, steps: list, requests: list,
     from zipage.analysis.timeline import load_run, plot_timeline
 
     plot_timeline(load_run(out).steps, out / "timeline.png",
-                  title=f"{summary['settings']['model']} · {summary['driver']}")
+                  title=f"{summary['settings']['model']} · {summary['driver']}",
+                  max_concurrency=summary["max_concurrency"])
     return out
 
 
