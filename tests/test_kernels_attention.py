@@ -13,7 +13,6 @@ answer instead of a lucky zero.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -23,6 +22,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from triton_interpreter import (  # noqa: E402
+    TRITON_INSTALLED,
+    UNDER_INTERPRETER,
+    run_test_file_under_interpreter,
+    under_interpreter,
+)
 from zipage.kernels import attention  # noqa: E402
 from zipage.kernels.attention_ref import (  # noqa: E402
     paged_decode_attention_ref,
@@ -33,12 +38,6 @@ from zipage.kernels.attention_ref import (  # noqa: E402
 HEAD_DIM = 64
 NUM_KV_HEADS = 2
 TOLERANCES = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=4e-3, rtol=4e-3)}
-UNDER_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
-under_interpreter = pytest.mark.skipif(
-    not (UNDER_INTERPRETER and TRITON_INSTALLED),
-    reason="Triton test: runs in the TRITON_INTERPRET=1 child process of test_triton_kernels_under_the_interpreter",
-)
 
 
 @pytest.fixture(scope="module")
@@ -51,16 +50,7 @@ def triton_kernels():
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 @pytest.mark.skipif(UNDER_INTERPRETER, reason="this is the child process already")
 def test_triton_kernels_under_the_interpreter():
-    environment = {**os.environ, "TRITON_INTERPRET": "1"}
-    environment.pop("ZIPAGE_FORCE_TRITON", None)
-    child = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+    run_test_file_under_interpreter(__file__)
 
 
 COMPILER_API_MISSING = 3

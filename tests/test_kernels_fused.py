@@ -11,7 +11,6 @@ heads over 2 KV heads) so that every padding mask and partial tile of the kernel
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -20,6 +19,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from triton_interpreter import (  # noqa: E402
+    TRITON_INSTALLED,
+    UNDER_INTERPRETER,
+    run_test_file_under_interpreter,
+    under_interpreter,
+)
 from zipage.kernels import fused_ops  # noqa: E402
 from zipage.kernels.fused_ops_ref import (  # noqa: E402
     add_rms_norm_ref,
@@ -30,12 +35,6 @@ from zipage.kernels.fused_ops_ref import (  # noqa: E402
 
 EPS = 1e-6
 TOLERANCES = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-3, rtol=1e-3)}
-UNDER_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
-under_interpreter = pytest.mark.skipif(
-    not (UNDER_INTERPRETER and TRITON_INSTALLED),
-    reason="Triton test: runs in the TRITON_INTERPRET=1 child process of test_triton_kernels_under_the_interpreter",
-)
 
 
 @pytest.fixture(scope="module")
@@ -48,16 +47,7 @@ def triton_kernels():
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 @pytest.mark.skipif(UNDER_INTERPRETER, reason="this is the child process already")
 def test_triton_kernels_under_the_interpreter():
-    environment = {**os.environ, "TRITON_INTERPRET": "1"}
-    environment.pop("ZIPAGE_FORCE_TRITON", None)
-    child = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+    run_test_file_under_interpreter(__file__)
 
 
 COMPILER_API_MISSING = 3
