@@ -1,4 +1,4 @@
-"""Fidelity of Compressed PagedAttention on a real model: teacher-forced agreement and KL vs Full KV.
+"""Fidelity of Compressed PagedAttention on a real model: teacher-forced agreement and KL.
 
 The study (docs/fidelity.md has the method and the numbers):
 
@@ -10,15 +10,17 @@ The study (docs/fidelity.md has the method and the numbers):
    every request are compared with the reference: top-1 agreement (same argmax) and
    KL(Full KV || compressed).
 3. `summarize`: means over the positions at and after each request's first compression (before it
-   the cache is exactly Full KV).
+   the cache is exactly Full KV), overall and split into novel and repeated text
+   (`repeated_positions`); `write_report` turns a run's saved files into the tables.
 
 Scoring variants are `Variant`s: a set of pipeline knobs (attention only, + global score,
-+ lightning / flash redundancy, pooling first / always / off) or one of our two baseline eviction
-policies, `SinkRecentEviction` (the first 4 entries and the most recent ones, as StreamingLLM) and
-`RandomEviction` (seeded random scores). All variants of one budget decode side by side in one
-engine, each prompt once per variant: the model's weights are read once per step for all of them,
-which is what makes a 1k-token study of eight variants fit in minutes on a CPU.
-`VariantDispatcher` is the engine's `compress_fn` that sends each request to its variant's policy.
++ lightning / flash redundancy, pooling first / always / off, the redundancy weight lambda) or one
+of our two baseline eviction policies, `sink_recent_compress` (the first 4 entries and the most
+recent ones, as StreamingLLM) and `RandomEviction` (seeded random scores). All variants of one
+budget decode side by side in one engine, each prompt once per variant: the model's weights are
+read once per step for all of them, which is what makes a 1k-token study of eight variants
+affordable on a CPU. `VariantDispatcher` is the engine's `compress_fn` that sends each request to
+its variant's policy.
 
 Run: `python -m zipage.analysis.fidelity --gguf PATH --budget 128 256 --out DIR`.
 """
@@ -410,8 +412,9 @@ def teacher_force(engine: Engine, reference: Reference, variants: SequenceOf[Var
 
 def repeated_positions(prompt: list[int], output: list[int],
                        ngram: int = REPEAT_NGRAM) -> torch.Tensor:
-    """bool [len(output)]: output token i completes an n-gram that already occurred earlier in the
-    prompt or output, i.e. copying the past predicts it (a small model's loops are made of these)."""
+    """bool [len(output)]: output token i completes an n-gram that already occurred earlier in
+    the prompt or output, so copying the past predicts it (a small model's loops are made of
+    these)."""
     tokens = prompt + output
     seen: set[tuple[int, ...]] = set()
     repeated = torch.zeros(len(output), dtype=torch.bool)
@@ -505,7 +508,8 @@ def write_report(out: Path) -> str:
     share = ", ".join(f"{float(repeated[index].double().mean()):.2f}"
                       for index in range(len(repeated)))
     markdown = "\n\n".join(
-        [markdown_table(rows, budgets), f"Share of repeated positions per prompt: {share}."]
+        [markdown_table(rows, budgets),
+         f"Share of repeated text among all output positions, per prompt: {share}."]
         + [f"Agreement by output position, budget {budget}:\n\n{curve_table(rows, budget)}"
            for budget in budgets]) + "\n"
     (out / "fidelity.md").write_text(markdown)
