@@ -7,20 +7,37 @@ drives the core with the SimPy simulator.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from zipage.core.config import ZipageConfig
+from zipage.core.memory import MemoryPlan
 from zipage.core.scheduler import Scheduler
-from zipage.presets import resolve_shape
+from zipage.presets import ModelShape, resolve_shape
 from zipage.replay import (
     ReplaySettings, dtype_bytes, effective_config, plan_capacity, run_summary, trace_sequences,
 )
 from zipage.trace import Trace
 
-from .cost_model import load_cost_model
+from .cost_model import CostModel, load_cost_model
 from .hardware import get_hardware
 from .simulator import SimulationRun, Simulator
 
 
-def simulate(trace: Trace, settings: ReplaySettings, *, progress: bool = False,
-             log_decisions: bool = False, check: bool = False) -> tuple[dict, SimulationRun]:
+@dataclass
+class SimulatedDeployment:
+    """What one simulated engine is built from: the model's shape, the effective knobs, the
+    planned capacity and the cost model."""
+
+    shape: ModelShape
+    config: ZipageConfig
+    capacity: MemoryPlan
+    cost_model: CostModel
+
+    def new_scheduler(self) -> Scheduler:
+        return Scheduler(self.config, self.capacity.num_blocks, self.capacity.num_query_slots)
+
+
+def plan_deployment(settings: ReplaySettings) -> SimulatedDeployment:
     shape = resolve_shape(settings.model)
     gpu = get_hardware(settings.hardware)
     config = effective_config(settings, shape)
@@ -30,9 +47,15 @@ def simulate(trace: Trace, settings: ReplaySettings, *, progress: bool = False,
         block_size=config.block_size, window=config.window, kv_budget=config.kv_budget,
         redundancy=config.redundancy, layer_stride=config.layer_stride,
         global_score=config.global_score, tensor_parallel=settings.tensor_parallel)
-    scheduler = Scheduler(config, capacity.num_blocks, capacity.num_query_slots)
-    sequences = trace_sequences(trace, shape.vocab_size, need_tokens=config.prefix_cache)
-    simulator = Simulator(scheduler, cost_model, check=check, log_decisions=log_decisions,
-                          progress=progress)
+    return SimulatedDeployment(shape, config, capacity, cost_model)
+
+
+def simulate(trace: Trace, settings: ReplaySettings, *, progress: bool = False,
+             log_decisions: bool = False, check: bool = False) -> tuple[dict, SimulationRun]:
+    deployment = plan_deployment(settings)
+    config = deployment.config
+    sequences = trace_sequences(trace, deployment.shape.vocab_size, need_tokens=config.prefix_cache)
+    simulator = Simulator(deployment.new_scheduler(), deployment.cost_model, check=check,
+                          log_decisions=log_decisions, progress=progress)
     run = simulator.run(sequences)
-    return run_summary(run.summary, capacity, config, settings, "simulator"), run
+    return run_summary(run.summary, deployment.capacity, config, settings, "simulator"), run

@@ -322,6 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("sim_dir")
     compare.add_argument("real_dir")
     compare.set_defaults(handler=cmd_compare)
+
+    from zipage.plan_cli import add_plan_command
+
+    add_plan_command(commands)
     return parser
 
 

@@ -1,0 +1,115 @@
+"""Several simulated engines behind one router: the multi-replica deployment of `zipage plan`.
+
+`simulate_cluster` builds `replicas` independent engines (each its own scheduler, blocks and query
+slots, sized exactly as `zipage replay` sizes one) on one shared SimPy clock, and a router process
+that hands each trace request, at its arrival time, to one engine: round-robin, or the engine with
+the fewest requests queued or running (`Simulator.load`, ties to the lowest index). The merged
+summary is `summarize` over the union of every engine's step and request records, so throughput,
+makespan and the TTFT/TPOT percentiles are the deployment's. Two keys are redefined because the
+engines' step records interleave in time: `peak_running` is the peak over time of the running
+requests summed across engines, and `mean_running` is the sum of each engine's time-weighted mean.
+`steps` and `preemptions` are summed over engines. With one replica the summary is exactly the one
+`zipage replay` prints.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import simpy
+
+from zipage.core.metrics import StepRecord, summarize
+from zipage.core.sequence import Sequence
+from zipage.errors import ConfigError
+from zipage.replay import (
+    ReplaySettings, run_summary, trace_sequences,
+)
+from zipage.trace import Trace
+
+from .replay import plan_deployment
+from .simulator import Simulator
+
+ROUND_ROBIN = "round-robin"
+LEAST_LOADED = "least-loaded"
+ROUTING_POLICIES = (ROUND_ROBIN, LEAST_LOADED)
+
+
+def simulate_cluster(trace: Trace, settings: ReplaySettings, replicas: int = 1,
+                     routing: str = ROUND_ROBIN) -> dict:
+    """Replay `trace` on `replicas` engines of `settings` behind a `routing` router.
+
+    Returns the merged summary (see the module docstring) with the capacity of one engine
+    (`num_blocks`, `max_concurrency`), the cluster's shape (`replicas`, `routing`,
+    `requests_per_replica`) and `first_error`, the reason the first rejected request could never
+    be served (None when none was). Raises a `ZipageError` when the settings cannot be planned.
+    """
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+        raise ConfigError(f"replicas: got {replicas!r}, expected an integer >= 1 (e.g. 2)")
+    if routing not in ROUTING_POLICIES:
+        raise ConfigError(f"routing: got {routing!r}, expected one of "
+                          f"{', '.join(ROUTING_POLICIES)}")
+    started = time.perf_counter()
+    deployment = plan_deployment(settings)
+    config, capacity = deployment.config, deployment.capacity
+    environment = simpy.Environment()
+    engines = [Simulator(deployment.new_scheduler(), deployment.cost_model, env=environment)
+               for _ in range(replicas)]
+    sequences = trace_sequences(trace, deployment.shape.vocab_size,
+                                need_tokens=config.prefix_cache)
+    # A stable sort keeps the trace order among equal arrival times (FCFS), as `Simulator.run`.
+    arrivals = sorted(sequences, key=lambda seq: seq.arrival_s)
+    assignment: list[int] = []
+    loops = [engine.start() for engine in engines]
+    environment.process(_route(environment, arrivals, engines, routing, assignment))
+    environment.run(until=simpy.AllOf(environment, loops))
+
+    runs = [engine.result() for engine in engines]
+    steps = [step for run in runs for step in run.steps]
+    requests = [request for run in runs for request in run.requests]
+    summary = summarize(steps, requests)
+    if replicas > 1:
+        summary["peak_running"] = peak_concurrent_running([run.steps for run in runs])
+        summary["mean_running"] = sum(run.summary["mean_running"] for run in runs)
+    counts = Counter(assignment)
+    errors = [request.error for request in requests if request.error]
+    summary.update(replicas=replicas, routing=routing,
+                   requests_per_replica=[counts[index] for index in range(replicas)],
+                   first_error=errors[0] if errors else None,
+                   wall_s=time.perf_counter() - started)
+    return run_summary(summary, capacity, config, settings, "simulator")
+
+
+def peak_concurrent_running(step_lists: list[list[StepRecord]]) -> int:
+    """Peak over time of the running requests summed across engines.
+
+    Each engine's step records form a piecewise-constant count over [t_start, t_end); a sweep
+    over the step boundaries adds the engines up. At an instant where one step ends and another
+    begins, the end is applied first, so an engine's consecutive steps are never counted twice.
+    """
+    events: list[tuple[float, int, int]] = []
+    for steps in step_lists:
+        for step in steps:
+            events.append((step.t_start, 1, step.n_running))
+            events.append((step.t_end, 0, -step.n_running))
+    running = peak = 0
+    for _, _, change in sorted(events):
+        running += change
+        peak = max(peak, running)
+    return peak
+
+
+def _route(environment: simpy.Environment, arrivals: list[Sequence], engines: list[Simulator],
+           routing: str, assignment: list[int]):
+    """The router process: each request goes to one engine at its arrival time."""
+    for position, seq in enumerate(arrivals):
+        if seq.arrival_s > environment.now:
+            yield environment.timeout(seq.arrival_s - environment.now)
+        if routing == ROUND_ROBIN:
+            index = position % len(engines)
+        else:
+            index = min(range(len(engines)), key=lambda candidate: engines[candidate].load)
+        assignment.append(index)
+        engines[index].submit(seq)
+    for engine in engines:
+        engine.close()

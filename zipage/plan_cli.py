@@ -1,0 +1,434 @@
+"""`zipage plan`: the command line of capacity planning (`zipage.planning`).
+
+`add_plan_command(subparsers)` registers the subcommand. It takes every engine flag of
+`zipage replay` for the knobs that stay fixed; the searched axes take comma lists (`--hardware
+h100,h200`, `--budget 1024,2048`, `--hybrid on,off`, `--replicas 1..4`, `--rate offline,5,10`).
+The handler prints the ranked table, the infeasible points with their reasons and the Pareto
+front of the objective against the budget per GPU; `--out DIR` writes results.csv,
+results.parquet (when pandas has a Parquet engine) and pareto.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from zipage.errors import ConfigError
+from zipage.planning import (
+    CACHE_SUBDIR, LOCAL, MAX_RATE, OBJECTIVES, OK, RAY, RESULT_COLUMNS, SERIAL, SLO, TPS,
+    TPS_PER_DOLLAR, PlanResult, PlanSpec, RateSearch, run_plan,
+)
+
+OFFLINE = "offline"
+OBJECTIVE_LABELS = {TPS: "throughput (tok/s)", TPS_PER_DOLLAR: "tok/s per $/h",
+                    MAX_RATE: "max rate meeting the SLOs (req/s)"}
+
+
+def add_plan_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `zipage plan` on the `zipage` command's subparsers."""
+    from zipage.cli import add_engine_flags
+    from zipage.sim.cluster import LEAST_LOADED, ROUTING_POLICIES
+    from zipage.sim.hardware import HARDWARE
+    from zipage.trace import ARRIVAL_PATTERNS
+
+    # "resolve": the grid flags below replace the single-valued engine flags of the same names.
+    plan = subparsers.add_parser(
+        "plan", conflict_handler="resolve",
+        help="search deployments of a trace with the simulator (GPU, budget, hybrid, replicas...)",
+        description="Simulate every combination of the comma-separated axes, rank them by the "
+                    "objective and print the Pareto front of the objective against the KV "
+                    "budget per GPU. See docs/planning.md.")
+    plan.add_argument("trace", help="trace JSON (see docs/traces.md)")
+    add_engine_flags(plan)
+
+    grid = plan.add_argument_group("search axes (comma lists)")
+    grid.add_argument("--hardware", default=",".join(HARDWARE),
+                      help=f"GPUs to try (default: all of {', '.join(HARDWARE)}; aliases a100, "
+                           "h100, h200)")
+    grid.add_argument("--budget", default=None, help="KV budgets k, e.g. 1024,2048,4096 "
+                                                     "(default 2048)")
+    grid.add_argument("--block-size", default=None, help="block sizes, e.g. 128,256 "
+                                                         "(default 256)")
+    memory = grid.add_mutually_exclusive_group()
+    memory.add_argument("--kv-memory-gb", default=None,
+                        help="exact cache memory per GPU in GiB, e.g. 16,32; replaces the "
+                             "utilisation axis")
+    memory.add_argument("--gpu-memory-utilization", default="0.9",
+                        help="shares of GPU memory Zipage may use, e.g. 0.8,0.9 (default 0.9)")
+    grid.add_argument("--hybrid", default=None,
+                      help="on, off or on,off: hybrid vs constrained scheduling (default on; "
+                           "--no-hybrid means off)")
+    grid.add_argument("--replicas", default="1",
+                      help="engines behind the router: a list and/or ranges, e.g. 1..4 or 1,2,4 "
+                           "(default 1)")
+    grid.add_argument("--rate", default=None,
+                      help="Poisson (or --arrivals bursty) request rates in req/s stamped on the "
+                           "trace, e.g. offline,5,10; 'offline' keeps the trace's own arrival "
+                           "times (the default). With --objective max-rate: the starting guess")
+    grid.add_argument("--arrivals", choices=ARRIVAL_PATTERNS, default="poisson")
+    grid.add_argument("--burst-size", type=int, default=8,
+                      help="requests per burst with --arrivals bursty (default 8)")
+    grid.add_argument("--arrival-seed", type=int, default=0)
+    grid.add_argument("--routing", choices=ROUTING_POLICIES, default=LEAST_LOADED,
+                      help="how requests are spread over replicas (default least-loaded)")
+
+    goal = plan.add_argument_group("objective and SLOs")
+    goal.add_argument("--objective", choices=OBJECTIVES, default=TPS,
+                      help="tps: output tokens/s; tps-per-dollar: tokens/s per dollar-per-hour of "
+                           "the GPUs; max-rate: the highest Poisson rate meeting the SLOs, found "
+                           "by bisection (default tps)")
+    goal.add_argument("--slo-ttft-p90", type=float, default=None, metavar="SECONDS",
+                      help="90th-percentile time to first token must not exceed this")
+    goal.add_argument("--slo-tpot-p99", type=float, default=None, metavar="MS",
+                      help="99th-percentile time per output token must not exceed this")
+    goal.add_argument("--rate-tolerance", type=float, default=0.05,
+                      help="max-rate: stop bisecting when the bracket is narrower than this "
+                           "share of its upper end (default 0.05)")
+
+    execution = plan.add_argument_group("execution and output")
+    execution.add_argument("--workers", type=int, default=None,
+                           help="local worker processes (default: one per core; 1 runs serially "
+                                "in this process)")
+    execution.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                           help="run the points as Ray tasks: on the cluster at ADDRESS (e.g. "
+                                "auto, ray://head:10001), else on RAY_ADDRESS's or a new local "
+                                "instance (a bare --ray goes after the trace argument)")
+    execution.add_argument("--out", default=None,
+                           help="directory for results.csv, results.parquet and pareto.png")
+    execution.add_argument("--cache-dir", default=None,
+                           help=f"finished points, so a rerun resumes (default: "
+                                f"{CACHE_SUBDIR} under --out, else under the current directory)")
+    execution.add_argument("--no-cache", action="store_true", help="simulate every point")
+    execution.add_argument("--top", type=int, default=20,
+                           help="rows of the ranked table to print (default 20; all in --out)")
+    execution.add_argument("--no-progress", action="store_true")
+    plan.set_defaults(handler=cmd_plan)
+    return plan
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from zipage.trace import load_trace
+
+    trace = load_trace(args.trace)
+    spec = spec_from_args(args)
+    cache_dir = None if args.no_cache else Path(
+        args.cache_dir or Path(args.out or ".") / CACHE_SUBDIR)
+    executor = RAY if args.ray is not None else (SERIAL if args.workers == 1 else LOCAL)
+    if args.workers is not None and args.workers < 1:
+        raise ConfigError(f"--workers: got {args.workers}, expected an integer >= 1")
+    spec.validate()
+    points = len(spec.points())
+    workers = "Ray tasks" if executor == RAY else (
+        f"{min(args.workers or os.cpu_count() or 1, points)} worker process(es)")
+    print(f"{trace.name} ({len(trace.requests):,} requests) on {spec.base.model}: {points} points "
+          f"({describe_grid(spec)}), objective {spec.objective}, {workers}")
+    result = run_plan(trace, spec, executor=executor, workers=args.workers,
+                      ray_address=args.ray or None, cache_dir=cache_dir,
+                      progress=not args.no_progress)
+    print(f"{result.evaluated} simulated, {result.cached} from the cache"
+          f"{f' ({cache_dir})' if cache_dir is not None else ''}, {result.wall_s:.1f} s")
+    print()
+    print(format_report(result, spec, top=args.top))
+    if args.out is not None:
+        for line in write_outputs(result, spec, Path(args.out)):
+            print(line)
+    return 0
+
+
+def spec_from_args(args: argparse.Namespace) -> PlanSpec:
+    from zipage.cli import settings_from_args
+
+    budgets = parse_list(args.budget, int, "--budget") if args.budget else None
+    block_sizes = parse_list(args.block_size, int, "--block-size") if args.block_size else None
+    if args.hybrid is not None and args.no_hybrid:
+        raise ConfigError("--hybrid and --no-hybrid: give one (--hybrid off is --no-hybrid)")
+    hybrid = parse_hybrid(args.hybrid) if args.hybrid is not None else [not args.no_hybrid]
+    kv_memory = parse_list(args.kv_memory_gb, float, "--kv-memory-gb") if args.kv_memory_gb \
+        else None
+    utilizations = parse_list(args.gpu_memory_utilization, float, "--gpu-memory-utilization")
+    # The base settings hold every knob that is not searched; axis values replace theirs per point.
+    base_args = argparse.Namespace(**{
+        **vars(args), "hardware": "a100-80gb", "budget": (budgets or [2048])[0],
+        "block_size": (block_sizes or [256])[0], "kv_memory_gb": None,
+        "gpu_memory_utilization": utilizations[0], "no_hybrid": False})
+    base = settings_from_args(base_args)
+    rates = parse_rates(args.rate) if args.rate is not None else [None]
+    slo = SLO(args.slo_ttft_p90, args.slo_tpot_p99)
+    start = rates[0] if args.objective == MAX_RATE and len(rates) == 1 else None
+    return PlanSpec(
+        base=base, hardware=parse_list(args.hardware, str, "--hardware"),
+        budgets=budgets or [base.config.kv_budget],
+        block_sizes=block_sizes or [base.config.block_size], hybrid=hybrid,
+        kv_memory_gb=kv_memory, gpu_memory_utilization=utilizations,
+        replicas=parse_replicas(args.replicas), rates=rates, routing=args.routing,
+        arrivals=args.arrivals, arrival_seed=args.arrival_seed, burst_size=args.burst_size,
+        objective=args.objective, slo=slo,
+        search=replace(RateSearch(), start_qps=start, tolerance=args.rate_tolerance))
+
+
+# ---------------------------------------------------------------- parsing comma lists
+
+def parse_list(text: str, kind: type, flag: str) -> list:
+    values = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            raise ConfigError(f"{flag}: empty item in {text!r}; give a comma list")
+        try:
+            values.append(kind(item))
+        except ValueError:
+            raise ConfigError(f"{flag}: {item!r} in {text!r} is not a "
+                              f"{'integer' if kind is int else 'number'}; give a comma list, "
+                              f"e.g. {flag} {'1024,2048' if kind is int else '0.8,0.9'}") from None
+    return list(dict.fromkeys(values))
+
+
+def parse_hybrid(text: str) -> list[bool]:
+    choices = {"on": True, "off": False}
+    values = [item.strip().lower() for item in text.split(",")]
+    unknown = [value for value in values if value not in choices]
+    if unknown:
+        raise ConfigError(f"--hybrid: got {unknown[0]!r}; give on, off or on,off")
+    return list(dict.fromkeys(choices[value] for value in values))
+
+
+def parse_replicas(text: str) -> list[int]:
+    """'1..4' -> 1, 2, 3, 4; '1,2,8' and mixes like '1..3,8' work too."""
+    values: list[int] = []
+    for item in text.split(","):
+        low, separator, high = item.strip().partition("..")
+        try:
+            first = int(low)
+            last = int(high) if separator else first
+        except ValueError:
+            raise ConfigError(f"--replicas: {item!r} is neither an integer nor a range like "
+                              "1..4") from None
+        if first < 1 or last < first:
+            raise ConfigError(f"--replicas: {item!r}; replicas are integers >= 1 and a range "
+                              "goes up, e.g. 1..4")
+        values.extend(range(first, last + 1))
+    return list(dict.fromkeys(values))
+
+
+def parse_rates(text: str) -> list[float | None]:
+    rates: list[float | None] = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if item == OFFLINE:
+            rates.append(None)
+            continue
+        try:
+            rate = float(item)
+        except ValueError:
+            raise ConfigError(f"--rate: {item!r} is neither a number of requests per second nor "
+                              f"'{OFFLINE}', e.g. --rate offline,5,10") from None
+        if not (rate > 0 and math.isfinite(rate)):
+            raise ConfigError(f"--rate: got {item}, expected a rate > 0 in requests per second")
+        rates.append(rate)
+    return list(dict.fromkeys(rates))
+
+
+def describe_grid(spec: PlanSpec) -> str:
+    axes = [(len(spec.hardware), "GPUs"), (len(spec.budgets), "budgets"),
+            (len(spec.block_sizes), "block sizes"), (len(spec.hybrid), "hybrid modes"),
+            (len(spec.kv_memory_gb or spec.gpu_memory_utilization), "memory sizes"),
+            (len(spec.replicas), "replica counts"),
+            (1 if spec.objective == MAX_RATE else len(spec.rates), "rates")]
+    varying = [f"{count} {name}" for count, name in axes if count > 1]
+    return " x ".join(varying) or "one point"
+
+
+# ---------------------------------------------------------------- the printed report
+
+def format_report(result: PlanResult, spec: PlanSpec, top: int = 20) -> str:
+    rows = result.rows
+    ranked = [row for row in rows if row["status"] != "infeasible"]
+    infeasible = [row for row in rows if row["status"] == "infeasible"]
+    columns = _table_columns(spec)
+    lines = [f"ranked by {OBJECTIVE_LABELS[spec.objective]}"
+             + (f", SLOs: {_describe_slo(spec.slo)}" if spec.slo.active else "")
+             + (f" (top {top} of {len(ranked)})" if len(ranked) > top else "")]
+    lines += format_table([header for header, _ in columns],
+                          [[cell(row) for _, cell in columns] for row in ranked[:top]])
+    missed = [row for row in ranked[:top] if row["status"] != OK]
+    for row in missed:
+        lines.append(f"  #{row['rank']} misses the SLOs: {row['reason']}")
+    lines.append("")
+    lines.append(f"infeasible points: {len(infeasible)}")
+    for row in infeasible:
+        lines.append(f"  {_describe_point(row)}: {row['reason']}")
+    lines.append("")
+    front = result.pareto
+    lines.append(f"Pareto front, {OBJECTIVE_LABELS[spec.objective]} vs KV budget "
+                 f"(higher budget = more accurate), per GPU:")
+    if not front:
+        lines.append("  (empty: no point meets the SLOs)")
+    pareto_columns = [("gpu", lambda row: row["hardware"]), ("budget", lambda row: row["budget"]),
+                      (_objective_header(spec), lambda row: _number(row["objective_value"])),
+                      ("rank", lambda row: row["rank"]),
+                      ("deployment", _describe_deployment)]
+    lines += format_table([header for header, _ in pareto_columns],
+                          [[cell(row) for _, cell in pareto_columns] for row in front])
+    return "\n".join(lines)
+
+
+def format_table(headers: list[str], rows: list[list]) -> list[str]:
+    """Left-aligned text columns, right-aligned numbers, two spaces apart."""
+    cells = [[str(value) for value in row] for row in rows]
+    widths = [max([len(header), *(len(row[index]) for row in cells)])
+              for index, header in enumerate(headers)]
+    numeric = [all(_is_numeric(row[index]) for row in cells) and cells
+               for index in range(len(headers))]
+
+    def line(values: list[str]) -> str:
+        return "  " + "  ".join(
+            value.rjust(width) if is_number else value.ljust(width)
+            for value, width, is_number in zip(values, widths, numeric)).rstrip()
+
+    return [line(headers), *(line(row) for row in cells)]
+
+
+def _table_columns(spec: PlanSpec) -> list[tuple[str, object]]:
+    columns = [("#", lambda row: row["rank"]), ("gpu", lambda row: row["hardware"]),
+               ("budget", lambda row: row["budget"]), ("block", lambda row: row["block_size"]),
+               ("hybrid", lambda row: "on" if row["hybrid"] else "off"),
+               ("replicas", lambda row: row["replicas"])]
+    if spec.kv_memory_gb is not None:
+        columns.append(("kv GiB", lambda row: f"{row['kv_memory_gb']:g}"))
+    elif len(spec.gpu_memory_utilization) > 1:
+        columns.append(("util", lambda row: f"{row['gpu_memory_utilization']:g}"))
+    if spec.objective == MAX_RATE:
+        # The metrics of a max-rate row are measured at the rate found.
+        columns.append(("max req/s", lambda row: _rate(row["max_rate_qps"])))
+    elif spec.rates != [None]:
+        columns.append(("rate req/s", lambda row: _rate(row["rate_qps"])))
+    columns += [("tok/s", lambda row: _number(row["tps"])),
+                ("tok/s per $/h", lambda row: _number(row["tps_per_dollar"])),
+                ("TTFT p90 s", lambda row: f"{row['ttft_p90_s']:.2f}"),
+                ("TPOT p99 ms", lambda row: f"{row['tpot_p99_ms']:.1f}"),
+                ("M", lambda row: row["max_concurrency"] if row["max_concurrency"] is not None
+                 else "-"),
+                ("status", lambda row: row["status"] + (" *" if row["pareto"] else ""))]
+    return columns
+
+
+def _objective_header(spec: PlanSpec) -> str:
+    return {TPS: "tok/s", TPS_PER_DOLLAR: "tok/s per $/h", MAX_RATE: "max req/s"}[spec.objective]
+
+
+def _describe_slo(slo: SLO) -> str:
+    parts = []
+    if slo.ttft_p90_s is not None:
+        parts.append(f"TTFT p90 <= {slo.ttft_p90_s:g} s")
+    if slo.tpot_p99_ms is not None:
+        parts.append(f"TPOT p99 <= {slo.tpot_p99_ms:g} ms")
+    return ", ".join(parts)
+
+
+def _describe_deployment(row: dict) -> str:
+    parts = [f"block {row['block_size']}", f"hybrid {'on' if row['hybrid'] else 'off'}",
+             f"{row['replicas']} replica{'s' if row['replicas'] > 1 else ''}"]
+    if row["kv_memory_gb"] is not None:
+        parts.append(f"{row['kv_memory_gb']:g} GiB kv")
+    if row["rate_qps"] is not None:
+        parts.append(f"{_rate(row['rate_qps'])} req/s")
+    return ", ".join(parts)
+
+
+def _describe_point(row: dict) -> str:
+    return f"{row['hardware']} budget {row['budget']}, {_describe_deployment(row)}"
+
+
+def _number(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if math.isinf(value):
+        return "inf"
+    return f"{value:,.1f}" if abs(value) < 100 else f"{value:,.0f}"
+
+
+def _rate(value: float | None) -> str:
+    if value is None:
+        return "offline"
+    return "inf" if math.isinf(value) else f"{value:.3g}"
+
+
+def _is_numeric(text: str) -> bool:
+    try:
+        float(text.replace(",", ""))
+    except ValueError:
+        return text in ("-", "inf")
+    return True
+
+
+# ---------------------------------------------------------------- files under --out
+
+def write_outputs(result: PlanResult, spec: PlanSpec, out: Path) -> list[str]:
+    """results.csv, results.parquet (if pandas can write Parquet) and pareto.png; returns what
+    was written, one line each."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    with (out / "results.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(RESULT_COLUMNS)
+        for row in result.rows:
+            writer.writerow(["" if row[column] is None else row[column]
+                             for column in RESULT_COLUMNS])
+    written.append(f"wrote {out / 'results.csv'} ({len(result.rows)} rows)")
+    written.append(_write_parquet(result, out / "results.parquet"))
+    plot_pareto(result, spec, out / "pareto.png")
+    written.append(f"wrote {out / 'pareto.png'}")
+    return written
+
+
+def _write_parquet(result: PlanResult, path: Path) -> str:
+    import pandas
+
+    frame = pandas.DataFrame(result.rows, columns=RESULT_COLUMNS)
+    try:
+        frame.to_parquet(path, index=False)
+    except ImportError:
+        return (f"skipped {path}: pandas has no Parquet engine here (pip install pyarrow); "
+                "results.csv holds the same rows")
+    return f"wrote {path}"
+
+
+def plot_pareto(result: PlanResult, spec: PlanSpec, path: Path) -> None:
+    """Every point meeting the SLOs as a dot, each GPU's Pareto front as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5), dpi=120)
+    ok_rows = [row for row in result.rows if row["status"] == OK]
+    budgets = sorted({row["budget"] for row in result.rows})
+    for index, hardware in enumerate(spec.hardware):
+        color = f"C{index}"
+        points = [row for row in ok_rows if row["hardware"] == hardware]
+        front = sorted((row for row in points if row["pareto"]), key=lambda row: row["budget"])
+        finite = [row for row in points if math.isfinite(row["objective_value"])]
+        axes.scatter([row["budget"] for row in finite],
+                     [row["objective_value"] for row in finite], color=color, alpha=0.35, s=18)
+        front = [row for row in front if math.isfinite(row["objective_value"])]
+        axes.plot([row["budget"] for row in front], [row["objective_value"] for row in front],
+                  color=color, marker="o", label=f"{hardware} (front)")
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(budgets, [str(budget) for budget in budgets])
+    axes.minorticks_off()
+    axes.set_xlabel("KV budget k (tokens kept per request; higher = more accurate)")
+    axes.set_ylabel(OBJECTIVE_LABELS[spec.objective])
+    title = "Pareto front: " + OBJECTIVE_LABELS[spec.objective] + " vs budget"
+    if spec.slo.active:
+        title += f"\nSLOs: {_describe_slo(spec.slo)}"
+    axes.set_title(title, fontsize=10)
+    axes.grid(True, alpha=0.3)
+    if ok_rows:
+        axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)

@@ -1,0 +1,612 @@
+"""Capacity planning: search deployments of a trace with the simulator (`zipage plan`).
+
+A `PlanSpec` names the axes of the search (GPU, KV budget, block size, cache memory, hybrid
+scheduling, replicas, arrival rate) and the objective: throughput, throughput per dollar, or the
+highest arrival rate that still meets the latency SLOs. Each grid point (`PlanPoint`) is evaluated
+by `evaluate_point`, a pure function of the trace and the point that runs the simulator
+(`zipage.sim.cluster.simulate_cluster`) once or, for the max-rate objective, bisects over Poisson
+arrival rates as Vidur-Search does; a point the config, the memory planner or the scheduler
+refuses is kept as infeasible with the `ZipageError` message as its reason. Because points are
+pure, the executor (serial, a local process pool, Ray tasks) cannot change a result, and finished
+points are cached under a stable hash of the trace's content, the point and the simulator's
+source, so an interrupted search resumes and a rerun costs nothing. `run_plan` ranks the rows and
+marks, per GPU, the Pareto front of the objective against the budget, which stands in for
+accuracy (the paper's trade-off).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import xxhash
+
+from zipage.errors import ConfigError, ZipageError
+from zipage.replay import ReplaySettings
+from zipage.trace import ARRIVAL_PATTERNS, Trace, stamp_arrivals
+
+TPS = "tps"
+TPS_PER_DOLLAR = "tps-per-dollar"
+MAX_RATE = "max-rate"
+OBJECTIVES = (TPS, TPS_PER_DOLLAR, MAX_RATE)
+OBJECTIVE_COLUMN = {TPS: "tps", TPS_PER_DOLLAR: "tps_per_dollar", MAX_RATE: "max_rate_qps"}
+
+SERIAL = "serial"
+LOCAL = "local"
+RAY = "ray"
+EXECUTORS = (SERIAL, LOCAL, RAY)
+
+OK = "ok"
+SLO_MISSED = "slo-missed"
+INFEASIBLE = "infeasible"
+STATUS_ORDER = {OK: 0, SLO_MISSED: 1, INFEASIBLE: 2}
+
+CACHE_SUBDIR = Path(".zipage-cache") / "plan"
+
+# The simulation's headline numbers a row keeps (the names of `summarize` and `run_summary`).
+METRIC_KEYS = (
+    "requests", "completed", "failed", "output_tokens", "makespan_s", "tps",
+    "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms",
+    "mean_ttft_s", "mean_tpot_ms", "peak_running", "mean_running", "preemptions",
+    "compressions", "n_max", "max_concurrency", "num_blocks",
+)
+RESULT_COLUMNS = [
+    "rank", "status", "reason", "hardware", "budget", "block_size", "hybrid", "replicas",
+    "routing", "kv_memory_gb", "gpu_memory_utilization", "rate_qps", "objective",
+    "objective_value", "pareto", "tps", "tps_per_dollar", "max_rate_qps", "gpus",
+    "price_per_hour_usd", *[key for key in METRIC_KEYS if key != "tps"], "simulations", "key",
+]
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Latency targets; None means no target. TTFT in seconds, TPOT in milliseconds."""
+
+    ttft_p90_s: float | None = None
+    tpot_p99_ms: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.ttft_p90_s is not None or self.tpot_p99_ms is not None
+
+    def violations(self, metrics: dict) -> list[str]:
+        found = []
+        if self.ttft_p90_s is not None and metrics["ttft_p90_s"] > self.ttft_p90_s:
+            found.append(f"TTFT p90 {metrics['ttft_p90_s']:.3g} s > {self.ttft_p90_s:g} s")
+        if self.tpot_p99_ms is not None and metrics["tpot_p99_ms"] > self.tpot_p99_ms:
+            found.append(f"TPOT p99 {metrics['tpot_p99_ms']:.3g} ms > {self.tpot_p99_ms:g} ms")
+        return found
+
+
+@dataclass(frozen=True)
+class RateSearch:
+    """How the max-rate objective searches: from `start_qps` (default: the offline request
+    throughput), doubling or halving until the SLOs flip, then bisecting until the bracket is
+    narrower than `tolerance` of its upper end, within `max_simulations` simulations."""
+
+    start_qps: float | None = None
+    tolerance: float = 0.05
+    max_simulations: int = 16
+
+
+@dataclass(frozen=True)
+class PlanPoint:
+    """One deployment: the axis values on top of the base settings, how many engines, and the
+    arrivals. `rate_qps` None replays the trace's own arrival times (all 0 for an offline trace).
+    """
+
+    base: ReplaySettings
+    hardware: str
+    budget: int
+    block_size: int
+    hybrid: bool
+    kv_memory_gb: float | None = None
+    gpu_memory_utilization: float = 0.9
+    replicas: int = 1
+    routing: str = "least-loaded"
+    rate_qps: float | None = None
+    arrivals: str = "poisson"
+    arrival_seed: int = 0
+    burst_size: int = 8
+
+    def settings(self) -> ReplaySettings:
+        """The settings of one engine; raises `ConfigError` for an invalid combination (a
+        budget that is not a multiple of the block size), which makes the point infeasible."""
+        from zipage.core.config import ZipageConfig
+
+        config = ZipageConfig.from_dict({**self.base.config.to_dict(), "kv_budget": self.budget,
+                                         "block_size": self.block_size, "hybrid": self.hybrid})
+        return dataclasses.replace(self.base, hardware=self.hardware, config=config,
+                                   kv_memory_gb=self.kv_memory_gb,
+                                   gpu_memory_utilization=self.gpu_memory_utilization)
+
+    def labels(self) -> dict:
+        """The point's coordinates as result columns."""
+        return {
+            "hardware": self.hardware, "budget": self.budget, "block_size": self.block_size,
+            "hybrid": self.hybrid, "replicas": self.replicas, "routing": self.routing,
+            "kv_memory_gb": self.kv_memory_gb,
+            "gpu_memory_utilization": (None if self.kv_memory_gb is not None
+                                       else self.gpu_memory_utilization),
+            "rate_qps": self.rate_qps,
+        }
+
+    def key_fields(self) -> dict:
+        """Everything of the point an outcome depends on, for the cache key."""
+        values = dataclasses.asdict(self)
+        values["base"] = self.base.to_dict()
+        return values
+
+
+@dataclass
+class PlanSpec:
+    """The search: every combination of the axis lists, one objective, optional SLOs.
+
+    `base` holds every knob that is not an axis. `kv_memory_gb` set replaces the
+    `gpu_memory_utilization` axis (exact cache memory, as `--kv-memory-gb`). With the max-rate
+    objective the rate is searched, so `rates` holds at most the starting guess."""
+
+    base: ReplaySettings = field(default_factory=ReplaySettings)
+    hardware: list[str] = field(default_factory=lambda: ["a100-80gb"])
+    budgets: list[int] = field(default_factory=lambda: [2048])
+    block_sizes: list[int] = field(default_factory=lambda: [256])
+    hybrid: list[bool] = field(default_factory=lambda: [True])
+    kv_memory_gb: list[float] | None = None
+    gpu_memory_utilization: list[float] = field(default_factory=lambda: [0.9])
+    replicas: list[int] = field(default_factory=lambda: [1])
+    rates: list[float | None] = field(default_factory=lambda: [None])
+    routing: str = "least-loaded"
+    arrivals: str = "poisson"
+    arrival_seed: int = 0
+    burst_size: int = 8
+    objective: str = TPS
+    slo: SLO = field(default_factory=SLO)
+    search: RateSearch = field(default_factory=RateSearch)
+
+    def validate(self) -> None:
+        """Mistakes in the search itself fail before anything runs (and GPU names are
+        normalised); a bad combination of otherwise valid values (a budget that is not a
+        multiple of the block size) is one infeasible point instead."""
+        from zipage.presets import resolve_shape
+        from zipage.sim.cluster import ROUTING_POLICIES
+        from zipage.sim.hardware import get_hardware
+
+        resolve_shape(self.base.model)
+        self.hardware = _unique([get_hardware(name).name for name in self.hardware])
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"objective: got {self.objective!r}, expected one of "
+                              f"{', '.join(OBJECTIVES)}")
+        if self.objective == MAX_RATE:
+            if not self.slo.active:
+                raise ConfigError("objective max-rate: the highest rate that meets the SLOs needs "
+                                  "an SLO; add --slo-ttft-p90 SECONDS and/or --slo-tpot-p99 MS")
+            if len(self.rates) > 1:
+                raise ConfigError("rate: the max-rate objective searches the rate itself; give "
+                                  "at most one --rate, the starting guess")
+        if self.routing not in ROUTING_POLICIES:
+            raise ConfigError(f"routing: got {self.routing!r}, expected one of "
+                              f"{', '.join(ROUTING_POLICIES)}")
+        if self.arrivals not in ARRIVAL_PATTERNS:
+            raise ConfigError(f"arrivals: got {self.arrivals!r}, expected one of "
+                              f"{', '.join(ARRIVAL_PATTERNS)}")
+        for name, values in (("budget", self.budgets), ("block_size", self.block_sizes),
+                             ("replicas", self.replicas)):
+            if not values or any(not isinstance(value, int) or value < 1 for value in values):
+                raise ConfigError(f"{name}: got {values!r}, expected integers >= 1")
+        for name, values in (("kv_memory_gb", self.kv_memory_gb or [1.0]),
+                             ("rate", [rate for rate in self.rates if rate is not None] or [1.0])):
+            if any(not value > 0 or not math.isfinite(value) for value in values):
+                raise ConfigError(f"{name}: got {values!r}, expected finite numbers > 0")
+        for slo_value in (self.slo.ttft_p90_s, self.slo.tpot_p99_ms):
+            if slo_value is not None and not slo_value > 0:
+                raise ConfigError(f"slo: got {slo_value!r}, expected a number > 0")
+        if not 0 < self.search.tolerance < 1:
+            raise ConfigError(f"rate tolerance: got {self.search.tolerance!r}, expected a share "
+                              "between 0 and 1 (e.g. --rate-tolerance 0.05)")
+
+    def points(self) -> list[PlanPoint]:
+        """The grid in a fixed order (GPU, budget, block size, hybrid, memory, replicas, rate)."""
+        memories: list[tuple[float | None, float]] = (
+            [(gigabytes, self.base.gpu_memory_utilization) for gigabytes in self.kv_memory_gb]
+            if self.kv_memory_gb is not None
+            else [(None, utilization) for utilization in self.gpu_memory_utilization])
+        rates = [None] if self.objective == MAX_RATE else self.rates
+        return [
+            PlanPoint(self.base, hardware, budget, block_size, hybrid, kv_gb, utilization,
+                      replicas, self.routing, rate, self.arrivals, self.arrival_seed,
+                      self.burst_size)
+            for hardware, budget, block_size, hybrid, (kv_gb, utilization), replicas, rate in (
+                itertools.product(self.hardware, self.budgets, self.block_sizes, self.hybrid,
+                                  memories, self.replicas, rates))
+        ]
+
+
+@dataclass(frozen=True)
+class PointTask:
+    """What a worker needs besides the trace: the point and how to evaluate it."""
+
+    point: PlanPoint
+    objective: str = TPS
+    slo: SLO = SLO()
+    search: RateSearch = RateSearch()
+
+
+@dataclass
+class PlanResult:
+    rows: list[dict]  # every point, ranked; infeasible ones last, with their reason
+    evaluated: int  # points simulated in this run
+    cached: int  # points read from the cache
+    wall_s: float
+
+    @property
+    def pareto(self) -> list[dict]:
+        """The Pareto front of every GPU, each sorted by budget."""
+        front = [row for row in self.rows if row["pareto"]]
+        return sorted(front, key=lambda row: (row["hardware"], row["budget"]))
+
+
+# ---------------------------------------------------------------- evaluating one point
+
+def evaluate_point(trace: Trace, task: PointTask) -> dict:
+    """Simulate one point: its metrics, or `feasible` False with the reason.
+
+    A pure function of its arguments (the simulator is deterministic), so any executor, on any
+    worker, returns the same outcome."""
+    try:
+        if task.objective == MAX_RATE:
+            return _search_max_rate(trace, task)
+        return {**_simulate(_arrivals(trace, task.point, task.point.rate_qps), task.point),
+                "simulations": 1}
+    except ZipageError as error:
+        return {"feasible": False, "reason": str(error), "simulations": 1}
+
+
+def _simulate(trace: Trace, point: PlanPoint) -> dict:
+    from zipage.sim.cluster import simulate_cluster
+
+    summary = simulate_cluster(trace, point.settings(), point.replicas, point.routing)
+    outcome = {key: summary[key] for key in METRIC_KEYS}
+    if summary["failed"]:
+        # A deployment that cannot serve some requests of the workload at all does not fit it.
+        outcome.update(feasible=False, reason=(
+            f"{summary['failed']} of {summary['requests']} requests can never be served: "
+            f"{summary['first_error']}"))
+    else:
+        outcome.update(feasible=True, reason=None)
+    return outcome
+
+
+def _arrivals(trace: Trace, point: PlanPoint, rate_qps: float | None) -> Trace:
+    if rate_qps is None:
+        return trace
+    return stamp_arrivals(trace, rate_qps, pattern=point.arrivals, seed=point.arrival_seed,
+                          burst_size=point.burst_size)
+
+
+def _search_max_rate(trace: Trace, task: PointTask) -> dict:
+    """The highest arrival rate whose simulated latencies meet the SLOs.
+
+    The stamped arrival times at rate r are those at rate 1 divided by r (same seed, same
+    draws), so raising the rate only compresses time; queues, hence TTFT and TPOT, grow with it.
+    All requests arriving at once is the limit of an infinite rate: if even that meets the SLOs,
+    the answer is infinity. Otherwise bracket the answer by doubling or halving from the start
+    rate, then bisect. The row reports the metrics at the rate found.
+    """
+    point, slo, search = task.point, task.slo, task.search
+    offline = _simulate(Trace(trace.name, [dataclasses.replace(request, arrival_s=0.0)
+                                           for request in trace.requests]), point)
+    simulations = 1
+    if not offline["feasible"] or not slo.violations(offline):
+        return {**offline, "max_rate_qps": math.inf if offline["feasible"] else None,
+                "rate_qps": None, "simulations": simulations}
+    outcomes: dict[float, dict] = {}
+
+    def meets(rate: float) -> bool:
+        nonlocal simulations
+        simulations += 1
+        outcomes[rate] = _simulate(_arrivals(trace, point, rate), point)
+        return outcomes[rate]["feasible"] and not slo.violations(outcomes[rate])
+
+    rate = search.start_qps or offline["completed"] / offline["makespan_s"]
+    lowest = rate / 1024
+    low: float | None = None
+    high: float | None = None
+    if meets(rate):
+        low = rate
+        while high is None and simulations < search.max_simulations:
+            rate *= 2
+            if meets(rate):
+                low = rate
+            else:
+                high = rate
+    else:
+        high = rate
+        while low is None and rate > lowest and simulations < search.max_simulations:
+            rate /= 2
+            if meets(rate):
+                low = rate
+            else:
+                high = rate
+    if low is None:
+        return {**outcomes[high], "feasible": True, "reason": None, "max_rate_qps": 0.0,
+                "rate_qps": high, "simulations": simulations}
+    while (high is not None and high - low > search.tolerance * high
+           and simulations < search.max_simulations):
+        middle = (low + high) / 2
+        if meets(middle):
+            low = middle
+        else:
+            high = middle
+    return {**outcomes[low], "max_rate_qps": low, "rate_qps": low, "simulations": simulations}
+
+
+# ---------------------------------------------------------------- running a search
+
+def run_plan(trace: Trace, spec: PlanSpec, *, executor: str = LOCAL, workers: int | None = None,
+             ray_address: str | None = None, cache_dir: str | Path | None = None,
+             progress: bool = False) -> PlanResult:
+    """Evaluate every point of `spec` on `trace` (cached points are read, not simulated) and
+    return the ranked rows with the Pareto front marked."""
+    started = time.perf_counter()
+    spec.validate()
+    if executor not in EXECUTORS:
+        raise ConfigError(f"executor: got {executor!r}, expected one of {', '.join(EXECUTORS)}")
+    points = spec.points()
+    tasks = [PointTask(point, spec.objective, spec.slo, spec.search) for point in points]
+    context = plan_context(trace, spec.base)
+    keys = [point_key(context, task) for task in tasks]
+    cache = Path(cache_dir) if cache_dir is not None else None
+    outcomes: dict[int, dict] = {}
+    if cache is not None:
+        for index, key in enumerate(keys):
+            cached = _read_cache(cache, key)
+            if cached is not None:
+                outcomes[index] = cached
+    missing = [index for index in range(len(tasks)) if index not in outcomes]
+
+    bar = _progress_bar(len(tasks), len(tasks) - len(missing), progress)
+
+    def finished(index: int, outcome: dict) -> None:
+        # Cached as soon as it arrives, so an interrupted search keeps every finished point.
+        outcomes[index] = outcome
+        if cache is not None:
+            _write_cache(cache, keys[index], outcome)
+        bar.update(1)
+
+    try:
+        if missing:
+            _EXECUTE[executor](trace, [(index, tasks[index]) for index in missing], finished,
+                               workers=workers, ray_address=ray_address)
+    finally:
+        bar.close()
+    rows = [_row(point, outcomes[index], keys[index], spec)
+            for index, point in enumerate(points)]
+    return PlanResult(rank_rows(rows, spec.objective), evaluated=len(missing),
+                      cached=len(tasks) - len(missing), wall_s=time.perf_counter() - started)
+
+
+Callback = Callable[[int, dict], None]
+
+
+def _run_serial(trace: Trace, tasks: list[tuple[int, PointTask]], done: Callback,
+                **_options) -> None:
+    for index, task in tasks:
+        done(index, evaluate_point(trace, task))
+
+
+def _run_local(trace: Trace, tasks: list[tuple[int, PointTask]], done: Callback, *,
+               workers: int | None = None, **_options) -> None:
+    workers = min(workers or os.cpu_count() or 1, len(tasks))
+    if workers == 1:
+        _run_serial(trace, tasks, done)
+        return
+    pool = ProcessPoolExecutor(max_workers=workers)
+    try:
+        futures = {pool.submit(evaluate_point, trace, task): index for index, task in tasks}
+        for future in as_completed(futures):
+            done(futures[future], future.result())
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _run_ray(trace: Trace, tasks: list[tuple[int, PointTask]], done: Callback, *,
+             ray_address: str | None = None, **_options) -> None:
+    try:
+        import ray
+    except ImportError as error:
+        raise ConfigError("--ray: Ray is not installed; pip install 'zipage[ray]' (or pip "
+                          "install ray), or drop --ray to use the local process pool") from error
+    started_here = not ray.is_initialized()
+    if started_here:
+        if ray_address:
+            ray.init(address=ray_address)
+        else:
+            # Joins the instance RAY_ADDRESS names or a running local one, else starts one; a
+            # planning run has no use for the dashboard's extra processes.
+            ray.init(include_dashboard=False)
+    try:
+        evaluate_remote = ray.remote(evaluate_point)
+        trace_reference = ray.put(trace)  # shipped to the object store once, not per task
+        pending = {evaluate_remote.remote(trace_reference, task): index for index, task in tasks}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for reference in ready:
+                done(pending.pop(reference), ray.get(reference))
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+_EXECUTE = {SERIAL: _run_serial, LOCAL: _run_local, RAY: _run_ray}
+
+
+# ---------------------------------------------------------------- rows, ranking, Pareto front
+
+def _row(point: PlanPoint, outcome: dict, key: str, spec: PlanSpec) -> dict:
+    from zipage.sim.hardware import get_hardware
+
+    row = dict.fromkeys(RESULT_COLUMNS)
+    row.update(point.labels())
+    row.update({name: value for name, value in outcome.items() if name in row})
+    gpu = get_hardware(point.hardware)
+    gpus = point.replicas * point.base.tensor_parallel
+    row.update(objective=spec.objective, gpus=gpus,
+               price_per_hour_usd=gpus * gpu.price_per_hour_usd,
+               simulations=outcome["simulations"], key=key, pareto=False)
+    if not outcome["feasible"]:
+        row.update(status=INFEASIBLE, reason=outcome["reason"])
+        return row
+    # Throughput per dollar: tokens per second for each dollar per hour the GPUs cost.
+    row["tps_per_dollar"] = row["tps"] / row["price_per_hour_usd"]
+    violations = spec.slo.violations(outcome)
+    if spec.objective == MAX_RATE and row["max_rate_qps"] == 0.0:
+        row.update(status=SLO_MISSED, reason=(f"SLOs missed at every rate down to "
+                                              f"{row['rate_qps']:.3g} req/s: "
+                                              + "; ".join(violations)))
+    elif violations:
+        row.update(status=SLO_MISSED, reason="; ".join(violations))
+    else:
+        row.update(status=OK)
+    row["objective_value"] = row[OBJECTIVE_COLUMN[spec.objective]]
+    return row
+
+
+def rank_rows(rows: list[dict], objective: str) -> list[dict]:
+    """Points meeting the SLOs first, then those missing them, then infeasible ones; within each
+    group the objective, highest first; ties keep the grid order. Marks the Pareto front."""
+    ranked = sorted(rows, key=lambda row: (
+        STATUS_ORDER[row["status"]],
+        -(row["objective_value"] if row["objective_value"] is not None else 0.0)))
+    for rank, row in enumerate(ranked, start=1):
+        row["rank"] = rank
+    for row in pareto_front(ranked):
+        row["pareto"] = True
+    return ranked
+
+
+def pareto_front(rows: Iterable[dict]) -> list[dict]:
+    """Per GPU, the points meeting the SLOs that no other point of that GPU beats on both the
+    budget (higher: more accurate) and the objective (higher: better); among points equal on
+    both, only the best ranked. `rows` must be in rank order."""
+    front: list[dict] = []
+    candidates = [row for row in rows if row["status"] == OK]
+    for row in candidates:
+        dominated = any(
+            other is not row and other["hardware"] == row["hardware"]
+            and other["budget"] >= row["budget"]
+            and other["objective_value"] >= row["objective_value"]
+            and (other["budget"] > row["budget"]
+                 or other["objective_value"] > row["objective_value"]
+                 or other["rank"] < row["rank"])
+            for other in candidates)
+        if not dominated:
+            front.append(row)
+    return front
+
+
+# ---------------------------------------------------------------- the result cache
+
+def plan_context(trace: Trace, base: ReplaySettings) -> dict:
+    """What every point's outcome depends on besides its own settings: the trace's content, the
+    model's shape, the cost-model profile and the simulator's source code (so a changed
+    simulator never serves stale rows)."""
+    from zipage.presets import resolve_shape
+
+    requests = json.dumps([dataclasses.asdict(request) for request in trace.requests])
+    return {
+        "trace": xxhash.xxh3_128_hexdigest(requests.encode()),
+        "shape": dataclasses.asdict(resolve_shape(base.model)),
+        "cost_model": _file_digest(base.cost_model),
+        "code": _code_digest(),
+    }
+
+
+def point_key(context: dict, task: PointTask) -> str:
+    """A stable hash of the plan context, the point and, for the max-rate objective, the SLOs
+    and the search parameters: the name of the point's file in the cache."""
+    payload = {
+        **context,
+        "point": task.point.key_fields(),
+        "search": ([dataclasses.asdict(task.slo), dataclasses.asdict(task.search)]
+                   if task.objective == MAX_RATE else None),
+    }
+    return xxhash.xxh3_128_hexdigest(json.dumps(payload, sort_keys=True).encode())
+
+
+def _file_digest(path_text: str) -> str:
+    """The content hash of a cost-model profile file; the spec itself when it is not a file
+    ("analytic", or a shipped profile, which the code digest covers)."""
+    path = Path(path_text)
+    if not path.is_file():
+        return path_text
+    return xxhash.xxh3_128_hexdigest(path.read_bytes())
+
+
+def _code_digest() -> str:
+    """A hash of the sources a simulated outcome depends on, computed once per process."""
+    global _CODE_DIGEST
+    if _CODE_DIGEST is None:
+        import zipage
+        import zipage.sim
+
+        package = Path(zipage.__file__).parent
+        simulator = Path(zipage.sim.__file__).parent
+        files = [*(package / name for name in ("planning.py", "presets.py", "replay.py",
+                                                 "trace.py")),
+                 *sorted((package / "core").glob("*.py")), *sorted(simulator.rglob("*.py")),
+                 *sorted(simulator.rglob("*.json"))]
+        digest = xxhash.xxh3_128()
+        for path in files:
+            digest.update(f"{path.parent.name}/{path.name}".encode())
+            digest.update(path.read_bytes())
+        _CODE_DIGEST = digest.hexdigest()
+    return _CODE_DIGEST
+
+
+_CODE_DIGEST: str | None = None
+
+
+def _read_cache(cache: Path, key: str) -> dict | None:
+    path = cache / f"{key}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        # Missing, or torn by a crash mid-write on a filesystem without atomic rename: recompute.
+        return None
+
+
+def _write_cache(cache: Path, key: str, outcome: dict) -> None:
+    cache.mkdir(parents=True, exist_ok=True)
+    temporary = cache / f".{key}.{os.getpid()}.tmp"
+    temporary.write_text(json.dumps(outcome))
+    temporary.replace(cache / f"{key}.json")  # atomic: a reader sees the old file or the new one
+
+
+# ---------------------------------------------------------------- helpers
+
+def _unique(values: list) -> list:
+    return list(dict.fromkeys(values))
+
+
+class _NoBar:
+    def update(self, count: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(total: int, already: int, show: bool):
+    if not show:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=already, desc="points", unit="pt", mininterval=0.5)
