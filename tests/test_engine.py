@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tiny_models import save_tiny_qwen3  # noqa: E402
 from zipage import LLM, SamplingParams  # noqa: E402
 from zipage.trace import Trace, TraceRequest, save_trace  # noqa: E402
 
@@ -25,20 +26,7 @@ NEW_TOKENS = 40
 def tiny_model(tmp_path_factory):
     """A tiny random Qwen3 saved as a HF directory, and the HF model itself as the reference."""
     directory = tmp_path_factory.mktemp("tiny-qwen3")
-    config = transformers.Qwen3Config(
-        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, intermediate_size=128, max_position_embeddings=512,
-        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.copy_(1 + 0.1 * torch.randn_like(parameter))
-            else:
-                parameter.normal_(0.0, 0.1)
-    model.save_pretrained(directory)
-    return directory, model.eval()
+    return directory, save_tiny_qwen3(directory)
 
 
 def hf_greedy(model, prompts, new_tokens):

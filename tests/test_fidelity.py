@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tiny_models import save_tiny_qwen3  # noqa: E402
 from zipage.analysis import fidelity  # noqa: E402
 from zipage.core.config import ZipageConfig  # noqa: E402
 from zipage.engine.loader import load_model  # noqa: E402
@@ -35,21 +36,9 @@ def one_thread():
 def tiny_model(tmp_path_factory):
     """A tiny random Qwen3 saved as a HF directory and loaded by our loader (float32, CPU)."""
     directory = tmp_path_factory.mktemp("tiny-qwen3-fidelity")
-    config = transformers.Qwen3Config(
-        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, intermediate_size=128, max_position_embeddings=512,
-        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.copy_(1 + 0.1 * torch.randn_like(parameter))
-            else:
-                # Larger weights than test_engine's: sharper attention, so which entries are
-                # evicted changes the logits visibly.
-                parameter.normal_(0.0, 0.3)
-    model.save_pretrained(directory)
+    # Larger weights than test_engine's: sharper attention, so which entries are evicted changes
+    # the logits visibly.
+    save_tiny_qwen3(directory, weight_std=0.3)
     loaded, shape, _ = load_model(str(directory), torch.float32, "cpu")
     return str(directory), loaded, shape
 
