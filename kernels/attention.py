@@ -1,15 +1,12 @@
 """The engine's entry points for paged attention: each call goes to the Triton kernel or to the torch reference.
 
-Triton runs when the tensors live on a CUDA device, or on the CPU when ``ZIPAGE_FORCE_TRITON=1`` or
-``TRITON_INTERPRET=1`` is set (the Triton interpreter, used by the tests); everything else, including a machine
-without Triton, runs the pure-torch reference of ``attention_ref.py``. The Triton module is imported only when
+The rule of ``dispatch.py`` decides (Triton on CUDA tensors or when forced/interpreted, else the pure-torch
+reference of ``attention_ref.py``). The Triton module is imported only when
 first needed, so CPU-only use never pays for (or depends on) importing Triton.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from types import ModuleType
 
 import torch
@@ -19,16 +16,12 @@ from zipage.kernels.attention_ref import (
     paged_prefill_attention_ref,
     store_kv_ref,
 )
-
-_TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+from zipage.kernels.dispatch import use_triton
 
 
 def _triton_backend(tensor: torch.Tensor) -> ModuleType | None:
-    """The Triton kernels module if this call should use it, else None (use the reference)."""
-    if not _TRITON_AVAILABLE:
-        return None
-    forced = os.environ.get("ZIPAGE_FORCE_TRITON") == "1" or os.environ.get("TRITON_INTERPRET") == "1"
-    if not (tensor.is_cuda or forced):
+    """The Triton kernels module if this call should use it (kernels/dispatch.py), else None."""
+    if not use_triton(tensor):
         return None
     from zipage.kernels import attention_triton
 

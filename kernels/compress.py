@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from zipage.kernels.attention import _triton_backend
+from zipage.kernels.dispatch import use_triton
 from zipage.kernels.compress_ref import CompressionParams, compress_ref
 
 
@@ -22,7 +22,7 @@ def compress(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Te
     """Compress the requests of `source_tables` into `target_tables`, in place in the caches."""
     arguments = (k_cache, v_cache, score_cache, query_cache, source_tables, num_source_blocks,
                  target_tables, query_slots, is_compressed, params, scale)
-    if _triton_backend(k_cache) is None:
+    if not use_triton(k_cache):
         compress_ref(*arguments)
         return
     from zipage.kernels.compress_triton import compress_triton

@@ -14,13 +14,13 @@ from types import ModuleType
 
 import torch
 
-from zipage.kernels.attention import _triton_backend
+from zipage.kernels.dispatch import use_triton
 from zipage.kernels.fused_ops_ref import add_rms_norm_ref, rms_norm_ref, rotary_qk_ref, silu_and_mul_ref
 
 
 def _fused_triton(tensor: torch.Tensor) -> ModuleType | None:
     """The fused Triton kernels module if this call should use it, else None (use the reference)."""
-    if _triton_backend(tensor) is None:
+    if not use_triton(tensor):
         return None
     from zipage.kernels import fused_ops_triton
 
