@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 import sys
 from pathlib import Path
 
@@ -225,15 +226,13 @@ def cmd_trace_make(args: argparse.Namespace) -> int:
 
 def cmd_report_ablation(args: argparse.Namespace) -> int:
     from zipage.analysis.ablation import check_paper_directions, run_ablation, write_ablation_report
-    from zipage.core.config import ZipageConfig
     from zipage.sim.replay import simulate
     from zipage.trace import load_trace
 
     base = settings_from_args(args)
 
     def simulate_variant(trace_path: str, overrides: dict) -> dict:
-        settings = ReplaySettings(**{**base.__dict__, "config": ZipageConfig.from_dict(
-            {**base.config.to_dict(), **overrides})})
+        settings = replace(base, config=replace(base.config, **overrides))
         summary, _ = simulate(load_trace(trace_path), settings)
         return summary
 

@@ -7,7 +7,7 @@ slots), and put a scheduler and a model runner around it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -65,7 +65,7 @@ def build_engine(settings: ReplaySettings, device: str | None = None,
     else:
         total = None
         if settings.kv_memory_gb is None:
-            settings = ReplaySettings(**{**settings.__dict__, "kv_memory_gb": CPU_KV_MEMORY_GB})
+            settings = replace(settings, kv_memory_gb=CPU_KV_MEMORY_GB)
     capacity = plan_capacity(settings, shape, total)
     if device.type == "cuda":
         _check_fits(capacity, device)

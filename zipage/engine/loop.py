@@ -86,9 +86,10 @@ class EngineLoop:
                 tokens[seq_id].append(token)
                 if token in self.eos_token_ids and not ignore_eos[seq_id]:
                     stopped.add(seq_id)
-            scheduler.finish(StepResult(step_id=plan.step_id, t_start=t_start, t_end=t_end,
-                                        completed_batches=completed, stopped=stopped))
-            self.metrics.record_step(plan, StepResult(plan.step_id, t_start, t_end))
+            result = StepResult(step_id=plan.step_id, t_start=t_start, t_end=t_end,
+                                completed_batches=completed, stopped=stopped)
+            scheduler.finish(result)
+            self.metrics.record_step(plan, result)
             if checker:
                 checker.after_finish()
             if bar is not None and len(scheduler.finished) != finished_before:
