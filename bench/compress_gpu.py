@@ -439,7 +439,19 @@ def stage_times(engine, jobs, redundancy: str, stride: int) -> dict:
     return {name: cuda_time(function, 10) * groups for name, function in stages.items()}
 
 
-def part_c(engine, steps: Steps, jobs_by_batch) -> list[dict]:
+def part_c(engine, steps: Steps, jobs_by_batch, sm_limits=(None,)) -> list[dict]:
+    rows = []
+    for num_sms in sm_limits:
+        try:
+            engine.runner.compressor.limit_sms(num_sms)
+            rows += part_c_rows(engine, steps, jobs_by_batch, num_sms)
+        except Exception:
+            log(f"C with the compressor on {num_sms} SMs failed:\n{traceback.format_exc()}")
+    engine.runner.compressor.limit_sms(None)
+    return rows
+
+
+def part_c_rows(engine, steps: Steps, jobs_by_batch, num_sms) -> list[dict]:
     from zipage.core.plan import CompressionBatch
 
     compressor = engine.runner.compressor
@@ -462,12 +474,13 @@ def part_c(engine, steps: Steps, jobs_by_batch) -> list[dict]:
         extra_async = sum(overlapped) - len(overlapped) * alone
         extra_sync = synchronous - alone
         row = dict(requests=requests, blocks=blocks, redundancy=redundancy, layer_stride=stride,
+                   compressor_sms=num_sms or "all",
                    decode_alone_s=alone, sync_step_s=synchronous, async_steps=len(overlapped),
                    async_step_s=sum(overlapped) / len(overlapped), async_first_step_s=overlapped[0],
                    inflation=sum(overlapped) / len(overlapped) / alone - 1, async_extra_s=extra_async,
                    sync_extra_s=extra_sync, hidden=1 - extra_async / extra_sync if extra_sync > 0 else None)
         rows.append(row)
-        log(f"C {requests} x {blocks} {redundancy} stride {stride}: alone {alone * 1e3:.2f} ms, sync step "
+        log(f"C {requests} x {blocks} {redundancy} stride {stride} on {num_sms or 'all'} SMs: alone {alone * 1e3:.2f} ms, sync step "
             f"{synchronous * 1e3:.2f} ms, async {len(overlapped)} steps of {row['async_step_s'] * 1e3:.2f} ms "
             f"(+{100 * row['inflation']:.1f}%), hidden {row['hidden']}")
     set_compression(compressor, engine.config.layer_stride, engine.config.redundancy)
@@ -514,12 +527,13 @@ def print_tables(report: dict) -> None:
         log("")
         log(f"C. Engine steps ({DECODE_BATCH} x {CONTEXT} decode) with a compression batch: sync (in the step, "
             "before the decode) vs async (side stream)")
-        log(f"  {'batch':<10} {'redundancy':<10} {'stride':>6} {'alone ms':>9} {'sync ms':>8} {'async steps':>11} "
+        log(f"  {'batch':<10} {'redundancy':<10} {'stride':>6} {'SMs':>4} {'alone ms':>9} {'sync ms':>8} {'async steps':>11} "
             f"{'async ms/step':>13} {'inflation':>9} {'hidden':>7}")
         for row in report["async"]:
             hidden = f"{100 * row['hidden']:.0f}%" if row["hidden"] is not None else "-"
             log(f"  {str(row['requests']) + ' x ' + str(row['blocks']):<10} {row['redundancy']:<10} "
-                f"{row['layer_stride']:>6} {row['decode_alone_s'] * 1e3:>9.2f} {row['sync_step_s'] * 1e3:>8.2f} "
+                f"{row['layer_stride']:>6} {str(row.get('compressor_sms', 'all')):>4} "
+                f"{row['decode_alone_s'] * 1e3:>9.2f} {row['sync_step_s'] * 1e3:>8.2f} "
                 f"{row['async_steps']:>11} {row['async_step_s'] * 1e3:>13.2f} {100 * row['inflation']:>8.1f}% "
                 f"{hidden:>7}")
 
@@ -528,6 +542,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--parts", default="A,B,C")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--compressor-sms", default="all",
+                        help="part C: comma-separated SM limits for async batches ('all' = none)")
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -552,7 +568,8 @@ def main() -> int:
                 report["timing"] = part_b(engine, steps, jobs_by_batch)
             (OUT / "compress_gpu.json").write_text(json.dumps(report, indent=2))
             if "C" in parts:
-                report["async"] = part_c(engine, steps, jobs_by_batch)
+                limits = [None if n == "all" else int(n) for n in args.compressor_sms.split(",")]
+                report["async"] = part_c(engine, steps, jobs_by_batch, limits)
         except Exception:
             failed = True
             report["error"] = traceback.format_exc()

@@ -13,6 +13,7 @@ fewer, larger launches.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,7 +40,27 @@ class Compressor:
         self.layer_stride = config.layer_stride
         self.on_gpu = runner.device.type == "cuda"
         self.stream = torch.cuda.Stream(runner.device) if self.on_gpu else None
+        self.green_context = None
         self.in_flight: tuple[int, torch.cuda.Event | None] | None = None
+        if os.environ.get("ZIPAGE_COMPRESSOR_SMS"):
+            self.limit_sms(int(os.environ["ZIPAGE_COMPRESSOR_SMS"]))
+
+    def limit_sms(self, num_sms: int | None) -> None:
+        """Run async batches on `num_sms` SMs only (a CUDA green context), or on all (None).
+
+        Stream priority alone does not stop a compression batch from filling every SM between two
+        decode kernels; a partition leaves the rest of the GPU to the decode.
+        """
+        if not self.on_gpu:
+            return
+        if num_sms is None:
+            self.stream, self.green_context = torch.cuda.Stream(self.runner.device), None
+            return
+        from torch.cuda.green_contexts import GreenContext
+
+        self.green_context = GreenContext.create(num_sms=num_sms,
+                                                 device_id=self.runner.device.index or 0)
+        self.stream = self.green_context.Stream()
 
     def run(self, jobs: list[CompressionJob]) -> None:
         """Compress `jobs` now, on the current stream."""
