@@ -58,23 +58,14 @@ class FakeGraph:
 
 def stub_runner(settings: ReplaySettings, shape, scheduler: Scheduler, capacity) -> ModelRunner:
     """A real ModelRunner over tiny caches whose decode steps take the CUDA-graph input path."""
-    tiny = shape.scaled(num_layers=1, num_kv_heads=1, num_heads=1, head_dim=8)
+    tiny = shape.scaled(num_layers=1, num_kv_heads=1, num_heads=1, head_dim=8, vocab_size=8)
     runner = ModelRunner(StubModel(8), tiny, scheduler, capacity, torch.float32,
                          torch.device("cpu"), cuda_graphs=False)
     if runner.compressor is not None:
         runner.compressor.compress_fn = lambda *args, **kwargs: None
     largest = min(scheduler.config.max_num_seqs, GRAPH_BATCH_SIZES[-1])
+    runner.allocate_graph_inputs(largest)
     runner.graphs = {size: FakeGraph() for size in GRAPH_BATCH_SIZES if size <= largest}
-    runner.graph_inputs = {
-        "columns": torch.zeros(5, largest, dtype=torch.int64),
-        "context_lens": torch.ones(largest, dtype=torch.int32),
-        "block_tables": torch.zeros(largest, runner.max_blocks_per_seq, dtype=torch.int32),
-        "logits": torch.zeros(largest, 8),
-    }
-    runner.staging = {
-        "columns": torch.zeros(5, largest, dtype=torch.int64),
-        "tables": torch.zeros(largest, runner.max_blocks_per_seq, dtype=torch.int32),
-    }
     return runner
 
 

@@ -171,8 +171,8 @@ class ModelRunner:
     def _decode(self, sequences: list[Sequence], tokens: dict[str, list[int]]) -> torch.Tensor:
         batch = len(sequences)
         bucket = next((size for size in self.graphs if size >= batch), None)
+        width = max(len(seq.block_table) for seq in sequences)
         if bucket is None:
-            width = max(len(seq.block_table) for seq in sequences)
             columns, tables = self._decode_inputs(sequences, tokens, batch, width)
             columns, tables = self._to_device(columns), self._to_device(tables)
             context = ForwardContext(
@@ -183,13 +183,11 @@ class ModelRunner:
                 hidden = self.model(columns[0], columns[1])
                 return self.model.compute_logits(hidden)
         # Graph replay: stage the padded inputs in pinned memory, copy them into the graph's
-        # static tensors without blocking the host, replay.
-        # Only the table columns this batch uses are built and copied: the graph's table is
-        # max_model_len / b wide (640 columns for Qwen3 at b = 64), and building it whole in
-        # Python cost ~5 ms a step. Stale columns beyond are never read (the kernel stops at
-        # each row's context length).
+        # static tensors without blocking the host, replay. Only the table columns this batch
+        # uses are built and copied: the graph's table is max_model_len / b wide (640 columns
+        # for Qwen3 at b = 64), and building it whole in Python cost ~5 ms a step. Stale columns
+        # beyond are never read (the kernel stops at each row's context length).
         static = self.graph_inputs
-        width = max(len(seq.block_table) for seq in sequences)
         columns, tables = self._decode_inputs(sequences, tokens, bucket, width)
         staged_columns = self.staging["columns"][:, :bucket]
         staged_tables = self.staging["tables"].view(-1)[:bucket * width].view(bucket, width)
@@ -208,42 +206,55 @@ class ModelRunner:
         """Capture one decode graph per batch size of the ladder, largest first (shared pool)."""
         largest = min(self.config.max_num_seqs, GRAPH_BATCH_SIZES[-1])
         sizes = [size for size in GRAPH_BATCH_SIZES if size <= largest]
-        device = self.device
-        columns = torch.zeros(5, largest, dtype=torch.int64, device=device)
-        columns[2:5:2] = -1  # store nothing anywhere until real requests fill the rows
-        static = {
-            "columns": columns,  # token, position, KV slot, context length, query index
-            "context_lens": torch.ones(largest, dtype=torch.int32, device=device),
-            "block_tables": torch.zeros(largest, self.max_blocks_per_seq, dtype=torch.int32,
-                                        device=device),
-        }
-        self.staging = {
-            "columns": torch.zeros(5, largest, dtype=torch.int64).pin_memory(),
-            "tables": torch.zeros(largest, self.max_blocks_per_seq, dtype=torch.int32
-                                  ).pin_memory(),
-        }
-        static["logits"] = torch.empty(largest, self.shape.vocab_size, dtype=self.dtype,
-                                       device=device)
+        self.allocate_graph_inputs(largest)
+        static = self.graph_inputs
         pool = None
         for size in reversed(sizes):
-            context = ForwardContext(
-                is_prefill=False, slot_mapping=columns[2, :size],
-                context_lens=static["context_lens"][:size],
-                block_tables=static["block_tables"][:size],
-                query_slot_mapping=columns[4, :size] if self.query_cache is not None else None)
             graph = torch.cuda.CUDAGraph()
-            with forward_context(context), torch.inference_mode():
+            inputs = static["columns"][0, :size], static["columns"][1, :size]
+            with forward_context(self.graph_context(size)), torch.inference_mode():
                 # Warm up outside the graph (Triton compiles and autotunes on first call).
-                self.model.compute_logits(self.model(columns[0, :size], columns[1, :size]))
+                self.model.compute_logits(self.model(*inputs))
                 torch.cuda.synchronize()
                 with torch.cuda.graph(graph, pool=pool):
-                    hidden = self.model(columns[0, :size], columns[1, :size])
+                    hidden = self.model(*inputs)
                     static["logits"][:size] = self.model.compute_logits(hidden)
             pool = graph.pool()
             self.graphs[size] = graph
         self.graphs = dict(sorted(self.graphs.items()))
-        self.graph_inputs = static
         torch.cuda.synchronize()
+
+    def allocate_graph_inputs(self, largest: int) -> None:
+        """The decode graphs' static inputs and logits for up to `largest` requests, and the host
+        staging buffers they are filled from (pinned on a GPU, so copies do not block the host)."""
+        device = self.device
+        columns = torch.zeros(5, largest, dtype=torch.int64, device=device)
+        columns[2:5:2] = -1  # store nothing anywhere until real requests fill the rows
+        self.graph_inputs = {
+            "columns": columns,  # token, position, KV slot, context length, query index
+            "context_lens": torch.ones(largest, dtype=torch.int32, device=device),
+            "block_tables": torch.zeros(largest, self.max_blocks_per_seq, dtype=torch.int32,
+                                        device=device),
+            "logits": torch.empty(largest, self.shape.vocab_size, dtype=self.dtype,
+                                  device=device),
+        }
+        staging = {
+            "columns": torch.zeros(5, largest, dtype=torch.int64),
+            "tables": torch.zeros(largest, self.max_blocks_per_seq, dtype=torch.int32),
+        }
+        if device.type == "cuda":
+            staging = {name: tensor.pin_memory() for name, tensor in staging.items()}
+        self.staging = staging
+
+    def graph_context(self, size: int) -> ForwardContext:
+        """The forward context a decode graph of `size` rows is captured (and replayed) with."""
+        static = self.graph_inputs
+        return ForwardContext(
+            is_prefill=False, slot_mapping=static["columns"][2, :size],
+            context_lens=static["context_lens"][:size],
+            block_tables=static["block_tables"][:size],
+            query_slot_mapping=static["columns"][4, :size] if self.query_cache is not None
+            else None)
 
     # ------------------------------------------------------------------ helpers
 
