@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--full-kv", action="store_true", help="compression off")
-    parser.add_argument("--profile", type=int, default=15, help="functions to list (0: none)")
+    parser.add_argument("--profile", type=int, default=15, help="functions to list (0: no profiler, plain timing)")
     args = parser.parse_args()
     shape = get_preset(args.model)
     config = ZipageConfig(block_size=args.block_size, kv_budget=args.budget,
@@ -95,19 +95,20 @@ def main() -> None:
     sequences = trace_sequences(trace, shape.vocab_size, need_tokens=True)
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
     loop = EngineLoop(scheduler, runner)
-    profiler = cProfile.Profile()
+    profiler = cProfile.Profile() if args.profile else None
     started = time.perf_counter()
-    profiler.enable()
+    if profiler:
+        profiler.enable()
     run = loop.run(sequences, {seq.seq_id: seq.prompt_token_ids for seq in sequences},
                    {seq.seq_id: greedy for seq in sequences},
                    {seq.seq_id: True for seq in sequences})
-    profiler.disable()
     wall = time.perf_counter() - started
     steps = run.summary["steps"]
-    if args.profile:
+    if profiler:
+        profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
     print(f"{'compression' if config.compress else 'full KV'}: {steps} steps, mean batch "
-          f"{run.summary['mean_running']:.1f}, {wall:.2f} s host (profiled) = "
+          f"{run.summary['mean_running']:.1f}, {wall:.2f} s host{' (profiled)' if profiler else ''} = "
           f"{1000 * wall / steps:.2f} ms per step")
 
 
