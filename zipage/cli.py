@@ -1,4 +1,4 @@
-"""The `zipage` command line: replay, trace, report, compare.
+"""The `zipage` command line: replay, calibrate, generate, trace, report, compare, plan.
 
 Every subcommand maps flags onto the same objects the Python API uses (`ZipageConfig`,
 `ReplaySettings`). A `ZipageError` — anything a user can cause — prints one line and exits 2;
@@ -145,7 +145,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def _replay_on_engine(trace, settings: ReplaySettings, engine: str, args, progress: bool):
+def _require_torch(engine: str) -> None:
     try:
         import torch
     except ImportError as error:
@@ -154,6 +154,10 @@ def _replay_on_engine(trace, settings: ReplaySettings, engine: str, args, progre
     if engine == "gpu" and not torch.cuda.is_available():
         raise ZipageError("--gpu: no CUDA device is visible; use --engine cpu for the CPU path "
                           "(small models) or run the simulator (no flag)")
+
+
+def _replay_on_engine(trace, settings: ReplaySettings, engine: str, args, progress: bool):
+    _require_torch(engine)
     from zipage.engine.replay import replay_on_engine
 
     return replay_on_engine(trace, settings, "cuda" if engine == "gpu" else "cpu",
@@ -168,6 +172,46 @@ def print_summary(summary: dict, title: str) -> None:
         value = summary.get(key)
         text = "-" if value is None else pattern.format(value)
         print(f"  {label:<{width}}  {text}")
+
+
+# ---------------------------------------------------------------- zipage calibrate
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    engine = "gpu" if args.gpu else args.engine
+    _require_torch(engine)
+    from zipage.engine.calibrate import calibrate
+    from zipage.sim.cost_model import CalibratedCostModel
+
+    # The hardware table entry is only the profile's label here (None: named after the GPU);
+    # the engine plans its caches from the device it runs on.
+    settings = replace(settings_from_args(args), hardware=args.hardware or "a100-80gb")
+    profile = calibrate(settings, "cuda" if engine == "gpu" else "cpu", hardware=args.hardware,
+                        repeats=args.repeats, progress=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(_profile_json(profile))
+    model = CalibratedCostModel.from_profile(out)
+    for name, fit in (("decode", model.decode_fit), ("prefill", model.prefill_fit),
+                      ("compress", model.compress_fit)):
+        if fit is not None:
+            terms = " + ".join(f"{c:.3g} * {f}" for c, f in
+                               zip(fit.coefficients[1:], fit.feature_names[1:]))
+            print(f"{name:<8} {fit.coefficients[0]:.3g} + {terms} s  (relative RMS error "
+                  f"{fit.relative_rms_error:.1%} over {fit.num_points} points)")
+    print(f"wrote {out}; simulate with --cost-model {out}")
+    return 0
+
+
+def _profile_json(profile: dict) -> str:
+    """The profile with one measured point per line (diffs stay readable)."""
+    lines = []
+    for key, value in profile.items():
+        if isinstance(value, list):
+            rows = ",\n".join(f"  {json.dumps(row)}" for row in value)
+            lines.append(f' {json.dumps(key)}: [\n{rows}\n ]')
+        else:
+            lines.append(f" {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
 # ---------------------------------------------------------------- zipage generate
@@ -274,6 +318,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "requests.csv, decisions.log and timeline.png")
     replay.add_argument("--no-progress", action="store_true")
     replay.set_defaults(handler=cmd_replay)
+
+    calibrate = commands.add_parser(
+        "calibrate", help="time the real engine's steps and write a simulator cost profile")
+    add_engine_flags(calibrate)
+    calibrate.set_defaults(hardware=None)
+    calibrate.add_argument("--gpu", action="store_true",
+                           help="measure on the GPU (same as --engine gpu)")
+    calibrate.add_argument("--engine", choices=["gpu", "cpu"], default="gpu",
+                           help="gpu (default) or cpu (small models, to try the command out; "
+                                "--hardware then names the GPU entry the profile stands for)")
+    calibrate.add_argument("--repeats", type=int, default=5,
+                           help="timed repeats per point; the median is kept (default 5)")
+    calibrate.add_argument("--out", required=True,
+                           help="profile JSON to write (e.g. sim/profiles/qwen3-8b-h200.json)")
+    calibrate.set_defaults(handler=cmd_calibrate)
 
     generate = commands.add_parser("generate", help="generate text with the real engine")
     generate.add_argument("prompts", nargs="+",

@@ -1,0 +1,281 @@
+"""`zipage calibrate --gpu`: time the real engine's steps and write a profile for the simulator.
+
+The simulator's calibrated cost model (`sim/cost_model.py`, docs/cost_model.md) fits linear models
+to measured step times: decode by (batch, context tokens), prefill by (new tokens, attention
+pairs), compression by source blocks, plus the slowdown of a decode step that overlaps an async
+compression. This module measures exactly those on the engine: whole `ModelRunner.execute` calls
+(input building on the host, the CUDA graph or eager forward, sampling, tokens back on the host:
+what the step loop times), on synthetic requests laid out directly in the block manager, so every
+point is exactly the batch and context it names. Nothing here schedules; the caches hold whatever
+the points write (timing does not depend on the values).
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from zipage.core.plan import DECODE, PREFILL, CompressionBatch, CompressionJob, PrefillItem, StepPlan
+from zipage.core.sequence import Sequence
+from zipage.engine.llm import Engine, build_engine
+from zipage.engine.sampler import SamplingParams
+from zipage.errors import ConfigError
+from zipage.replay import ReplaySettings
+
+DECODE_BATCHES = (1, 4, 16, 32, 64, 128, 256)
+FULL_KV_CONTEXTS = (512, 2048, 8192)
+PREFILL_TOKENS = (128, 512, 2048, 8192)
+COMPRESS_REQUESTS = (1, 2, 4, 8)
+# The profile's `gpu` field names an entry of the hardware table; these substrings of the CUDA
+# device name pick it when --hardware is not given.
+DEVICE_NAMES = {"H200": "h200-141gb", "H100": "h100-80gb", "A100": "a100-80gb"}
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
+
+
+class Bench:
+    """An engine plus synthetic requests: allocate a batch, time steps on it, free it."""
+
+    def __init__(self, engine: Engine, repeats: int) -> None:
+        self.engine = engine
+        self.runner = engine.runner
+        self.scheduler = engine.new_scheduler()
+        self.blocks = self.scheduler.block_manager
+        self.config = engine.config
+        self.repeats = repeats
+        self.step_id = 0
+        self.sequences: list[Sequence] = []
+
+    def fits(self, requests: int, tokens_each: int) -> bool:
+        needed = requests * -(-tokens_each // self.config.block_size)
+        slots_ok = not self.config.compress or requests <= self.engine.capacity.num_query_slots
+        return slots_ok and needed <= self.blocks.num_free_blocks
+
+    def make_requests(self, count: int, kv_len: int) -> list[Sequence]:
+        """`count` requests holding `kv_len` cached entries each (blocks for `kv_len + 1`)."""
+        block_size = self.config.block_size
+        sequences = []
+        for index in range(count):
+            seq = Sequence(f"calibrate-{len(self.sequences) + index}", None, 1 << 20,
+                           prompt_len=max(kv_len, 1))
+            seq.block_table = [self.blocks.allocate() for _ in range(kv_len // block_size + 1)]
+            seq.set_counters(kv_len, 1)
+            if self.config.compress:
+                seq.query_slot = index
+            sequences.append(seq)
+        self.sequences += sequences
+        return sequences
+
+    def free(self) -> None:
+        for seq in self.sequences:
+            self.blocks.release_all(seq.block_table)
+        self.sequences = []
+
+    def execute(self, plan_fields: dict, sequences: list[Sequence]) -> float:
+        """Wall seconds of one `execute` (it returns once the sampled tokens are on the host)."""
+        self.step_id += 1
+        plan = StepPlan(step_id=self.step_id, **plan_fields)
+        tokens = {seq.seq_id: [1] * max(seq.kv_len + 1, seq.prompt_len) for seq in sequences}
+        params = {seq.seq_id: GREEDY for seq in sequences}
+        started = time.perf_counter()
+        self.runner.execute(plan, tokens, params)
+        return time.perf_counter() - started
+
+    def median(self, measure: Callable[[], float]) -> float:
+        measure()  # warm-up: first use of a shape compiles or autotunes kernels
+        return statistics.median(measure() for _ in range(self.repeats))
+
+    def synchronize(self) -> None:
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+
+
+def decode_points(bench: Bench) -> list[dict]:
+    config = bench.config
+    if config.compress:
+        # What compressed requests hold: from one block up to N_max blocks.
+        contexts = (config.block_size // 2, config.kv_budget // 2,
+                    config.kv_budget + config.block_size // 2)
+    else:
+        contexts = FULL_KV_CONTEXTS
+    limit = config.max_model_len - 1
+    points = []
+    for context in sorted({min(context, limit) for context in contexts}):
+        for batch in DECODE_BATCHES:
+            if batch > config.max_num_seqs or not bench.fits(batch, context + 1):
+                continue
+            sequences = bench.make_requests(batch, context)
+            seconds = bench.median(lambda: bench.execute(dict(kind=DECODE, decode=sequences),
+                                                         sequences))
+            bench.free()
+            points.append({"batch": batch, "context_tokens": batch * (context + 1),
+                           "time_s": round(seconds, 9)})
+    return points
+
+
+def prefill_points(bench: Bench) -> list[dict]:
+    config = bench.config
+    limit = min(config.max_num_batched_tokens, config.max_model_len - 1)
+    new_counts = sorted({n for n in PREFILL_TOKENS + (limit // 2,) if 16 <= n <= limit})
+    cases = [(1, new, cached) for new in new_counts for cached in (0, new)
+             if new + cached <= config.max_model_len - 1]
+    cases.append((4, new_counts[0], 0))
+    points = []
+    for requests, new, cached in cases:
+        if (requests * new > config.max_num_batched_tokens
+                or not bench.fits(requests, new + cached + 1)):
+            continue
+
+        def step() -> float:
+            sequences = bench.make_requests(requests, 0)
+            for seq in sequences:  # room for the whole prompt
+                seq.block_table += [bench.blocks.allocate()
+                                    for _ in range((new + cached) // config.block_size)]
+                seq.prompt_len = new + cached
+            items = [PrefillItem(seq, cached, cached + new) for seq in sequences]
+            seconds = bench.execute(dict(kind=PREFILL, prefill=items), sequences)
+            bench.free()
+            return seconds
+
+        points.append({"new_tokens": new, "cached_tokens": cached, "requests": requests,
+                       "time_s": round(bench.median(step), 9)})
+    return points
+
+
+def compression_jobs(bench: Bench, requests: int, blocks_each: int) -> list[CompressionJob]:
+    """Requests at their trigger: `blocks_each` full blocks, targets their own first N_max - 1."""
+    n_max = bench.config.n_max
+    sequences = bench.make_requests(requests, blocks_each * bench.config.block_size - 1)
+    return [CompressionJob(seq=seq, source_table=seq.block_table[:blocks_each],
+                           target_blocks=seq.block_table[:n_max - 1],
+                           new_block=seq.block_table[n_max - 1],
+                           released=seq.block_table[n_max:blocks_each],
+                           query_slot=seq.query_slot, is_first=blocks_each > n_max)
+            for seq in sequences]
+
+
+def compress_points(bench: Bench) -> list[dict]:
+    n_max = bench.config.n_max
+    points = []
+    for requests in COMPRESS_REQUESTS:
+        for blocks_each in (n_max, 2 * n_max):
+            if not bench.fits(requests, blocks_each * bench.config.block_size):
+                continue
+            jobs = compression_jobs(bench, requests, blocks_each)
+
+            def batch() -> float:
+                bench.synchronize()
+                started = time.perf_counter()
+                bench.runner.compressor.run(jobs)
+                bench.synchronize()
+                return time.perf_counter() - started
+
+            seconds = bench.median(batch)
+            bench.free()
+            points.append({"requests": requests, "blocks": requests * blocks_each,
+                           "blocks_squared": requests * blocks_each ** 2,
+                           "time_s": round(seconds, 9)})
+    return points
+
+
+def contention_factor(bench: Bench, compress: list[dict]) -> float | None:
+    """The simulator's multiplier for a decode step that fully overlaps an async compression.
+
+    Decode steps of a mid-size batch alone, then with a batch of two requests launched on the
+    compressor's stream in the first of them, stepping until it reports done: the extra time of
+    those steps over the same number alone, per second of overlap (the compression's own
+    duration, or the steps' if shorter), plus one. 1.0 would be a free overlap; 2.0 a
+    compression that delays the decode by all of its own time.
+    """
+    config = bench.config
+    pair = next((p for p in compress if p["requests"] == 2 and p["blocks"] == 2 * config.n_max),
+                None)
+    batch = next((b for b in (64, 32, 16, 4) if b <= config.max_num_seqs
+                  and bench.fits(b + 2, config.kv_budget)), None)
+    if pair is None or batch is None:
+        return None
+    compressor = bench.runner.compressor
+    sequences = bench.make_requests(batch, config.kv_budget - 1)
+    decode = dict(kind=DECODE, decode=sequences)
+    alone = bench.median(lambda: bench.execute(decode, sequences))
+    jobs = compression_jobs(bench, 2, config.n_max)
+    for job, slot in zip(jobs, range(batch, batch + 2)):
+        job.seq.query_slot = slot
+        job.query_slot = slot
+    ratios = []
+    for attempt in range(bench.repeats):
+        bench.synchronize()
+        steps = [bench.execute(dict(decode, compress_launch=CompressionBatch(
+            batch_id=attempt, jobs=jobs)), sequences)]
+        while not compressor.completed():
+            steps.append(bench.execute(decode, sequences))
+        overlap = min(pair["time_s"], len(steps) * alone)
+        ratios.append(1.0 + max(0.0, sum(steps) - len(steps) * alone) / overlap)
+    bench.free()
+    return round(statistics.median(ratios), 3)
+
+
+def hardware_name(hardware: str | None, device: torch.device) -> str:
+    """The hardware-table entry the profile is for: `hardware` if given, else the CUDA device's."""
+    if hardware:
+        from zipage.sim.hardware import get_hardware
+
+        return get_hardware(hardware).name  # refuses an unknown name, listing the known ones
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, hardware in DEVICE_NAMES.items():
+            if key in name:
+                return hardware
+        raise ConfigError(f"hardware: {name!r} is not in the hardware table; pass --hardware "
+                          "with the closest entry (a100-80gb, h100-80gb, h200-141gb)")
+    raise ConfigError("hardware: a CPU calibration must name the GPU entry its profile stands "
+                      "for; pass --hardware (e.g. h200-141gb)")
+
+
+def calibrate(settings: ReplaySettings, device: str | None = None, *, hardware: str | None = None,
+              repeats: int = 5, progress: bool = False) -> dict:
+    """Measure the engine built from `settings` and return a profile (docs/cost_model.md)."""
+    if repeats < 1:
+        raise ConfigError(f"repeats: got {repeats}, expected >= 1")
+    engine = build_engine(settings, device)
+    bench = Bench(engine, repeats)
+    config = engine.config
+    sections = [("decode", decode_points), ("prefill", prefill_points)]
+    if config.compress:
+        sections.append(("compress", compress_points))
+    report = print if progress else (lambda *args, **kwargs: None)
+    profile = {
+        "version": 1,
+        "note": (f"measured by `zipage calibrate` on {_device_name(engine.device)}, torch "
+                 f"{torch.__version__}, {datetime.date.today().isoformat()}, {repeats} repeats "
+                 f"(median); whole engine steps, host work included"),
+        "source": "measured",
+        "model": engine.shape.name.removeprefix("random:"),
+        "gpu": hardware_name(hardware, engine.device),
+        "dtype": settings.dtype,
+        "block_size": config.block_size,
+        "window": config.window,
+        "kv_budget": config.kv_budget,
+        "redundancy": config.redundancy,
+        "layer_stride": config.layer_stride,
+        "global_score": config.global_score,
+        "tensor_parallel": settings.tensor_parallel,
+    }
+    for name, measure in sections:
+        started = time.perf_counter()
+        profile[name] = measure(bench)
+        report(f"{name}: {len(profile[name])} points in {time.perf_counter() - started:.1f} s",
+               flush=True)
+    if config.compress:
+        factor = contention_factor(bench, profile["compress"])
+        if factor is not None:
+            profile["contention_factor"] = factor
+            report(f"contention factor: {factor}", flush=True)
+    return profile
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
