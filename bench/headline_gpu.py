@@ -46,6 +46,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--window", type=int, default=16)
+    parser.add_argument("--layer-stride", type=int, default=8,
+                        help="layers per compression launch group (>= the layer count: all in one)")
     parser.add_argument("--hardware", default="h200-141gb")
     parser.add_argument("--variants", default="full-kv,zipage,zipage-sync")
     parser.add_argument("--tag", default="", help="suffix of the output file name")
@@ -62,7 +64,8 @@ def main() -> None:
               "output_tokens": sum(r.output_len for r in trace.requests), "args": vars(args)}
     for name in args.variants.split(","):
         config = ZipageConfig(block_size=args.block_size, window=args.window,
-                              kv_budget=args.budget, **variants[name])
+                              kv_budget=args.budget, layer_stride=args.layer_stride,
+                              **variants[name])
         settings = ReplaySettings(model=f"random:{args.model}", hardware=args.hardware,
                                   kv_memory_gb=args.kv_memory_gb, config=config)
         started = time.perf_counter()
