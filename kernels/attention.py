@@ -52,14 +52,18 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    max_q_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens ``q`` ``[total_q_tokens, num_heads, head_dim]`` of each sequence over
-    its paged cache (cached prefix + the new tokens, already stored); see ``paged_prefill_attention_ref``."""
+    its paged cache (cached prefix + the new tokens, already stored); see ``paged_prefill_attention_ref``.
+    ``max_q_len``, the most new tokens of any sequence, lets the Triton kernel size its grid without reading
+    ``cu_seqlens_q`` back from the device (a host sync per layer)."""
     backend = _triton_backend(q)
     if backend is None:
-        return paged_prefill_attention_ref(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale)
+        return paged_prefill_attention_ref(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
+                                           max_q_len)
     return backend.paged_prefill_attention_triton(
-        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale
+        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, max_q_len
     )
 
 

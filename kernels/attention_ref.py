@@ -76,8 +76,11 @@ def paged_prefill_attention_ref(
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    max_q_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of variable-length new tokens over the paged cache.
+
+    ``max_q_len`` (the longest sequence's new tokens) only sizes the Triton kernel's grid; unused here.
 
     ``q`` is ``[total_q_tokens, num_heads, head_dim]``; sequence ``i`` owns rows ``cu_seqlens_q[i]`` to
     ``cu_seqlens_q[i+1]`` and has ``context_lens[i]`` cached entries, its new tokens already stored as the last

@@ -297,12 +297,14 @@ def paged_prefill_attention_triton(
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    max_q_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged cache (prefix + new tokens, stored).
 
     Grid: (query tiles of the longest sequence, batch, num_kv_heads). A program owns ``QUERY_TOKENS`` new tokens
     times the ``GROUP`` query heads of one KV head and walks the KV tiles up to its last token's causal limit.
-    Sizing the grid reads the longest query length from the device once; prefill is not graph-captured."""
+    The grid is sized by ``max_q_len``; without it the longest query length is read back from the device (a host
+    sync, so the engine passes it)."""
     _check_cache(k_cache, v_cache)
     if q.dtype != k_cache.dtype:
         raise ValueError(f"q is {q.dtype} but the KV cache is {k_cache.dtype}; they must match")
@@ -316,7 +318,8 @@ def paged_prefill_attention_triton(
     group = _group_size(num_heads, num_kv_heads)
     group_padded = triton.next_power_of_2(group)
     query_tokens = max(_PREFILL_ROWS // group_padded, 1)
-    max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
     grid = (triton.cdiv(max_q_len, query_tokens), batch, num_kv_heads)
     _prefill_kernel[grid](
         q,

@@ -25,6 +25,8 @@ class ForwardContext:
     - `cu_seqlens_q` int32 [num_seqs + 1]: prefill only, where each sequence's new tokens start and end.
     - `context_lens` int32 [num_seqs]: KV entries of each sequence once this step's tokens are stored.
     - `block_tables` int32 [num_seqs, max_blocks]: each sequence's blocks, padded with -1.
+    - `max_q_len`: prefill only, the most new tokens of any sequence (sizes the attention kernel's grid
+      without reading `cu_seqlens_q` back from the device).
     - `query_slot_mapping` int64 [num_tokens], optional: the compression hook. A token whose entry is
       not -1 has its post-RoPE query written into the query cache at flat index
       `query_slot * window + window_index` (DESIGN.md section 3, rule 7).
@@ -36,6 +38,7 @@ class ForwardContext:
     context_lens: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
     query_slot_mapping: torch.Tensor | None = None
+    max_q_len: int | None = None
 
 
 _current = ForwardContext()

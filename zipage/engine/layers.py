@@ -252,7 +252,7 @@ class PagedAttention(nn.Module):
         if context.is_prefill:
             return paged_prefill_attention(
                 query, self.k_cache, self.v_cache, context.cu_seqlens_q, context.context_lens,
-                context.block_tables, self.scale,
+                context.block_tables, self.scale, context.max_q_len,
             )
         return paged_decode_attention(
             query, self.k_cache, self.v_cache, context.context_lens, context.block_tables, self.scale

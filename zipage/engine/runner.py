@@ -131,6 +131,7 @@ class ModelRunner:
         context = ForwardContext(
             is_prefill=True, slot_mapping=self._to_device(torch.cat(slots)),
             cu_seqlens_q=self._to_device(torch.tensor(cu_seqlens, dtype=torch.int32)),
+            max_q_len=max(item.num_tokens - item.num_cached_tokens for item in plan.prefill),
             context_lens=self._to_device(torch.tensor(context_lens, dtype=torch.int32)),
             block_tables=self._to_device(_pad_tables(tables, max(len(t) for t in tables))),
             query_slot_mapping=self._query_mapping(torch.cat(query_slots)))
