@@ -447,6 +447,19 @@ def test_shipped_trace_equals_its_generator(generated: dict[str, Trace], kind: s
     assert load_trace(shipped) == generated[kind]
 
 
+def test_shipped_scaled_traces_equal_their_generators(tmp_path: Path) -> None:
+    sys.path.insert(0, str(TRACES_DIR))
+    try:
+        from make_all import SCALED
+    finally:
+        sys.path.remove(str(TRACES_DIR))
+    for stem, (kind, arguments) in SCALED.items():
+        regenerated = tmp_path / f"{stem}.json"
+        save_trace(make_trace(kind, 0, **arguments), regenerated)
+        assert (TRACES_DIR / f"{stem}.json").read_bytes() == regenerated.read_bytes(), (
+            f"traces/{stem}.json drifted from its generator; run `python traces/make_all.py`")
+
+
 def test_shipped_traces_are_compact() -> None:
     assert sum((TRACES_DIR / f"{kind}.json").stat().st_size for kind in WORKLOADS) < 2_000_000
 

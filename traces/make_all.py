@@ -18,12 +18,22 @@ from zipage.trace import save_trace  # noqa: E402
 from zipage.workloads import WORKLOADS, make_trace  # noqa: E402
 
 SHIPPED_SEED = 0
+# Scaled variants: file stem -> (kind, generator arguments). `amc23-headline` is the GPU headline's
+# trace (docs/BENCHMARKS.md section 5): the paper's AMC23 with lengths / 4, 16 questions x 8 samples.
+SCALED = {
+    "amc23-headline": ("amc23", dict(num_questions=16, samples_per_question=8, max_output_len=4096)),
+}
 
 
 def main() -> None:
     for kind in WORKLOADS:
         trace = make_trace(kind, seed=SHIPPED_SEED)
         path = TRACES_DIR / f"{kind}.json"
+        save_trace(trace, path)
+        print(f"{path}: {len(trace.requests)} requests")
+    for stem, (kind, arguments) in SCALED.items():
+        trace = make_trace(kind, SHIPPED_SEED, **arguments)
+        path = TRACES_DIR / f"{stem}.json"
         save_trace(trace, path)
         print(f"{path}: {len(trace.requests)} requests")
 
