@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zipage.core.plan import CompressionBatch, CompressionJob
+from zipage.errors import ConfigError
 from zipage.kernels.compress import CompressionParams, compress
 
 if TYPE_CHECKING:
@@ -42,8 +43,12 @@ class Compressor:
         self.stream = torch.cuda.Stream(runner.device) if self.on_gpu else None
         self.green_context = None
         self.in_flight: tuple[int, torch.cuda.Event | None] | None = None
-        if os.environ.get("ZIPAGE_COMPRESSOR_SMS"):
-            self.limit_sms(int(os.environ["ZIPAGE_COMPRESSOR_SMS"]))
+        sms = os.environ.get("ZIPAGE_COMPRESSOR_SMS")
+        if sms:
+            if not sms.isdigit() or int(sms) < 1:
+                raise ConfigError(f"ZIPAGE_COMPRESSOR_SMS: got {sms!r}, expected a positive "
+                                  "number of SMs (unset it to use all of them)")
+            self.limit_sms(int(sms))
 
     def limit_sms(self, num_sms: int | None) -> None:
         """Run async batches on `num_sms` SMs only (a CUDA green context), or on all (None).
