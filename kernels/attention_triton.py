@@ -304,7 +304,7 @@ def paged_prefill_attention_triton(
     Grid: (query tiles of the longest sequence, batch, num_kv_heads). A program owns ``QUERY_TOKENS`` new tokens
     times the ``GROUP`` query heads of one KV head and walks the KV tiles up to its last token's causal limit.
     The grid is sized by ``max_q_len``; without it the longest query length is read back from the device (a host
-    sync, so the engine passes it)."""
+    sync, so the engine passes it). It must be the true maximum: a smaller value leaves rows unwritten."""
     _check_cache(k_cache, v_cache)
     if q.dtype != k_cache.dtype:
         raise ValueError(f"q is {q.dtype} but the KV cache is {k_cache.dtype}; they must match")

@@ -49,7 +49,9 @@ def test_profile_has_every_section_measured(profile):
     assert {row["blocks"] // row["requests"] for row in profile["compress"]} == {n_max, 2 * n_max}
     rows = decode + profile["prefill"] + profile["compress"]
     assert all(row["time_s"] > 0 for row in rows)
-    assert profile["contention_factor"] >= 1.0
+    # Measured, not defaulted; its value means nothing on the CPU, where an async batch runs
+    # inside the step that launches it.
+    assert "contention_factor" in profile and 1.0 <= profile["contention_factor"] < float("inf")
 
 
 def test_simulator_accepts_the_profile_for_the_same_setup_only(profile, tiny_model, tmp_path):  # noqa: F811

@@ -58,6 +58,10 @@ class Bench:
         """`count` requests holding `kv_len` cached entries each (blocks for `kv_len + 1`)."""
         block_size = self.config.block_size
         sequences = []
+        needed = count * (kv_len // block_size + 1)
+        if needed > self.blocks.num_free_blocks:
+            raise ConfigError(f"kv_memory_gb: a calibration point needs {needed} free KV blocks, "
+                              f"{self.blocks.num_free_blocks} are left; give the engine more memory")
         for index in range(count):
             seq = Sequence(f"calibrate-{len(self.sequences) + index}", None, 1 << 20,
                            prompt_len=max(kv_len, 1))
@@ -120,6 +124,9 @@ def prefill_points(bench: Bench) -> list[dict]:
     config = bench.config
     limit = min(config.max_num_batched_tokens, config.max_model_len - 1)
     new_counts = sorted({n for n in PREFILL_TOKENS + (limit // 2,) if 16 <= n <= limit})
+    if not new_counts:
+        raise ConfigError(f"max_num_batched_tokens / max_model_len: a prefill of at least 16 tokens "
+                          f"must fit to calibrate (the limit is {limit} tokens)")
     cases = [(1, new, cached) for new in new_counts for cached in (0, new)
              if new + cached <= config.max_model_len - 1]
     cases.append((4, new_counts[0], 0))
@@ -194,7 +201,7 @@ def contention_factor(bench: Bench, compress: list[dict]) -> float | None:
     pair = next((p for p in compress if p["requests"] == 2 and p["blocks"] == 2 * config.n_max),
                 None)
     batch = next((b for b in (64, 32, 16, 4) if b <= config.max_num_seqs
-                  and bench.fits(b + 2, config.kv_budget)), None)
+                  and bench.fits(b + 2, config.n_max * config.block_size)), None)
     if pair is None or batch is None:
         return None
     compressor = bench.runner.compressor
@@ -240,6 +247,11 @@ def calibrate(settings: ReplaySettings, device: str | None = None, *, hardware: 
     """Measure the engine built from `settings` and return a profile (docs/cost_model.md)."""
     if repeats < 1:
         raise ConfigError(f"repeats: got {repeats}, expected >= 1")
+    if settings.tensor_parallel != 1:
+        raise ConfigError(f"tensor_parallel: got {settings.tensor_parallel}; the engine runs on one "
+                          "GPU, so calibrate with --tensor-parallel 1")
+    engine_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    gpu = hardware_name(hardware, engine_device)  # before the slow part: refuse a bad label first
     engine = build_engine(settings, device)
     bench = Bench(engine, repeats)
     config = engine.config
@@ -254,7 +266,7 @@ def calibrate(settings: ReplaySettings, device: str | None = None, *, hardware: 
                  f"(median); whole engine steps, host work included"),
         "source": "measured",
         "model": engine.shape.name.removeprefix("random:"),
-        "gpu": hardware_name(hardware, engine.device),
+        "gpu": gpu,
         "dtype": settings.dtype,
         "block_size": config.block_size,
         "window": config.window,

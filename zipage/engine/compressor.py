@@ -58,13 +58,25 @@ class Compressor:
         """
         if not self.on_gpu:
             return
+        # Swapping streams would drop the context an in-flight batch still runs in.
+        assert self.in_flight is None, "limit_sms with a compression batch in flight"
+        self.stream.synchronize()
         if num_sms is None:
             self.stream, self.green_context = torch.cuda.Stream(self.runner.device), None
             return
+        device = self.runner.device
+        device_id = device.index if device.index is not None else torch.cuda.current_device()
+        available = torch.cuda.get_device_properties(device_id).multi_processor_count
+        if not 1 <= num_sms < available:
+            raise ConfigError(f"ZIPAGE_COMPRESSOR_SMS: got {num_sms}, expected 1 to "
+                              f"{available - 1} (this GPU has {available} SMs)")
         from torch.cuda.green_contexts import GreenContext
 
-        self.green_context = GreenContext.create(num_sms=num_sms,
-                                                 device_id=self.runner.device.index or 0)
+        try:
+            self.green_context = GreenContext.create(num_sms=num_sms, device_id=device_id)
+        except (RuntimeError, AttributeError) as error:
+            raise ConfigError(f"ZIPAGE_COMPRESSOR_SMS: this CUDA build or driver cannot make a "
+                              f"green context ({error}); unset it") from error
         self.stream = self.green_context.Stream()
 
     def run(self, jobs: list[CompressionJob]) -> None:

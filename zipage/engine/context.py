@@ -24,7 +24,9 @@ class ForwardContext:
       -1 for a token whose KV is not stored.
     - `cu_seqlens_q` int32 [num_seqs + 1]: prefill only, where each sequence's new tokens start and end.
     - `context_lens` int32 [num_seqs]: KV entries of each sequence once this step's tokens are stored.
-    - `block_tables` int32 [num_seqs, max_blocks]: each sequence's blocks, padded with -1.
+    - `block_tables` int32 [num_seqs, max_blocks]: each sequence's blocks; entries past a row's
+      ceil(context_len / block_size) are undefined (padding, or stale ids in a decode graph's table)
+      and never read.
     - `max_q_len`: prefill only, the most new tokens of any sequence (sizes the attention kernel's grid
       without reading `cu_seqlens_q` back from the device).
     - `query_slot_mapping` int64 [num_tokens], optional: the compression hook. A token whose entry is
