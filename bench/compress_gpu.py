@@ -441,13 +441,16 @@ def stage_times(engine, jobs, redundancy: str, stride: int) -> dict:
 
 def part_c(engine, steps: Steps, jobs_by_batch, sm_limits=(None,)) -> list[dict]:
     rows = []
+    compressor = engine.runner.compressor
     for num_sms in sm_limits:
         try:
-            engine.runner.compressor.limit_sms(num_sms)
+            compressor.completed(wait=True)  # a failed row may have left a batch in flight
+            compressor.limit_sms(num_sms)
             rows += part_c_rows(engine, steps, jobs_by_batch, num_sms)
         except Exception:
             log(f"C with the compressor on {num_sms} SMs failed:\n{traceback.format_exc()}")
-    engine.runner.compressor.limit_sms(None)
+    compressor.completed(wait=True)
+    compressor.limit_sms(None)
     return rows
 
 
