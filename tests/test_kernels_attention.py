@@ -13,8 +13,6 @@ answer instead of a lucky zero.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from dataclasses import dataclass
 
@@ -23,8 +21,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from triton_interpreter import (  # noqa: E402
+    HOPPER_COMMAND,
     TRITON_INSTALLED,
     UNDER_INTERPRETER,
+    compile_for_hopper,
+    run_hopper_compilation,
     run_test_file_under_interpreter,
     under_interpreter,
 )
@@ -53,27 +54,13 @@ def test_triton_kernels_under_the_interpreter():
     run_test_file_under_interpreter(__file__)
 
 
-COMPILER_API_MISSING = 3
-
-
-def compile_kernels_for_hopper() -> int:
-    """Compile every kernel to a Hopper (sm_90) binary in bfloat16 without a GPU. The interpreter runs programs
-    the compiler would reject, so this is the CPU-side check that the kernels build. Returns an exit code."""
-    try:
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-    except ImportError:
-        return COMPILER_API_MISSING
+def hopper_launches() -> list:
+    """Every kernel with the constexpr values of one bfloat16 launch (Qwen3-8B-like head shapes)."""
     from zipage.kernels import attention_triton as kernels
 
-    pointers = {name: "*bf16" for name in ("key_ptr", "value_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
-    pointers |= {name: "*fp32" for name in ("partial_out_ptr", "partial_log_sum_ptr")}
-    pointers |= {name: "*i32" for name in ("cu_seqlens_q_ptr", "context_lens_ptr", "block_tables_ptr")}
-    pointers |= {"slot_mapping_ptr": "*i64", "qk_scale": "fp32"}
     shape = dict(BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PADDED=128)
     attention_shape = shape | dict(GROUP=8, KV_TILE=64, DOT_PRECISION="tf32")
-    launches = [
+    return [
         (kernels._store_kv_kernel, shape | dict(NUM_KV_HEADS=2, HEADS_PADDED=2)),
         (kernels._prefill_kernel, attention_shape | dict(GROUP_PADDED=8, QUERY_TOKENS=8)),
         (
@@ -85,24 +72,22 @@ def compile_kernels_for_hopper() -> int:
             dict(NUM_HEADS=16, HEAD_DIM=128, HEAD_DIM_PADDED=128, KV_TILE=64, MIN_TILES=2, MERGE_TILE=16),
         ),
     ]
-    for kernel, constants in launches:
-        signature = {
-            name: "constexpr" if name in constants else pointers.get(name, "i32") for name in kernel.arg_names
-        }
-        triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
-    return 0
+
+
+POINTER_TYPES = {name: "*bf16" for name in ("key_ptr", "value_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+POINTER_TYPES |= {name: "*fp32" for name in ("partial_out_ptr", "partial_log_sum_ptr")}
+POINTER_TYPES |= {name: "*i32" for name in ("cu_seqlens_q_ptr", "context_lens_ptr", "block_tables_ptr")}
+POINTER_TYPES |= {"slot_mapping_ptr": "*i64", "qk_scale": "fp32"}
+
+
+def argument_type(name: str) -> str:
+    return POINTER_TYPES.get(name, "i32")
 
 
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 @pytest.mark.skipif(UNDER_INTERPRETER, reason="the compiler needs Triton imported without the interpreter")
 def test_kernels_compile_for_hopper():
-    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    child = subprocess.run(
-        [sys.executable, __file__, "compile-for-hopper"], env=environment, capture_output=True, text=True, timeout=600
-    )
-    if child.returncode == COMPILER_API_MISSING:
-        pytest.skip("this Triton has no triton.compiler.ASTSource / GPUTarget to compile ahead of time")
-    assert child.returncode == 0, child.stderr[-6000:]
+    run_hopper_compilation(__file__)
 
 
 @dataclass
@@ -335,5 +320,5 @@ def test_dispatch_uses_reference_for_cpu_tensors_unless_forced(triton_kernels, m
     assert len(calls) == 1
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["compile-for-hopper"]:
-    sys.exit(compile_kernels_for_hopper())
+if __name__ == "__main__" and sys.argv[1:] == [HOPPER_COMMAND]:
+    sys.exit(compile_for_hopper(hopper_launches, argument_type))

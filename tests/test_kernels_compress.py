@@ -18,7 +18,6 @@ every kept set agrees.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import subprocess
@@ -29,6 +28,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from triton_interpreter import (  # noqa: E402
+    HOPPER_COMMAND,
+    TRITON_INSTALLED,
+    UNDER_INTERPRETER,
+    check_hopper_compilation,
+    compile_for_hopper,
+    compiler_environment,
+    under_interpreter,
+)
 from zipage.kernels import compress as compress_module  # noqa: E402
 from zipage.kernels.compress_ref import (  # noqa: E402
     CompressionParams,
@@ -42,12 +50,6 @@ from zipage.kernels.compress_ref import (  # noqa: E402
     write_kept_entries,
 )
 
-UNDER_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
-under_interpreter = pytest.mark.skipif(
-    not (UNDER_INTERPRETER and TRITON_INSTALLED),
-    reason="Triton test: runs in the TRITON_INTERPRET=1 child process of test_triton_kernels_under_the_interpreter",
-)
 E = math.e
 
 
@@ -256,9 +258,6 @@ def triton_kernels():
     return compress_triton
 
 
-COMPILER_API_MISSING = 3
-
-
 class ChildProcesses:
     """The interpreter run and the Hopper compilation, both single-threaded, started together on first use so
     they run side by side."""
@@ -269,10 +268,9 @@ class ChildProcesses:
     def start(self) -> None:
         interpreted = {**os.environ, "TRITON_INTERPRET": "1"}
         interpreted.pop("ZIPAGE_FORCE_TRITON", None)
-        compiled = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
         commands = {
             "interpreter": ([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"], interpreted),
-            "hopper": ([sys.executable, __file__, "compile-for-hopper"], compiled),
+            "hopper": ([sys.executable, __file__, HOPPER_COMMAND], compiler_environment()),
         }
         for name, (command, environment) in commands.items():
             self.processes[name] = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE,
@@ -309,38 +307,21 @@ def test_triton_kernels_under_the_interpreter(child_processes):
 @pytest.mark.skipif(UNDER_INTERPRETER, reason="the compiler needs Triton imported without the interpreter")
 def test_kernels_compile_for_hopper(child_processes):
     returncode, _, stderr = child_processes.result("hopper")
-    if returncode == COMPILER_API_MISSING:
-        pytest.skip("this Triton has no triton.compiler.ASTSource / GPUTarget to compile ahead of time")
-    assert returncode == 0, stderr[-6000:]
+    check_hopper_compilation(returncode, stderr)
 
 
-def compile_kernels_for_hopper() -> int:
-    """Compile every kernel to a Hopper (sm_90) binary in bfloat16 without a GPU: the interpreter runs programs
-    the compiler would reject (and ignores barriers). Small shapes keep it quick. Returns an exit code."""
-    try:
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-    except ImportError:
-        return COMPILER_API_MISSING
+def hopper_launches() -> list:
+    """Every kernel with the constexpr values of one bfloat16 launch; small shapes keep the compilation quick
+    (the interpreter ignores barriers, so this also checks the kernels that rely on them build)."""
     from zipage.kernels import compress_triton as kernels
 
-    pointers = {name: "*bf16" for name in ("query_cache_ptr", "k_cache_ptr", "v_cache_ptr", "score_cache_ptr",
-                                           "k_scratch_ptr", "v_scratch_ptr")}
-    pointers |= {name: "*fp32" for name in ("block_max_ptr", "block_sum_ptr", "scores_ptr", "redundancy_ptr",
-                                            "final_ptr")}
-    pointers |= {name: "*i32" for name in ("source_tables_ptr", "num_source_blocks_ptr", "target_tables_ptr",
-                                           "newest_ptr", "staging_count_ptr")}
-    pointers |= {name: "*i64" for name in ("query_slots_ptr", "kept_ptr", "staging_queue_ptr")}
-    pointers |= {"is_compressed_ptr": "*i1"}
-    floats = {"qk_scale", "alpha", "threshold", "tau", "lambda_weight"}
     score = dict(NUM_KV_HEADS=8, WINDOW=16, GROUP=3, WINDOW_PADDED=16, GROUP_PADDED=4, BLOCK_SIZE=64,
                  HEAD_DIM=128, HEAD_DIM_PADDED=128, KEY_TILE=64, DOT_PRECISION="tf32")
     redundancy = dict(NUM_KV_HEADS=8, BLOCK_SIZE=64, HEAD_DIM=128, HEAD_DIM_PADDED=128, TILE=64,
                       DOT_PRECISION="tf32")
     compaction = dict(NUM_KV_HEADS=8, NUM_DIM_TILES=2, KEEP=512, BLOCK_SIZE=64, HEAD_DIM=128, DIM_TILE=64,
                       ENTRY_TILE=64)
-    launches = [
+    return [
         (kernels._block_softmax_stats_kernel, score),
         (kernels._attention_score_kernel, score | dict(STATS_CHUNK=16, GLOBAL_SCORE=True)),
         (kernels._newest_similar_row_kernel, redundancy | dict(LIGHTNING=False)),
@@ -351,13 +332,21 @@ def compile_kernels_for_hopper() -> int:
          compaction | dict(NUM_TARGETS=8, TARGETS_PADDED=8, SOURCES_PADDED=16, GLOBAL_SCORE=True)),
         (kernels._compact_staged_kernel, compaction),
     ]
-    for kernel, constants in launches:
-        signature = {
-            name: "constexpr" if name in constants else pointers.get(name, "fp32" if name in floats else "i32")
-            for name in kernel.arg_names
-        }
-        triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
-    return 0
+
+
+POINTER_TYPES = {name: "*bf16" for name in ("query_cache_ptr", "k_cache_ptr", "v_cache_ptr", "score_cache_ptr",
+                                            "k_scratch_ptr", "v_scratch_ptr")}
+POINTER_TYPES |= {name: "*fp32" for name in ("block_max_ptr", "block_sum_ptr", "scores_ptr", "redundancy_ptr",
+                                             "final_ptr")}
+POINTER_TYPES |= {name: "*i32" for name in ("source_tables_ptr", "num_source_blocks_ptr", "target_tables_ptr",
+                                            "newest_ptr", "staging_count_ptr")}
+POINTER_TYPES |= {name: "*i64" for name in ("query_slots_ptr", "kept_ptr", "staging_queue_ptr")}
+POINTER_TYPES |= {"is_compressed_ptr": "*i1"}
+FLOAT_ARGUMENTS = {"qk_scale", "alpha", "threshold", "tau", "lambda_weight"}
+
+
+def argument_type(name: str) -> str:
+    return POINTER_TYPES.get(name, "fp32" if name in FLOAT_ARGUMENTS else "i32")
 
 
 TRITON_CASES = [
@@ -503,5 +492,5 @@ def test_dispatch_uses_reference_for_cpu_tensors_unless_forced(triton_kernels, m
     assert len(calls) == 1
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["compile-for-hopper"]:
-    sys.exit(compile_kernels_for_hopper())
+if __name__ == "__main__" and sys.argv[1:] == [HOPPER_COMMAND]:
+    sys.exit(compile_for_hopper(hopper_launches, argument_type))

@@ -11,8 +11,6 @@ heads over 2 KV heads) so that every padding mask and partial tile of the kernel
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
@@ -20,8 +18,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from triton_interpreter import (  # noqa: E402
+    HOPPER_COMMAND,
     TRITON_INSTALLED,
     UNDER_INTERPRETER,
+    compile_for_hopper,
+    run_hopper_compilation,
     run_test_file_under_interpreter,
     under_interpreter,
 )
@@ -50,18 +51,8 @@ def test_triton_kernels_under_the_interpreter():
     run_test_file_under_interpreter(__file__)
 
 
-COMPILER_API_MISSING = 3
-
-
-def compile_kernels_for_hopper() -> int:
-    """Compile every fused kernel variant to a Hopper (sm_90) binary in bfloat16 without a GPU: the interpreter runs
-    programs the compiler would reject. Returns an exit code."""
-    try:
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-    except ImportError:
-        return COMPILER_API_MISSING
+def hopper_launches() -> list:
+    """Every fused kernel variant with the constexpr values of one bfloat16 launch."""
     from zipage.kernels import fused_ops_triton as kernels
 
     launches = [
@@ -75,16 +66,11 @@ def compile_kernels_for_hopper() -> int:
         )
         for norm in (False, True)
     ]
-    for kernel, constants in launches:
-        signature = {name: argument_type(name, constants) for name in kernel.arg_names}
-        triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
-    return 0
+    return launches
 
 
-def argument_type(name: str, constants: dict) -> str:
+def argument_type(name: str) -> str:
     """Triton's type of a kernel argument as the model passes it: bfloat16 tensors, float32 cos/sin tables."""
-    if name in constants:
-        return "constexpr"
     if name in ("cos_ptr", "sin_ptr"):
         return "*fp32"
     if name.endswith("_ptr"):
@@ -95,13 +81,7 @@ def argument_type(name: str, constants: dict) -> str:
 @pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
 @pytest.mark.skipif(UNDER_INTERPRETER, reason="the compiler needs Triton imported without the interpreter")
 def test_kernels_compile_for_hopper():
-    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    child = subprocess.run(
-        [sys.executable, __file__, "compile-for-hopper"], env=environment, capture_output=True, text=True, timeout=600
-    )
-    if child.returncode == COMPILER_API_MISSING:
-        pytest.skip("this Triton has no triton.compiler.ASTSource / GPUTarget to compile ahead of time")
-    assert child.returncode == 0, child.stderr[-6000:]
+    run_hopper_compilation(__file__)
 
 
 def random(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator, scale: float = 1.0) -> torch.Tensor:
@@ -336,5 +316,5 @@ def test_model_forward_with_triton_kernels_matches_references(monkeypatch):
     torch.testing.assert_close(with_triton, with_references, atol=1e-4, rtol=1e-4)
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["compile-for-hopper"]:
-    sys.exit(compile_kernels_for_hopper())
+if __name__ == "__main__" and sys.argv[1:] == [HOPPER_COMMAND]:
+    sys.exit(compile_for_hopper(hopper_launches, argument_type))

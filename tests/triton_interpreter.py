@@ -31,3 +31,46 @@ def run_test_file_under_interpreter(test_file: str) -> None:
         [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider"],
         env=environment, capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- compiling for Hopper without a GPU
+
+# Exit code of a compile-for-hopper child whose Triton lacks the ahead-of-time compiler API.
+COMPILER_API_MISSING = 3
+HOPPER_COMMAND = "compile-for-hopper"
+
+
+def compile_for_hopper(launches, argument_type) -> int:
+    """Compile every `(kernel, constexpr values)` of `launches()` to a Hopper (sm_90) binary without a
+    GPU; `argument_type(name)` is Triton's type of each other argument. The interpreter runs programs
+    the compiler would reject, so this is the CPU-side check that the kernels build. Returns an exit
+    code (run it in a child without TRITON_INTERPRET: `python TEST_FILE compile-for-hopper`)."""
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:
+        return COMPILER_API_MISSING
+    for kernel, constants in launches():
+        signature = {name: "constexpr" if name in constants else argument_type(name)
+                     for name in kernel.arg_names}
+        triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32))
+    return 0
+
+
+def compiler_environment() -> dict[str, str]:
+    """The environment of a compile-for-hopper child: Triton must not start in interpreter mode."""
+    return {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+
+
+def check_hopper_compilation(returncode: int, stderr: str) -> None:
+    if returncode == COMPILER_API_MISSING:
+        pytest.skip("this Triton has no triton.compiler.ASTSource / GPUTarget to compile ahead of time")
+    assert returncode == 0, stderr[-6000:]
+
+
+def run_hopper_compilation(test_file: str) -> None:
+    """Run `test_file`'s compile-for-hopper entry point in a child process; skip or fail with its output."""
+    child = subprocess.run([sys.executable, test_file, HOPPER_COMMAND], env=compiler_environment(),
+                           capture_output=True, text=True, timeout=600)
+    check_hopper_compilation(child.returncode, child.stderr)
