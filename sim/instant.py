@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from zipage.core.arrivals import ArrivalQueue
 from zipage.core.invariants import InvariantChecker
 from zipage.core.metrics import MetricsRecorder, request_records, summarize
 from zipage.core.plan import StepResult
@@ -62,24 +63,18 @@ class InstantDriver:
     def run(self, sequences: list[Sequence]) -> InstantRun:
         """Add each request once the clock reaches its arrival (in steps), run to the end."""
         scheduler, checker = self.scheduler, self.checker
-        arrivals = sorted(sequences, key=lambda seq: seq.arrival_s)
+        arrivals = ArrivalQueue(sequences)
         bound = step_bound(sequences, scheduler, self.delay_range[1])
         log: list[str] = []
         completions: dict[int, int] = {}  # batch id -> step whose result reports it done
         now = 0
-        next_arrival = 0
-        while next_arrival < len(arrivals) or scheduler.has_unfinished():
-            while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_s <= now:
-                seq = arrivals[next_arrival]
-                scheduler.add(seq)
-                if checker:
-                    checker.note_added(seq)
-                next_arrival += 1
+        while arrivals.has_pending or scheduler.has_unfinished():
+            arrivals.admit_due(scheduler, now, checker)
             plan = scheduler.schedule()
             if plan is None:  # nothing queued: jump to the next arrival, if any
-                if next_arrival == len(arrivals):
+                if not arrivals.has_pending:
                     break
-                now = max(now + 1, int(arrivals[next_arrival].arrival_s))
+                now = max(now + 1, int(arrivals.next_arrival_s))
                 continue
             if plan.step_id > bound:
                 raise StepBoundExceeded(f"run exceeded its step bound {bound}")

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from zipage.core.arrivals import ArrivalQueue
 from zipage.core.invariants import InvariantChecker
 from zipage.core.metrics import MetricsRecorder, request_records, summarize
 from zipage.core.plan import IDLE, StepResult
@@ -49,24 +50,18 @@ class EngineLoop:
             params: dict[str, SamplingParams], ignore_eos: dict[str, bool]) -> EngineRun:
         scheduler, checker, runner = self.scheduler, self.checker, self.runner
         tokens = {seq_id: list(prompt) for seq_id, prompt in prompts.items()}
-        arrivals = sorted(sequences, key=lambda seq: seq.arrival_s)
-        bar = _progress_bar(len(arrivals)) if self.progress else None
+        arrivals = ArrivalQueue(sequences)
+        bar = _progress_bar(len(sequences)) if self.progress else None
         log: list[str] = []
         started = time.perf_counter()
-        next_arrival = 0
         finished_before = 0
-        while next_arrival < len(arrivals) or scheduler.has_unfinished():
+        while arrivals.has_pending or scheduler.has_unfinished():
             now = time.perf_counter() - started
-            while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_s <= now:
-                seq = arrivals[next_arrival]
-                scheduler.add(seq)
-                if checker:
-                    checker.note_added(seq)
-                next_arrival += 1
+            arrivals.admit_due(scheduler, now, checker)
             plan = scheduler.schedule()
             if plan is None:
-                if next_arrival < len(arrivals):
-                    time.sleep(max(0.0, arrivals[next_arrival].arrival_s - now))
+                if arrivals.has_pending:
+                    time.sleep(max(0.0, arrivals.next_arrival_s - now))
                 continue
             if self.log_decisions:
                 log.append(plan.describe())
