@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import replace
 import sys
 from pathlib import Path
@@ -397,6 +398,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("zipage: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`zipage replay ... | head`): stop quietly, as Unix tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":
