@@ -41,7 +41,7 @@ import torch
 
 from zipage.core.config import ZipageConfig
 from zipage.core.memory import block_bytes, query_slot_bytes
-from zipage.core.plan import StepPlan
+from zipage.core.step import StepPlan
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.engine.llm import Engine
@@ -52,7 +52,7 @@ from zipage.engine.sampler import SamplingParams
 from zipage.kernels.compress import compress
 from zipage.kernels.compress_ref import CompressionParams, kept_entries, write_kept_entries
 from zipage.presets import ModelShape
-from zipage.replay import ReplaySettings, effective_config, plan_capacity
+from zipage.deployment import ReplaySettings, effective_config, plan_capacity
 
 GIB = 1024**3
 SINK_ENTRIES = 4  # StreamingLLM's attention sinks: the first four tokens

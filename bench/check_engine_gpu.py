@@ -25,7 +25,7 @@ import torch
 
 from zipage.core.config import ZipageConfig
 from zipage.engine.replay import replay_on_engine
-from zipage.replay import ReplaySettings
+from zipage.deployment import ReplaySettings
 from zipage.workloads import make_trace
 
 

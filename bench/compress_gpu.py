@@ -255,7 +255,7 @@ def part_a(smoke: bool, device: str) -> list[dict]:
 def build_qwen3_engine():
     from zipage.core.config import ZipageConfig
     from zipage.engine.llm import build_engine
-    from zipage.replay import ReplaySettings
+    from zipage.deployment import ReplaySettings
 
     # 128 x 8 decode blocks + 33 compression blocks (and their query slots), with room to spare.
     settings = ReplaySettings(model="random:qwen3-8b", dtype="bfloat16", kv_memory_gb=46,
@@ -283,7 +283,7 @@ def compression_jobs(engine, manager, requests: int, blocks: int) -> list:
     """Jobs as the core hands them out for requests at their trigger: `blocks` full blocks of random K/V and
     window queries, targets = their own first N_max - 1 blocks (in place). A 9-block request was compressed
     before (the steady state); a longer one is at its first compression (a long prompt)."""
-    from zipage.core.plan import CompressionJob
+    from zipage.core.step import CompressionJob
     from zipage.core.sequence import Sequence
 
     runner = engine.runner
@@ -351,7 +351,7 @@ class Steps:
 
     def run(self, compress_sync=(), compress_launch=None) -> float:
         """One step; wall seconds until its tokens are on the host."""
-        from zipage.core.plan import DECODE, StepPlan
+        from zipage.core.step import DECODE, StepPlan
 
         self.step_id += 1
         plan = StepPlan(step_id=self.step_id, kind=DECODE, decode=self.sequences,
@@ -455,7 +455,7 @@ def part_c(engine, steps: Steps, jobs_by_batch, sm_limits=(None,)) -> list[dict]
 
 
 def part_c_rows(engine, steps: Steps, jobs_by_batch, num_sms) -> list[dict]:
-    from zipage.core.plan import CompressionBatch
+    from zipage.core.step import CompressionBatch
 
     compressor = engine.runner.compressor
     rows = []

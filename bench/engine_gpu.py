@@ -26,12 +26,12 @@ import torch
 
 from zipage.core.config import ZipageConfig
 from zipage.core.memory import GIB
-from zipage.core.plan import DECODE, StepPlan
+from zipage.core.step import DECODE, StepPlan
 from zipage.core.sequence import Sequence
 from zipage.engine.llm import LLM, build_engine
 from zipage.engine.sampler import SamplingParams
 from zipage.presets import get_preset
-from zipage.replay import ReplaySettings
+from zipage.deployment import ReplaySettings
 
 CONTEXT = 2048
 

@@ -28,7 +28,7 @@ import torch
 
 from zipage.core.config import ZipageConfig
 from zipage.engine.replay import replay_on_engine
-from zipage.replay import ReplaySettings
+from zipage.deployment import ReplaySettings
 from zipage.workloads import make_trace
 
 KEYS = ("tps", "makespan_s", "completed", "output_tokens", "peak_running", "mean_running",
@@ -73,7 +73,7 @@ def main() -> None:
         report[name] = {key: summary[key] for key in KEYS}
         report[name]["wall_s"] = time.perf_counter() - started
         try:
-            from zipage.sim.replay import simulate
+            from zipage.sim.simulate import simulate
 
             simulated, _ = simulate(trace, settings)
             report[name]["simulated_tps"] = simulated["tps"]

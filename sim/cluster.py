@@ -22,12 +22,12 @@ import simpy
 from zipage.core.metrics import StepRecord, summarize
 from zipage.core.sequence import Sequence
 from zipage.errors import ConfigError
-from zipage.replay import (
+from zipage.deployment import (
     ReplaySettings, run_summary, trace_sequences,
 )
 from zipage.trace import Trace
 
-from .replay import plan_deployment
+from .simulate import plan_deployment
 from .simulator import Simulator
 
 ROUND_ROBIN = "round-robin"

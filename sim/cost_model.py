@@ -30,7 +30,7 @@ from zipage.presets import ModelShape
 from .hardware import GPUSpec, get_hardware
 
 if TYPE_CHECKING:
-    from zipage.core.plan import CompressionBatch, CompressionJob, StepPlan
+    from zipage.core.step import CompressionBatch, CompressionJob, StepPlan
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
 PROFILE_VERSION = 1

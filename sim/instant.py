@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from zipage.core.arrivals import ArrivalQueue
 from zipage.core.invariants import InvariantChecker
 from zipage.core.metrics import MetricsRecorder, request_records, summarize
-from zipage.core.plan import StepResult
+from zipage.core.step import StepResult
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 

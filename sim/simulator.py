@@ -22,7 +22,7 @@ import simpy
 
 from zipage.core.invariants import InvariantChecker
 from zipage.core.metrics import MetricsRecorder, request_records, summarize
-from zipage.core.plan import IDLE, PREFILL, StepPlan, StepResult
+from zipage.core.step import IDLE, PREFILL, StepPlan, StepResult
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 

@@ -21,7 +21,7 @@ from zipage.core.config import ZipageConfig  # noqa: E402
 from zipage.engine.calibrate import calibrate  # noqa: E402
 from zipage.errors import ConfigError  # noqa: E402
 from zipage.presets import resolve_shape  # noqa: E402
-from zipage.replay import ReplaySettings  # noqa: E402
+from zipage.deployment import ReplaySettings  # noqa: E402
 from zipage.sim.cost_model import CalibratedCostModel  # noqa: E402
 from zipage.sim.hardware import get_hardware  # noqa: E402
 
@@ -64,7 +64,7 @@ def test_simulator_accepts_the_profile_for_the_same_setup_only(profile, tiny_mod
     with pytest.raises(ConfigError, match="block_size"):
         CalibratedCostModel.from_profile(path, shape=shape, gpu=get_hardware("h200"),
                                          **dict(KNOBS, block_size=32))
-    from zipage.sim.replay import simulate
+    from zipage.sim.simulate import simulate
     from zipage.workloads import make_trace
 
     trace = make_trace("amc23", 0, num_questions=2, samples_per_question=2, max_output_len=100)

@@ -27,7 +27,7 @@ from sim.cost_model import (
     synthesize_profile,
 )
 from sim.hardware import HARDWARE, get_hardware
-from zipage.core.plan import CompressionBatch, PrefillItem, StepPlan
+from zipage.core.step import CompressionBatch, PrefillItem, StepPlan
 from zipage.errors import ConfigError
 from zipage.presets import get_preset
 

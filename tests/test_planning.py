@@ -14,12 +14,12 @@ import pytest
 from zipage.core.metrics import StepRecord
 from zipage.errors import ConfigError
 from zipage.plan_cli import add_plan_command, parse_rates, parse_replicas
-from zipage.planning import (
+from zipage.sim.planning import (
     INFEASIBLE, LOCAL, MAX_RATE, OK, RAY, SERIAL, SLO, TPS_PER_DOLLAR, PlanSpec, run_plan,
 )
-from zipage.replay import ReplaySettings
+from zipage.deployment import ReplaySettings
 from zipage.sim.cluster import peak_concurrent_running, simulate_cluster
-from zipage.sim.replay import simulate
+from zipage.sim.simulate import simulate
 from zipage.trace import Trace, TraceRequest, load_trace, stamp_arrivals
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from strategies import MODES, cases
 from zipage.core.config import ZipageConfig
 from zipage.core.scheduler import Scheduler
-from zipage.replay import ReplaySettings
+from zipage.deployment import ReplaySettings
 from zipage.sim.cost_model import CostModel
 from zipage.sim.instant import InstantDriver
-from zipage.sim.replay import simulate
+from zipage.sim.simulate import simulate
 from zipage.sim.simulator import Simulator
 from zipage.trace import load_trace
 
@@ -98,7 +98,7 @@ def test_tiny_trace_decisions_match_instant_driver_with_real_cost_model():
     settings_ = ReplaySettings(model="qwen3-0.6b", kv_memory_gb=0.05, config=config)
     summary, run = simulate(trace, settings_, log_decisions=True, check=True)
     from zipage.presets import resolve_shape
-    from zipage.replay import trace_sequences
+    from zipage.deployment import trace_sequences
 
     shape = resolve_shape("qwen3-0.6b")
     scheduler = Scheduler(replace(config, max_model_len=shape.max_position),

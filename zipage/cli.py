@@ -16,7 +16,7 @@ from pathlib import Path
 
 from zipage.core.config import POOLING_MODES, REDUNDANCY_MODES, ZipageConfig
 from zipage.errors import ZipageError
-from zipage.replay import ReplaySettings
+from zipage.deployment import ReplaySettings
 
 SUMMARY_ROWS = [
     ("requests", "requests", "{}"), ("completed", "completed", "{}"), ("failed", "failed", "{}"),
@@ -122,14 +122,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
     show_progress = not args.no_progress and not args.json
     engine = "gpu" if args.gpu else args.engine
     if engine == "sim":
-        from zipage.sim.replay import simulate
+        from zipage.sim.simulate import simulate
 
         summary, run = simulate(trace, settings, progress=show_progress,
                                 log_decisions=args.out is not None)
     else:
         summary, run = _replay_on_engine(trace, settings, engine, args, show_progress)
     if args.out is not None:
-        from zipage.replay import write_run
+        from zipage.deployment import write_run
 
         write_run(args.out, summary, run.steps, run.requests, run.decision_log)
     if args.json:
@@ -271,7 +271,7 @@ def cmd_trace_make(args: argparse.Namespace) -> int:
 
 def cmd_report_ablation(args: argparse.Namespace) -> int:
     from zipage.analysis.ablation import check_paper_directions, run_ablation, write_ablation_report
-    from zipage.sim.replay import simulate
+    from zipage.sim.simulate import simulate
     from zipage.trace import load_trace
 
     base = settings_from_args(args)

@@ -1,4 +1,4 @@
-"""`zipage plan`: the command line of capacity planning (`zipage.planning`).
+"""`zipage plan`: the command line of capacity planning (`zipage.sim.planning`).
 
 `add_plan_command(subparsers)` registers the subcommand. It takes every engine flag of
 `zipage replay` for the knobs that stay fixed; the searched axes take comma lists (`--hardware
@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from zipage.errors import ConfigError
-from zipage.planning import (
+from zipage.sim.planning import (
     CACHE_SUBDIR, LOCAL, MAX_RATE, OBJECTIVES, OK, RAY, RESULT_COLUMNS, SERIAL, SLO, TPS,
     TPS_PER_DOLLAR, PlanResult, PlanSpec, RateSearch, run_plan,
 )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from zipage.core.plan import StepPlan
+from zipage.core.step import StepPlan
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence, SequenceStatus
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from zipage.core.plan import StepPlan, StepResult
+from zipage.core.step import StepPlan, StepResult
 from zipage.core.sequence import Sequence, SequenceStatus
 
 

@@ -22,7 +22,7 @@ from collections import defaultdict, deque
 
 from zipage.core.block_manager import BlockManager, prompt_block_hashes
 from zipage.core.config import ZipageConfig
-from zipage.core.plan import (
+from zipage.core.step import (
     DECODE, IDLE, PREFILL, CompressionBatch, CompressionJob, PrefillItem, StepPlan, StepResult,
 )
 from zipage.core.sequence import DecodeClock, Sequence, SequenceStatus

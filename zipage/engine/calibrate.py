@@ -19,12 +19,12 @@ from collections.abc import Callable
 
 import torch
 
-from zipage.core.plan import DECODE, PREFILL, CompressionBatch, CompressionJob, PrefillItem, StepPlan
+from zipage.core.step import DECODE, PREFILL, CompressionBatch, CompressionJob, PrefillItem, StepPlan
 from zipage.core.sequence import Sequence
 from zipage.engine.llm import Engine, build_engine
 from zipage.engine.sampler import SamplingParams
 from zipage.errors import ConfigError
-from zipage.replay import ReplaySettings
+from zipage.deployment import ReplaySettings
 
 DECODE_BATCHES = (1, 4, 16, 32, 64, 128, 256)
 FULL_KV_CONTEXTS = (512, 2048, 8192)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zipage.core.plan import CompressionBatch, CompressionJob
+from zipage.core.step import CompressionBatch, CompressionJob
 from zipage.errors import ConfigError
 from zipage.kernels.compress import CompressionParams, compress
 

@@ -21,7 +21,7 @@ from zipage.engine.runner import ModelRunner
 from zipage.engine.sampler import SamplingParams
 from zipage.errors import ConfigError, MemoryPlanError
 from zipage.presets import ModelShape
-from zipage.replay import ReplaySettings, effective_config, plan_capacity
+from zipage.deployment import ReplaySettings, effective_config, plan_capacity
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 CPU_KV_MEMORY_GB = 1.0  # cache size on the CPU when none is given (small models only)

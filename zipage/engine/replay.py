@@ -1,6 +1,6 @@
 """`zipage replay TRACE --gpu` (or `--engine cpu`): a trace through the real engine.
 
-Same settings, same capacity planning and same prompt tokens as the simulator (`zipage.replay`),
+Same settings, same capacity planning and same prompt tokens as the simulator (`zipage.deployment`),
 greedy decoding with EOS ignored so every request produces exactly its trace `output_len`; the
 result has the simulator's summary keys and run-directory files, so `zipage compare` can put the
 two side by side.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from zipage.engine.llm import build_engine
 from zipage.engine.loop import EngineLoop, EngineRun
 from zipage.engine.sampler import SamplingParams
-from zipage.replay import ReplaySettings, run_summary, trace_sequences
+from zipage.deployment import ReplaySettings, run_summary, trace_sequences
 from zipage.trace import Trace
 
 

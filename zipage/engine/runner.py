@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from zipage.core.memory import MemoryPlan
-from zipage.core.plan import PREFILL, StepPlan
+from zipage.core.step import PREFILL, StepPlan
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.engine.compressor import Compressor

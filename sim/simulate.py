@@ -13,7 +13,7 @@ from zipage.core.config import ZipageConfig
 from zipage.core.memory import MemoryPlan
 from zipage.core.scheduler import Scheduler
 from zipage.presets import ModelShape, resolve_shape
-from zipage.replay import (
+from zipage.deployment import (
     ReplaySettings, dtype_bytes, effective_config, plan_capacity, run_summary, trace_sequences,
 )
 from zipage.trace import Trace

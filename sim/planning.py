@@ -30,7 +30,7 @@ from typing import Callable, Iterable
 import xxhash
 
 from zipage.errors import ConfigError, ZipageError
-from zipage.replay import ReplaySettings
+from zipage.deployment import ReplaySettings
 from zipage.trace import ARRIVAL_PATTERNS, Trace, stamp_arrivals
 
 TPS = "tps"
@@ -559,8 +559,7 @@ def _code_digest() -> str:
 
         package = Path(zipage.__file__).parent
         simulator = Path(zipage.sim.__file__).parent
-        files = [*(package / name for name in ("planning.py", "presets.py", "replay.py",
-                                                 "trace.py")),
+        files = [*(package / name for name in ("deployment.py", "presets.py", "trace.py")),
                  *sorted((package / "core").glob("*.py")), *sorted(simulator.rglob("*.py")),
                  *sorted(simulator.rglob("*.json"))]
         digest = xxhash.xxh3_128()
