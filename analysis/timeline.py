@@ -149,6 +149,14 @@ def _smoothed_rate(tokens: np.ndarray, seconds: np.ndarray, window_bins: int) ->
         return np.where(smoothed_seconds > 0, rolling_sum(tokens) / smoothed_seconds, np.nan)
 
 
+def plot_run(directory: str | Path) -> Path:
+    """Write `timeline.png` into a run directory written by `zipage.rundir.write_run`."""
+    run = load_run(directory)
+    return plot_timeline(run.steps, run.directory / "timeline.png",
+                         title=f"{run.summary['settings']['model']} · {run.summary['driver']}",
+                         max_concurrency=run.summary["max_concurrency"])
+
+
 def plot_timeline(steps: pd.DataFrame, path: str | Path, title: str | None = None, *,
                   max_concurrency: int | None = None, bins: int = DEFAULT_BINS) -> Path:
     """Write the three-panel timeline PNG of a run's step records to `path`.

@@ -22,9 +22,8 @@ import simpy
 from zipage.core.metrics import StepRecord, summarize
 from zipage.core.sequence import Sequence
 from zipage.errors import ConfigError
-from zipage.deployment import (
-    ReplaySettings, run_summary, trace_sequences,
-)
+from zipage.deployment import ReplaySettings, trace_sequences
+from zipage.rundir import run_summary
 from zipage.trace import Trace
 
 from .simulate import plan_deployment

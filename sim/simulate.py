@@ -14,8 +14,9 @@ from zipage.core.memory import MemoryPlan
 from zipage.core.scheduler import Scheduler
 from zipage.presets import ModelShape, resolve_shape
 from zipage.deployment import (
-    ReplaySettings, dtype_bytes, effective_config, plan_capacity, run_summary, trace_sequences,
+    ReplaySettings, dtype_bytes, effective_config, plan_capacity, trace_sequences,
 )
+from zipage.rundir import run_summary
 from zipage.trace import Trace
 
 from .cost_model import CostModel, load_cost_model

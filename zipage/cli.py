@@ -129,9 +129,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
     else:
         summary, run = _replay_on_engine(trace, settings, engine, args, show_progress)
     if args.out is not None:
-        from zipage.deployment import write_run
+        from zipage.analysis.timeline import plot_run
+        from zipage.rundir import write_run
 
-        write_run(args.out, summary, run.steps, run.requests, run.decision_log)
+        plot_run(write_run(args.out, summary, run.steps, run.requests, run.decision_log))
     if args.json:
         print(json.dumps(summary))
     else:

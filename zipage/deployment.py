@@ -3,20 +3,16 @@
 `ReplaySettings` carries what `zipage replay` accepts (model, memory, knobs, cost model). Both
 drivers size their caches with the same function (`plan_capacity`) and turn trace requests into
 `Sequence`s the same way (`trace_sequences`), so the same flags give the same blocks, slots and
-prompt tokens in the simulator and in the real engine. `write_run` writes the files every run
-directory has: summary.json, steps.csv, requests.csv, decisions.log and timeline.png.
+prompt tokens in the simulator and in the real engine. What a finished run writes is
+`zipage.rundir`.
 """
 
 from __future__ import annotations
 
-import csv
-import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from zipage.core.config import ZipageConfig
 from zipage.core.memory import DTYPE_BYTES, GIB, MemoryPlan, available_kv_bytes, plan_memory
-from zipage.core.metrics import REQUEST_COLUMNS, STEP_COLUMNS
 from zipage.core.sequence import Sequence
 from zipage.errors import ConfigError
 from zipage.presets import ModelShape
@@ -86,41 +82,3 @@ def trace_sequences(trace: Trace, vocab_size: int, need_tokens: bool) -> list[Se
         sequences.append(Sequence(request.id, tokens, request.output_len,
                                   arrival_s=request.arrival_s, prompt_len=request.prompt_len))
     return sequences
-
-
-def run_summary(summary: dict, capacity: MemoryPlan, config: ZipageConfig,
-                settings: ReplaySettings, driver: str) -> dict:
-    """The `--json` object: the metrics summary plus the capacity the run was planned with."""
-    return {
-        **summary,
-        "n_max": config.n_max if config.compress else None,
-        "max_concurrency": capacity.num_query_slots if config.compress else None,
-        "num_blocks": capacity.num_blocks,
-        "driver": driver,
-        "settings": settings.to_dict(),
-    }
-
-
-def write_run(out_dir: str | Path, summary: dict, steps: list, requests: list,
-              decision_log: list[str]) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _write_csv(out / "steps.csv", STEP_COLUMNS, steps)
-    _write_csv(out / "requests.csv", REQUEST_COLUMNS, requests)
-    (out / "decisions.log").write_text("\n".join(decision_log) + ("\n" if decision_log else ""))
-    from zipage.analysis.timeline import load_run, plot_timeline
-
-    plot_timeline(load_run(out).steps, out / "timeline.png",
-                  title=f"{summary['settings']['model']} · {summary['driver']}",
-                  max_concurrency=summary["max_concurrency"])
-    return out
-
-
-def _write_csv(path: Path, columns: list[str], records: list) -> None:
-    with path.open("w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(columns)
-        for record in records:
-            row = asdict(record)
-            writer.writerow([row[column] for column in columns])

@@ -11,7 +11,8 @@ from __future__ import annotations
 from zipage.engine.llm import build_engine
 from zipage.engine.loop import EngineLoop, EngineRun
 from zipage.engine.sampler import SamplingParams
-from zipage.deployment import ReplaySettings, run_summary, trace_sequences
+from zipage.deployment import ReplaySettings, trace_sequences
+from zipage.rundir import run_summary
 from zipage.trace import Trace
 
 
