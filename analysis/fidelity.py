@@ -42,7 +42,6 @@ import torch
 from zipage.core.config import ZipageConfig
 from zipage.core.memory import block_bytes, query_slot_bytes
 from zipage.core.step import StepPlan
-from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.engine.llm import Engine
 from zipage.engine.loader import load_model
@@ -233,10 +232,8 @@ def build_cpu_engine(model: torch.nn.Module, shape: ModelShape, tokenizer, model
                               kv_memory_gb=(num_requests + 1) * per_request / GIB, config=config)
     config = effective_config(settings, shape)
     capacity = plan_capacity(settings, shape, None)
-    scheduler = Scheduler(config, capacity.num_blocks, capacity.num_query_slots)
     device = torch.device("cpu")
-    runner = ModelRunner(model, shape, scheduler, capacity, torch.float32, device,
-                         cuda_graphs=False)
+    runner = ModelRunner(model, shape, config, capacity, torch.float32, device, cuda_graphs=False)
     return Engine(model, shape, tokenizer, config, capacity, runner, device)
 
 
@@ -259,8 +256,7 @@ class RecordingRunner:
         """The output position the current step's logits of this request predict."""
         return len(tokens[request_id]) - self.prompt_lengths[request_id]
 
-    def execute(self, plan: StepPlan, tokens: dict[str, list[int]],
-                params: dict[str, SamplingParams]) -> dict[str, int]:
+    def execute(self, plan: StepPlan, tokens: dict[str, list[int]]) -> list[tuple[Sequence, int]]:
         # Async batches would finish after this step; the study compresses synchronously so the
         # step at which a request's cache changes is exact.
         assert plan.compress_launch is None, "run the fidelity study with async_compress=False"
@@ -269,9 +265,9 @@ class RecordingRunner:
             self.dispatcher.current_requests = compressing
         for request_id in compressing:
             self.first_compression.setdefault(request_id, self.output_index(request_id, tokens))
-        sampled = self.runner.execute(plan, tokens, params)
+        sampled = self.runner.execute(plan, tokens)
         if sampled:
-            request_ids = list(sampled)
+            request_ids = [seq.seq_id for seq, _ in sampled]
             self.on_logits(request_ids, [self.output_index(request_id, tokens)
                                          for request_id in request_ids],
                            self.runner.last_logits)
@@ -284,11 +280,13 @@ def run_requests(engine: Engine, prompts: dict[str, list[int]], max_tokens: int,
                  next_token: Callable[[str, int], int] | None = None,
                  dispatcher: VariantDispatcher | None = None) -> RecordingRunner:
     """Run every request to exactly `max_tokens` outputs (EOS ignored) through the step loop."""
-    sequences = [Sequence(request_id, prompt, max_tokens) for request_id, prompt in prompts.items()]
+    sequences = [Sequence(request_id, prompt, max_tokens,
+                          sampling=dataclasses.replace(sampling[request_id], ignore_eos=True))
+                 for request_id, prompt in prompts.items()]
     recorder = RecordingRunner(engine.runner, {request_id: len(prompt) for request_id, prompt
                                                in prompts.items()}, on_logits, dispatcher)
     loop = EngineLoop(engine.new_scheduler(), recorder, next_token=next_token)
-    run = loop.run(sequences, prompts, sampling, {request_id: True for request_id in prompts})
+    run = loop.run(sequences)
     failed = [seq.error for seq in sequences if seq.error is not None]
     if failed:
         raise RuntimeError(f"fidelity run: requests failed: {failed}")

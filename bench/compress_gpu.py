@@ -345,8 +345,8 @@ class Steps:
         self.runner = engine.runner
         self.sequences = sequences
         self.tokens = tokens
-        greedy = SamplingParams(temperature=0.0)
-        self.params = {seq.seq_id: greedy for seq in sequences}
+        for seq in sequences:
+            seq.sampling = SamplingParams(temperature=0.0)
         self.step_id = 0
 
     def run(self, compress_sync=(), compress_launch=None) -> float:
@@ -357,7 +357,7 @@ class Steps:
         plan = StepPlan(step_id=self.step_id, kind=DECODE, decode=self.sequences,
                         compress_sync=list(compress_sync), compress_launch=compress_launch)
         started = time.perf_counter()
-        self.runner.execute(plan, self.tokens, self.params)
+        self.runner.execute(plan, self.tokens)
         return time.perf_counter() - started
 
 

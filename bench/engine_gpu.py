@@ -81,7 +81,7 @@ def decode_roofline(model: str, batches: list[int], bandwidth: float) -> list[di
         sequences, tokens = [], {}
         blocks = -(-CONTEXT // scheduler.block_size)
         for index in range(batch):
-            seq = Sequence(f"s{index}", None, 16, prompt_len=CONTEXT - 1)
+            seq = Sequence(f"s{index}", None, 16, prompt_len=CONTEXT - 1, sampling=greedy)
             seq.block_table = [manager.allocate() for _ in range(blocks)]
             seq.set_counters(CONTEXT - 1, 1)  # decodes the token at KV index 2047: 2048 entries
             sequences.append(seq)
@@ -89,18 +89,17 @@ def decode_roofline(model: str, batches: list[int], bandwidth: float) -> list[di
         row = {"model": model, "batch": batch}
         # A whole engine step minus scheduling: inputs, forward, sampling, tokens back on the host.
         plan = StepPlan(step_id=0, kind=DECODE, decode=sequences)
-        params = {seq.seq_id: greedy for seq in sequences}
         for graphs in (True, False):
             saved = runner.graphs
             if not graphs:
                 runner.graphs = {}
             for _ in range(3):
-                runner.execute(plan, tokens, params)
+                runner.execute(plan, tokens)
             torch.cuda.synchronize()
             iterations = 20
             started = time.perf_counter()
             for _ in range(iterations):
-                runner.execute(plan, tokens, params)
+                runner.execute(plan, tokens)
             torch.cuda.synchronize()
             row["graphs" if graphs else "eager"] = (time.perf_counter() - started) / iterations
             runner.graphs = saved

@@ -56,14 +56,14 @@ class FakeGraph:
         pass
 
 
-def stub_runner(settings: ReplaySettings, shape, scheduler: Scheduler, capacity) -> ModelRunner:
+def stub_runner(settings: ReplaySettings, shape, config, capacity) -> ModelRunner:
     """A real ModelRunner over tiny caches whose decode steps take the CUDA-graph input path."""
     tiny = shape.scaled(num_layers=1, num_kv_heads=1, num_heads=1, head_dim=8, vocab_size=8)
-    runner = ModelRunner(StubModel(8), tiny, scheduler, capacity, torch.float32,
+    runner = ModelRunner(StubModel(8), tiny, config, capacity, torch.float32,
                          torch.device("cpu"), cuda_graphs=False)
     if runner.compressor is not None:
         runner.compressor.compress_fn = lambda *args, **kwargs: None
-    largest = min(scheduler.config.max_num_seqs, GRAPH_BATCH_SIZES[-1])
+    largest = min(config.max_num_seqs, GRAPH_BATCH_SIZES[-1])
     runner.allocate_graph_inputs(largest)
     runner.graphs = {size: FakeGraph() for size in GRAPH_BATCH_SIZES if size <= largest}
     return runner
@@ -89,19 +89,19 @@ def main() -> None:
     config = effective_config(settings, shape)
     capacity = plan_capacity(settings, shape, None)
     scheduler = Scheduler(config, capacity.num_blocks, capacity.num_query_slots)
-    runner = stub_runner(settings, shape, scheduler, capacity)
+    runner = stub_runner(settings, shape, config, capacity)
     trace = make_trace("amc23", 0, num_questions=args.questions, samples_per_question=args.samples,
                        max_output_len=args.max_output)
     sequences = trace_sequences(trace, shape.vocab_size, need_tokens=True)
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+    for seq in sequences:
+        seq.sampling = greedy
     loop = EngineLoop(scheduler, runner)
     profiler = cProfile.Profile() if args.profile else None
     started = time.perf_counter()
     if profiler:
         profiler.enable()
-    run = loop.run(sequences, {seq.seq_id: seq.prompt_token_ids for seq in sequences},
-                   {seq.seq_id: greedy for seq in sequences},
-                   {seq.seq_id: True for seq in sequences})
+    run = loop.run(sequences)
     wall = time.perf_counter() - started
     steps = run.summary["steps"]
     if profiler:

@@ -22,23 +22,35 @@ gathered before any is written, so a target block may also be a source block.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
+
+from zipage.core.config import ZipageConfig
+
+
+_KNOBS = ZipageConfig()  # the knobs' defaults are declared once, on ZipageConfig
 
 
 @dataclass(frozen=True)
 class CompressionParams:
+    """The compression knobs a kernel needs (a subset of `ZipageConfig`, same names)."""
+
     block_size: int
     window: int
-    alpha: float = 0.8
-    global_score: bool = True
-    pooling: str = "first"  # "first" | "always" | "off"
-    redundancy: str = "lightning"  # "lightning" | "flash" | "off"
-    lambda_weight: float = 0.2
-    tau: float = 0.4
-    similarity_threshold: float = 0.5
-    pool_kernel: int = 5
+    alpha: float = _KNOBS.alpha
+    global_score: bool = _KNOBS.global_score
+    pooling: str = _KNOBS.pooling  # "first" | "always" | "off"
+    redundancy: str = _KNOBS.redundancy  # "lightning" | "flash" | "off"
+    lambda_weight: float = _KNOBS.lambda_weight
+    tau: float = _KNOBS.tau
+    similarity_threshold: float = _KNOBS.similarity_threshold
+    pool_kernel: int = 5  # the paper's max-pooling width; not a user knob
+
+    @classmethod
+    def from_config(cls, config: ZipageConfig) -> "CompressionParams":
+        names = {f.name for f in fields(cls)} & {f.name for f in fields(ZipageConfig)}
+        return cls(**{name: getattr(config, name) for name in names})
 
 
 def attention_scores(queries: torch.Tensor, keys: torch.Tensor, length: int, block_size: int,

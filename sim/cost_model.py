@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 
-from zipage.core.config import REDUNDANCY_MODES
+from zipage.core.config import REDUNDANCY_MODES, ZipageConfig
 from zipage.core.memory import DTYPE_BYTES, heads_per_gpu
 from zipage.errors import ConfigError
 from zipage.presets import ModelShape
@@ -85,8 +85,10 @@ ALLREDUCE_LATENCY_S = 10e-6
 DEFAULT_CONTENTION = {"off": 1.10, "lightning": 1.10, "flash": 1.30}
 
 ANALYTIC = "analytic"
-KNOBS = ("dtype_bytes", "block_size", "window", "kv_budget", "redundancy", "layer_stride",
-         "global_score", "tensor_parallel", "contention_factor")
+# What a cost model is built for: the knobs that change a step's duration (declared with
+# `cost=True` on ZipageConfig), the element size, the sharding and the contention factor.
+COST_KNOBS = tuple(ZipageConfig().cost_knobs())
+KNOBS = ("dtype_bytes", *COST_KNOBS, "tensor_parallel", "contention_factor")
 
 
 class CostModel(ABC):
@@ -470,8 +472,7 @@ def _check_header(source: str, data: dict, shape: ModelShape | None, gpu: GPUSpe
             and DTYPE_BYTES[header["dtype"]] != knobs["dtype_bytes"]:
         raise ConfigError(f"{source}: dtype: measured in {header['dtype']}, but this run uses "
                           f"{knobs['dtype_bytes']}-byte values; {fix}")
-    for name in ("block_size", "window", "kv_budget", "redundancy", "layer_stride",
-                 "global_score", "tensor_parallel"):
+    for name in (*COST_KNOBS, "tensor_parallel"):
         if name in knobs and name in header and knobs[name] != header[name]:
             raise ConfigError(f"{source}: {name}: measured with {header[name]!r}, but this run "
                               f"uses {knobs[name]!r}; {fix}")
@@ -601,12 +602,7 @@ def synthesize_profile(model: AnalyticCostModel, *, noise: float = 0.03,
         "model": model.shape.name,
         "gpu": model.gpu.name,
         "dtype": "bfloat16" if model.dtype_bytes == 2 else "float32",
-        "block_size": model.block_size,
-        "window": model.window,
-        "kv_budget": model.kv_budget,
-        "redundancy": model.redundancy,
-        "layer_stride": model.layer_stride,
-        "global_score": model.global_score,
+        **{name: getattr(model, name) for name in COST_KNOBS},
         "tensor_parallel": model.tensor_parallel,
         "contention_factor": model.contention_factor,
         "decode": decode,

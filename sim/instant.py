@@ -9,26 +9,16 @@ it exceeds the step bound derived in docs/architecture.md ("Deadlock freedom").
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 
 from zipage.core.arrivals import ArrivalQueue
-from zipage.core.invariants import InvariantChecker
-from zipage.core.metrics import MetricsRecorder, request_records, summarize
-from zipage.core.step import StepResult
+from zipage.core.recorder import Run, StepRecorder
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
+from zipage.core.step import StepResult
 
 
 class StepBoundExceeded(AssertionError):
     pass
-
-
-@dataclass
-class InstantRun:
-    summary: dict
-    steps: list
-    requests: list
-    decision_log: list[str] = field(default_factory=list)
 
 
 def step_bound(sequences: list[Sequence], scheduler: Scheduler, max_delay: int) -> int:
@@ -56,21 +46,18 @@ class InstantDriver:
         self.delay_range = compress_delay if isinstance(compress_delay, tuple) else (
             compress_delay, compress_delay)
         self.rng = random.Random(seed)
-        self.checker = InvariantChecker(scheduler) if check else None
-        self.log_decisions = log_decisions
-        self.metrics = MetricsRecorder(scheduler.block_manager.num_blocks)
+        self.recorder = StepRecorder(scheduler, check=check, log_decisions=log_decisions)
 
-    def run(self, sequences: list[Sequence]) -> InstantRun:
+    def run(self, sequences: list[Sequence]) -> Run:
         """Add each request once the clock reaches its arrival (in steps), run to the end."""
-        scheduler, checker = self.scheduler, self.checker
+        recorder = self.recorder
         arrivals = ArrivalQueue(sequences)
-        bound = step_bound(sequences, scheduler, self.delay_range[1])
-        log: list[str] = []
+        bound = step_bound(sequences, self.scheduler, self.delay_range[1])
         completions: dict[int, int] = {}  # batch id -> step whose result reports it done
         now = 0
-        while arrivals.has_pending or scheduler.has_unfinished():
-            arrivals.admit_due(scheduler, now, checker)
-            plan = scheduler.schedule()
+        while arrivals.has_pending or self.scheduler.has_unfinished():
+            arrivals.admit_due(recorder.add, now)
+            plan = recorder.schedule()
             if plan is None:  # nothing queued: jump to the next arrival, if any
                 if not arrivals.has_pending:
                     break
@@ -78,11 +65,6 @@ class InstantDriver:
                 continue
             if plan.step_id > bound:
                 raise StepBoundExceeded(f"run exceeded its step bound {bound}")
-            if self.log_decisions:
-                log.append(plan.describe())
-            if checker:
-                checker.after_schedule(plan)
-                checker.record_plan_writes(plan)
             if plan.compress_launch is not None:
                 delay = self.rng.randint(*self.delay_range)
                 completions[plan.compress_launch.batch_id] = plan.step_id + delay
@@ -91,13 +73,6 @@ class InstantDriver:
                 batch for batch, due in completions.items() if due <= plan.step_id]
             for batch in result.completed_batches:
                 del completions[batch]
-            scheduler.finish(result)
-            self.metrics.record_step(plan, result)
-            if checker:
-                checker.after_finish()
+            recorder.finish(plan, result)
             now += 1
-        if checker:
-            checker.at_end()
-        requests = request_records(scheduler.finished + scheduler.rejected)
-        return InstantRun(summarize(self.metrics.steps, requests), self.metrics.steps, requests,
-                          log)
+        return recorder.result()

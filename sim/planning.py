@@ -606,6 +606,8 @@ class _NoBar:
 def _progress_bar(total: int, already: int, show: bool):
     if not show:
         return _NoBar()
-    from tqdm import tqdm
+    from zipage.core.recorder import progress_bar
+
+    return progress_bar(total, "points", "pt", initial=already)
 
     return tqdm(total=total, initial=already, desc="points", unit="pt", mininterval=0.5)

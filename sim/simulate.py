@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from zipage.core.config import ZipageConfig
 from zipage.core.memory import MemoryPlan
+from zipage.core.recorder import Run
 from zipage.core.scheduler import Scheduler
 from zipage.presets import ModelShape, resolve_shape
 from zipage.deployment import (
@@ -21,7 +22,7 @@ from zipage.trace import Trace
 
 from .cost_model import CostModel, load_cost_model
 from .hardware import get_hardware
-from .simulator import SimulationRun, Simulator
+from .simulator import Simulator
 
 
 @dataclass
@@ -45,18 +46,17 @@ def plan_deployment(settings: ReplaySettings) -> SimulatedDeployment:
     capacity = plan_capacity(settings, shape, gpu.memory_bytes)
     cost_model = load_cost_model(
         settings.cost_model, shape, gpu, dtype_bytes=dtype_bytes(settings.dtype),
-        block_size=config.block_size, window=config.window, kv_budget=config.kv_budget,
-        redundancy=config.redundancy, layer_stride=config.layer_stride,
-        global_score=config.global_score, tensor_parallel=settings.tensor_parallel)
+        tensor_parallel=settings.tensor_parallel, **config.cost_knobs())
     return SimulatedDeployment(shape, config, capacity, cost_model)
 
 
 def simulate(trace: Trace, settings: ReplaySettings, *, progress: bool = False,
-             log_decisions: bool = False, check: bool = False) -> tuple[dict, SimulationRun]:
+             log_decisions: bool = False, check: bool = False) -> tuple[dict, Run]:
     deployment = plan_deployment(settings)
     config = deployment.config
     sequences = trace_sequences(trace, deployment.shape.vocab_size, need_tokens=config.prefix_cache)
     simulator = Simulator(deployment.new_scheduler(), deployment.cost_model, check=check,
-                          log_decisions=log_decisions, progress=progress)
+                          log_decisions=log_decisions, progress=progress,
+                          total=len(sequences))
     run = simulator.run(sequences)
     return run_summary(run.summary, deployment.capacity, config, settings, "simulator"), run

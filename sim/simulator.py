@@ -15,27 +15,14 @@ instant driver's and the real engine's, step for step.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
-
 import simpy
 
-from zipage.core.invariants import InvariantChecker
-from zipage.core.metrics import MetricsRecorder, request_records, summarize
-from zipage.core.step import IDLE, PREFILL, StepPlan, StepResult
+from zipage.core.recorder import Run, StepRecorder
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
+from zipage.core.step import IDLE, PREFILL, StepPlan, StepResult
 
 from .cost_model import CostModel
-
-
-@dataclass
-class SimulationRun:
-    summary: dict
-    steps: list
-    requests: list
-    decision_log: list[str] = field(default_factory=list)
-
 
 class Simulator:
     """One simulated engine. `run(sequences)` replays a trace on its own clock; a router
@@ -44,44 +31,32 @@ class Simulator:
 
     def __init__(self, scheduler: Scheduler, cost_model: CostModel, *, check: bool = False,
                  log_decisions: bool = False, progress: bool = False,
-                 env: simpy.Environment | None = None) -> None:
+                 env: simpy.Environment | None = None, total: int | None = None) -> None:
         self.scheduler = scheduler
         self.cost_model = cost_model
-        self.checker = InvariantChecker(scheduler) if check else None
-        self.log_decisions = log_decisions
-        self.progress = progress
-        self.metrics = MetricsRecorder(scheduler.block_manager.num_blocks)
+        # `total`: requests the progress bar expects (a router that shares one clock knows it).
+        self.recorder = StepRecorder(scheduler, check=check, log_decisions=log_decisions,
+                                     progress=progress, total=total)
         self.env = env or simpy.Environment()
-        self.decision_log: list[str] = []
         self._completed_batches: list[int] = []
         self._compression_done: simpy.Event | None = None
         self._compression_ends_at = 0.0
         self._request_arrived: simpy.Event | None = None
         self._closed = False  # no more requests will be submitted
-        self._bar = None
 
-    def run(self, sequences: list[Sequence]) -> SimulationRun:
-        started = time.perf_counter()
+    def run(self, sequences: list[Sequence]) -> Run:
         arrivals = sorted(sequences, key=lambda seq: seq.arrival_s)
-        if self.progress:
-            self._bar = _progress_bar(len(arrivals))
         engine = self.start()
         self.env.process(self._arrivals(arrivals))
         self.env.run(until=engine)
-        result = self.result()
-        result.summary["wall_s"] = time.perf_counter() - started
-        return result
+        return self.result()
 
     def start(self) -> simpy.Process:
-        return self.env.process(self._engine_loop(self.decision_log))
+        return self.env.process(self._engine_loop())
 
     def submit(self, seq: Sequence) -> None:
         """A request arrives now."""
-        self.scheduler.add(seq)
-        if self.checker:
-            self.checker.note_added(seq)
-        if seq.error is not None and self._bar is not None:
-            self._bar.update(1)
+        self.recorder.add(seq)
         self._wake()
 
     def close(self) -> None:
@@ -93,15 +68,8 @@ class Simulator:
         """Requests queued or running: what a least-loaded router compares."""
         return len(self.scheduler.waiting) + len(self.scheduler.running)
 
-    def result(self) -> SimulationRun:
-        if self._bar is not None:
-            self._bar.close()
-        if self.checker:
-            self.checker.at_end()
-        scheduler = self.scheduler
-        requests = request_records(scheduler.finished + scheduler.rejected)
-        summary = summarize(self.metrics.steps, requests)
-        return SimulationRun(summary, self.metrics.steps, requests, self.decision_log)
+    def result(self) -> Run:
+        return self.recorder.result()
 
     # ---- processes ----
 
@@ -117,22 +85,16 @@ class Simulator:
             self._request_arrived.succeed()
             self._request_arrived = None
 
-    def _engine_loop(self, log: list[str]):
-        scheduler, checker, cost = self.scheduler, self.checker, self.cost_model
-        finished_before = 0
+    def _engine_loop(self):
+        recorder, cost = self.recorder, self.cost_model
         while True:
-            plan = scheduler.schedule()
+            plan = recorder.schedule()
             if plan is None:
                 if self._closed:
                     return
                 self._request_arrived = self.env.event()
                 yield self._request_arrived
                 continue
-            if self.log_decisions:
-                log.append(plan.describe())
-            if checker:
-                checker.after_schedule(plan)
-                checker.record_plan_writes(plan)
             t_start = self.env.now
             if plan.compress_launch is not None:
                 self._compression_done = self.env.event()
@@ -146,13 +108,7 @@ class Simulator:
             result = StepResult(step_id=plan.step_id, t_start=t_start, t_end=self.env.now,
                                 completed_batches=self._completed_batches)
             self._completed_batches = []
-            scheduler.finish(result)
-            self.metrics.record_step(plan, result)
-            if checker:
-                checker.after_finish()
-            if self._bar is not None and len(scheduler.finished) != finished_before:
-                self._bar.update(len(scheduler.finished) - finished_before)
-                finished_before = len(scheduler.finished)
+            recorder.finish(plan, result)
 
     def _compress(self, batch_id: int, duration: float):
         yield self.env.timeout(duration)
@@ -174,8 +130,3 @@ class Simulator:
             duration *= cost.decode_contention(min(1.0, overlap / duration))
         return duration
 
-
-def _progress_bar(total: int):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="requests", unit="req", leave=False, mininterval=0.5)

@@ -54,7 +54,9 @@ def test_shared_prefix_blocks_survive_another_requests_compression(tiny_model, a
     # "long" (78 tokens, 5 blocks) compresses at its 3rd decode; "short" (49 tokens) only at its
     # 15th, so "long" compresses while the two still share the prefix blocks.
     prompts = {"long": shared + list(range(1, 31)), "short": shared + [3]}
-    sequences = [Sequence("long", prompts["long"], 60), Sequence("short", prompts["short"], 200)]
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    sequences = [Sequence("long", prompts["long"], 60, sampling=params),
+                 Sequence("short", prompts["short"], 200, sampling=params)]
     snapshots: dict[int, torch.Tensor] = {}
     checked = []
 
@@ -73,10 +75,8 @@ def test_shared_prefix_blocks_survive_another_requests_compression(tiny_model, a
                 snapshots[block] = content
         return token
 
-    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     loop = EngineLoop(scheduler, runner, next_token=watch, check=True)
-    run = loop.run(sequences, prompts, {"long": params, "short": params},
-                   {"long": True, "short": True})
+    run = loop.run(sequences)
     long_record = next(r for r in run.requests if r.id == "long")
     # Checks ran after "long" had compressed while "short" still shared its prefix blocks.
     assert long_record.n_compressions > 0 and snapshots and max(checked) > 0

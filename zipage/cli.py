@@ -14,9 +14,8 @@ from dataclasses import replace
 import sys
 from pathlib import Path
 
-from zipage.core.config import POOLING_MODES, REDUNDANCY_MODES, ZipageConfig
 from zipage.errors import ZipageError
-from zipage.deployment import ReplaySettings
+from zipage.flags import add_engine_flags, add_knob_flags, config_from_args, settings_from_args
 
 SUMMARY_ROWS = [
     ("requests", "requests", "{}"), ("completed", "completed", "{}"), ("failed", "failed", "{}"),
@@ -29,87 +28,6 @@ SUMMARY_ROWS = [
     ("KV blocks", "num_blocks", "{:,}"), ("steps", "steps", "{:,}"),
     ("wall time (s)", "wall_s", "{:.2f}"),
 ]
-
-
-# ---------------------------------------------------------------- flags shared by subcommands
-
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """Model, memory and every knob of DESIGN.md section 2."""
-    model = parser.add_argument_group("model and memory")
-    model.add_argument("--model", default="qwen3-8b",
-                       help="preset name (e.g. qwen3-8b, random:qwen3-0.6b), HF model directory or "
-                            ".gguf file; the simulator reads only its shapes (default: qwen3-8b)")
-    model.add_argument("--hardware", default="a100-80gb",
-                       help="GPU of the simulated deployment: a100-80gb, h100-80gb, h200-141gb")
-    model.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    model.add_argument("--gpu-memory-gb", type=float, default=None,
-                       help="GPU memory to plan with (default: the hardware's)")
-    model.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                       help="share of GPU memory Zipage may use (default 0.9)")
-    model.add_argument("--kv-memory-gb", type=float, default=None,
-                       help="exact memory for KV blocks + query slots; overrides the two above")
-    model.add_argument("--tensor-parallel", type=int, default=1)
-    model.add_argument("--cost-model", default="analytic",
-                       help="'analytic' (roofline) or a profile JSON written by `zipage calibrate`")
-    model.add_argument("--seed", type=int, default=0,
-                       help="sampling seed of the real engine; the simulator is deterministic and "
-                            "only records it")
-
-    add_knob_flags(parser)
-
-
-def add_knob_flags(parser: argparse.ArgumentParser) -> None:
-    """Every compression and scheduling knob of DESIGN.md section 2."""
-    knobs = parser.add_argument_group("compression and scheduling")
-    defaults = ZipageConfig()
-    knobs.add_argument("--block-size", type=int, default=defaults.block_size)
-    knobs.add_argument("--window", type=int, default=defaults.window)
-    knobs.add_argument("--budget", type=int, default=defaults.kv_budget,
-                       help="KV cache budget k (tokens kept per request after compression)")
-    knobs.add_argument("--no-compress", action="store_true",
-                       help="Full KV: plain PagedAttention, the baseline")
-    knobs.add_argument("--no-hybrid", action="store_true", help="constrained scheduling")
-    knobs.add_argument("--no-prefix-cache", action="store_true")
-    knobs.add_argument("--no-async", action="store_true", help="synchronous compression")
-    knobs.add_argument("--no-global-score", action="store_true")
-    knobs.add_argument("--alpha", type=float, default=defaults.alpha)
-    knobs.add_argument("--pooling", choices=POOLING_MODES, default=defaults.pooling)
-    knobs.add_argument("--redundancy", choices=REDUNDANCY_MODES, default=defaults.redundancy)
-    knobs.add_argument("--lambda", dest="lambda_weight", type=float, default=defaults.lambda_weight)
-    knobs.add_argument("--tau", type=float, default=defaults.tau)
-    knobs.add_argument("--similarity-threshold", type=float,
-                       default=defaults.similarity_threshold)
-    knobs.add_argument("--layer-stride", type=int, default=defaults.layer_stride)
-    knobs.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    knobs.add_argument("--max-num-batched-tokens", type=int,
-                       default=defaults.max_num_batched_tokens)
-    knobs.add_argument("--max-compress-batch-blocks", type=int,
-                       default=defaults.max_compress_batch_blocks)
-    knobs.add_argument("--max-model-len", type=int, default=None,
-                       help="longest prompt + output (default: the model's context length)")
-
-
-def config_from_args(args: argparse.Namespace) -> ZipageConfig:
-    return ZipageConfig(
-        block_size=args.block_size, window=args.window, kv_budget=args.budget,
-        compress=not args.no_compress, hybrid=not args.no_hybrid,
-        prefix_cache=not args.no_prefix_cache, async_compress=not args.no_async,
-        global_score=not args.no_global_score, alpha=args.alpha, pooling=args.pooling,
-        redundancy=args.redundancy, lambda_weight=args.lambda_weight, tau=args.tau,
-        similarity_threshold=args.similarity_threshold, layer_stride=args.layer_stride,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_compress_batch_blocks=args.max_compress_batch_blocks,
-        max_model_len=args.max_model_len,
-    )
-
-
-def settings_from_args(args: argparse.Namespace) -> ReplaySettings:
-    return ReplaySettings(
-        model=args.model, hardware=args.hardware, dtype=args.dtype,
-        gpu_memory_gb=args.gpu_memory_gb, gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_memory_gb=args.kv_memory_gb, tensor_parallel=args.tensor_parallel,
-        cost_model=args.cost_model, seed=args.seed, config=config_from_args(args),
-    )
 
 
 # ---------------------------------------------------------------- zipage replay
@@ -158,7 +76,7 @@ def _require_torch(engine: str) -> None:
                           "(small models) or run the simulator (no flag)")
 
 
-def _replay_on_engine(trace, settings: ReplaySettings, engine: str, args, progress: bool):
+def _replay_on_engine(trace, settings, engine: str, args, progress: bool):
     _require_torch(engine)
     from zipage.engine.replay import replay_on_engine
 

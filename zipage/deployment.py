@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from zipage.core.config import ZipageConfig
+from zipage.core.config import ZipageConfig, knob
 from zipage.core.memory import DTYPE_BYTES, GIB, MemoryPlan, available_kv_bytes, plan_memory
 from zipage.core.sequence import Sequence
 from zipage.errors import ConfigError
@@ -21,15 +21,28 @@ from zipage.trace import Trace, prompt_token_ids
 
 @dataclass
 class ReplaySettings:
-    model: str = "qwen3-8b"
-    hardware: str = "a100-80gb"
-    dtype: str = "bfloat16"
-    gpu_memory_gb: float | None = None  # default: the hardware table's memory
-    gpu_memory_utilization: float = 0.9
-    kv_memory_gb: float | None = None  # overrides the two above: exactly this much for caches
-    tensor_parallel: int = 1
-    cost_model: str = "analytic"
-    seed: int = 0
+    """A deployment: model, GPU, memory and cost model, plus the knobs (`config`). Each field is
+    declared once with its flag (`knob`, as `ZipageConfig`'s are); `zipage.flags` derives the
+    command line from these declarations."""
+
+    model: str = knob("qwen3-8b", "--model", "preset name (e.g. qwen3-8b, random:qwen3-0.6b), HF "
+                      "model directory or .gguf file; the simulator reads only its shapes")
+    hardware: str = knob("a100-80gb", "--hardware", "GPU of the simulated deployment: a100-80gb, "
+                         "h100-80gb, h200-141gb (aliases a100, h100, h200)")
+    dtype: str = knob("bfloat16", "--dtype", "weights and KV cache element type",
+                      choices=tuple(DTYPE_BYTES))
+    gpu_memory_gb: float | None = knob(None, "--gpu-memory-gb", "GPU memory to plan with "
+                                       "(default: the hardware's)")
+    gpu_memory_utilization: float = knob(0.9, "--gpu-memory-utilization", "share of GPU memory "
+                                         "Zipage may use")
+    kv_memory_gb: float | None = knob(None, "--kv-memory-gb", "exact memory for KV blocks + "
+                                      "query slots; overrides the two above")
+    tensor_parallel: int = knob(1, "--tensor-parallel", "GPUs one engine's model is sharded over "
+                                "(the simulator's cost model)")
+    cost_model: str = knob("analytic", "--cost-model", "'analytic' (roofline) or a profile JSON "
+                           "written by `zipage calibrate`")
+    seed: int = knob(0, "--seed", "sampling seed of the real engine; the simulator is "
+                     "deterministic and only records it")
     config: ZipageConfig = field(default_factory=ZipageConfig)
 
     def to_dict(self) -> dict:

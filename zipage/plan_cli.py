@@ -24,44 +24,32 @@ from zipage.sim.planning import (
 )
 
 OFFLINE = "offline"
+# Deployment fields and knobs that are grid axes of the search (each flag takes a comma list).
+PLAN_AXES = frozenset({"hardware", "kv_memory_gb", "gpu_memory_utilization", "kv_budget",
+                       "block_size", "hybrid"})
 OBJECTIVE_LABELS = {TPS: "throughput (tok/s)", TPS_PER_DOLLAR: "tok/s per $/h",
                     MAX_RATE: "max rate meeting the SLOs (req/s)"}
 
 
 def add_plan_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `zipage plan` on the `zipage` command's subparsers."""
-    from zipage.cli import add_engine_flags
+    from zipage.flags import add_engine_flags
     from zipage.sim.cluster import LEAST_LOADED, ROUTING_POLICIES
-    from zipage.sim.hardware import HARDWARE
     from zipage.trace import ARRIVAL_PATTERNS
 
-    # "resolve": the grid flags below replace the single-valued engine flags of the same names.
     plan = subparsers.add_parser(
-        "plan", conflict_handler="resolve",
+        "plan",
         help="search deployments of a trace with the simulator (GPU, budget, hybrid, replicas...)",
         description="Simulate every combination of the comma-separated axes, rank them by the "
                     "objective and print the Pareto front of the objective against the KV "
                     "budget per GPU. See docs/planning.md.")
     plan.add_argument("trace", help="trace JSON (see docs/traces.md)")
-    add_engine_flags(plan)
+    # The searched knobs and deployment fields take comma lists (flags derived from their
+    # declarations); --hardware defaults to every GPU of the table, --kv-memory-gb replaces the
+    # utilisation axis.
+    add_engine_flags(plan, axes=PLAN_AXES)
 
     grid = plan.add_argument_group("search axes (comma lists)")
-    grid.add_argument("--hardware", default=",".join(HARDWARE),
-                      help=f"GPUs to try (default: all of {', '.join(HARDWARE)}; aliases a100, "
-                           "h100, h200)")
-    grid.add_argument("--budget", default=None, help="KV budgets k, e.g. 1024,2048,4096 "
-                                                     "(default 2048)")
-    grid.add_argument("--block-size", default=None, help="block sizes, e.g. 128,256 "
-                                                         "(default 256)")
-    memory = grid.add_mutually_exclusive_group()
-    memory.add_argument("--kv-memory-gb", default=None,
-                        help="exact cache memory per GPU in GiB, e.g. 16,32; replaces the "
-                             "utilisation axis")
-    memory.add_argument("--gpu-memory-utilization", default="0.9",
-                        help="shares of GPU memory Zipage may use, e.g. 0.8,0.9 (default 0.9)")
-    grid.add_argument("--hybrid", default=None,
-                      help="on, off or on,off: hybrid vs constrained scheduling (default on; "
-                           "--no-hybrid means off)")
     grid.add_argument("--replicas", default="1",
                       help="engines behind the router: a list and/or ranges, e.g. 1..4 or 1,2,4 "
                            "(default 1)")
@@ -140,29 +128,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def spec_from_args(args: argparse.Namespace) -> PlanSpec:
-    from zipage.cli import settings_from_args
+    from zipage.flags import axis_values, settings_from_args
+    from zipage.sim.hardware import HARDWARE
 
-    budgets = parse_list(args.budget, int, "--budget") if args.budget else None
-    block_sizes = parse_list(args.block_size, int, "--block-size") if args.block_size else None
-    if args.hybrid is not None and args.no_hybrid:
-        raise ConfigError("--hybrid and --no-hybrid: give one (--hybrid off is --no-hybrid)")
-    hybrid = parse_hybrid(args.hybrid) if args.hybrid is not None else [not args.no_hybrid]
-    kv_memory = parse_list(args.kv_memory_gb, float, "--kv-memory-gb") if args.kv_memory_gb \
-        else None
-    utilizations = parse_list(args.gpu_memory_utilization, float, "--gpu-memory-utilization")
+    budgets = axis_values(args, "kv_budget")
+    block_sizes = axis_values(args, "block_size")
+    hybrid = axis_values(args, "hybrid")
+    kv_memory = axis_values(args, "kv_memory_gb")
+    utilizations = axis_values(args, "gpu_memory_utilization")
+    if kv_memory is not None and utilizations is not None:
+        raise ConfigError("--kv-memory-gb and --gpu-memory-utilization: give one (exact cache "
+                          "memory replaces the utilisation axis)")
     # The base settings hold every knob that is not searched; axis values replace theirs per point.
-    base_args = argparse.Namespace(**{
-        **vars(args), "hardware": "a100-80gb", "budget": (budgets or [2048])[0],
-        "block_size": (block_sizes or [256])[0], "kv_memory_gb": None,
-        "gpu_memory_utilization": utilizations[0], "no_hybrid": False})
-    base = settings_from_args(base_args)
+    base = settings_from_args(args, axes=PLAN_AXES)
+    utilizations = utilizations or [base.gpu_memory_utilization]
+    base = replace(base, gpu_memory_utilization=utilizations[0], config=replace(
+        base.config, kv_budget=(budgets or [base.config.kv_budget])[0],
+        block_size=(block_sizes or [base.config.block_size])[0]))
     rates = parse_rates(args.rate) if args.rate is not None else [None]
     slo = SLO(args.slo_ttft_p90, args.slo_tpot_p99)
     start = rates[0] if args.objective == MAX_RATE and len(rates) == 1 else None
     return PlanSpec(
-        base=base, hardware=parse_list(args.hardware, str, "--hardware"),
+        base=base, hardware=axis_values(args, "hardware") or list(HARDWARE),
         budgets=budgets or [base.config.kv_budget],
-        block_sizes=block_sizes or [base.config.block_size], hybrid=hybrid,
+        block_sizes=block_sizes or [base.config.block_size], hybrid=hybrid or [True],
         kv_memory_gb=kv_memory, gpu_memory_utilization=utilizations,
         replicas=parse_replicas(args.replicas), rates=rates, routing=args.routing,
         arrivals=args.arrivals, arrival_seed=args.arrival_seed, burst_size=args.burst_size,
@@ -171,30 +160,6 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
 
 
 # ---------------------------------------------------------------- parsing comma lists
-
-def parse_list(text: str, kind: type, flag: str) -> list:
-    values = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            raise ConfigError(f"{flag}: empty item in {text!r}; give a comma list")
-        try:
-            values.append(kind(item))
-        except ValueError:
-            raise ConfigError(f"{flag}: {item!r} in {text!r} is not a "
-                              f"{'integer' if kind is int else 'number'}; give a comma list, "
-                              f"e.g. {flag} {'1024,2048' if kind is int else '0.8,0.9'}") from None
-    return list(dict.fromkeys(values))
-
-
-def parse_hybrid(text: str) -> list[bool]:
-    choices = {"on": True, "off": False}
-    values = [item.strip().lower() for item in text.split(",")]
-    unknown = [value for value in values if value not in choices]
-    if unknown:
-        raise ConfigError(f"--hybrid: got {unknown[0]!r}; give on, off or on,off")
-    return list(dict.fromkeys(choices[value] for value in values))
-
 
 def parse_replicas(text: str) -> list[int]:
     """'1..4' -> 1, 2, 3, 4; '1,2,8' and mixes like '1..3,8' work too."""

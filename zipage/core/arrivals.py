@@ -3,13 +3,13 @@ scheduler (the real engine on a wall clock, the instant driver on a step count).
 
 from __future__ import annotations
 
-from zipage.core.invariants import InvariantChecker
-from zipage.core.scheduler import Scheduler
+from collections.abc import Callable
+
 from zipage.core.sequence import Sequence
 
 
 class ArrivalQueue:
-    """A trace's requests in arrival order; `admit_due(now)` adds to the scheduler every one whose
+    """A trace's requests in arrival order; `admit_due(now)` adds to the recorder every one whose
     arrival time has been reached (ties keep trace order)."""
 
     def __init__(self, sequences: list[Sequence]) -> None:
@@ -25,11 +25,8 @@ class ArrivalQueue:
         """When the next request arrives; None once all have."""
         return self._pending[self._next].arrival_s if self.has_pending else None
 
-    def admit_due(self, scheduler: Scheduler, now: float,
-                  checker: InvariantChecker | None = None) -> None:
+    def admit_due(self, add: Callable[[Sequence], object], now: float) -> None:
+        """Hand every request due by `now` to `add` (a `StepRecorder.add`)."""
         while self.has_pending and self._pending[self._next].arrival_s <= now:
-            seq = self._pending[self._next]
-            scheduler.add(seq)
-            if checker:
-                checker.note_added(seq)
+            add(self._pending[self._next])
             self._next += 1

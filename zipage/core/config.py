@@ -7,7 +7,7 @@ from the memory planner (`zipage.core.memory`) or, in tests, is given directly.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 from zipage.errors import ConfigError
 
@@ -15,29 +15,54 @@ POOLING_MODES = ("first", "always", "off")
 REDUNDANCY_MODES = ("lightning", "flash", "off")
 
 
+def knob(default, flag: str, help: str, *, cost: bool = False, choices: tuple | None = None):
+    """A `ZipageConfig` field with its command-line flag and help: the one place a knob is
+    declared. The CLI (`zipage.flags`), `zipage plan`'s grid axes, the cost models' and
+    calibration profiles' knob lists (`cost=True`: the knob changes how long a step takes) and the
+    kernels' `CompressionParams` are all derived from these declarations. A boolean knob that is
+    on by default gets a `--no-...` flag."""
+    return field(default=default, metadata={"flag": flag, "help": help, "cost": cost,
+                                            "choices": choices})
+
+
 @dataclass(frozen=True)
 class ZipageConfig:
-    block_size: int = 256
-    window: int = 16
-    kv_budget: int = 2048
-    compress: bool = True
-    hybrid: bool = True
-    prefix_cache: bool = True
-    async_compress: bool = True
-    global_score: bool = True
-    alpha: float = 0.8  # decay of the global score
-    pooling: str = "first"
-    redundancy: str = "lightning"
-    lambda_weight: float = 0.2  # final score = lambda * attention - (1 - lambda) * redundancy
-    tau: float = 0.4  # softmax temperature of the redundancy score
-    similarity_threshold: float = 0.5  # p: near-duplicate keys above this cosine similarity
-    layer_stride: int = 8
-    max_num_seqs: int = 512
-    max_num_batched_tokens: int = 16384
-    # Cap on the source blocks of one compression batch (scratch memory and latency of a batch).
-    max_compress_batch_blocks: int = 4096
-    # Longest prompt + output a request may have (model context); None means no limit.
-    max_model_len: int | None = None
+    block_size: int = knob(256, "--block-size", "tokens per KV block b (a power of two, 16-1024)",
+                           cost=True)
+    window: int = knob(16, "--window", "observation window w: the last w queries of a block score "
+                       "its KV at compression (1 <= w <= b/2)", cost=True)
+    kv_budget: int = knob(2048, "--budget", "KV budget k: cached tokens a request keeps after "
+                          "compression (a multiple of b); N_max = k/b + 1 blocks", cost=True)
+    compress: bool = knob(True, "--no-compress", "Full KV: plain PagedAttention, the baseline")
+    hybrid: bool = knob(True, "--no-hybrid", "constrained scheduling: every running request holds "
+                        "a query slot (default: hybrid)")
+    prefix_cache: bool = knob(True, "--no-prefix-cache", "do not share prompt blocks between "
+                              "requests")
+    async_compress: bool = knob(True, "--no-async", "compress synchronously, before the step's "
+                                "decode (default: on a side stream, overlapping decode)")
+    global_score: bool = knob(True, "--no-global-score", "score with this compression's "
+                              "attention only, without the decayed score of earlier ones",
+                              cost=True)
+    alpha: float = knob(0.8, "--alpha", "decay of the global score (0-1)")
+    pooling: str = knob("first", "--pooling", "max-pool the scores at the first compression "
+                        "only, always, or off", choices=POOLING_MODES)
+    redundancy: str = knob("lightning", "--redundancy", "redundancy score: lightning (causal, "
+                           "cheap), flash (all pairs) or off", cost=True, choices=REDUNDANCY_MODES)
+    lambda_weight: float = knob(0.2, "--lambda", "final score = lambda * attention - "
+                                "(1 - lambda) * redundancy (0-1)")
+    tau: float = knob(0.4, "--tau", "softmax temperature of the redundancy score (> 0)")
+    similarity_threshold: float = knob(0.5, "--similarity-threshold", "keys above this cosine "
+                                       "similarity count as near-duplicates (-1 to 1)")
+    layer_stride: int = knob(8, "--layer-stride", "layers compressed per launch (cross-layer "
+                             "parallel compression)", cost=True)
+    max_num_seqs: int = knob(512, "--max-num-seqs", "most requests running at once")
+    max_num_batched_tokens: int = knob(16384, "--max-num-batched-tokens", "most prompt tokens "
+                                       "computed in one prefill step")
+    # Scratch memory and latency of one async batch grow with its source blocks.
+    max_compress_batch_blocks: int = knob(4096, "--max-compress-batch-blocks", "most source "
+                                          "blocks in one compression batch")
+    max_model_len: int | None = knob(None, "--max-model-len", "longest prompt + output of a "
+                                     "request (default: the model's context length)")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -79,6 +104,16 @@ class ZipageConfig:
             not isinstance(self.max_model_len, int) or self.max_model_len < 2
         ):
             _bad("max_model_len", self.max_model_len, "an integer >= 2, or None for no limit")
+
+    @classmethod
+    def knobs(cls) -> list:
+        """The declared knobs (dataclass fields with their flag, help and cost metadata)."""
+        return list(fields(cls))
+
+    def cost_knobs(self) -> dict:
+        """The knobs that change how long a step takes: what a cost model or a calibration
+        profile must hold for."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata["cost"]}
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -26,6 +26,7 @@ from zipage.core.step import (
     DECODE, IDLE, PREFILL, CompressionBatch, CompressionJob, PrefillItem, StepPlan, StepResult,
 )
 from zipage.core.sequence import DecodeClock, Sequence, SequenceStatus
+from zipage.core.window import WindowLayout
 from zipage.errors import ConfigError
 
 
@@ -49,6 +50,7 @@ class Scheduler:
         self.config = config
         self.block_size = config.block_size
         self.window = config.window
+        self.windows = WindowLayout(config.block_size, config.window)
         self.n_max = config.n_max
         self.compress = config.compress
         self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_cache)
@@ -410,18 +412,8 @@ class Scheduler:
         return self.needs_slot(num_tokens - 1) or self.needs_slot(num_tokens)
 
     def window_query_range(self, seq: Sequence, start: int, end: int) -> tuple[int, int]:
-        """KV entries in [start, end) whose queries a driver stores into the request's slot.
-
-        The tokens of the final block of the range at in-block offset >= b - w (only the final
-        block's window is ever read; earlier blocks' would be overwritten anyway). Query of entry
-        t goes to window index t % b - (b - w). Empty when the request holds no slot.
-        """
-        if seq.query_slot is None or end <= start:
-            return (end, end)
-        b = self.block_size
-        last_block_start = (end - 1) // b * b
-        first = max(start, last_block_start + b - self.window)
-        return (min(first, end), end)
+        """KV entries in [start, end) whose queries a driver stores (`WindowLayout.query_range`)."""
+        return self.windows.query_range(seq.query_slot, start, end)
 
     def _hand_out_slots(self) -> None:
         """Freed slots go to the foremost running requests that lack one (hybrid)."""

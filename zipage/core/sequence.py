@@ -40,7 +40,7 @@ class Sequence:
         "compressing", "running_rank", "error",
         "_kv_len", "_num_output_tokens", "_clock", "_steady_since", "steady_epoch",
         "first_admitted_step", "first_token_time", "finish_time", "num_preemptions",
-        "max_blocks_after_first_compression",
+        "max_blocks_after_first_compression", "sampling",
     )
 
     def __init__(
@@ -50,6 +50,7 @@ class Sequence:
         max_output_tokens: int,
         arrival_s: float = 0.0,
         prompt_len: int | None = None,
+        sampling: object = None,
     ) -> None:
         if prompt_token_ids is None and prompt_len is None:
             raise ValueError("a Sequence needs prompt_token_ids or prompt_len")
@@ -76,6 +77,9 @@ class Sequence:
         self.finish_time: float | None = None
         self.num_preemptions = 0
         self.max_blocks_after_first_compression = 0
+        # The request's sampling settings (the engine's `SamplingParams`); the core never reads
+        # them, the driver that computes tokens does.
+        self.sampling = sampling
 
     # ---- counters (derived from the decode clock while steady) ----
 

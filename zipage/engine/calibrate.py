@@ -64,7 +64,7 @@ class Bench:
                               f"{self.blocks.num_free_blocks} are left; give the engine more memory")
         for index in range(count):
             seq = Sequence(f"calibrate-{len(self.sequences) + index}", None, 1 << 20,
-                           prompt_len=max(kv_len, 1))
+                           prompt_len=max(kv_len, 1), sampling=GREEDY)
             seq.block_table = [self.blocks.allocate() for _ in range(kv_len // block_size + 1)]
             seq.set_counters(kv_len, 1)
             if self.config.compress:
@@ -83,9 +83,8 @@ class Bench:
         self.step_id += 1
         plan = StepPlan(step_id=self.step_id, **plan_fields)
         tokens = {seq.seq_id: [1] * max(seq.kv_len + 1, seq.prompt_len) for seq in sequences}
-        params = {seq.seq_id: GREEDY for seq in sequences}
         started = time.perf_counter()
-        self.runner.execute(plan, tokens, params)
+        self.runner.execute(plan, tokens)
         return time.perf_counter() - started
 
     def median(self, measure: Callable[[], float]) -> float:
@@ -268,12 +267,7 @@ def calibrate(settings: ReplaySettings, device: str | None = None, *, hardware: 
         "model": engine.shape.name.removeprefix("random:"),
         "gpu": gpu,
         "dtype": settings.dtype,
-        "block_size": config.block_size,
-        "window": config.window,
-        "kv_budget": config.kv_budget,
-        "redundancy": config.redundancy,
-        "layer_stride": config.layer_stride,
-        "global_score": config.global_score,
+        **config.cost_knobs(),
         "tensor_parallel": settings.tensor_parallel,
     }
     for name, measure in sections:

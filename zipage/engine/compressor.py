@@ -14,33 +14,27 @@ fewer, larger launches.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
-
 import torch
 
+from zipage.core.config import ZipageConfig
 from zipage.core.step import CompressionBatch, CompressionJob
+from zipage.engine.caches import KVCaches
 from zipage.errors import ConfigError
 from zipage.kernels.compress import CompressionParams, compress
 
-if TYPE_CHECKING:
-    from zipage.engine.runner import ModelRunner
-
 
 class Compressor:
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
+    def __init__(self, caches: KVCaches, config: ZipageConfig, head_dim: int,
+                 device: torch.device) -> None:
+        self.caches = caches
+        self.device = device
         # The pipeline itself; analysis swaps in baseline eviction policies of the same signature.
         self.compress_fn = compress
-        config = runner.config
-        self.params = CompressionParams(
-            block_size=config.block_size, window=config.window, alpha=config.alpha,
-            global_score=config.global_score, pooling=config.pooling,
-            redundancy=config.redundancy, lambda_weight=config.lambda_weight, tau=config.tau,
-            similarity_threshold=config.similarity_threshold)
-        self.scale = runner.shape.head_dim ** -0.5
+        self.params = CompressionParams.from_config(config)
+        self.scale = head_dim ** -0.5
         self.layer_stride = config.layer_stride
-        self.on_gpu = runner.device.type == "cuda"
-        self.stream = torch.cuda.Stream(runner.device) if self.on_gpu else None
+        self.on_gpu = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.on_gpu else None
         self.green_context = None
         self.in_flight: tuple[int, torch.cuda.Event | None] | None = None
         sms = os.environ.get("ZIPAGE_COMPRESSOR_SMS")
@@ -62,9 +56,9 @@ class Compressor:
         assert self.in_flight is None, "limit_sms with a compression batch in flight"
         self.stream.synchronize()
         if num_sms is None:
-            self.stream, self.green_context = torch.cuda.Stream(self.runner.device), None
+            self.stream, self.green_context = torch.cuda.Stream(self.device), None
             return
-        device = self.runner.device
+        device = self.device
         device_id = device.index if device.index is not None else torch.cuda.current_device()
         available = torch.cuda.get_device_properties(device_id).multi_processor_count
         if not 1 <= num_sms < available:
@@ -81,8 +75,7 @@ class Compressor:
 
     def run(self, jobs: list[CompressionJob]) -> None:
         """Compress `jobs` now, on the current stream."""
-        runner = self.runner
-        device = runner.device
+        caches, device = self.caches, self.device
         longest = max(len(job.source_table) for job in jobs)
         source = torch.full((len(jobs), longest), -1, dtype=torch.int32)
         for row, job in enumerate(jobs):
@@ -97,12 +90,12 @@ class Compressor:
                                      device=device),
             is_compressed=torch.tensor([not job.is_first for job in jobs], device=device),
         )
-        layers = runner.shape.num_layers
+        layers = caches.num_layers
         for first in range(0, layers, self.layer_stride):
             group = slice(first, min(first + self.layer_stride, layers))
-            self.compress_fn(runner.kv_cache[0, group], runner.kv_cache[1, group],
-                     runner.score_cache[group] if runner.score_cache is not None else None,
-                     runner.query_cache[group], params=self.params, scale=self.scale, **tensors)
+            self.compress_fn(caches.kv[0, group], caches.kv[1, group],
+                             caches.score[group] if caches.score is not None else None,
+                             caches.query[group], params=self.params, scale=self.scale, **tensors)
 
     def launch(self, batch: CompressionBatch) -> None:
         assert self.in_flight is None, "the core allows one compression batch in flight"

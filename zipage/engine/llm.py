@@ -16,7 +16,8 @@ from zipage.core.memory import GIB, MemoryPlan
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.engine.loader import load_model
-from zipage.engine.loop import EngineLoop, EngineRun
+from zipage.core.recorder import Run
+from zipage.engine.loop import EngineLoop
 from zipage.engine.runner import ModelRunner
 from zipage.engine.sampler import SamplingParams
 from zipage.errors import ConfigError, MemoryPlanError
@@ -38,11 +39,9 @@ class Engine:
     device: torch.device
 
     def new_scheduler(self) -> Scheduler:
-        """A fresh scheduler over the same caches (one per run)."""
-        scheduler = Scheduler(self.config, self.capacity.num_blocks,
-                              self.capacity.num_query_slots)
-        self.runner.scheduler = scheduler
-        return scheduler
+        """A fresh scheduler over the same caches (one per run: the caches hold no state a run
+        leaves behind that a new run could read)."""
+        return Scheduler(self.config, self.capacity.num_blocks, self.capacity.num_query_slots)
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -69,9 +68,9 @@ def build_engine(settings: ReplaySettings, device: str | None = None,
     capacity = plan_capacity(settings, shape, total)
     if device.type == "cuda":
         _check_fits(capacity, device)
-    scheduler = Scheduler(config, capacity.num_blocks, capacity.num_query_slots)
-    runner = ModelRunner(model, shape, scheduler, capacity, dtype, device,
-                         cuda_graphs=cuda_graphs)
+    # Fail fast on a capacity the core would refuse, before allocating caches for it.
+    Scheduler(config, capacity.num_blocks, capacity.num_query_slots)
+    runner = ModelRunner(model, shape, config, capacity, dtype, device, cuda_graphs=cuda_graphs)
     return Engine(model, shape, tokenizer, config, capacity, runner, device)
 
 
@@ -115,7 +114,7 @@ class LLM:
                                   config=ZipageConfig(**knobs))
         self.engine = build_engine(settings, str(resolved), cuda_graphs)
         self.tokenizer = self.engine.tokenizer
-        self.last_run: EngineRun | None = None
+        self.last_run: Run | None = None
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
@@ -129,16 +128,11 @@ class LLM:
             raise ConfigError(f"sampling_params: got {len(sampling_params)} for "
                               f"{len(prompts)} prompts; pass one or one per prompt")
         token_lists = [self._encode(prompt) for prompt in prompts]
-        sequences, params, ignore_eos = [], {}, {}
-        for index, (tokens, sampling) in enumerate(zip(token_lists, sampling_params)):
-            seq_id = str(index)
-            sequences.append(Sequence(seq_id, tokens, sampling.max_tokens))
-            params[seq_id] = sampling
-            ignore_eos[seq_id] = sampling.ignore_eos
+        sequences = [Sequence(str(index), tokens, sampling.max_tokens, sampling=sampling)
+                     for index, (tokens, sampling) in enumerate(zip(token_lists, sampling_params))]
         loop = EngineLoop(self.engine.new_scheduler(), self.engine.runner,
                           eos_token_ids=self._eos_ids(), progress=progress)
-        run = loop.run(sequences, {seq.seq_id: seq.prompt_token_ids for seq in sequences},
-                       params, ignore_eos)
+        run = loop.run(sequences)
         self.last_run = run
         outputs = []
         for prompt, seq in zip(prompts, sequences):

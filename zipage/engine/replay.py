@@ -9,7 +9,8 @@ two side by side.
 from __future__ import annotations
 
 from zipage.engine.llm import build_engine
-from zipage.engine.loop import EngineLoop, EngineRun
+from zipage.core.recorder import Run
+from zipage.engine.loop import EngineLoop
 from zipage.engine.sampler import SamplingParams
 from zipage.deployment import ReplaySettings, trace_sequences
 from zipage.rundir import run_summary
@@ -18,14 +19,14 @@ from zipage.trace import Trace
 
 def replay_on_engine(trace: Trace, settings: ReplaySettings, device: str | None = None, *,
                      cuda_graphs: bool = True, progress: bool = False,
-                     log_decisions: bool = False) -> tuple[dict, EngineRun]:
+                     log_decisions: bool = False) -> tuple[dict, Run]:
     engine = build_engine(settings, device, cuda_graphs)
     sequences = trace_sequences(trace, engine.shape.vocab_size, need_tokens=True)
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+    for seq in sequences:
+        seq.sampling = greedy
     loop = EngineLoop(engine.new_scheduler(), engine.runner, progress=progress,
                       log_decisions=log_decisions)
-    run = loop.run(sequences, {seq.seq_id: seq.prompt_token_ids for seq in sequences},
-                   {seq.seq_id: greedy for seq in sequences},
-                   {seq.seq_id: True for seq in sequences})
+    run = loop.run(sequences)
     driver = f"engine-{engine.device.type}"
     return run_summary(run.summary, engine.capacity, engine.config, settings, driver), run

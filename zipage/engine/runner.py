@@ -1,9 +1,9 @@
 """The model runner: KV cache memory, per-step batch layout, CUDA graphs and sampling.
 
-The runner turns one `StepPlan` into tensors, runs the model and samples one token per request.
-It owns the caches: K and V for every layer in one allocation ([2, layers, blocks, block_size,
-kv_heads, head_dim]) and, with compression on, the query cache ([layers, slots, window, heads,
-head_dim]) that holds the observation-window queries; each attention layer gets views of them.
+The runner turns one `StepPlan` into tensors, runs the model and samples one token per request
+with each request's own `SamplingParams` (`seq.sampling`). It allocates the caches
+(`engine/caches.py`) and gives each attention layer views of them; the compressor gets the
+caches, not the runner.
 Decode steps replay CUDA graphs captured for a ladder of batch sizes (eager above the largest);
 prefill steps run eagerly. On the CPU the same code runs the torch reference kernels.
 """
@@ -12,51 +12,41 @@ from __future__ import annotations
 
 import torch
 
+from zipage.core.config import ZipageConfig
 from zipage.core.memory import MemoryPlan
-from zipage.core.step import PREFILL, StepPlan
-from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
+from zipage.core.step import PREFILL, StepPlan
+from zipage.core.window import WindowLayout
+from zipage.engine.caches import KVCaches
 from zipage.engine.compressor import Compressor
 from zipage.engine.context import ForwardContext, forward_context
-from zipage.engine.sampler import SamplingParams, sample
+from zipage.engine.sampler import sample
 from zipage.presets import ModelShape
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, shape: ModelShape, scheduler: Scheduler,
+    def __init__(self, model: torch.nn.Module, shape: ModelShape, config: ZipageConfig,
                  capacity: MemoryPlan, dtype: torch.dtype, device: torch.device,
                  cuda_graphs: bool = True) -> None:
         self.model = model
         self.shape = shape
-        self.scheduler = scheduler
-        self.config = scheduler.config
-        self.block_size = scheduler.block_size
+        self.config = config
+        self.block_size = config.block_size
+        self.windows = WindowLayout(config.block_size, config.window)
         self.dtype = dtype
         self.device = device
-        config = self.config
-        self.kv_cache = torch.zeros(
-            2, shape.num_layers, capacity.num_blocks, config.block_size, shape.num_kv_heads,
-            shape.head_dim, dtype=dtype, device=device)
-        self.query_cache = None
-        self.score_cache = None
-        if config.compress:
-            self.query_cache = torch.zeros(
-                shape.num_layers, capacity.num_query_slots, config.window, shape.num_heads,
-                shape.head_dim, dtype=dtype, device=device)
-            if config.global_score:
-                # One score per (layer, block entry, kv head), in the KV dtype: the memory
-                # planner counts it in every block (the paper's 1 + 1/(2d) factor).
-                self.score_cache = torch.zeros(
-                    shape.num_layers, capacity.num_blocks, config.block_size,
-                    shape.num_kv_heads, dtype=dtype, device=device)
+        self.caches = KVCaches.allocate(shape, capacity, config, dtype, device)
+        self.kv_cache = self.caches.kv
+        self.query_cache = self.caches.query
+        self.score_cache = self.caches.score
         # Steps run on a stream of the highest priority: while an async compression batch fills
         # the GPU from the compressor's (default-priority) stream, the block scheduler hands
         # freed SMs to the decode first, so the decode is not queued behind the compression.
         self.stream = (torch.cuda.Stream(device, priority=-5) if device.type == "cuda"
                        else None)
-        self.compressor = Compressor(self) if config.compress else None
+        self.compressor = Compressor(self.caches, config, shape.head_dim, device) if config.compress else None
         for index, attention in enumerate(model.attention_layers()):
             attention.k_cache = self.kv_cache[0, index]
             attention.v_cache = self.kv_cache[1, index]
@@ -74,22 +64,22 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, tokens: dict[str, list[int]],
-                params: dict[str, SamplingParams]) -> dict[str, int]:
-        """Run the prefill or decode of `plan`; return the sampled token of every request in it."""
+    def execute(self, plan: StepPlan, tokens: dict[str, list[int]]) -> list[tuple[Sequence, int]]:
+        """Run the prefill or decode of `plan`; return (request, sampled token) for each request
+        in it. `tokens` holds every request's prompt + output token ids so far."""
         if self.stream is None:
-            return self._execute(plan, tokens, params)
+            return self._execute(plan, tokens)
         # The step runs on the runner's high-priority stream, ordered after whatever the caller
         # queued before (and the caller's later work after it).
         caller = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(caller)
         with torch.cuda.stream(self.stream):
-            sampled = self._execute(plan, tokens, params)
+            sampled = self._execute(plan, tokens)
         caller.wait_stream(self.stream)
         return sampled
 
-    def _execute(self, plan: StepPlan, tokens: dict[str, list[int]],
-                 params: dict[str, SamplingParams]) -> dict[str, int]:
+    def _execute(self, plan: StepPlan,
+                 tokens: dict[str, list[int]]) -> list[tuple[Sequence, int]]:
         if self.compressor is not None:
             if plan.compress_sync:
                 self.compressor.run(plan.compress_sync)
@@ -101,15 +91,15 @@ class ModelRunner:
         else:
             sequences = plan.decode
             if not sequences:
-                return {}
+                return []
             logits = self._decode(sequences, tokens)
         self.last_logits = logits  # for analysis (teacher-forced fidelity); never copied
-        sampled = sample(logits, [params[seq.seq_id] for seq in sequences],
+        sampled = sample(logits, [seq.sampling for seq in sequences],
                          [seq.num_output_tokens for seq in sequences])
-        return dict(zip((seq.seq_id for seq in sequences), sampled.tolist()))
+        return list(zip(sequences, sampled.tolist()))
 
     def _prefill(self, plan: StepPlan, tokens: dict[str, list[int]]) -> torch.Tensor:
-        b, window = self.block_size, self.config.window
+        b = self.block_size
         input_ids, positions, slots, query_slots = [], [], [], []
         cu_seqlens, context_lens, tables = [0], [], []
         for item in plan.prefill:
@@ -120,10 +110,9 @@ class ModelRunner:
             positions.append(entries)
             slots.append(table[entries // b] * b + entries % b)
             query = torch.full((end - start,), -1, dtype=torch.int64)
-            first, last = self.scheduler.window_query_range(seq, start, end)
+            first, last = self.windows.query_range(seq.query_slot, start, end)
             if last > first:
-                window_entries = torch.arange(first, last)
-                query[first - start:] = seq.query_slot * window + window_entries % b - (b - window)
+                query[first - start:] = self.windows.row(seq.query_slot, torch.arange(first, last))
             query_slots.append(query)
             cu_seqlens.append(cu_seqlens[-1] + end - start)
             context_lens.append(end)
@@ -148,7 +137,7 @@ class ModelRunner:
         index) and an int32 [rows, width] block table. Padded rows attend to one entry of block 0
         and store nothing, so they cannot disturb real requests.
         """
-        b, window = self.block_size, self.config.window
+        b = self.block_size
         columns = [[], [], [], [], []]
         tables = []
         for seq in sequences:
@@ -158,9 +147,8 @@ class ModelRunner:
             columns[1].append(seq.position)
             columns[2].append(table[kv_len // b] * b + kv_len % b)
             columns[3].append(kv_len + 1)
-            first, last = self.scheduler.window_query_range(seq, kv_len, kv_len + 1)
-            columns[4].append(seq.query_slot * window + kv_len % b - (b - window)
-                              if last > first else -1)
+            first, last = self.windows.query_range(seq.query_slot, kv_len, kv_len + 1)
+            columns[4].append(self.windows.row(seq.query_slot, kv_len) if last > first else -1)
             tables.append(table + [0] * (width - len(table)))
         padding = rows - len(sequences)
         for column, pad in zip(columns, (0, 0, -1, 1, -1)):

@@ -1,0 +1,45 @@
+"""The engine's cache memory, sized by the core's memory planner.
+
+K and V for every layer in one allocation ([2, layers, blocks, block_size, kv_heads, head_dim]);
+with compression on, the query cache ([layers, slots, window, heads, head_dim]) holding the
+observation-window queries and, with the global score, one score per cached entry and KV head
+([layers, blocks, block_size, kv_heads]). The model runner reads and writes them through its
+attention layers; the compressor rewrites them. Neither needs the other to do so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zipage.core.config import ZipageConfig
+from zipage.core.memory import MemoryPlan
+from zipage.presets import ModelShape
+
+
+@dataclass
+class KVCaches:
+    kv: torch.Tensor
+    query: torch.Tensor | None
+    score: torch.Tensor | None
+
+    @property
+    def num_layers(self) -> int:
+        return self.kv.shape[1]
+
+    @classmethod
+    def allocate(cls, shape: ModelShape, capacity: MemoryPlan, config: ZipageConfig,
+                 dtype: torch.dtype, device: torch.device) -> "KVCaches":
+        kv = torch.zeros(2, shape.num_layers, capacity.num_blocks, config.block_size,
+                         shape.num_kv_heads, shape.head_dim, dtype=dtype, device=device)
+        query = score = None
+        if config.compress:
+            query = torch.zeros(shape.num_layers, capacity.num_query_slots, config.window,
+                                shape.num_heads, shape.head_dim, dtype=dtype, device=device)
+            if config.global_score:
+                # In the KV dtype: the memory planner counts it in every block (the paper's
+                # 1 + 1/(2d) factor).
+                score = torch.zeros(shape.num_layers, capacity.num_blocks, config.block_size,
+                                    shape.num_kv_heads, dtype=dtype, device=device)
+        return cls(kv, query, score)

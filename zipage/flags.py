@@ -1,0 +1,110 @@
+"""Command-line flags derived from the declarations of the knobs (`ZipageConfig`) and of the
+deployment (`ReplaySettings`): a knob added there is a flag of `zipage replay`, `calibrate`,
+`report ablation` and `plan` with no other edit.
+
+A boolean knob that is on by default is a `--no-...` flag. `zipage plan` turns the knobs it
+searches over (`axes`) into comma lists: `--budget 1024,2048`, `--hybrid on,off`; `axis_values`
+parses them.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields, replace
+
+from zipage.core.config import ZipageConfig
+from zipage.deployment import ReplaySettings
+from zipage.errors import ConfigError
+
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+_BOOL_WORDS = {"on": True, "off": False}
+_METAVARS = {int: "N", float: "X"}
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, axes: frozenset[str] = frozenset()) -> None:
+    """Model, memory and cost-model flags, then every knob."""
+    _add(parser.add_argument_group("model and memory"), ReplaySettings, axes)
+    add_knob_flags(parser, axes)
+
+
+def add_knob_flags(parser: argparse.ArgumentParser, axes: frozenset[str] = frozenset()) -> None:
+    """Every compression and scheduling knob of `ZipageConfig`."""
+    _add(parser.add_argument_group("compression and scheduling"), ZipageConfig, axes)
+
+
+def config_from_args(args: argparse.Namespace, axes: frozenset[str] = frozenset(),
+                     **overrides) -> ZipageConfig:
+    """The knobs the flags set; grid axes (`axes`) keep their defaults, `overrides` win."""
+    values = {f.name: getattr(args, f.name) for f in ZipageConfig.knobs() if f.name not in axes}
+    return ZipageConfig(**{**values, **overrides})
+
+
+def settings_from_args(args: argparse.Namespace, axes: frozenset[str] = frozenset(),
+                       **overrides) -> ReplaySettings:
+    """The deployment the flags describe; grid axes (`axes`) keep their defaults, `overrides`
+    replace single fields (`config` too)."""
+    values = {f.name: getattr(args, f.name) for f in _declared(ReplaySettings)
+              if f.name not in axes}
+    settings = ReplaySettings(**values, config=config_from_args(args, axes))
+    return replace(settings, **overrides)
+
+
+def axis_values(args: argparse.Namespace, name: str) -> list | None:
+    """The values of a grid axis given as a comma list, or None when the flag was not given."""
+    text = getattr(args, name)
+    if text is None:
+        return None
+    declared = next(f for f in (*_declared(ReplaySettings), *ZipageConfig.knobs()) if f.name == name)
+    kind, flag = _type(declared), _axis_flag(declared)
+    values = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            raise ConfigError(f"{flag}: empty item in {text!r}; give a comma list")
+        if kind is bool:
+            if item.lower() not in _BOOL_WORDS:
+                raise ConfigError(f"{flag}: got {item!r}; give on, off or on,off")
+            values.append(_BOOL_WORDS[item.lower()])
+            continue
+        try:
+            values.append(kind(item))
+        except ValueError:
+            example = "1024,2048" if kind is int else "0.8,0.9"
+            raise ConfigError(f"{flag}: {item!r} in {text!r} is not "
+                              f"{'an integer' if kind is int else 'a number'}; give a comma "
+                              f"list, e.g. {flag} {example}") from None
+    return list(dict.fromkeys(values))
+
+
+# ---------------------------------------------------------------- derivation
+
+def _declared(cls) -> list:
+    return [f for f in fields(cls) if "flag" in f.metadata]
+
+
+def _type(declared) -> type:
+    # Annotations are strings here (`from __future__ import annotations`): "int", "float | None".
+    return _TYPES[str(declared.type).split("|")[0].strip()]
+
+
+def _axis_flag(declared) -> str:
+    return declared.metadata["flag"].replace("--no-", "--")
+
+
+def _add(group, cls, axes: frozenset[str]) -> None:
+    for declared in _declared(cls):
+        meta, default, kind = declared.metadata, declared.default, _type(declared)
+        if declared.name in axes:
+            shown = ("on" if default else "off") if kind is bool else default
+            group.add_argument(_axis_flag(declared), dest=declared.name, default=None,
+                               metavar="LIST", help=f"{meta['help']}; a comma list searches "
+                                                    f"each (default {shown})")
+        elif kind is bool:
+            # Only knobs that are on by default exist; their flag turns them off.
+            group.add_argument(meta["flag"], dest=declared.name, action="store_false",
+                               help=meta["help"])
+        else:
+            shown = "" if default is None else f" (default: {default})"
+            group.add_argument(meta["flag"], dest=declared.name, type=kind, default=default,
+                               choices=meta["choices"], metavar=_METAVARS.get(kind),
+                               help=meta["help"] + shown)
