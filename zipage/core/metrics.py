@@ -31,6 +31,9 @@ class StepRecord:
     preempted: int
     prefill_tokens: int
     decode_context_tokens: int
+    # Async compression batches this step's result reported done (what a step-time replay
+    # needs to complete them in the same step).
+    batches_done: int = 0
 
 
 @dataclass
@@ -68,6 +71,7 @@ class MetricsRecorder:
             slots_used=plan.slots_used, preempted=len(plan.preempted),
             prefill_tokens=plan.num_prefill_tokens,
             decode_context_tokens=plan.decode_context_tokens,
+            batches_done=len(result.completed_batches),
         ))
 
 

@@ -50,7 +50,9 @@ class EngineLoop:
                 if arrivals.has_pending:
                     time.sleep(max(0.0, arrivals.next_arrival_s - now))
                 continue
-            t_start = time.perf_counter() - started
+            # A step starts when its iteration does: admission and scheduling are host time the
+            # step costs, and a step-time replay admits arrivals up to exactly this instant.
+            t_start = now
             sampled = runner.execute(plan, tokens)
             # An idle step exists only to wait for the in-flight compression batch.
             completed = (runner.compressor.completed(wait=plan.kind == IDLE)

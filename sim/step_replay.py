@@ -1,0 +1,113 @@
+"""Step-time replay: drive the core with an engine run's measured clock instead of a cost model.
+
+`zipage replay TRACE --step-times RUN_DIR` reads the run directory an engine replay or a served
+run wrote (`--out`): its capacity and knobs (summary.json), the start and end of every step and
+which async compression batch each step's result reported done (steps.csv), and the number of
+tokens each request produced (requests.csv). It then runs the trace through the same core with
+exactly those times: a request is added once the replayed clock reaches its arrival (the engine
+adds it at the start of the first step that begins after it arrives), each step lasts what the
+engine measured, and each async batch completes in the step that reported it.
+
+With the clock taken from the engine, any difference left between the two runs is a difference in
+*decisions* — scheduling drift, which must be zero — not cost-model error. The summary says
+whether the decision logs agree step for step (`decisions_match`) and where they first differ.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from zipage.core.arrivals import ArrivalQueue
+from zipage.core.config import ZipageConfig
+from zipage.core.recorder import Run, StepRecorder
+from zipage.core.scheduler import Scheduler
+from zipage.core.step import StepResult
+from zipage.deployment import ReplaySettings, effective_config, trace_sequences
+from zipage.errors import ZipageError
+from zipage.presets import resolve_shape
+from zipage.trace import Trace
+
+STEP_TIME_COLUMNS = ("step_id", "t_start", "t_end", "batches_done")
+
+
+def replay_step_times(trace: Trace, run_dir: str | Path, *, check: bool = False,
+                      progress: bool = False) -> tuple[dict, Run]:
+    run_dir = Path(run_dir)
+    summary, steps, produced, engine_log = _read_run(run_dir)
+    settings = _settings(summary["settings"])
+    shape = resolve_shape(settings.model)
+    config = effective_config(settings, shape)
+    # The engine's own capacity: it may have planned from the GPU it ran on, not a table entry.
+    scheduler = Scheduler(config, summary["num_blocks"], summary.get("max_concurrency") or 0)
+    sequences = trace_sequences(trace, shape.vocab_size, need_tokens=config.prefix_cache)
+    for seq in sequences:
+        # Requests the engine stopped early (EOS) end at the same token here.
+        seq.max_output_tokens = produced.get(seq.seq_id, seq.max_output_tokens)
+    recorder = StepRecorder(scheduler, check=check, log_decisions=True, progress=progress,
+                            total=len(sequences))
+    arrivals = ArrivalQueue(sequences)
+    in_flight: int | None = None
+    for step in steps.itertuples(index=False):
+        arrivals.admit_due(recorder.add, step.t_start)
+        plan = recorder.schedule()
+        if plan is None:
+            raise ZipageError(f"{run_dir}: the engine ran step {step.step_id} but the replayed "
+                              "core has nothing to schedule; the trace is not the one replayed")
+        if plan.compress_launch is not None:
+            in_flight = plan.compress_launch.batch_id
+        completed = []
+        if step.batches_done and in_flight is not None:
+            completed, in_flight = [in_flight], None
+        recorder.finish(plan, StepResult(step_id=plan.step_id, t_start=float(step.t_start),
+                                         t_end=float(step.t_end), completed_batches=completed))
+    run = recorder.result()
+    # Steps the engine ran and the replay did not (or the reverse) are drift too.
+    unfinished = scheduler.has_unfinished() or arrivals.has_pending
+    first = _first_difference(engine_log, run.decision_log)
+    run.summary.update(
+        driver="step-replay", num_blocks=summary["num_blocks"],
+        max_concurrency=summary.get("max_concurrency"), n_max=summary.get("n_max"),
+        settings=summary["settings"], engine_steps=len(steps),
+        decisions_compared=bool(engine_log),
+        decisions_match=bool(engine_log) and first is None and not unfinished,
+        first_decision_difference=first)
+    return run.summary, run
+
+
+def _read_run(run_dir: Path):
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        steps = pd.read_csv(run_dir / "steps.csv")
+        requests = pd.read_csv(run_dir / "requests.csv", dtype={"id": str, "status": str})
+    except (OSError, ValueError) as error:
+        raise ZipageError(f"--step-times {run_dir}: cannot read the run directory ({error}); "
+                          "give a directory written by `zipage replay --gpu --out DIR`") from None
+    missing = [column for column in STEP_TIME_COLUMNS if column not in steps.columns]
+    if missing or "settings" not in summary or "num_blocks" not in summary:
+        raise ZipageError(f"--step-times {run_dir}: not a run directory of this version (missing "
+                          f"{', '.join(missing) or 'settings'}); rerun the engine with --out")
+    done = requests[requests["status"] == "finished"]
+    produced = dict(zip(done["id"], done["output_len"].astype(int)))
+    log_path = run_dir / "decisions.log"
+    engine_log = log_path.read_text().splitlines() if log_path.exists() else []
+    return summary, steps, produced, engine_log
+
+
+def _settings(values: dict) -> ReplaySettings:
+    values = dict(values)
+    config = ZipageConfig.from_dict(values.pop("config"))
+    return ReplaySettings(**values, config=config)
+
+
+def _first_difference(engine: list[str], replayed: list[str]) -> dict | None:
+    for index, (ours, theirs) in enumerate(zip(replayed, engine)):
+        if ours != theirs:
+            return {"step": index, "engine": theirs[:200], "replay": ours[:200]}
+    if len(engine) != len(replayed):
+        index = min(len(engine), len(replayed))
+        return {"step": index, "engine": (engine[index:] or ["(no step)"])[0][:200],
+                "replay": (replayed[index:] or ["(no step)"])[0][:200]}
+    return None

@@ -1,0 +1,76 @@
+"""Step-time replay: the simulator driven by an engine run's measured clock makes exactly the
+engine's decisions, step for step, with sync and async compression and with online arrivals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from tiny_models import save_tiny_qwen3  # noqa: E402
+from zipage.core.config import ZipageConfig  # noqa: E402
+from zipage.deployment import ReplaySettings  # noqa: E402
+from zipage.engine.replay import replay_on_engine  # noqa: E402
+from zipage.errors import ZipageError  # noqa: E402
+from zipage.rundir import write_run  # noqa: E402
+from zipage.sim.step_replay import replay_step_times  # noqa: E402
+from zipage.trace import Trace, TraceRequest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-qwen3")
+    save_tiny_qwen3(directory)
+    return directory
+
+
+def online_trace() -> Trace:
+    """Requests arriving while the engine runs (some share a prefix), long enough to compress."""
+    shapes = [(20, 70), (33, 40), (5, 90), (40, 30), (17, 60), (64, 20), (21, 80), (48, 35)]
+    return Trace("online", [
+        TraceRequest(id=f"r{i}", arrival_s=0.04 * i, prompt_len=prompt, output_len=output,
+                     prefix_group="g" if i % 2 else None, prefix_len=16 if i % 2 else 0)
+        for i, (prompt, output) in enumerate(shapes)])
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_step_replay_makes_the_engines_decisions(tiny_model, tmp_path, asynchronous):
+    torch.set_num_threads(1)
+    config = ZipageConfig(block_size=16, window=4, kv_budget=32, async_compress=asynchronous)
+    settings = ReplaySettings(model=str(tiny_model), dtype="float32", kv_memory_gb=0.0002,
+                              config=config)
+    trace = online_trace()
+    summary, run = replay_on_engine(trace, settings, "cpu", log_decisions=True)
+    out = write_run(tmp_path / "engine", summary, run.steps, run.requests, run.decision_log)
+    assert summary["compressions"] > 0 and summary["completed"] == len(trace.requests)
+
+    replayed, replay_run = replay_step_times(trace, out, check=True)
+    assert replayed["decisions_match"], replayed["first_decision_difference"]
+    assert replay_run.decision_log == run.decision_log
+    # Same clock, same decisions: the same latencies, request by request.
+    engine_times = {r.id: (r.first_token, r.finish) for r in run.requests}
+    assert {r.id: (r.first_token, r.finish) for r in replay_run.requests} == engine_times
+
+
+def test_step_replay_reports_drift(tiny_model, tmp_path):
+    config = ZipageConfig(block_size=16, window=4, kv_budget=32, async_compress=False)
+    settings = ReplaySettings(model=str(tiny_model), dtype="float32", kv_memory_gb=0.0002,
+                              config=config)
+    trace = online_trace()
+    summary, run = replay_on_engine(trace, settings, "cpu", log_decisions=True)
+    out = write_run(tmp_path / "engine", summary, run.steps, run.requests, run.decision_log)
+    # A scheduling change the engine did not have: fewer running requests at once.
+    values = json.loads((out / "summary.json").read_text())
+    values["settings"]["config"]["max_num_seqs"] = 2
+    (out / "summary.json").write_text(json.dumps(values))
+    replayed, _ = replay_step_times(trace, out)
+    assert not replayed["decisions_match"]
+    assert replayed["first_decision_difference"]["step"] >= 0
+
+
+def test_step_replay_needs_a_run_directory(tmp_path):
+    with pytest.raises(ZipageError, match="--step-times"):
+        replay_step_times(online_trace(), tmp_path)
