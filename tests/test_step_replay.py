@@ -36,16 +36,23 @@ def online_trace() -> Trace:
         for i, (prompt, output) in enumerate(shapes)])
 
 
-@pytest.mark.parametrize("asynchronous", [False, True])
-def test_step_replay_makes_the_engines_decisions(tiny_model, tmp_path, asynchronous):
+def engine_run(model_dir, out_dir, trace: Trace, asynchronous: bool):
+    """`zipage replay --engine cpu --out` of `trace` in a cache small enough to compress and
+    preempt."""
     torch.set_num_threads(1)
     config = ZipageConfig(block_size=16, window=4, kv_budget=32, async_compress=asynchronous)
-    settings = ReplaySettings(model=str(tiny_model), dtype="float32", kv_memory_gb=0.0002,
+    settings = ReplaySettings(model=str(model_dir), dtype="float32", kv_memory_gb=0.00012,
                               config=config)
-    trace = online_trace()
     summary, run = replay_on_engine(trace, settings, "cpu", log_decisions=True)
-    out = write_run(tmp_path / "engine", summary, run.steps, run.requests, run.decision_log)
-    assert summary["compressions"] > 0 and summary["completed"] == len(trace.requests)
+    return write_run(out_dir, summary, run.steps, run.requests, run.decision_log), summary, run
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_step_replay_makes_the_engines_decisions(tiny_model, tmp_path, asynchronous):
+    trace = online_trace()
+    out, summary, run = engine_run(tiny_model, tmp_path / "engine", trace, asynchronous)
+    assert summary["compressions"] > 0 and summary["preemptions"] > 0
+    assert summary["completed"] == len(trace.requests)
 
     replayed, replay_run = replay_step_times(trace, out, check=True)
     assert replayed["decisions_match"], replayed["first_decision_difference"]
@@ -56,12 +63,8 @@ def test_step_replay_makes_the_engines_decisions(tiny_model, tmp_path, asynchron
 
 
 def test_step_replay_reports_drift(tiny_model, tmp_path):
-    config = ZipageConfig(block_size=16, window=4, kv_budget=32, async_compress=False)
-    settings = ReplaySettings(model=str(tiny_model), dtype="float32", kv_memory_gb=0.0002,
-                              config=config)
     trace = online_trace()
-    summary, run = replay_on_engine(trace, settings, "cpu", log_decisions=True)
-    out = write_run(tmp_path / "engine", summary, run.steps, run.requests, run.decision_log)
+    out, _, _ = engine_run(tiny_model, tmp_path / "engine", trace, asynchronous=False)
     # A scheduling change the engine did not have: fewer running requests at once.
     values = json.loads((out / "summary.json").read_text())
     values["settings"]["config"]["max_num_seqs"] = 2
