@@ -24,6 +24,7 @@ import numpy as np
 
 from zipage.core.config import REDUNDANCY_MODES, ZipageConfig
 from zipage.core.memory import DTYPE_BYTES, heads_per_gpu
+from zipage.core.step import causal_pairs
 from zipage.errors import ConfigError
 from zipage.presets import ModelShape
 
@@ -234,7 +235,7 @@ class AnalyticCostModel(CostModel):
             new_tokens += new
             cached_tokens += cached
             # Causal: the i-th new token (0-based) sees the cached prefix and i + 1 new tokens.
-            pairs += new * cached + new * (new + 1) // 2
+            pairs += causal_pairs(new, cached)
         linear = _roofline(self._weight_s, new_tokens * self._prefill_token_flop_s
                            + len(requests) * self._prefill_request_flop_s)
         # The prefix is read from the cache; new entries are written, then read by attention.
@@ -371,10 +372,9 @@ class CalibratedCostModel(CostModel):
                       [[row["batch"], row["context_tokens"]] for row in decode_rows],
                       [row["time_s"] for row in decode_rows])
         prefill_rows = _points(source, data, "prefill", ("new_tokens",),
-                               {"cached_tokens": 0, "requests": 1})
+                               {"cached_tokens": 0, "requests": 1, "attention_pairs": None})
         prefill = _fit(source, "prefill", ("new_tokens", "attention_pairs"),
-                       [[row["requests"] * row["new_tokens"],
-                         row["requests"] * _causal_pairs(row["new_tokens"], row["cached_tokens"])]
+                       [[row["requests"] * row["new_tokens"], _prefill_pairs(row)]
                         for row in prefill_rows],
                        [row["time_s"] for row in prefill_rows])
         compress = None
@@ -404,7 +404,7 @@ class CalibratedCostModel(CostModel):
 
     def prefill_time_for(self, requests: Sequence[tuple[int, int]]) -> float:
         new_tokens = sum(new for new, _ in requests)
-        pairs = sum(_causal_pairs(new, cached) for new, cached in requests)
+        pairs = sum(causal_pairs(new, cached) for new, cached in requests)
         return self.prefill_fit.predict(new_tokens, pairs)
 
     def compress_time_for(self, blocks: Sequence[int]) -> float:
@@ -415,8 +415,12 @@ class CalibratedCostModel(CostModel):
         return self.compress_fit.predict(sum(blocks), sum(count * count for count in blocks))
 
 
-def _causal_pairs(new_tokens: int, cached_tokens: int) -> int:
-    return new_tokens * cached_tokens + new_tokens * (new_tokens + 1) // 2
+def _prefill_pairs(row: dict) -> float:
+    # A point measured on one request shape gives (new, cached, requests); a point taken from a
+    # run's step (mixed prompt lengths) gives its attention pairs directly.
+    if row["attention_pairs"] is not None:
+        return row["attention_pairs"]
+    return row["requests"] * causal_pairs(row["new_tokens"], row["cached_tokens"])
 
 
 def _blocks_squared(row: dict) -> float:

@@ -77,3 +77,24 @@ def test_step_replay_reports_drift(tiny_model, tmp_path):
 def test_step_replay_needs_a_run_directory(tmp_path):
     with pytest.raises(ZipageError, match="--step-times"):
         replay_step_times(online_trace(), tmp_path)
+
+
+def test_profile_fitted_from_the_run_simulates_it(tiny_model, tmp_path):
+    from zipage.sim.profile_from_runs import profile_from_runs
+    from zipage.sim.simulate import simulate
+
+    trace = online_trace()
+    out, summary, _ = engine_run(tiny_model, tmp_path / "engine", trace, asynchronous=False)
+    profile = profile_from_runs([out], gpu="h100")
+    assert profile["decode"] and profile["prefill"] and profile["compress"]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    settings = ReplaySettings(model=str(tiny_model), hardware="h100", dtype="float32",
+                              kv_memory_gb=0.00012, cost_model=str(path),
+                              config=ZipageConfig(block_size=16, window=4, kv_budget=32,
+                                                  async_compress=False))
+    simulated, _ = simulate(trace, settings)
+    assert simulated["completed"] == summary["completed"]
+    # The same decisions with fitted step times: the makespan within a factor of two even on a
+    # busy CPU (a unit or feature mistake in the fit is off by orders of magnitude).
+    assert 0.5 < simulated["makespan_s"] / summary["makespan_s"] < 2.0

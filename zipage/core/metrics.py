@@ -34,6 +34,10 @@ class StepRecord:
     # Async compression batches this step's result reported done (what a step-time replay
     # needs to complete them in the same step).
     batches_done: int = 0
+    # Cost features a profile can be fitted from (`zipage calibrate --from-run`): the prefill's
+    # causal attention pairs and the source blocks of the compressions planned in this step.
+    attention_pairs: int = 0
+    compress_blocks: int = 0
 
 
 @dataclass
@@ -72,6 +76,8 @@ class MetricsRecorder:
             prefill_tokens=plan.num_prefill_tokens,
             decode_context_tokens=plan.decode_context_tokens,
             batches_done=len(result.completed_batches),
+            attention_pairs=sum(item.attention_pairs for item in plan.prefill),
+            compress_blocks=sum(job.num_source_blocks for job in plan.compressions),
         ))
 
 

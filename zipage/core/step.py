@@ -37,6 +37,17 @@ class PrefillItem:
     def num_new_tokens(self) -> int:
         return self.num_tokens - self.num_cached_tokens
 
+    @property
+    def attention_pairs(self) -> int:
+        """(query, key) pairs its causal attention computes: what prefill attention costs."""
+        return causal_pairs(self.num_new_tokens, self.num_cached_tokens)
+
+
+def causal_pairs(new_tokens: int, cached_tokens: int) -> int:
+    """Pairs of `new_tokens` queries attending causally over `cached_tokens` earlier keys and
+    each other."""
+    return new_tokens * cached_tokens + new_tokens * (new_tokens + 1) // 2
+
 
 @dataclass
 class CompressionJob:
