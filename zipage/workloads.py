@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 from zipage.errors import ConfigError
-from zipage.trace import Trace, TraceRequest, stable_hash
+from zipage.trace import Trace, TraceRequest, stable_hash, stamp_arrivals
 
 
 @dataclass(frozen=True)
@@ -160,6 +160,91 @@ def longbench(seed: int = 0, *, num_questions: int = 150, samples_per_question: 
     return Trace(name="longbench", requests=[request for group in questions for request in group])
 
 
+# ---------------------------------------------------------------- online shapes
+# Serving-shaped traces with Poisson arrivals built in (`rate_qps`; stamp another rate with
+# `zipage trace make FILE --rate R`). Their lengths are uniform within stated ranges: they are
+# stress shapes for the scheduler and the twins, not models of a published dataset.
+
+def rag(seed: int = 0, *, num_requests: int = 100, rate_qps: float = 2.0, num_documents: int = 4,
+        document_len: int = 2048, prompt_len_range: tuple[int, int] = (2500, 4000),
+        output_len_range: tuple[int, int] = (300, 1500)) -> Trace:
+    """Retrieval-augmented questions: each prompt starts with one of `num_documents` shared
+    documents of `document_len` tokens, then its own question; moderate answers."""
+    _check_counts(num_requests=num_requests, num_documents=num_documents,
+                  document_len=document_len)
+    _check_range("prompt_len_range", prompt_len_range, minimum=document_len + 1)
+    _check_range("output_len_range", output_len_range)
+    generator = _generator(seed, "rag")
+    requests = []
+    for index in range(num_requests):
+        document = int(generator.integers(num_documents))
+        requests.append(TraceRequest(
+            id=f"rag-{index}", arrival_s=0.0,
+            prompt_len=_uniform(generator, prompt_len_range),
+            output_len=_uniform(generator, output_len_range),
+            prefix_group=f"rag-doc{document}", prefix_len=document_len))
+    return _online("rag", requests, rate_qps, seed)
+
+
+def chat(seed: int = 0, *, num_requests: int = 200, rate_qps: float = 8.0,
+         prompt_len_range: tuple[int, int] = (50, 600),
+         output_len_range: tuple[int, int] = (50, 500)) -> Trace:
+    """Short chat turns: short prompts, short answers, nothing shared."""
+    _check_counts(num_requests=num_requests)
+    _check_range("prompt_len_range", prompt_len_range)
+    _check_range("output_len_range", output_len_range)
+    generator = _generator(seed, "chat")
+    requests = [TraceRequest(id=f"chat-{index}", arrival_s=0.0,
+                             prompt_len=_uniform(generator, prompt_len_range),
+                             output_len=_uniform(generator, output_len_range))
+                for index in range(num_requests)]
+    return _online("chat", requests, rate_qps, seed)
+
+
+def online_mixture(seed: int = 0, *, num_requests: int = 160, rate_qps: float = 4.0,
+                   max_output_len: int = 4096) -> Trace:
+    """Online reasoning mixture: 60 % reasoning requests (AMC 23-like prompts, 1.5k-4k outputs),
+    30 % short requests (0.2k-1.2k prompts, 100-600 outputs), 10 % 2k-3k prompts sharing one of
+    two 1k-token prefixes (200-800 outputs); shuffled, Poisson arrivals."""
+    _check_counts(num_requests=num_requests, max_output_len=max_output_len)
+    generator = _generator(seed, "online-mixture")
+    requests = []
+    for index in range(num_requests):
+        draw = generator.random()
+        if draw < 0.6:
+            prompt, output, group = _uniform(generator, (60, 250)), _uniform(
+                generator, (1500, 4000)), None
+        elif draw < 0.9:
+            prompt, output, group = _uniform(generator, (200, 1200)), _uniform(
+                generator, (100, 600)), None
+        else:
+            prompt, output = _uniform(generator, (2000, 3000)), _uniform(generator, (200, 800))
+            group = f"online-mixture-prefix{int(generator.integers(2))}"
+        requests.append(TraceRequest(
+            id=f"online-mixture-{index}", arrival_s=0.0, prompt_len=prompt,
+            output_len=min(output, max_output_len), prefix_group=group,
+            prefix_len=1024 if group else 0))
+    return _online("online-mixture", requests, rate_qps, seed)
+
+
+def _online(name: str, requests: list[TraceRequest], rate_qps: float, seed: int) -> Trace:
+    if isinstance(rate_qps, bool) or not isinstance(rate_qps, (int, float)) or not rate_qps > 0:
+        raise ConfigError(f"rate_qps must be a number > 0 (requests per second), got {rate_qps!r}")
+    return stamp_arrivals(Trace(name=name, requests=requests), float(rate_qps), seed=seed)
+
+
+def _uniform(generator: np.random.Generator, bounds: tuple[int, int]) -> int:
+    return int(generator.integers(bounds[0], bounds[1] + 1))
+
+
+def _check_range(name: str, bounds: tuple[int, int], minimum: int = 1) -> None:
+    if (not isinstance(bounds, (tuple, list)) or len(bounds) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in bounds)
+            or not minimum <= bounds[0] <= bounds[1]):
+        raise ConfigError(f"{name} must be two integers (low, high) with {minimum} <= low <= "
+                          f"high, got {bounds!r}")
+
+
 # (id, prompt_len, prefix_group, prefix_len, output_len). Prompt and output lengths sit on and
 # around multiples of 16, 32, 64 and 256 so every block size a test uses meets an exactly full
 # block, one token short and one token over; two groups share a prefix that is the whole prompt
@@ -204,6 +289,9 @@ WORKLOADS: dict[str, Callable[..., Trace]] = {
     "mixture": mixture,
     "longbench": longbench,
     "tiny": tiny,
+    "rag": rag,
+    "chat": chat,
+    "online-mixture": online_mixture,
 }
 
 
