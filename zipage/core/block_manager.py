@@ -150,7 +150,8 @@ class BlockManager:
         prefix_targets, own = self._split_for_compression(table, n_max)
         return prefix_targets + max(0, n_max - prefix_targets - len(own))
 
-    def plan_compression(self, table: list[int], n_max: int) -> CompressionTargets | None:
+    def plan_compression(self, table: list[int], n_max: int,
+                         reserve: int | None = None) -> CompressionTargets | None:
         """Choose target blocks for compressing `table`; None if the free blocks don't suffice.
 
         Shared leading blocks are never overwritten: as many fresh blocks as there are shared
@@ -158,10 +159,24 @@ class BlockManager:
         order, take the remaining target places and the new-token place; fresh blocks fill any
         shortfall. Blocks that will be overwritten leave the prefix index right away, so no other
         request can pick them up while the compression runs.
+
+        Keeping the prefix cache: with `reserve` given, the request's own blocks that are in the
+        prefix index (computed prompt blocks, e.g. a shared document nobody else holds right now)
+        are not overwritten while more than `reserve` free blocks remain besides the fresh targets
+        taking their place: they are released with their hash, so a later request with the same
+        prefix still finds them, and LRU reuse of the free list evicts them only when memory is
+        needed. Otherwise (memory binds) they are overwritten as any own block.
         """
         prefix_targets, own = self._split_for_compression(table, n_max)
         own_used = own[: n_max - prefix_targets]
         shortfall = n_max - prefix_targets - len(own_used)
+        if reserve is not None and self.prefix_cache:
+            uncached = [block for block in own if self.block_hash[block] is None]
+            kept_uncached = uncached[: n_max - prefix_targets]
+            extra = len(own_used) - len(kept_uncached)
+            if extra and self.num_free_blocks - (prefix_targets + shortfall + extra) > reserve:
+                own_used = kept_uncached
+                shortfall += extra
         if self.num_free_blocks < prefix_targets + shortfall:
             return None
         prefix_fresh = [self.allocate() for _ in range(prefix_targets)]

@@ -302,7 +302,10 @@ class Scheduler:
         if not self._make_free_blocks(
                 seq, plan, lambda: manager.fresh_blocks_for_compression(seq.block_table, self.n_max)):
             return
-        targets = manager.plan_compression(seq.block_table, self.n_max)
+        # Keep reusable prefix blocks while free memory exceeds one block per running request
+        # (what their next tokens may need); see BlockManager.plan_compression.
+        targets = manager.plan_compression(seq.block_table, self.n_max,
+                                           reserve=len(self.running))
         assert targets is not None
         job = CompressionJob(
             seq=seq, source_table=list(seq.block_table), target_blocks=targets.target_blocks,
