@@ -20,6 +20,7 @@ from zipage.core.recorder import Run
 from zipage.engine.loop import EngineLoop
 from zipage.engine.runner import ModelRunner
 from zipage.engine.sampler import SamplingParams
+from zipage.engine.warmup import warm_up
 from zipage.errors import ConfigError, MemoryPlanError
 from zipage.presets import ModelShape
 from zipage.deployment import ReplaySettings, effective_config, plan_capacity
@@ -71,6 +72,9 @@ def build_engine(settings: ReplaySettings, device: str | None = None,
     # Fail fast on a capacity the core would refuse, before allocating caches for it.
     Scheduler(config, capacity.num_blocks, capacity.num_query_slots)
     runner = ModelRunner(model, shape, config, capacity, dtype, device, cuda_graphs=cuda_graphs)
+    if device.type == "cuda":
+        # Compile and allocate now, not inside the first requests' time to first token.
+        warm_up(runner, capacity.num_blocks)
     return Engine(model, shape, tokenizer, config, capacity, runner, device)
 
 

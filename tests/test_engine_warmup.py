@@ -1,0 +1,34 @@
+"""The engine's warm-up runs each kind of step on scratch blocks and changes no later result."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from tiny_models import save_tiny_qwen3  # noqa: E402
+from zipage import LLM, SamplingParams  # noqa: E402
+from zipage.engine.warmup import warm_up  # noqa: E402
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_warm_up_leaves_generation_unchanged(tmp_path, compress):
+    torch.set_num_threads(1)
+    save_tiny_qwen3(tmp_path)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    prompts = [list(range(3, 40)), list(range(50, 70))]
+    knobs = dict(block_size=16, window=4, kv_budget=32, kv_memory_gb=0.001, compress=compress)
+    cold = LLM(str(tmp_path), **knobs)
+    expected = [output.token_ids for output in cold.generate(prompts, params, progress=False)]
+    warm = LLM(str(tmp_path), **knobs)
+    compressions = []
+    if compress:  # count the warm-up's compression
+        run = warm.engine.runner.compressor.run
+        warm.engine.runner.compressor.run = lambda jobs: (compressions.append(len(jobs)),
+                                                          run(jobs))
+    warm_up(warm.engine.runner, warm.engine.capacity.num_blocks)
+    assert compressions == ([1] if compress else [])
+    assert [output.token_ids for output in warm.generate(prompts, params, progress=False)] \
+        == expected
+    assert not compress or warm.last_run.summary["compressions"] > 0
