@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from zipage.analysis.timeline import DECISIONS_FILE, load_run, run_file
+from zipage.errors import ZipageError
 
 SUMMARY_KEYS = ("tps", "makespan_s", "mean_tpot_ms", "steps", "preemptions", "compressions")
 # Capacity the run was planned with: when these differ, the schedules cannot agree.
@@ -140,6 +141,71 @@ def compare_request_times(sim_requests: pd.DataFrame, real_requests: pd.DataFram
     }
 
 
+# Run-level latency and throughput errors `zipage compare --max-error METRIC=PCT` can gate on:
+# name -> the summary key compared (relative error of A against B), or a per-request statistic.
+GATED_SUMMARY_KEYS = {
+    "makespan": "makespan_s", "tps": "tps",
+    **{f"{metric}_p{p}": f"{metric}_p{p}_{unit}" for metric, unit in (("ttft", "s"), ("tpot", "ms"))
+       for p in (50, 90, 99)},
+}
+GATED_METRICS = (*GATED_SUMMARY_KEYS, "e2e_mape", "decisions")
+
+
+def latency_errors(comparison: dict, sim_summary: dict, real_summary: dict) -> dict:
+    """Relative errors (fractions) of the run-level numbers, per-request end-to-end MAPE, the
+    finish-order rank correlation and the share of decision lines that differ."""
+    errors = {name: _relative_error(sim_summary.get(key), real_summary.get(key))
+              for name, key in GATED_SUMMARY_KEYS.items()}
+    errors["e2e_mape"] = comparison["request_time"]["finish"]["mape"]
+    errors["decisions"] = 1.0 - comparison["decisions"]["identical_fraction"]
+    return errors
+
+
+def finish_order_correlation(sim_requests: pd.DataFrame, real_requests: pd.DataFrame) -> float | None:
+    """Spearman rank correlation of finish times over the requests finished in both runs: 1 when
+    the simulator finishes requests in the engine's order."""
+    joined = sim_requests.merge(real_requests, on="id", suffixes=("_sim", "_real"))
+    done = joined[(joined["status_sim"] == FINISHED) & (joined["status_real"] == FINISHED)]
+    if len(done) < 2:
+        return None
+    sim_rank = done["finish_sim"].rank().to_numpy()
+    real_rank = done["finish_real"].rank().to_numpy()
+    if sim_rank.std() == 0 or real_rank.std() == 0:
+        return None
+    return float(np.corrcoef(sim_rank, real_rank)[0, 1])
+
+
+def parse_max_errors(items: list[str]) -> dict[str, float]:
+    """`["ttft_p90=10", "tps=3"]` -> {"ttft_p90": 0.10, "tps": 0.03} (percent in, fractions out)."""
+    limits = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in GATED_METRICS:
+            raise ZipageError(f"--max-error: unknown metric {name!r}; one of "
+                              f"{', '.join(GATED_METRICS)} (e.g. --max-error ttft_p90=10)")
+        try:
+            percent = float(value)
+        except ValueError:
+            raise ZipageError(f"--max-error {item}: expected METRIC=PERCENT, e.g. tps=3") from None
+        if not percent >= 0:
+            raise ZipageError(f"--max-error {item}: the percentage must be >= 0")
+        limits[name] = percent / 100
+    return limits
+
+
+def exceeded(errors: dict, limits: dict[str, float]) -> list[str]:
+    """One line per gated metric whose |error| exceeds its limit (or cannot be measured)."""
+    lines = []
+    for name, limit in limits.items():
+        value = errors.get(name)
+        if value is None:
+            lines.append(f"{name}: not measurable in these runs (limit {100 * limit:g}%)")
+        elif abs(value) > limit:
+            lines.append(f"{name}: error {100 * value:+.2f}% exceeds {100 * limit:g}%")
+    return lines
+
+
 def compare_summaries(sim_summary: dict, real_summary: dict) -> dict:
     """Each headline number of both runs and their ratio sim / real (None where undefined)."""
     side_by_side = {}
@@ -173,14 +239,17 @@ def setup_differences(sim_summary: dict, real_summary: dict) -> dict:
 def compare_runs(sim_dir: str | Path, real_dir: str | Path) -> dict:
     """Every comparison of two run directories; a ZipageError names any missing file."""
     sim, real = load_run(sim_dir), load_run(real_dir)
-    return {
+    comparison = {
         "runs": {"sim": str(sim_dir), "real": str(real_dir)},
         "setup_differences": setup_differences(sim.summary, real.summary),
         "decisions": compare_decisions(read_decisions(sim_dir), read_decisions(real_dir)),
         "step_time": compare_step_times(sim.steps, real.steps),
         "request_time": compare_request_times(sim.requests, real.requests),
         "summary": compare_summaries(sim.summary, real.summary),
+        "finish_order_correlation": finish_order_correlation(sim.requests, real.requests),
     }
+    comparison["errors"] = latency_errors(comparison, sim.summary, real.summary)
+    return comparison
 
 
 def format_report(comparison: dict) -> str:
@@ -223,6 +292,14 @@ def format_report(comparison: dict) -> str:
               for metric, scale, unit in (("ttft", 1.0, "s"), ("tpot", 1000.0, "ms"),
                                           ("finish", 1.0, "s"))]
 
+    errors = comparison["errors"]
+    correlation = comparison["finish_order_correlation"]
+    lines += ["", "(e) run-level error, sim against real: "
+              + ", ".join(f"{name} {_percent(errors[name], signed=True)}"
+                          for name in ("makespan", "tps", "ttft_p50", "ttft_p90", "ttft_p99",
+                                       "tpot_p50", "tpot_p90", "tpot_p99"))
+              + f"; end-to-end MAPE {_percent(errors['e2e_mape'])}; finish-order rank correlation "
+              + (f"{correlation:.3f}" if correlation is not None else "-")]
     lines += ["", f"(d) {'summary':<14} {'sim':>14} {'real':>14} {'sim/real':>9}"]
     for key, values in comparison["summary"].items():
         ratio = f"{values['ratio']:9.3f}" if values["ratio"] is not None else f"{'-':>9}"

@@ -20,7 +20,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from zipage.core.metrics import REQUEST_COLUMNS, STEP_COLUMNS
+from zipage.core.metrics import REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS, STEP_COLUMNS
 from zipage.errors import ZipageError
 
 SUMMARY_FILE = "summary.json"
@@ -62,6 +62,9 @@ def load_run(directory: str | Path) -> RunData:
     # Request ids are names ("amc23-q0-s0", but also "7"): never let pandas turn them into numbers.
     requests = pd.read_csv(run_file(directory, REQUESTS_FILE),
                            dtype={"id": str, "status": str, "error": str})
+    for column, default in STEP_COLUMN_DEFAULTS.items():
+        if column not in steps.columns:
+            steps[column] = default
     _require_columns(steps, STEP_COLUMNS, Path(directory) / STEPS_FILE)
     _require_columns(requests, REQUEST_COLUMNS, Path(directory) / REQUESTS_FILE)
     return RunData(directory=Path(directory), summary=summary, steps=steps, requests=requests)

@@ -24,7 +24,7 @@ from zipage.analysis.ablation import (
 )
 from zipage.analysis.compare import compare_runs, format_report
 from zipage.analysis.timeline import _bin_steps, load_run, plot_timeline
-from zipage.core.metrics import REQUEST_COLUMNS, STEP_COLUMNS
+from zipage.core.metrics import REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS, STEP_COLUMNS
 from zipage.errors import ZipageError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,6 +44,7 @@ def make_steps(kinds: list[str], durations: list[float], **columns: list) -> pd.
         "n_decode": [4 if kind == "decode" else 0 for kind in kinds], "n_compress": 0,
         "n_running": 4, "n_waiting": 1, "blocks_used": 50, "blocks_total": 100,
         "slots_used": 3, "preempted": 0, "prefill_tokens": 0, "decode_context_tokens": 0,
+        **STEP_COLUMN_DEFAULTS,
     })
     for name, values in columns.items():
         steps[name] = values

@@ -8,7 +8,7 @@ request = (finish - first token) / (output_len - 1).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 
 from zipage.core.step import StepPlan, StepResult
 from zipage.core.sequence import Sequence, SequenceStatus
@@ -56,6 +56,9 @@ class RequestRecord:
 
 
 STEP_COLUMNS = [f.name for f in fields(StepRecord)]
+# Columns added after the first release have defaults: a run directory written before them still
+# loads (with those defaults).
+STEP_COLUMN_DEFAULTS = {f.name: f.default for f in fields(StepRecord) if f.default is not MISSING}
 REQUEST_COLUMNS = [f.name for f in fields(RequestRecord)]
 
 

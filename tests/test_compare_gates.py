@@ -1,0 +1,51 @@
+"""`zipage compare`'s run-level errors, finish-order correlation and --max-error gates."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_analysis import (  # the run-directory builders of the analysis tests
+    REAL_DECISIONS, REAL_DURATIONS, REAL_KINDS, REAL_SUMMARY, make_requests, make_steps,
+    real_requests, write_run_dir,
+)
+from zipage.analysis.compare import compare_runs, exceeded, format_report, parse_max_errors
+from zipage.errors import ZipageError
+
+
+def runs(tmp_path, sim_finish, sim_summary):
+    real = write_run_dir(tmp_path / "real", make_steps(REAL_KINDS, REAL_DURATIONS),
+                         real_requests(), REAL_SUMMARY, REAL_DECISIONS)
+    sim_requests = make_requests(arrival=[0.0, 1.0, 0.0], first_token=[2.0, 2.0, 4.0],
+                                 finish=sim_finish, output_len=[4, 6, 1])
+    sim = write_run_dir(tmp_path / "sim", make_steps(REAL_KINDS, REAL_DURATIONS), sim_requests,
+                        {**REAL_SUMMARY, **sim_summary}, REAL_DECISIONS)
+    return compare_runs(sim, real)
+
+
+def test_errors_and_gates(tmp_path):
+    comparison = runs(tmp_path, sim_finish=[8.0, 13.1, 4.0],
+                      sim_summary={"tps": 90.0, "makespan_s": 12.1, "ttft_p90_s": 1.0})
+    errors = comparison["errors"]
+    assert errors["tps"] == pytest.approx(-0.10)
+    assert errors["makespan"] == pytest.approx(0.10)
+    assert errors["decisions"] == 0.0
+    # End-to-end latency (finish - arrival): 8/8, 12.1/11, 4/4 -> MAPE 10/3 %.
+    assert errors["e2e_mape"] == pytest.approx(0.1 / 3)
+    assert comparison["finish_order_correlation"] == pytest.approx(1.0)
+    assert "finish-order rank correlation 1.000" in format_report(comparison)
+    limits = parse_max_errors(["tps=5", "makespan=15", "e2e_mape=5", "ttft_p90=10"])
+    failed = exceeded(errors, limits)
+    assert len(failed) == 2 and failed[0].startswith("tps: error -10.00% exceeds 5%")
+    assert "ttft_p90: not measurable" in failed[1]  # the real summary has no TTFT p90
+
+
+def test_finish_order_that_differs(tmp_path):
+    comparison = runs(tmp_path, sim_finish=[3.0, 12.0, 9.0], sim_summary={})
+    # Ranks 2,3,1 (real) against 1,3,2: Spearman 1 - 6 * 2 / (3 * 8) = 0.5.
+    assert comparison["finish_order_correlation"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("item", ["latency=5", "tps", "tps=fast", "tps=-1"])
+def test_bad_gate_names_the_fix(item):
+    with pytest.raises(ZipageError, match="--max-error"):
+        parse_max_errors([item])
