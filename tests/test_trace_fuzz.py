@@ -91,7 +91,8 @@ def test_arbitrary_json_values(value: Any) -> None:
     check_outcome(lambda: parse_trace(value, source=SOURCE))
 
 
-def mostly(valid: st.SearchStrategy[Any], hostile: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+def mostly(valid: st.SearchStrategy[Any],
+           hostile: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     # One field in ten is hostile, so many whole traces are valid and the checks on what loads
     # (encodable ids, bounded numbers) are exercised as well as the error paths.
     return st.integers(0, 9).flatmap(lambda pick: hostile if pick == 0 else valid)

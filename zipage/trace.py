@@ -127,8 +127,9 @@ def _decode_text(data: bytes, source: str) -> str:
         # JSON text never holds a raw NUL (inside strings it must be escaped), so this is
         # UTF-16/UTF-32 without a byte order mark, or not text at all.
         offset = data.index(b"\x00")
-        raise TraceError(f"{source}: not a UTF-8 JSON file: NUL byte at {_byte_position(data, offset)}"
-                         f" (UTF-16 text or a binary file?); a trace must be UTF-8 JSON")
+        raise TraceError(f"{source}: not a UTF-8 JSON file: NUL byte at "
+                         f"{_byte_position(data, offset)} (UTF-16 text or a binary file?); a trace "
+                         f"must be UTF-8 JSON")
     try:
         # A UTF-8 byte order mark (as some Windows editors write) is skipped.
         return data.decode("utf-8-sig")
