@@ -3,9 +3,12 @@
 Writes the trace (default 1,000,000 requests: prompt_len 1, output_len 1, arrival 0, unique ids;
 ~62 MB of JSON) to a temporary directory, times `load_trace` (read, decode, validate; best of
 --repeats), then, unless --no-cli, times the whole CLI run `zipage replay TRACE --json` in a
-subprocess (wall clock and peak memory from /usr/bin/time when present). CPU only.
+subprocess (wall clock and peak memory of the child), and with --stages splits the run the CLI
+does into its stages in-process: load, `trace_sequences` (prompt-token synthesis for prefix
+caching) and the simulation. CPU only.
 
     python bench/trace_load.py                     # 10^6 requests, loader and CLI
+    python bench/trace_load.py --stages            # ... and where the CLI's time goes
     python bench/trace_load.py -n 100000 --no-cli  # loader only
 """
 
@@ -43,11 +46,33 @@ def time_cli(path: Path) -> tuple[float, str]:
     return wall, f"{peak_mb:,.0f} MB"
 
 
+def time_stages(path: Path) -> list[tuple[str, str]]:
+    from zipage.deployment import ReplaySettings, trace_sequences
+    from zipage.sim.simulate import plan_deployment
+    from zipage.sim.simulator import Simulator
+
+    started = time.perf_counter()
+    trace = load_trace(path)
+    loaded = time.perf_counter()
+    deployment = plan_deployment(ReplaySettings())
+    scheduler = deployment.new_scheduler()
+    sequences = trace_sequences(trace, deployment.shape.vocab_size,
+                                need_tokens=deployment.config.prefix_cache, scheduler=scheduler)
+    synthesised = time.perf_counter()
+    Simulator(scheduler, deployment.cost_model).run(sequences)
+    simulated = time.perf_counter()
+    return [("stage: load_trace", f"{loaded - started:.1f} s"),
+            ("stage: trace_sequences", f"{synthesised - loaded:.1f} s"),
+            ("stage: simulate", f"{simulated - synthesised:.1f} s")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-n", "--requests", type=int, default=1_000_000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-cli", action="store_true", help="time the loader only")
+    parser.add_argument("--stages", action="store_true",
+                        help="also split the CLI's work into load, synthesis and simulation")
     args = parser.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="zipage-trace-load-"))
@@ -70,6 +95,8 @@ def main() -> None:
             wall, peak = time_cli(path)
             rows += [("zipage replay --json (wall)", f"{wall:.1f} s"),
                      ("zipage replay peak memory", peak)]
+        if args.stages:
+            rows += time_stages(path)
         rows.append(("machine", f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}"))
         width = max(len(label) for label, _ in rows)
         for label, value in rows:

@@ -124,3 +124,17 @@ def test_cli_runs_the_others_when_one_prompt_can_never_fit(
     assert main(["replay", str(CORPUS / "prompt_len_1e9.json"), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert (summary["requests"], summary["completed"], summary["failed"]) == (2, 1, 1)
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_json_progress_goes_to_stderr_of_a_terminal_only(
+        terminal: bool, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # A million requests take a minute: a person at a terminal sees progress even under --json
+    # (on stderr, so stdout stays one JSON object); a script capturing stderr sees nothing.
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    tiny = Path(__file__).resolve().parents[1] / "traces" / "tiny.json"
+    assert main(["replay", str(tiny), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["requests"] == 18
+    assert ("requests" in captured.err) is terminal
