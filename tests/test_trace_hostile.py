@@ -138,3 +138,21 @@ def test_json_progress_goes_to_stderr_of_a_terminal_only(
     captured = capsys.readouterr()
     assert json.loads(captured.out)["requests"] == 18
     assert ("requests" in captured.err) is terminal
+
+
+def test_engine_replay_runs_the_others_when_one_prompt_can_never_fit(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The real engine gets no prompt for the 10^9-token request (it is rejected at admission);
+    # the other request is generated.
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from tiny_models import save_tiny_qwen3
+
+    model_dir = tmp_path / "tiny-qwen3"
+    save_tiny_qwen3(model_dir)
+    code = main(["replay", str(CORPUS / "prompt_len_1e9.json"), "--engine", "cpu", "--model",
+                 str(model_dir), "--no-compress", "--block-size", "16", "--dtype", "float32",
+                 "--kv-memory-gb", "0.001", "--json", "--no-progress"])
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["driver"], summary["completed"], summary["failed"]) == ("engine-cpu", 1, 1)
