@@ -156,3 +156,20 @@ def test_engine_replay_runs_the_others_when_one_prompt_can_never_fit(
     assert code == 0
     summary = json.loads(capsys.readouterr().out)
     assert (summary["driver"], summary["completed"], summary["failed"]) == ("engine-cpu", 1, 1)
+
+
+def test_many_unknown_or_duplicated_keys_still_give_a_short_line(tmp_path: Path) -> None:
+    unknown = {f"field{index}": index for index in range(10_000)}
+    request = {"id": "a", "arrival_s": 0, "prompt_len": 1, "output_len": 1, **unknown}
+    path = tmp_path / "unknown.json"
+    path.write_text(json.dumps({"version": 1, "requests": [request]}))
+    with pytest.raises(TraceError, match="unknown fields 'field0', .* and 9995 more; allowed"
+                       ) as caught:
+        load_trace(path)
+    assert len(str(caught.value)) < 400
+    fields = '"id": "a", "arrival_s": 0, "prompt_len": 1, "output_len": 1, "prefix_group": "g", '
+    path.write_text('{"version": 1, "requests": [{' + fields * 1000 + '"prefix_len": 1}]}')
+    with pytest.raises(TraceError, match="request #0 \\(id 'a'\\): duplicated keys 'id', "
+                       "'arrival_s', 'prompt_len', 'output_len', 'prefix_group': ") as caught:
+        load_trace(path)
+    assert len(str(caught.value)) < 400

@@ -204,8 +204,11 @@ def _object_from_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _duplicated_keys_message(obj: _DuplicatedKeys) -> str:
-    keys = ", ".join(_show(key) for key in dict.fromkeys(obj.duplicated))
-    noun = "key" if len(set(obj.duplicated)) == 1 else "keys"
+    duplicated = list(dict.fromkeys(obj.duplicated))
+    keys = ", ".join(_show(key) for key in duplicated[:MAX_NAMED_FIELDS])
+    if len(duplicated) > MAX_NAMED_FIELDS:
+        keys += f" and {len(duplicated) - MAX_NAMED_FIELDS} more"
+    noun = "key" if len(duplicated) == 1 else "keys"
     return (f"duplicated {noun} {keys}: JSON objects must name each key once (a duplicated key is "
             f"a bug in whatever wrote the trace; keep the right one)")
 
@@ -531,6 +534,7 @@ def _request_error(source: str, index: int, request_id: str | None, message: str
 # Values quoted in error messages are shortened (a 10 MB id or a 4000-digit number still gives
 # one short line) and never recurse deeply (a list nested 900 levels).
 _SHOWN = reprlib.Repr()
+MAX_NAMED_FIELDS = 5  # unknown or duplicated keys named in one message
 _SHOWN.maxstring, _SHOWN.maxlong, _SHOWN.maxother = 80, 40, 80
 _SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict = 3, 8, 4
 
@@ -560,9 +564,11 @@ def _surrogate_hint(value: Any) -> str:
 
 def _unknown_fields_message(unknown: list[str], allowed: tuple[str, ...]) -> str:
     hints = []
-    for key in unknown:
+    for key in unknown[:MAX_NAMED_FIELDS]:
         close = difflib.get_close_matches(str(key), allowed, n=1)
         hints.append(f"{_show(key)} (did you mean {close[0]!r}?)" if close else _show(key))
+    if len(unknown) > MAX_NAMED_FIELDS:
+        hints.append(f"and {len(unknown) - MAX_NAMED_FIELDS} more")
     noun = "field" if len(unknown) == 1 else "fields"
     return f"unknown {noun} {', '.join(hints)}; allowed fields are {', '.join(allowed)}"
 
