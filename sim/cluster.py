@@ -55,7 +55,7 @@ def simulate_cluster(trace: Trace, settings: ReplaySettings, replicas: int = 1,
     engines = [Simulator(deployment.new_scheduler(), deployment.cost_model, env=environment)
                for _ in range(replicas)]
     sequences = trace_sequences(trace, deployment.shape.vocab_size,
-                                need_tokens=config.prefix_cache)
+                                need_tokens=config.prefix_cache, scheduler=engines[0].scheduler)
     # A stable sort keeps the trace order among equal arrival times (FCFS), as `Simulator.run`.
     arrivals = sorted(sequences, key=lambda seq: seq.arrival_s)
     assignment: list[int] = []

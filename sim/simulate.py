@@ -54,9 +54,10 @@ def simulate(trace: Trace, settings: ReplaySettings, *, progress: bool = False,
              log_decisions: bool = False, check: bool = False) -> tuple[dict, Run]:
     deployment = plan_deployment(settings)
     config = deployment.config
-    sequences = trace_sequences(trace, deployment.shape.vocab_size, need_tokens=config.prefix_cache)
-    simulator = Simulator(deployment.new_scheduler(), deployment.cost_model, check=check,
-                          log_decisions=log_decisions, progress=progress,
-                          total=len(sequences))
+    scheduler = deployment.new_scheduler()
+    sequences = trace_sequences(trace, deployment.shape.vocab_size,
+                                need_tokens=config.prefix_cache, scheduler=scheduler)
+    simulator = Simulator(scheduler, deployment.cost_model, check=check,
+                          log_decisions=log_decisions, progress=progress, total=len(sequences))
     run = simulator.run(sequences)
     return run_summary(run.summary, deployment.capacity, config, settings, "simulator"), run

@@ -126,15 +126,15 @@ def drop_field(field: str) -> Mutation:
 
 
 REQUEST_MISTAKES: list[tuple[str, Mutation, str]] = [
-    ("output zero", set_field("output_len", 0), "output_len must be an integer >= 1, got 0"),
-    ("output float", set_field("output_len", 2.0), "output_len must be an integer >= 1, got 2.0"),
-    ("output bool", set_field("output_len", True), "output_len must be an integer >= 1, got True"),
+    ("output zero", set_field("output_len", 0), "output_len must be an integer between 1 and 2147483647, got 0"),
+    ("output float", set_field("output_len", 2.0), "output_len must be an integer between 1 and 2147483647, got 2.0"),
+    ("output bool", set_field("output_len", True), "output_len must be an integer between 1 and 2147483647, got True"),
     ("output missing", drop_field("output_len"), "output_len is missing"),
-    ("arrival negative", set_field("arrival_s", -1), "arrival_s must be a finite number >= 0"),
-    ("arrival string", set_field("arrival_s", "0"), "arrival_s must be a finite number >= 0"),
-    ("arrival nan", set_field("arrival_s", math.nan), "arrival_s must be a finite number >= 0"),
+    ("arrival negative", set_field("arrival_s", -1), "arrival_s must be a number between 0 and 1000000000"),
+    ("arrival string", set_field("arrival_s", "0"), "arrival_s must be a number between 0 and 1000000000"),
+    ("arrival nan", set_field("arrival_s", math.nan), "arrival_s must be a number between 0 and 1000000000"),
     ("arrival missing", drop_field("arrival_s"), "arrival_s is missing"),
-    ("prompt zero", set_field("prompt_len", 0), "prompt_len must be an integer >= 1, got 0"),
+    ("prompt zero", set_field("prompt_len", 0), "prompt_len must be an integer between 1 and 2147483647, got 0"),
     ("prompt both", set_field("prompt_token_ids", [1, 2]),
      "give exactly one of prompt_len or prompt_token_ids, got both"),
     ("prompt neither", drop_field("prompt_len"),
@@ -166,7 +166,7 @@ def test_request_mistake_names_file_request_and_field(mutate: Mutation, expected
 
 @pytest.mark.parametrize("tokens, expected", [
     ([], "prompt_token_ids must be a non-empty list of token ids"),
-    ([1, -2], "prompt_token_ids[1] must be an integer >= 0, got -2"),
+    ([1, -2], "prompt_token_ids[1] must be an integer between 0 and 2147483647, got -2"),
     ("1 2 3", "prompt_token_ids must be a non-empty list"),
 ])
 def test_bad_token_ids_are_named(tokens: Any, expected: str) -> None:

@@ -37,7 +37,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     trace = load_trace(args.trace)
     settings = settings_from_args(args)
-    show_progress = not args.no_progress and not args.json
+    # The bar goes to stderr, so it never mixes into --json's stdout; under --json it is shown
+    # only to a person at a terminal, not to a script capturing stderr.
+    show_progress = not args.no_progress and (not args.json or sys.stderr.isatty())
     engine = "gpu" if args.gpu else args.engine
     if engine == "sim":
         from zipage.sim.simulate import simulate

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 from zipage.core.config import ZipageConfig, knob
 from zipage.core.memory import DTYPE_BYTES, GIB, MemoryPlan, available_kv_bytes, plan_memory
+from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.errors import ConfigError
 from zipage.presets import ModelShape
@@ -86,12 +87,17 @@ def effective_config(settings: ReplaySettings, shape: ModelShape) -> ZipageConfi
     return config
 
 
-def trace_sequences(trace: Trace, vocab_size: int, need_tokens: bool) -> list[Sequence]:
+def trace_sequences(trace: Trace, vocab_size: int, need_tokens: bool,
+                    scheduler: Scheduler | None = None) -> list[Sequence]:
     """One Sequence per trace request; prompt tokens are synthesised only when needed (prefix
-    caching hashes them; the engine feeds them to the model)."""
+    caching hashes them; the engine feeds them to the model), and never for a request that
+    `scheduler` will reject: a prompt that can never fit (10^9 tokens) then fails alone at
+    admission with its reason, without O(prompt_len) time and memory spent on it first."""
     sequences = []
     for request in trace.requests:
-        tokens = prompt_token_ids(request, vocab_size=vocab_size) if need_tokens else None
-        sequences.append(Sequence(request.id, tokens, request.output_len,
-                                  arrival_s=request.arrival_s, prompt_len=request.prompt_len))
+        seq = Sequence(request.id, None, request.output_len, arrival_s=request.arrival_s,
+                       prompt_len=request.prompt_len)
+        if need_tokens and (scheduler is None or scheduler.rejection_reason(seq) is None):
+            seq.prompt_token_ids = prompt_token_ids(request, vocab_size=vocab_size)
+        sequences.append(seq)
     return sequences

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import gc
 import json
 import math
 import os
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,12 +40,21 @@ REQUEST_FIELDS = (
     "prefix_len",
     "output_len",
 )
+_REQUEST_FIELD_SET = frozenset(REQUEST_FIELDS)
 
 # Synthetic ids avoid the low range, where tokenizers keep special and control tokens, and stay
 # below 32000 so one trace yields the same ids for every model with a vocabulary of at least 32000.
 SYNTHETIC_TOKEN_LOW = 100
 SYNTHETIC_TOKEN_HIGH = 32000
 DEFAULT_VOCAB_SIZE = 32000
+
+# Bounds on numbers. No model's context comes near 2^31 tokens, and larger values (a writer's
+# overflow, a stray timestamp) would overflow int32/int64 arithmetic downstream, so they are
+# rejected at load time; lengths under the bound that cannot fit this deployment are rejected per
+# request at admission instead (the scheduler's reason, no simulation).
+MAX_LENGTH = 2**31 - 1  # prompt_len, output_len, prefix_len, and every token id
+# Seconds from the trace start (about 31.7 years): an absolute Unix time is a mistake.
+MAX_ARRIVAL_S = 1e9
 
 ARRIVAL_PATTERNS = ("poisson", "bursty")
 # Arrival times are rounded so stamped traces stay compact; a microsecond is far below a step.
@@ -79,17 +90,127 @@ def load_trace(path: str | os.PathLike[str]) -> Trace:
     """Read and validate a trace file; a missing `name` defaults to the file's stem."""
     source = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        data = Path(path).read_bytes()
     except OSError as error:
         reason = error.strerror or error
         raise TraceError(f"{source}: cannot read the trace file: {reason}") from None
+    # A file name that is not valid UTF-8 must not make a valid trace's default name invalid.
+    stem = Path(path).stem.encode("utf-8", "backslashreplace").decode("utf-8")
+    return parse_trace_bytes(data, source=source, default_name=stem)
+
+
+def parse_trace_bytes(data: bytes, source: str = "<trace>",
+                      default_name: str | None = None) -> Trace:
+    """Decode and validate the bytes of a trace file.
+
+    Any byte sequence either loads or raises one `TraceError` line (docs/traces.md, "What the
+    loader guarantees"): bad encodings, NUL bytes, nesting deeper than Python can parse, integers
+    too long to convert and duplicated keys are reported like any schema mistake.
+    """
+    # Decoding builds millions of objects for a big trace, none in a reference cycle; the garbage
+    # collector's passes over them are pure cost (a quarter of the load time at 10^6 requests).
+    collecting = gc.isenabled()
+    gc.disable()
     try:
-        obj = json.loads(text)
+        obj = _decode_json(_decode_text(data, source), source)
+        return parse_trace(obj, source=source, default_name=default_name)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _decode_text(data: bytes, source: str) -> str:
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise TraceError(f"{source}: the file is UTF-16 or UTF-32 text (it starts with a byte "
+                         f"order mark); a trace must be UTF-8: re-save it as UTF-8")
+    if b"\x00" in data:
+        # JSON text never holds a raw NUL (inside strings it must be escaped), so this is
+        # UTF-16/UTF-32 without a byte order mark, or not text at all.
+        offset = data.index(b"\x00")
+        raise TraceError(f"{source}: not a UTF-8 JSON file: NUL byte at "
+                         f"{_byte_position(data, offset)} (UTF-16 text or a binary file?); a trace "
+                         f"must be UTF-8 JSON")
+    try:
+        # A UTF-8 byte order mark (as some Windows editors write) is skipped.
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise TraceError(
+            f"{source}: not UTF-8 text: byte 0x{data[error.start]:02x} at "
+            f"{_byte_position(data, error.start)} is not valid UTF-8 (Latin-1 or another legacy "
+            f"encoding?); a trace must be UTF-8: re-save it as UTF-8"
+        ) from None
+
+
+def _byte_position(data: bytes, offset: int) -> str:
+    line = data.count(b"\n", 0, offset) + 1
+    column = offset - (data.rfind(b"\n", 0, offset) + 1) + 1
+    return f"line {line} column {column} (byte {offset})"
+
+
+def _decode_json(text: str, source: str) -> Any:
+    try:
+        try:
+            return json.loads(text, object_pairs_hook=_object_from_pairs)
+        except json.JSONDecodeError:
+            raise
+        except ValueError:
+            # Only an integer literal longer than Python converts (4300 digits) gets here. Parse
+            # again, keeping such literals as markers, so the schema check can name the request
+            # and field that holds one; the fast path above pays nothing for this.
+            return json.loads(text, object_pairs_hook=_object_from_pairs,
+                              parse_int=_parse_int)
     except json.JSONDecodeError as error:
         raise TraceError(
             f"{source}: not valid JSON at line {error.lineno} column {error.colno}: {error.msg}"
         ) from None
-    return parse_trace(obj, source=source, default_name=Path(path).stem)
+    except RecursionError:
+        raise TraceError(
+            f"{source}: not a trace: JSON nested too deeply for the parser (a trace nests at most "
+            f"4 levels: trace, requests, request, prompt_token_ids)"
+        ) from None
+
+
+class _OversizedInteger:
+    """An integer literal too long to convert; it fails every field check with its size."""
+
+    def __init__(self, literal: str) -> None:
+        self.digits = len(literal.lstrip("-"))
+
+    def __repr__(self) -> str:
+        return f"an integer of {self.digits} digits"
+
+
+def _parse_int(literal: str) -> int | _OversizedInteger:
+    try:
+        return int(literal)
+    except ValueError:
+        return _OversizedInteger(literal)
+
+
+class _DuplicatedKeys(dict):
+    """A JSON object that names a key more than once: parse_trace rejects it, naming the key."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        super().__init__(pairs)
+        seen: set[str] = set()
+        self.duplicated = [key for key, _ in pairs if key in seen or seen.add(key)]
+
+
+def _object_from_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json keeps the last of duplicated keys silently; a duplicated key in a trace is a bug in
+    # whatever wrote it, so it must surface. An exact dict means "no duplicates".
+    obj = dict(pairs)
+    return obj if len(obj) == len(pairs) else _DuplicatedKeys(pairs)
+
+
+def _duplicated_keys_message(obj: _DuplicatedKeys) -> str:
+    duplicated = list(dict.fromkeys(obj.duplicated))
+    keys = ", ".join(_show(key) for key in duplicated[:MAX_NAMED_FIELDS])
+    if len(duplicated) > MAX_NAMED_FIELDS:
+        keys += f" and {len(duplicated) - MAX_NAMED_FIELDS} more"
+    noun = "key" if len(duplicated) == 1 else "keys"
+    return (f"duplicated {noun} {keys}: JSON objects must name each key once (a duplicated key is "
+            f"a bug in whatever wrote the trace; keep the right one)")
 
 
 def parse_trace(obj: Any, source: str = "<trace>", default_name: str | None = None) -> Trace:
@@ -102,17 +223,22 @@ def parse_trace(obj: Any, source: str = "<trace>", default_name: str | None = No
     unknown = [key for key in obj if key not in TRACE_FIELDS]
     if unknown:
         raise TraceError(f"{source}: {_unknown_fields_message(unknown, TRACE_FIELDS)}")
+    if isinstance(obj, _DuplicatedKeys):
+        raise TraceError(f"{source}: {_duplicated_keys_message(obj)}")
     if "version" not in obj:
         raise TraceError(f'{source}: version is missing; add "version": {TRACE_VERSION}')
     version = obj["version"]
     if not _is_integer(version) or version != TRACE_VERSION:
         raise TraceError(
             f"{source}: version must be {TRACE_VERSION} (the trace schema this Zipage reads), "
-            f"got {version!r}"
+            f"got {_show(version)}"
         )
     name = obj.get("name", default_name if default_name is not None else source)
-    if not isinstance(name, str) or not name:
-        raise TraceError(f"{source}: name must be a non-empty string, got {name!r}")
+    if not isinstance(name, str) or not name or not _is_unicode(name):
+        raise TraceError(
+            f"{source}: name must be a non-empty string, got {_show(name)}"
+            + _surrogate_hint(name)
+        )
     if "requests" not in obj:
         raise TraceError(f"{source}: requests is missing; add a non-empty list of request objects")
     requests = obj["requests"]
@@ -245,21 +371,27 @@ def _token_stream(namespace: str, key: str, count: int, high: int) -> list[int]:
 
 
 def _parse_request(raw: Any, index: int, source: str) -> TraceRequest:
+    # This runs once per request (a million in a big trace), so the common case is kept to
+    # C-level set and type tests; every failure still gets its own one-line message.
     if not isinstance(raw, dict):
         raise _request_error(source, index, None, f"must be a JSON object, got {_json_type(raw)}")
     request_id = raw.get("id")
-    label_id = request_id if isinstance(request_id, str) else None
-    unknown = [key for key in raw if key not in REQUEST_FIELDS]
-    if unknown:
+    label_id = request_id if type(request_id) is str and _is_unicode(request_id) else None
+    if not raw.keys() <= _REQUEST_FIELD_SET:
+        unknown = [key for key in raw if key not in _REQUEST_FIELD_SET]
         message = _unknown_fields_message(unknown, REQUEST_FIELDS)
         raise _request_error(source, index, label_id, message)
+    if isinstance(raw, _DuplicatedKeys):
+        raise _request_error(source, index, label_id, _duplicated_keys_message(raw))
     if "id" not in raw:
         raise _request_error(
             source, index, None, "id is missing; give every request a unique string id"
         )
-    if not isinstance(request_id, str) or not request_id:
+    if type(request_id) is not str or not request_id or label_id is None:
         raise _request_error(
-            source, index, None, f"id must be a non-empty string, got {request_id!r}"
+            source, index, None,
+            f"id must be a non-empty string, got {_show(request_id)}"
+            + _surrogate_hint(request_id),
         )
 
     def fail(message: str) -> TraceError:
@@ -270,10 +402,11 @@ def _parse_request(raw: Any, index: int, source: str) -> TraceRequest:
             "arrival_s is missing; give the arrival time in seconds (0 for offline workloads)"
         )
     arrival = raw["arrival_s"]
-    if not _is_number(arrival) or not math.isfinite(arrival) or arrival < 0:
+    # Chained comparisons refuse NaN, infinities and integers too large for a float alike.
+    if not _is_number(arrival) or not 0 <= arrival <= MAX_ARRIVAL_S:
         raise fail(
-            f"arrival_s must be a finite number >= 0 (seconds from the trace start), "
-            f"got {arrival!r}"
+            f"arrival_s must be a number between 0 and {MAX_ARRIVAL_S:.0f} (seconds from the "
+            f"trace start, not an absolute time), got {_show(arrival)}"
         )
 
     has_length, has_ids = "prompt_len" in raw, "prompt_token_ids" in raw
@@ -285,20 +418,24 @@ def _parse_request(raw: Any, index: int, source: str) -> TraceRequest:
     token_ids: list[int] | None = None
     if has_length:
         prompt_len = raw["prompt_len"]
-        if not _is_integer(prompt_len) or prompt_len < 1:
-            raise fail(f"prompt_len must be an integer >= 1, got {prompt_len!r}")
+        if type(prompt_len) is not int or not 1 <= prompt_len <= MAX_LENGTH:
+            raise fail(f"prompt_len must be an integer between 1 and {MAX_LENGTH}, "
+                       f"got {_show(prompt_len)}")
     else:
         token_ids = raw["prompt_token_ids"]
         if not isinstance(token_ids, list) or not token_ids:
-            raise fail(f"prompt_token_ids must be a non-empty list of token ids, got {token_ids!r}")
+            raise fail(f"prompt_token_ids must be a non-empty list of token ids, "
+                       f"got {_show(token_ids)}")
         for position, token in enumerate(token_ids):
-            if not _is_integer(token) or token < 0:
-                raise fail(f"prompt_token_ids[{position}] must be an integer >= 0, got {token!r}")
+            if type(token) is not int or not 0 <= token <= MAX_LENGTH:
+                raise fail(f"prompt_token_ids[{position}] must be an integer between 0 and "
+                           f"{MAX_LENGTH}, got {_show(token)}")
         prompt_len = len(token_ids)
 
     group = raw.get("prefix_group")
-    if "prefix_group" in raw and (not isinstance(group, str) or not group):
-        raise fail(f"prefix_group must be a non-empty string, got {group!r}")
+    if "prefix_group" in raw and (type(group) is not str or not group or not _is_unicode(group)):
+        raise fail(f"prefix_group must be a non-empty string, got {_show(group)}"
+                   + _surrogate_hint(group))
     if "prefix_len" in raw and group is None:
         raise fail(
             "prefix_len needs prefix_group: name the group of requests that share these leading "
@@ -307,19 +444,20 @@ def _parse_request(raw: Any, index: int, source: str) -> TraceRequest:
     prefix_len = 0
     if group is not None:
         prefix_len = raw.get("prefix_len", prompt_len)
-        if not _is_integer(prefix_len) or not 1 <= prefix_len <= prompt_len:
+        if type(prefix_len) is not int or not 1 <= prefix_len <= prompt_len:
             raise fail(
                 f"prefix_len must be an integer between 1 and the prompt length ({prompt_len}), "
-                f"got {prefix_len!r}"
+                f"got {_show(prefix_len)}"
             )
 
     if "output_len" not in raw:
         raise fail("output_len is missing; give the exact number of tokens the request generates")
     output_len = raw["output_len"]
-    if not _is_integer(output_len) or output_len < 1:
-        raise fail(f"output_len must be an integer >= 1, got {output_len!r}")
+    if type(output_len) is not int or not 1 <= output_len <= MAX_LENGTH:
+        raise fail(f"output_len must be an integer between 1 and {MAX_LENGTH}, "
+                   f"got {_show(output_len)}")
 
-    return TraceRequest(
+    return _validated_request(
         id=request_id,
         arrival_s=float(arrival),
         prompt_len=prompt_len,
@@ -328,6 +466,15 @@ def _parse_request(raw: Any, index: int, source: str) -> TraceRequest:
         prefix_group=group,
         prefix_len=prefix_len,
     )
+
+
+def _validated_request(**fields: Any) -> TraceRequest:
+    # The frozen dataclass's __init__ sets each field through object.__setattr__, a third of the
+    # load time at 10^6 requests. These values are validated, so the instance dict is filled
+    # directly: the same frozen, equal object, three times faster to build.
+    request = object.__new__(TraceRequest)
+    request.__dict__.update(fields)
+    return request
 
 
 def _check_group_consistency(
@@ -379,15 +526,49 @@ def _request_to_json(request: TraceRequest) -> dict[str, Any]:
 
 
 def _request_error(source: str, index: int, request_id: str | None, message: str) -> TraceError:
-    label = f"request #{index}" if request_id is None else f"request #{index} (id {request_id!r})"
+    label = (f"request #{index}" if request_id is None
+             else f"request #{index} (id {_show(request_id)})")
     return TraceError(f"{source}: {label}: {message}")
+
+
+# Values quoted in error messages are shortened (a 10 MB id or a 4000-digit number still gives
+# one short line) and never recurse deeply (a list nested 900 levels).
+_SHOWN = reprlib.Repr()
+MAX_NAMED_FIELDS = 5  # unknown or duplicated keys named in one message
+_SHOWN.maxstring, _SHOWN.maxlong, _SHOWN.maxother = 80, 40, 80
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict = 3, 8, 4
+
+
+def _show(value: Any) -> str:
+    return _SHOWN.repr(value)
+
+
+def _is_unicode(text: str) -> bool:
+    # JSON's \ud800 escapes decode to lone surrogates, which no file or terminal can encode.
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _surrogate_hint(value: Any) -> str:
+    if type(value) is not str or _is_unicode(value):
+        return ""
+    position = next(i for i, char in enumerate(value) if 0xD800 <= ord(char) <= 0xDFFF)
+    return (f" (an unpaired surrogate \\u{ord(value[position]):04x} at character {position}, "
+            f"half of a UTF-16 pair?)")
 
 
 def _unknown_fields_message(unknown: list[str], allowed: tuple[str, ...]) -> str:
     hints = []
-    for key in unknown:
+    for key in unknown[:MAX_NAMED_FIELDS]:
         close = difflib.get_close_matches(str(key), allowed, n=1)
-        hints.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+        hints.append(f"{_show(key)} (did you mean {close[0]!r}?)" if close else _show(key))
+    if len(unknown) > MAX_NAMED_FIELDS:
+        hints.append(f"and {len(unknown) - MAX_NAMED_FIELDS} more")
     noun = "field" if len(unknown) == 1 else "fields"
     return f"unknown {noun} {', '.join(hints)}; allowed fields are {', '.join(allowed)}"
 

@@ -88,7 +88,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> bool:
         """Queue a request; a request that can never be served is rejected alone (False)."""
-        reason = self._rejection_reason(seq)
+        reason = self.rejection_reason(seq)
         if reason is not None:
             seq.status = SequenceStatus.REJECTED
             seq.error = reason
@@ -104,7 +104,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _rejection_reason(self, seq: Sequence) -> str | None:
+    def rejection_reason(self, seq: Sequence) -> str | None:
+        """Why `seq` can never be served here, or None. O(1) from its lengths alone, so a driver
+        can ask before building a prompt it would throw away (a 10^9-token one)."""
         prompt, output = seq.prompt_len, seq.max_output_tokens
         where = f"request {seq.seq_id}"
         if prompt < 1 or output < 1:

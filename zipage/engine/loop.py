@@ -39,7 +39,9 @@ class EngineLoop:
         scheduler, runner = self.scheduler, self.runner
         recorder = StepRecorder(scheduler, check=self.check, log_decisions=self.log_decisions,
                                 progress=self.progress, total=len(sequences))
-        tokens = {seq.seq_id: list(seq.prompt_token_ids) for seq in sequences}
+        # A request without prompt tokens is one the scheduler rejects before it ever runs.
+        tokens = {seq.seq_id: list(seq.prompt_token_ids) for seq in sequences
+                  if seq.prompt_token_ids is not None}
         arrivals = ArrivalQueue(sequences)
         started = time.perf_counter()
         while arrivals.has_pending or scheduler.has_unfinished():
