@@ -100,3 +100,17 @@ def test_no_file_cites_a_design_document_outside_the_repository():
             if any(reference in line for reference in OUTSIDE_REFERENCES):
                 citing.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not citing, ("cite docs/architecture.md instead:\n" + "\n".join(citing))
+
+
+def test_architecture_lists_every_knob():
+    """The knob table of docs/architecture.md ('Terms and knobs') names every declared knob and
+    its flag, so a knob added to `ZipageConfig` is documented there too."""
+    from zipage.core.config import ZipageConfig
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines()
+            if line.startswith("| `")}
+    missing = [f"{knob.name} ({knob.metadata['flag']})" for knob in ZipageConfig.knobs()
+               if f"`{knob.name}`" not in rows
+               or f"`{knob.metadata['flag']}`" not in rows[f"`{knob.name}`"]]
+    assert not missing, f"add a row to docs/architecture.md, 'Terms and knobs': {missing}"
