@@ -1,11 +1,12 @@
 """Step durations for the simulator: how long a prefill, a decode step and a compression take.
 
-The simulator asks a `CostModel` three questions (DESIGN.md section 8) and a fourth about async
-overlap: `prefill_time(plan)`, `decode_time(plan)`, `compress_time(jobs)` and
+The simulator asks a `CostModel` three questions (docs/architecture.md, 'Simulator') and a fourth
+about async overlap: `prefill_time(plan)`, `decode_time(plan)`, `compress_time(jobs)` and
 `decode_contention(overlap_fraction)`. Two implementations answer them. `AnalyticCostModel` is a
 roofline over the model's shape and a `GPUSpec`: every operation costs
 max-ish(bytes / achievable bandwidth, FLOPs / achievable compute) plus launch and host
-overheads, with the compression pipeline of DESIGN.md section 7 costed kernel by kernel.
+overheads, with the compression pipeline (docs/architecture.md, 'Compression pipeline') costed
+kernel by kernel.
 `CalibratedCostModel` is a least-squares fit of simple linear models to a profile measured on a
 real GPU (format in docs/cost_model.md). `load_cost_model` picks one from a command-line spec.
 Every formula, constant and assumption is written out in docs/cost_model.md.

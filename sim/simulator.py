@@ -3,7 +3,7 @@
 Three processes share one SimPy clock:
 - arrivals: adds each trace request to the scheduler at its arrival time;
 - the engine loop: `schedule()` -> wait the cost model's duration -> `finish(result)`, exactly the
-  step protocol the real engine follows (DESIGN.md section 6);
+  step protocol the real engine follows (docs/architecture.md, 'Step protocol');
 - the compressor: runs each async compression batch for `compress_time(batch)` while the engine
   loop keeps decoding; decode steps that start while a batch is in flight are stretched by the
   cost model's contention factor.

@@ -60,7 +60,7 @@ def dtype_bytes(dtype: str) -> int:
 
 def plan_capacity(settings: ReplaySettings, shape: ModelShape,
                   gpu_memory_bytes: int | None) -> MemoryPlan:
-    """Blocks and query slots for these settings (DESIGN.md section 4).
+    """Blocks and query slots for these settings (docs/architecture.md, 'Memory planning').
 
     `--kv-memory-gb` fixes the cache memory exactly (what makes a simulated and a real run plan
     the same capacity); otherwise the caches get what the GPU has left after weights and

@@ -1,4 +1,4 @@
-"""The max-concurrency planner: DESIGN.md section 4 (the paper's equation 1).
+"""The max-concurrency planner: the paper's equation 1 (docs/architecture.md, 'Memory planning').
 
 Given the bytes available for caches, Zipage splits them between KV blocks and query slots so
 that every slot can be backed by N_max blocks:

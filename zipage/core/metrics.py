@@ -2,8 +2,8 @@
 
 Every driver calls `MetricsRecorder.record_step(plan, result)` after `Scheduler.finish`, and
 `request_records(scheduler)` at the end. `summarize` turns both into the summary every report
-prints (DESIGN.md section 9): TPS = output tokens / (last finish - first arrival); TPOT of a
-request = (finish - first token) / (output_len - 1).
+prints (docs/architecture.md, 'Traces and metrics'): TPS = output tokens / (last finish - first
+arrival); TPOT of a request = (finish - first token) / (output_len - 1).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ def causal_pairs(new_tokens: int, cached_tokens: int) -> int:
 
 @dataclass
 class CompressionJob:
-    """Compress one request's KV cache into `target_blocks` (DESIGN.md section 3, rule 5).
+    """Compress one request's KV cache into `target_blocks` (docs/architecture.md, 'Rules', rule 5).
 
     The driver scores the entries in `source_table` (the full final block's window queries live
     in `query_slot`), keeps the top (len(target_blocks) * block_size) per (layer, kv-head) and

@@ -31,7 +31,7 @@ class ForwardContext:
       without reading `cu_seqlens_q` back from the device).
     - `query_slot_mapping` int64 [num_tokens], optional: the compression hook. A token whose entry is
       not -1 has its post-RoPE query written into the query cache at flat index
-      `query_slot * window + window_index` (DESIGN.md section 3, rule 7).
+      `query_slot * window + window_index` (docs/architecture.md, 'Rules', rule 7).
     """
 
     is_prefill: bool = False
