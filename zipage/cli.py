@@ -18,6 +18,13 @@ from zipage.core.config import POOLING_MODES, REDUNDANCY_MODES, ZipageConfig
 from zipage.errors import ZipageError
 from zipage.deployment import ReplaySettings
 
+# Exit statuses (docs/engine.md): 0 every request completed; 2 a mistake in the input, nothing
+# ran; 3 the run finished and wrote its results, but some requests failed (e.g. too long for
+# --max-model-len); 130 interrupted; 141 stdout closed early.
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_REQUESTS_FAILED = 3
+
 SUMMARY_ROWS = [
     ("requests", "requests", "{}"), ("completed", "completed", "{}"), ("failed", "failed", "{}"),
     ("output tokens", "output_tokens", "{:,}"), ("makespan (s)", "makespan_s", "{:,.1f}"),
@@ -119,6 +126,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     trace = load_trace(args.trace)
     settings = settings_from_args(args)
+    if args.out is not None:
+        from zipage.rundir import check_out_dir
+
+        check_out_dir(args.out)
     show_progress = not args.no_progress and not args.json
     engine = "gpu" if args.gpu else args.engine
     if engine == "sim":
@@ -144,7 +155,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
         if args.out is not None:
             print(f"wrote {args.out}/summary.json, steps.csv, requests.csv, decisions.log, "
                   "timeline.png")
-    return 0
+    return run_status(summary)
+
+
+def run_status(summary: dict) -> int:
+    """0 when every request completed, EXIT_REQUESTS_FAILED when any failed."""
+    return EXIT_OK if summary["failed"] == 0 else EXIT_REQUESTS_FAILED
 
 
 def _require_torch(engine: str) -> None:
@@ -263,7 +279,12 @@ def cmd_trace_make(args: argparse.Namespace) -> int:
     if args.rate is not None:
         trace = stamp_arrivals(trace, args.rate, pattern=args.arrivals, seed=args.seed,
                                burst_size=args.burst_size)
-    save_trace(trace, args.output)
+    output = Path(args.output)
+    if output.is_dir():
+        raise ZipageError(f"-o: {output} is a directory; give the trace file to write, e.g. "
+                          f"{output / 'trace.json'}")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    save_trace(trace, output)
     print(f"wrote {args.output}: {len(trace.requests)} requests")
     return 0
 
@@ -272,10 +293,12 @@ def cmd_trace_make(args: argparse.Namespace) -> int:
 
 def cmd_report_ablation(args: argparse.Namespace) -> int:
     from zipage.analysis.ablation import check_paper_directions, run_ablation, write_ablation_report
+    from zipage.rundir import check_out_dir
     from zipage.sim.simulate import simulate
     from zipage.trace import load_trace
 
     base = settings_from_args(args)
+    check_out_dir(args.out)
 
     def simulate_variant(trace_path: str, overrides: dict) -> dict:
         settings = replace(base, config=replace(base.config, **overrides))
@@ -395,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except ZipageError as error:
         print(f"zipage: error: {error}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("zipage: interrupted", file=sys.stderr)
         return 130
@@ -403,6 +426,13 @@ def main(argv: list[str] | None = None) -> int:
         # The reader went away (`zipage replay ... | head`): stop quietly, as Unix tools do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as error:
+        # A path the user gave cannot be read or written (missing, a file where a directory
+        # belongs, no permission): theirs to fix, so one line. OSErrors without a path are bugs.
+        if error.filename is None:
+            raise
+        print(f"zipage: error: {error.filename}: {error.strerror or error}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from zipage.core.config import ZipageConfig
 from zipage.core.memory import MemoryPlan
 from zipage.core.metrics import REQUEST_COLUMNS, STEP_COLUMNS
 from zipage.deployment import ReplaySettings
+from zipage.errors import ConfigError
 
 
 def run_summary(summary: dict, capacity: MemoryPlan, config: ZipageConfig,
@@ -28,9 +29,20 @@ def run_summary(summary: dict, capacity: MemoryPlan, config: ZipageConfig,
     }
 
 
+def check_out_dir(out_dir: str | Path, flag: str = "--out") -> Path:
+    """Refuse an output directory that cannot be one before the run starts (a long run should
+    not end in a traceback): it must be a directory or not exist yet."""
+    out = Path(out_dir)
+    for parent in (out, *out.parents):
+        if parent.exists() and not parent.is_dir():
+            raise ConfigError(f"{flag}: {parent} exists and is not a directory; give a directory "
+                              "(it is created if missing)")
+    return out
+
+
 def write_run(out_dir: str | Path, summary: dict, steps: list, requests: list,
               decision_log: list[str]) -> Path:
-    out = Path(out_dir)
+    out = check_out_dir(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _write_csv(out / "steps.csv", STEP_COLUMNS, steps)

@@ -7,7 +7,8 @@ slots), and put a scheduler and a model runner around it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from difflib import get_close_matches
 
 import torch
 
@@ -46,9 +47,24 @@ class Engine:
 
 
 def resolve_device(device: str | None) -> torch.device:
+    """`device` as a torch device: None / "auto" pick CUDA when present; a device this machine
+    lacks is refused here, before torch asserts on it deep in the first allocation."""
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        resolved = None
+    if resolved is None or resolved.type not in ("cuda", "cpu"):
+        raise ConfigError(f"device: got {device!r}, expected cuda, cuda:N or cpu")
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device: {device!r} asked for, but torch {torch.__version__} sees no "
+                              "CUDA device; use --device cpu (small models) or a CUDA machine")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ConfigError(f"device: {device!r} asked for, but only "
+                              f"{torch.cuda.device_count()} CUDA device(s) are visible")
+    return resolved
 
 
 def build_engine(settings: ReplaySettings, device: str | None = None,
@@ -107,6 +123,7 @@ class LLM:
     def __init__(self, model: str, *, dtype: str = "auto", device: str | None = None,
                  kv_memory_gb: float | None = None, gpu_memory_utilization: float = 0.9,
                  cuda_graphs: bool = True, **knobs) -> None:
+        _check_knob_names(knobs)
         resolved = resolve_device(device)
         if dtype == "auto":
             dtype = "bfloat16" if resolved.type == "cuda" else "float32"
@@ -164,6 +181,31 @@ class LLM:
         if eos is None:
             return frozenset()
         return frozenset(eos if isinstance(eos, (list, tuple)) else [eos])
+
+
+# Names people bring from the CLI or from SamplingParams, and what LLM(...) calls them. One name per
+# knob: a wrong one is refused with the right one, never silently accepted.
+_CLI_NAMES = {"budget": "kv_budget=", "lambda_": "lambda_weight=", "no_compress": "compress=False",
+              "no_hybrid": "hybrid=False", "no_prefix_cache": "prefix_cache=False",
+              "no_async": "async_compress=False", "no_global_score": "global_score=False",
+              "tp": "(tensor parallelism is not supported by LLM)"}
+_LLM_KEYWORDS = ("dtype", "device", "kv_memory_gb", "gpu_memory_utilization", "cuda_graphs")
+
+
+def _check_knob_names(knobs: dict) -> None:
+    known = {field.name for field in fields(ZipageConfig)}
+    for name in knobs:
+        if name in known:
+            continue
+        if name in _CLI_NAMES:
+            hint = f"use {_CLI_NAMES[name]}"
+        elif name in {field.name for field in fields(SamplingParams)}:
+            hint = f"it is a sampling setting: llm.generate(prompts, SamplingParams({name}=...))"
+        else:
+            close = get_close_matches(name, [*known, *_LLM_KEYWORDS], n=1)
+            hint = f"did you mean {close[0]}=?" if close else (
+                f"knobs are {', '.join(sorted(known))}; plus {', '.join(_LLM_KEYWORDS)}")
+        raise ConfigError(f"LLM: unknown keyword argument {name!r}; {hint}")
 
 
 def _as_prompt_list(prompts) -> list:
