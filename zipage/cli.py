@@ -178,6 +178,11 @@ def _replay_on_engine(trace, settings: ReplaySettings, engine: str, args, progre
     _require_torch(engine)
     from zipage.engine.replay import replay_on_engine
 
+    if engine == "cpu":
+        from zipage.engine.threads import set_cpu_threads
+
+        set_cpu_threads(args.threads)
+
     return replay_on_engine(trace, settings, "cuda" if engine == "gpu" else "cpu",
                             cuda_graphs=not args.no_cuda_graphs, progress=progress,
                             log_decisions=args.out is not None)
@@ -198,6 +203,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     engine = "gpu" if args.gpu else args.engine
     _require_torch(engine)
     from zipage.engine.calibrate import calibrate
+    from zipage.engine.threads import set_cpu_threads
+
+    if engine == "cpu":
+        set_cpu_threads(args.threads)
     from zipage.sim.cost_model import CalibratedCostModel
 
     # The hardware table entry is only the profile's label here (None: named after the GPU);
@@ -235,6 +244,7 @@ def _profile_json(profile: dict) -> str:
 # ---------------------------------------------------------------- zipage generate
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    prompts = _read_prompts(args)
     try:
         from zipage.engine.llm import LLM
         from zipage.engine.sampler import SamplingParams
@@ -244,17 +254,46 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     llm = LLM(args.model, dtype="auto" if args.dtype is None else args.dtype,
               device=args.device, kv_memory_gb=args.kv_memory_gb,
-              gpu_memory_utilization=args.gpu_memory_utilization, **config.to_dict())
+              gpu_memory_utilization=args.gpu_memory_utilization, threads=args.threads,
+              **config.to_dict())
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed, max_tokens=args.max_tokens,
                             ignore_eos=args.ignore_eos)
-    prompts = [_parse_prompt(prompt) for prompt in args.prompts]
-    for output in llm.generate(prompts, params, progress=False):
+    if args.chat:
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        if any(isinstance(prompt, list) for prompt in prompts):
+            raise ZipageError("--chat: prompts must be text, not ids:...")
+        outputs = llm.chat([[*system, {"role": "user", "content": prompt}]
+                            for prompt in prompts], params, progress=False)
+    else:
+        outputs = llm.generate(prompts, params, progress=False)
+    for index, (prompt, output) in enumerate(zip(prompts, outputs), start=1):
+        if len(prompts) > 1:  # label each answer with its prompt, so they cannot run together
+            print(f"{'' if index == 1 else chr(10)}[{index}/{len(prompts)}] {_short(prompt)}")
         if output.error is not None:
             print(f"[failed] {output.error}")
         else:
             print(output.text if output.text is not None else " ".join(map(str, output.token_ids)))
-    return 0
+    failed = sum(output.error is not None for output in outputs)
+    return EXIT_OK if not failed else EXIT_REQUESTS_FAILED
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
+    """The positional prompts, then one per non-empty line of --file (`-`: standard input)."""
+    prompts = list(args.prompts)
+    if args.file is not None:
+        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+        prompts += [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise ZipageError("prompts: give at least one prompt, or --file FILE (one prompt per "
+                          "line; - reads standard input)")
+    return [_parse_prompt(prompt) for prompt in prompts]
+
+
+def _short(prompt: str | list[int], width: int = 70) -> str:
+    text = prompt if isinstance(prompt, str) else "ids:" + ",".join(map(str, prompt))
+    text = text.replace("\n", " ")
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def _parse_prompt(prompt: str) -> str | list[int]:
@@ -322,6 +361,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- entry point
 
+def _add_threads_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU engine: torch threads (default: $ZIPAGE_CPU_THREADS, else "
+                             "$OMP_NUM_THREADS, else half the cores; see docs/engine.md)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zipage", description="Compressed PagedAttention inference and its simulator twin")
@@ -337,6 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "models; --kv-memory-gb defaults to 1)")
     replay.add_argument("--no-cuda-graphs", action="store_true",
                         help="real engine: run decode eagerly")
+    _add_threads_flag(replay)
     replay.add_argument("--json", action="store_true",
                         help="print exactly one JSON object (the summary) on stdout")
     replay.add_argument("--out", default=None, help="directory for summary.json, steps.csv, "
@@ -353,28 +399,57 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--engine", choices=["gpu", "cpu"], default="gpu",
                            help="gpu (default) or cpu (small models, to try the command out; "
                                 "--hardware then names the GPU entry the profile stands for)")
+    _add_threads_flag(calibrate)
     calibrate.add_argument("--repeats", type=int, default=5,
                            help="timed repeats per point; the median is kept (default 5)")
     calibrate.add_argument("--out", required=True,
                            help="profile JSON to write (e.g. sim/profiles/qwen3-8b-h200.json)")
     calibrate.set_defaults(handler=cmd_calibrate)
 
-    generate = commands.add_parser("generate", help="generate text with the real engine")
-    generate.add_argument("prompts", nargs="+",
+    generate = commands.add_parser(
+        "generate", help="generate text with the real engine",
+        description="Generate with the real engine. Defaults differ from the Python API's "
+                    "SamplingParams on purpose: greedy decoding (--temperature 0) and 128 tokens, "
+                    "so the same command prints the same text (SamplingParams: 1.0 and 256).",
+        epilog="examples:\n"
+               "  zipage generate --model SmolLM2-135M-Instruct.Q4_1.gguf --chat "
+               "\"What is the capital of France?\"\n"
+               "  zipage generate --model path/to/model_dir \"The capital of France is\" "
+               "\"2 + 2 =\"\n"
+               "  cat prompts.txt | zipage generate --model path/to/model.gguf --file -\n"
+               "  zipage generate --model random:smollm2-135m ids:1,2,3 --max-tokens 8",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    generate.add_argument("prompts", nargs="*",
                           help="prompt text, or token ids as ids:1,2,3 for random-weight models")
+    generate.add_argument("--file", default=None,
+                          help="read more prompts from FILE, one per line (- reads stdin)")
+    generate.add_argument("--chat", action="store_true",
+                          help="wrap each prompt as a user message in the model's chat template "
+                               "(instruct models)")
+    generate.add_argument("--system", default=None,
+                          help="with --chat: a system message before each prompt")
     generate.add_argument("--model", required=True,
                           help="HF model directory, .gguf file or random:<preset>")
     generate.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     generate.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                           help="default: bfloat16 on the GPU, float32 on the CPU")
-    generate.add_argument("--kv-memory-gb", type=float, default=None)
-    generate.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    generate.add_argument("--max-tokens", type=int, default=128)
-    generate.add_argument("--temperature", type=float, default=0.0)
-    generate.add_argument("--top-k", type=int, default=0)
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--seed", type=int, default=None)
-    generate.add_argument("--ignore-eos", action="store_true")
+    generate.add_argument("--kv-memory-gb", type=float, default=None,
+                          help="memory for KV blocks + query slots (default: 1 on the CPU; "
+                               "what the GPU has left on the GPU)")
+    generate.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                          help="share of GPU memory Zipage may use (default 0.9)")
+    generate.add_argument("--max-tokens", type=int, default=128,
+                          help="output tokens at most per prompt (default 128)")
+    generate.add_argument("--temperature", type=float, default=0.0,
+                          help="0 is greedy (default 0)")
+    generate.add_argument("--top-k", type=int, default=0, help="0 keeps every token (default 0)")
+    generate.add_argument("--top-p", type=float, default=1.0,
+                          help="1.0 keeps every token (default 1.0)")
+    generate.add_argument("--seed", type=int, default=None,
+                          help="sampling seed (default: unseeded)")
+    generate.add_argument("--ignore-eos", action="store_true",
+                          help="keep generating past the end-of-sequence token")
+    _add_threads_flag(generate)
     add_knob_flags(generate)
     generate.set_defaults(handler=cmd_generate)
 

@@ -1,4 +1,5 @@
-"""`LLM(model, **knobs).generate(prompts, sampling_params)`: the vLLM-style public API.
+"""`LLM(model, **knobs).generate(prompts, sampling_params)` and `.chat(messages)`: the vLLM-style
+public API.
 
 Also `build_engine`, shared with `zipage replay --gpu`: load the model, size the caches with the
 core's memory planner (the same function the simulator calls, so equal flags give equal blocks and
@@ -20,6 +21,7 @@ from zipage.engine.loader import load_model
 from zipage.engine.loop import EngineLoop, EngineRun
 from zipage.engine.runner import ModelRunner
 from zipage.engine.sampler import SamplingParams
+from zipage.engine.threads import set_cpu_threads
 from zipage.errors import ConfigError, MemoryPlanError
 from zipage.presets import ModelShape
 from zipage.deployment import ReplaySettings, effective_config, plan_capacity
@@ -117,14 +119,17 @@ class LLM:
 
     `model`: a preset (`random:qwen3-0.6b`), a HF model directory or a .gguf file. Keyword
     arguments are `ZipageConfig` knobs (block_size, kv_budget, compress, hybrid, ...) plus
-    dtype, device, kv_memory_gb, gpu_memory_utilization and cuda_graphs.
+    dtype, device, kv_memory_gb, gpu_memory_utilization, cuda_graphs and threads (CPU only;
+    default: `zipage.engine.threads`).
     """
 
     def __init__(self, model: str, *, dtype: str = "auto", device: str | None = None,
                  kv_memory_gb: float | None = None, gpu_memory_utilization: float = 0.9,
-                 cuda_graphs: bool = True, **knobs) -> None:
+                 cuda_graphs: bool = True, threads: int | None = None, **knobs) -> None:
         _check_knob_names(knobs)
         resolved = resolve_device(device)
+        if resolved.type == "cpu":
+            set_cpu_threads(threads)  # zipage.engine.threads: why not torch's default
         if dtype == "auto":
             dtype = "bfloat16" if resolved.type == "cuda" else "float32"
         settings = ReplaySettings(model=model, dtype=dtype, kv_memory_gb=kv_memory_gb,
@@ -137,7 +142,43 @@ class LLM:
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  progress: bool = True) -> list[RequestOutput]:
+        """One output per prompt (text, or token ids), in order. A prompt that can never run
+        (too long) fails alone: its output has finish_reason "error" and the reason."""
         prompts = _as_prompt_list(prompts)
+        return self._run(prompts, [self._encode(prompt) for prompt in prompts], sampling_params,
+                         progress)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             progress: bool = True) -> list[RequestOutput]:
+        """Reply to one conversation (a list of {"role", "content"} messages) or to each of a
+        list of them, through the model's chat template, as vLLM's `LLM.chat` does."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.render_chat(conversation) for conversation in conversations]
+        # The template writes the special tokens itself: encode without adding any.
+        token_lists = [list(self.tokenizer.encode(prompt, add_special_tokens=False))
+                       for prompt in prompts]
+        return self._run(prompts, token_lists, sampling_params, progress)
+
+    def render_chat(self, conversation: list[dict]) -> str:
+        """The prompt text the model's chat template makes of a conversation, ready for the
+        assistant's turn."""
+        if self.tokenizer is None:
+            raise ConfigError("chat: this model has no tokenizer (random weights); pass token "
+                              "ids to generate() instead")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError("chat: this model's tokenizer has no chat template (a base model?); "
+                              "use generate() with plain prompts")
+        for message in conversation:
+            if not isinstance(message, dict) or not {"role", "content"} <= set(message):
+                raise ConfigError(f"chat: each message must be a dict with 'role' and 'content', "
+                                  f"got {message!r}")
+        return self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def _run(self, prompts: list, token_lists: list[list[int]],
+             sampling_params: SamplingParams | list[SamplingParams] | None,
+             progress: bool) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -145,15 +186,15 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ConfigError(f"sampling_params: got {len(sampling_params)} for "
                               f"{len(prompts)} prompts; pass one or one per prompt")
-        token_lists = [self._encode(prompt) for prompt in prompts]
         sequences, params, ignore_eos = [], {}, {}
         for index, (tokens, sampling) in enumerate(zip(token_lists, sampling_params)):
             seq_id = str(index)
             sequences.append(Sequence(seq_id, tokens, sampling.max_tokens))
             params[seq_id] = sampling
             ignore_eos[seq_id] = sampling.ignore_eos
+        eos_ids = self._eos_ids()
         loop = EngineLoop(self.engine.new_scheduler(), self.engine.runner,
-                          eos_token_ids=self._eos_ids(), progress=progress)
+                          eos_token_ids=eos_ids, progress=progress)
         run = loop.run(sequences, {seq.seq_id: seq.prompt_token_ids for seq in sequences},
                        params, ignore_eos)
         self.last_run = run
@@ -163,10 +204,24 @@ class LLM:
                 outputs.append(RequestOutput(prompt, [], None, "error", seq.error))
                 continue
             generated = run.tokens[seq.seq_id][seq.prompt_len:]
-            text = self.tokenizer.decode(generated) if self.tokenizer is not None else None
-            reason = "length" if len(generated) >= seq.max_output_tokens else "stop"
-            outputs.append(RequestOutput(prompt, generated, text, reason))
+            stopped = (bool(generated) and generated[-1] in eos_ids
+                       and not ignore_eos[seq.seq_id])
+            reason = "stop" if stopped or len(generated) < seq.max_output_tokens else "length"
+            outputs.append(RequestOutput(prompt, generated,
+                                         self._decode(generated, eos_ids, params[seq.seq_id]),
+                                         reason))
         return outputs
+
+    def _decode(self, generated: list[int], eos_ids: frozenset[int],
+                sampling: SamplingParams) -> str | None:
+        """The text of the generated tokens, without the end-of-sequence token that stopped them
+        (token_ids keep it, as vLLM's do)."""
+        if self.tokenizer is None:
+            return None
+        if generated and generated[-1] in eos_ids and not sampling.ignore_eos:
+            generated = generated[:-1]
+        return self.tokenizer.decode(generated,
+                                     skip_special_tokens=sampling.skip_special_tokens)
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -189,7 +244,8 @@ _CLI_NAMES = {"budget": "kv_budget=", "lambda_": "lambda_weight=", "no_compress"
               "no_hybrid": "hybrid=False", "no_prefix_cache": "prefix_cache=False",
               "no_async": "async_compress=False", "no_global_score": "global_score=False",
               "tp": "(tensor parallelism is not supported by LLM)"}
-_LLM_KEYWORDS = ("dtype", "device", "kv_memory_gb", "gpu_memory_utilization", "cuda_graphs")
+_LLM_KEYWORDS = ("dtype", "device", "kv_memory_gb", "gpu_memory_utilization", "cuda_graphs",
+                 "threads")
 
 
 def _check_knob_names(knobs: dict) -> None:
