@@ -28,11 +28,14 @@ EXIT_REQUESTS_FAILED = 3
 SUMMARY_ROWS = [
     ("requests", "requests", "{}"), ("completed", "completed", "{}"), ("failed", "failed", "{}"),
     ("output tokens", "output_tokens", "{:,}"), ("makespan (s)", "makespan_s", "{:,.1f}"),
-    ("throughput (tok/s)", "tps", "{:,.1f}"), ("mean TPOT (ms)", "mean_tpot_ms", "{:.2f}"),
+    ("throughput (tok/s)", "tps", "{:,.1f}"), ("mean TTFT (s)", "mean_ttft_s", "{:,.3f}"),
+    ("p90 TTFT (s)", "ttft_p90_s", "{:,.3f}"), ("mean TPOT (ms)", "mean_tpot_ms", "{:.2f}"),
     ("peak running", "peak_running", "{}"), ("mean running", "mean_running", "{:.1f}"),
     ("preemptions", "preemptions", "{:,}"), ("compressions", "compressions", "{:,}"),
     ("max blocks after compression", "max_blocks_after_compress", "{}"),
-    ("N_max", "n_max", "{}"), ("max concurrency M", "max_concurrency", "{}"),
+    ("N_max (blocks per request)", "n_max", "{}"),
+    # M bounds the requests that hold a query slot; hybrid scheduling runs more without one.
+    ("query slots M", "max_concurrency", "{}"),
     ("KV blocks", "num_blocks", "{:,}"), ("steps", "steps", "{:,}"),
     ("wall time (s)", "wall_s", "{:.2f}"),
 ]
@@ -136,25 +139,29 @@ def cmd_replay(args: argparse.Namespace) -> int:
         from zipage.sim.simulate import simulate
 
         summary, run = simulate(trace, settings, progress=show_progress,
-                                log_decisions=args.out is not None)
+                                log_decisions=_log_decisions(args))
     else:
         summary, run = _replay_on_engine(trace, settings, engine, args, show_progress)
+    summary = {"trace": trace.name, **summary}
     if args.out is not None:
         from zipage.analysis.timeline import plot_run
-        from zipage.rundir import write_run
+        from zipage.rundir import DECISION_FORMATS, write_run
 
-        plot_run(write_run(args.out, summary, run.steps, run.requests, run.decision_log))
+        plot_run(write_run(args.out, summary, run.steps, run.requests, run.decision_log,
+                           decisions=args.decisions))
     if args.json:
         print(json.dumps(summary))
     else:
-        print_summary(summary, title=f"{trace.name} on {settings.model} "
-                                     f"({summary['driver']}, {settings.hardware})")
+        print_summary(summary)
         failed = [request for request in run.requests if request.error]
         for request in failed[:5]:
             print(f"  failed: {request.error}")
+        if len(failed) > 5:
+            print(f"  ... and {len(failed) - 5} more" + (" (requests.csv)" if args.out else ""))
         if args.out is not None:
-            print(f"wrote {args.out}/summary.json, steps.csv, requests.csv, decisions.log, "
-                  "timeline.png")
+            log = DECISION_FORMATS[args.decisions]
+            print(f"wrote {args.out}/summary.json, steps.csv, requests.csv, "
+                  + (f"{log}, " if log else "") + "timeline.png")
     return run_status(summary)
 
 
@@ -185,11 +192,27 @@ def _replay_on_engine(trace, settings: ReplaySettings, engine: str, args, progre
 
     return replay_on_engine(trace, settings, "cuda" if engine == "gpu" else "cpu",
                             cuda_graphs=not args.no_cuda_graphs, progress=progress,
-                            log_decisions=args.out is not None)
+                            log_decisions=_log_decisions(args))
 
 
-def print_summary(summary: dict, title: str) -> None:
-    print(title)
+def _log_decisions(args: argparse.Namespace) -> bool:
+    return args.out is not None and args.decisions != "none"
+
+
+def describe_run(summary: dict) -> str:
+    """One line naming the run: trace, model, driver, device and the knobs that shape it."""
+    config = summary["settings"]["config"]
+    if config["compress"]:
+        mode = (f"budget {config['kv_budget']}, block {config['block_size']}, "
+                f"{'hybrid' if config['hybrid'] else 'constrained'} scheduling")
+    else:
+        mode = f"Full KV (no compression), block {config['block_size']}"
+    return (f"{summary.get('trace', 'run')} on {summary['settings']['model']} · "
+            f"{summary['driver']} on {summary['device']} · {mode}")
+
+
+def print_summary(summary: dict) -> None:
+    print(describe_run(summary))
     width = max(len(label) for label, _, _ in SUMMARY_ROWS)
     for label, key, pattern in SUMMARY_ROWS:
         value = summary.get(key)
@@ -355,7 +378,7 @@ def cmd_report_ablation(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from zipage.analysis.compare import compare_runs, format_report
 
-    print(format_report(compare_runs(args.sim_dir, args.real_dir)))
+    print(format_report(compare_runs(args.run_a, args.run_b)))
     return 0
 
 
@@ -387,6 +410,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print exactly one JSON object (the summary) on stdout")
     replay.add_argument("--out", default=None, help="directory for summary.json, steps.csv, "
                         "requests.csv, decisions.log and timeline.png")
+    replay.add_argument("--decisions", choices=["plain", "gzip", "none"], default="plain",
+                        help="with --out: the per-step decision log as decisions.log (plain, "
+                             "default), decisions.log.gz (gzip: a tenth of the size; 140 MB "
+                             "plain for amc23.json) or not at all (none: zipage compare then "
+                             "skips the decision check)")
     replay.add_argument("--no-progress", action="store_true")
     replay.set_defaults(handler=cmd_replay)
 
@@ -476,9 +504,22 @@ def build_parser() -> argparse.ArgumentParser:
     ablation.add_argument("--no-progress", action="store_true")
     ablation.set_defaults(handler=cmd_report_ablation)
 
-    compare = commands.add_parser("compare", help="how far two runs of one trace agree")
-    compare.add_argument("sim_dir")
-    compare.add_argument("real_dir")
+    compare = commands.add_parser(
+        "compare", help="how far two runs of one trace agree",
+        description="Compare two run directories of one trace: scheduling decisions line by "
+                    "line, step durations, per-request TTFT/TPOT/finish and the summaries. Errors "
+                    "are of RUN_A against RUN_B: (A - B) / B.",
+        epilog="example:\n"
+               "  zipage replay traces/tiny.json --out runs/sim\n"
+               "  zipage replay traces/tiny.json --engine cpu --model random:smollm2-135m "
+               "--out runs/cpu\n"
+               "  zipage compare runs/sim runs/cpu   # (the model and device differ: expect "
+               "setup differences)",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    compare.add_argument("run_a", metavar="RUN_A",
+                         help="a run directory (zipage replay --out), typically the simulator's")
+    compare.add_argument("run_b", metavar="RUN_B",
+                         help="the run to compare against, typically the real engine's")
     compare.set_defaults(handler=cmd_compare)
 
     from zipage.plan_cli import add_plan_command
