@@ -88,3 +88,48 @@ def test_every_request_failing_also_exits_3(capsys, tmp_path):
     summary = json.loads(capsys.readouterr().out)
     assert status == EXIT_REQUESTS_FAILED
     assert summary["completed"] == 0 and summary["failed"] == 3
+
+
+def test_no_progress_bars_off_a_terminal(capsys):
+    # capsys' stderr is not a terminal: no bar, so logs get no carriage returns or blank lines.
+    assert main(["replay", TINY, "--block-size", "16", "--window", "4", "--budget", "64"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_an_error_after_a_progress_bar_starts_on_its_own_line(capsys):
+    from tqdm import tqdm
+
+    bar = tqdm(total=3, desc="points")  # a bar an error interrupts, as in `zipage plan`
+    bar.update(1)
+    assert main(["replay", "no-such-trace.json"]) == 2
+    err = capsys.readouterr().err
+    assert "\nzipage: error: " in err and err.endswith("\n")
+    assert err.splitlines()[-1].startswith("zipage: error: ")
+
+
+def test_version_and_examples_in_help(capsys):
+    from zipage import __version__
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out.strip() == f"zipage {__version__}"
+    for argv in (["-h"], ["replay", "-h"], ["generate", "-h"], ["compare", "-h"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "example" in capsys.readouterr().out
+
+
+def test_report_ablation_hides_and_refuses_the_flags_it_varies(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["report", "ablation", "-h"])
+    text = capsys.readouterr().out
+    assert "--no-hybrid" not in text and "--no-compress" not in text and "--budget" in text
+    assert main(["report", "ablation", TINY, "--out", str(tmp_path), "--no-compress"]) == 2
+    assert "--no-compress: report ablation runs every variant" in capsys.readouterr().err
+
+
+def test_report_ablation_says_which_traces_it_does_not_judge(capsys, tmp_path):
+    assert main(["report", "ablation", TINY, "--out", str(tmp_path), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "[NO ]" not in out and "not judged: tiny" in out
+    assert "no claim of the paper can be judged" in out
