@@ -175,7 +175,8 @@ def _require_torch(engine: str) -> None:
         import torch
     except ImportError as error:
         raise ZipageError("the real engine needs torch: pip install 'zipage[engine]' (on a "
-                          "machine without a GPU: pip install torch==2.13.0 first)") from error
+                          "machine without a GPU first: pip install torch==2.13.0 --index-url "
+                          "https://download.pytorch.org/whl/cpu; docs/engine.md)") from error
     if engine == "gpu" and not torch.cuda.is_available():
         raise ZipageError("--gpu: no CUDA device is visible; use --engine cpu for the CPU path "
                           "(small models) or run the simulator (no flag)")
