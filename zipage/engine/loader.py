@@ -28,7 +28,8 @@ from zipage.engine.models import MODEL_CLASSES
 from zipage.engine.models.llama import LlamaForCausalLM
 from zipage.errors import UnknownModelError
 from zipage.presets import (
-    PRESETS, ModelShape, get_preset, open_gguf, read_config_json, shape_from_gguf, shape_from_hf_config,
+    ARCHITECTURES, PRESETS, ModelShape, get_preset, open_gguf, read_config_json, shape_from_gguf,
+    shape_from_hf_config,
 )
 
 if TYPE_CHECKING:
@@ -157,10 +158,13 @@ def _load_hf_directory(
     # AutoConfig rather than the raw json: it fills each architecture's defaults (Qwen3's head_dim is 128,
     # not hidden/heads) and brings older rope_theta/rope_scaling keys into today's form. When it refuses
     # the file, our own reading of the raw json names the field in one line; failing that, its reason.
+    raw = read_config_json(directory)
+    if raw.get("model_type") not in ARCHITECTURES:
+        shape_from_hf_config(raw, directory.name)  # refuses it in one line, before transformers warns
     try:
         config = AutoConfig.from_pretrained(directory).to_dict()
     except Exception as error:  # noqa: BLE001 - transformers refusing a user's config.json
-        shape_from_hf_config(read_config_json(directory), directory.name)
+        shape_from_hf_config(raw, directory.name)
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise UnknownModelError(f"model: {directory / 'config.json'}: transformers cannot read it "
                                 f"({reason})") from None
