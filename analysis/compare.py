@@ -1,7 +1,9 @@
-"""`zipage compare SIM_DIR REAL_DIR`: how closely a simulated run reproduces a real one.
+"""`zipage compare RUN_A RUN_B`: how closely a simulated run reproduces a real one.
 
 Both directories hold runs of one trace with the same flags, typically the simulator twin and the
-real engine. `compare_runs` measures (a) scheduling agreement: `decisions.log` line by line, which
+real engine, but any two runs compare; the report names each by its driver (simulator,
+engine-cuda, ...), or A and B when both have the same. In the results the first run sits under
+"sim" and the second under "real". `compare_runs` measures (a) scheduling agreement: `decisions.log` line by line, which
 must be identical with synchronous compression since both drivers run the same core; (b) the cost
 model's accuracy: relative error of every step's duration, overall and per step kind, and of the
 total time; (c) per-request errors of TTFT, TPOT and finish time; (d) the summaries side by side.
@@ -11,6 +13,7 @@ is slow. `format_report` turns the result into the text the CLI prints.
 
 from __future__ import annotations
 
+import gzip
 import math
 import re
 from pathlib import Path
@@ -18,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from zipage.analysis.timeline import DECISIONS_FILE, load_run, run_file
+from zipage.analysis.timeline import DECISIONS_FILE, load_run
 from zipage.errors import ZipageError
 
 SUMMARY_KEYS = ("tps", "makespan_s", "mean_tpot_ms", "steps", "preemptions", "compressions")
@@ -26,11 +29,43 @@ SUMMARY_KEYS = ("tps", "makespan_s", "mean_tpot_ms", "steps", "preemptions", "co
 CAPACITY_KEYS = ("n_max", "max_concurrency", "num_blocks")
 FINISHED = "finished"
 _STEP_ID = re.compile(r"step (\d+)\b")
+# The first difference of two decision lines is shown this many characters either side of the
+# first character that differs: a line of a big step lists hundreds of requests.
+DIFFERENCE_CONTEXT = 60
 
 
-def read_decisions(directory: str | Path) -> list[str]:
-    """The lines of a run directory's `decisions.log`."""
-    return run_file(directory, DECISIONS_FILE).read_text().splitlines()
+def read_decisions(directory: str | Path) -> list[str] | None:
+    """The lines of a run directory's decisions.log (or decisions.log.gz); None when the run
+    was written without one (`--decisions none`)."""
+    plain = Path(directory) / DECISIONS_FILE
+    if plain.is_file():
+        return plain.read_text().splitlines()
+    packed = plain.with_name(DECISIONS_FILE + ".gz")
+    if packed.is_file():
+        with gzip.open(packed, "rt") as handle:
+            return handle.read().splitlines()
+    return None
+
+
+def run_labels(sim_summary: dict, real_summary: dict) -> tuple[str, str]:
+    """Names of the two runs in the report: their drivers, or A and B when those agree."""
+    first, second = sim_summary.get("driver"), real_summary.get("driver")
+    if first and second and first != second:
+        return first, second
+    return "A", "B"
+
+
+def excerpt(line: str | None, other: str | None, context: int = DIFFERENCE_CONTEXT) -> str:
+    """`line` cut to the neighbourhood of its first difference from `other`."""
+    if line is None:
+        return "<end of log>"
+    if other is None:
+        start = 0
+    else:
+        start = next((i for i, (a, b) in enumerate(zip(line, other)) if a != b),
+                     min(len(line), len(other)))
+    first, last = max(0, start - context), min(len(line), start + context)
+    return ("..." if first else "") + line[first:last] + ("..." if last < len(line) else "")
 
 
 def compare_decisions(sim_lines: list[str], real_lines: list[str]) -> dict:
@@ -157,7 +192,8 @@ def latency_errors(comparison: dict, sim_summary: dict, real_summary: dict) -> d
     errors = {name: _relative_error(sim_summary.get(key), real_summary.get(key))
               for name, key in GATED_SUMMARY_KEYS.items()}
     errors["e2e_mape"] = comparison["request_time"]["finish"]["mape"]
-    errors["decisions"] = 1.0 - comparison["decisions"]["identical_fraction"]
+    decisions = comparison["decisions"]  # None when a run wrote no decision log
+    errors["decisions"] = None if decisions is None else 1.0 - decisions["identical_fraction"]
     return errors
 
 
@@ -237,12 +273,17 @@ def setup_differences(sim_summary: dict, real_summary: dict) -> dict:
 
 
 def compare_runs(sim_dir: str | Path, real_dir: str | Path) -> dict:
-    """Every comparison of two run directories; a ZipageError names any missing file."""
+    """Every comparison of two run directories; a ZipageError names any missing file. The
+    decision check is None when either run has no decision log."""
     sim, real = load_run(sim_dir), load_run(real_dir)
+    sim_lines, real_lines = read_decisions(sim_dir), read_decisions(real_dir)
+    decisions = (compare_decisions(sim_lines, real_lines)
+                 if sim_lines is not None and real_lines is not None else None)
     comparison = {
         "runs": {"sim": str(sim_dir), "real": str(real_dir)},
+        "labels": dict(zip(("sim", "real"), run_labels(sim.summary, real.summary))),
         "setup_differences": setup_differences(sim.summary, real.summary),
-        "decisions": compare_decisions(read_decisions(sim_dir), read_decisions(real_dir)),
+        "decisions": decisions,
         "step_time": compare_step_times(sim.steps, real.steps),
         "request_time": compare_request_times(sim.requests, real.requests),
         "summary": compare_summaries(sim.summary, real.summary),
@@ -255,38 +296,46 @@ def compare_runs(sim_dir: str | Path, real_dir: str | Path) -> dict:
 def format_report(comparison: dict) -> str:
     """The text report of `compare_runs`' result."""
     runs = comparison["runs"]
-    lines = [f"sim:  {runs['sim']}", f"real: {runs['real']}"]
+    a, b = comparison.get("labels", {"sim": "sim", "real": "real"}).values()
+    width = max(len(a), len(b)) + 1
+    lines = [f"{a + ':':<{width}} {runs['sim']}", f"{b + ':':<{width}} {runs['real']}"]
     if comparison["setup_differences"]:
-        lines += ["", "setup differences (sim | real):"]
+        lines += ["", f"setup differences ({a} | {b}):"]
         lines += [f"  {key}: {_number(values['sim'])} | {_number(values['real'])}"
                   for key, values in comparison["setup_differences"].items()]
 
     decisions = comparison["decisions"]
-    lines += ["", "(a) scheduling decisions: "
-              + ("identical" if decisions["identical"] else "DIFFERENT")
-              + f" ({decisions['identical_lines']} of {max(decisions['lines'].values())} lines"
-              f" identical, {100 * decisions['identical_fraction']:.1f}%;"
-              f" sim {decisions['lines']['sim']} lines, real {decisions['lines']['real']})"]
-    difference = decisions["first_difference"]
-    if difference is not None:
-        lines += [f"  first difference at line {difference['line']} (step {difference['step']}):",
-                  f"    sim:  {difference['sim'] if difference['sim'] is not None else '<end of log>'}",
-                  f"    real: {difference['real'] if difference['real'] is not None else '<end of log>'}"]
+    if decisions is None:
+        lines += ["", "(a) scheduling decisions: not compared (a run was written with "
+                      "--decisions none)"]
+    else:
+        lines += ["", "(a) scheduling decisions: "
+                  + ("identical" if decisions["identical"] else "DIFFERENT")
+                  + f" ({decisions['identical_lines']} of {max(decisions['lines'].values())}"
+                  f" lines identical, {100 * decisions['identical_fraction']:.1f}%;"
+                  f" {a} {decisions['lines']['sim']} lines, {b} {decisions['lines']['real']})"]
+        difference = decisions["first_difference"]
+        if difference is not None:
+            first, second = difference["sim"], difference["real"]
+            lines += [f"  first difference at line {difference['line']} "
+                      f"(step {difference['step']}):",
+                      f"    {a + ':':<{width}} {excerpt(first, second)}",
+                      f"    {b + ':':<{width}} {excerpt(second, first)}"]
 
     step_time = comparison["step_time"]
-    lines += ["", f"(b) step duration error, sim against real ({step_time['matched_steps']} steps"
-              f" matched, {step_time['sim_only_steps']} sim-only, {step_time['real_only_steps']}"
-              f" real-only, {step_time['kind_mismatches']} of another kind):"]
+    lines += ["", f"(b) step duration error, {a} against {b} ({step_time['matched_steps']} steps"
+              f" matched, {step_time['sim_only_steps']} {a}-only, {step_time['real_only_steps']}"
+              f" {b}-only, {step_time['kind_mismatches']} of another kind):"]
     lines += ["  " + _format_stats(kind, stats, unit_scale=1000.0, unit="ms")
               for kind, stats in step_time["duration"].items()]
     total = step_time["total_time"]
-    lines.append(f"  total time: sim {_number(total['sim'])} s, real {_number(total['real'])} s,"
+    lines.append(f"  total time: {a} {_number(total['sim'])} s, {b} {_number(total['real'])} s,"
                  f" error {_percent(total['relative_error'])}")
 
     request_time = comparison["request_time"]
-    lines += ["", f"(c) per-request error, sim against real ({request_time['finished_in_both']}"
-              f" finished in both; {request_time['sim_only_requests']} sim-only,"
-              f" {request_time['real_only_requests']} real-only,"
+    lines += ["", f"(c) per-request error, {a} against {b} ({request_time['finished_in_both']}"
+              f" finished in both; {request_time['sim_only_requests']} {a}-only,"
+              f" {request_time['real_only_requests']} {b}-only,"
               f" {request_time['status_mismatches']} with another status):"]
     lines += ["  " + _format_stats(metric, request_time[metric], unit_scale=scale, unit=unit)
               for metric, scale, unit in (("ttft", 1.0, "s"), ("tpot", 1000.0, "ms"),
@@ -294,17 +343,19 @@ def format_report(comparison: dict) -> str:
 
     errors = comparison["errors"]
     correlation = comparison["finish_order_correlation"]
-    lines += ["", "(e) run-level error, sim against real: "
+    lines += ["", f"(e) run-level error, {a} against {b}: "
               + ", ".join(f"{name} {_percent(errors[name], signed=True)}"
                           for name in ("makespan", "tps", "ttft_p50", "ttft_p90", "ttft_p99",
                                        "tpot_p50", "tpot_p90", "tpot_p99"))
               + f"; end-to-end MAPE {_percent(errors['e2e_mape'])}; finish-order rank correlation "
               + (f"{correlation:.3f}" if correlation is not None else "-")]
-    lines += ["", f"(d) {'summary':<14} {'sim':>14} {'real':>14} {'sim/real':>9}"]
+    column = max(14, len(a), len(b))
+    lines += ["", f"(d) {'summary':<14} {a:>{column}} {b:>{column}} {'ratio':>9}"
+                  f"  (ratio = {a} / {b})"]
     for key, values in comparison["summary"].items():
         ratio = f"{values['ratio']:9.3f}" if values["ratio"] is not None else f"{'-':>9}"
-        lines.append(f"    {key:<14} {_number(values['sim']):>14} {_number(values['real']):>14}"
-                     f" {ratio}")
+        lines.append(f"    {key:<14} {_number(values['sim']):>{column}}"
+                     f" {_number(values['real']):>{column}} {ratio}")
     return "\n".join(lines) + "\n"
 
 

@@ -22,11 +22,11 @@ from matplotlib.figure import Figure
 
 from zipage.core.metrics import REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS, STEP_COLUMNS
 from zipage.errors import ZipageError
+from zipage.rundir import DECISIONS_FILE
 
 SUMMARY_FILE = "summary.json"
 STEPS_FILE = "steps.csv"
 REQUESTS_FILE = "requests.csv"
-DECISIONS_FILE = "decisions.log"
 
 DEFAULT_BINS = 1000
 # The throughput curve is smoothed over this share of the run's duration: enough to hide the
@@ -155,9 +155,26 @@ def _smoothed_rate(tokens: np.ndarray, seconds: np.ndarray, window_bins: int) ->
 def plot_run(directory: str | Path) -> Path:
     """Write `timeline.png` into a run directory written by `zipage.rundir.write_run`."""
     run = load_run(directory)
-    return plot_timeline(run.steps, run.directory / "timeline.png",
-                         title=f"{run.summary['settings']['model']} · {run.summary['driver']}",
+    return plot_timeline(run.steps, run.directory / "timeline.png", title=run_title(run.summary),
                          max_concurrency=run.summary["max_concurrency"])
+
+
+def run_title(summary: dict) -> str:
+    """Trace, model, driver and device, and the knobs that shape the schedule (older run
+    directories may lack some of them)."""
+    settings = summary.get("settings", {})
+    config = settings.get("config", {})
+    device = summary.get("device") or settings.get("hardware")
+    head = " · ".join(str(part) for part in (summary.get("trace"), settings.get("model"),
+                                             summary.get("driver"), device) if part)
+    if not config:
+        return head
+    if config.get("compress", True):
+        knobs = (f"KV budget {config.get('kv_budget')}, block {config.get('block_size')}, "
+                 f"{'hybrid' if config.get('hybrid', True) else 'constrained'} scheduling")
+    else:
+        knobs = f"Full KV (no compression), block {config.get('block_size')}"
+    return f"{head}\n{knobs}"
 
 
 def plot_timeline(steps: pd.DataFrame, path: str | Path, title: str | None = None, *,
@@ -199,10 +216,16 @@ def _draw_panels(binned: _BinnedSteps, throughput_axis: Axes, queue_axis: Axes,
         raw_rate = np.where(binned.decode_seconds > 0,
                             binned.decode_tokens / binned.decode_seconds, np.nan)
     window_bins = max(1, round(SMOOTHING_FRACTION * len(centres)))
-    throughput_axis.fill_between(edges, 0, _per_bin(binned.prefill_share), step="post",
-                                 color="tab:orange", alpha=0.15, linewidth=0,
-                                 label="prefill share of time",
-                                 transform=throughput_axis.get_xaxis_transform())
+    # Prefill share on an axis of its own (right), drawn under the throughput curves.
+    share_axis = throughput_axis.twinx()
+    share_axis.fill_between(edges, 0, 100 * _per_bin(binned.prefill_share), step="post",
+                            color="tab:orange", alpha=0.2, linewidth=0,
+                            label="prefill share of time")
+    share_axis.set_ylim(0, 100)
+    share_axis.set_ylabel("prefill share of time (%)", color="tab:orange")
+    share_axis.tick_params(axis="y", colors="tab:orange")
+    throughput_axis.set_zorder(share_axis.get_zorder() + 1)
+    throughput_axis.patch.set_visible(False)
     throughput_axis.plot(edges, _per_bin(raw_rate), drawstyle="steps-post", color="tab:blue",
                          alpha=0.25, linewidth=0.6, label="per bin")
     throughput_axis.plot(centres, _smoothed_rate(binned.decode_tokens, binned.decode_seconds,
@@ -211,7 +234,7 @@ def _draw_panels(binned: _BinnedSteps, throughput_axis: Axes, queue_axis: Axes,
     throughput_axis.set_ylabel("decode tokens / s")
     throughput_axis.set_ylim(bottom=0)
     throughput_axis.set_title("(a) real-time throughput", loc="left", fontsize=10)
-    throughput_axis.legend(loc="upper right", fontsize=8)
+    _legend_outside(throughput_axis, share_axis)
 
     queue_axis.plot(edges, _per_bin(binned.running), drawstyle="steps-post", color="tab:green",
                     label="running")
@@ -220,20 +243,33 @@ def _draw_panels(binned: _BinnedSteps, throughput_axis: Axes, queue_axis: Axes,
     queue_axis.set_ylabel("requests")
     queue_axis.set_ylim(bottom=0)
     queue_axis.set_title("(b) running and waiting requests", loc="left", fontsize=10)
-    queue_axis.legend(loc="upper right", fontsize=8)
+    _legend_outside(queue_axis)
 
-    memory_axis.plot(edges, _per_bin(binned.block_occupancy_percent), drawstyle="steps-post",
-                     color="tab:purple", label="blocks used")
-    memory_axis.set_ylabel("block occupancy (%)")
+    # Block occupancy as a filled area, so the slot line on the twin axis cannot hide it.
+    occupancy = _per_bin(binned.block_occupancy_percent)
+    memory_axis.fill_between(edges, 0, np.nan_to_num(occupancy), step="post",
+                             color="tab:purple", alpha=0.2, linewidth=0)
+    memory_axis.plot(edges, occupancy, drawstyle="steps-post", color="tab:purple",
+                     linewidth=1.5, label="blocks used (%)")
+    memory_axis.set_ylabel("block occupancy (%)", color="tab:purple")
     memory_axis.set_ylim(0, 105)
     slot_axis = memory_axis.twinx()
     slot_axis.plot(edges, _per_bin(binned.slots_used), drawstyle="steps-post", color="tab:brown",
-                   label="query slots used")
+                   linewidth=1.0, linestyle=(0, (4, 2)), label="query slots used")
+    top = np.nanmax(binned.slots_used) if np.isfinite(binned.slots_used).any() else 0
     if max_concurrency is not None:
-        slot_axis.axhline(max_concurrency, color="tab:brown", linestyle="--", linewidth=0.8,
+        slot_axis.axhline(max_concurrency, color="black", linestyle=":", linewidth=1.0,
                           label=f"query slots M = {max_concurrency}")
-    slot_axis.set_ylabel("query slots used")
-    slot_axis.set_ylim(bottom=0)
+        top = max(top, max_concurrency)
+    slot_axis.set_ylabel("query slots used", color="tab:brown")
+    slot_axis.set_ylim(0, max(1.0, 1.08 * top))
     memory_axis.set_title("(c) block occupancy and query slots", loc="left", fontsize=10)
-    lines = memory_axis.get_lines() + slot_axis.get_lines()
-    memory_axis.legend(lines, [line.get_label() for line in lines], loc="upper right", fontsize=8)
+    _legend_outside(memory_axis, slot_axis)
+
+
+def _legend_outside(*axes: Axes) -> None:
+    """One legend for the curves of `axes`, right of the panel where it can hide no curve."""
+    handles = [handle for axis in axes for handle in axis.get_legend_handles_labels()[0]]
+    labels = [label for axis in axes for label in axis.get_legend_handles_labels()[1]]
+    axes[0].legend(handles, labels, loc="upper left", bbox_to_anchor=(1.08, 1.0), fontsize=8,
+                   borderaxespad=0.0)

@@ -5,6 +5,7 @@ end-to-end check on a run directory written by `zipage replay`."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 import time
@@ -19,11 +20,12 @@ from zipage.analysis.ablation import (
     check_paper_directions,
     markdown_table,
     run_ablation,
+    unjudged_workloads,
     with_speedup,
     write_ablation_report,
 )
-from zipage.analysis.compare import compare_runs, format_report
-from zipage.analysis.timeline import _bin_steps, load_run, plot_timeline
+from zipage.analysis.compare import DIFFERENCE_CONTEXT, compare_runs, excerpt, format_report
+from zipage.analysis.timeline import _bin_steps, load_run, plot_timeline, run_title
 from zipage.core.metrics import REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS, STEP_COLUMNS
 from zipage.errors import ZipageError
 
@@ -280,6 +282,19 @@ def test_paper_directions_only_judge_the_rows_present():
     assert check_paper_directions(table[table["variant"] == "zipage"]) == []
 
 
+def test_other_traces_are_tabulated_but_not_judged():
+    numbers = {**PAPER_LIKE_TPS, "tiny": [10.0] * 5, "amc23-headline": [40.0, 39.0, 40.0, 40.0,
+                                                                         32.0]}
+    table = paper_like_table(numbers)
+    assert unjudged_workloads(table) == ["tiny", "amc23-headline"]
+    # tiny's equal TPS and amc23-headline's 1.25x would fail claims; they are not judged.
+    assert all(holds for _, holds, _ in check_paper_directions(table))
+    details = " ".join(detail for _, _, detail in check_paper_directions(table))
+    assert "tiny" not in details and "headline" not in details
+    only_others = table[table["workload"].isin(["tiny", "amc23-headline"])]
+    assert check_paper_directions(only_others) == []
+
+
 # ---------------------------------------------------------------- compare
 
 def test_identical_runs_compare_with_zero_error(real_dir, tmp_path):
@@ -349,7 +364,8 @@ def test_perturbed_run_against_hand_computed_errors(real_dir, tmp_path):
 
     report = format_report(comparison)
     assert "DIFFERENT" in report
-    assert f"sim:  {decisions[3]}" in report and f"real: {REAL_DECISIONS[3]}" in report
+    # Neither summary names its driver: the runs are A and B.
+    assert f"    A: {decisions[3]}" in report and f"    B: {REAL_DECISIONS[3]}" in report
 
 
 def test_a_log_that_stops_early_differs_at_its_end(real_dir, tmp_path):
@@ -362,14 +378,74 @@ def test_a_log_that_stops_early_differs_at_its_end(real_dir, tmp_path):
     assert decisions["identical_fraction"] == pytest.approx(4 / 6)
 
 
-@pytest.mark.parametrize("missing", ["summary.json", "steps.csv", "requests.csv",
-                                     "decisions.log"])
+@pytest.mark.parametrize("missing", ["summary.json", "steps.csv", "requests.csv"])
 def test_compare_names_the_missing_file(real_dir, tmp_path, missing):
     sim_dir = tmp_path / "sim"
     shutil.copytree(real_dir, sim_dir)
     (sim_dir / missing).unlink()
     with pytest.raises(ZipageError, match=f"sim/{missing}"):
         compare_runs(sim_dir, real_dir)
+
+
+def test_compare_without_a_decision_log_skips_that_check(real_dir, tmp_path):
+    sim_dir = tmp_path / "sim"
+    shutil.copytree(real_dir, sim_dir)
+    (sim_dir / "decisions.log").unlink()
+    comparison = compare_runs(sim_dir, real_dir)
+    assert comparison["decisions"] is None
+    assert "scheduling decisions: not compared" in format_report(comparison)
+    assert comparison["step_time"]["matched_steps"] == len(REAL_KINDS)
+
+
+def test_compare_reads_a_gzipped_decision_log(real_dir, tmp_path):
+    sim_dir = tmp_path / "sim"
+    shutil.copytree(real_dir, sim_dir)
+    (sim_dir / "decisions.log").unlink()
+    with gzip.open(sim_dir / "decisions.log.gz", "wt") as handle:
+        handle.write("\n".join(REAL_DECISIONS) + "\n")
+    assert compare_runs(sim_dir, real_dir)["decisions"]["identical"]
+
+
+def test_compare_names_runs_by_driver_and_cuts_long_lines(real_dir, tmp_path):
+    requests = " ".join(f"r{index}" for index in range(2000))  # a big step: ~10 KB a line
+    sim_decisions = [*REAL_DECISIONS[:2], f"step 2 decode run={requests} x"]
+    real_decisions = [*REAL_DECISIONS[:2], f"step 2 decode run={requests} y"]
+    sim_dir = write_run_dir(tmp_path / "sim", make_steps(REAL_KINDS, REAL_DURATIONS),
+                            real_requests(), {**REAL_SUMMARY, "driver": "simulator"},
+                            sim_decisions)
+    other = write_run_dir(tmp_path / "gpu", make_steps(REAL_KINDS, REAL_DURATIONS),
+                          real_requests(), {**REAL_SUMMARY, "driver": "engine-cuda"},
+                          real_decisions)
+    report = format_report(compare_runs(sim_dir, other))
+    assert report.startswith("simulator:   ") and "\nengine-cuda: " in report
+    assert "(b) step duration error, simulator against engine-cuda" in report
+    difference_lines = [line for line in report.splitlines() if line.startswith("    simulator:")
+                        or line.startswith("    engine-cuda:")]
+    assert len(difference_lines) == 2
+    assert all(len(line) < 2 * DIFFERENCE_CONTEXT + 40 for line in difference_lines)
+    assert difference_lines[0].endswith("r1999 x") and difference_lines[1].endswith("r1999 y")
+    assert "sim" not in format_report(compare_runs(other, other)).splitlines()[0]
+
+
+def test_excerpt_centres_on_the_first_difference():
+    assert excerpt("abc", "abd") == "abc"
+    assert excerpt(None, "x") == "<end of log>"
+    line = "x" * 500 + "A" + "y" * 500
+    cut = excerpt(line, "x" * 500 + "B" + "y" * 500, context=10)
+    assert cut == "..." + "x" * 10 + "A" + "y" * 9 + "..."
+
+
+def test_run_title_names_trace_device_and_knobs():
+    summary = {"trace": "amc23", "driver": "simulator", "device": "h100-80gb",
+               "settings": {"model": "qwen3-8b", "hardware": "h100",
+                            "config": {"compress": True, "kv_budget": 2048, "block_size": 256,
+                                       "hybrid": False}}}
+    assert run_title(summary) == ("amc23 · qwen3-8b · simulator · h100-80gb\n"
+                                  "KV budget 2048, block 256, constrained scheduling")
+    full_kv = {**summary, "settings": {**summary["settings"], "config": {"compress": False,
+                                                                         "block_size": 16}}}
+    assert run_title(full_kv).endswith("Full KV (no compression), block 16")
+    assert run_title({"settings": {"model": "m"}, "driver": "engine-cpu"}) == "m · engine-cpu"
 
 
 def test_compare_on_a_replayed_run_directory(tmp_path):

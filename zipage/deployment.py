@@ -46,6 +46,26 @@ class ReplaySettings:
                      "deterministic and only records it")
     config: ZipageConfig = field(default_factory=ZipageConfig)
 
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Refuse values no deployment can have, naming the flag, before anything divides by
+        them (replay, plan and calibrate all build their settings here)."""
+        if isinstance(self.tensor_parallel, bool) or not isinstance(self.tensor_parallel, int) \
+                or self.tensor_parallel < 1:
+            raise ConfigError(f"tensor_parallel: got {self.tensor_parallel!r}, expected an "
+                              "integer >= 1 (--tensor-parallel 1 is one GPU)")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization: got {self.gpu_memory_utilization}, "
+                              "expected a fraction in (0, 1], e.g. --gpu-memory-utilization 0.9")
+        for name in ("gpu_memory_gb", "kv_memory_gb"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 < value < float("inf"):
+                raise ConfigError(f"{name}: got {value}, expected a positive number of GiB "
+                                  f"(--{name.replace('_', '-')})")
+        dtype_bytes(self.dtype)
+
     def to_dict(self) -> dict:
         values = asdict(self)
         values["config"] = self.config.to_dict()
@@ -68,8 +88,6 @@ def plan_capacity(settings: ReplaySettings, shape: ModelShape,
     """
     element = dtype_bytes(settings.dtype)
     if settings.kv_memory_gb is not None:
-        if settings.kv_memory_gb <= 0:
-            raise ConfigError(f"kv_memory_gb: got {settings.kv_memory_gb}, expected > 0")
         available = int(settings.kv_memory_gb * GIB)
     else:
         if settings.gpu_memory_gb is not None:

@@ -88,7 +88,9 @@ def request_record(seq: Sequence) -> RequestRecord:
     return RequestRecord(
         id=str(seq.seq_id), arrival=seq.arrival_s, first_token=seq.first_token_time,
         finish=seq.finish_time, prompt_len=seq.prompt_len,
-        output_len=seq.num_output_tokens, n_preempted=seq.num_preemptions,
+        # A rejected request never ran: its row keeps the output length it asked for.
+        output_len=seq.max_output_tokens if seq.error is not None else seq.num_output_tokens,
+        n_preempted=seq.num_preemptions,
         n_compressions=seq.num_compressions,
         max_blocks_held_after_first_compression=seq.max_blocks_after_first_compression,
         status=seq.status.value, error=seq.error,

@@ -1,4 +1,5 @@
-"""`LLM(model, **knobs).generate(prompts, sampling_params)`: the vLLM-style public API.
+"""`LLM(model, **knobs).generate(prompts, sampling_params)` and `.chat(messages)`: the vLLM-style
+public API.
 
 Also `build_engine`, shared with `zipage replay --gpu`: load the model, size the caches with the
 core's memory planner (the same function the simulator calls, so equal flags give equal blocks and
@@ -7,7 +8,8 @@ slots), and put a scheduler and a model runner around it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from difflib import get_close_matches
 
 import torch
 
@@ -21,6 +23,7 @@ from zipage.engine.loop import EngineLoop
 from zipage.engine.runner import ModelRunner
 from zipage.engine.sampler import SamplingParams
 from zipage.engine.warmup import warm_up
+from zipage.engine.threads import set_cpu_threads
 from zipage.errors import ConfigError, MemoryPlanError
 from zipage.presets import ModelShape
 from zipage.deployment import ReplaySettings, effective_config, plan_capacity
@@ -46,9 +49,24 @@ class Engine:
 
 
 def resolve_device(device: str | None) -> torch.device:
+    """`device` as a torch device: None / "auto" pick CUDA when present; a device this machine
+    lacks is refused here, before torch asserts on it deep in the first allocation."""
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        resolved = None
+    if resolved is None or resolved.type not in ("cuda", "cpu"):
+        raise ConfigError(f"device: got {device!r}, expected cuda, cuda:N or cpu")
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device: {device!r} asked for, but torch {torch.__version__} sees no "
+                              "CUDA device; use --device cpu (small models) or a CUDA machine")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ConfigError(f"device: {device!r} asked for, but only "
+                              f"{torch.cuda.device_count()} CUDA device(s) are visible")
+    return resolved
 
 
 def build_engine(settings: ReplaySettings, device: str | None = None,
@@ -104,13 +122,17 @@ class LLM:
 
     `model`: a preset (`random:qwen3-0.6b`), a HF model directory or a .gguf file. Keyword
     arguments are `ZipageConfig` knobs (block_size, kv_budget, compress, hybrid, ...) plus
-    dtype, device, kv_memory_gb, gpu_memory_utilization and cuda_graphs.
+    dtype, device, kv_memory_gb, gpu_memory_utilization, cuda_graphs and threads (CPU only;
+    default: `zipage.engine.threads`).
     """
 
     def __init__(self, model: str, *, dtype: str = "auto", device: str | None = None,
                  kv_memory_gb: float | None = None, gpu_memory_utilization: float = 0.9,
-                 cuda_graphs: bool = True, **knobs) -> None:
+                 cuda_graphs: bool = True, threads: int | None = None, **knobs) -> None:
+        _check_knob_names(knobs)
         resolved = resolve_device(device)
+        if resolved.type == "cpu":
+            set_cpu_threads(threads)  # zipage.engine.threads: why not torch's default
         if dtype == "auto":
             dtype = "bfloat16" if resolved.type == "cuda" else "float32"
         settings = ReplaySettings(model=model, dtype=dtype, kv_memory_gb=kv_memory_gb,
@@ -123,7 +145,43 @@ class LLM:
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  progress: bool = True) -> list[RequestOutput]:
+        """One output per prompt (text, or token ids), in order. A prompt that can never run
+        (too long) fails alone: its output has finish_reason "error" and the reason."""
         prompts = _as_prompt_list(prompts)
+        return self._run(prompts, [self._encode(prompt) for prompt in prompts], sampling_params,
+                         progress)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             progress: bool = True) -> list[RequestOutput]:
+        """Reply to one conversation (a list of {"role", "content"} messages) or to each of a
+        list of them, through the model's chat template, as vLLM's `LLM.chat` does."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.render_chat(conversation) for conversation in conversations]
+        # The template writes the special tokens itself: encode without adding any.
+        token_lists = [list(self.tokenizer.encode(prompt, add_special_tokens=False))
+                       for prompt in prompts]
+        return self._run(prompts, token_lists, sampling_params, progress)
+
+    def render_chat(self, conversation: list[dict]) -> str:
+        """The prompt text the model's chat template makes of a conversation, ready for the
+        assistant's turn."""
+        if self.tokenizer is None:
+            raise ConfigError("chat: this model has no tokenizer (random weights); pass token "
+                              "ids to generate() instead")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError("chat: this model's tokenizer has no chat template (a base model?); "
+                              "use generate() with plain prompts")
+        for message in conversation:
+            if not isinstance(message, dict) or not {"role", "content"} <= set(message):
+                raise ConfigError(f"chat: each message must be a dict with 'role' and 'content', "
+                                  f"got {message!r}")
+        return self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def _run(self, prompts: list, token_lists: list[list[int]],
+             sampling_params: SamplingParams | list[SamplingParams] | None,
+             progress: bool) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -131,11 +189,11 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ConfigError(f"sampling_params: got {len(sampling_params)} for "
                               f"{len(prompts)} prompts; pass one or one per prompt")
-        token_lists = [self._encode(prompt) for prompt in prompts]
         sequences = [Sequence(str(index), tokens, sampling.max_tokens, sampling=sampling)
                      for index, (tokens, sampling) in enumerate(zip(token_lists, sampling_params))]
+        eos_ids = self._eos_ids()
         loop = EngineLoop(self.engine.new_scheduler(), self.engine.runner,
-                          eos_token_ids=self._eos_ids(), progress=progress)
+                          eos_token_ids=eos_ids, progress=progress)
         run = loop.run(sequences)
         self.last_run = run
         outputs = []
@@ -144,10 +202,24 @@ class LLM:
                 outputs.append(RequestOutput(prompt, [], None, "error", seq.error))
                 continue
             generated = run.tokens[seq.seq_id][seq.prompt_len:]
-            text = self.tokenizer.decode(generated) if self.tokenizer is not None else None
-            reason = "length" if len(generated) >= seq.max_output_tokens else "stop"
-            outputs.append(RequestOutput(prompt, generated, text, reason))
+            stopped = (bool(generated) and generated[-1] in eos_ids
+                       and not seq.sampling.ignore_eos)
+            reason = "stop" if stopped or len(generated) < seq.max_output_tokens else "length"
+            outputs.append(RequestOutput(prompt, generated,
+                                         self._decode(generated, eos_ids, seq.sampling),
+                                         reason))
         return outputs
+
+    def _decode(self, generated: list[int], eos_ids: frozenset[int],
+                sampling: SamplingParams) -> str | None:
+        """The text of the generated tokens, without the end-of-sequence token that stopped them
+        (token_ids keep it, as vLLM's do)."""
+        if self.tokenizer is None:
+            return None
+        if generated and generated[-1] in eos_ids and not sampling.ignore_eos:
+            generated = generated[:-1]
+        return self.tokenizer.decode(generated,
+                                     skip_special_tokens=sampling.skip_special_tokens)
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -162,6 +234,32 @@ class LLM:
         if eos is None:
             return frozenset()
         return frozenset(eos if isinstance(eos, (list, tuple)) else [eos])
+
+
+# Names people bring from the CLI or from SamplingParams, and what LLM(...) calls them. One name per
+# knob: a wrong one is refused with the right one, never silently accepted.
+_CLI_NAMES = {"budget": "kv_budget=", "lambda_": "lambda_weight=", "no_compress": "compress=False",
+              "no_hybrid": "hybrid=False", "no_prefix_cache": "prefix_cache=False",
+              "no_async": "async_compress=False", "no_global_score": "global_score=False",
+              "tp": "(tensor parallelism is not supported by LLM)"}
+_LLM_KEYWORDS = ("dtype", "device", "kv_memory_gb", "gpu_memory_utilization", "cuda_graphs",
+                 "threads")
+
+
+def _check_knob_names(knobs: dict) -> None:
+    known = {field.name for field in fields(ZipageConfig)}
+    for name in knobs:
+        if name in known:
+            continue
+        if name in _CLI_NAMES:
+            hint = f"use {_CLI_NAMES[name]}"
+        elif name in {field.name for field in fields(SamplingParams)}:
+            hint = f"it is a sampling setting: llm.generate(prompts, SamplingParams({name}=...))"
+        else:
+            close = get_close_matches(name, [*known, *_LLM_KEYWORDS], n=1)
+            hint = f"did you mean {close[0]}=?" if close else (
+                f"knobs are {', '.join(sorted(known))}; plus {', '.join(_LLM_KEYWORDS)}")
+        raise ConfigError(f"LLM: unknown keyword argument {name!r}; {hint}")
 
 
 def _as_prompt_list(prompts) -> list:

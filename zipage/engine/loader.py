@@ -3,8 +3,8 @@
 - A HF model directory (`config.json` plus `*.safetensors`, sharded or not): the config becomes a
   `ModelShape`, and each checkpoint tensor is copied into our parameters; the separate q/k/v and
   gate/up projections land in their rows of our fused ones.
-- A `.gguf` file: transformers' GGUF support dequantises it into a HF model (float32, on the CPU),
-  whose state dict is then copied in exactly like a checkpoint's.
+- A `.gguf` file: parsed once (`gguf_file`); its tensors are dequantised, renamed to HF names and
+  copied in exactly like a checkpoint's; transformers builds the tokenizer from its tokenizer keys.
 - `random:<preset>` (e.g. `random:qwen3-8b`, from `zipage.presets`, the table the simulator uses too):
   parameters filled with seeded random values directly on the target device, for throughput work
   where the weights do not matter.
@@ -15,9 +15,9 @@ is built on the CPU and moved.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,7 +27,10 @@ from zipage.engine.layers import FusedLinear, RMSNorm
 from zipage.engine.models import MODEL_CLASSES
 from zipage.engine.models.llama import LlamaForCausalLM
 from zipage.errors import UnknownModelError
-from zipage.presets import PRESETS, ModelShape, get_preset, shape_from_hf_config
+from zipage.presets import (
+    ARCHITECTURES, PRESETS, ModelShape, get_preset, open_gguf, read_config_json, shape_from_gguf,
+    shape_from_hf_config,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -153,29 +156,56 @@ def _load_hf_directory(
     from transformers import AutoConfig, AutoTokenizer
 
     # AutoConfig rather than the raw json: it fills each architecture's defaults (Qwen3's head_dim is 128,
-    # not hidden/heads) and brings older rope_theta/rope_scaling keys into today's form.
-    config = AutoConfig.from_pretrained(directory).to_dict()
+    # not hidden/heads) and brings older rope_theta/rope_scaling keys into today's form. When it refuses
+    # the file, our own reading of the raw json names the field in one line; failing that, its reason.
+    raw = read_config_json(directory)
+    if raw.get("model_type") not in ARCHITECTURES:
+        shape_from_hf_config(raw, directory.name)  # refuses it in one line, before transformers warns
+    try:
+        config = AutoConfig.from_pretrained(directory).to_dict()
+    except Exception as error:  # noqa: BLE001 - transformers refusing a user's config.json
+        shape_from_hf_config(raw, directory.name)
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise UnknownModelError(f"model: {directory / 'config.json'}: transformers cannot read it "
+                                f"({reason})") from None
     shape = shape_from_hf_config(config, directory.name)
     files = _safetensors_files(directory)
     model = build_model(shape, dtype, device)
 
     def checkpoint_tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
-            with safe_open(file, framework="pt", device="cpu") as reader:
-                for name in reader.keys():
-                    yield name, reader.get_tensor(name)
+            with _user_file(file, "a safetensors checkpoint"):
+                with safe_open(file, framework="pt", device="cpu") as reader:
+                    for name in reader.keys():
+                        yield name, reader.get_tensor(name)
 
     load_weights(model, checkpoint_tensors())
-    has_tokenizer = any((directory / file).is_file() for file in _TOKENIZER_FILES)
-    tokenizer = AutoTokenizer.from_pretrained(directory) if has_tokenizer else None
+    tokenizer = None
+    if any((directory / file).is_file() for file in _TOKENIZER_FILES):
+        with _user_file(directory, "a tokenizer transformers can load"):
+            tokenizer = AutoTokenizer.from_pretrained(directory)
     return model, shape, tokenizer
+
+
+@contextmanager
+def _user_file(path: Path, what: str) -> Iterator[None]:
+    """Turn a third-party reader's failure on a user's file into one line naming the file (any
+    exception: the file is the input, so whatever breaks the reader is about the file)."""
+    try:
+        yield
+    except UnknownModelError:
+        raise
+    except Exception as error:  # noqa: BLE001
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise UnknownModelError(f"model: {path} is not {what} ({reason})") from None
 
 
 def _safetensors_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [directory / file for file in sorted(set(weight_map.values()))]
+        with _user_file(index, "a safetensors index (JSON with a weight_map object)"):
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return [directory / file for file in sorted(set(weight_map.values()))]
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise UnknownModelError(
@@ -185,26 +215,18 @@ def _safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def _load_transformers_gguf(path: Path) -> torch.nn.Module:
-    """transformers' dequantised float32 CPU model of a GGUF file (the slow part: it parses the file)."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-
-
 def _load_gguf(
     path: Path, dtype: torch.dtype, device: torch.device
 ) -> tuple[LlamaForCausalLM, ModelShape, PreTrainedTokenizerBase]:
-    if importlib.util.find_spec("gguf") is None:
-        raise UnknownModelError(f"model: reading {path.name} needs the gguf package: pip install 'zipage[gguf]'")
-    from transformers import AutoTokenizer
+    """One parse of the file gives the shape and the weights (`gguf_file`); the tokenizer reads
+    only its own keys."""
+    from zipage.engine.gguf_file import gguf_tensors, gguf_tokenizer
 
-    reference = _load_transformers_gguf(path)
-    shape = shape_from_hf_config(reference.config.to_dict(), path.stem)
+    reader = open_gguf(path)
+    shape = shape_from_gguf(path, reader)
     model = build_model(shape, dtype, device)
-    load_weights(model, reference.state_dict().items())
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return model, shape, tokenizer
+    load_weights(model, gguf_tensors(reader, shape, path))
+    return model, shape, gguf_tokenizer(path)
 
 
 def _unresolved_message(spec: str, path: Path) -> str:

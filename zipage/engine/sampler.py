@@ -24,7 +24,10 @@ class SamplingParams:
     """Per-request sampling settings. temperature 0 = greedy; top_k 0 and top_p 1.0 = no filtering.
 
     `max_tokens` output tokens at most; `ignore_eos` keeps generating through end-of-sequence
-    tokens (trace replays and benchmarks use it to get fixed output lengths).
+    tokens (trace replays and benchmarks use it to get fixed output lengths);
+    `skip_special_tokens` leaves special tokens (<|im_start|>, ...) out of the output text.
+    Defaults are vLLM's sampling defaults except max_tokens; `zipage generate` uses its own
+    (greedy, 128 tokens: see `zipage generate -h`).
     """
 
     temperature: float = 1.0
@@ -33,6 +36,7 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 256
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
