@@ -298,7 +298,7 @@ def cmd_report_ablation(args: argparse.Namespace) -> int:
     varied = sorted({flag for overrides in ABLATION_VARIANTS.values() for flag in overrides})
     for knob in varied:
         flag = _ABLATION_FLAGS[knob]
-        if getattr(args, flag.removeprefix("--").replace("-", "_")):
+        if not getattr(args, knob):  # a --no-... flag sets its knob to False
             raise ZipageError(f"{flag}: report ablation runs every variant itself (Zipage, "
                               "w/o async, w/o hybrid, w/o prefix cache, Full KV); drop the flag")
     base = settings_from_args(args)
