@@ -48,15 +48,21 @@ class InstantDriver:
         self.rng = random.Random(seed)
         self.recorder = StepRecorder(scheduler, check=check, log_decisions=log_decisions)
 
-    def run(self, sequences: list[Sequence]) -> Run:
-        """Add each request once the clock reaches its arrival (in steps), run to the end."""
+    def run(self, sequences: list[Sequence], aborts: dict[str, int] | None = None) -> Run:
+        """Add each request once the clock reaches its arrival (in steps), run to the end.
+
+        `aborts`: request id -> time (in steps) its client goes away (`Scheduler.abort` between
+        steps, as a server does)."""
         recorder = self.recorder
         arrivals = ArrivalQueue(sequences)
+        pending_aborts = sorted((at, seq_id) for seq_id, at in (aborts or {}).items())
         bound = step_bound(sequences, self.scheduler, self.delay_range[1])
         completions: dict[int, int] = {}  # batch id -> step whose result reports it done
         now = 0
         while arrivals.has_pending or self.scheduler.has_unfinished():
             arrivals.admit_due(recorder.add, now)
+            while pending_aborts and pending_aborts[0][0] <= now:
+                self.scheduler.abort(pending_aborts.pop(0)[1])
             plan = recorder.schedule()
             if plan is None:  # nothing queued: jump to the next arrival, if any
                 if not arrivals.has_pending:

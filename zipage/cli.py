@@ -510,6 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
     from zipage.plan_cli import add_plan_command
 
     add_plan_command(commands)
+    from zipage.serve.cli import add_serve_commands; add_serve_commands(commands)  # noqa: E702
     return parser
 
 

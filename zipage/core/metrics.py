@@ -104,6 +104,7 @@ def request_records(sequences: list[Sequence]) -> list[RequestRecord]:
 def summarize(steps: list[StepRecord], requests: list[RequestRecord]) -> dict:
     """The run's headline numbers (keys shared by every driver's `--json`)."""
     done = [r for r in requests if r.status == SequenceStatus.FINISHED.value]
+    aborted = [r for r in requests if r.status == SequenceStatus.ABORTED.value]
     output_tokens = sum(r.output_len for r in done)
     if done:
         start = min(r.arrival for r in requests)
@@ -127,7 +128,8 @@ def summarize(steps: list[StepRecord], requests: list[RequestRecord]) -> dict:
     return {
         "requests": len(requests),
         "completed": len(done),
-        "failed": len(requests) - len(done),
+        "failed": len(requests) - len(done) - len(aborted),
+        "aborted": len(aborted),  # their clients went away (a server's Scheduler.abort)
         "output_tokens": output_tokens,
         "makespan_s": makespan,
         "tps": output_tokens / makespan if makespan > 0 else 0.0,

@@ -88,7 +88,7 @@ class StepRecorder:
         if self.checker:
             # Only requests the engine stopped at an EOS may end short of their output length.
             self.checker.at_end(self._stopped)
-        requests = request_records(scheduler.finished + scheduler.rejected)
+        requests = request_records(scheduler.finished + scheduler.rejected + scheduler.aborted)
         summary = summarize(self.metrics.steps, requests)
         summary["wall_s"] = time.perf_counter() - self._started
         return Run(summary, self.metrics.steps, requests, self.decision_log, tokens or {})

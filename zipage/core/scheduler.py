@@ -61,6 +61,9 @@ class Scheduler:
         self.running: dict[Sequence, None] = {}  # insertion-ordered: admission order
         self.finished: list[Sequence] = []
         self.rejected: list[Sequence] = []
+        self.aborted: list[Sequence] = []
+        # Aborted while their async compression batch runs: released when the batch completes.
+        self._abort_after_batch: set[Sequence] = set()
         self.admission_order: list[str] = []  # first admissions, for the FCFS invariant
 
         self.clock = DecodeClock()
@@ -465,7 +468,11 @@ class Scheduler:
         self.in_flight = None
         for job in batch.jobs:
             self._complete_compression(job, swap_table=True)
-            self._pending.append(job.seq)
+            if job.seq in self._abort_after_batch:
+                self._abort_after_batch.discard(job.seq)
+                self._release_aborted(job.seq)
+            else:
+                self._pending.append(job.seq)
 
     def _finish_sequence(self, seq: Sequence, time: float) -> None:
         self._leave_steady(seq)
@@ -481,6 +488,45 @@ class Scheduler:
         del self.running[seq]
         self._release_slot(seq)
         self._resource_version += 1
+
+    # ------------------------------------------------------------------ abort
+
+    def abort(self, seq_id: str) -> bool:
+        """Drop a waiting or running request (its client went away); False if none is queued.
+
+        Call it between steps (after `finish`, before the next `schedule`). Its blocks and query
+        slot are freed at once, except for a request inside the in-flight async compression
+        batch: that batch still reads its slot and writes its target blocks, so the request is
+        released when the batch completes and meanwhile only waits, out of decoding.
+        """
+        assert self._plan is None, "abort between steps, not while a plan is being executed"
+        for seq in self.waiting:
+            if seq.seq_id == seq_id:
+                self.waiting.remove(seq)
+                self._forget_blocked(seq)
+                seq.status = SequenceStatus.ABORTED
+                self.aborted.append(seq)
+                self._resource_version += 1
+                return True
+        for seq in self.running:
+            if seq.seq_id == seq_id:
+                if seq in self._abort_after_batch:
+                    return True
+                if seq.compressing:  # only an async batch holds it between steps
+                    self._abort_after_batch.add(seq)
+                else:
+                    self._release_aborted(seq)
+                return True
+        return False
+
+    def _release_aborted(self, seq: Sequence) -> None:
+        self._leave_steady(seq)
+        self._forget_blocked(seq)
+        self.block_manager.release_all(seq.block_table)
+        seq.block_table = []
+        self._remove_from_running(seq)
+        seq.status = SequenceStatus.ABORTED
+        self.aborted.append(seq)
 
     # ------------------------------------------------------------------ introspection
 

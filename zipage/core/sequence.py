@@ -22,6 +22,7 @@ class SequenceStatus(Enum):
     RUNNING = "running"
     FINISHED = "finished"
     REJECTED = "rejected"
+    ABORTED = "aborted"  # the client went away (Scheduler.abort); its blocks are freed
 
 
 class DecodeClock:
@@ -112,7 +113,8 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status in (SequenceStatus.FINISHED, SequenceStatus.REJECTED)
+        return self.status in (SequenceStatus.FINISHED, SequenceStatus.REJECTED,
+                               SequenceStatus.ABORTED)
 
     @property
     def remaining_output_tokens(self) -> int:

@@ -1,23 +1,37 @@
 """The real engine's step loop: the core's step protocol on a wall clock.
 
-Exactly the simulator's loop with the cost model replaced by the model runner: requests are added
-when the wall clock reaches their arrival, `schedule()` plans a step, the runner executes it and
-samples one token per request, `finish(result)` applies it with the measured times and the requests
-that hit EOS. The core's decisions are the simulator's; only the durations differ. Logging,
-invariant checks, metrics and progress are the shared `StepRecorder`'s.
+Exactly the simulator's loop with the cost model replaced by the model runner: `schedule()` plans a
+step, the runner executes it and samples one token per request, `finish(result)` applies it with
+the measured times and the requests that hit EOS. The core's decisions are the simulator's; only
+the durations differ. Logging, invariant checks, metrics and progress are the shared
+`StepRecorder`'s.
+
+One `step()` serves both users: the offline `run()` (a trace's requests added when the wall clock
+reaches their arrival) and the online server (`zipage.serve.engine`), which adds and aborts
+requests between steps and streams each step's tokens out.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from zipage.core.arrivals import ArrivalQueue
 from zipage.core.recorder import Run, StepRecorder
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
-from zipage.core.step import IDLE, StepResult
+from zipage.core.step import IDLE, StepPlan, StepResult
 from zipage.engine.runner import ModelRunner
+
+
+@dataclass
+class StepOutput:
+    """What one step produced: the token each request got, and who finished in it."""
+
+    plan: StepPlan
+    tokens: list[tuple[Sequence, int]]
+    finished: list[Sequence]  # reached max tokens or stopped at EOS (their blocks are free)
 
 
 class EngineLoop:
@@ -33,40 +47,71 @@ class EngineLoop:
         self.progress = progress
         # Teacher forcing: (request id, sampled token) -> the token to append instead.
         self.next_token = next_token
+        self.recorder: StepRecorder | None = None
+        # Prompt + output token ids of every request added (the runner reads them).
+        self.tokens: dict[str, list[int]] = {}
+        self._started = time.perf_counter()
+
+    def start(self, total: int | None = None) -> None:
+        """Open a run: a fresh recorder, and the clock at 0 (`run` does it; a server once)."""
+        self.recorder = StepRecorder(self.scheduler, check=self.check,
+                                     log_decisions=self.log_decisions,
+                                     progress=self.progress, total=total)
+        self.tokens = {}
+        self._started = time.perf_counter()
+
+    def now(self) -> float:
+        """Seconds on the run's clock (arrival, first-token and finish times use it)."""
+        return time.perf_counter() - self._started
+
+    def add(self, seq: Sequence) -> bool:
+        """Queue a request; False if the core rejected it (`seq.error` says why)."""
+        # A request without prompt tokens is one the scheduler rejects before it ever runs.
+        if seq.prompt_token_ids is not None:
+            self.tokens[seq.seq_id] = list(seq.prompt_token_ids)
+        return self.recorder.add(seq)
+
+    def abort(self, seq_id: str) -> bool:
+        """Drop a request between steps (`Scheduler.abort`); its blocks are freed."""
+        return self.scheduler.abort(seq_id)
+
+    def step(self, started_at: float | None = None) -> StepOutput | None:
+        """Schedule, execute and finish one step; None when no request is queued.
+
+        `started_at`: when the iteration that admitted this step's arrivals began (default now).
+        A step starts there: admission and scheduling are host time the step costs, and a
+        step-time replay (sim/step_replay.py) admits arrivals up to exactly that instant."""
+        scheduler, runner = self.scheduler, self.runner
+        t_start = self.now() if started_at is None else started_at
+        plan = self.recorder.schedule()
+        if plan is None:
+            return None
+        sampled = runner.execute(plan, self.tokens)
+        # An idle step exists only to wait for the in-flight compression batch.
+        completed = (runner.compressor.completed(wait=plan.kind == IDLE)
+                     if runner.compressor is not None else [])
+        t_end = self.now()
+        stopped = set()
+        produced = []
+        for seq, token in sampled:
+            if self.next_token is not None:
+                token = self.next_token(seq.seq_id, token)
+            self.tokens[seq.seq_id].append(token)
+            produced.append((seq, token))
+            if token in self.eos_token_ids and not seq.sampling.ignore_eos:
+                stopped.add(seq.seq_id)
+        finished_before = len(scheduler.finished)
+        self.recorder.finish(plan, StepResult(step_id=plan.step_id, t_start=t_start, t_end=t_end,
+                                              completed_batches=completed, stopped=stopped))
+        return StepOutput(plan, produced, scheduler.finished[finished_before:])
 
     def run(self, sequences: list[Sequence]) -> Run:
         """Run every request (each carries its prompt tokens and `SamplingParams`) to the end."""
-        scheduler, runner = self.scheduler, self.runner
-        recorder = StepRecorder(scheduler, check=self.check, log_decisions=self.log_decisions,
-                                progress=self.progress, total=len(sequences))
-        # A request without prompt tokens is one the scheduler rejects before it ever runs.
-        tokens = {seq.seq_id: list(seq.prompt_token_ids) for seq in sequences
-                  if seq.prompt_token_ids is not None}
+        self.start(total=len(sequences))
         arrivals = ArrivalQueue(sequences)
-        started = time.perf_counter()
-        while arrivals.has_pending or scheduler.has_unfinished():
-            now = time.perf_counter() - started
-            arrivals.admit_due(recorder.add, now)
-            plan = recorder.schedule()
-            if plan is None:
-                if arrivals.has_pending:
-                    time.sleep(max(0.0, arrivals.next_arrival_s - now))
-                continue
-            # A step starts when its iteration does: admission and scheduling are host time the
-            # step costs, and a step-time replay admits arrivals up to exactly this instant.
-            t_start = now
-            sampled = runner.execute(plan, tokens)
-            # An idle step exists only to wait for the in-flight compression batch.
-            completed = (runner.compressor.completed(wait=plan.kind == IDLE)
-                         if runner.compressor is not None else [])
-            t_end = time.perf_counter() - started
-            stopped = set()
-            for seq, token in sampled:
-                if self.next_token is not None:
-                    token = self.next_token(seq.seq_id, token)
-                tokens[seq.seq_id].append(token)
-                if token in self.eos_token_ids and not seq.sampling.ignore_eos:
-                    stopped.add(seq.seq_id)
-            recorder.finish(plan, StepResult(step_id=plan.step_id, t_start=t_start, t_end=t_end,
-                                             completed_batches=completed, stopped=stopped))
-        return recorder.result(tokens)
+        while arrivals.has_pending or self.scheduler.has_unfinished():
+            now = self.now()
+            arrivals.admit_due(self.add, now)
+            if self.step(started_at=now) is None and arrivals.has_pending:
+                time.sleep(max(0.0, arrivals.next_arrival_s - now))
+        return self.recorder.result(self.tokens)

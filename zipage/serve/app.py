@@ -1,0 +1,374 @@
+"""The HTTP server: OpenAI's completions and chat completions over the real engine.
+
+FastAPI on uvicorn, as vLLM and SGLang serve: an ASGI event loop holds thousands of idle streams
+for the cost of a coroutine each, FastAPI's pydantic models validate the request bodies (a wrong
+type is a 400 naming the field), and the OpenAI clients already speak its server-sent events.
+
+Each request: validate -> tokens -> `SamplingParams` -> the core's own admission check (a prompt
+that can never fit is a 400 naming the limit) -> the waiting cap (429) -> the engine thread.
+Tokens come back after every step and are sent as they come (`stream: true`) or at the end. A
+client that disconnects aborts its request at once: the engine frees its blocks before its next
+step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from zipage.engine.llm import Engine
+from zipage.engine.sampler import SamplingParams
+from zipage.errors import ZipageError
+from zipage.serve.detokenize import IncrementalText
+from zipage.serve.engine import AsyncEngine, Delta, EngineStopped, RequestHandle
+from zipage.serve.metrics import CONTENT_TYPE, ServerMetrics
+from zipage.serve.protocol import (
+    ChatRequest, CompletionRequest, SamplingFields, ServeError, error_body, validation_message,
+)
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+
+
+class Server:
+    """What the routes share: the engine, the tokenizer, the waiting cap, the API key."""
+
+    def __init__(self, engine: Engine, model_name: str, max_waiting: int | None = None,
+                 api_key: str | None = None) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = engine.tokenizer
+        self.max_waiting = max_waiting
+        self.api_key = api_key
+        self.metrics = ServerMetrics(model_name, engine.capacity.num_blocks)
+        self.engine_thread = AsyncEngine(engine, self.metrics)
+        self.eos = self.engine_thread.loop.eos_token_ids
+        self.max_model_len = engine.config.max_model_len
+        self.created = int(time.time())
+
+    # ---------------------------------------------------------------- admission
+
+    def prepare(self, body: SamplingFields, prompt_ids: list[int],
+                default_max_tokens: int) -> RequestHandle:
+        """Sampling settings, the core's admission check, the waiting cap; then submit."""
+        body.check_unsupported()
+        if body.model is not None and body.model != self.model_name:
+            raise ServeError(404, f"model: {body.model!r} is not served here; use "
+                                  f"{self.model_name!r} (GET /v1/models)", "model",
+                             "model_not_found")
+        limit = body.output_limit if isinstance(body, ChatRequest) else body.max_tokens
+        try:
+            sampling = SamplingParams(
+                temperature=body.temperature, top_p=body.top_p,
+                top_k=0 if body.top_k == -1 else body.top_k, seed=body.seed,
+                max_tokens=default_max_tokens if limit is None else limit,
+                ignore_eos=body.ignore_eos)
+        except ZipageError as error:
+            raise ServeError(400, str(error), str(error).split(":")[0]) from None
+        seq = self.engine_thread.new_sequence(prompt_ids, sampling)
+        reason = self.engine_thread.rejection_reason(seq)
+        if reason is not None:
+            self.metrics.rejected.inc()
+            reason = reason.split(": ", 1)[-1].replace("output_len", "max_tokens")
+            raise ServeError(400, f"prompt: too long for this server: {reason}", "prompt")
+        waiting = self.engine_thread.num_waiting
+        if self.max_waiting is not None and waiting >= self.max_waiting:
+            self.metrics.rejected.inc()
+            raise ServeError(429, f"server busy: {waiting} requests are waiting "
+                                  f"(--max-waiting {self.max_waiting}); retry later",
+                             None, "rate_limit_exceeded")
+        try:
+            handle = self.engine_thread.submit(seq)
+        except EngineStopped as error:
+            raise ServeError(503, str(error), None, "server_error") from None
+        return handle
+
+    def default_output_limit(self, prompt_len: int) -> int:
+        """Chat's default max_tokens: whatever the context and memory leave (vLLM's rule)."""
+        scheduler = self.engine_thread.loop.scheduler
+        limit = (self.max_model_len or 2**31) - prompt_len
+        if not scheduler.compress:  # Full KV: the request's KV must fit the pool
+            limit = min(limit, scheduler.block_manager.num_blocks * scheduler.block_size
+                        - prompt_len + 1)
+        return max(1, limit)
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            vocab = self.engine.shape.vocab_size
+            if max(prompt) >= vocab:
+                raise ServeError(400, f"prompt: token id {max(prompt)} is outside the "
+                                      f"vocabulary (0..{vocab - 1})", "prompt")
+            return list(prompt)
+        if self.tokenizer is None:
+            raise ServeError(400, "prompt: this model has no tokenizer (random weights); send "
+                                  "token ids", "prompt")
+        return list(self.tokenizer.encode(prompt))
+
+    def chat_prompt(self, body: ChatRequest) -> list[int]:
+        """The model's own chat template (GGUF files and HF directories both carry one)."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ServeError(400, "messages: this model has no chat template; use "
+                                  "/v1/completions", "messages")
+        try:
+            ids = self.tokenizer.apply_chat_template(body.plain_messages(),
+                                                     add_generation_prompt=True, tokenize=True)
+        except Exception as error:  # the template's own complaint (roles, order)
+            raise ServeError(400, f"messages: the chat template refused them: {error}",
+                             "messages") from None
+        if hasattr(ids, "keys"):  # some transformers versions return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    # ---------------------------------------------------------------- running a request
+
+    async def deltas(self, handle: RequestHandle) -> AsyncIterator[list[Delta]]:
+        """The request's deltas, as they arrive; several at once when the reader lagged. Close
+        it (`aclosing`) or cancel it, and the request is aborted unless it had ended."""
+        try:
+            while True:
+                batch = [await handle.deltas.get()]
+                while not handle.deltas.empty():
+                    batch.append(handle.deltas.get_nowait())
+                last = batch[-1]
+                if last.finish_reason is not None or last.error is not None:
+                    handle.done = True
+                yield batch
+                if handle.done:
+                    return
+        finally:
+            self.engine_thread.abort(handle)  # a no-op once the engine reported the end
+
+    def absorb(self, handle: RequestHandle, text: IncrementalText,
+               batch: list[Delta]) -> str | None:
+        """Feed a batch of deltas to the text; the finish reason, if the request ended (a stop
+        string ends it here: the engine drops it before its next step)."""
+        tokens = [token for delta in batch for token in delta.token_ids]
+        last = batch[-1]
+        if last.error is not None:
+            raise ServeError(400 if "request" in last.error else 500, last.error, None,
+                             "server_error")
+        finish = last.finish_reason
+        text_tokens = tokens
+        if finish == "stop" and tokens and tokens[-1] in self.eos:
+            text_tokens = tokens[:-1]  # the EOS that ended the request is not text
+        text.add(text_tokens)
+        if finish is not None:
+            text.finish()
+        elif text.stopped:
+            finish = "stop"
+            self.engine_thread.abort(handle, finish)
+        text.generated += len(tokens)
+        return finish
+
+
+def _completion_chunk(server: Server, rid: str, text: str, finish: str | None,
+                      token_ids: list[int] | None) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": rid, "object": "text_completion", "created": int(time.time()),
+            "model": server.model_name, "choices": [choice]}
+
+
+def _chat_chunk(server: Server, rid: str, delta: dict, finish: str | None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": server.model_name,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _sse(payload: dict | str) -> str:
+    text = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {text}\n\n"
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _cancel_on_disconnect(request: Request, work):
+    """Run `work` (a coroutine); if the client disconnects first, cancel it (its `finally`
+    aborts the request in the engine). Streaming responses get this from Starlette."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    watcher.cancel()
+    if task not in done:
+        task.cancel()
+        return Response(status_code=499)  # nobody is listening any more
+    return task.result()
+
+
+def build_app(engine: Engine, model_name: str, *, max_waiting: int | None = None,
+              api_key: str | None = None) -> FastAPI:
+    server = Server(engine, model_name, max_waiting, api_key)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.engine_thread.start()
+        yield
+        await asyncio.to_thread(server.engine_thread.stop)
+
+    app = FastAPI(title="Zipage", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(ServeError)
+    async def serve_error(request: Request, error: ServeError):
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, error: RequestValidationError):
+        message, field = validation_message(error.errors())
+        return JSONResponse(error_body(message, "invalid_request_error", field, 400), 400)
+
+    def authorize(request: Request) -> None:
+        if server.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        expected = f"Bearer {server.api_key}"
+        if not secrets.compare_digest(given.encode(), expected.encode()):
+            raise ServeError(401, "api key: missing or wrong; send the header "
+                                  "'Authorization: Bearer KEY' with the server's --api-key",
+                             None, "authentication_error")
+
+    @app.get("/health")
+    async def health():
+        if not server.engine_thread.alive:
+            return JSONResponse({"status": "error", "error": server.engine_thread.error}, 503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models():
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": server.created,
+            "owned_by": "zipage", "max_model_len": server.max_model_len}]}
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(body: CompletionRequest, request: Request):
+        if body.echo:
+            raise ServeError(400, "echo: not supported; leave it out", "echo")
+        prompt_ids = server.encode(body.prompt)
+        handle = server.prepare(body, prompt_ids, DEFAULT_COMPLETION_TOKENS)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        want_ids = body.return_token_ids or server.tokenizer is None
+        text = IncrementalText(server.tokenizer, body.stop_strings)
+        if body.stream:
+            return _stream(server, handle, _completion_stream(
+                server, handle, rid, text, len(prompt_ids), want_ids, body.include_usage))
+        return await _cancel_on_disconnect(request, _complete(
+            server, handle, text, lambda finish: {
+                "id": rid, "object": "text_completion", "created": int(time.time()),
+                "model": model_name,
+                "choices": [{"index": 0, "text": text.text, "logprobs": None,
+                             "finish_reason": finish,
+                             **({"token_ids": text.token_ids} if want_ids else {})}],
+                "usage": _usage(len(prompt_ids), text.generated)}))
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(body: ChatRequest, request: Request):
+        prompt_ids = server.chat_prompt(body)
+        handle = server.prepare(body, prompt_ids, server.default_output_limit(len(prompt_ids)))
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        text = IncrementalText(server.tokenizer, body.stop_strings)
+        if body.stream:
+            return _stream(server, handle, _chat_stream(
+                server, handle, rid, text, len(prompt_ids), body.include_usage))
+        return await _cancel_on_disconnect(request, _complete(
+            server, handle, text, lambda finish: {
+                "id": rid, "object": "chat.completion", "created": int(time.time()),
+                "model": model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text.text},
+                             "logprobs": None, "finish_reason": finish}],
+                "usage": _usage(len(prompt_ids), text.generated)}))
+
+    return app
+
+
+async def _complete(server: Server, handle: RequestHandle, text: IncrementalText, respond):
+    finish = None
+    async with aclosing(server.deltas(handle)) as deltas:
+        async for batch in deltas:
+            finish = server.absorb(handle, text, batch)
+            if finish is not None:
+                break
+    return JSONResponse(respond(finish))
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that abort their request however the response ends, even when the
+    client left before the first event (the event generator then never starts)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _stream(server: Server, handle: RequestHandle, events: AsyncIterator[str]) -> _EventStream:
+    return _EventStream(events, lambda: server.engine_thread.abort(handle))
+
+
+async def _completion_stream(server, handle, rid, text, prompt_len, want_ids, include_usage):
+    sent_ids = 0
+    try:
+        async with aclosing(server.deltas(handle)) as deltas:
+            async for batch in deltas:
+                finish = server.absorb(handle, text, batch)
+                piece = text.new_text(final=finish is not None)
+                ids = None
+                if want_ids:
+                    ids, sent_ids = text.token_ids[sent_ids:], len(text.token_ids)
+                yield _sse(_completion_chunk(server, rid, piece, finish, ids))
+                if finish is not None:
+                    break
+    except ServeError as error:
+        yield _sse(error.body())
+    if include_usage:
+        yield _sse({"id": rid, "object": "text_completion", "created": int(time.time()),
+                    "model": server.model_name, "choices": [],
+                    "usage": _usage(prompt_len, text.generated)})
+    yield _sse("[DONE]")
+
+
+async def _chat_stream(server, handle, rid, text, prompt_len, include_usage):
+    first = True
+    try:
+        async with aclosing(server.deltas(handle)) as deltas:
+            async for batch in deltas:
+                finish = server.absorb(handle, text, batch)
+                piece = text.new_text(final=finish is not None)
+                delta = {"role": "assistant", "content": piece} if first else {"content": piece}
+                first = False
+                yield _sse(_chat_chunk(server, rid, delta, finish))
+                if finish is not None:
+                    break
+    except ServeError as error:
+        yield _sse(error.body())
+    if include_usage:
+        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+                    "model": server.model_name, "choices": [],
+                    "usage": _usage(prompt_len, text.generated)})
+    yield _sse("[DONE]")

@@ -1,0 +1,123 @@
+"""`zipage serve` and `zipage bench serve`: their flags and handlers (`add_serve_commands`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from zipage.errors import ZipageError
+from zipage.flags import add_engine_flags, settings_from_args
+
+
+def add_serve_commands(commands) -> None:
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server over the real engine (docs/serve.md)")
+    add_engine_flags(serve)
+    serve.set_defaults(model=None, handler=cmd_serve)
+    serve.add_argument("--engine", choices=["gpu", "cpu"], default="gpu",
+                       help="run on the GPU (default) or on the CPU (small models; "
+                            "--kv-memory-gb defaults to 1)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-waiting", type=int, default=None, metavar="N",
+                       help="refuse a request with 429 while N requests wait for their first "
+                            "token (default: no limit)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1/ routes")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the name clients use (default: the last part of --model)")
+    serve.add_argument("--no-cuda-graphs", action="store_true", help="run decode eagerly")
+
+    bench = commands.add_parser("bench", help="benchmarks against a running server")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench_commands.add_parser(
+        "serve", help="replay a trace against an OpenAI-compatible server in real time")
+    bench_serve.add_argument("trace", help="trace JSON (see docs/traces.md)")
+    bench_serve.add_argument("--url", required=True, help="server, e.g. http://127.0.0.1:8000")
+    bench_serve.add_argument("--model", default=None,
+                             help="model name to send (default: the server's first model)")
+    bench_serve.add_argument("--api-key", default=None)
+    bench_serve.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                             help="vocabulary the synthetic prompt ids are drawn for (default "
+                                  "32000: the same ids as `zipage replay` for any vocabulary "
+                                  "of 32000 or more)")
+    bench_serve.add_argument("--out", default=None,
+                             help="directory for summary.json, requests.csv (steps.csv and "
+                                  "decisions.log stay empty: only the server knows them)")
+    bench_serve.add_argument("--json", action="store_true",
+                             help="print exactly one JSON object (the summary) on stdout")
+    bench_serve.add_argument("--no-progress", action="store_true")
+    bench_serve.set_defaults(handler=cmd_bench_serve)
+
+
+def _require_extra() -> None:
+    try:
+        import fastapi  # noqa: F401
+        import httpx  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as error:
+        raise ZipageError(f"serving needs the serve extra ({error.name} is missing): "
+                          "pip install 'zipage[serve]'") from error
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.model is None:
+        raise ZipageError("--model: required; a HF model directory, a .gguf file or "
+                          "random:<preset>")
+    if args.max_waiting is not None and args.max_waiting < 1:
+        raise ZipageError(f"--max-waiting: got {args.max_waiting}, expected >= 1")
+    _require_extra()
+    from zipage.cli import _require_torch
+
+    _require_torch(args.engine)
+    import uvicorn
+
+    from zipage.engine.llm import build_engine
+    from zipage.serve.app import build_app
+
+    settings = settings_from_args(args)
+    engine = build_engine(settings, "cuda" if args.engine == "gpu" else "cpu",
+                          cuda_graphs=not args.no_cuda_graphs)
+    name = args.served_model_name or Path(settings.model).name  # a path's last part
+    app = build_app(engine, name, max_waiting=args.max_waiting, api_key=args.api_key)
+    capacity = engine.capacity
+    print(f"zipage serve: {name} on {engine.device} ({settings.dtype}), {capacity.num_blocks} "
+          f"KV blocks of {engine.config.block_size} tokens, {capacity.num_query_slots} query "
+          f"slots; listening on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    # The engine thread and the event loop share the GIL: hand it over every 0.5 ms instead of
+    # every 5 ms, so a step never waits long for the HTTP side to let go.
+    sys.setswitchinterval(0.0005)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    _require_extra()
+    import asyncio
+
+    from zipage.serve.bench import bench_serve
+    from zipage.trace import DEFAULT_VOCAB_SIZE, load_trace
+
+    trace = load_trace(args.trace)
+    summary, records = asyncio.run(bench_serve(
+        trace, args.url, args.model, api_key=args.api_key,
+        vocab_size=args.vocab_size or DEFAULT_VOCAB_SIZE,
+        progress=not args.no_progress and not args.json))
+    if args.out is not None:
+        from zipage.rundir import write_run
+
+        write_run(args.out, summary, [], records, [])
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    from zipage.cli import print_summary
+
+    print_summary(summary, title=f"{trace.name} served by {summary['model']} at {args.url}")
+    for record in [record for record in records if record.error][:5]:
+        print(f"  failed: {record.id}: {record.error}")
+    if args.out is not None:
+        print(f"wrote {args.out}/summary.json, requests.csv")
+    return 0

@@ -1,0 +1,97 @@
+"""The server's Prometheus metrics (GET /metrics), named like vLLM's with a `zipage:` prefix.
+
+Gauges are the scheduler's state after the latest step; counters and histograms are updated by the
+engine thread once per step from the step's plan and the requests that got their first token or
+finished in it (prometheus_client is thread-safe). Each server owns its registry, so several can
+live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest,
+)
+
+from zipage.core.scheduler import Scheduler
+from zipage.core.step import PREFILL
+
+# Seconds; vLLM's buckets, which cover CPU runs of small models and GPU runs alike.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+disable_created_metrics()  # no `*_created` series: they double the page and nobody reads them
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, num_blocks: int) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.num_blocks = num_blocks
+        labels = ["model_name"]
+
+        def gauge(name, help):
+            return Gauge(f"zipage:{name}", help, labels, registry=registry).labels(model_name)
+
+        def counter(name, help):
+            return Counter(f"zipage:{name}", help, labels, registry=registry).labels(model_name)
+
+        def histogram(name, help, buckets):
+            return Histogram(f"zipage:{name}", help, labels, buckets=buckets,
+                             registry=registry).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests running (holding KV blocks).")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be admitted.")
+        self.blocks_used = gauge("kv_blocks_used", "KV cache blocks in use.")
+        self.blocks_free = gauge("kv_blocks_free", "KV cache blocks free.")
+        self.blocks_free.set(num_blocks)
+        self.compressions = counter("compressions", "KV compressions planned.")
+        self.preemptions = counter("preemptions", "Requests preempted (recomputed later).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started.")
+        self.generation_tokens = counter("generation_tokens", "Output tokens generated.")
+        self.aborted = counter("requests_aborted", "Requests whose client went away.")
+        self.rejected = counter("requests_rejected", "Requests refused with a 4xx status.")
+        self.finished = Counter("zipage:request_success", "Requests finished, by reason.",
+                                labels + ["finished_reason"], registry=registry)
+        self.model_name = model_name
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.",
+                              TTFT_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.",
+                              TPOT_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.",
+                             E2E_BUCKETS)
+
+    def record_step(self, output, scheduler: Scheduler) -> None:
+        """After each engine step (engine thread)."""
+        plan = output.plan
+        self.compressions.inc(len(plan.compressions))
+        self.preemptions.inc(len(plan.preempted))
+        self.generation_tokens.inc(len(output.tokens))
+        if plan.kind == PREFILL:
+            for item in plan.prefill:
+                seq = item.seq
+                if seq.num_preemptions == 0:  # a recomputed request had its first token before
+                    self.prompt_tokens.inc(seq.prompt_len)
+                    self.ttft.observe(seq.first_token_time - seq.arrival_s)
+        for seq in output.finished:
+            self.e2e.observe(seq.finish_time - seq.arrival_s)
+            if seq.num_output_tokens > 1:
+                self.tpot.observe((seq.finish_time - seq.first_token_time)
+                                  / (seq.num_output_tokens - 1))
+        self.update_gauges(scheduler)
+
+    def finished_request(self, reason: str) -> None:
+        self.finished.labels(self.model_name, reason).inc()
+
+    def update_gauges(self, scheduler: Scheduler) -> None:
+        used = scheduler.block_manager.num_used_blocks
+        self.running.set(len(scheduler.running))
+        self.waiting.set(len(scheduler.waiting))
+        self.blocks_used.set(used)
+        self.blocks_free.set(self.num_blocks - used)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
