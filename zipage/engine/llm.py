@@ -57,6 +57,10 @@ def build_engine(settings: ReplaySettings, device: str | None = None,
         raise ConfigError(f"dtype: got {settings.dtype!r}, expected one of "
                           f"{', '.join(TORCH_DTYPES)}")
     dtype = TORCH_DTYPES[settings.dtype]
+    if settings.tensor_parallel != 1:  # one process per rank (docs/tensor_parallel.md)
+        from zipage.engine.parallel import build_parallel_engine
+
+        return build_parallel_engine(settings, device, dtype, cuda_graphs)
     model, shape, tokenizer = load_model(settings.model, dtype, device)
     config = effective_config(settings, shape)
     if device.type == "cuda":
@@ -105,13 +109,13 @@ class LLM:
 
     def __init__(self, model: str, *, dtype: str = "auto", device: str | None = None,
                  kv_memory_gb: float | None = None, gpu_memory_utilization: float = 0.9,
-                 cuda_graphs: bool = True, **knobs) -> None:
+                 cuda_graphs: bool = True, tensor_parallel: int = 1, **knobs) -> None:
         resolved = resolve_device(device)
         if dtype == "auto":
             dtype = "bfloat16" if resolved.type == "cuda" else "float32"
         settings = ReplaySettings(model=model, dtype=dtype, kv_memory_gb=kv_memory_gb,
                                   gpu_memory_utilization=gpu_memory_utilization,
-                                  config=ZipageConfig(**knobs))
+                                  tensor_parallel=tensor_parallel, config=ZipageConfig(**knobs))
         self.engine = build_engine(settings, str(resolved), cuda_graphs)
         self.tokenizer = self.engine.tokenizer
         self.last_run: Run | None = None
