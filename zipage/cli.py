@@ -146,7 +146,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     llm = LLM(args.model, dtype="auto" if args.dtype is None else args.dtype,
               device=args.device, kv_memory_gb=args.kv_memory_gb,
-              gpu_memory_utilization=args.gpu_memory_utilization, **config.to_dict())
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              tensor_parallel=args.tensor_parallel, **config.to_dict())
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed, max_tokens=args.max_tokens,
                             ignore_eos=args.ignore_eos)
@@ -264,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="default: bfloat16 on the GPU, float32 on the CPU")
     generate.add_argument("--kv-memory-gb", type=float, default=None)
     generate.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    generate.add_argument("--tensor-parallel", type=int, default=1,
+                          help="ranks (GPUs, or CPU processes) the model is sharded over")
     generate.add_argument("--max-tokens", type=int, default=128)
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--top-k", type=int, default=0)

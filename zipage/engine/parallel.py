@@ -261,7 +261,9 @@ def worker_main(fd: int) -> None:
             elif kind == "compress":
                 runner.compressor.run(decode_jobs(payload[0]))
             elif kind == "caches":
-                connection.send(("caches", rank, cache_snapshot(runner)))
+                # Plain pickle copies the tensors (the connection's pickler would try to
+                # share their memory between processes).
+                connection.send_bytes(pickle.dumps(("caches", rank, cache_snapshot(runner))))
             elif kind == "stop":
                 break
     except BaseException as error:  # report, then leave at once: peers see the closed links
