@@ -346,6 +346,10 @@ class _Links:
                         code = worker.process.wait()
                         self.fail(f"rank {worker.rank} exited with code {code}")
                     continue
+                except Exception as error:  # noqa: BLE001 - an unreadable reply must not hang rank 0
+                    del open_connections[connection]
+                    self.fail(f"rank {worker.rank} sent an unreadable message ({error})")
+                    continue
                 if message[0] == "error":
                     self.fail(f"rank {message[1]} failed: {message[2]}")
                 else:
