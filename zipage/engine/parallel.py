@@ -181,6 +181,10 @@ def start_rank(rank: int, device: torch.device, setup: dict, store) -> tuple[Mod
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if dist.is_initialized():
+        import gc
+
+        gc.collect()  # a dropped engine (executor <-> compressor proxy cycle) stops its workers
+    if dist.is_initialized():
         raise ConfigError("tensor_parallel: this process already runs a tensor-parallel engine; "
                           "shut it down first (engine.runner.shutdown())")
     timeout = datetime.timedelta(seconds=setup["timeout_s"])
