@@ -18,10 +18,15 @@ from zipage.kernels.compress_ref import CompressionParams, compress_ref
 def compress(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Tensor | None,
              query_cache: torch.Tensor, source_tables: torch.Tensor, num_source_blocks: torch.Tensor,
              target_tables: torch.Tensor, query_slots: torch.Tensor, is_compressed: torch.Tensor,
-             params: CompressionParams, scale: float) -> None:
+             params: CompressionParams, scale: float, reduce_group_max=None) -> None:
     """Compress the requests of `source_tables` into `target_tables`, in place in the caches."""
     arguments = (k_cache, v_cache, score_cache, query_cache, source_tables, num_source_blocks,
                  target_tables, query_slots, is_compressed, params, scale)
+    if reduce_group_max is not None:
+        # Tensor parallelism with replicated KV heads: the GQA max spans ranks. The Triton
+        # kernels fuse it with the window mean, so only the reference takes the hook.
+        compress_ref(*arguments, reduce_group_max)
+        return
     if not use_triton(k_cache):
         compress_ref(*arguments)
         return

@@ -54,11 +54,14 @@ class CompressionParams:
 
 
 def attention_scores(queries: torch.Tensor, keys: torch.Tensor, length: int, block_size: int,
-                     scale: float) -> torch.Tensor:
+                     scale: float, reduce_group_max=None) -> torch.Tensor:
     """S [Hkv, length]: softmax of the window queries over the keys, max over each kv head's
     group of query heads, mean over the w window rows (causal inside the final block).
 
     queries [w, Hq, d], keys [length, Hkv, d] (length = N * b, the final block is full).
+    `reduce_group_max` (tensor parallelism with replicated KV heads, whose query heads are split
+    across ranks): applied to the group max [Hkv, w, length] before the window mean; it must
+    return the max over the ranks holding the same KV head.
     """
     window, query_heads, _ = queries.shape
     kv_heads = keys.shape[1]
@@ -71,6 +74,8 @@ def attention_scores(queries: torch.Tensor, keys: torch.Tensor, length: int, blo
     logits = logits.masked_fill(entry[None, :] > query_entry[:, None], float("-inf"))
     probabilities = torch.softmax(logits, dim=-1)  # [Hq, w, length]
     per_kv_head = probabilities.view(kv_heads, group, window, length).amax(dim=1)
+    if reduce_group_max is not None:
+        per_kv_head = reduce_group_max(per_kv_head)
     return per_kv_head.mean(dim=1)  # [Hkv, length]
 
 
@@ -123,11 +128,11 @@ def redundancy_scores(keys: torch.Tensor, mode: str, block_size: int, threshold:
 
 
 def final_scores(keys: torch.Tensor, queries: torch.Tensor, previous: torch.Tensor | None,
-                 compressed: bool, params: CompressionParams, scale: float
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 compressed: bool, params: CompressionParams, scale: float,
+                 reduce_group_max=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(final score [Hkv, length] with the window at +inf, new global scores or None)."""
     length = keys.shape[0]
-    scores = attention_scores(queries, keys, length, params.block_size, scale)
+    scores = attention_scores(queries, keys, length, params.block_size, scale, reduce_group_max)
     stored = None
     if params.global_score:
         scores = update_global_scores(scores, previous, compressed, params.block_size,
@@ -176,7 +181,7 @@ def compress_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torc
                  query_cache: torch.Tensor, source_tables: torch.Tensor,
                  num_source_blocks: torch.Tensor, target_tables: torch.Tensor,
                  query_slots: torch.Tensor, is_compressed: torch.Tensor,
-                 params: CompressionParams, scale: float) -> None:
+                 params: CompressionParams, scale: float, reduce_group_max=None) -> None:
     if params.global_score and score_cache is None:
         raise ValueError("the global score is on but score_cache is None")
     # Without the global score the score cache (if any) is neither read nor written.
@@ -193,7 +198,7 @@ def compress_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torc
             previous = (score_cache[layer, source].flatten(0, 1).transpose(0, 1)
                         if score_cache is not None else None)
             scores, stored = final_scores(keys, query_cache[layer, slot], previous, compressed,
-                                          params, scale)
+                                          params, scale, reduce_group_max)
             write_kept_entries(k_cache[layer], v_cache[layer],
                                score_cache[layer] if score_cache is not None else None,
                                source, target, kept_entries(scores, keep), stored)

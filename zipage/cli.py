@@ -211,7 +211,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype="auto" if args.dtype is None else args.dtype,
               device=args.device, kv_memory_gb=args.kv_memory_gb,
               gpu_memory_utilization=args.gpu_memory_utilization, threads=args.threads,
-              **config.to_dict())
+              tensor_parallel=args.tensor_parallel, **config.to_dict())
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed, max_tokens=args.max_tokens,
                             ignore_eos=args.ignore_eos)
@@ -457,6 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="sampling seed (default: unseeded)")
     generate.add_argument("--ignore-eos", action="store_true",
                           help="keep generating past the end-of-sequence token")
+    generate.add_argument("--tensor-parallel", type=int, default=1,
+                          help="ranks (GPUs, or CPU processes) the model is sharded over "
+                               "(default 1)")
     _add_threads_flag(generate)
     add_knob_flags(generate)
     generate.set_defaults(handler=cmd_generate)

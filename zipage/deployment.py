@@ -38,8 +38,8 @@ class ReplaySettings:
                                          "Zipage may use")
     kv_memory_gb: float | None = knob(None, "--kv-memory-gb", "exact memory for KV blocks + "
                                       "query slots; overrides the two above")
-    tensor_parallel: int = knob(1, "--tensor-parallel", "GPUs one engine's model is sharded over "
-                                "(the simulator's cost model)")
+    tensor_parallel: int = knob(1, "--tensor-parallel", "GPUs (or CPU processes) one engine's model "
+                                "is sharded over; --kv-memory-gb is per GPU")
     cost_model: str = knob("analytic", "--cost-model", "'analytic' (roofline) or a profile JSON "
                            "written by `zipage calibrate`")
     seed: int = knob(0, "--seed", "sampling seed of the real engine; the simulator is "

@@ -30,6 +30,9 @@ class Compressor:
         self.device = device
         # The pipeline itself; analysis swaps in baseline eviction policies of the same signature.
         self.compress_fn = compress
+        # Tensor parallelism with replicated KV heads sets this (`engine/parallel.py`): the max
+        # over a KV head's query heads, reduced across the ranks that hold some of them.
+        self.reduce_group_max = None
         self.params = CompressionParams.from_config(config)
         self.scale = head_dim ** -0.5
         self.layer_stride = config.layer_stride
@@ -90,6 +93,8 @@ class Compressor:
                                      device=device),
             is_compressed=torch.tensor([not job.is_first for job in jobs], device=device),
         )
+        if self.reduce_group_max is not None:
+            tensors["reduce_group_max"] = self.reduce_group_max
         layers = caches.num_layers
         for first in range(0, layers, self.layer_stride):
             group = slice(first, min(first + self.layer_stride, layers))

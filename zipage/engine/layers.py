@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zipage.engine.context import get_context
+from zipage.engine.distributed import all_reduce, get_shard_group
 from zipage.kernels.attention import paged_decode_attention, paged_prefill_attention, store_kv
 # rotary_qk and silu_and_mul are used by the models, which take all their building blocks from this module.
 from zipage.kernels.fused_ops import add_rms_norm, rms_norm, rotary_qk, silu_and_mul  # noqa: F401
@@ -153,6 +154,24 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class RowParallelLinear(Linear):
+    """A linear whose input features are split across tensor-parallel ranks (attention output,
+    MLP down projection): each rank's product is a partial sum, all-reduced before the bias."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelLinear(Linear):
+    """The LM head, its vocabulary rows split across ranks; `gather` assembles the full logits."""
+
+    def __init__(self, input_size: int, vocab_size: int) -> None:
+        _, rows = get_shard_group().vocab_rows(vocab_size)
+        super().__init__(input_size, rows)
+        self.vocab_size = vocab_size
+
+
 class FusedLinear(Linear):
     """Several projections of the same input computed by one matmul; their outputs are concatenated.
 
@@ -191,14 +210,22 @@ class GateUpLinear(FusedLinear):
 
 
 class Embedding(nn.Module):
-    """Token id -> embedding row."""
+    """Token id -> embedding row. Under tensor parallelism each rank holds a slice of the
+    vocabulary (`ShardGroup.vocab_rows`): ids outside it look up zeros, and the all-reduce sums
+    the one rank's row that holds each id."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.vocab_start, rows = get_shard_group().vocab_rows(vocab_size)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if get_shard_group().world == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(torch.where(inside, local, 0), self.weight)
+        return all_reduce(rows * inside[:, None].to(rows.dtype))
 
 
 def store_queries(query: torch.Tensor, query_cache: torch.Tensor, query_slot_mapping: torch.Tensor) -> None:

@@ -76,6 +76,10 @@ def build_engine(settings: ReplaySettings, device: str | None = None,
         raise ConfigError(f"dtype: got {settings.dtype!r}, expected one of "
                           f"{', '.join(TORCH_DTYPES)}")
     dtype = TORCH_DTYPES[settings.dtype]
+    if settings.tensor_parallel != 1:  # one process per rank (docs/tensor_parallel.md)
+        from zipage.engine.parallel import build_parallel_engine
+
+        return build_parallel_engine(settings, device, dtype, cuda_graphs)
     model, shape, tokenizer = load_model(settings.model, dtype, device)
     config = effective_config(settings, shape)
     if device.type == "cuda":
@@ -122,13 +126,14 @@ class LLM:
 
     `model`: a preset (`random:qwen3-0.6b`), a HF model directory or a .gguf file. Keyword
     arguments are `ZipageConfig` knobs (block_size, kv_budget, compress, hybrid, ...) plus
-    dtype, device, kv_memory_gb, gpu_memory_utilization, cuda_graphs and threads (CPU only;
-    default: `zipage.engine.threads`).
+    dtype, device, kv_memory_gb, gpu_memory_utilization, cuda_graphs, threads (CPU only;
+    default: `zipage.engine.threads`) and tensor_parallel (ranks; docs/tensor_parallel.md).
     """
 
     def __init__(self, model: str, *, dtype: str = "auto", device: str | None = None,
                  kv_memory_gb: float | None = None, gpu_memory_utilization: float = 0.9,
-                 cuda_graphs: bool = True, threads: int | None = None, **knobs) -> None:
+                 cuda_graphs: bool = True, threads: int | None = None, tensor_parallel: int = 1,
+                 **knobs) -> None:
         _check_knob_names(knobs)
         resolved = resolve_device(device)
         if resolved.type == "cpu":
@@ -137,7 +142,7 @@ class LLM:
             dtype = "bfloat16" if resolved.type == "cuda" else "float32"
         settings = ReplaySettings(model=model, dtype=dtype, kv_memory_gb=kv_memory_gb,
                                   gpu_memory_utilization=gpu_memory_utilization,
-                                  config=ZipageConfig(**knobs))
+                                  tensor_parallel=tensor_parallel, config=ZipageConfig(**knobs))
         self.engine = build_engine(settings, str(resolved), cuda_graphs)
         self.tokenizer = self.engine.tokenizer
         self.last_run: Run | None = None
@@ -241,9 +246,9 @@ class LLM:
 _CLI_NAMES = {"budget": "kv_budget=", "lambda_": "lambda_weight=", "no_compress": "compress=False",
               "no_hybrid": "hybrid=False", "no_prefix_cache": "prefix_cache=False",
               "no_async": "async_compress=False", "no_global_score": "global_score=False",
-              "tp": "(tensor parallelism is not supported by LLM)"}
+              "tp": "tensor_parallel=", "tensor_parallel_size": "tensor_parallel="}
 _LLM_KEYWORDS = ("dtype", "device", "kv_memory_gb", "gpu_memory_utilization", "cuda_graphs",
-                 "threads")
+                 "threads", "tensor_parallel")
 
 
 def _check_knob_names(knobs: dict) -> None:

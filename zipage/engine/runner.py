@@ -80,6 +80,28 @@ class ModelRunner:
 
     def _execute(self, plan: StepPlan,
                  tokens: dict[str, list[int]]) -> list[tuple[Sequence, int]]:
+        sequences, logits = self._forward(plan, tokens)
+        if not sequences:
+            return []
+        sampled = sample(logits, [seq.sampling for seq in sequences],
+                         [seq.num_output_tokens for seq in sequences])
+        return list(zip(sequences, sampled.tolist()))
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan, tokens: dict[str, list[int]]) -> None:
+        """The step's compressions and forward pass without sampling: what a tensor-parallel
+        worker rank runs (rank 0 samples from the gathered logits, `zipage/engine/parallel.py`)."""
+        if self.stream is None:
+            self._forward(plan, tokens)
+            return
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)
+        with torch.cuda.stream(self.stream):
+            self._forward(plan, tokens)
+        caller.wait_stream(self.stream)
+
+    def _forward(self, plan: StepPlan, tokens: dict[str, list[int]]
+                 ) -> tuple[list[Sequence], torch.Tensor | None]:
         if self.compressor is not None:
             if plan.compress_sync:
                 self.compressor.run(plan.compress_sync)
@@ -91,12 +113,10 @@ class ModelRunner:
         else:
             sequences = plan.decode
             if not sequences:
-                return []
+                return [], None
             logits = self._decode(sequences, tokens)
         self.last_logits = logits  # for analysis (teacher-forced fidelity); never copied
-        sampled = sample(logits, [seq.sampling for seq in sequences],
-                         [seq.num_output_tokens for seq in sequences])
-        return list(zip(sequences, sampled.tolist()))
+        return sequences, logits
 
     def _prefill(self, plan: StepPlan, tokens: dict[str, list[int]]) -> torch.Tensor:
         b = self.block_size

@@ -6,6 +6,11 @@ each, and each residual add is fused into the norm that follows it: a layer take
 residual stream beside its output, and the next norm adds the two (Nano-vLLM's layout). Module names
 mirror HF's (`model.layers.N.self_attn...`) so that the loader only has to map the fused projections.
 Qwen2 and Qwen3 subclass the attention block; everything else is shared.
+
+Tensor parallelism (Megatron's layout) needs no other code: a rank builds the model from its
+shard's shape (`zipage/engine/sharding.py`: its query and KV heads, its slice of the MLP), the
+column-parallel q/k/v and gate/up projections need no communication, the row-parallel o_proj and
+down_proj all-reduce, and the embedding and LM head split the vocabulary.
 """
 
 from __future__ import annotations
@@ -15,14 +20,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from zipage.engine.context import get_context
+from zipage.engine.distributed import gather_vocab
 from zipage.engine.layers import (
     Embedding,
     GateUpLinear,
-    Linear,
     PagedAttention,
     QKVLinear,
     RMSNorm,
     RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelLinear,
     rotary_qk,
     silu_and_mul,
 )
@@ -43,7 +50,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVLinear(
             shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim, bias=self.qkv_bias
         )
-        self.o_proj = Linear(shape.num_heads * shape.head_dim, shape.hidden_size)
+        self.o_proj = RowParallelLinear(shape.num_heads * shape.head_dim, shape.hidden_size)
         self.attn = PagedAttention(shape.num_heads, shape.num_kv_heads, shape.head_dim)
 
     def rotate_query_key(
@@ -68,7 +75,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, shape: ModelShape) -> None:
         super().__init__()
         self.gate_up_proj = GateUpLinear(shape.hidden_size, shape.intermediate_size)
-        self.down_proj = Linear(shape.intermediate_size, shape.hidden_size)
+        self.down_proj = RowParallelLinear(shape.intermediate_size, shape.hidden_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
@@ -132,7 +139,8 @@ class LlamaForCausalLM(nn.Module):
             )
         self.shape = shape
         self.model = LlamaModel(shape, self.attention_class)
-        self.lm_head = None if shape.tie_embeddings else Linear(shape.hidden_size, shape.vocab_size)
+        self.lm_head = (None if shape.tie_embeddings
+                        else VocabParallelLinear(shape.hidden_size, shape.vocab_size))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids and positions int64 [num_tokens] -> final hidden states [num_tokens, hidden_size].
@@ -148,7 +156,8 @@ class LlamaForCausalLM(nn.Module):
         if context.is_prefill:
             hidden = hidden[context.cu_seqlens_q[1:].long() - 1]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        # Under tensor parallelism each rank computes its vocabulary shard's logits.
+        return gather_vocab(F.linear(hidden, weight), self.shape.vocab_size)
 
     def attention_layers(self) -> list[PagedAttention]:
         """One per decoder layer, in order: the runner assigns each its KV (and query) cache views."""

@@ -1,0 +1,199 @@
+"""Tensor parallelism on two GPUs (run on nvidia-h200-x2; results go to docs/BENCHMARKS.md).
+
+Part A - decode step, TP=1 vs TP=2: random:qwen3-8b at batch 32/128/256 with 2k-token contexts,
+one whole engine step (inputs, forward with CUDA graphs, logits gather, sampling), against the
+bandwidth roofline of the GPUs it runs on: (weight bytes + KV bytes read) / N / copy bandwidth.
+
+Part B - the headline on random:qwen3-32b at TP=2: an AMC23-shaped trace (as bench/headline_gpu.py,
+lengths scaled to fit a 10-minute call), Full KV then Zipage, KV memory per GPU capped so that
+Full KV is memory-bound; output tokens/s of each and the ratio, and the simulator's analytic
+prediction of the same runs (--tensor-parallel 2 on an H200).
+
+    . bench/env.sh && python bench/tp_gpu.py [--parts A,B] [--questions 8 --samples 8 ...]
+
+Prints a table last and writes tp_gpu.json under $OUT (or the current directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from zipage.core.config import ZipageConfig
+from zipage.core.memory import GIB
+from zipage.core.sequence import Sequence
+from zipage.core.step import DECODE, StepPlan
+from zipage.deployment import ReplaySettings
+from zipage.engine.llm import build_engine
+from zipage.engine.replay import replay_on_engine
+from zipage.engine.sampler import SamplingParams
+from zipage.presets import get_preset
+from zipage.workloads import make_trace
+
+CONTEXT = 2048
+
+
+def copy_bandwidth() -> float:
+    source = torch.empty(2 * GIB, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(10):
+        target.copy_(source)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - started) / 10
+    del source, target
+    torch.cuda.empty_cache()
+    return 2 * 2 * GIB / seconds
+
+
+def decode_steps(model: str, world: int, batches: list[int], bandwidth: float) -> list[dict]:
+    shape = get_preset(model)
+    kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
+    largest = max(batches)
+    kv_gb = largest * (CONTEXT + 256) * kv_per_token / world / GIB + 0.5
+    settings = ReplaySettings(model=f"random:{model}", dtype="bfloat16", kv_memory_gb=kv_gb,
+                              tensor_parallel=world,
+                              config=ZipageConfig(compress=False, max_num_seqs=largest,
+                                                  max_model_len=CONTEXT + 256))
+    engine = build_engine(settings, "cuda")
+    runner, scheduler = engine.runner, engine.new_scheduler()
+    manager = scheduler.block_manager
+    greedy = SamplingParams(temperature=0.0)
+    weights = 2 * (shape.num_params - (0 if shape.tie_embeddings
+                                       else shape.vocab_size * shape.hidden_size))
+    rows = []
+    try:
+        for batch in batches:
+            sequences, tokens = [], {}
+            blocks = -(-CONTEXT // scheduler.block_size)
+            for index in range(batch):
+                seq = Sequence(f"s{index}", None, 16, prompt_len=CONTEXT - 1, sampling=greedy)
+                seq.block_table = [manager.allocate() for _ in range(blocks)]
+                seq.set_counters(CONTEXT - 1, 1)
+                sequences.append(seq)
+                tokens[seq.seq_id] = [index % shape.vocab_size]
+            plan = StepPlan(step_id=0, kind=DECODE, decode=sequences)
+            for _ in range(3):
+                runner.execute(plan, tokens)
+            torch.cuda.synchronize()
+            iterations = 20
+            started = time.perf_counter()
+            for _ in range(iterations):
+                runner.execute(plan, tokens)
+            torch.cuda.synchronize()
+            step = (time.perf_counter() - started) / iterations
+            roofline = (weights + batch * CONTEXT * kv_per_token) / world / bandwidth
+            rows.append({"model": model, "tp": world, "batch": batch, "step_s": step,
+                         "roofline_s": roofline, "bandwidth_share": roofline / step})
+            print(json.dumps(rows[-1]), flush=True)
+            for seq in sequences:
+                manager.release_all(seq.block_table)
+    finally:
+        if world > 1:
+            runner.shutdown()
+        del engine, runner
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def headline(args) -> dict:
+    trace = make_trace("amc23", 0, num_questions=args.questions,
+                       samples_per_question=args.samples, max_output_len=args.max_output)
+    report = {"model": args.model, "tp": args.tp, "requests": len(trace.requests),
+              "output_tokens": sum(r.output_len for r in trace.requests)}
+    for name, knobs in (("full-kv", dict(compress=False)), ("zipage", dict())):
+        config = ZipageConfig(block_size=args.block_size, window=args.window,
+                              kv_budget=args.budget, **knobs)
+        settings = ReplaySettings(model=f"random:{args.model}", hardware="h200-141gb",
+                                  kv_memory_gb=args.kv_memory_gb, tensor_parallel=args.tp,
+                                  config=config)
+        started = time.perf_counter()
+        summary, _ = replay_on_engine(trace, settings, "cuda")
+        row = {key: summary.get(key) for key in ("tps", "makespan_s", "peak_running",
+                                                 "mean_running", "preemptions", "compressions",
+                                                 "num_blocks", "steps")}
+        row["wall_s"] = time.perf_counter() - started
+        try:
+            from zipage.sim.simulate import simulate
+
+            simulated, _ = simulate(trace, settings)
+            row["simulated_tps"] = simulated["tps"]
+        except ImportError as error:
+            row["simulated_tps"] = f"unavailable: {error}"
+        report[name] = row
+        print(name, json.dumps(row), flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+    report["speedup"] = report["zipage"]["tps"] / report["full-kv"]["tps"]
+    sims = [report[name]["simulated_tps"] for name in ("zipage", "full-kv")]
+    if all(isinstance(value, float) for value in sims):
+        report["simulated_speedup"] = sims[0] / sims[1]
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--parts", default="A,B")
+    parser.add_argument("--decode-model", default="qwen3-8b")
+    parser.add_argument("--batches", default="32,128,256")
+    parser.add_argument("--model", default="qwen3-32b")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--questions", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--max-output", type=int, default=2048)
+    parser.add_argument("--kv-memory-gb", type=float, default=3.0,
+                        help="per GPU; Qwen3-32B at TP=2 holds 128 KiB of KV per token per GPU")
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--window", type=int, default=8)
+    args = parser.parse_args()
+    out = Path(os.environ.get("OUT", "."))
+    parts = args.parts.split(",")
+    report: dict = {"args": vars(args), "gpus": torch.cuda.device_count()}
+    if "A" in parts:
+        bandwidth = copy_bandwidth()
+        report["copy_bandwidth"] = bandwidth
+        batches = [int(b) for b in args.batches.split(",")]
+        report["decode"] = []
+        for world in (1, args.tp):
+            try:
+                report["decode"] += decode_steps(args.decode_model, world, batches, bandwidth)
+            except Exception:  # noqa: BLE001 - keep part B
+                report.setdefault("errors", []).append(traceback.format_exc())
+                traceback.print_exc()
+        (out / "tp_gpu.json").write_text(json.dumps(report, indent=2))
+    if "B" in parts:
+        try:
+            report["headline"] = headline(args)
+        except Exception:  # noqa: BLE001
+            report.setdefault("errors", []).append(traceback.format_exc())
+            traceback.print_exc()
+        (out / "tp_gpu.json").write_text(json.dumps(report, indent=2))
+    print(f"\n{'model':<10} {'tp':>3} {'batch':>6} {'step ms':>8} {'roofline ms':>12} {'share':>6}")
+    for row in report.get("decode", []):
+        print(f"{row['model']:<10} {row['tp']:>3} {row['batch']:>6} {row['step_s'] * 1e3:>8.2f} "
+              f"{row['roofline_s'] * 1e3:>12.2f} {row['bandwidth_share']:>6.0%}")
+    if "headline" in report:
+        h = report["headline"]
+        print(f"\n{h['model']} TP={h['tp']}, {h['requests']} requests")
+        for name in ("full-kv", "zipage"):
+            row = h[name]
+            print(f"{name:<8} {row['tps']:>9.1f} tok/s  peak running {row['peak_running']}  "
+                  f"preemptions {row['preemptions']}  simulated {row['simulated_tps']}")
+        print(f"Zipage / Full KV: {h['speedup']:.2f}x (simulated "
+              f"{h.get('simulated_speedup', float('nan')):.2f}x)")
+
+
+if __name__ == "__main__":
+    main()

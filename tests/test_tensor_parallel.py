@@ -1,0 +1,309 @@
+"""Tensor parallelism on the CPU (gloo, one process per rank): TP=2 generates exactly the greedy
+tokens of TP=1 in float32 on tiny Qwen3 / Qwen2 / Llama models (the Llama has one KV head, so
+TP=2 replicates it) and on random SmolLM2 weights at TP=3, with Full KV and with compression
+(sync and async), keeps exactly the tokens TP=1 keeps (the caches match, head by head), makes
+the simulator's decisions, and fails with one line naming the rank when a worker raises or dies.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from zipage import LLM, SamplingParams  # noqa: E402
+from zipage.engine.distributed import ShardGroup  # noqa: E402
+from zipage.engine.layers import RMSNorm  # noqa: E402
+from zipage.engine.loader import build_model, initialise_random  # noqa: E402
+from zipage.engine.parallel import TensorParallelError, rank_devices  # noqa: E402
+from zipage.engine.sharding import (  # noqa: E402
+    ShardLayout, _random_full_tensors, check_tensor_parallel, valid_sizes)
+from zipage.errors import ConfigError  # noqa: E402
+from zipage.kernels.compress_ref import CompressionParams, compress_ref  # noqa: E402
+from zipage.presets import get_preset  # noqa: E402
+from zipage.trace import Trace, TraceRequest, save_trace  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+NEW_TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+COMPRESSION = dict(block_size=16, window=4, kv_budget=32)
+
+_COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+               intermediate_size=128, max_position_embeddings=256, bos_token_id=None,
+               eos_token_id=None, pad_token_id=None)
+CONFIGS = {
+    "qwen3": lambda: transformers.Qwen3Config(**_COMMON, num_key_value_heads=2, head_dim=32,
+                                              tie_word_embeddings=True),
+    "qwen2": lambda: transformers.Qwen2Config(**_COMMON, num_key_value_heads=2,
+                                              tie_word_embeddings=False),
+    # one KV head: at TP=2 it is replicated and its query heads split across the ranks
+    "llama": lambda: transformers.LlamaConfig(**_COMMON, num_key_value_heads=1,
+                                              tie_word_embeddings=False),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_cpu_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """Tiny random HF directories of each architecture (weights ~N(0, 0.1), norms ~1)."""
+    directories = {}
+    for name, make_config in CONFIGS.items():
+        directory = tmp_path_factory.mktemp(f"tiny-{name}")
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(make_config(), dtype=torch.float32)
+        with torch.no_grad():
+            for parameter_name, parameter in model.named_parameters():
+                if "norm" in parameter_name:
+                    parameter.copy_(1 + 0.1 * torch.randn_like(parameter))
+                else:
+                    parameter.normal_(0.0, 0.1)
+        model.save_pretrained(directory)
+        directories[name] = directory
+    return directories
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(5)
+    shared = torch.randint(0, 256, (32,), generator=generator).tolist()
+    return [shared + torch.randint(0, 256, (n,), generator=generator).tolist() for n in (3, 21)] \
+        + [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (1, 40)]
+
+
+def generate(model: str, tensor_parallel: int, **knobs):
+    """Greedy tokens, and each rank's caches after the run (one entry for TP=1)."""
+    llm = LLM(model, tensor_parallel=tensor_parallel, **knobs)
+    try:
+        outputs = llm.generate(prompts(), GREEDY, progress=False)
+        runner = llm.engine.runner
+        caches = (runner.gather_caches() if tensor_parallel > 1 else
+                  [{"kv": runner.caches.kv, "query": runner.caches.query,
+                    "score": runner.caches.score}])
+        return [output.token_ids for output in outputs], caches, llm.last_run
+    finally:
+        if tensor_parallel > 1:
+            llm.engine.runner.shutdown()
+
+
+def assert_shards_match(full: dict, shards: list[dict], layout_of) -> None:
+    """Every rank's KV / score cache holds exactly its KV heads of the one-rank cache, and its
+    query cache its query heads: same kept tokens, same scores, replicas identical."""
+    # `kv_memory_gb` is per GPU, so a rank plans more blocks (and slots) than one GPU; without
+    # memory pressure both runs use the same lowest-numbered ones.
+    blocks = min(full["kv"].shape[2], shards[0]["kv"].shape[2])
+    full = {name: _first(name, tensor, blocks) for name, tensor in full.items()}
+    shards = [{name: _first(name, tensor, blocks) for name, tensor in shard.items()}
+              for shard in shards]
+    if full["query"] is not None:
+        slots = min(full["query"].shape[1], shards[0]["query"].shape[1])
+        full["query"] = full["query"][:, :slots]
+        for shard in shards:
+            shard["query"] = shard["query"][:, :slots]
+    for rank, shard in enumerate(shards):
+        layout = layout_of(rank)
+        kv = layout.kv_heads
+        torch.testing.assert_close(shard["kv"], full["kv"][..., kv.start:kv.stop, :],
+                                   rtol=1e-4, atol=1e-5)
+        if full["score"] is not None:
+            torch.testing.assert_close(shard["score"], full["score"][..., kv.start:kv.stop],
+                                       rtol=1e-4, atol=1e-6)
+        if full["query"] is not None:
+            q = layout.query_heads
+            torch.testing.assert_close(shard["query"], full["query"][..., q.start:q.stop, :],
+                                       rtol=1e-4, atol=1e-5)
+    for first, second in zip(shards, shards[1:]):
+        if layout_of(0).kv_replicas > 1:  # replicas of one KV head: bit-identical
+            assert torch.equal(first["kv"], second["kv"])
+            if first["score"] is not None:
+                assert torch.equal(first["score"], second["score"])
+
+
+# ---------------------------------------------------------------------- layout and weights
+
+
+def test_valid_sizes_and_errors():
+    assert valid_sizes(get_preset("smollm2-135m")) == [1, 3]  # MLP width 1536: not 9
+    assert valid_sizes(get_preset("qwen3-32b")) == [1, 2, 4, 8, 16, 32, 64]  # > 8: replicas
+    with pytest.raises(ConfigError, match=r"tensor_parallel: 2 ranks cannot split .*"
+                                          r"--tensor-parallel 1, 3"):
+        check_tensor_parallel(get_preset("smollm2-135m"), 2)
+    with pytest.raises(ConfigError, match="tensor_parallel"):
+        LLM("random:smollm2-135m", tensor_parallel=2, device="cpu")
+
+
+def test_more_ranks_than_gpus_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="tensor_parallel: 2 ranks need 2 GPUs.*1 are visible"):
+        rank_devices(torch.device("cuda"), 2)
+
+
+def test_replicated_layout():
+    shape = get_preset("smollm2-135m").scaled(intermediate_size=1152)  # 9 | MLP width
+    layouts = [ShardLayout(shape, rank, 9) for rank in range(9)]
+    assert [list(layout.kv_heads) for layout in layouts] == [[r // 3] for r in range(9)]
+    assert [list(layout.query_heads) for layout in layouts] == [[r] for r in range(9)]
+    assert layouts[0].replica_groups() == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert ShardLayout(shape, 1, 3).replica_groups() == []
+
+
+def test_streamed_random_weights_equal_the_loaders():
+    """The sharded loader regenerates `initialise_random`'s weights tensor by tensor."""
+    shape = get_preset("qwen3-0.6b").scaled(name="tiny", num_layers=2, hidden_size=32,
+                                             num_heads=4, num_kv_heads=2, head_dim=8,
+                                             intermediate_size=64, vocab_size=100)
+    whole = build_model(shape, torch.float32, torch.device("cpu"))
+    initialise_random(whole, 0)
+    skeleton = build_model(shape, torch.float32, torch.device("meta"))
+    streamed = dict(_random_full_tensors(skeleton, torch.float32, torch.device("cpu")))
+    assert streamed.keys() == dict(whole.named_parameters()).keys()
+    for name, parameter in whole.named_parameters():
+        assert torch.equal(streamed[name], parameter), name
+    assert any(isinstance(m, RMSNorm) for m in whole.modules())
+
+
+def test_vocabulary_rows_pad_the_last_rank():
+    assert ShardGroup(0, 3).vocab_rows(100) == (0, 34)
+    assert ShardGroup(2, 3).vocab_rows(100) == (68, 34)
+
+
+# ---------------------------------------------------------------------- compression kernel
+
+
+def test_split_gqa_group_keeps_the_tokens_of_the_whole_group():
+    """One KV head whose 4 query heads are split over 2 ranks: with the group max reduced
+    across them, each rank keeps exactly the entries (and scores) the whole group keeps."""
+    generator = torch.Generator().manual_seed(0)
+    b, w, d, blocks = 8, 4, 16, 6
+    params = CompressionParams(block_size=b, window=w)
+    k = torch.randn(1, blocks, b, 1, d, generator=generator)
+    v = torch.randn(1, blocks, b, 1, d, generator=generator)
+    score = torch.rand(1, blocks, b, 1, generator=generator)
+    query = torch.randn(1, 1, w, 4, d, generator=generator)
+    tables = dict(source_tables=torch.tensor([[0, 1, 2, 3]]), num_source_blocks=torch.tensor([4]),
+                  target_tables=torch.tensor([[4, 5]]), query_slots=torch.tensor([0]),
+                  is_compressed=torch.tensor([True]))
+    whole = [t.clone() for t in (k, v, score)]
+    compress_ref(*whole, query, **tables, params=params, scale=d ** -0.5)
+
+    # Pass 1 records each rank's local group max; pass 2 reduces with the other rank's.
+    local_max: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    for rank in (0, 1):
+        compress_ref(*[t.clone() for t in (k, v, score)], query[..., 2 * rank:2 * rank + 2, :],
+                     **tables, params=params, scale=d ** -0.5,
+                     reduce_group_max=lambda t, r=rank: local_max[r].append(t.clone()) or t)
+    for rank in (0, 1):
+        reduced = iter(torch.maximum(a, b) for a, b in zip(local_max[0], local_max[1]))
+        shard = [t.clone() for t in (k, v, score)]
+        compress_ref(*shard, query[..., 2 * rank:2 * rank + 2, :], **tables, params=params,
+                     scale=d ** -0.5, reduce_group_max=lambda t: next(reduced))
+        for ours, theirs in zip(shard, whole):
+            assert torch.equal(ours, theirs)
+
+
+# ---------------------------------------------------------------------- end to end (gloo)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_full_kv_tp2_equals_tp1(tiny_models, arch):
+    model = str(tiny_models[arch])
+    knobs = dict(compress=False, block_size=16, kv_memory_gb=0.002, dtype="float32",
+                 device="cpu")
+    expected, full, run = generate(model, 1, **knobs)
+    tokens, shards, tp_run = generate(model, 2, **knobs)
+    assert tokens == expected
+    assert_shards_match(full[0], shards, lambda rank: ShardLayout(
+        _shape(model), rank, 2))
+
+
+@pytest.mark.parametrize("arch,asynchronous", [("llama", False), ("llama", True),
+                                               ("qwen3", True)])
+def test_compression_tp2_keeps_the_tokens_of_tp1(tiny_models, arch, asynchronous):
+    model = str(tiny_models[arch])
+    knobs = dict(COMPRESSION, async_compress=asynchronous, kv_memory_gb=0.001, dtype="float32",
+                 device="cpu")
+    expected, full, run = generate(model, 1, **knobs)
+    tokens, shards, tp_run = generate(model, 2, **knobs)
+    assert run.summary["compressions"] > 0
+    assert tokens == expected
+    assert tp_run.summary["compressions"] == run.summary["compressions"]
+    assert run.summary["preemptions"] == tp_run.summary["preemptions"] == 0
+    assert_shards_match(full[0], shards, lambda rank: ShardLayout(_shape(model), rank, 2))
+
+
+def test_smollm2_random_tp3_equals_tp1():
+    """SmolLM2's 9 query / 3 KV heads at TP=3 (gloo, three processes), random weights."""
+    knobs = dict(compress=False, block_size=16, kv_memory_gb=0.01, dtype="float32", device="cpu",
+                 max_model_len=128)
+    short = [[1, 2, 3], list(range(100, 120))]
+    results = []
+    for world in (1, 3):
+        llm = LLM("random:smollm2-135m", tensor_parallel=world, **knobs)
+        try:
+            outputs = llm.generate(short, SamplingParams(temperature=0.0, max_tokens=4,
+                                                         ignore_eos=True), progress=False)
+            results.append([output.token_ids for output in outputs])
+        finally:
+            if world > 1:
+                llm.engine.runner.shutdown()
+    assert results[0] == results[1]
+
+
+def test_engine_tp2_makes_the_simulators_decisions(tiny_models, tmp_path):
+    requests = [TraceRequest(id=f"r{i}", arrival_s=0.0, prompt_len=length, output_len=output)
+                for i, (length, output) in enumerate([(20, 40), (33, 24), (5, 50), (40, 30)])]
+    trace_path = tmp_path / "trace.json"
+    save_trace(Trace("tp-vs-sim", requests), trace_path)
+    common = ["replay", str(trace_path), "--model", str(tiny_models["qwen3"]), "--block-size",
+              "16", "--window", "4", "--budget", "32", "--no-async", "--dtype", "float32",
+              "--kv-memory-gb", "0.0003", "--tensor-parallel", "2", "--json"]
+    runs = {}
+    for name, extra in (("sim", []), ("cpu", ["--engine", "cpu"])):
+        result = subprocess.run([sys.executable, "-m", "zipage.cli", *common, *extra, "--out",
+                                 str(tmp_path / name)], capture_output=True, text=True, cwd=ROOT,
+                                timeout=120)
+        assert result.returncode == 0, result.stderr
+        runs[name] = json.loads(result.stdout)
+    assert runs["cpu"]["compressions"] > 0
+    assert runs["sim"]["num_blocks"] == runs["cpu"]["num_blocks"]
+    assert (tmp_path / "sim" / "decisions.log").read_text() == \
+        (tmp_path / "cpu" / "decisions.log").read_text()
+
+
+@pytest.mark.parametrize("action,message", [("raise", "rank 1 failed: RuntimeError: injected"),
+                                            ("exit", "rank 1 exited with code 7")])
+def test_a_failing_rank_stops_the_run_naming_it(tiny_models, monkeypatch, action, message):
+    monkeypatch.setenv("ZIPAGE_TP_FAULT", f"1:3:{action}")
+    llm = LLM(str(tiny_models["qwen3"]), tensor_parallel=2, compress=False, block_size=16,
+              kv_memory_gb=0.002, device="cpu")
+    started = time.monotonic()
+    with pytest.raises(TensorParallelError, match=message):
+        llm.generate(prompts(), GREEDY, progress=False)
+    assert time.monotonic() - started < 30
+    with pytest.raises(TensorParallelError, match="shut down"):
+        llm.generate(prompts(), GREEDY, progress=False)
+    assert all(worker.process.poll() is not None for worker in llm.engine.runner.links.workers)
+
+
+def _first(name: str, tensor, blocks: int):
+    if tensor is None or name == "query":
+        return tensor
+    return tensor[:, :, :blocks] if name == "kv" else tensor[:, :blocks]
+
+
+def _shape(model: str):
+    from zipage.engine.parallel import full_shape
+
+    return full_shape(model)

@@ -1,0 +1,552 @@
+"""Tensor parallelism: one engine over N ranks, one process per GPU (gloo processes on the CPU).
+
+Rank 0 is the caller's process. It keeps the one scheduler and the step loop, and holds a
+`TensorParallelExecutor` where a single-GPU engine holds its `ModelRunner`, with the same
+interface (`execute(plan, tokens) -> [(request, token)]`, `compressor.completed(wait)`), so the
+loop, the replay and `LLM` do not know the model is sharded. Each step, rank 0 sends every worker
+a compact copy of the plan (per request: id, the token ids it needs, block table, KV length,
+position, query slot; the compression jobs; the async batches rank 0 saw complete), then every
+rank runs its own `ModelRunner` over its shard of the model and of the KV, query and score caches
+(identical block tables: the caches differ only in which heads they hold). The row-parallel
+layers all-reduce; the logits are gathered and rank 0 samples. Workers never schedule or sample.
+
+Compression needs no cross-rank step while each rank holds whole GQA groups: every score is per
+KV head (docs/tensor_parallel.md). When KV heads are replicated (more ranks than KV heads), a KV
+head's query heads sit on several ranks and the GQA max is all-reduced among them
+(`Compressor.reduce_group_max`), so those ranks keep identical tokens and identical scores.
+
+Failures: a worker that raises reports its error and exits; one that dies just exits. Either
+way rank 0's pending collective fails (gloo: the peer's connection closes; NCCL: a watcher
+thread aborts the process group) and `execute` raises a `TensorParallelError` naming the rank.
+Collectives also time out (ZIPAGE_TP_TIMEOUT_S, default 600 s), and a worker whose parent is
+gone exits, so nothing hangs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from functools import partial
+from multiprocessing.connection import Connection, wait
+
+import torch
+
+from zipage.core.step import CompressionBatch, CompressionJob, PrefillItem, StepPlan
+from zipage.engine.distributed import ShardGroup, set_shard_group, shard_group
+from zipage.engine.runner import ModelRunner
+from zipage.engine.sharding import ShardLayout, check_tensor_parallel, load_shard
+from zipage.errors import ConfigError, ZipageError
+
+TIMEOUT_ENV = "ZIPAGE_TP_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 600.0
+STARTUP_POLL_S = 0.2
+FAILURE_GRACE_S = 5.0  # how long rank 0 waits to learn which worker broke its collective
+
+
+class TensorParallelError(ZipageError):
+    """A rank failed; the message names it."""
+
+
+# ---------------------------------------------------------------------- building (rank 0)
+
+
+def build_parallel_engine(settings, device: torch.device, dtype: torch.dtype, cuda_graphs: bool):
+    """The `Engine` of `build_engine` for `settings.tensor_parallel` > 1 ranks."""
+    from zipage.engine.llm import CPU_KV_MEMORY_GB, Engine, _check_fits
+    from zipage.core.scheduler import Scheduler
+    from zipage.deployment import effective_config, plan_capacity
+    from dataclasses import replace
+
+    world = settings.tensor_parallel
+    shape = full_shape(settings.model)
+    check_tensor_parallel(shape, world)
+    devices = rank_devices(device, world)
+    config = effective_config(settings, shape)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(devices[0]).total_memory
+    else:
+        total = None
+        if settings.kv_memory_gb is None:
+            settings = replace(settings, kv_memory_gb=CPU_KV_MEMORY_GB)
+    capacity = plan_capacity(settings, shape, total)  # per GPU: heads divided by the ranks
+    Scheduler(config, capacity.num_blocks, capacity.num_query_slots)
+    if device.type == "cuda":
+        _check_fits(capacity, devices[0])
+    setup = dict(world=world, model=settings.model, shape=shape, config=config,
+                 capacity=capacity, dtype=dtype, cuda_graphs=cuda_graphs,
+                 timeout_s=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
+    executor = TensorParallelExecutor.start(setup, devices)
+    return Engine(executor.runner.model, shape, executor.tokenizer, config, capacity, executor,
+                  devices[0])
+
+
+def full_shape(spec: str):
+    """The whole model's shape, read the way the loader reads it (without the weights)."""
+    from pathlib import Path
+
+    from zipage.engine.loader import RANDOM_PREFIX
+    from zipage.presets import get_preset, resolve_shape, shape_from_hf_config
+
+    if spec.lower().startswith(RANDOM_PREFIX):
+        return get_preset(spec)
+    path = Path(spec).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        from transformers import AutoConfig
+
+        return shape_from_hf_config(AutoConfig.from_pretrained(path).to_dict(), path.name)
+    return resolve_shape(spec)
+
+
+def rank_devices(device: torch.device, world: int) -> list[torch.device]:
+    if device.type != "cuda":
+        return [device] * world
+    first = device.index or 0
+    visible = torch.cuda.device_count()
+    if first + world > visible:
+        raise ConfigError(f"tensor_parallel: {world} ranks need {world} GPUs from cuda:{first}, "
+                          f"but {visible} are visible; use --tensor-parallel "
+                          f"{max(1, visible - first)} or fewer (or set CUDA_VISIBLE_DEVICES)")
+    return [torch.device("cuda", first + rank) for rank in range(world)]
+
+
+# ---------------------------------------------------------------------- the plan on the wire
+
+
+@dataclass
+class ShardRequest:
+    """What a worker rank knows of a request in a step: enough to lay out its batch."""
+
+    seq_id: str
+    block_table: list[int]
+    query_slot: int | None
+    kv_len: int
+    position: int
+
+
+def encode_step(plan: StepPlan, tokens: dict[str, list[int]], completed: list[int]) -> tuple:
+    prefill = [(item.seq.seq_id, item.num_cached_tokens, item.num_tokens,
+                list(item.seq.block_table), item.seq.query_slot,
+                tokens[item.seq.seq_id][item.num_cached_tokens:item.num_tokens])
+               for item in plan.prefill]
+    decode = [(seq.seq_id, seq.kv_len, seq.position, list(seq.block_table), seq.query_slot,
+               tokens[seq.seq_id][-1]) for seq in plan.decode]
+    launch = plan.compress_launch
+    return (plan.step_id, plan.kind, prefill, decode, encode_jobs(plan.compress_sync),
+            None if launch is None else (launch.batch_id, encode_jobs(launch.jobs)), completed)
+
+
+def encode_jobs(jobs: list[CompressionJob]) -> list[tuple]:
+    return [(job.source_table, job.target_blocks, job.query_slot, job.is_first) for job in jobs]
+
+
+def decode_jobs(jobs: list[tuple]) -> list[CompressionJob]:
+    return [CompressionJob(seq=None, source_table=source, target_blocks=target, new_block=-1,
+                           released=[], query_slot=slot, is_first=first)
+            for source, target, slot, first in jobs]
+
+
+def decode_step(message: tuple) -> tuple[StepPlan, dict[str, list[int]], list[int]]:
+    step_id, kind, prefill, decode, sync, launch, completed = message
+    plan = StepPlan(step_id=step_id, kind=kind, compress_sync=decode_jobs(sync))
+    if launch is not None:
+        plan.compress_launch = CompressionBatch(launch[0], decode_jobs(launch[1]))
+    tokens: dict[str, list[int]] = {}
+    for seq_id, start, end, table, slot, ids in prefill:
+        request = ShardRequest(seq_id, table, slot, start, end - 1)
+        plan.prefill.append(PrefillItem(request, start, end))
+        tokens[seq_id] = [0] * start + ids  # the runner reads tokens [start, end)
+    for seq_id, kv_len, position, table, slot, last in decode:
+        plan.decode.append(ShardRequest(seq_id, table, slot, kv_len, position))
+        tokens[seq_id] = [last]  # a decode step reads only the last token
+    return plan, tokens, completed
+
+
+# ---------------------------------------------------------------------- one rank
+
+
+def start_rank(rank: int, device: torch.device, setup: dict, store) -> tuple[ModelRunner, object]:
+    """Join the process group, load this rank's shard and build its runner (every rank)."""
+    import torch.distributed as dist
+
+    world = setup["world"]
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if dist.is_initialized():
+        import gc
+
+        gc.collect()  # a dropped engine (executor <-> compressor proxy cycle) stops its workers
+    if dist.is_initialized():
+        raise ConfigError("tensor_parallel: this process already runs a tensor-parallel engine; "
+                          "shut it down first (engine.runner.shutdown())")
+    timeout = datetime.timedelta(seconds=setup["timeout_s"])
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    layout = ShardLayout(setup["shape"], rank, world)
+    replica_group = None
+    for ranks in layout.replica_groups():  # every rank creates every group, in the same order
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            replica_group = group
+    group = ShardGroup(rank, world, dist.group.WORLD)
+    with shard_group(group):
+        model, tokenizer = load_shard(setup["model"], layout, setup["dtype"], device)
+        runner = ModelRunner(model, layout.local_shape(), setup["config"], setup["capacity"],
+                             setup["dtype"], device, cuda_graphs=setup["cuda_graphs"])
+    if replica_group is not None and runner.compressor is not None:
+        runner.compressor.reduce_group_max = partial(_all_reduce_max, group=replica_group)
+    return runner, tokenizer
+
+
+def _all_reduce_max(tensor: torch.Tensor, group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    tensor = tensor.contiguous()
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor
+
+
+def run_step(runner: ModelRunner, message: tuple) -> None:
+    """A worker's share of one step: the compressions and the forward pass, no sampling."""
+    plan, tokens, completed = decode_step(message)
+    if completed and runner.compressor is not None:
+        # Rank 0 saw these async batches done; this rank's copy must be done before the
+        # compressed requests decode again.
+        runner.compressor.completed(wait=True)
+    runner.forward(plan, tokens)
+
+
+def cache_snapshot(runner: ModelRunner) -> dict[str, torch.Tensor | None]:
+    caches = runner.caches
+    return {name: None if tensor is None else tensor.detach().cpu().clone()
+            for name, tensor in (("kv", caches.kv), ("query", caches.query),
+                                 ("score", caches.score))}
+
+
+# ---------------------------------------------------------------------- worker process
+
+
+def worker_main(fd: int) -> None:
+    """A worker rank: set up from rank 0's first message, then run what rank 0 sends."""
+    connection = Connection(fd)
+    rank = None
+    try:
+        setup = connection.recv()
+        rank, device = setup["rank"], torch.device(setup["device"])
+        _exit_with_parent()
+        if device.type == "cpu":
+            torch.set_num_threads(1)
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", setup["port"], setup["world"], is_master=False,
+                              timeout=datetime.timedelta(seconds=setup["timeout_s"]))
+        connection.send(("hello", rank))
+        runner, _ = start_rank(rank, device, setup, store)
+        set_shard_group(ShardGroup(rank, setup["world"], dist.group.WORLD))
+        connection.send(("ready", rank))
+        fault = os.environ.get("ZIPAGE_TP_FAULT")  # tests: "RANK:STEP:raise|exit"
+        while True:
+            try:
+                kind, *payload = connection.recv()
+            except EOFError:
+                break  # rank 0 is gone
+            if kind == "step":
+                if fault and _fault_now(fault, rank, payload[0][0]):
+                    continue
+                run_step(runner, payload[0])
+            elif kind == "compress":
+                runner.compressor.run(decode_jobs(payload[0]))
+            elif kind == "caches":
+                # Plain pickle copies the tensors (the connection's pickler would try to
+                # share their memory between processes).
+                connection.send_bytes(pickle.dumps(("caches", rank, cache_snapshot(runner))))
+            elif kind == "stop":
+                break
+    except BaseException as error:  # report, then leave at once: peers see the closed links
+        try:
+            connection.send(("error", rank, f"{type(error).__name__}: {error}"))
+        except OSError:
+            pass
+        os._exit(1)
+    os._exit(0)
+
+
+def _fault_now(fault: str, rank: int, step_id: int) -> bool:
+    """Fault injection for the failure tests: at step STEP, rank RANK raises or dies."""
+    fault_rank, fault_step, action = fault.split(":")
+    if (int(fault_rank), int(fault_step)) != (rank, step_id):
+        return False
+    if action == "exit":
+        os._exit(7)
+    raise RuntimeError(f"injected fault at step {step_id}")
+
+
+def _exit_with_parent() -> None:
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+# ---------------------------------------------------------------------- rank 0
+
+
+@dataclass
+class _Worker:
+    rank: int
+    process: subprocess.Popen
+    connection: Connection
+
+
+@dataclass
+class _Links:
+    """Rank 0's side of the workers, shared with the watcher thread (not the executor, so the
+    executor can be garbage-collected and its finalizer stop the workers)."""
+
+    workers: list[_Worker]
+    backend: str
+    replies: queue.Queue = field(default_factory=queue.Queue)
+    failure: str | None = None
+    closing: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def fail(self, message: str) -> None:
+        with self.lock:
+            if self.failure is None and not self.closing:
+                self.failure = message
+            else:
+                return
+        if self.backend == "nccl":
+            try:  # unblock rank 0's pending NCCL collective
+                import torch.distributed as dist
+
+                dist.distributed_c10d._abort_process_group()
+            except Exception:  # noqa: BLE001 - best effort; the collective timeout remains
+                pass
+
+    def watch(self) -> None:
+        open_connections = {worker.connection: worker for worker in self.workers}
+        while open_connections and not self.closing:
+            for connection in wait(list(open_connections), timeout=STARTUP_POLL_S):
+                worker = open_connections[connection]
+                try:
+                    message = connection.recv()
+                except (EOFError, OSError):
+                    del open_connections[connection]
+                    if not self.closing:
+                        code = worker.process.wait()
+                        self.fail(f"rank {worker.rank} exited with code {code}")
+                    continue
+                except Exception as error:  # noqa: BLE001 - an unreadable reply must not hang rank 0
+                    del open_connections[connection]
+                    self.fail(f"rank {worker.rank} sent an unreadable message ({error})")
+                    continue
+                if message[0] == "error":
+                    self.fail(f"rank {message[1]} failed: {message[2]}")
+                else:
+                    self.replies.put(message)
+
+
+class TensorParallelExecutor:
+    """Rank 0's stand-in for a `ModelRunner`: runs each step on every rank, samples on rank 0."""
+
+    def __init__(self, runner: ModelRunner, tokenizer, links: _Links, group: ShardGroup) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.links = links
+        self.group = group
+        self.world = group.world
+        self.device = runner.device
+        self.shape = runner.shape  # this rank's shard
+        self.caches = runner.caches
+        self.completed_batches: list[int] = []
+        self.compressor = _CompressorProxy(self) if runner.compressor is not None else None
+        self.closed = False
+        self._finalizer = weakref.finalize(self, _stop, links)
+
+    @classmethod
+    def start(cls, setup: dict, devices: list[torch.device]) -> "TensorParallelExecutor":
+        import torch.distributed as dist
+
+        world = setup["world"]
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=setup["timeout_s"]))
+        links = _Links([], "nccl" if devices[0].type == "cuda" else "gloo")
+        try:
+            for rank in range(1, world):
+                links.workers.append(_spawn(rank))
+            for worker in links.workers:
+                worker.connection.send({**setup, "rank": worker.rank, "port": store.port,
+                                        "device": str(devices[worker.rank])})
+            threading.Thread(target=links.watch, daemon=True, name="zipage-tp-watch").start()
+            _await(links, "hello", world - 1)
+            runner, tokenizer = start_rank(0, devices[0], setup, store)
+            _await(links, "ready", world - 1)
+        except BaseException:
+            _stop(links)
+            if links.failure is not None:
+                raise TensorParallelError(f"tensor parallel: {links.failure}") from None
+            raise
+        return cls(runner, tokenizer, links, ShardGroup(0, world, dist.group.WORLD))
+
+    # ------------------------------------------------------------------ the runner interface
+
+    def execute(self, plan: StepPlan, tokens: dict[str, list[int]]) -> list:
+        completed, self.completed_batches = self.completed_batches, []
+        self._send(("step", encode_step(plan, tokens, completed)))
+        with self._guard(), shard_group(self.group):
+            return self.runner.execute(plan, tokens)
+
+    @property
+    def last_logits(self) -> torch.Tensor | None:
+        return self.runner.last_logits
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.runner.kv_cache
+
+    def gather_caches(self) -> list[dict[str, torch.Tensor | None]]:
+        """Every rank's caches on the CPU, by rank (tests compare them with a one-rank run)."""
+        self._send(("caches",))
+        snapshots = {0: cache_snapshot(self.runner)}
+        while len(snapshots) < self.world:
+            _, rank, snapshot = self._reply("caches")
+            snapshots[rank] = snapshot
+        return [snapshots[rank] for rank in range(self.world)]
+
+    def shutdown(self) -> None:
+        """Stop the workers and leave the process group (also run when the executor is freed)."""
+        if not self.closed:
+            self.closed = True
+            self._finalizer()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _send(self, message: tuple) -> None:
+        self._check()
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._guard():
+            for worker in self.links.workers:
+                worker.connection.send_bytes(data)
+
+    def _reply(self, kind: str) -> tuple:
+        with self._guard():
+            return _await(self.links, kind, 1)[0]
+
+    def _check(self) -> None:
+        if self.closed:
+            raise TensorParallelError("tensor parallel: this engine was shut down"
+                                      + (f" after {self.links.failure}" if self.links.failure
+                                         else "") + "; build a new one")
+
+    def _guard(self):
+        return _Guard(self)
+
+
+class _Guard:
+    """Turns an error on rank 0 into a shut-down executor and, when a worker caused it, a
+    `TensorParallelError` naming that worker."""
+
+    def __init__(self, executor: TensorParallelExecutor) -> None:
+        self.executor = executor
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if error is None:
+            return False
+        links = self.executor.links
+        deadline = time.monotonic() + FAILURE_GRACE_S
+        while links.failure is None and time.monotonic() < deadline and isinstance(
+                error, (RuntimeError, OSError, TensorParallelError)):
+            time.sleep(0.05)  # the watcher learns which worker broke the collective
+        self.executor.shutdown()
+        if links.failure is not None and not isinstance(error, TensorParallelError):
+            raise TensorParallelError(f"tensor parallel: {links.failure}") from None
+        return False
+
+
+class _CompressorProxy:
+    """The loop's view of compression on all ranks: rank 0's compressor, plus the bookkeeping
+    that tells the workers which async batches completed."""
+
+    def __init__(self, executor: TensorParallelExecutor) -> None:
+        self.executor = executor
+        self.local = executor.runner.compressor
+
+    def completed(self, wait: bool = False) -> list[int]:
+        done = self.local.completed(wait)
+        self.executor.completed_batches += done
+        return done
+
+    def run(self, jobs: list[CompressionJob]) -> None:
+        """Compress `jobs` on every rank now (calibration times this)."""
+        self.executor._send(("compress", encode_jobs(jobs)))
+        with self.executor._guard(), shard_group(self.executor.group):
+            self.local.run(jobs)
+
+
+def _spawn(rank: int) -> _Worker:
+    ours, theirs = socket.socketpair()
+    process = subprocess.Popen([sys.executable, "-m", "zipage.engine.parallel",
+                                str(theirs.fileno())], pass_fds=(theirs.fileno(),))
+    theirs.close()
+    return _Worker(rank, process, Connection(ours.detach()))
+
+
+def _await(links: _Links, kind: str, count: int) -> list[tuple]:
+    """`count` replies of `kind` from the workers; raises if a worker fails meanwhile."""
+    replies = []
+    while len(replies) < count:
+        if links.failure is not None:
+            raise TensorParallelError(f"tensor parallel: {links.failure}")
+        try:
+            message = links.replies.get(timeout=STARTUP_POLL_S)
+        except queue.Empty:
+            continue
+        if message[0] == kind:
+            replies.append(message)
+    return replies
+
+
+def _stop(links: _Links) -> None:
+    """Ask the workers to stop, kill those that do not within seconds, leave the group."""
+    import torch.distributed as dist
+
+    links.closing = True
+    for worker in links.workers:
+        try:
+            worker.connection.send(("stop",))
+        except OSError:
+            pass
+    deadline = time.monotonic() + 5.0
+    for worker in links.workers:
+        try:
+            worker.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            worker.process.kill()
+            worker.process.wait()
+        worker.connection.close()
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group cannot always be torn down cleanly
+            pass
+
+
+if __name__ == "__main__":
+    worker_main(int(sys.argv[1]))
