@@ -159,7 +159,7 @@ def compare_request_times(sim_requests: pd.DataFrame, real_requests: pd.DataFram
         arrival = finished[f"arrival_{run}"]
         first_token = finished[f"first_token_{run}"]
         finish = finished[f"finish_{run}"]
-        # TPOT is undefined for one-token outputs (DESIGN.md section 9): NaN, hence excluded.
+        # TPOT is undefined for one-token outputs (docs/architecture.md, 'Traces and metrics'): NaN, hence excluded.
         decode_tokens = (finished[f"output_len_{run}"] - 1).where(
             finished[f"output_len_{run}"] > 1)
         return {"ttft": first_token - arrival, "tpot": (finish - first_token) / decode_tokens,

@@ -1,4 +1,4 @@
-"""The compression pipeline's entry point (DESIGN.md section 7).
+"""The compression pipeline's entry point (docs/architecture.md, 'Compression pipeline').
 
 `compress(...)` compresses a batch of requests over a group of layers; see `kernels/compress_ref.py` for the
 exact arguments and semantics. It follows paged attention's dispatch rule (`kernels/attention.py`, one copy of

@@ -1,4 +1,4 @@
-"""Pure-torch reference of the compression pipeline (DESIGN.md section 7).
+"""Pure-torch reference of the compression pipeline (docs/architecture.md, 'Compression pipeline').
 
 The CPU path and the test oracle of the Triton kernels (it runs on any device, so a GPU check can
 compare on the GPU). One call compresses a batch of requests

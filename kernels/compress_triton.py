@@ -1,8 +1,8 @@
-"""Triton kernels of the compression pipeline (DESIGN.md section 7), batched over a group of layers, the requests
+"""Triton kernels of the compression pipeline (docs/architecture.md, 'Compression pipeline'), batched over a group of layers, the requests
 of a compression batch and the KV heads.
 
 Same arguments and semantics as ``compress_ref.compress_ref`` (the oracle the tests compare against). One call
-runs, for L layers x R requests x Hkv KV heads at once (step numbers of DESIGN.md section 7):
+runs, for L layers x R requests x Hkv KV heads at once (step numbers of docs/architecture.md, 'Compression pipeline'):
 
 - steps 1-2: ``_block_softmax_stats_kernel`` and ``_attention_score_kernel`` — the window queries' softmax over
   the paged keys, flash-style without storing logits: the first pass keeps, per source block, the running max and

@@ -68,7 +68,8 @@ def replay_step_times(trace: Trace, run_dir: str | Path, *, check: bool = False,
     unfinished = scheduler.has_unfinished() or arrivals.has_pending
     first = _first_difference(engine_log, run.decision_log)
     run.summary.update(
-        driver="step-replay", num_blocks=summary["num_blocks"],
+        driver="step-replay", device=f"clock of {summary.get('device', 'the engine')}",
+        num_blocks=summary["num_blocks"],
         max_concurrency=summary.get("max_concurrency"), n_max=summary.get("n_max"),
         settings=summary["settings"], engine_steps=len(steps),
         decisions_compared=bool(engine_log),
@@ -91,9 +92,9 @@ def _read_run(run_dir: Path):
                           f"{', '.join(missing) or 'settings'}); rerun the engine with --out")
     done = requests[requests["status"] == "finished"]
     produced = dict(zip(done["id"], done["output_len"].astype(int)))
-    log_path = run_dir / "decisions.log"
-    engine_log = log_path.read_text().splitlines() if log_path.exists() else []
-    return summary, steps, produced, engine_log
+    from zipage.analysis.compare import read_decisions
+
+    return summary, steps, produced, read_decisions(run_dir) or []
 
 
 def _settings(values: dict) -> ReplaySettings:

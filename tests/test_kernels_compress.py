@@ -1,4 +1,4 @@
-"""The compression pipeline (DESIGN.md section 7): the torch reference's pieces against tiny hand-computed cases,
+"""The compression pipeline (docs/architecture.md, 'Compression pipeline'): the torch reference's pieces against tiny hand-computed cases,
 and the Triton kernels against the reference through the Triton interpreter (CPU, float32 and float16; the
 interpreter mis-computes bfloat16 dots, which bench/compress_gpu.py checks on a GPU).
 

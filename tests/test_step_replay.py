@@ -98,3 +98,23 @@ def test_profile_fitted_from_the_run_simulates_it(tiny_model, tmp_path):
     # The same decisions with fitted step times: the makespan within a factor of two even on a
     # busy CPU (a unit or feature mistake in the fit is off by orders of magnitude).
     assert 0.5 < simulated["makespan_s"] / summary["makespan_s"] < 2.0
+
+
+def test_cli_step_times_and_calibrate_from_run(tiny_model, tmp_path, capsys):
+    from zipage.cli import main
+
+    trace = online_trace()
+    out, _, _ = engine_run(tiny_model, tmp_path / "engine", trace, asynchronous=True)
+    trace_path = tmp_path / "trace.json"
+    from zipage.trace import save_trace
+
+    save_trace(trace, trace_path)
+    assert main(["replay", str(trace_path), "--step-times", str(out), "--no-progress"]) == 0
+    assert "decisions: identical to the engine's, step for step" in capsys.readouterr().out
+    profile = tmp_path / "profile.json"
+    assert main(["calibrate", "--from-run", str(out), "--hardware", "h100",
+                 "--out", str(profile)]) == 0
+    assert json.loads(profile.read_text())["source"] == "runs"
+    assert main(["calibrate", "--from-run", str(tmp_path / "nothing"), "--out",
+                 str(profile)]) == 2
+    assert "--from-run" in capsys.readouterr().err

@@ -54,7 +54,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
     # On stderr, only at a terminal: never mixed into --json's stdout.
     show_progress = _progress_wanted(args)
     engine = "gpu" if args.gpu else args.engine
-    if engine == "sim":
+    if args.step_times is not None:
+        from zipage.sim.step_replay import replay_step_times
+
+        summary, run = replay_step_times(trace, args.step_times, progress=show_progress)
+    elif engine == "sim":
         from zipage.sim.simulate import simulate
 
         summary, run = simulate(trace, settings, progress=show_progress,
@@ -72,6 +76,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     else:
         print_summary(summary)
+        if "decisions_match" in summary:
+            difference = summary["first_decision_difference"]
+            print("  decisions: " + ("identical to the engine's, step for step"
+                                     if summary["decisions_match"] else
+                                     "not compared (the run has no decision log)"
+                                     if not summary["decisions_compared"] else
+                                     f"DIFFER from step {difference['step']}" if difference
+                                     else "DIFFER: the engine ran steps the replay did not"))
         failed = [request for request in run.requests if request.error]
         for request in failed[:5]:
             print(f"  failed: {request.error}")
@@ -156,6 +168,10 @@ def print_summary(summary: dict) -> None:
 # ---------------------------------------------------------------- zipage calibrate
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.from_run:
+        from zipage.sim.profile_from_runs import profile_from_runs
+
+        return _write_profile(profile_from_runs(args.from_run, gpu=args.hardware), args.out)
     engine = "gpu" if args.gpu else args.engine
     _require_torch(engine)
     from zipage.engine.calibrate import calibrate
@@ -163,14 +179,19 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     if engine == "cpu":
         set_cpu_threads(args.threads)
-    from zipage.sim.cost_model import CalibratedCostModel
 
     # The hardware table entry is only the profile's label here (None: named after the GPU);
     # the engine plans its caches from the device it runs on.
     settings = replace(settings_from_args(args), hardware=args.hardware or "a100-80gb")
     profile = calibrate(settings, "cuda" if engine == "gpu" else "cpu", hardware=args.hardware,
                         repeats=args.repeats, progress=_progress_wanted(args))
-    out = Path(args.out)
+    return _write_profile(profile, args.out)
+
+
+def _write_profile(profile: dict, path: str) -> int:
+    from zipage.sim.cost_model import CalibratedCostModel
+
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(_profile_json(profile))
     model = CalibratedCostModel.from_profile(out)
@@ -395,6 +416,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "default), decisions.log.gz (gzip: a tenth of the size; 140 MB "
                              "plain for amc23.json) or not at all (none: zipage compare then "
                              "skips the decision check)")
+    replay.add_argument("--step-times", default=None, metavar="RUN_DIR",
+                        help="drive the simulator with an engine run's measured step times "
+                             "(its --out directory): it must make the engine's decisions step "
+                             "for step (docs/cost_model.md)")
     replay.add_argument("--no-progress", action="store_true")
     replay.set_defaults(handler=cmd_replay)
 
@@ -408,6 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="gpu (default) or cpu (small models, to try the command out; "
                                 "--hardware then names the GPU entry the profile stands for)")
     _add_threads_flag(calibrate)
+    calibrate.add_argument("--from-run", nargs="+", default=None, metavar="RUN_DIR",
+                           help="fit the profile from engine runs' steps.csv (their --out "
+                                "directories) instead of measuring; --hardware labels it")
     calibrate.add_argument("--repeats", type=int, default=5,
                            help="timed repeats per point; the median is kept (default 5)")
     calibrate.add_argument("--out", required=True,
@@ -467,8 +495,10 @@ def build_parser() -> argparse.ArgumentParser:
     trace = commands.add_parser("trace", help="make workload traces")
     trace_commands = trace.add_subparsers(dest="trace_command", required=True)
     make = trace_commands.add_parser("make", help="generate a workload trace")
-    make.add_argument("kind", help="amc23, gsm8k, mixture, longbench, tiny - or a trace .json to "
-                                   "re-stamp with arrivals")
+    from zipage.workloads import WORKLOADS
+
+    make.add_argument("kind", help=f"{', '.join(WORKLOADS)} - or a trace .json to re-stamp "
+                                   "with arrivals (docs/traces.md)")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("-o", "--output", required=True)
     make.add_argument("--rate", type=float, default=None,

@@ -7,7 +7,7 @@ can take a free block back from the prefix index (as vLLM does).
 
 Prefix index: the full blocks of a prompt are keyed by a chained content hash (the hash of a
 block covers every token before it too), so equal hashes mean equal prefixes. Only prompt blocks
-of uncompressed requests enter the index (DESIGN.md rule 7); a block whose content a compression
+of uncompressed requests enter the index (docs/architecture.md, 'Rules', rule 7); a block whose content a compression
 overwrites leaves it at once.
 """
 
@@ -38,7 +38,7 @@ def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
 
 @dataclass
 class CompressionTargets:
-    """Where a compression writes: see DESIGN.md section 3, rule 5."""
+    """Where a compression writes: see docs/architecture.md, 'Rules', rule 5."""
 
     target_blocks: list[int]
     new_block: int

@@ -1,4 +1,4 @@
-"""Checks of the core's invariants (DESIGN.md section 5), run by drivers under test.
+"""Checks of the core's invariants (docs/architecture.md, 'Invariants'), run by drivers under test.
 
 `InvariantChecker` watches a scheduler step by step: `after_schedule(plan)` before the driver
 executes the plan, `record_computed(seq, start, end)` for every KV range a driver computes, and

@@ -2,7 +2,7 @@
 
 One step at a time: `schedule()` returns a `StepPlan` (a prefill step or a decode step, with the
 compressions and preemptions it needs), the driver executes it, `finish(result)` applies it.
-The rules are DESIGN.md sections 3 and 5; this module is the only place they live.
+The rules are docs/architecture.md, 'Rules' and 'Scheduling'; this module is the only place they live.
 
 Queues: `waiting` (FCFS; preempted requests go back to its front) and `running` (admission
 order). Query slots: M of them; a request needs one to write the window queries a compression
@@ -338,7 +338,7 @@ class Scheduler:
         return True
 
     def _pick_victim(self) -> Sequence | None:
-        """The request to preempt when blocks run out (DESIGN.md section 5), or None."""
+        """The request to preempt when blocks run out (docs/architecture.md, 'Scheduling'), or None."""
         if not self.compress:
             return next(reversed(self.running), None)
         if self.config.prefix_cache:
@@ -404,7 +404,7 @@ class Scheduler:
         """Computing KV entry `token_index` writes a window query a compression will read.
 
         True for the last w in-block offsets of every block from index N_max - 1 on: those blocks
-        are the final block when a compression triggers (DESIGN.md rule 7).
+        are the final block when a compression triggers (docs/architecture.md, 'Rules', rule 7).
         """
         b = self.block_size
         return (self.compress and token_index // b >= self.n_max - 1

@@ -104,7 +104,7 @@ class Sequence:
 
     @property
     def position(self) -> int:
-        """True position of the token decoded next: unchanged by compression (DESIGN rule 4)."""
+        """True position of the token decoded next: unchanged by compression (docs/architecture.md, 'Rules', rule 4)."""
         return self.num_tokens - 1
 
     @property

@@ -257,7 +257,7 @@ class PagedAttention(nn.Module):
     The runner assigns `k_cache` and `v_cache` ([num_blocks, block_size, num_kv_heads, head_dim]) and, when
     compression is on, `query_cache` ([num_slots, window, num_heads, head_dim]) — views into its big
     per-model tensors — before the first forward. Keys arrive already rotated: RoPE is applied before
-    caching (DESIGN.md section 3, rule 4), so attention never needs positions.
+    caching (docs/architecture.md, 'Rules', rule 4), so attention never needs positions.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:

@@ -146,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids and positions int64 [num_tokens] -> final hidden states [num_tokens, hidden_size].
 
         `positions` are true token positions (prompt length + tokens generated so far - 1 for a decode
-        token), independent of where the token's KV lands after compression (DESIGN.md section 3, rule 4).
+        token), independent of where the token's KV lands after compression (docs/architecture.md, 'Rules', rule 4).
         """
         return self.model(input_ids, positions)
 
