@@ -2,6 +2,8 @@
 # (pip cannot build an editable install offline): a package tree under /tmp/zipage-src that links
 # sim/, kernels/ and analysis/ as zipage.sim, zipage.kernels and zipage.analysis, as pyproject.toml maps them.
 #   . bench/env.sh && python bench/headline_gpu.py
+# Run `python -m zipage.cli ...` from another directory (cd /tmp): from the repository root the
+# checkout's own zipage/ (without sim/ inside) would shadow this tree.
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 rm -rf /tmp/zipage-src && mkdir -p /tmp/zipage-src/zipage
 for entry in "$root"/zipage/*; do ln -s "$entry" /tmp/zipage-src/zipage/; done
