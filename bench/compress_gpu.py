@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from zipage.kernels import compress_triton
+from zipage.kernels.compress import CompressionInputs
 from zipage.kernels.compress_ref import (
     CompressionParams,
     compress_ref,
@@ -87,25 +88,7 @@ def log(line: str = "") -> None:
 # ---------------------------------------------------------------- part A: correctness
 
 
-@dataclasses.dataclass
-class Batch:
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    score_cache: torch.Tensor
-    query_cache: torch.Tensor
-    source_tables: torch.Tensor
-    num_source_blocks: torch.Tensor
-    target_tables: torch.Tensor
-    query_slots: torch.Tensor
-    is_compressed: torch.Tensor
-
-    def arguments(self, params: CompressionParams, scale: float) -> tuple:
-        return (self.k_cache, self.v_cache, self.score_cache, self.query_cache, self.source_tables,
-                self.num_source_blocks, self.target_tables, self.query_slots, self.is_compressed, params, scale)
-
-    def clone(self) -> Batch:
-        return dataclasses.replace(self, k_cache=self.k_cache.clone(), v_cache=self.v_cache.clone(),
-                                   score_cache=self.score_cache.clone())
+Batch = CompressionInputs  # the pipeline's inputs, as the engine's compressor builds them
 
 
 def random_batch(layers: int, query_heads: int, kv_heads: int, head_dim: int, block_size: int, counts: list[int],

@@ -9,10 +9,39 @@ without Triton. The Triton module is imported only when first needed.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from zipage.kernels.dispatch import use_triton
 from zipage.kernels.compress_ref import CompressionParams, compress_ref
+
+
+@dataclasses.dataclass
+class CompressionInputs:
+    """One compression batch over a group of layers: the caches it rewrites in place and the
+    per-request tables (shapes in `kernels/compress_ref.py`). The one type the engine's compressor,
+    the kernel tests and the GPU benchmark build; `arguments` lays it out for `compress`,
+    `compress_ref` and `compress_triton`, which share one signature."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    score_cache: torch.Tensor | None
+    query_cache: torch.Tensor
+    source_tables: torch.Tensor
+    num_source_blocks: torch.Tensor
+    target_tables: torch.Tensor
+    query_slots: torch.Tensor
+    is_compressed: torch.Tensor
+
+    def arguments(self, params: CompressionParams, scale: float) -> tuple:
+        return (*(getattr(self, field.name) for field in dataclasses.fields(self)), params, scale)
+
+    def clone(self) -> "CompressionInputs":
+        """A copy whose caches (what a compression writes) are separate tensors."""
+        return dataclasses.replace(
+            self, k_cache=self.k_cache.clone(), v_cache=self.v_cache.clone(),
+            score_cache=None if self.score_cache is None else self.score_cache.clone())
 
 
 def compress(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Tensor | None,

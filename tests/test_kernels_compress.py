@@ -22,7 +22,7 @@ import math
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 
@@ -38,6 +38,7 @@ from triton_interpreter import (  # noqa: E402
     under_interpreter,
 )
 from zipage.kernels import compress as compress_module  # noqa: E402
+from zipage.kernels.compress import CompressionInputs  # noqa: E402
 from zipage.kernels.compress_ref import (  # noqa: E402
     CompressionParams,
     attention_scores,
@@ -145,10 +146,10 @@ def test_reference_score_cache_follows_the_global_score_switch():
     batch = make_batch(torch.float32, group=1, block_size=16, window=4, seed=0)
     params = CompressionParams(block_size=16, window=4, global_score=False)
     untouched = batch.score_cache.clone()
-    compress_ref(*batch.arguments(params))
+    compress_ref(*batch.arguments(params, SCALE))
     assert torch.equal(batch.score_cache, untouched)
     with pytest.raises(ValueError, match="score_cache"):
-        compress_ref(*replace(batch, score_cache=None).arguments(replace(params, global_score=True)))
+        compress_ref(*replace(batch, score_cache=None).arguments(replace(params, global_score=True), SCALE))
 
 
 # ---------------------------------------------------------------- random batches
@@ -158,25 +159,9 @@ LAYERS, KV_HEADS, HEAD_DIM, NUM_SLOTS = 2, 2, 64, 4
 N_MAX = 3  # two target blocks per request
 
 
-@dataclass
-class Batch:
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    score_cache: torch.Tensor | None
-    query_cache: torch.Tensor
-    source_tables: torch.Tensor
-    num_source_blocks: torch.Tensor
-    target_tables: torch.Tensor
-    query_slots: torch.Tensor
-    is_compressed: torch.Tensor
-
-    def arguments(self, params: CompressionParams, scale: float = HEAD_DIM**-0.5) -> tuple:
-        return (self.k_cache, self.v_cache, self.score_cache, self.query_cache, self.source_tables,
-                self.num_source_blocks, self.target_tables, self.query_slots, self.is_compressed, params, scale)
-
-    def clone(self) -> Batch:
-        return replace(self, k_cache=self.k_cache.clone(), v_cache=self.v_cache.clone(),
-                       score_cache=self.score_cache.clone())
+# One batch of the pipeline's inputs (the type the engine's compressor builds too).
+Batch = CompressionInputs
+SCALE = HEAD_DIM**-0.5
 
 
 def make_batch(dtype: torch.dtype, group: int, block_size: int, window: int, seed: int,
@@ -396,7 +381,7 @@ def test_pipeline_matches_reference(triton_kernels, monkeypatch, dtype, group, b
     monkeypatch.setattr(triton_kernels, "compression_scores_triton", record_scores)
     monkeypatch.setattr(triton_kernels, "compact_triton", record_compaction)
     result = batch.clone()
-    triton_kernels.compress_triton(*result.arguments(params))
+    triton_kernels.compress_triton(*result.arguments(params, SCALE))
 
     expected = reference_scores(batch, params)
     from_kept = batch.clone()  # the reference compaction applied to Triton's kept sets
@@ -430,7 +415,7 @@ def test_pipeline_matches_reference(triton_kernels, monkeypatch, dtype, group, b
     assert torch.equal(result.score_cache, from_kept.score_cache)
     if all_agree:
         reference = batch.clone()
-        compress_ref(*reference.arguments(params))
+        compress_ref(*reference.arguments(params, SCALE))
         assert torch.equal(result.k_cache, reference.k_cache)
         assert torch.equal(result.v_cache, reference.v_cache)
         torch.testing.assert_close(result.score_cache, reference.score_cache, **SCORE_TOLERANCE)
@@ -483,12 +468,12 @@ def test_dispatch_uses_reference_for_cpu_tensors_unless_forced(triton_kernels, m
     params = CompressionParams(block_size=16, window=4)
     reference_batch = make_batch(torch.float32, group=1, block_size=16, window=4, seed=2)
     dispatched_batch = reference_batch.clone()
-    compress_ref(*reference_batch.arguments(params))
-    compress_module.compress(*dispatched_batch.arguments(params))
+    compress_ref(*reference_batch.arguments(params, SCALE))
+    compress_module.compress(*dispatched_batch.arguments(params, SCALE))
     assert not calls
     assert torch.equal(dispatched_batch.k_cache, reference_batch.k_cache)
     monkeypatch.setenv("ZIPAGE_FORCE_TRITON", "1")
-    compress_module.compress(*dispatched_batch.arguments(params))
+    compress_module.compress(*dispatched_batch.arguments(params, SCALE))
     assert len(calls) == 1
 
 

@@ -57,10 +57,10 @@ class InvariantChecker:
     def record_computed(self, seq: Sequence, start: int, end: int) -> None:
         """A driver computed KV entries [start, end) of `seq` (and wrote their window queries)."""
         first, last = self.scheduler.window_query_range(seq, start, end)
-        b, w = self.scheduler.block_size, self.scheduler.window
+        layout = self.scheduler.windows
         written = self.window_queries.setdefault(seq, {})
         for entry in range(first, last):
-            written[entry % b - (b - w)] = entry
+            written[layout.index(entry)] = entry
 
     def after_finish(self) -> None:
         self._check_blocks()

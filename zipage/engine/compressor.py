@@ -20,7 +20,7 @@ from zipage.core.config import ZipageConfig
 from zipage.core.step import CompressionBatch, CompressionJob
 from zipage.engine.caches import KVCaches
 from zipage.errors import ConfigError
-from zipage.kernels.compress import CompressionParams, compress
+from zipage.kernels.compress import CompressionInputs, CompressionParams, compress
 
 
 class Compressor:
@@ -83,7 +83,7 @@ class Compressor:
         source = torch.full((len(jobs), longest), -1, dtype=torch.int32)
         for row, job in enumerate(jobs):
             source[row, :len(job.source_table)] = torch.tensor(job.source_table)
-        tensors = dict(
+        tables = dict(
             source_tables=source.to(device),
             num_source_blocks=torch.tensor([len(job.source_table) for job in jobs],
                                            dtype=torch.int32, device=device),
@@ -93,14 +93,17 @@ class Compressor:
                                      device=device),
             is_compressed=torch.tensor([not job.is_first for job in jobs], device=device),
         )
-        if self.reduce_group_max is not None:
-            tensors["reduce_group_max"] = self.reduce_group_max
+        # Tensor parallelism with replicated KV heads: the GQA max spans ranks.
+        extra = {} if self.reduce_group_max is None else {"reduce_group_max": self.reduce_group_max}
         layers = caches.num_layers
         for first in range(0, layers, self.layer_stride):
             group = slice(first, min(first + self.layer_stride, layers))
-            self.compress_fn(caches.kv[0, group], caches.kv[1, group],
-                             caches.score[group] if caches.score is not None else None,
-                             caches.query[group], params=self.params, scale=self.scale, **tensors)
+            inputs = CompressionInputs(
+                caches.kv[0, group], caches.kv[1, group],
+                caches.score[group] if caches.score is not None else None,
+                caches.query[group], **tables)
+            self.compress_fn(**vars(inputs),
+                             params=self.params, scale=self.scale, **extra)
 
     def launch(self, batch: CompressionBatch) -> None:
         assert self.in_flight is None, "the core allows one compression batch in flight"
