@@ -37,23 +37,10 @@ from zipage.engine.sampler import SamplingParams
 from zipage.presets import get_preset
 from zipage.workloads import make_trace
 
+# The copy-bandwidth measurement of the single-GPU decode benchmark (bench/ is the script's path).
+from engine_gpu import copy_bandwidth  # noqa: E402
+
 CONTEXT = 2048
-
-
-def copy_bandwidth() -> float:
-    source = torch.empty(2 * GIB, dtype=torch.uint8, device="cuda")
-    target = torch.empty_like(source)
-    for _ in range(3):
-        target.copy_(source)
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(10):
-        target.copy_(source)
-    torch.cuda.synchronize()
-    seconds = (time.perf_counter() - started) / 10
-    del source, target
-    torch.cuda.empty_cache()
-    return 2 * 2 * GIB / seconds
 
 
 def decode_steps(model: str, world: int, batches: list[int], bandwidth: float) -> list[dict]:
