@@ -14,6 +14,7 @@ import argparse
 import csv
 import math
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -116,7 +117,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"({describe_grid(spec)}), objective {spec.objective}, {workers}")
     result = run_plan(trace, spec, executor=executor, workers=args.workers,
                       ray_address=args.ray or None, cache_dir=cache_dir,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress and sys.stderr.isatty())
     print(f"{result.evaluated} simulated, {result.cached} from the cache"
           f"{f' ({cache_dir})' if cache_dir is not None else ''}, {result.wall_s:.1f} s")
     print()
@@ -231,7 +232,8 @@ def format_report(result: PlanResult, spec: PlanSpec, top: int = 20) -> str:
     lines.append(f"Pareto front, {OBJECTIVE_LABELS[spec.objective]} vs KV budget "
                  f"(higher budget = more accurate), per GPU:")
     if not front:
-        lines.append("  (empty: no point meets the SLOs)")
+        lines.append("  (empty: no point meets the SLOs)" if spec.slo.active else
+                     "  (empty: no feasible point)")
     pareto_columns = [("gpu", lambda row: row["hardware"]), ("budget", lambda row: row["budget"]),
                       (_objective_header(spec), lambda row: _number(row["objective_value"])),
                       ("rank", lambda row: row["rank"]),

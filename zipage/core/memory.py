@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from zipage.core.config import ZipageConfig
 from zipage.errors import MemoryPlanError
-from zipage.presets import ModelShape
+from zipage.core.shape import ModelShape
 
 GIB = 1024**3
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
