@@ -91,12 +91,19 @@ def initialise_random(model: LlamaForCausalLM, seed: int) -> None:
     generator = torch.Generator(device=device).manual_seed(seed)
     for module in model.modules():
         for name, parameter in module.named_parameters(recurse=False):
-            if isinstance(module, RMSNorm):
-                parameter.fill_(1.0)
-            elif name == "bias":
-                parameter.zero_()
-            else:
-                parameter.normal_(0.0, RANDOM_STD, generator=generator)
+            fill_random(module, name, parameter, generator)
+
+
+def fill_random(module: torch.nn.Module, name: str, tensor: torch.Tensor,
+                generator: torch.Generator) -> None:
+    """The random-weights rule for one parameter (in order, from one generator): unit norms,
+    zero biases, N(0, RANDOM_STD) matrices."""
+    if isinstance(module, RMSNorm):
+        tensor.fill_(1.0)
+    elif name == "bias":
+        tensor.zero_()
+    else:
+        tensor.normal_(0.0, RANDOM_STD, generator=generator)
 
 
 @torch.no_grad()

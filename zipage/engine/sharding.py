@@ -22,8 +22,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from zipage.engine.distributed import ShardGroup, shard_group
-from zipage.engine.layers import FusedLinear, RMSNorm
-from zipage.engine.loader import RANDOM_PREFIX, RANDOM_SEED, RANDOM_STD, build_model, load_model
+from zipage.engine.layers import FusedLinear
+from zipage.engine.loader import RANDOM_PREFIX, RANDOM_SEED, build_model, fill_random, load_model
 from zipage.errors import ConfigError
 from zipage.presets import ModelShape
 
@@ -163,15 +163,10 @@ def _fused_modules(model: torch.nn.Module) -> dict[str, FusedLinear]:
 def _random_full_tensors(skeleton: torch.nn.Module, dtype: torch.dtype, device: torch.device):
     """The full model's random weights one tensor at a time, exactly as `loader.initialise_random`
     fills a whole model (same order, same generator), without ever holding the whole model:
-    unit norms, zero biases, N(0, RANDOM_STD) matrices (`test_tensor_parallel` checks the match)."""
+    `loader.fill_random` per tensor (`test_tensor_parallel` checks the match)."""
     generator = torch.Generator(device=device).manual_seed(RANDOM_SEED)
     for module_name, module in skeleton.named_modules():
         for name, parameter in module.named_parameters(recurse=False):
             tensor = torch.empty(parameter.shape, dtype=dtype, device=device)
-            if isinstance(module, RMSNorm):
-                tensor.fill_(1.0)
-            elif name == "bias":
-                tensor.zero_()
-            else:
-                tensor.normal_(0.0, RANDOM_STD, generator=generator)
+            fill_random(module, name, tensor, generator)
             yield f"{module_name}.{name}" if module_name else name, tensor
