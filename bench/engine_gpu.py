@@ -16,6 +16,7 @@ Prints a table last and writes engine_gpu.json under $OUT (or the current direct
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -63,12 +64,17 @@ def weight_bytes_read(model: str) -> int:
     return 2 * (shape.num_params - (0 if shape.tie_embeddings else embedding))
 
 
-def decode_roofline(model: str, batches: list[int], bandwidth: float) -> list[dict]:
+def decode_roofline(model: str, batches: list[int], bandwidth: float,
+                    tensor_parallel: int = 1, eager: bool = True) -> list[dict]:
+    """Seconds of one whole decode step (inputs, forward, sampling, tokens on the host) at each
+    batch of 2,048-token contexts, with CUDA graphs (`graphs`) and, if `eager`, without, against
+    the bandwidth roofline of `tensor_parallel` GPUs (each reads its shard of weights and KV)."""
     shape = get_preset(model)
     kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
     largest = max(batches)
-    kv_gb = (largest * (CONTEXT + 256) * kv_per_token) / GIB + 0.5
+    kv_gb = largest * (CONTEXT + 256) * kv_per_token / tensor_parallel / GIB + 0.5
     settings = ReplaySettings(model=f"random:{model}", dtype="bfloat16", kv_memory_gb=kv_gb,
+                              tensor_parallel=tensor_parallel,
                               config=ZipageConfig(compress=False, max_num_seqs=largest,
                                                   max_model_len=CONTEXT + 256))
     engine = build_engine(settings, "cuda", cuda_graphs=True)
@@ -77,42 +83,47 @@ def decode_roofline(model: str, batches: list[int], bandwidth: float) -> list[di
     manager = scheduler.block_manager
     rows = []
     greedy = SamplingParams(temperature=0.0)
-    for batch in batches:
-        sequences, tokens = [], {}
-        blocks = -(-CONTEXT // scheduler.block_size)
-        for index in range(batch):
-            seq = Sequence(f"s{index}", None, 16, prompt_len=CONTEXT - 1, sampling=greedy)
-            seq.block_table = [manager.allocate() for _ in range(blocks)]
-            seq.set_counters(CONTEXT - 1, 1)  # decodes the token at KV index 2047: 2048 entries
-            sequences.append(seq)
-            tokens[seq.seq_id] = [index % shape.vocab_size]
-        row = {"model": model, "batch": batch}
-        # A whole engine step minus scheduling: inputs, forward, sampling, tokens back on the host.
-        plan = StepPlan(step_id=0, kind=DECODE, decode=sequences)
-        for graphs in (True, False):
-            saved = runner.graphs
-            if not graphs:
-                runner.graphs = {}
-            for _ in range(3):
-                runner.execute(plan, tokens)
-            torch.cuda.synchronize()
-            iterations = 20
-            started = time.perf_counter()
-            for _ in range(iterations):
-                runner.execute(plan, tokens)
-            torch.cuda.synchronize()
-            row["graphs" if graphs else "eager"] = (time.perf_counter() - started) / iterations
-            runner.graphs = saved
-        bytes_read = weight_bytes_read(model) + batch * CONTEXT * kv_per_token
-        # The copy bandwidth counts bytes read plus bytes written: the rate at which memory
-        # traffic moves, which is what a decode step's reads are bounded by.
-        row["roofline_s"] = bytes_read / bandwidth
-        row["bandwidth_share"] = row["roofline_s"] / row["graphs"]
-        rows.append(row)
-        for seq in sequences:
-            manager.release_all(seq.block_table)
-    del engine, runner
-    torch.cuda.empty_cache()
+    try:
+        for batch in batches:
+            sequences, tokens = [], {}
+            blocks = -(-CONTEXT // scheduler.block_size)
+            for index in range(batch):
+                seq = Sequence(f"s{index}", None, 16, prompt_len=CONTEXT - 1, sampling=greedy)
+                seq.block_table = [manager.allocate() for _ in range(blocks)]
+                seq.set_counters(CONTEXT - 1, 1)  # decodes the token at KV index 2047
+                sequences.append(seq)
+                tokens[seq.seq_id] = [index % shape.vocab_size]
+            row = {"model": model, "tp": tensor_parallel, "batch": batch}
+            plan = StepPlan(step_id=0, kind=DECODE, decode=sequences)
+            for graphs in (True, False) if eager else (True,):
+                saved = runner.graphs
+                if not graphs:
+                    runner.graphs = {}
+                for _ in range(3):
+                    runner.execute(plan, tokens)
+                torch.cuda.synchronize()
+                iterations = 20
+                started = time.perf_counter()
+                for _ in range(iterations):
+                    runner.execute(plan, tokens)
+                torch.cuda.synchronize()
+                row["graphs" if graphs else "eager"] = (time.perf_counter() - started) / iterations
+                runner.graphs = saved
+            bytes_read = weight_bytes_read(model) + batch * CONTEXT * kv_per_token
+            # The copy bandwidth counts bytes read plus bytes written: the rate at which memory
+            # traffic moves, which is what a decode step's reads are bounded by.
+            row["roofline_s"] = bytes_read / tensor_parallel / bandwidth
+            row["bandwidth_share"] = row["roofline_s"] / row["graphs"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            for seq in sequences:
+                manager.release_all(seq.block_table)
+    finally:
+        if tensor_parallel > 1:
+            runner.shutdown()
+        del engine, runner
+        gc.collect()
+        torch.cuda.empty_cache()
     return rows
 
 

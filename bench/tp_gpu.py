@@ -27,71 +27,13 @@ from pathlib import Path
 import torch
 
 from zipage.core.config import ZipageConfig
-from zipage.core.memory import GIB
-from zipage.core.sequence import Sequence
-from zipage.core.step import DECODE, StepPlan
 from zipage.deployment import ReplaySettings
-from zipage.engine.llm import build_engine
 from zipage.engine.replay import replay_on_engine
-from zipage.engine.sampler import SamplingParams
-from zipage.presets import get_preset
 from zipage.workloads import make_trace
 
-# The copy-bandwidth measurement of the single-GPU decode benchmark (bench/ is the script's path).
-from engine_gpu import copy_bandwidth  # noqa: E402
-
-CONTEXT = 2048
-
-
-def decode_steps(model: str, world: int, batches: list[int], bandwidth: float) -> list[dict]:
-    shape = get_preset(model)
-    kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
-    largest = max(batches)
-    kv_gb = largest * (CONTEXT + 256) * kv_per_token / world / GIB + 0.5
-    settings = ReplaySettings(model=f"random:{model}", dtype="bfloat16", kv_memory_gb=kv_gb,
-                              tensor_parallel=world,
-                              config=ZipageConfig(compress=False, max_num_seqs=largest,
-                                                  max_model_len=CONTEXT + 256))
-    engine = build_engine(settings, "cuda")
-    runner, scheduler = engine.runner, engine.new_scheduler()
-    manager = scheduler.block_manager
-    greedy = SamplingParams(temperature=0.0)
-    weights = 2 * (shape.num_params - (0 if shape.tie_embeddings
-                                       else shape.vocab_size * shape.hidden_size))
-    rows = []
-    try:
-        for batch in batches:
-            sequences, tokens = [], {}
-            blocks = -(-CONTEXT // scheduler.block_size)
-            for index in range(batch):
-                seq = Sequence(f"s{index}", None, 16, prompt_len=CONTEXT - 1, sampling=greedy)
-                seq.block_table = [manager.allocate() for _ in range(blocks)]
-                seq.set_counters(CONTEXT - 1, 1)
-                sequences.append(seq)
-                tokens[seq.seq_id] = [index % shape.vocab_size]
-            plan = StepPlan(step_id=0, kind=DECODE, decode=sequences)
-            for _ in range(3):
-                runner.execute(plan, tokens)
-            torch.cuda.synchronize()
-            iterations = 20
-            started = time.perf_counter()
-            for _ in range(iterations):
-                runner.execute(plan, tokens)
-            torch.cuda.synchronize()
-            step = (time.perf_counter() - started) / iterations
-            roofline = (weights + batch * CONTEXT * kv_per_token) / world / bandwidth
-            rows.append({"model": model, "tp": world, "batch": batch, "step_s": step,
-                         "roofline_s": roofline, "bandwidth_share": roofline / step})
-            print(json.dumps(rows[-1]), flush=True)
-            for seq in sequences:
-                manager.release_all(seq.block_table)
-    finally:
-        if world > 1:
-            runner.shutdown()
-        del engine, runner
-        gc.collect()
-        torch.cuda.empty_cache()
-    return rows
+# The single-GPU decode benchmark's bandwidth probe and decode-step timing (bench/ is the
+# script's path); here with tensor_parallel ranks.
+from engine_gpu import copy_bandwidth, decode_roofline  # noqa: E402
 
 
 def headline(args) -> dict:
@@ -155,7 +97,8 @@ def main() -> None:
         report["decode"] = []
         for world in (1, args.tp):
             try:
-                report["decode"] += decode_steps(args.decode_model, world, batches, bandwidth)
+                report["decode"] += decode_roofline(args.decode_model, batches, bandwidth,
+                                                     tensor_parallel=world, eager=False)
             except Exception:  # noqa: BLE001 - keep part B
                 report.setdefault("errors", []).append(traceback.format_exc())
                 traceback.print_exc()
@@ -169,7 +112,7 @@ def main() -> None:
         (out / "tp_gpu.json").write_text(json.dumps(report, indent=2))
     print(f"\n{'model':<10} {'tp':>3} {'batch':>6} {'step ms':>8} {'roofline ms':>12} {'share':>6}")
     for row in report.get("decode", []):
-        print(f"{row['model']:<10} {row['tp']:>3} {row['batch']:>6} {row['step_s'] * 1e3:>8.2f} "
+        print(f"{row['model']:<10} {row['tp']:>3} {row['batch']:>6} {row['graphs'] * 1e3:>8.2f} "
               f"{row['roofline_s'] * 1e3:>12.2f} {row['bandwidth_share']:>6.0%}")
     if "headline" in report:
         h = report["headline"]

@@ -470,19 +470,23 @@ class Scheduler:
             self._complete_compression(job, swap_table=True)
             if job.seq in self._abort_after_batch:
                 self._abort_after_batch.discard(job.seq)
-                self._release_aborted(job.seq)
+                self._release(job.seq, SequenceStatus.ABORTED, self.aborted)
             else:
                 self._pending.append(job.seq)
 
     def _finish_sequence(self, seq: Sequence, time: float) -> None:
+        self._release(seq, SequenceStatus.FINISHED, self.finished)
+        seq.finish_time = time
+
+    def _release(self, seq: Sequence, status: SequenceStatus, into: list[Sequence]) -> None:
+        """A running request leaves for good (finished or aborted): blocks and slot are freed."""
         self._leave_steady(seq)
         self._forget_blocked(seq)
         self.block_manager.release_all(seq.block_table)
         seq.block_table = []
         self._remove_from_running(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_time = time
-        self.finished.append(seq)
+        seq.status = status
+        into.append(seq)
 
     def _remove_from_running(self, seq: Sequence) -> None:
         del self.running[seq]
@@ -515,18 +519,9 @@ class Scheduler:
                 if seq.compressing:  # only an async batch holds it between steps
                     self._abort_after_batch.add(seq)
                 else:
-                    self._release_aborted(seq)
+                    self._release(seq, SequenceStatus.ABORTED, self.aborted)
                 return True
         return False
-
-    def _release_aborted(self, seq: Sequence) -> None:
-        self._leave_steady(seq)
-        self._forget_blocked(seq)
-        self.block_manager.release_all(seq.block_table)
-        seq.block_table = []
-        self._remove_from_running(seq)
-        seq.status = SequenceStatus.ABORTED
-        self.aborted.append(seq)
 
     # ------------------------------------------------------------------ introspection
 
