@@ -21,7 +21,6 @@ from pathlib import Path
 import pandas as pd
 
 from zipage.core.arrivals import ArrivalQueue
-from zipage.core.config import ZipageConfig
 from zipage.core.recorder import Run, StepRecorder
 from zipage.core.scheduler import Scheduler
 from zipage.core.step import StepResult
@@ -37,7 +36,7 @@ def replay_step_times(trace: Trace, run_dir: str | Path, *, check: bool = False,
                       progress: bool = False) -> tuple[dict, Run]:
     run_dir = Path(run_dir)
     summary, steps, produced, engine_log = _read_run(run_dir)
-    settings = _settings(summary["settings"])
+    settings = ReplaySettings.from_dict(summary["settings"])
     shape = resolve_shape(settings.model)
     config = effective_config(settings, shape)
     # The engine's own capacity: it may have planned from the GPU it ran on, not a table entry.
@@ -95,12 +94,6 @@ def _read_run(run_dir: Path):
     from zipage.analysis.compare import read_decisions
 
     return summary, steps, produced, read_decisions(run_dir) or []
-
-
-def _settings(values: dict) -> ReplaySettings:
-    values = dict(values)
-    config = ZipageConfig.from_dict(values.pop("config"))
-    return ReplaySettings(**values, config=config)
 
 
 def _first_difference(engine: list[str], replayed: list[str]) -> dict | None:

@@ -71,6 +71,13 @@ class ReplaySettings:
         values["config"] = self.config.to_dict()
         return values
 
+    @classmethod
+    def from_dict(cls, values: dict) -> "ReplaySettings":
+        """The settings a run recorded (`summary.json` "settings", written by `to_dict`)."""
+        values = dict(values)
+        config = ZipageConfig.from_dict(values.pop("config"))
+        return cls(**values, config=config)
+
 
 def dtype_bytes(dtype: str) -> int:
     if dtype not in DTYPE_BYTES:
