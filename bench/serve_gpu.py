@@ -12,7 +12,7 @@ and prints output tokens/s and TTFT / TPOT p50/p90/p99 side by side, with served
 (the target is >= 0.90). Each part writes its run directory under $OUT (or --out) and the table
 is rebuilt from whatever parts exist, so the parts can run in separate GPU calls:
 
-    python bench/serve_gpu.py --wheels shared/wheels-serve          # all three (~8 min on an H200)
+    python bench/serve_gpu.py --wheels DIR_OF_SERVE_WHEELS          # all three (~8 min on an H200)
     python bench/serve_gpu.py --parts offline; python bench/serve_gpu.py --parts served,sim
 
 `--wheels DIR` installs the serve extra's wheels first when the image lacks them (pip --no-index).
