@@ -17,21 +17,27 @@ if TYPE_CHECKING:
 
 PREFILL = "prefill"
 DECODE = "decode"
+# Chunked prefill: the running requests decode and prompt chunks are computed in one forward
+# (decode tokens first in the plan, then the chunks; docs/architecture.md, 'Chunked prefill').
+MIXED = "mixed"
 IDLE = "idle"  # nothing runnable: the driver waits for the in-flight compression batch
 
 
 @dataclass
 class PrefillItem:
-    """One request computed by a prefill step.
+    """One request computed by a prefill (or mixed) step: a whole prompt or one chunk of it.
 
-    Tokens [num_cached_tokens, num_tokens) are computed; the first num_cached_tokens come from
-    the prefix cache. For a request that was preempted, num_tokens also covers the output tokens
-    it had generated (they are recomputed, not regenerated).
+    Tokens [num_cached_tokens, num_tokens) are computed; the first num_cached_tokens are already
+    in the cache (prefix-cache hits, or earlier chunks of the same prompt). For a request that
+    was preempted, the request's tokens also cover the outputs it had generated (they are
+    recomputed, not regenerated). `samples` is True when the range reaches the request's last
+    token: the driver then samples one token for it. A partial chunk computes KV only.
     """
 
     seq: Sequence
     num_cached_tokens: int
     num_tokens: int
+    samples: bool = True
 
     @property
     def num_new_tokens(self) -> int:
@@ -110,6 +116,12 @@ class StepPlan:
         return len(self.decode)
 
     @property
+    def sampled(self) -> list[Sequence]:
+        """The requests that get a token this step, in the order a driver returns them: the
+        prefill items that reach their last token, then the decode requests."""
+        return [item.seq for item in self.prefill if item.samples] + self.decode
+
+    @property
     def num_prefill_tokens(self) -> int:
         return sum(item.num_new_tokens for item in self.prefill)
 
@@ -128,6 +140,7 @@ class StepPlan:
         if self.prefill:
             parts.append("prefill=" + ",".join(
                 f"{item.seq.seq_id}[{item.num_cached_tokens}:{item.num_tokens}]"
+                + ("" if item.samples else "+")  # a partial chunk: more of the prompt follows
                 + (f"@q{item.seq.query_slot}" if item.seq.query_slot is not None else "")
                 for item in self.prefill))
         if self.decode:
