@@ -12,8 +12,18 @@ limit="${TP_SMOKE_TIMEOUT:-90}"
 cd /tmp
 for graphs in "" "--no-cuda-graphs"; do
     echo "== TP=2 $model ${graphs:-with CUDA graphs}"
-    python3 -m zipage.cli replay "$root/traces/tiny.json" --gpu --model "$model" \
-        --tensor-parallel 2 --kv-memory-gb 1 $graphs --json &
+    python3 - "$root/traces/tiny.json" "$model" "$graphs" <<'PY' &
+import json, sys
+from zipage.core.config import ZipageConfig
+from zipage.deployment import ReplaySettings
+from zipage.engine.replay import replay_on_engine
+from zipage.trace import load_trace
+settings = ReplaySettings(model=sys.argv[2], kv_memory_gb=1.0, tensor_parallel=2,
+                          config=ZipageConfig(block_size=32, window=8, kv_budget=64))
+summary, _ = replay_on_engine(load_trace(sys.argv[1]), settings, "cuda",
+                              cuda_graphs=sys.argv[3] == "")
+print(json.dumps({key: summary[key] for key in ("completed", "output_tokens", "tps")}))
+PY
     main=$!
     ( sleep "$limit"; pkill -ABRT -f zipage.engine.parallel; sleep 3; kill -ABRT "$main" ) 2>/dev/null &
     watchdog=$!
