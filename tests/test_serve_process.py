@@ -5,7 +5,9 @@ bad model file is the child's one-line error and exit 2 in the parent; a crash o
 it starts is reported, not hung on; `--threads` sets the child's torch threads; SIGTERM stops the
 child with the server; a server killed outright (SIGKILL) leaves no engine process behind; an
 engine process that dies fails the requests in flight (a stream gets an error event, a plain
-request a 503), refuses new ones and turns /health unhealthy, and the server still shuts down.
+request a 503), refuses new ones and turns /health unhealthy, and the server still shuts down;
+with `--tensor-parallel 3` the engine process starts the other ranks, serves the one-rank
+tokens, and SIGTERM stops every rank.
 The servers here serve random weights (`random:smollm2-135m`, prompts as token ids): they start
 in seconds and need no model file.
 """
@@ -194,3 +196,25 @@ async def _running(http) -> float:
     line = next(line for line in text.splitlines()
                 if line.startswith("zipage:num_requests_running{"))
     return float(line.split()[-1])
+
+
+def test_tensor_parallel_server_matches_one_rank_and_stops_every_rank(tmp_path):
+    from zipage.engine.llm import LLM
+    from zipage.engine.sampler import SamplingParams
+
+    prompt = [1, 2, 3, 4, 5]
+    with _server(tmp_path, "--tensor-parallel", "3") as (process, url, engine, log):
+        ranks = _children(engine)
+        assert len(ranks) == 2  # ranks 1 and 2; rank 0 is the engine process
+        reply = httpx.post(url + "/v1/completions", timeout=120, json={
+            "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        served = reply.json()["choices"][0]["token_ids"]
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) in _STOPPED
+        for pid in [engine, *ranks]:
+            _wait_for(lambda: not _alive(pid), 10, f"process {pid} to exit")
+    llm = LLM(MODEL, device="cpu", dtype="float32", kv_memory_gb=0.1, threads=1, block_size=16,
+              kv_budget=64, window=4)
+    expected = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8,
+                                                     ignore_eos=True), progress=False)[0]
+    assert served == expected.token_ids
