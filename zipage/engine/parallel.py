@@ -50,6 +50,7 @@ TIMEOUT_ENV = "ZIPAGE_TP_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
 STARTUP_POLL_S = 0.2
 FAILURE_GRACE_S = 5.0  # how long rank 0 waits to learn which worker broke its collective
+LEAVE_TIMEOUT_S = 10.0  # how long a rank's process-group teardown may take before it aborts
 
 
 class TensorParallelError(ZipageError):
@@ -269,6 +270,9 @@ def worker_main(fd: int) -> None:
                 # share their memory between processes).
                 connection.send_bytes(pickle.dumps(("caches", rank, cache_snapshot(runner))))
             elif kind == "stop":
+                # Rank 0 tears its group down at the same moment: NCCL's teardown waits for
+                # the peers, so a worker that just exited would leave rank 0 hanging.
+                _leave_group(dist)
                 break
     except BaseException as error:  # report, then leave at once: peers see the closed links
         try:
@@ -277,6 +281,28 @@ def worker_main(fd: int) -> None:
             pass
         os._exit(1)
     os._exit(0)
+
+
+def _leave_group(dist, timeout_s: float = LEAVE_TIMEOUT_S) -> None:
+    """Destroy this process's process group; abort it if that takes longer than `timeout_s`
+    (a peer that died cannot take part in NCCL's teardown)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    done = threading.Event()
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group cannot always be torn down cleanly
+            pass
+        done.set()
+
+    threading.Thread(target=destroy, daemon=True, name="zipage-tp-leave").start()
+    if not done.wait(timeout_s):
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception:  # noqa: BLE001 - best effort; the process is leaving anyway
+            pass
 
 
 def _fault_now(fault: str, rank: int, step_id: int) -> bool:
@@ -533,6 +559,7 @@ def _stop(links: _Links) -> None:
             worker.connection.send(("stop",))
         except OSError:
             pass
+    _leave_group(dist)  # together with the workers, which leave on "stop"
     deadline = time.monotonic() + 5.0
     for worker in links.workers:
         try:
@@ -541,11 +568,6 @@ def _stop(links: _Links) -> None:
             worker.process.kill()
             worker.process.wait()
         worker.connection.close()
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - a broken group cannot always be torn down cleanly
-            pass
 
 
 if __name__ == "__main__":

@@ -1,0 +1,153 @@
+"""Prefill steps against the roofline (run on a GPU; results go to docs/BENCHMARKS.md).
+
+For random Qwen3 weights (0.6B and 8B by default) and one request of 128 / 512 / 2k / 8k prompt
+tokens, time one whole prefill step as the step loop sees it (`ModelRunner.execute`: inputs on
+the host, the forward, the logits, sampling, the token back on the host), the GPU's own time for
+the same step (CUDA events around it: kernels plus the gaps the host leaves), the kernel time
+alone and the number of kernel launches (torch.profiler, one profiled step), and the roofline:
+
+    max(weight bytes / copy bandwidth, (2 x params x tokens + attention FLOPs) / matmul FLOP/s)
+
+with the copy bandwidth and the bf16 matmul rate measured on this GPU in the same run. A step far
+above its kernel time is host-bound (launch and Python overhead); a kernel time far above the
+roofline is the kernels'.
+
+    . bench/env.sh && python bench/prefill_gpu.py [--models qwen3-0.6b,qwen3-8b] [--tokens 128,512,2048,8192]
+
+Prints a table last and writes prefill_gpu.json under $OUT (or the current directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from zipage.core.config import ZipageConfig
+from zipage.core.sequence import Sequence
+from zipage.core.step import PREFILL, PrefillItem, StepPlan
+from zipage.deployment import ReplaySettings
+from zipage.engine.llm import build_engine
+from zipage.engine.sampler import SamplingParams
+from zipage.presets import get_preset
+
+from engine_gpu import copy_bandwidth, weight_bytes_read  # noqa: E402 (bench/ is the script's path)
+
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
+
+
+def matmul_flops() -> float:
+    """bf16 FLOP/s of a large square matmul on this GPU (random data)."""
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * 8192**3 * 10 / (time.perf_counter() - started)
+
+
+def roofline(model: str, tokens: int, bandwidth: float, flops: float) -> float:
+    shape = get_preset(model)
+    # Matmul FLOPs of every weight but the input embedding (a gather), for every token; the LM
+    # head only for the one sampled token. Attention: QK^T and PV over the causal half.
+    embedding = shape.vocab_size * shape.hidden_size
+    body = shape.num_params - embedding - (0 if shape.tie_embeddings else embedding)
+    linear = 2 * body * tokens + 2 * embedding
+    attention = 2 * 2 * shape.num_layers * shape.num_heads * shape.head_dim * tokens * (tokens + 1) / 2
+    return max(weight_bytes_read(model) / bandwidth, (linear + attention) / flops)
+
+
+def measure(model: str, token_counts: list[int], repeats: int, bandwidth: float,
+            flops: float) -> list[dict]:
+    longest = max(token_counts)
+    shape = get_preset(model)
+    kv_gb = (longest + 1024) * 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2 / 2**30
+    settings = ReplaySettings(model=f"random:{model}", dtype="bfloat16", kv_memory_gb=kv_gb + 0.5,
+                              config=ZipageConfig(compress=False, block_size=64,
+                                                  max_num_batched_tokens=max(16384, longest)))
+    engine = build_engine(settings, "cuda", cuda_graphs=False)
+    runner, scheduler = engine.runner, engine.new_scheduler()
+    rows = []
+    for step_id, tokens in enumerate(token_counts):
+        seq = Sequence(f"p{tokens}", None, 4, prompt_len=tokens, sampling=GREEDY)
+        seq.block_table = [scheduler.block_manager.allocate() for _ in range(-(-tokens // 64))]
+        plan = StepPlan(step_id=step_id, kind=PREFILL, prefill=[PrefillItem(seq, 0, tokens)])
+        ids = {seq.seq_id: [(7 * i) % shape.vocab_size for i in range(tokens)]}
+        for _ in range(2):
+            runner.execute(plan, ids)  # warm-up: Triton compiles for this shape
+        torch.cuda.synchronize()
+        walls, gpus = [], []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            started = time.perf_counter()
+            start.record()
+            runner.execute(plan, ids)
+            end.record()
+            walls.append(time.perf_counter() - started)
+            torch.cuda.synchronize()
+            gpus.append(start.elapsed_time(end) / 1e3)
+        row = {"model": model, "tokens": tokens, "step_s": statistics.median(walls),
+               "gpu_s": statistics.median(gpus),
+               "roofline_s": roofline(model, tokens, bandwidth, flops),
+               "spread": (max(walls) - min(walls)) / statistics.median(walls)}
+        row.update(profile(runner, plan, ids))
+        row["vs_roofline"] = row["step_s"] / row["roofline_s"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        scheduler.block_manager.release_all(seq.block_table)
+    del engine, runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def profile(runner, plan: StepPlan, ids: dict) -> dict:
+    """Kernel time, launches and the costliest host ops of one profiled step."""
+    try:
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            runner.execute(plan, ids)
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        top = sorted(prof.key_averages(), key=lambda e: e.cpu_time_total, reverse=True)[:15]
+        return {"kernel_s": sum(e.device_time for e in kernels) / 1e6, "launches": len(kernels),
+                "top_cpu_ops": [(e.key, e.count, round(e.cpu_time_total / 1e3, 3)) for e in top]}
+    except Exception as error:  # noqa: BLE001 - the timings above still count
+        return {"kernel_s": float("nan"), "launches": -1, "profile_error": repr(error)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="qwen3-0.6b,qwen3-8b")
+    parser.add_argument("--tokens", default="128,512,2048,8192")
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    out = Path(os.environ.get("OUT", "."))
+    bandwidth, flops = copy_bandwidth(), matmul_flops()
+    report = {"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth,
+              "matmul_flops": flops, "rows": []}
+    for model in args.models.split(","):
+        report["rows"] += measure(model, [int(t) for t in args.tokens.split(",")], args.repeats,
+                                  bandwidth, flops)
+        (out / "prefill_gpu.json").write_text(json.dumps(report, indent=2))
+    print(f"\n{report['device']}: copy {bandwidth / 1e12:.2f} TB/s, matmul {flops / 1e12:.0f} TFLOP/s")
+    print(f"{'model':<11} {'tokens':>6} {'step ms':>8} {'gpu ms':>7} {'kernels ms':>10} "
+          f"{'launches':>8} {'roofline ms':>11} {'x roofline':>10}")
+    for row in report["rows"]:
+        print(f"{row['model']:<11} {row['tokens']:>6} {row['step_s'] * 1e3:>8.2f} "
+              f"{row['gpu_s'] * 1e3:>7.2f} {row['kernel_s'] * 1e3:>10.2f} {row['launches']:>8} "
+              f"{row['roofline_s'] * 1e3:>11.2f} {row['vs_roofline']:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()
