@@ -31,7 +31,8 @@ from zipage.serve.wire import (
     Abort, Add, EngineFailed, Ready, Setup, StartupFailed, StepUpdate, Stop,
 )
 
-STOP_TIMEOUT_S = 10.0  # a step in flight finishes first; a stuck one is killed after this
+STOP_TIMEOUT_S = 30.0  # a step in flight finishes and tensor-parallel ranks leave their group
+# (up to 15 s: zipage/engine/parallel.py) first; an engine process stuck longer is killed
 
 
 class EngineStopped(RuntimeError):
@@ -249,7 +250,10 @@ class EngineClient:
         """The socket closed: the engine process exited (or was killed)."""
         self._detach()
         if self.error is None:
-            code = _reap(self.process, STOP_TIMEOUT_S)
+            try:  # the socket closes as the process exits: its code is due at once
+                code = self.process.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:  # never hold the event loop long; shutdown reaps
+                code = "unknown"
             self.error = f"the engine process stopped (exit code {code})"
         self._fail_all(self.error)
 
