@@ -141,6 +141,7 @@ def test_sigterm_stops_the_engine_process_and_threads_flag(tmp_path):
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) in _STOPPED
         _wait_for(lambda: not _alive(engine), 5, "the engine process to exit")
+        assert "the engine process exited with code" not in log.read_text()  # it exited 0
 
 
 @pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
@@ -213,6 +214,7 @@ def test_tensor_parallel_server_matches_one_rank_and_stops_every_rank(tmp_path):
         assert process.wait(timeout=60) in _STOPPED
         for pid in [engine, *ranks]:
             _wait_for(lambda: not _alive(pid), 10, f"process {pid} to exit")
+        assert "the engine process exited with code" not in log.read_text()
     llm = LLM(MODEL, device="cpu", dtype="float32", kv_memory_gb=0.1, threads=1, block_size=16,
               kv_budget=64, window=4)
     expected = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8,

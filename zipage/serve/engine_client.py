@@ -133,10 +133,14 @@ class EngineClient:
     def stop_process(self) -> None:
         """Wait for the engine process to exit (told to stop first; killed if it hangs).
         Blocking; safe to call more than once, and after `close`."""
+        stopping = self.process.poll() is None
         self._send_stop()
         if not self.connection.closed:
             self.connection.close()
-        _reap(self.process, STOP_TIMEOUT_S)
+        code = _reap(self.process, STOP_TIMEOUT_S)
+        if stopping and code != 0:  # it was told to stop: anything but 0 is worth a line
+            print(f"zipage serve: the engine process exited with code {code} while stopping",
+                  file=sys.stderr, flush=True)
 
     def _send_stop(self) -> None:
         if not self.connection.closed and self.process.poll() is None:

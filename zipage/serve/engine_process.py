@@ -17,8 +17,10 @@ writes never wait for a step to end. The process exits on `Stop`, when the HTTP 
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import traceback
@@ -92,7 +94,8 @@ class EngineCore:
 
     def serve(self) -> int:
         self.loop.start()
-        threading.Thread(target=self._receive, name="zipage-commands", daemon=True).start()
+        receiver = threading.Thread(target=self._receive, name="zipage-commands", daemon=True)
+        receiver.start()
         try:
             while self._apply(wait=not self.loop.scheduler.has_unfinished()):
                 output = self.loop.step()
@@ -104,7 +107,21 @@ class EngineCore:
             _send_quietly(self.connection,
                           EngineFailed(f"engine stopped: {type(error).__name__}: {error}"))
             raise
+        finally:
+            self._stop_receiving(receiver)
         return 0
+
+    def _stop_receiving(self, receiver: threading.Thread) -> None:
+        """End the command thread before the interpreter finalizes, so no thread wakes from
+        `recv` in a half torn-down interpreter (the HTTP process closes its end right after
+        `Stop`). Shutting the socket down wakes the thread with an end of file, and tells the
+        HTTP process at once that the engine is gone."""
+        try:
+            with socket.socket(fileno=os.dup(self.connection.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        receiver.join(timeout=5.0)
 
     def _receive(self) -> None:
         """Thread: commands into the inbox as they arrive; `Stop` once the server is gone."""
