@@ -25,8 +25,8 @@ summary, _ = replay_on_engine(load_trace(sys.argv[1]), settings, "cuda",
 print(json.dumps({key: summary[key] for key in ("completed", "output_tokens", "tps")}))
 PY
     main=$!
-    ( sleep "$limit"; pkill -ABRT -f zipage.engine.parallel; sleep 3; kill -ABRT "$main" ) 2>/dev/null &
+    ( sleep "$limit"; pkill -ABRT -f "[z]ipage.engine.parallel"; sleep 3; kill -ABRT "$main" ) 2>/dev/null &
     watchdog=$!
     wait "$main"; echo "== exit $? (${graphs:-graphs})"
-    kill "$watchdog" 2>/dev/null; pkill -KILL -f zipage.engine.parallel 2>/dev/null; sleep 1
+    kill "$watchdog" 2>/dev/null; pkill -KILL -f "[z]ipage.engine.parallel" 2>/dev/null; sleep 1
 done

@@ -25,6 +25,7 @@ gone exits, so nothing hangs.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import pickle
 import queue
@@ -182,8 +183,6 @@ def start_rank(rank: int, device: torch.device, setup: dict, store) -> tuple[Mod
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if dist.is_initialized():
-        import gc
-
         gc.collect()  # a dropped engine (executor <-> compressor proxy cycle) stops its workers
     if dist.is_initialized():
         raise ConfigError("tensor_parallel: this process already runs a tensor-parallel engine; "
@@ -272,6 +271,7 @@ def worker_main(fd: int) -> None:
             elif kind == "stop":
                 # Rank 0 tears its group down at the same moment: NCCL's teardown waits for
                 # the peers, so a worker that just exited would leave rank 0 hanging.
+                _drop_graphs(runner)
                 _leave_group(dist)
                 break
     except BaseException as error:  # report, then leave at once: peers see the closed links
@@ -281,6 +281,16 @@ def worker_main(fd: int) -> None:
             pass
         os._exit(1)
     os._exit(0)
+
+
+def _drop_graphs(runner: ModelRunner | None) -> None:
+    """Free a runner's CUDA graphs. Graphs that captured NCCL collectives hold on to the
+    communicator: destroying (or even aborting) the process group while they exist hangs."""
+    if runner is None or not runner.graphs:
+        return
+    runner.graphs = {}
+    gc.collect()
+    torch.cuda.synchronize(runner.device)
 
 
 def _leave_group(dist, timeout_s: float = LEAVE_TIMEOUT_S) -> None:
@@ -348,6 +358,7 @@ class _Links:
     failure: str | None = None
     closing: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    runner: "weakref.ref | None" = None  # rank 0's runner, whose CUDA graphs go before the group
 
     def fail(self, message: str) -> None:
         with self.lock:
@@ -426,6 +437,7 @@ class TensorParallelExecutor:
             if links.failure is not None:
                 raise TensorParallelError(f"tensor parallel: {links.failure}") from None
             raise
+        links.runner = weakref.ref(runner)
         return cls(runner, tokenizer, links, ShardGroup(0, world, dist.group.WORLD))
 
     # ------------------------------------------------------------------ the runner interface
@@ -559,6 +571,7 @@ def _stop(links: _Links) -> None:
             worker.connection.send(("stop",))
         except OSError:
             pass
+    _drop_graphs(links.runner() if links.runner is not None else None)
     _leave_group(dist)  # together with the workers, which leave on "stop"
     deadline = time.monotonic() + 5.0
     for worker in links.workers:
