@@ -62,6 +62,8 @@ def main() -> None:
     parser.add_argument("--hardware", default="h200-141gb", help="the simulator's GPU")
     parser.add_argument("--cost-model", default="analytic",
                         help="the simulator's cost model (a `zipage calibrate` profile JSON)")
+    parser.add_argument("--full-kv", action="store_true",
+                        help="the Full-KV baseline (--no-compress) for all three parts")
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
     parser.add_argument("--wheels", default=None, help="directory of the serve extra's wheels")
@@ -76,7 +78,8 @@ def main() -> None:
     trace = out / "trace.json"
     _make_trace(args, trace)
     engine_flags = ["--kv-memory-gb", str(args.kv_memory_gb), "--block-size",
-                    str(args.block_size), "--budget", str(args.budget)]
+                    str(args.block_size), "--budget", str(args.budget)] + (
+                        ["--no-compress"] if args.full_kv else [])
     for part in args.parts.split(","):
         started = time.perf_counter()
         if part == "offline":
