@@ -1,5 +1,6 @@
 """The simulator twin: same decisions as the instant driver in sync mode, the core's invariants
-under random step and compression durations (async included), and the CLI's contract."""
+under random step and compression durations (async included), mixed steps (chunked prefill)
+timed by the cost model as one step, and the CLI's contract."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import json
 import random
 import subprocess
 import sys
-from dataclasses import replace
+from collections import deque
+from dataclasses import fields, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -17,8 +20,12 @@ from hypothesis import strategies as st
 from strategies import MODES, cases
 from zipage.core.config import ZipageConfig
 from zipage.core.scheduler import Scheduler
+from zipage.core.sequence import Sequence, SequenceStatus
+from zipage.core.step import DECODE, MIXED, PREFILL, PrefillItem, StepPlan
 from zipage.deployment import ReplaySettings
-from zipage.sim.cost_model import CostModel
+from zipage.presets import get_preset
+from zipage.sim.cost_model import AnalyticCostModel, CostModel
+from zipage.sim.hardware import get_hardware
 from zipage.sim.instant import InstantDriver
 from zipage.sim.simulate import simulate
 from zipage.sim.simulator import Simulator
@@ -33,11 +40,8 @@ class RandomCostModel(CostModel):
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
 
-    def decode_time(self, plan) -> float:
-        return self.rng.uniform(0.001, 0.05)
-
-    def prefill_time(self, plan) -> float:
-        return self.rng.uniform(0.001, 0.2)
+    def step_time(self, plan) -> float:
+        return self.rng.uniform(0.001, 0.2 if plan.prefill else 0.05)
 
     def compress_time(self, jobs) -> float:
         return self.rng.uniform(0.0, 0.3)
@@ -45,10 +49,7 @@ class RandomCostModel(CostModel):
     def decode_contention(self, overlap_fraction: float) -> float:
         return 1.0 + 0.3 * overlap_fraction
 
-    def decode_time_for(self, batch, context_tokens):
-        raise NotImplementedError
-
-    def prefill_time_for(self, requests):
+    def forward_time_for(self, work):
         raise NotImplementedError
 
     def compress_time_for(self, blocks):
@@ -120,6 +121,121 @@ def test_async_compression_overlaps_decoding():
         results[asynchronous] = summary
     assert results[True]["compressions"] > 0
     assert results[True]["makespan_s"] < results[False]["makespan_s"]
+
+
+class ChunkedStub:
+    """A toy core with chunked prefill (no blocks, no compression), for driving the drivers with
+    mixed steps without the real core's chunked mode: every running request whose prompt is
+    whole decodes, then prompt chunks fill the rest of `budget` tokens, FCFS. It keeps the plans
+    it made, so a test can compare each step with its plan."""
+
+    block_size = 16
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.block_manager = SimpleNamespace(num_blocks=1)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.finished: list[Sequence] = []
+        self.rejected: list[Sequence] = []
+        self.aborted: list[Sequence] = []
+        self.plans: list[StepPlan] = []
+
+    def add(self, seq: Sequence) -> bool:
+        self.waiting.append(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan | None:
+        if not self.has_unfinished():
+            return None
+        decode = [seq for seq in self.running if seq.kv_len >= seq.prompt_len]
+        prefilling = [seq for seq in self.running if seq.kv_len < seq.prompt_len]
+        budget, prefill = self.budget - len(decode), []
+        while budget > 0 and (prefilling or self.waiting):
+            seq = prefilling.pop(0) if prefilling else self.waiting.popleft()
+            if seq.status == SequenceStatus.WAITING:
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+            end = min(seq.prompt_len, seq.kv_len + budget)
+            prefill.append(PrefillItem(seq, seq.kv_len, end, samples=end == seq.prompt_len))
+            budget -= end - seq.kv_len
+        kind = (MIXED if prefill and decode else PREFILL) if prefill else DECODE
+        plan = StepPlan(step_id=len(self.plans), kind=kind, prefill=prefill, decode=decode,
+                        decode_context_tokens=sum(seq.kv_len + 1 for seq in decode),
+                        num_running=len(self.running), num_waiting=len(self.waiting))
+        self.plans.append(plan)
+        return plan
+
+    def finish(self, result) -> None:
+        plan = self.plans[-1]
+        for item in plan.prefill:
+            item.seq.set_counters(item.num_tokens, int(item.samples))
+            if item.samples:
+                item.seq.first_token_time = result.t_end
+        for seq in plan.decode:
+            seq.set_counters(seq.kv_len + 1, seq.num_output_tokens + 1)
+        for seq in plan.sampled:
+            if seq.num_output_tokens == seq.max_output_tokens:
+                seq.status, seq.finish_time = SequenceStatus.FINISHED, result.t_end
+                self.running.remove(seq)
+                self.finished.append(seq)
+
+
+CHUNKED_SHAPES = [(70, 12), (5, 30), (130, 8), (33, 20), (64, 1), (200, 15)]  # prompt, output
+
+
+def chunked_requests() -> list[Sequence]:
+    return [Sequence(f"r{index}", None, output, arrival_s=0.002 * index, prompt_len=prompt)
+            for index, (prompt, output) in enumerate(CHUNKED_SHAPES)]
+
+
+def test_simulator_times_mixed_steps_as_one_forward():
+    cost = AnalyticCostModel(get_preset("qwen3-0.6b"), get_hardware("h200"))
+    stub = ChunkedStub(budget=48)
+    run = Simulator(stub, cost).run(chunked_requests())
+    kinds = [record.kind for record in run.steps]
+    assert {DECODE, PREFILL, MIXED} <= set(kinds)
+    for record, plan in zip(run.steps, stub.plans, strict=True):
+        assert record.kind == plan.kind
+        assert record.t_end - record.t_start == pytest.approx(cost.step_time(plan), rel=1e-9)
+    mixed = [record for record in run.steps if record.kind == MIXED]
+    assert all(record.n_decode and record.n_prefill and record.prefill_tokens for record in mixed)
+    assert run.summary["completed"] == len(CHUNKED_SHAPES)
+    assert run.summary["output_tokens"] == sum(output for _, output in CHUNKED_SHAPES)
+
+
+def test_instant_driver_runs_a_mixed_step_as_one_step():
+    stub = ChunkedStub(budget=48)
+    run = InstantDriver(stub).run(chunked_requests())
+    assert MIXED in {record.kind for record in run.steps}
+    assert [record.t_end - record.t_start for record in run.steps] == [1.0] * len(stub.plans)
+    assert run.summary["completed"] == len(CHUNKED_SHAPES)
+
+
+def test_sync_simulator_decides_like_the_instant_driver_with_chunked_prefill():
+    """The real core's chunked prefill, once it is in (docs/architecture.md, 'Chunked
+    prefill'): the simulator makes the instant driver's decisions and times its mixed steps."""
+    if "chunked_prefill" not in {field.name for field in fields(ZipageConfig)}:
+        pytest.skip("the core has no chunked prefill yet (ZipageConfig.chunked_prefill)")
+    trace = load_trace(ROOT / "traces" / "tiny.json")
+    config = ZipageConfig(block_size=16, window=4, kv_budget=64, async_compress=False,
+                          chunked_prefill=True, max_num_batched_tokens=48)
+    settings_ = ReplaySettings(model="qwen3-0.6b", kv_memory_gb=0.05, config=config)
+    summary, run = simulate(trace, settings_, log_decisions=True, check=True)
+    from zipage.deployment import trace_sequences
+    from zipage.presets import resolve_shape
+
+    shape = resolve_shape("qwen3-0.6b")
+    scheduler = Scheduler(replace(config, max_model_len=shape.max_position),
+                          summary["num_blocks"], summary["max_concurrency"])
+    instant = InstantDriver(scheduler, log_decisions=True).run(
+        trace_sequences(trace, shape.vocab_size, need_tokens=True))
+    assert run.decision_log == instant.decision_log
+    assert MIXED in {record.kind for record in run.steps}
+    assert summary["completed"] == len(trace.requests)
 
 
 def run_cli(*arguments: str) -> subprocess.CompletedProcess:
