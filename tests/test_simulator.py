@@ -8,10 +8,8 @@ import json
 import random
 import subprocess
 import sys
-from collections import deque
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -20,8 +18,8 @@ from hypothesis import strategies as st
 from strategies import MODES, cases
 from zipage.core.config import ZipageConfig
 from zipage.core.scheduler import Scheduler
-from zipage.core.sequence import Sequence, SequenceStatus
-from zipage.core.step import DECODE, MIXED, PREFILL, PrefillItem, StepPlan
+from zipage.core.sequence import Sequence
+from zipage.core.step import DECODE, MIXED, PREFILL
 from zipage.deployment import ReplaySettings
 from zipage.presets import get_preset
 from zipage.sim.cost_model import AnalyticCostModel, CostModel
@@ -123,103 +121,51 @@ def test_async_compression_overlaps_decoding():
     assert results[True]["makespan_s"] < results[False]["makespan_s"]
 
 
-class ChunkedStub:
-    """A toy core with chunked prefill (no blocks, no compression), for driving the drivers with
-    mixed steps without the real core's chunked mode: every running request whose prompt is
-    whole decodes, then prompt chunks fill the rest of `budget` tokens, FCFS. It keeps the plans
-    it made, so a test can compare each step with its plan."""
-
-    block_size = 16
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.block_manager = SimpleNamespace(num_blocks=1)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.finished: list[Sequence] = []
-        self.rejected: list[Sequence] = []
-        self.aborted: list[Sequence] = []
-        self.plans: list[StepPlan] = []
-
-    def add(self, seq: Sequence) -> bool:
-        self.waiting.append(seq)
-        return True
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def schedule(self) -> StepPlan | None:
-        if not self.has_unfinished():
-            return None
-        decode = [seq for seq in self.running if seq.kv_len >= seq.prompt_len]
-        prefilling = [seq for seq in self.running if seq.kv_len < seq.prompt_len]
-        budget, prefill = self.budget - len(decode), []
-        while budget > 0 and (prefilling or self.waiting):
-            seq = prefilling.pop(0) if prefilling else self.waiting.popleft()
-            if seq.status == SequenceStatus.WAITING:
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-            end = min(seq.prompt_len, seq.kv_len + budget)
-            prefill.append(PrefillItem(seq, seq.kv_len, end, samples=end == seq.prompt_len))
-            budget -= end - seq.kv_len
-        kind = (MIXED if prefill and decode else PREFILL) if prefill else DECODE
-        plan = StepPlan(step_id=len(self.plans), kind=kind, prefill=prefill, decode=decode,
-                        decode_context_tokens=sum(seq.kv_len + 1 for seq in decode),
-                        num_running=len(self.running), num_waiting=len(self.waiting))
-        self.plans.append(plan)
-        return plan
-
-    def finish(self, result) -> None:
-        plan = self.plans[-1]
-        for item in plan.prefill:
-            item.seq.set_counters(item.num_tokens, int(item.samples))
-            if item.samples:
-                item.seq.first_token_time = result.t_end
-        for seq in plan.decode:
-            seq.set_counters(seq.kv_len + 1, seq.num_output_tokens + 1)
-        for seq in plan.sampled:
-            if seq.num_output_tokens == seq.max_output_tokens:
-                seq.status, seq.finish_time = SequenceStatus.FINISHED, result.t_end
-                self.running.remove(seq)
-                self.finished.append(seq)
-
-
 CHUNKED_SHAPES = [(70, 12), (5, 30), (130, 8), (33, 20), (64, 1), (200, 15)]  # prompt, output
 
 
-def chunked_requests() -> list[Sequence]:
-    return [Sequence(f"r{index}", None, output, arrival_s=0.002 * index, prompt_len=prompt)
-            for index, (prompt, output) in enumerate(CHUNKED_SHAPES)]
+def chunked_run(driver_class, **driver_knobs):
+    """A run of the core's chunked prefill (sync compression, a step budget of 48 tokens, so
+    prompts split and share steps with decodes), and the plans it was made of."""
+    config = ZipageConfig(block_size=16, window=4, kv_budget=64, async_compress=False,
+                          chunked_prefill=True, max_num_batched_tokens=48)
+    scheduler = Scheduler(config, num_blocks=64, num_query_slots=4)
+    plans, schedule = [], scheduler.schedule
+
+    def recording_schedule():
+        plan = schedule()
+        if plan is not None:
+            plans.append(plan)
+        return plan
+
+    scheduler.schedule = recording_schedule
+    sequences = [Sequence(f"r{index}", [1000 * index + token for token in range(prompt)], output,
+                          arrival_s=0.002 * index)
+                 for index, (prompt, output) in enumerate(CHUNKED_SHAPES)]
+    run = driver_class(scheduler, check=True, **driver_knobs).run(sequences)
+    assert run.summary["completed"] == len(CHUNKED_SHAPES)
+    assert run.summary["output_tokens"] == sum(output for _, output in CHUNKED_SHAPES)
+    return run, plans
 
 
 def test_simulator_times_mixed_steps_as_one_forward():
-    cost = AnalyticCostModel(get_preset("qwen3-0.6b"), get_hardware("h200"))
-    stub = ChunkedStub(budget=48)
-    run = Simulator(stub, cost).run(chunked_requests())
-    kinds = [record.kind for record in run.steps]
-    assert {DECODE, PREFILL, MIXED} <= set(kinds)
-    for record, plan in zip(run.steps, stub.plans, strict=True):
+    cost = AnalyticCostModel(get_preset("qwen3-0.6b"), get_hardware("h200"), block_size=16,
+                             window=4, kv_budget=64)
+    run, plans = chunked_run(Simulator, cost_model=cost)
+    assert {DECODE, PREFILL, MIXED} <= {record.kind for record in run.steps}
+    assert any(plan.kind == MIXED and plan.compress_sync for plan in plans)
+    for record, plan in zip(run.steps, plans, strict=True):
         assert record.kind == plan.kind
         assert record.t_end - record.t_start == pytest.approx(cost.step_time(plan), rel=1e-9)
-    mixed = [record for record in run.steps if record.kind == MIXED]
-    assert all(record.n_decode and record.n_prefill and record.prefill_tokens for record in mixed)
-    assert run.summary["completed"] == len(CHUNKED_SHAPES)
-    assert run.summary["output_tokens"] == sum(output for _, output in CHUNKED_SHAPES)
 
 
 def test_instant_driver_runs_a_mixed_step_as_one_step():
-    stub = ChunkedStub(budget=48)
-    run = InstantDriver(stub).run(chunked_requests())
+    run, plans = chunked_run(InstantDriver)
     assert MIXED in {record.kind for record in run.steps}
-    assert [record.t_end - record.t_start for record in run.steps] == [1.0] * len(stub.plans)
-    assert run.summary["completed"] == len(CHUNKED_SHAPES)
+    assert [record.t_end - record.t_start for record in run.steps] == [1.0] * len(plans)
 
 
 def test_sync_simulator_decides_like_the_instant_driver_with_chunked_prefill():
-    """The real core's chunked prefill, once it is in (docs/architecture.md, 'Chunked
-    prefill'): the simulator makes the instant driver's decisions and times its mixed steps."""
-    if "chunked_prefill" not in {field.name for field in fields(ZipageConfig)}:
-        pytest.skip("the core has no chunked prefill yet (ZipageConfig.chunked_prefill)")
     trace = load_trace(ROOT / "traces" / "tiny.json")
     config = ZipageConfig(block_size=16, window=4, kv_budget=64, async_compress=False,
                           chunked_prefill=True, max_num_batched_tokens=48)
@@ -236,6 +182,25 @@ def test_sync_simulator_decides_like_the_instant_driver_with_chunked_prefill():
     assert run.decision_log == instant.decision_log
     assert MIXED in {record.kind for record in run.steps}
     assert summary["completed"] == len(trace.requests)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_invariants_hold_under_random_timing_with_chunked_prefill(mode):
+    from test_core_chunked import chunked_cases
+
+    @settings(max_examples=40)
+    @given(case=chunked_cases(mode), seed=st.integers(0, 1000))
+    def check(case, seed):
+        scheduler = Scheduler(case.config, case.num_blocks, case.num_slots)
+        sequences = case.sequences()
+        for seq in sequences:  # arrivals in seconds instead of steps
+            seq.arrival_s = seq.arrival_s * 0.05
+        run = Simulator(scheduler, RandomCostModel(seed), check=True).run(sequences)
+        accepted = [seq for seq in sequences if seq.error is None]
+        assert run.summary["completed"] == len(accepted)
+        assert all(seq.num_output_tokens == seq.max_output_tokens for seq in accepted)
+
+    check()
 
 
 def run_cli(*arguments: str) -> subprocess.CompletedProcess:
