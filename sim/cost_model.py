@@ -98,7 +98,7 @@ COST_KNOBS = tuple(ZipageConfig().cost_knobs())
 KNOBS = ("dtype_bytes", *COST_KNOBS, "tensor_parallel", "contention_factor")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass takes twice as long to build
 class StepWork:
     """What one step's forward computes, in the counts the cost models read.
 
