@@ -4,9 +4,10 @@ A run directory (written by `zipage replay TRACE --out DIR`, by the simulator an
 alike) holds `summary.json`, `steps.csv`, `requests.csv` and `decisions.log`. `load_run` reads the
 first three into a `RunData`; `plot_timeline` draws three stacked panels over time: (a) real-time
 decode throughput (decode and mixed steps) with the time of prefill steps shaded (decoding waits)
-and, with chunked prefill, that of mixed steps, (b) running and waiting requests, (c) block occupancy
-and query slots used. Every curve is a time-weighted aggregate over fixed-width time bins, computed
-exactly from the piecewise-constant step records, so a 100k-step run draws as fast as a 5-step one.
+and, with chunked prefill, that of mixed steps, (b) running and waiting requests, (c) block
+occupancy and query slots used. Every curve is a time-weighted aggregate over fixed-width time
+bins, computed exactly from the piecewise-constant step records, so a 100k-step run draws as fast
+as a 5-step one.
 """
 
 from __future__ import annotations

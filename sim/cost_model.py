@@ -107,7 +107,7 @@ class StepWork:
     """
 
     num_decode: int = 0  # requests decoding one token each
-    decode_context_tokens: int = 0  # KV entries they attend to, in total (their new tokens included)
+    decode_context_tokens: int = 0  # KV entries they attend to in all, their new tokens included
     num_prefill: int = 0  # prompt chunks
     num_sampled_prefill: int = 0  # chunks that reach their prompt's end: each samples a token
     prefill_tokens: int = 0  # tokens the chunks compute

@@ -67,8 +67,9 @@ def _read(directory: Path) -> tuple[dict, pd.DataFrame]:
     except (OSError, ValueError) as error:
         raise ConfigError(f"--from-run {directory}: cannot read the run directory ({error}); "
                           "give a directory written by `zipage replay --gpu --out DIR`") from None
-    needed = {"kind", "n_prefill", "n_decode", "n_compress", "decode_context_tokens", "prefill_tokens",
-              "attention_pairs", "compress_blocks", "batches_done", "t_start", "t_end"}
+    needed = {"kind", "n_prefill", "n_decode", "n_compress", "decode_context_tokens",
+              "prefill_tokens", "attention_pairs", "compress_blocks", "batches_done", "t_start",
+              "t_end"}
     missing = sorted(needed - set(steps.columns))
     if missing or "settings" not in summary:
         raise ConfigError(f"--from-run {directory}: steps.csv lacks {', '.join(missing) or '-'}"

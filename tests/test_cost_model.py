@@ -61,7 +61,7 @@ def prefill_plan(*requests: tuple[int, int]) -> StepPlan:
 
 def mixed_plan(batch: int, context_per_request: int, *chunks: tuple[int, int],
                samples: bool = True) -> StepPlan:
-    """A chunked-prefill step: `batch` decodes plus prompt chunks (num_cached_tokens, num_tokens)."""
+    """A chunked-prefill step: `batch` decodes, prompt chunks (num_cached_tokens, num_tokens)."""
     plan = decode_plan(batch, context_per_request)
     plan.kind = MIXED
     plan.prefill = [PrefillItem(seq=None, num_cached_tokens=cached, num_tokens=total,

@@ -51,7 +51,8 @@ def synthetic_run(directory, asynchronous: bool, seed: int = 0):
                         + MIXED[4] * pairs)
         if compresses(step_id) and not asynchronous:
             duration += COMPRESS[0] + COMPRESS[1] * blocks
-        rows.append(dict(STEP_COLUMN_DEFAULTS, step_id=step_id, t_start=t, t_end=t + duration, kind=kind,
+        rows.append(dict(STEP_COLUMN_DEFAULTS, step_id=step_id, t_start=t, t_end=t + duration,
+                         kind=kind,
                          n_prefill=int(prefills), n_decode=batch if decodes else 0,
                          n_compress=int(compresses(step_id)), n_running=batch, n_waiting=0,
                          blocks_used=0, blocks_total=1000, slots_used=0, preempted=0,
