@@ -1,5 +1,6 @@
 """Step-time replay: the simulator driven by an engine run's measured clock makes exactly the
-engine's decisions, step for step, with sync and async compression and with online arrivals."""
+engine's decisions, step for step, with sync and async compression, with online arrivals, and
+with chunked prefill (mixed steps)."""
 
 from __future__ import annotations
 
@@ -44,11 +45,12 @@ def online_trace(spacing: float = TIGHT["spacing"]) -> Trace:
 
 
 def engine_run(model_dir, out_dir, trace: Trace, asynchronous: bool,
-               kv_memory_gb: float = TIGHT["kv_memory_gb"]):
+               kv_memory_gb: float = TIGHT["kv_memory_gb"], **knobs):
     """`zipage replay --engine cpu --out` of `trace` in a cache small enough to compress and
     preempt."""
     torch.set_num_threads(1)
-    config = ZipageConfig(block_size=16, window=4, kv_budget=32, async_compress=asynchronous)
+    config = ZipageConfig(block_size=16, window=4, kv_budget=32, async_compress=asynchronous,
+                          **knobs)
     settings = ReplaySettings(model=str(model_dir), dtype="float32", kv_memory_gb=kv_memory_gb,
                               config=config)
     summary, run = replay_on_engine(trace, settings, "cpu", log_decisions=True)
@@ -128,3 +130,37 @@ def test_cli_step_times_and_calibrate_from_run(tiny_model, tmp_path, capsys):
     assert main(["calibrate", "--from-run", str(tmp_path / "nothing"), "--out",
                  str(profile)]) == 2
     assert "--from-run" in capsys.readouterr().err
+
+
+def skip_without_mixed_steps(model_dir) -> None:
+    """Chunked prefill needs an engine that executes mixed steps."""
+    from zipage.engine.calibrate import Bench, runs_mixed_steps
+    from zipage.engine.llm import build_engine
+
+    settings = ReplaySettings(model=str(model_dir), dtype="float32", kv_memory_gb=0.001,
+                              config=ZipageConfig(block_size=16, window=4, kv_budget=32))
+    reason = runs_mixed_steps(Bench(build_engine(settings, "cpu"), repeats=1))
+    if reason is not None:
+        pytest.skip(f"the engine does not execute mixed steps yet: {reason}")
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_step_replay_of_a_chunked_prefill_run(tiny_model, tmp_path, asynchronous):
+    skip_without_mixed_steps(tiny_model)
+    trace = online_trace()
+    out, summary, run = engine_run(tiny_model, tmp_path / "engine", trace, asynchronous,
+                                   chunked_prefill=True, max_num_batched_tokens=24)
+    assert "mixed" in {record.kind for record in run.steps}
+    assert summary["completed"] == len(trace.requests)
+    replayed, replay_run = replay_step_times(trace, out, check=True)
+    assert replayed["decisions_match"], replayed["first_decision_difference"]
+    # Every step, mixed ones included, lasts exactly what the engine measured.
+    assert [(r.kind, r.t_start, r.t_end) for r in replay_run.steps] == [
+        (r.kind, r.t_start, r.t_end) for r in run.steps]
+    if not asynchronous:
+        from zipage.sim.cost_model import CalibratedCostModel
+        from zipage.sim.profile_from_runs import profile_from_runs
+
+        profile = profile_from_runs([out], gpu="h100")
+        assert CalibratedCostModel.from_profile(profile).mixed_fit.num_points == len(
+            profile["mixed"]) >= 2
