@@ -1,21 +1,39 @@
 """The model runner: KV cache memory, per-step batch layout, CUDA graphs and sampling.
 
 The runner turns one `StepPlan` into tensors, runs the model and samples one token per request
-with each request's own `SamplingParams` (`seq.sampling`). It allocates the caches
-(`engine/caches.py`) and gives each attention layer views of them; the compressor gets the
-caches, not the runner.
+that samples (`StepPlan.sampled`) with each request's own `SamplingParams` (`seq.sampling`). It
+allocates the caches (`engine/caches.py`) and gives each attention layer views of them; the
+compressor gets the caches, not the runner.
 Decode steps replay CUDA graphs captured for a ladder of batch sizes (eager above the largest);
 prefill steps run eagerly. On the CPU the same code runs the torch reference kernels.
+
+Mixed steps (chunked prefill: decodes and prompt chunks in one plan) run as ONE forward. The
+rows are every chunk's new tokens, sequence after sequence, then one row per decode request;
+the linear layers, norms and RoPE run once over all of them, and each layer stores every row's
+K/V before any attention reads the cache (so a chunk, or a prefix-cache hit on blocks another
+item of the same step computes, sees them). Attention is then two kernels in the same layer:
+the varlen prefill kernel over the chunk rows and the split-K decode kernel over the decode
+rows, not one varlen kernel with the decodes as 1-token sequences. The prefill kernel gives one
+program to each (sequence, query tile, KV head) and walks that sequence's whole context
+serially; the decode kernel cuts each context into partitions sized from the decode batch so a
+few long decodes still fill the GPU. A mixed step of a chunk and, say, 4 decodes at 32k context
+would through one varlen kernel spend 4 x kv_heads programs walking 32k entries each (a few SMs
+busy, the rest idle) — far slower than the decode step alone. Two launches keep a mixed step
+at about decode attention + chunk attention, and each kernel stays the one already tuned for its
+shape. Logits are computed only for the rows that sample: each sampling chunk's last row, then
+every decode row (a partial chunk computes KV only), in `StepPlan.sampled` order.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from zipage.core.config import ZipageConfig
 from zipage.core.memory import MemoryPlan
 from zipage.core.sequence import Sequence
-from zipage.core.step import PREFILL, StepPlan
+from zipage.core.step import StepPlan
 from zipage.core.window import WindowLayout
 from zipage.engine.caches import KVCaches
 from zipage.engine.compressor import Compressor
@@ -24,6 +42,29 @@ from zipage.engine.sampler import sample
 from zipage.presets import ModelShape
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+
+
+@dataclass
+class StepInputs:
+    """Host tensors of one prefill or mixed step (`ModelRunner.step_inputs`).
+
+    Rows: the new tokens of every prompt chunk (sequence i owns rows cu_seqlens_q[i] ..
+    cu_seqlens_q[i + 1] - 1), then one row per decode request. `logits_indices` are the rows that
+    sample a token, in `StepPlan.sampled` order: each sampling chunk's last row, then the decode
+    rows. The decode fields are None in a step without decodes.
+    """
+
+    input_ids: torch.Tensor  # int64 [rows]
+    positions: torch.Tensor  # int64 [rows]
+    slot_mapping: torch.Tensor  # int64 [rows], -1 = store nothing
+    query_slot_mapping: torch.Tensor  # int64 [rows], -1 = no window query
+    cu_seqlens_q: torch.Tensor  # int32 [chunks + 1]
+    context_lens: torch.Tensor  # int32 [chunks]
+    block_tables: torch.Tensor  # int32 [chunks, width]
+    decode_context_lens: torch.Tensor | None  # int32 [decodes]
+    decode_block_tables: torch.Tensor | None  # int32 [decodes, width]
+    logits_indices: torch.Tensor  # int64 [sampled]
+    max_q_len: int
 
 
 class ModelRunner:
@@ -107,8 +148,8 @@ class ModelRunner:
                 self.compressor.run(plan.compress_sync)
             if plan.compress_launch is not None:
                 self.compressor.launch(plan.compress_launch)
-        if plan.kind == PREFILL:
-            sequences = [item.seq for item in plan.prefill]
+        if plan.prefill:  # a prefill or mixed step: one forward over chunks and decode rows
+            sequences = plan.sampled
             logits = self._prefill(plan, tokens)
         else:
             sequences = plan.decode
@@ -118,12 +159,15 @@ class ModelRunner:
         self.last_logits = logits  # for analysis (teacher-forced fidelity); never copied
         return sequences, logits
 
-    def _prefill(self, plan: StepPlan, tokens: dict[str, list[int]]) -> torch.Tensor:
+    def step_inputs(self, plan: StepPlan, tokens: dict[str, list[int]]) -> StepInputs:
+        """Host tensors of a prefill or mixed step: the rows of every prompt chunk, in plan order,
+        then one row per decode request (docs/architecture.md, 'The engine')."""
         b = self.block_size
         input_ids, positions, slots, query_slots = [], [], [], []
-        cu_seqlens, context_lens, tables = [0], [], []
+        cu_seqlens, context_lens, tables, logits_rows = [0], [], [], []
         for item in plan.prefill:
             seq, start, end = item.seq, item.num_cached_tokens, item.num_tokens
+            # Chunks come before a request's first compression: KV index == position.
             table = torch.tensor(seq.block_table, dtype=torch.int64)
             entries = torch.arange(start, end, dtype=torch.int64)
             input_ids.append(torch.tensor(tokens[seq.seq_id][start:end], dtype=torch.int64))
@@ -137,16 +181,48 @@ class ModelRunner:
             cu_seqlens.append(cu_seqlens[-1] + end - start)
             context_lens.append(end)
             tables.append(seq.block_table)
+            if item.samples:  # a partial chunk computes KV only
+                logits_rows.append(cu_seqlens[-1] - 1)
+        decode = None
+        if plan.decode:
+            width = max(len(seq.block_table) for seq in plan.decode)
+            columns, decode_tables = self._decode_inputs(plan.decode, tokens, len(plan.decode),
+                                                         width)
+            for rows, column in zip((input_ids, positions, slots, query_slots), columns[[0, 1, 2, 4]]):
+                rows.append(column)
+            logits_rows.extend(range(cu_seqlens[-1], cu_seqlens[-1] + len(plan.decode)))
+            decode = (columns[3].int(), decode_tables)
+        return StepInputs(
+            input_ids=torch.cat(input_ids), positions=torch.cat(positions),
+            slot_mapping=torch.cat(slots), query_slot_mapping=torch.cat(query_slots),
+            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32),
+            block_tables=_pad_tables(tables, max(len(t) for t in tables)),
+            decode_context_lens=None if decode is None else decode[0],
+            decode_block_tables=None if decode is None else decode[1],
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
+            max_q_len=max(item.num_new_tokens for item in plan.prefill))
+
+    def _prefill(self, plan: StepPlan, tokens: dict[str, list[int]]) -> torch.Tensor | None:
+        """A prefill or mixed step, eagerly: the chunk rows attend through the varlen prefill
+        kernel, the decode rows through the split-K decode kernel, in each layer. Returns the
+        logits of the rows that sample (None when every chunk is partial)."""
+        inputs = self.step_inputs(plan, tokens)
+        device = self._to_device
+        decoding = inputs.decode_context_lens is not None
         context = ForwardContext(
-            is_prefill=True, slot_mapping=self._to_device(torch.cat(slots)),
-            cu_seqlens_q=self._to_device(torch.tensor(cu_seqlens, dtype=torch.int32)),
-            max_q_len=max(item.num_tokens - item.num_cached_tokens for item in plan.prefill),
-            context_lens=self._to_device(torch.tensor(context_lens, dtype=torch.int32)),
-            block_tables=self._to_device(_pad_tables(tables, max(len(t) for t in tables))),
-            query_slot_mapping=self._query_mapping(torch.cat(query_slots)))
+            is_prefill=True, slot_mapping=device(inputs.slot_mapping),
+            cu_seqlens_q=device(inputs.cu_seqlens_q), context_lens=device(inputs.context_lens),
+            block_tables=device(inputs.block_tables), max_q_len=inputs.max_q_len,
+            num_prefill_tokens=int(inputs.cu_seqlens_q[-1]),
+            decode_context_lens=device(inputs.decode_context_lens) if decoding else None,
+            decode_block_tables=device(inputs.decode_block_tables) if decoding else None,
+            logits_indices=device(inputs.logits_indices),
+            query_slot_mapping=self._query_mapping(inputs.query_slot_mapping))
         with forward_context(context):
-            hidden = self.model(self._to_device(torch.cat(input_ids)),
-                                self._to_device(torch.cat(positions)))
+            hidden = self.model(device(inputs.input_ids), device(inputs.positions))
+            if inputs.logits_indices.numel() == 0:
+                return None
             return self.model.compute_logits(hidden)
 
     def _decode_inputs(self, sequences: list[Sequence], tokens: dict[str, list[int]],
