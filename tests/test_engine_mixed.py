@@ -132,22 +132,25 @@ class Driver:
         return {seq_id: tokens[len(self.prompts[seq_id]):] for seq_id, tokens in self.tokens.items()}
 
 
-def make_runner(model, shape) -> ModelRunner:
-    config = ZipageConfig(block_size=BLOCK_SIZE, window=WINDOW, kv_budget=2 * BLOCK_SIZE)
+def make_runner(model, shape, max_num_batched_tokens: int = 16384, **runner_options) -> ModelRunner:
+    config = ZipageConfig(block_size=BLOCK_SIZE, window=WINDOW, kv_budget=2 * BLOCK_SIZE,
+                          max_num_batched_tokens=max_num_batched_tokens)
     capacity = MemoryPlan(num_blocks=48, num_query_slots=len(PROMPT_LENGTHS), block_bytes=0,
                           query_slot_bytes=0, available_bytes=0)
-    return ModelRunner(model, shape, config, capacity, torch.float32, torch.device("cpu"))
+    return ModelRunner(model, shape, config, capacity, torch.float32, torch.device("cpu"),
+                       **runner_options)
 
 
 def run_unchunked(model, shape, prompts) -> Driver:
-    driver = Driver(make_runner(model, shape), prompts)
+    driver = Driver(make_runner(model, shape, prefill_graphs=False), prompts)
     driver.step({seq_id: len(prompt) for seq_id, prompt in prompts.items()}, [])
     driver.decode_to_the_end()
     return driver
 
 
-def run_chunked(model, shape, prompts, schedule=CHUNKED_SCHEDULE) -> Driver:
-    driver = Driver(make_runner(model, shape), prompts)
+def run_chunked(model, shape, prompts, schedule=CHUNKED_SCHEDULE, **runner_options) -> Driver:
+    runner_options.setdefault("prefill_graphs", False)
+    driver = Driver(make_runner(model, shape, **runner_options), prompts)
     for chunks, decoding in schedule:
         driver.step(chunks, decoding)
     driver.decode_to_the_end()
@@ -280,3 +283,8 @@ def test_triton_mixed_steps_equal_unchunked(tmp_path: Path) -> None:
     chunked = run_chunked(model, shape, prompts)
     assert chunked.outputs() == unchunked.outputs()
     assert_same_caches(chunked, unchunked, dict(atol=1e-4, rtol=1e-4))
+    # The padded layout of prefill graphs (tests/test_engine_prefill_graphs.py): one prefill launch
+    # over a padded work list, decode rows as 1-token sequences, padding rows left unwritten.
+    padded = run_chunked(model, shape, prompts, prefill_graphs=True)
+    assert padded.outputs() == unchunked.outputs()
+    assert_same_caches(padded, unchunked, dict(atol=1e-4, rtol=1e-4))

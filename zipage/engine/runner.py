@@ -5,7 +5,9 @@ that samples (`StepPlan.sampled`) with each request's own `SamplingParams` (`seq
 allocates the caches (`engine/caches.py`) and gives each attention layer views of them; the
 compressor gets the caches, not the runner.
 Decode steps replay CUDA graphs captured for a ladder of batch sizes (eager above the largest);
-prefill steps run eagerly. On the CPU the same code runs the torch reference kernels.
+prefill and mixed steps run eagerly, or, with prefill graphs on (`prefill_graphs=True` or
+`ZIPAGE_PREFILL_GRAPHS=1`; off by default until measured on a GPU), through a padded layout and a
+graph per token bucket (below). On the CPU the same code runs the torch reference kernels.
 
 Mixed steps (chunked prefill: decodes and prompt chunks in one plan) run as ONE forward. The
 rows are every chunk's new tokens, sequence after sequence, then one row per decode request;
@@ -22,10 +24,22 @@ busy, the rest idle) — far slower than the decode step alone. Two launches kee
 at about decode attention + chunk attention, and each kernel stays the one already tuned for its
 shape. Logits are computed only for the rows that sample: each sampling chunk's last row, then
 every decode row (a partial chunk computes KV only), in `StepPlan.sampled` order.
+
+Prefill graphs. An eager prefill step is host-bound (~400 launches at ~60-70 us of Python and
+launcher time each on an H200, against 5-11 ms of kernels for 128-512 tokens). A step of at most
+`PREFILL_GRAPH_TOKENS[-1]` rows is therefore staged into static tensors padded to its bucket (the
+next size of the ladder): rows (padding rows store nothing), sequences (padding sequences are
+empty), a block table of the widest shape, a fixed-size work list for the prefill kernel, and
+fixed logits rows; the decode rows of a mixed step become sequences of one new token in the same
+prefill launch, because a graph's grid cannot depend on how many rows decode (they lose the
+decode kernel's split-K inside graphed steps; the bucket's size bounds them). Each bucket's graph
+replays that padded forward; the same forward runs eagerly where no graph was captured (the CPU
+and its tests), so turning graphs on changes nothing but the launches. Larger steps run eagerly.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -39,9 +53,16 @@ from zipage.engine.caches import KVCaches
 from zipage.engine.compressor import Compressor
 from zipage.engine.context import ForwardContext, forward_context
 from zipage.engine.sampler import sample
+from zipage.kernels.attention import PrefillWork, prefill_tile_tokens, prefill_work, prefill_work_capacity
 from zipage.presets import ModelShape
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+# Token buckets of padded prefill / mixed steps (one CUDA graph each); larger steps run eagerly,
+# where the launches' host time is small next to the kernels'.
+PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# "1" turns padded prefill graphs on in every runner of the process (workers of a tensor-parallel
+# engine inherit it); off by default until measured on a GPU.
+PREFILL_GRAPHS_ENV = "ZIPAGE_PREFILL_GRAPHS"
 
 
 @dataclass
@@ -70,7 +91,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, shape: ModelShape, config: ZipageConfig,
                  capacity: MemoryPlan, dtype: torch.dtype, device: torch.device,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, prefill_graphs: bool | None = None) -> None:
         self.model = model
         self.shape = shape
         self.config = config
@@ -99,8 +120,18 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_inputs: dict[str, torch.Tensor] = {}
         self.staging: dict[str, torch.Tensor] = {}
+        self.graph_pool = None  # one memory pool for every graph: they never run at once
+        # Padded prefill/mixed steps (off by default until measured on a GPU): token buckets,
+        # their static inputs, and a graph per bucket where graphs can be captured.
+        self.prefill_buckets: tuple[int, ...] = ()
+        self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.padded_inputs: dict[str, torch.Tensor] = {}
         if cuda_graphs and device.type == "cuda":
             self.capture_decode_graphs()
+        if prefill_graphs is None:
+            prefill_graphs = os.environ.get(PREFILL_GRAPHS_ENV) == "1"
+        if prefill_graphs:
+            self.enable_prefill_graphs(capture=cuda_graphs)
 
     # ------------------------------------------------------------------ one step
 
@@ -208,6 +239,9 @@ class ModelRunner:
         kernel, the decode rows through the split-K decode kernel, in each layer. Returns the
         logits of the rows that sample (None when every chunk is partial)."""
         inputs = self.step_inputs(plan, tokens)
+        bucket = next((size for size in self.prefill_buckets if size >= len(inputs.input_ids)), None)
+        if bucket is not None:
+            return self._prefill_padded(inputs, bucket)
         device = self._to_device
         decoding = inputs.decode_context_lens is not None
         context = ForwardContext(
@@ -307,6 +341,7 @@ class ModelRunner:
             pool = graph.pool()
             self.graphs[size] = graph
         self.graphs = dict(sorted(self.graphs.items()))
+        self.graph_pool = pool
         torch.cuda.synchronize()
 
     def allocate_graph_inputs(self, largest: int) -> None:
@@ -341,6 +376,135 @@ class ModelRunner:
             query_slot_mapping=static["columns"][4, :size] if self.query_cache is not None
             else None)
 
+    # ------------------------------------------------------------------ padded prefill / mixed steps
+
+    def enable_prefill_graphs(self, capture: bool = True) -> None:
+        """Run prefill and mixed steps of up to the largest bucket through the padded layout, and
+        on a GPU (with `capture`) replay a CUDA graph per bucket. Elsewhere (the CPU, tests) the
+        padded layout runs eagerly: exactly the captured forward, so what a graph computes is
+        what the CPU tests check."""
+        limit = self.config.max_num_batched_tokens
+        self.prefill_buckets = tuple(size for size in PREFILL_GRAPH_TOKENS if size <= limit)
+        if not self.prefill_buckets:
+            return
+        self.allocate_padded_inputs(self.prefill_buckets[-1])
+        if capture and self.device.type == "cuda":
+            self.capture_prefill_graphs()
+
+    def bucket_sequences(self, bucket: int) -> int:
+        """Most sequences a step of `bucket` rows can hold: each has at least one row."""
+        return min(bucket, self.config.max_num_seqs)
+
+    def bucket_work_items(self, bucket: int) -> int:
+        return prefill_work_capacity(bucket, self.bucket_sequences(bucket), self.tile_tokens)
+
+    @property
+    def tile_tokens(self) -> int:
+        return prefill_tile_tokens(self.shape.num_heads, self.shape.num_kv_heads)
+
+    def allocate_padded_inputs(self, largest: int) -> None:
+        """Static tensors of the padded layout for up to `largest` rows; bucket b uses their
+        first rows / sequences / work items (`padded_context`), so one set serves every bucket."""
+        device, seqs = self.device, self.bucket_sequences(largest)
+        rows = torch.zeros(4, largest, dtype=torch.int64, device=device)
+        rows[2:] = -1  # store no KV and no query until a step fills them
+        self.padded_inputs = {
+            "rows": rows,  # token, position, KV slot, query-cache index
+            "cu_seqlens_q": torch.zeros(seqs + 1, dtype=torch.int32, device=device),
+            "context_lens": torch.zeros(seqs, dtype=torch.int32, device=device),
+            "block_tables": torch.zeros(seqs, self.max_blocks_per_seq, dtype=torch.int32,
+                                        device=device),
+            "work_items": torch.full((self.bucket_work_items(largest), 2), -1, dtype=torch.int32,
+                                     device=device),
+            "logits_indices": torch.zeros(seqs, dtype=torch.int64, device=device),
+            "logits": torch.empty(seqs, self.shape.vocab_size, dtype=self.dtype, device=device),
+        }
+
+    def padded_context(self, bucket: int) -> ForwardContext:
+        """The forward context of a padded step of `bucket` rows (captured and replayed with)."""
+        static, seqs = self.padded_inputs, self.bucket_sequences(bucket)
+        return ForwardContext(
+            is_prefill=True, slot_mapping=static["rows"][2, :bucket],
+            cu_seqlens_q=static["cu_seqlens_q"][:seqs + 1],
+            context_lens=static["context_lens"][:seqs],
+            block_tables=static["block_tables"][:seqs],
+            prefill_work=PrefillWork(static["work_items"][:self.bucket_work_items(bucket)],
+                                     self.tile_tokens),
+            logits_indices=static["logits_indices"][:seqs],
+            query_slot_mapping=static["rows"][3, :bucket] if self.query_cache is not None
+            else None)
+
+    def padded_forward(self, bucket: int) -> torch.Tensor:
+        """The forward of a padded step on the static inputs: what a prefill graph captures."""
+        static = self.padded_inputs
+        with forward_context(self.padded_context(bucket)):
+            hidden = self.model(static["rows"][0, :bucket], static["rows"][1, :bucket])
+            return self.model.compute_logits(hidden)
+
+    def padded_layout(self, inputs: StepInputs, bucket: int) -> dict[str, torch.Tensor]:
+        """Host tensors of `inputs` in the padded layout of `bucket` rows.
+
+        The decode rows become sequences of one new token (`PrefillWork` items like any tile), so
+        one prefill launch covers every row and its size depends on the bucket only. Padding:
+        rows store nothing (slot -1, query -1), padding sequences are empty (context 0, no work
+        item), padding work items are (-1, -1), padding logits rows read row 0 and are dropped.
+        """
+        num_rows, seqs = len(inputs.input_ids), self.bucket_sequences(bucket)
+        cu, lens, tables = inputs.cu_seqlens_q, inputs.context_lens, [inputs.block_tables]
+        if inputs.decode_context_lens is not None:
+            decodes = len(inputs.decode_context_lens)
+            cu = torch.cat((cu, cu[-1] + torch.arange(1, decodes + 1, dtype=torch.int32)))
+            lens = torch.cat((lens, inputs.decode_context_lens))
+            tables.append(inputs.decode_block_tables)
+        padding = seqs - len(lens)
+        cu = torch.cat((cu, cu[-1:].expand(padding)))
+        lens = torch.cat((lens, torch.zeros(padding, dtype=torch.int32)))
+        rows = torch.tensor([0, 0, -1, -1], dtype=torch.int64)[:, None].repeat(1, bucket)
+        rows[:, :num_rows] = torch.stack((inputs.input_ids, inputs.positions,
+                                          inputs.slot_mapping, inputs.query_slot_mapping))
+        logits_indices = torch.zeros(seqs, dtype=torch.int64)
+        logits_indices[:len(inputs.logits_indices)] = inputs.logits_indices
+        work = prefill_work((cu[1:] - cu[:-1]).long(), self.tile_tokens,
+                            self.bucket_work_items(bucket))
+        width = max(table.shape[1] for table in tables)
+        return {"rows": rows, "cu_seqlens_q": cu, "context_lens": lens,
+                "block_tables": torch.cat([_widen(table, width) for table in tables]),
+                "work_items": work.items, "logits_indices": logits_indices}
+
+    def _prefill_padded(self, inputs: StepInputs, bucket: int) -> torch.Tensor | None:
+        """Stage a step into the static inputs of its bucket, then replay the bucket's graph (or,
+        without one, run the same padded forward eagerly)."""
+        layout = self.padded_layout(inputs, bucket)
+        static = self.padded_inputs
+        # Each into the leading part of its static tensor. Of the block tables only the rows and
+        # columns this step uses are written: stale entries beyond are never read.
+        for name, tensor in layout.items():
+            static[name][tuple(slice(0, size) for size in tensor.shape)].copy_(
+                self._to_device(tensor))
+        sampled = len(inputs.logits_indices)
+        graph = self.prefill_graphs.get(bucket)
+        if graph is None:
+            logits = self.padded_forward(bucket)
+        else:
+            graph.replay()
+            logits = static["logits"][:self.bucket_sequences(bucket)]
+        return logits[:sampled] if sampled else None
+
+    def capture_prefill_graphs(self) -> None:
+        """One graph per token bucket, largest first, in the decode graphs' memory pool."""
+        static = self.padded_inputs
+        for bucket in reversed(self.prefill_buckets):
+            seqs = self.bucket_sequences(bucket)
+            graph = torch.cuda.CUDAGraph()
+            with torch.inference_mode():
+                self.padded_forward(bucket)  # warm-up outside the graph (Triton compiles)
+                torch.cuda.synchronize()
+                with torch.cuda.graph(graph, pool=self.graph_pool):
+                    static["logits"][:seqs] = self.padded_forward(bucket)
+            self.graph_pool = graph.pool()
+            self.prefill_graphs[bucket] = graph
+        torch.cuda.synchronize()
+
     # ------------------------------------------------------------------ helpers
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -350,6 +514,10 @@ class ModelRunner:
         if self.query_cache is None:
             return None
         return self._to_device(mapping)
+
+
+def _widen(table: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(table, (0, width - table.shape[1]))
 
 
 def _pad_tables(tables: list[list[int]], width: int) -> torch.Tensor:

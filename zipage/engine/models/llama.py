@@ -156,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         prefill sequence's last row, else every row (decode)."""
         context = get_context()
         if context.logits_indices is not None:
-            hidden = hidden[context.logits_indices]
+            hidden = hidden.index_select(0, context.logits_indices)  # no host sync: graph-safe
         elif context.is_prefill:
             hidden = hidden[context.cu_seqlens_q[1:].long() - 1]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
