@@ -288,3 +288,70 @@ def test_triton_mixed_steps_equal_unchunked(tmp_path: Path) -> None:
     padded = run_chunked(model, shape, prompts, prefill_graphs=True)
     assert padded.outputs() == unchunked.outputs()
     assert_same_caches(padded, unchunked, dict(atol=1e-4, rtol=1e-4))
+
+
+# ---------------------------------------------------------------- through the core's chunked scheduler
+
+from test_engine import GREEDY as ENGINE_GREEDY, prompts_with_shared_prefix, tiny_model  # noqa: E402,F401
+from test_engine_compression import SMALL  # noqa: E402
+from zipage import LLM  # noqa: E402
+from zipage.engine.runner import PREFILL_GRAPHS_ENV  # noqa: E402
+
+CHUNKED = dict(chunked_prefill=True, max_num_batched_tokens=24)
+
+
+@on_the_cpu
+@pytest.mark.parametrize("knobs", [dict(compress=False, block_size=16, kv_memory_gb=0.002),
+                                   dict(SMALL, async_compress=False), SMALL],
+                         ids=["full-kv", "compress-sync", "compress-async"])
+@pytest.mark.parametrize("prefill_graphs", ["0", "1"], ids=["eager", "padded"])
+def test_chunked_engine_runs_equal_unchunked(tiny_model, knobs, prefill_graphs, monkeypatch):  # noqa: F811
+    """`LLM.generate` with the core's chunked prefill (24-token steps: prompts of 41-60 tokens in
+    chunks, mixed steps, prefix hits, preemption under the small caches, compression) gives the
+    unchunked run's tokens, eagerly and through the padded layout of prefill graphs."""
+    directory, _ = tiny_model
+    prompts = prompts_with_shared_prefix()
+    expected = LLM(str(directory), **knobs).generate(prompts, ENGINE_GREEDY, progress=False)
+    monkeypatch.setenv(PREFILL_GRAPHS_ENV, prefill_graphs)
+    llm = LLM(str(directory), **knobs, **CHUNKED)
+    outputs = llm.generate(prompts, ENGINE_GREEDY, progress=False)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    kinds = {step.kind for step in llm.last_run.steps}
+    assert "mixed" in kinds
+    assert max(step.prefill_tokens for step in llm.last_run.steps) <= 24
+    if knobs.get("compress", True):
+        assert llm.last_run.summary["compressions"] > 0
+
+
+@on_the_cpu
+def test_chunked_engine_makes_the_simulators_decisions(tiny_model, tmp_path):  # noqa: F811
+    """`zipage replay --chunked-prefill` on the CPU engine and in the simulator: the same decision
+    log step for step (mixed steps, partial chunks, preemptions), so the engine loop hands the
+    core exactly what the simulator does."""
+    import json
+    import subprocess
+    import sys
+
+    from zipage.trace import Trace, TraceRequest, save_trace
+
+    directory, _ = tiny_model
+    requests = [TraceRequest(id=f"r{i}", arrival_s=0.0, prompt_len=length, output_len=output,
+                             prefix_group="g" if i % 2 else None, prefix_len=16 if i % 2 else 0)
+                for i, (length, output) in enumerate([(20, 30), (53, 12), (5, 50), (40, 8),
+                                                      (17, 25), (64, 3)])]
+    trace_path = tmp_path / "trace.json"
+    save_trace(Trace("chunked-engine-vs-sim", requests), trace_path)
+    common = ["replay", str(trace_path), "--model", str(directory), "--no-compress",
+              "--block-size", "16", "--dtype", "float32", "--kv-memory-gb", "0.0001",
+              "--chunked-prefill", "--max-num-batched-tokens", "24", "--json"]
+    logs = {}
+    for name, extra in (("sim", []), ("cpu", ["--engine", "cpu"])):
+        out = tmp_path / name
+        result = subprocess.run([sys.executable, "-m", "zipage.cli", *common, *extra, "--out",
+                                 str(out)], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parent.parent)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["preemptions"] > 0
+        logs[name] = (out / "decisions.log").read_text()
+    assert " mixed " in logs["cpu"] and "+" in logs["cpu"]  # mixed steps and partial chunks
+    assert logs["sim"] == logs["cpu"]
