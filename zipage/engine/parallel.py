@@ -288,9 +288,10 @@ def worker_main(fd: int) -> None:
 def _drop_graphs(runner: ModelRunner | None) -> None:
     """Free a runner's CUDA graphs. Graphs that captured NCCL collectives hold on to the
     communicator: destroying (or even aborting) the process group while they exist hangs."""
-    if runner is None or not runner.graphs:
+    if runner is None or not (runner.graphs or runner.prefill_graphs):
         return
     runner.graphs = {}
+    runner.prefill_graphs = {}  # prefill graphs capture the all-reduces too
     gc.collect()
     torch.cuda.synchronize(runner.device)
 

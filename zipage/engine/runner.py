@@ -137,8 +137,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, tokens: dict[str, list[int]]) -> list[tuple[Sequence, int]]:
-        """Run the prefill or decode of `plan`; return (request, sampled token) for each request
-        in it. `tokens` holds every request's prompt + output token ids so far."""
+        """Run the forward of `plan` (prefill, decode or mixed); return (request, sampled token)
+        for each request of `plan.sampled`, in that order (a partial chunk gets none). `tokens`
+        holds every request's prompt + output token ids so far."""
         if self.stream is None:
             return self._execute(plan, tokens)
         # The step runs on the runner's high-priority stream, ordered after whatever the caller
