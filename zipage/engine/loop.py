@@ -8,7 +8,7 @@ the durations differ. Logging, invariant checks, metrics and progress are the sh
 `StepRecorder`'s.
 
 One `step()` serves both users: the offline `run()` (a trace's requests added when the wall clock
-reaches their arrival) and the online server (`zipage.serve.engine`), which adds and aborts
+reaches their arrival) and the online server (`zipage.serve.engine_process`), which adds and aborts
 requests between steps and streams each step's tokens out.
 """
 
