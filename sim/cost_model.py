@@ -434,10 +434,11 @@ class CalibratedCostModel(CostModel):
             if redundancy == "flash":
                 compress = _fit(source, "compress", ("blocks", "blocks_squared"),
                                 [[row["blocks"], _blocks_squared(row)] for row in compress_rows],
-                                times)
+                                times, proportional_if_uniform=True)
             else:
                 compress = _fit(source, "compress", ("blocks",),
-                                [[row["blocks"]] for row in compress_rows], times)
+                                [[row["blocks"]] for row in compress_rows], times,
+                                proportional_if_uniform=True)
         contention = knobs.get("contention_factor")
         if contention is None:
             contention = data.get("contention_factor", DEFAULT_CONTENTION[redundancy])
@@ -618,18 +619,32 @@ def _points(source: str, data: dict, section: str, required: tuple[str, ...],
 
 
 def _fit(source: str, section: str, names: tuple[str, ...], features: list[list[float]],
-         times: list[float], offsets: np.ndarray | None = None) -> LinearFit:
+         times: list[float], offsets: np.ndarray | None = None,
+         proportional_if_uniform: bool = False) -> LinearFit:
     """Least squares in relative error, so short steps are fitted as well as long ones.
 
     time = offset + constant + sum(coefficient * feature): `offsets` are the parts of each
-    point's time that other fits already explain (default none)."""
+    point's time that other fits already explain (default none). With
+    `proportional_if_uniform`, points that all have the same features (every compression batch
+    of a run the same size) cannot separate the constant from the slope: the time is then taken
+    as proportional to the first feature, which is what a compression's cost mostly is."""
     unknowns = len(names) + 1
+    time = np.asarray(times, dtype=float)
+    offset = np.zeros(len(times)) if offsets is None else np.asarray(offsets, dtype=float)
+    rows = np.asarray(features, dtype=float)
+    if proportional_if_uniform and len(times) >= 1 and rows.size and (rows == rows[0]).all() \
+            and rows[0][0] > 0:
+        slope = float(np.median(time - offset)) / rows[0][0]
+        predicted = offset + slope * rows[:, 0]
+        return LinearFit(
+            feature_names=("constant",) + names,
+            coefficients=(0.0, slope) + (0.0,) * (len(names) - 1),
+            relative_rms_error=float(np.sqrt(np.mean((predicted / time - 1.0) ** 2))),
+            num_points=len(times), floor_s=float(time.min()))
     if len(times) < unknowns + 1:
         raise ConfigError(f"{source}: {section}: {len(times)} point(s) cannot fit "
                           f"{' + '.join(('constant',) + names)}; measure at least {unknowns + 1}")
-    time = np.asarray(times, dtype=float)
-    offset = np.zeros(len(times)) if offsets is None else np.asarray(offsets, dtype=float)
-    design = np.column_stack([np.ones(len(times)), np.asarray(features, dtype=float)])
+    design = np.column_stack([np.ones(len(times)), rows])
     # Columns span orders of magnitude (tokens vs 1): scale them before judging the rank.
     scale = np.abs(design).max(axis=0)
     scale[scale == 0] = 1.0

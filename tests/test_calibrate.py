@@ -55,8 +55,7 @@ def test_profile_has_every_section_measured(profile):
 
 
 def test_profile_measures_mixed_steps(profile):
-    if "mixed" not in profile:  # the engine runs MIXED plans once chunked prefill is merged
-        pytest.skip(f"the engine does not execute mixed steps yet ({profile['note']})")
+    assert "mixed" in profile, profile["note"]  # the engine executes mixed steps
     mixed = profile["mixed"]
     # Decode batches at two contexts, each with the first and the last chunk of a prompt.
     assert len({row["batch"] for row in mixed}) >= 2

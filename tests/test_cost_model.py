@@ -570,3 +570,20 @@ def test_every_shipped_profile_loads_and_times_mixed_steps():
         # Measured profiles (version 1) have no mixed points: one forward's fixed cost assumed.
         assert (cost.mixed_fit.num_points > 0) == ("mixed" in data)
         assert 0 < mixed < decode + prefill
+
+
+def test_compression_batches_of_one_size_fit_a_cost_per_block():
+    """A run whose compression batches all had the same number of blocks (one request each, say)
+    cannot separate a constant from a per-block cost: the profile takes the cost as proportional
+    to blocks instead of refusing (`zipage calibrate --from-run` on such a run)."""
+    data = json.loads(EXAMPLE_PROFILE.read_text())
+    data["compress"] = [{"requests": 1, "blocks": 9, "time_s": time}
+                        for time in (0.0040, 0.0044, 0.0042)]
+    model = CalibratedCostModel.from_profile(data)
+    fit = model.compress_fit
+    assert fit.coefficients[0] == 0.0
+    assert fit.coefficients[1] == pytest.approx(0.0042 / 9)
+    assert model.compress_time_for([18]) == pytest.approx(2 * 0.0042)
+    # Varied sizes still get a constant and a slope.
+    data["compress"][0]["blocks"] = 18
+    assert CalibratedCostModel.from_profile(data).compress_fit.coefficients[0] != 0.0

@@ -132,21 +132,8 @@ def test_cli_step_times_and_calibrate_from_run(tiny_model, tmp_path, capsys):
     assert "--from-run" in capsys.readouterr().err
 
 
-def skip_without_mixed_steps(model_dir) -> None:
-    """Chunked prefill needs an engine that executes mixed steps."""
-    from zipage.engine.calibrate import Bench, runs_mixed_steps
-    from zipage.engine.llm import build_engine
-
-    settings = ReplaySettings(model=str(model_dir), dtype="float32", kv_memory_gb=0.001,
-                              config=ZipageConfig(block_size=16, window=4, kv_budget=32))
-    reason = runs_mixed_steps(Bench(build_engine(settings, "cpu"), repeats=1))
-    if reason is not None:
-        pytest.skip(f"the engine does not execute mixed steps yet: {reason}")
-
-
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_step_replay_of_a_chunked_prefill_run(tiny_model, tmp_path, asynchronous):
-    skip_without_mixed_steps(tiny_model)
     trace = online_trace()
     out, summary, run = engine_run(tiny_model, tmp_path / "engine", trace, asynchronous,
                                    chunked_prefill=True, max_num_batched_tokens=24)
