@@ -27,7 +27,14 @@ MODES = {
                                 max_num_batched_tokens=24),
     "hybrid_prefix_chunked": dict(hybrid=True, prefix_cache=True, chunked_prefill=True,
                                   max_num_batched_tokens=24),
+    # Per-request budgets (MIXED_BUDGETS), and the elastic policy on a pool with room to spare
+    # (docs/architecture.md, 'Per-request and elastic budgets').
+    "hybrid_prefix_mixed": dict(hybrid=True, prefix_cache=True, budgets=True),
+    "hybrid_prefix_elastic": dict(hybrid=True, prefix_cache=True, budgets=True,
+                                  budget_policy="elastic", num_blocks=20),
 }
+# Budgets of 1 to 3 blocks (N_max 2 to 4) around the default 32 (N_max 3); None keeps the default.
+MIXED_BUDGETS = {"a": 48, "b": 16, "c": None, "d": 16, "e": 48, "f": None}
 
 
 def golden_trace() -> list[Sequence]:
@@ -47,10 +54,16 @@ def golden_trace() -> list[Sequence]:
 
 
 def decision_log(mode: str) -> str:
-    config = ZipageConfig(block_size=16, window=4, kv_budget=32, async_compress=False,
-                          **MODES[mode])
-    scheduler = Scheduler(config, num_blocks=10, num_query_slots=2)
-    run = InstantDriver(scheduler, check=True, log_decisions=True).run(golden_trace())
+    knobs = dict(MODES[mode])
+    num_blocks = knobs.pop("num_blocks", 10)
+    budgets = knobs.pop("budgets", False)
+    config = ZipageConfig(block_size=16, window=4, kv_budget=32, async_compress=False, **knobs)
+    scheduler = Scheduler(config, num_blocks=num_blocks, num_query_slots=2)
+    sequences = golden_trace()
+    if budgets:
+        for seq in sequences:
+            seq.kv_budget = MIXED_BUDGETS[seq.seq_id]
+    run = InstantDriver(scheduler, check=True, log_decisions=True).run(sequences)
     assert run.summary["completed"] == 6
     return "\n".join(run.decision_log) + "\n"
 

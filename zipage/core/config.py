@@ -13,6 +13,9 @@ from zipage.errors import ConfigError
 
 POOLING_MODES = ("first", "always", "off")
 REDUNDANCY_MODES = ("lightning", "flash", "off")
+# How much KV a request keeps (docs/architecture.md, 'Per-request and elastic budgets'): its
+# budget, always ("fixed"), or more while free memory allows, never less ("elastic").
+BUDGET_POLICIES = ("fixed", "elastic")
 
 
 def knob(default, flag: str, help: str, *, cost: bool = False, choices: tuple | None = None):
@@ -33,6 +36,10 @@ class ZipageConfig:
                        "its KV at compression (1 <= w <= b/2)", cost=True)
     kv_budget: int = knob(2048, "--budget", "KV budget k: cached tokens a request keeps after "
                           "compression (a multiple of b); N_max = k/b + 1 blocks", cost=True)
+    budget_policy: str = knob("fixed", "--budget-policy", "fixed: every request keeps its "
+                              "budget; elastic: a request keeps more while free memory allows and "
+                              "is compressed back to its budget as the pool fills",
+                              choices=BUDGET_POLICIES)
     compress: bool = knob(True, "--no-compress", "Full KV: plain PagedAttention, the baseline")
     hybrid: bool = knob(True, "--no-hybrid", "constrained scheduling: every running request holds "
                         "a query slot (default: hybrid)")
@@ -84,9 +91,10 @@ class ZipageConfig:
         if self.compress and (
                 not isinstance(self.window, int) or self.window < 1 or 2 * self.window > b):
             _bad("window", self.window, f"an integer with 1 <= window <= block_size/2 = {b // 2}")
-        if not isinstance(self.kv_budget, int) or self.kv_budget < b or self.kv_budget % b:
-            _bad("kv_budget", self.kv_budget,
-                 f"a positive multiple of block_size {b} (e.g. --budget {max(b, 2048 // b * b)})")
+        if expected := budget_violation(b, self.kv_budget):
+            _bad("kv_budget", self.kv_budget, f"{expected} (e.g. --budget {max(b, 2048 // b * b)})")
+        if self.budget_policy not in BUDGET_POLICIES:
+            _bad("budget_policy", self.budget_policy, f"one of {', '.join(BUDGET_POLICIES)}")
         if self.pooling not in POOLING_MODES:
             _bad("pooling", self.pooling, f"one of {', '.join(POOLING_MODES)}")
         if self.redundancy not in REDUNDANCY_MODES:
@@ -130,6 +138,17 @@ class ZipageConfig:
             raise ConfigError(f"unknown config field(s) {', '.join(unknown)}; known: "
                               f"{', '.join(sorted(known))}")
         return cls(**values)
+
+
+def budget_violation(block_size: int, budget) -> str | None:
+    """What a valid KV budget is, if `budget` is not one, else None: a positive multiple of the
+    block size, so a request keeps whole blocks and holds N_max = budget / b + 1 >= 2 of them. The
+    `--budget` default and every request's own budget (a trace's, `SamplingParams`', a served
+    request's `kv_budget`) are checked by this one rule."""
+    if isinstance(budget, int) and not isinstance(budget, bool) and budget >= block_size \
+            and budget % block_size == 0:
+        return None
+    return f"a positive multiple of block_size {block_size}"
 
 
 def _bad(field_name: str, value, expected: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from zipage.core.budget_invariants import BudgetInvariants
 from zipage.core.step import StepPlan
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence, SequenceStatus
@@ -33,6 +34,8 @@ class InvariantChecker:
         # (hash, block) entries of the prefix index when the current step was planned: their KV
         # is computed. (A block id may come back with other content, hence the pairs.)
         self.indexed_before: set[tuple[int, int]] = set()
+        # Per-request and elastic budgets (`before_schedule` runs right before each schedule).
+        self.budgets = BudgetInvariants(scheduler, self.fail)
 
     def fail(self, message: str) -> None:
         raise InvariantViolation(f"step {self.step_id}: {message}")
@@ -53,6 +56,7 @@ class InvariantChecker:
         self._check_writes(plan)
         self._check_blocks()
         self._check_slots()
+        self.budgets.after_schedule(plan)
 
     def record_plan_writes(self, plan: StepPlan) -> None:
         """Record the KV ranges (and so the window queries) a driver computes for `plan`."""
@@ -81,9 +85,11 @@ class InvariantChecker:
             if seq not in scheduler.running or seq.kv_len >= seq.num_tokens:
                 self.fail(f"{seq.seq_id} is listed as prefilling but is not running or is done "
                           f"({seq!r})")
-        n_max = self.scheduler.n_max
+        self.budgets.after_finish()
         for seq in self.scheduler.running:
-            if seq.num_compressions and len(seq.block_table) > n_max:
+            # Rule 6 with the request's own N_max; an elastic request may hold more (its cap).
+            n_max = seq.n_max
+            if seq.num_compressions and len(seq.block_table) > n_max and not scheduler.elastic:
                 self.fail(f"{seq.seq_id} holds {len(seq.block_table)} > N_max = {n_max} blocks "
                           "after its first compression")
         for seq in self.scheduler.finished:

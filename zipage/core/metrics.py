@@ -55,6 +55,10 @@ class RequestRecord:
     max_blocks_held_after_first_compression: int
     status: str
     error: str | None
+    # The request's KV budget (its own or the default) and the budget it actually kept
+    # (`Scheduler._kept_budget`; empty if its budget never bound it).
+    kv_budget: int | None = None
+    kept_budget: float | None = None
 
 
 STEP_COLUMNS = [f.name for f in fields(StepRecord)]
@@ -62,6 +66,8 @@ STEP_COLUMNS = [f.name for f in fields(StepRecord)]
 # loads (with those defaults).
 STEP_COLUMN_DEFAULTS = {f.name: f.default for f in fields(StepRecord) if f.default is not MISSING}
 REQUEST_COLUMNS = [f.name for f in fields(RequestRecord)]
+REQUEST_COLUMN_DEFAULTS = {f.name: f.default for f in fields(RequestRecord)
+                           if f.default is not MISSING}
 
 
 class MetricsRecorder:
@@ -97,6 +103,8 @@ def request_record(seq: Sequence) -> RequestRecord:
         n_compressions=seq.num_compressions,
         max_blocks_held_after_first_compression=seq.max_blocks_after_first_compression,
         status=seq.status.value, error=seq.error,
+        kv_budget=seq.kv_budget,
+        kept_budget=seq.kept_budget,
     )
 
 
@@ -122,6 +130,7 @@ def summarize(steps: list[StepRecord], requests: list[RequestRecord]) -> dict:
     else:
         mean_running = sum(s.n_running for s in steps) / len(steps) if steps else 0.0
     compressed = [r.max_blocks_held_after_first_compression for r in done if r.n_compressions]
+    kept = [r.kept_budget for r in done if r.kept_budget is not None]
     ttfts = [r.first_token - r.arrival for r in done]
     latency = {}
     for name, values, scale in (("ttft", ttfts, 1.0), ("tpot", tpots, 1000.0)):
@@ -148,6 +157,9 @@ def summarize(steps: list[StepRecord], requests: list[RequestRecord]) -> dict:
         "prefill_tokens": sum(s.prefill_tokens for s in steps),
         "prefix_hit_tokens": sum(s.prefix_hit_tokens for s in steps),
         "max_blocks_after_compress": max(compressed, default=0),
+        # Mean over finished requests whose budget bound them of the KV budget they kept: the
+        # configured budget under the fixed policy, more under the elastic one.
+        "mean_kept_budget": sum(kept) / len(kept) if kept else 0.0,
         "steps": len(busy),
     }
 

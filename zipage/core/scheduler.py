@@ -23,7 +23,7 @@ import heapq
 from collections import defaultdict, deque
 
 from zipage.core.block_manager import BlockManager, prompt_block_hashes
-from zipage.core.config import ZipageConfig
+from zipage.core.config import ZipageConfig, budget_violation
 from zipage.core.step import (
     DECODE, IDLE, MIXED, PREFILL, CompressionBatch, CompressionJob, PrefillItem, StepPlan,
     StepResult,
@@ -54,8 +54,10 @@ class Scheduler:
         self.block_size = config.block_size
         self.window = config.window
         self.windows = WindowLayout(config.block_size, config.window)
-        self.n_max = config.n_max
+        self.n_max = config.n_max  # of the default budget; a request's own is `seq.n_max`
         self.compress = config.compress
+        # docs/architecture.md, 'Per-request and elastic budgets'.
+        self.elastic = config.compress and config.budget_policy == "elastic"
         self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_cache)
         self.num_query_slots = num_query_slots if config.compress else 0
         self.free_slots = list(range(self.num_query_slots))  # a min-heap: lowest slot first
@@ -85,6 +87,13 @@ class Scheduler:
         self._admission_failed_at: tuple[Sequence, int] | None = None
         self._resource_version = 0  # bumps whenever blocks, slots or the running set change
         self._num_slotless_running = 0
+        # Blocks reserved for the slot holders: the sum of their `_slot_blocks`, never above
+        # num_blocks (with one budget, the planner's N_total >= M N_max makes this automatic).
+        self._slot_reserved = 0
+        # Running requests holding more blocks than their N_max (elastic borrowers, and prompts
+        # longer than N_max blocks), and requests blocked because no block was free.
+        self._borrowers: dict[Sequence, None] = {}
+        self._starved: set[Sequence] = set()
 
         self.in_flight: CompressionBatch | None = None  # async batch on the compression stream
         self._sync_jobs: list[CompressionJob] = []
@@ -107,6 +116,9 @@ class Scheduler:
             if seq.prompt_token_ids is None:
                 raise ValueError(f"request {seq.seq_id}: prefix caching needs prompt_token_ids")
             seq.prompt_block_hashes = prompt_block_hashes(seq.prompt_token_ids, self.block_size)
+        if seq.kv_budget is None:
+            seq.kv_budget = self.config.kv_budget
+        seq.n_max = self._n_max_of(seq)
         self.waiting.append(seq)
         return True
 
@@ -120,6 +132,9 @@ class Scheduler:
         where = f"request {seq.seq_id}"
         if prompt < 1 or output < 1:
             return f"{where}: prompt_len and output_len must be >= 1 (got {prompt}, {output})"
+        budget_reason = self.budget_reason(seq.kv_budget)
+        if budget_reason is not None:
+            return f"{where}: {budget_reason}"
         limit = self.config.max_model_len
         if limit is not None and prompt + output > limit:
             return (f"{where}: prompt_len + output_len = {prompt + output} exceeds max_model_len "
@@ -127,23 +142,43 @@ class Scheduler:
         if not self.config.chunked_prefill and prompt > self.config.max_num_batched_tokens:
             return (f"{where}: prompt_len {prompt} exceeds max_num_batched_tokens "
                     f"{self.config.max_num_batched_tokens}; raise --max-num-batched-tokens")
-        peak = self.peak_blocks(prompt, output)
+        peak = self.peak_blocks(prompt, output, self._n_max_of(seq))
         if peak > self.block_manager.num_blocks:
             return (f"{where}: needs {peak} KV blocks at its peak but only "
                     f"{self.block_manager.num_blocks} exist; give more KV memory"
                     + (" or enable compression" if not self.compress else ""))
         return None
 
-    def peak_blocks(self, prompt_len: int, output_len: int) -> int:
+    def budget_reason(self, kv_budget: int | None) -> str | None:
+        """Why a request's own `kv_budget` is refused here, or None (None means the default)."""
+        if kv_budget is None:
+            return None
+        expected = budget_violation(self.block_size, kv_budget)
+        if expected is None:
+            return None
+        b = self.block_size
+        near = max(b, kv_budget // b * b) if isinstance(kv_budget, int) else self.config.kv_budget
+        return (f"kv_budget {kv_budget!r} must be {expected} (N_max = kv_budget / "
+                f"{b} + 1 >= 2 blocks); use e.g. {near}, or leave it out for the default "
+                f"{self.config.kv_budget}")
+
+    def _n_max_of(self, seq: Sequence) -> int:
+        """The request's N_max: its own budget's, or the default's (checked by `budget_reason`)."""
+        budget = self.config.kv_budget if seq.kv_budget is None else seq.kv_budget
+        return budget // self.block_size + 1
+
+    def peak_blocks(self, prompt_len: int, output_len: int, n_max: int | None = None) -> int:
         """Most blocks a request must hold at once when it runs alone.
 
         All its KV (prompt + output - 1 entries: the last token is never cached) under Full KV;
-        with compression it stops growing at max(prompt blocks, N_max).
+        with compression it stops growing at max(prompt blocks, N_max) (the request's own N_max;
+        an elastic request grows past it only while blocks are spare, so this is its need).
         """
         whole = -(-(prompt_len + output_len - 1) // self.block_size)
         if not self.compress:
             return whole
-        return min(whole, max(-(-prompt_len // self.block_size), self.n_max))
+        n_max = self.n_max if n_max is None else n_max
+        return min(whole, max(-(-prompt_len // self.block_size), n_max))
 
     # ------------------------------------------------------------------ the step protocol
 
@@ -219,16 +254,18 @@ class Scheduler:
             self._admission_failed_at = (seq, self._resource_version)
             if len(self.running) >= config.max_num_seqs:
                 break
-            if self.compress and not self.free_slots:
+            takes_slot = self.compress and self._can_take_slot(seq)
+            if self.compress and not takes_slot:
                 # Hybrid scheduling admits a request without a slot only if it will not write
                 # window queries before a slot can reach it.
-                if not config.hybrid or self._needs_slot_to_start(num_tokens):
+                if not config.hybrid or self._needs_slot_to_start(seq, num_tokens):
                     break
             if not self.block_manager.can_allocate_prefill(cached, num_tokens):
                 break
             self.waiting.popleft()
             seq.block_table = self.block_manager.allocate_prefill(cached, num_tokens)
-            slot = heapq.heappop(self.free_slots) if self.compress and self.free_slots else None
+            self._note_table(seq)
+            slot = self._take_slot(seq) if takes_slot else None
             self._admit(seq, slot)
             seq.set_counters(start, seq.num_output_tokens)
             plan.prefix_hit_tokens += start
@@ -335,23 +372,107 @@ class Scheduler:
     def _decide(self, seq: Sequence, plan: StepPlan, jobs: list[CompressionJob]) -> None:
         """Settle what a request that is not steady does this step, then let it decode."""
         table = seq.block_table
+        self._starved.discard(seq)  # retried now; blocked again below if still no block is free
         if seq.kv_len == len(table) * self.block_size:  # the next token needs a new place
-            if self.compress and len(table) >= self.n_max:
-                self._compress(seq, plan, jobs)
-                return
+            if self.compress and len(table) >= seq.n_max:
+                target = self._compression_target(seq)
+                if target is not None:
+                    self._compress(seq, plan, jobs, target)
+                    return
+                # Elastic, and the pool is slack: the request keeps all its KV, one block more.
             if not self._make_free_blocks(seq, plan, lambda: 1):
                 return
             table.append(self.block_manager.allocate())
+            self._note_table(seq)
+            if len(table) > seq.n_max and self.compress:
+                plan.grown.append(seq)
             self._resource_version += 1
             if seq.num_compressions:
                 seq.max_blocks_after_first_compression = max(
                     seq.max_blocks_after_first_compression, len(table))
-        elif seq.query_slot is None and self.needs_slot(seq.kv_len):
+        elif seq.query_slot is None and self.needs_slot(seq.kv_len, seq.n_max):
             self._waiting_for_slot.add(seq)
             return
         self._join_steady(seq)
 
-    def _compress(self, seq: Sequence, plan: StepPlan, jobs: list[CompressionJob]) -> None:
+    # ------------------------------------------------------------------ budgets
+
+    def _compression_target(self, seq: Sequence) -> int | None:
+        """The blocks `seq` holds after the compression its full last block triggers, or None
+        when it takes one more block instead (docs/architecture.md, 'Per-request and elastic
+        budgets'). Fixed: its N_max. Elastic: more while the pool is slack (grow), the blocks it
+        holds while nobody waits for memory (hold), its N_max as soon as somebody does."""
+        floor = seq.n_max
+        if not self.elastic or self._memory_demand():
+            return floor
+        manager = self.block_manager
+        if manager.num_free_blocks - 1 >= len(self.running):
+            return None
+        held = len(seq.block_table)
+        if held > floor and manager.fresh_blocks_for_compression(seq.block_table, held) == 0:
+            return held
+        return floor
+
+    def _memory_demand(self) -> bool:
+        """Somebody wants blocks: a running request blocked because no block was free, or the
+        head of `waiting`, which admission would take now but for blocks."""
+        return bool(self._starved) or self.head_short_of_blocks()
+
+    def head_short_of_blocks(self) -> bool:
+        """The head of `waiting` passes every admission check but the one for KV blocks (room
+        under max_num_seqs, a query slot or no need of one), and fails that one."""
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return False
+        head = self.waiting[0]
+        tokens = head.num_tokens
+        if self.compress and not self._can_take_slot(head) and (
+                not self.config.hybrid or self._needs_slot_to_start(head, tokens)):
+            return False
+        manager = self.block_manager
+        return not manager.can_allocate_prefill(manager.cached_prefix_blocks(head, tokens), tokens)
+
+    def _reclaimable_borrower(self, requester: Sequence) -> bool:
+        """Some other running request holds more blocks than its N_max and will give them back
+        at its next full block without needing a free one: it decodes (not prefilling, not
+        compressing), holds its query slot, and compressing it needs no fresh target block.
+        Elastic scheduling waits for it rather than preempting anyone."""
+        manager = self.block_manager
+        for seq in self._borrowers:
+            if (seq is not requester and seq.query_slot is not None and not seq.compressing
+                    and seq not in self.prefilling
+                    and manager.fresh_blocks_for_compression(seq.block_table, seq.n_max) == 0):
+                return True
+        return False
+
+    def _note_table(self, seq: Sequence) -> None:
+        """Keep `_borrowers` up to date after `seq`'s block table changed."""
+        if len(seq.block_table) > seq.n_max:
+            self._borrowers[seq] = None
+        else:
+            self._borrowers.pop(seq, None)
+
+    def _slot_blocks(self, seq: Sequence) -> int:
+        """Blocks a query slot reserves for its holder: its N_max, or all it can ever hold if
+        fewer. The holders' reservations never exceed the pool, which is what keeps any mix of
+        budgets deadlock-free (docs/architecture.md, 'Deadlock freedom')."""
+        whole = -(-(seq.prompt_len + seq.max_output_tokens - 1) // self.block_size)
+        return min(seq.n_max, whole)
+
+    def _can_take_slot(self, seq: Sequence) -> bool:
+        """A slot is free, no running request waits for one before `seq`, and the pool can back
+        `seq`'s reservation too."""
+        return (bool(self.free_slots) and not self._num_slotless_running
+                and self._slot_reserved + self._slot_blocks(seq) <= self.block_manager.num_blocks)
+
+    def _take_slot(self, seq: Sequence) -> int:
+        self._slot_reserved += self._slot_blocks(seq)
+        return heapq.heappop(self.free_slots)
+
+    # ------------------------------------------------------------------ compression
+
+    def _compress(self, seq: Sequence, plan: StepPlan, jobs: list[CompressionJob],
+                  n_max: int) -> None:
+        """Compress `seq` into n_max - 1 target blocks plus one for new tokens (rules 3, 5)."""
         assert seq.query_slot is not None, f"{seq.seq_id} must compress but holds no query slot"
         if self.config.async_compress:
             batch_blocks = sum(job.num_source_blocks for job in jobs)
@@ -362,12 +483,11 @@ class Scheduler:
                 return
         manager = self.block_manager
         if not self._make_free_blocks(
-                seq, plan, lambda: manager.fresh_blocks_for_compression(seq.block_table, self.n_max)):
+                seq, plan, lambda: manager.fresh_blocks_for_compression(seq.block_table, n_max)):
             return
         # Keep reusable prefix blocks while free memory exceeds one block per running request
         # (what their next tokens may need); see BlockManager.plan_compression.
-        targets = manager.plan_compression(seq.block_table, self.n_max,
-                                           reserve=len(self.running))
+        targets = manager.plan_compression(seq.block_table, n_max, reserve=len(self.running))
         assert targets is not None
         job = CompressionJob(
             seq=seq, source_table=list(seq.block_table), target_blocks=targets.target_blocks,
@@ -383,11 +503,17 @@ class Scheduler:
             self._join_steady(seq)
 
     def _make_free_blocks(self, seq: Sequence, plan: StepPlan, blocks_needed) -> bool:
-        """Preempt until `blocks_needed()` blocks are free; False if `seq` blocked or went."""
+        """Preempt until `blocks_needed()` blocks are free; False if `seq` blocked or went.
+
+        Elastic: while another request holds blocks above its N_max that it will give back at
+        its next full block, `seq` waits for them instead of anyone being preempted."""
         while self.block_manager.num_free_blocks < blocks_needed():
-            victim = self._pick_victim()
+            victim = None
+            if not (self.elastic and self._reclaimable_borrower(seq)):
+                victim = self._pick_victim()
             if victim is None:
                 self._block(seq)
+                self._starved.add(seq)
                 return False
             self._preempt(victim, plan)
             if victim is seq:
@@ -417,6 +543,7 @@ class Scheduler:
         self._forget_blocked(seq)
         self.block_manager.release_table(seq.block_table)
         seq.block_table = []
+        self._borrowers.pop(seq, None)
         seq.set_counters(0, seq.num_output_tokens)
         self._remove_from_running(seq)
         seq.status = SequenceStatus.WAITING
@@ -430,6 +557,7 @@ class Scheduler:
     def _forget_blocked(self, seq: Sequence) -> None:
         self._blocked.pop(seq, None)
         self._waiting_for_slot.discard(seq)
+        self._starved.discard(seq)
 
     # ------------------------------------------------------------------ steady decoding
 
@@ -442,7 +570,8 @@ class Scheduler:
         self._steady_kv_offset_sum += kv_len - ticks
         steps_to_decision = len(seq.block_table) * self.block_size - kv_len
         if self.compress and seq.query_slot is None:
-            steps_to_decision = min(steps_to_decision, self._first_slot_token(kv_len) - kv_len)
+            steps_to_decision = min(steps_to_decision,
+                                    self._first_slot_token(kv_len, seq.n_max) - kv_len)
         remaining = seq.remaining_output_tokens
         if remaining <= steps_to_decision:
             self._finish_due[ticks + remaining].append((seq, seq.steady_epoch))
@@ -457,24 +586,28 @@ class Scheduler:
 
     # ------------------------------------------------------------------ query slots
 
-    def needs_slot(self, token_index: int) -> bool:
+    def needs_slot(self, token_index: int, n_max: int | None = None) -> bool:
         """Computing KV entry `token_index` writes a window query a compression will read.
 
-        True for the last w in-block offsets of every block from index N_max - 1 on: those blocks
-        are the final block when a compression triggers (docs/architecture.md, 'Rules', rule 7).
+        True for the last w in-block offsets of every block from index N_max - 1 on (the
+        request's N_max; the default's when not given): those blocks are the final block when a
+        compression triggers (docs/architecture.md, 'Rules', rule 7), at N_max blocks or, for an
+        elastic request, at any number above.
         """
         b = self.block_size
-        return (self.compress and token_index // b >= self.n_max - 1
+        n_max = self.n_max if n_max is None else n_max
+        return (self.compress and token_index // b >= n_max - 1
                 and token_index % b >= b - self.window)
 
-    def _first_slot_token(self, kv_len: int) -> int:
+    def _first_slot_token(self, kv_len: int, n_max: int) -> int:
         b = self.block_size
-        block = max(kv_len // b, self.n_max - 1)
+        block = max(kv_len // b, n_max - 1)
         return max(kv_len, block * b + b - self.window)
 
-    def _needs_slot_to_start(self, num_tokens: int) -> bool:
+    def _needs_slot_to_start(self, seq: Sequence, num_tokens: int) -> bool:
         """Prefill of num_tokens, or the first decode after it, writes window queries."""
-        return self.needs_slot(num_tokens - 1) or self.needs_slot(num_tokens)
+        return (self.needs_slot(num_tokens - 1, seq.n_max)
+                or self.needs_slot(num_tokens, seq.n_max))
 
     def window_query_range(self, seq: Sequence, start: int, end: int) -> tuple[int, int]:
         """KV entries in [start, end) whose queries a driver stores (`WindowLayout.query_range`)."""
@@ -486,7 +619,9 @@ class Scheduler:
             return
         for seq in self.running:
             if seq.query_slot is None:
-                seq.query_slot = heapq.heappop(self.free_slots)
+                if self._slot_reserved + self._slot_blocks(seq) > self.block_manager.num_blocks:
+                    return  # the foremost waits until enough holders finish; nobody overtakes
+                seq.query_slot = self._take_slot(seq)
                 self._num_slotless_running -= 1
                 self._resource_version += 1
                 if seq in self._waiting_for_slot:
@@ -498,6 +633,7 @@ class Scheduler:
     def _release_slot(self, seq: Sequence) -> None:
         if seq.query_slot is not None:
             heapq.heappush(self.free_slots, seq.query_slot)
+            self._slot_reserved -= self._slot_blocks(seq)
             seq.query_slot = None
         elif self.compress:
             self._num_slotless_running -= 1
@@ -507,7 +643,8 @@ class Scheduler:
     def _swap_to_compressed_table(self, job: CompressionJob) -> None:
         seq = job.seq
         seq.block_table = job.target_blocks + [job.new_block]
-        seq.set_counters((self.n_max - 1) * self.block_size, seq.num_output_tokens)
+        seq.set_counters(len(job.target_blocks) * self.block_size, seq.num_output_tokens)
+        self._note_table(seq)
         seq.max_blocks_after_first_compression = max(
             seq.max_blocks_after_first_compression, len(seq.block_table))
 
@@ -517,6 +654,7 @@ class Scheduler:
         self.block_manager.release_all(job.released)
         job.seq.compressing = False
         job.seq.num_compressions += 1
+        job.seq.kept_tokens += len(job.target_blocks) * self.block_size
         self._resource_version += 1
 
     def _complete_batch(self, batch_id: int) -> None:
@@ -534,6 +672,20 @@ class Scheduler:
     def _finish_sequence(self, seq: Sequence, time: float) -> None:
         self._release(seq, SequenceStatus.FINISHED, self.finished)
         seq.finish_time = time
+        seq.kept_budget = self._kept_budget(seq)
+
+    def _kept_budget(self, seq: Sequence) -> float | None:
+        """The KV budget a finished request actually kept: the mean number of entries its
+        compressions kept; all its KV if it was never compressed although it outgrew what its
+        budget lets a request hold uncompressed (max(prompt blocks, N_max) blocks); None if its
+        budget never bound it."""
+        if seq.num_compressions:
+            return seq.kept_tokens / seq.num_compressions
+        entries = seq.prompt_len + seq.num_output_tokens - 1
+        b = self.block_size
+        if entries > max(-(-seq.prompt_len // b), seq.n_max) * b:
+            return float(entries)
+        return None
 
     def _release(self, seq: Sequence, status: SequenceStatus, into: list[Sequence]) -> None:
         """A running request leaves for good (finished or aborted): blocks and slot are freed."""
@@ -541,6 +693,7 @@ class Scheduler:
         self._forget_blocked(seq)
         self.block_manager.release_table(seq.block_table)
         seq.block_table = []
+        self._borrowers.pop(seq, None)
         self._remove_from_running(seq)
         seq.status = status
         into.append(seq)

@@ -41,7 +41,8 @@ class Sequence:
         "compressing", "running_rank", "error",
         "_kv_len", "_num_output_tokens", "_clock", "_steady_since", "steady_epoch",
         "first_admitted_step", "first_token_time", "finish_time", "num_preemptions",
-        "max_blocks_after_first_compression", "sampling",
+        "max_blocks_after_first_compression", "sampling", "kv_budget", "n_max",
+        "kept_tokens", "kept_budget",
     )
 
     def __init__(
@@ -52,6 +53,7 @@ class Sequence:
         arrival_s: float = 0.0,
         prompt_len: int | None = None,
         sampling: object = None,
+        kv_budget: int | None = None,
     ) -> None:
         if prompt_token_ids is None and prompt_len is None:
             raise ValueError("a Sequence needs prompt_token_ids or prompt_len")
@@ -81,6 +83,15 @@ class Sequence:
         # The request's sampling settings (the engine's `SamplingParams`); the core never reads
         # them, the driver that computes tokens does.
         self.sampling = sampling
+        # Its own KV budget (None: the configured default, filled in when the scheduler adds
+        # the request) and the N_max it gives, the floor of its cap (docs/architecture.md,
+        # 'Per-request and elastic budgets').
+        self.kv_budget = kv_budget
+        self.n_max: int | None = None
+        # KV entries its compressions kept, summed; and, once finished, the budget it kept on
+        # average (None if no budget ever bound it).
+        self.kept_tokens = 0
+        self.kept_budget: float | None = None
 
     # ---- counters (derived from the decode clock while steady) ----
 

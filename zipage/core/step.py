@@ -102,6 +102,8 @@ class StepPlan:
     # Async compression: start this batch now; its requests are out of decode until it is done.
     compress_launch: CompressionBatch | None = None
     preempted: list[Sequence] = field(default_factory=list)
+    # Elastic budgets: requests that took a block beyond their N_max instead of compressing.
+    grown: list[Sequence] = field(default_factory=list)
     # Sum over decode requests of the KV entries each one attends to this step (its cached
     # entries plus the token being decoded): what a decode step reads from the KV cache.
     decode_context_tokens: int = 0
@@ -153,6 +155,8 @@ class StepPlan:
                          f"{job.target_blocks}+{job.new_block}")
         if self.preempted:
             parts.append("preempt=" + ",".join(str(seq.seq_id) for seq in self.preempted))
+        if self.grown:
+            parts.append("grow=" + ",".join(str(seq.seq_id) for seq in self.grown))
         parts.append(f"run={self.num_running} wait={self.num_waiting} "
                      f"blocks={self.blocks_used} slots={self.slots_used}")
         return " ".join(parts)
