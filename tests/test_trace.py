@@ -52,7 +52,8 @@ def valid_trace_object() -> dict[str, Any]:
             {"id": "a", "arrival_s": 0, "prompt_len": 40, "output_len": 8},
             {"id": "b", "arrival_s": 0.5, "prompt_len": 64, "prefix_group": "g", "prefix_len": 32,
              "output_len": 16},
-            {"id": "c", "arrival_s": 1.0, "prompt_token_ids": [5, 6, 7], "output_len": 2},
+            {"id": "c", "arrival_s": 1.0, "prompt_token_ids": [5, 6, 7], "output_len": 2,
+             "kv_budget": 512},
         ],
     }
 
@@ -75,6 +76,7 @@ def test_parse_fills_derived_fields() -> None:
     assert (grouped.prefix_group, grouped.prefix_len) == ("g", 32)
     assert explicit.prompt_len == 3 and explicit.prompt_token_ids == [5, 6, 7]
     assert isinstance(first.arrival_s, float)
+    assert (first.kv_budget, explicit.kv_budget) == (None, 512)
 
 
 def test_prefix_len_defaults_to_whole_prompt() -> None:
@@ -147,6 +149,12 @@ REQUEST_MISTAKES: list[tuple[str, Mutation, str]] = [
     ("unknown field", set_field("promt_len", 3),
      "unknown field 'promt_len' (did you mean 'prompt_len'?); allowed fields are id,"),
     ("duplicate id", set_field("id", "a"), "id duplicates request #0; ids must be unique"),
+    ("budget zero", set_field("kv_budget", 0), "kv_budget must be an integer between 1 and "
+     "2147483647 (the KV entries the request keeps, a multiple of the block size; leave it out "
+     "for --budget), got 0"),
+    ("budget float", set_field("kv_budget", 512.0), "kv_budget must be an integer between 1"),
+    ("budget bool", set_field("kv_budget", True), "kv_budget must be an integer between 1"),
+    ("budget string", set_field("kv_budget", "512"), "kv_budget must be an integer between 1"),
 ]
 
 

@@ -62,6 +62,7 @@ def check_outcome(load) -> None:
         assert 0 <= request.arrival_s <= MAX_ARRIVAL_S
         assert 1 <= request.prompt_len <= MAX_LENGTH and 1 <= request.output_len <= MAX_LENGTH
         assert all(0 <= token <= MAX_LENGTH for token in request.prompt_token_ids or [])
+        assert request.kv_budget is None or 1 <= request.kv_budget <= MAX_LENGTH
 
 
 @given(st.binary(max_size=300))
@@ -122,6 +123,8 @@ def request_objects(draw: st.DrawFn) -> dict[str, Any]:
         if draw(st.booleans()):
             request["prefix_len"] = draw(mostly(st.integers(1, 3), field_values))
     request["output_len"] = draw(lengths)
+    if draw(st.booleans()):
+        request["kv_budget"] = draw(lengths)
     return request
 
 

@@ -121,7 +121,7 @@ def trace_sequences(trace: Trace, vocab_size: int, need_tokens: bool,
     sequences = []
     for request in trace.requests:
         seq = Sequence(request.id, None, request.output_len, arrival_s=request.arrival_s,
-                       prompt_len=request.prompt_len)
+                       prompt_len=request.prompt_len, kv_budget=request.kv_budget)
         if need_tokens and (scheduler is None or scheduler.rejection_reason(seq) is None):
             seq.prompt_token_ids = prompt_token_ids(request, vocab_size=vocab_size)
         sequences.append(seq)

@@ -39,6 +39,7 @@ REQUEST_FIELDS = (
     "prefix_group",
     "prefix_len",
     "output_len",
+    "kv_budget",
 )
 _REQUEST_FIELD_SET = frozenset(REQUEST_FIELDS)
 
@@ -67,6 +68,7 @@ class TraceRequest:
 
     `prompt_len` is always set (it is `len(prompt_token_ids)` when ids are given). Requests of the
     same `prefix_group` share their first `prefix_len` tokens; `prefix_len` is 0 without a group.
+    `kv_budget` is the request's own KV budget (None: the deployment's `--budget`).
     """
 
     id: str
@@ -76,6 +78,7 @@ class TraceRequest:
     prompt_token_ids: list[int] | None = None
     prefix_group: str | None = None
     prefix_len: int = 0
+    kv_budget: int | None = None
 
 
 @dataclass(frozen=True)
@@ -457,6 +460,12 @@ def _parse_request(raw: Any, index: int, source: str) -> TraceRequest:
         raise fail(f"output_len must be an integer between 1 and {MAX_LENGTH}, "
                    f"got {_show(output_len)}")
 
+    kv_budget = raw.get("kv_budget")
+    if "kv_budget" in raw and (type(kv_budget) is not int or not 1 <= kv_budget <= MAX_LENGTH):
+        raise fail(f"kv_budget must be an integer between 1 and {MAX_LENGTH} (the KV entries the "
+                   f"request keeps, a multiple of the block size; leave it out for --budget), "
+                   f"got {_show(kv_budget)}")
+
     return _validated_request(
         id=request_id,
         arrival_s=float(arrival),
@@ -465,6 +474,7 @@ def _parse_request(raw: Any, index: int, source: str) -> TraceRequest:
         prompt_token_ids=token_ids,
         prefix_group=group,
         prefix_len=prefix_len,
+        kv_budget=kv_budget,
     )
 
 
@@ -522,6 +532,8 @@ def _request_to_json(request: TraceRequest) -> dict[str, Any]:
         obj["prefix_group"] = request.prefix_group
         obj["prefix_len"] = request.prefix_len
     obj["output_len"] = request.output_len
+    if request.kv_budget is not None:
+        obj["kv_budget"] = request.kv_budget
     return obj
 
 
