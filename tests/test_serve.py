@@ -169,6 +169,34 @@ def test_completion_streamed_equals_non_streamed_equals_generate(client, llm):
     assert by_ids.choices[0].text == expected.text
 
 
+def test_kv_budget_per_request(llm, url):
+    """A request's own kv_budget (an extension field) is its budget, as SamplingParams.kv_budget
+    is LLM.generate's; a bad one is a 400 naming kv_budget."""
+    from zipage.engine.sampler import SamplingParams
+
+    # 60 greedy tokens: compressed many times at a budget of 16 (N_max 2), differently from the
+    # server's default 64.
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    reply = httpx.post(url + "/v1/completions", headers=headers, timeout=120, json={
+        "prompt": PROMPT, "max_tokens": 60, "temperature": 0, "kv_budget": 16,
+        "ignore_eos": True, "return_token_ids": True}).json()
+    expected = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=60,
+                                                     ignore_eos=True, kv_budget=16),
+                            progress=False)[0]
+    default = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=60,
+                                                    ignore_eos=True), progress=False)[0]
+    assert reply["choices"][0]["token_ids"] == expected.token_ids
+    assert expected.token_ids != default.token_ids  # the budget really changed the cache
+    for budget, message in ((40, "kv_budget: 40 must be a positive multiple of block_size 16"),
+                            (0, "kv_budget: 0 must be a positive integer"),
+                            ("64", "kv_budget: Input should be a valid integer")):
+        bad = httpx.post(url + "/v1/completions", headers=headers, timeout=30,
+                         json={"prompt": PROMPT, "max_tokens": 4, "kv_budget": budget})
+        assert bad.status_code == 400, bad.text
+        error = bad.json()["error"]
+        assert error["message"].startswith(message) and error["param"] == "kv_budget"
+
+
 def test_chat_streamed_equals_non_streamed_equals_generate(client, llm):
     from zipage.engine.sampler import SamplingParams
 

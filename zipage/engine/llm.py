@@ -194,7 +194,8 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ConfigError(f"sampling_params: got {len(sampling_params)} for "
                               f"{len(prompts)} prompts; pass one or one per prompt")
-        sequences = [Sequence(str(index), tokens, sampling.max_tokens, sampling=sampling)
+        sequences = [Sequence(str(index), tokens, sampling.max_tokens, sampling=sampling,
+                              kv_budget=sampling.kv_budget)
                      for index, (tokens, sampling) in enumerate(zip(token_lists, sampling_params))]
         eos_ids = self._eos_ids()
         loop = EngineLoop(self.engine.new_scheduler(), self.engine.runner,

@@ -26,6 +26,9 @@ class SamplingParams:
     `max_tokens` output tokens at most; `ignore_eos` keeps generating through end-of-sequence
     tokens (trace replays and benchmarks use it to get fixed output lengths);
     `skip_special_tokens` leaves special tokens (<|im_start|>, ...) out of the output text.
+    `kv_budget` is the request's own KV budget (None: the engine's `kv_budget`); the core reads
+    it from the request (`Sequence.kv_budget`), and refuses one that is not a multiple of the
+    block size with the request's error.
     Defaults are vLLM's sampling defaults except max_tokens; `zipage generate` uses its own
     (greedy, 128 tokens: see `zipage generate -h`).
     """
@@ -37,6 +40,7 @@ class SamplingParams:
     max_tokens: int = 256
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    kv_budget: int | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -49,6 +53,12 @@ class SamplingParams:
             raise ConfigError(f"max_tokens: {self.max_tokens} must be >= 1")
         if self.seed is not None and not 0 <= self.seed < _SEED_LIMIT:
             raise ConfigError(f"seed: {self.seed} must be in [0, 2**32) or None")
+        if self.kv_budget is not None and (
+                not isinstance(self.kv_budget, int) or isinstance(self.kv_budget, bool)
+                or self.kv_budget < 1):
+            raise ConfigError(f"kv_budget: {self.kv_budget!r} must be a positive integer (KV "
+                              "entries the request keeps, a multiple of the block size) or None "
+                              "for the engine's default")
 
     @property
     def is_greedy(self) -> bool:

@@ -68,10 +68,15 @@ class Server:
                 temperature=body.temperature, top_p=body.top_p,
                 top_k=0 if body.top_k == -1 else body.top_k, seed=body.seed,
                 max_tokens=default_max_tokens if limit is None else limit,
-                ignore_eos=body.ignore_eos)
+                ignore_eos=body.ignore_eos, kv_budget=body.kv_budget)
         except ZipageError as error:
             raise ServeError(400, str(error), str(error).split(":")[0]) from None
-        reason = self.engine.rejection_reason(len(prompt_ids), sampling.max_tokens)
+        budget_reason = self.engine.admission.budget_reason(body.kv_budget)
+        if budget_reason is not None:
+            raise ServeError(400, budget_reason.replace("kv_budget ", "kv_budget: ", 1),
+                             "kv_budget")
+        reason = self.engine.rejection_reason(len(prompt_ids), sampling.max_tokens,
+                                              body.kv_budget)
         if reason is not None:
             self.metrics.rejected.inc()
             reason = reason.split(": ", 1)[-1].replace("output_len", "max_tokens")

@@ -148,7 +148,8 @@ class EngineCore:
 
     def _add(self, command: Add) -> None:
         seq = Sequence(command.seq_id, command.prompt_token_ids, command.sampling.max_tokens,
-                       arrival_s=self.loop.now(), sampling=command.sampling)
+                       arrival_s=self.loop.now(), sampling=command.sampling,
+                       kv_budget=command.sampling.kv_budget)
         if not self.loop.add(seq):  # the HTTP side asked the same rule first: rare
             self.loop.tokens.pop(seq.seq_id, None)
             self.rejected[seq.seq_id] = seq.error

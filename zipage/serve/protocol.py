@@ -53,6 +53,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = 1
     ignore_eos: bool = False  # vLLM's extension: generate through end-of-sequence tokens
+    kv_budget: int | None = None  # extension: this request's KV budget (default: --budget)
     logprobs: Any = None
     best_of: int | None = None
 
