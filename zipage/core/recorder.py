@@ -59,6 +59,8 @@ class StepRecorder:
         return accepted
 
     def schedule(self) -> StepPlan | None:
+        if self.checker:
+            self.checker.before_schedule()
         plan = self.scheduler.schedule()
         if plan is None:
             return None
