@@ -11,3 +11,13 @@ settings.register_profile("ci", max_examples=200, derandomize=True, print_blob=T
 settings.register_profile("thorough", max_examples=5000, print_blob=True, **_common)
 settings.register_profile("dev", max_examples=30, **_common)
 settings.load_profile("ci")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print how often the core property tests' examples reached each rule, per mode."""
+    from rule_coverage import format_tally
+
+    table = format_tally()
+    if table:
+        terminalreporter.write_sep("-", "rule coverage of the core property tests")
+        terminalreporter.write_line(table)
