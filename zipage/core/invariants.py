@@ -256,6 +256,9 @@ class InvariantChecker:
             for index in range(item.num_cached_tokens // b, -(-item.num_tokens // b)):
                 writes.append((item.seq, table[index]))
         for seq in plan.decode:
+            if seq.kv_len >= len(seq.block_table) * b:
+                self.fail(f"{seq.seq_id} decodes KV entry {seq.kv_len} beyond its "
+                          f"{len(seq.block_table)} blocks")
             writes.append((seq, seq.block_table[seq.kv_len // b]))
         for seq, block in writes:
             if manager.refcount[block] != 1:
