@@ -96,7 +96,8 @@ def decode_roofline(model: str, batches: list[int], bandwidth: float,
             row = {"model": model, "tp": tensor_parallel, "batch": batch}
             plan = StepPlan(step_id=0, kind=DECODE, decode=sequences)
             for graphs in (True, False) if eager else (True,):
-                saved = runner.graphs
+                # A tensor-parallel executor has no graphs of its own to switch off (eager=False).
+                saved = getattr(runner, "graphs", None)
                 if not graphs:
                     runner.graphs = {}
                 for _ in range(3):
@@ -108,7 +109,8 @@ def decode_roofline(model: str, batches: list[int], bandwidth: float,
                     runner.execute(plan, tokens)
                 torch.cuda.synchronize()
                 row["graphs" if graphs else "eager"] = (time.perf_counter() - started) / iterations
-                runner.graphs = saved
+                if saved is not None:
+                    runner.graphs = saved
             bytes_read = weight_bytes_read(model) + batch * CONTEXT * kv_per_token
             # The copy bandwidth counts bytes read plus bytes written: the rate at which memory
             # traffic moves, which is what a decode step's reads are bounded by.

@@ -103,6 +103,7 @@ def main() -> None:
     parser.add_argument("--parts", default="A,B")
     parser.add_argument("--decode-model", default="qwen3-8b")
     parser.add_argument("--batches", default="32,128,256")
+    parser.add_argument("--decode-worlds", default=None, help="part A's ranks (default: 1,TP)")
     parser.add_argument("--model", default="qwen3-32b")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--questions", type=int, default=8)
@@ -124,7 +125,7 @@ def main() -> None:
         report["copy_bandwidth"] = bandwidth
         batches = [int(b) for b in args.batches.split(",")]
         report["decode"] = []
-        for world in (1, args.tp):
+        for world in [int(w) for w in (args.decode_worlds or f"1,{args.tp}").split(",")]:
             try:
                 report["decode"] += decode_roofline(args.decode_model, batches, bandwidth,
                                                      tensor_parallel=world, eager=False)

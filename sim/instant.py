@@ -24,18 +24,26 @@ class StepBoundExceeded(AssertionError):
 def step_bound(sequences: list[Sequence], scheduler: Scheduler, max_delay: int) -> int:
     """Upper bound on the steps of a run (derived in docs/architecture.md, "Deadlock freedom").
 
-    Prefill steps admit at least one request each: at most R first admissions plus one
-    re-admission per preemption. Decode steps decode at least one request each and tokens are
-    never lost (a preempted request keeps its outputs): at most T = sum of output lengths. A
-    decode step preempts each request at most once, so preemptions <= R * T. Idle steps wait for
-    an async batch: at most (max_delay + 1) per batch, and batches <= compressions <=
-    sum(1 + output_len // block_size) (compressed requests are never preempted, so no
-    compression is redone).
+    Steps that decode decode at least one request each and tokens are never lost (a preempted
+    request keeps its outputs): at most T = sum of output lengths. A step preempts each request
+    at most once, so preemptions <= R * T, and admissions A <= R + R * T. Prefill steps admit at
+    least one request each: at most A. With chunked prefill a step without decodes either
+    completes some request's prefill (at most A such steps) or computes a whole budget of
+    max_num_batched_tokens prompt tokens, of at most A * L in all (L: the longest prompt +
+    output). Idle steps wait for an async batch: at most (max_delay + 1) per batch, and batches
+    <= compressions <= sum(1 + output_len // block_size) (compressed requests are never
+    preempted, so no compression is redone).
     """
     requests = len(sequences)
     tokens = sum(seq.max_output_tokens for seq in sequences)
     compressions = sum(1 + seq.max_output_tokens // scheduler.block_size for seq in sequences)
-    return requests + (requests + 1) * tokens + compressions * (max_delay + 1)
+    admissions = requests + requests * tokens
+    prefill_steps = admissions
+    config = scheduler.config
+    if config.chunked_prefill:
+        longest = max((seq.prompt_len + seq.max_output_tokens for seq in sequences), default=0)
+        prefill_steps += -(-admissions * longest // config.max_num_batched_tokens)
+    return prefill_steps + tokens + compressions * (max_delay + 1)
 
 
 class InstantDriver:

@@ -22,6 +22,11 @@ MODES = {
     "constrained": dict(hybrid=False, prefix_cache=False),
     "hybrid": dict(hybrid=True, prefix_cache=False),
     "hybrid_prefix": dict(hybrid=True, prefix_cache=True),
+    # Chunked prefill with a 24-token step budget: prompts split, decodes and chunks share steps.
+    "constrained_chunked": dict(hybrid=False, prefix_cache=False, chunked_prefill=True,
+                                max_num_batched_tokens=24),
+    "hybrid_prefix_chunked": dict(hybrid=True, prefix_cache=True, chunked_prefill=True,
+                                  max_num_batched_tokens=24),
 }
 
 

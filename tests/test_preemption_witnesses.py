@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from zipage.core.block_manager import BlockManager
 from zipage.core.config import ZipageConfig
 from zipage.core.scheduler import Scheduler, SchedulerStuck
 from zipage.core.sequence import Sequence
@@ -177,19 +178,20 @@ def test_prefix_cache_preemption_skips_a_compressed_last_request(async_compress)
 
 
 def test_rule5_shortfall_takes_fresh_targets_for_a_shared_block_mid_table():
-    """z and x share a prompt block but are prefilled in the same step, so each computes its
-    own copy (z's is indexed); x's second block, which z lacks, is indexed too, and y maps z's
-    first and x's second. x compresses at its first decode holding one own block and one shared
-    mid-table: rule 5 gives it a fresh target for the missing own block and keeps the shared one.
-    (Sharing within one prefill step, issue 11 item 5, removes this route.)"""
-    trace = run_trace([("z", P[:B + 1], 4, 0), ("x", P[:2 * B], 4, 0), ("y", P[:2 * B + 8], 4, 1)],
-                      budget=B, num_blocks=6, num_slots=3, prefix_cache=True)
-    jobs = [job for step in trace.steps for job in step.plan.compressions if job.seq.seq_id == "x"]
-    job = jobs[0]
-    x0, x1 = job.source_table
-    new_table = job.target_blocks + [job.new_block]
-    assert x0 in new_table and x1 not in new_table  # own block reused, shared block kept
-    assert len(set(new_table) - set(job.source_table)) == 1  # one fresh block: the shortfall
+    """Rule 5's "if it owns too few" branch, on the block manager directly: a table [own, shared,
+    own] at N_max = 3 owns two blocks; the targets are those two, in order, plus one fresh block,
+    and the shared block is kept. Through the scheduler only a hole in the prefix index (a freed
+    prompt's first block reused while a later one is still indexed) leads there, since prompt
+    blocks are indexed when their step is planned (before, two requests prefilled in the same
+    step each computed their own copy of a common prefix); random traces did not reach it."""
+    manager = BlockManager(num_blocks=8, block_size=B, prefix_cache=True)
+    table = [manager.allocate() for _ in range(3)]
+    manager.refcount[table[1]] += 1  # another request maps the middle block
+    targets = manager.plan_compression(table, n_max=3)
+    new_table = targets.target_blocks + [targets.new_block]
+    assert new_table[:2] == [table[0], table[2]]  # own blocks reused, in order
+    assert new_table[2] not in table and targets.fresh_blocks == [new_table[2]]
+    assert targets.released == [table[1]]  # the shared block: only this request's reference
 
 
 # ---------------------------------------------------------------- a bug in scheduler.py

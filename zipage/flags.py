@@ -2,7 +2,8 @@
 deployment (`ReplaySettings`): a knob added there is a flag of `zipage replay`, `calibrate`,
 `report ablation` and `plan` with no other edit.
 
-A boolean knob that is on by default is a `--no-...` flag. `zipage plan` turns the knobs it
+A boolean knob that is on by default is a `--no-...` flag; one that is off by default is a
+`--knob/--no-knob` pair. `zipage plan` turns the knobs it
 searches over (`axes`) into comma lists: `--budget 1024,2048`, `--hybrid on,off`; `axis_values`
 parses them.
 """
@@ -99,10 +100,15 @@ def _add(group, cls, axes: frozenset[str]) -> None:
             group.add_argument(_axis_flag(declared), dest=declared.name, default=None,
                                metavar="LIST", help=f"{meta['help']}; a comma list searches "
                                                     f"each (default {shown})")
-        elif kind is bool:
-            # Only knobs that are on by default exist; their flag turns them off.
+        elif kind is bool and meta["flag"].startswith("--no-"):
+            # A knob that is on by default: its flag turns it off.
             group.add_argument(meta["flag"], dest=declared.name, action="store_false",
                                help=meta["help"])
+        elif kind is bool:
+            # A knob that is off by default: --knob turns it on, --no-knob off again.
+            group.add_argument(meta["flag"], dest=declared.name, default=default,
+                               action=argparse.BooleanOptionalAction,
+                               help=meta["help"] + " (default: off)")
         else:
             shown = "" if default is None else f" (default: {default})"
             group.add_argument(meta["flag"], dest=declared.name, type=kind, default=default,

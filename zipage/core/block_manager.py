@@ -80,6 +80,13 @@ class BlockManager:
         if self.refcount[block] == 0:
             self.free_blocks[block] = None
 
+    def release_table(self, table: list[int]) -> None:
+        """Release a request's whole block table, last block first: the free list hands out
+        least recently freed blocks first, so a prompt's leading blocks - the ones another
+        request with the same prefix can map - are the last of them to lose their content."""
+        for block in reversed(table):
+            self.release(block)
+
     def release_all(self, blocks: list[int]) -> None:
         for block in blocks:
             self.release(block)

@@ -20,7 +20,7 @@ def knob(default, flag: str, help: str, *, cost: bool = False, choices: tuple | 
     declared. The CLI (`zipage.flags`), `zipage plan`'s grid axes, the cost models' and
     calibration profiles' knob lists (`cost=True`: the knob changes how long a step takes) and the
     kernels' `CompressionParams` are all derived from these declarations. A boolean knob that is
-    on by default gets a `--no-...` flag."""
+    on by default gets a `--no-...` flag; one that is off by default a `--knob/--no-knob` pair."""
     return field(default=default, metadata={"flag": flag, "help": help, "cost": cost,
                                             "choices": choices})
 
@@ -56,8 +56,12 @@ class ZipageConfig:
     layer_stride: int = knob(8, "--layer-stride", "layers compressed per launch (cross-layer "
                              "parallel compression)", cost=True)
     max_num_seqs: int = knob(512, "--max-num-seqs", "most requests running at once")
-    max_num_batched_tokens: int = knob(16384, "--max-num-batched-tokens", "most prompt tokens "
-                                       "computed in one prefill step")
+    max_num_batched_tokens: int = knob(16384, "--max-num-batched-tokens", "most tokens computed "
+                                       "in one step: the prompt tokens of a prefill step, or with "
+                                       "--chunked-prefill the decode tokens plus prompt chunks")
+    chunked_prefill: bool = knob(False, "--chunked-prefill", "split prompts into chunks that "
+                                 "share a step with the running requests' decodes (decode "
+                                 "first, chunks fill the rest of --max-num-batched-tokens)")
     # Scratch memory and latency of one async batch grow with its source blocks.
     max_compress_batch_blocks: int = knob(4096, "--max-compress-batch-blocks", "most source "
                                           "blocks in one compression batch")

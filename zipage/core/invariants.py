@@ -81,6 +81,11 @@ class InvariantChecker:
         # the driver computed and the compressions planned; the prefix index must agree.
         self.block_content: dict[int, int | None] = {}
         self.n_max = scheduler.config.n_max  # from the config, not the scheduler's own copy
+        # KV entries each request computed itself since it was last admitted.
+        self.computed: dict[Sequence, int] = {}
+        # (hash, block) entries of the prefix index when the current step was planned: their KV
+        # is computed. (A block id may come back with other content, hence the pairs.)
+        self.indexed_before: set[tuple[int, int]] = set()
 
     def fail(self, message: str) -> None:
         raise InvariantViolation(f"step {self.step_id}: {message}")
@@ -99,6 +104,7 @@ class InvariantChecker:
             if seq.num_compressions or seq.compressing:
                 self.fail(f"{seq.seq_id} was preempted although compressed or compressing")
             self.window_queries.pop(seq, None)
+            self.computed.pop(seq, None)
         self._check_victims(plan, before)
         self._check_waiting(plan, before)
         self._check_slot_handout(plan, before)
@@ -106,6 +112,7 @@ class InvariantChecker:
             self._check_compression(job)
             for block in job.target_blocks + [job.new_block]:
                 self.block_content[block] = None  # about to be overwritten
+        self._check_chunks(plan)
         self._check_writes(plan)
         self._check_blocks()
         self._check_slots()
@@ -120,6 +127,7 @@ class InvariantChecker:
                 # A block holds prompt block `index` once a prefill has written it to its end.
                 whole = index < len(hashes) and (index + 1) * b <= item.num_tokens
                 self.block_content[item.seq.block_table[index]] = hashes[index] if whole else None
+            self.computed[item.seq] = item.num_tokens
         for seq in plan.decode:
             self.record_computed(seq, seq.kv_len, seq.kv_len + 1)
             self.block_content[seq.block_table[seq.kv_len // b]] = None
@@ -136,6 +144,14 @@ class InvariantChecker:
         self._check_blocks()
         self._check_slots()
         self._check_prefix_index()
+        scheduler = self.scheduler
+        self.indexed_before = set(scheduler.block_manager.hash_to_block.items())
+        if scheduler.prefilling and not scheduler.config.chunked_prefill:
+            self.fail("a prompt is left part-computed without chunked prefill")
+        for seq in scheduler.prefilling:
+            if seq not in scheduler.running or seq.kv_len >= seq.num_tokens:
+                self.fail(f"{seq.seq_id} is listed as prefilling but is not running or is done "
+                          f"({seq!r})")
         n_max = self.n_max
         for seq in self.scheduler.running:
             if seq.num_compressions and len(seq.block_table) > n_max:
@@ -246,8 +262,46 @@ class InvariantChecker:
                 self.fail(f"block {block} is in the prefix index but does not hold the prompt "
                           "block of its hash (overwritten, or never computed)")
 
+    def _check_chunks(self, plan: StepPlan) -> None:
+        """Prompt ranges continue where their request stopped; a range samples exactly when it
+        reaches the request's last token; the step's tokens respect the budget."""
+        scheduler = self.scheduler
+        config = scheduler.config
+        decoding = set(plan.decode)
+        for item in plan.prefill:
+            seq = item.seq
+            if item.num_cached_tokens != seq.kv_len or not (
+                    seq.kv_len < item.num_tokens <= seq.num_tokens):
+                self.fail(f"{seq.seq_id} computes [{item.num_cached_tokens}, {item.num_tokens}) "
+                          f"but holds {seq.kv_len} of its {seq.num_tokens} tokens")
+            if item.samples != (item.num_tokens == seq.num_tokens):
+                self.fail(f"{seq.seq_id}: a range that ends at {item.num_tokens} of "
+                          f"{seq.num_tokens} tokens has samples={item.samples}")
+            if seq in decoding or seq.compressing or seq.num_compressions:
+                self.fail(f"{seq.seq_id} prefills while decoding or compressed")
+        tokens = sum(item.num_new_tokens for item in plan.prefill)
+        if config.chunked_prefill:
+            if plan.prefill and tokens + len(plan.decode) > config.max_num_batched_tokens:
+                self.fail(f"{tokens} prompt + {len(plan.decode)} decode tokens exceed "
+                          f"max_num_batched_tokens {config.max_num_batched_tokens}")
+        else:
+            if plan.prefill and plan.decode:
+                self.fail("a step both prefills and decodes without chunked prefill")
+            if len(plan.prefill) > 1 and tokens > config.max_num_batched_tokens:
+                self.fail(f"{tokens} prompt tokens exceed max_num_batched_tokens")
+            if any(not item.samples for item in plan.prefill):
+                self.fail("a partial prompt chunk without chunked prefill")
+
     def _check_writes(self, plan: StepPlan) -> None:
-        """No prefill or decode writes KV into a block another holder can see."""
+        """No prefill or decode writes KV into a block another holder can see.
+
+        One exception: prefix sharing within a step. A prompt block enters the prefix index when
+        the step that computes it is planned, so a request admitted later in that step may map
+        it. Such a block is written exactly once, by the request computing it, and every other
+        holder took it from the index in this very step (the driver stores the step's KV before
+        any attention reads it). And no request maps a block from the index that no request
+        computed before or in this step.
+        """
         manager = self.scheduler.block_manager
         b = self.scheduler.block_size
         writes = []
@@ -260,10 +314,30 @@ class InvariantChecker:
                 self.fail(f"{seq.seq_id} decodes KV entry {seq.kv_len} beyond its "
                           f"{len(seq.block_table)} blocks")
             writes.append((seq, seq.block_table[seq.kv_len // b]))
+        writers = Counter(block for _, block in writes)
+        hits_now: dict[int, set] = {}  # block -> requests that map it from the index this step
+        for item in plan.prefill:
+            table = item.seq.block_table
+            hashes = item.seq.prompt_block_hashes
+            for index in range(self.computed.get(item.seq, 0) // b, item.num_cached_tokens // b):
+                block = table[index]
+                if (hashes[index], block) not in self.indexed_before and writers[block] == 0:
+                    self.fail(f"{item.seq.seq_id} maps block {block} from the prefix cache "
+                              "before any request computed it")
+                hits_now.setdefault(block, set()).add(item.seq)
+        indexed_now = {block for entry, block in manager.hash_to_block.items()
+                       if (entry, block) not in self.indexed_before}
         for seq, block in writes:
-            if manager.refcount[block] != 1:
+            if writers[block] > 1:
+                self.fail(f"block {block} is written by {writers[block]} requests in one step")
+            if manager.refcount[block] == 1:
+                continue
+            holders = {other for other in self.scheduler.running
+                       if block in other.block_table and other is not seq}
+            if block not in indexed_now or not holders <= hits_now.get(block, set()):
                 self.fail(f"{seq.seq_id} writes KV into block {block} with refcount "
-                          f"{manager.refcount[block]} (shared blocks are never written)")
+                          f"{manager.refcount[block]} (shared blocks are never written, but "
+                          "within the step that computes and indexes them)")
 
     def _holders(self) -> Counter:
         holders: Counter = Counter()

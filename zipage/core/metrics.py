@@ -38,6 +38,8 @@ class StepRecord:
     # causal attention pairs and the source blocks of the compressions planned in this step.
     attention_pairs: int = 0
     compress_blocks: int = 0
+    # Prompt tokens this step's admissions took from the prefix cache instead of computing.
+    prefix_hit_tokens: int = 0
 
 
 @dataclass
@@ -81,6 +83,7 @@ class MetricsRecorder:
             batches_done=len(result.completed_batches),
             attention_pairs=sum(item.attention_pairs for item in plan.prefill),
             compress_blocks=sum(job.num_source_blocks for job in plan.compressions),
+            prefix_hit_tokens=plan.prefix_hit_tokens,
         ))
 
 
@@ -140,6 +143,10 @@ def summarize(steps: list[StepRecord], requests: list[RequestRecord]) -> dict:
         "mean_running": mean_running,
         "preemptions": sum(s.preempted for s in steps),
         "compressions": sum(r.n_compressions for r in requests),
+        # Prompt tokens computed (recomputation after preemption included) and taken from the
+        # prefix cache instead.
+        "prefill_tokens": sum(s.prefill_tokens for s in steps),
+        "prefix_hit_tokens": sum(s.prefix_hit_tokens for s in steps),
         "max_blocks_after_compress": max(compressed, default=0),
         "steps": len(busy),
     }

@@ -1,8 +1,10 @@
 """The scheduler: constrained and hybrid scheduling over Compressed PagedAttention.
 
 One step at a time: `schedule()` returns a `StepPlan` (a prefill step or a decode step, with the
-compressions and preemptions it needs), the driver executes it, `finish(result)` applies it.
-The rules are docs/architecture.md, 'Rules' and 'Scheduling'; this module is the only place they live.
+compressions and preemptions it needs; with chunked prefill, decodes and prompt chunks mixed in
+one step), the driver executes it, `finish(result)` applies it. The rules are
+docs/architecture.md, 'Rules', 'Scheduling' and 'Chunked prefill'; this module is the only place
+they live.
 
 Queues: `waiting` (FCFS; preempted requests go back to its front) and `running` (admission
 order). Query slots: M of them; a request needs one to write the window queries a compression
@@ -23,7 +25,8 @@ from collections import defaultdict, deque
 from zipage.core.block_manager import BlockManager, prompt_block_hashes
 from zipage.core.config import ZipageConfig
 from zipage.core.step import (
-    DECODE, IDLE, PREFILL, CompressionBatch, CompressionJob, PrefillItem, StepPlan, StepResult,
+    DECODE, IDLE, MIXED, PREFILL, CompressionBatch, CompressionJob, PrefillItem, StepPlan,
+    StepResult,
 )
 from zipage.core.sequence import DecodeClock, Sequence, SequenceStatus
 from zipage.core.window import WindowLayout
@@ -59,6 +62,9 @@ class Scheduler:
 
         self.waiting: deque[Sequence] = deque()
         self.running: dict[Sequence, None] = {}  # insertion-ordered: admission order
+        # Chunked prefill: running requests whose prompt (or recomputation) is only partly
+        # computed, in admission order; each continues with its next chunk before new admissions.
+        self.prefilling: dict[Sequence, None] = {}
         self.finished: list[Sequence] = []
         self.rejected: list[Sequence] = []
         self.aborted: list[Sequence] = []
@@ -118,7 +124,7 @@ class Scheduler:
         if limit is not None and prompt + output > limit:
             return (f"{where}: prompt_len + output_len = {prompt + output} exceeds max_model_len "
                     f"{limit}; shorten the request or raise --max-model-len")
-        if prompt > self.config.max_num_batched_tokens:
+        if not self.config.chunked_prefill and prompt > self.config.max_num_batched_tokens:
             return (f"{where}: prompt_len {prompt} exceeds max_num_batched_tokens "
                     f"{self.config.max_num_batched_tokens}; raise --max-num-batched-tokens")
         peak = self.peak_blocks(prompt, output)
@@ -148,15 +154,21 @@ class Scheduler:
             return None
         self._hand_out_slots()
         plan = StepPlan(step_id=self._step_id, kind=PREFILL)
-        if self.waiting:
-            self._schedule_prefill(plan)
-        if not plan.prefill:
+        if self.config.chunked_prefill:
+            self._schedule_chunked(plan)
+        else:  # prefill steps have priority; a step prefills or decodes
+            if self.waiting:
+                self._schedule_prefill(plan)
+            if not plan.prefill:
+                self._schedule_decode(plan)
+        if plan.prefill:
+            plan.kind = MIXED if plan.decode else PREFILL
+        elif plan.decode:
             plan.kind = DECODE
-            self._schedule_decode(plan)
-            if not plan.decode:
-                if plan.compress_launch is None and self.in_flight is None:
-                    raise SchedulerStuck(self._stuck_report())
-                plan.kind = IDLE
+        else:
+            if plan.compress_launch is None and self.in_flight is None:
+                raise SchedulerStuck(self._stuck_report())
+            plan.kind = IDLE
         plan.num_running = len(self.running)
         plan.num_waiting = len(self.waiting)
         plan.blocks_used = self.block_manager.num_used_blocks
@@ -168,11 +180,11 @@ class Scheduler:
     def finish(self, result: StepResult) -> None:
         plan, self._plan = self._plan, None
         assert plan is not None and plan.step_id == result.step_id, "result of another plan"
-        if plan.kind == PREFILL:
+        if plan.prefill:
             for item in plan.prefill:
                 self._finish_prefill(item, result)
-            self._resource_version += 1  # new prefix-index entries may admit the waiting head
-        elif plan.kind == DECODE:
+            self._resource_version += 1  # a finished prefill may unblock the waiting head
+        if plan.kind in (DECODE, MIXED):
             for job in plan.compress_sync:
                 self._complete_compression(job, swap_table=False)
             self.clock.ticks += 1
@@ -188,20 +200,24 @@ class Scheduler:
 
     # ------------------------------------------------------------------ prefill
 
-    def _schedule_prefill(self, plan: StepPlan) -> None:
+    def _schedule_prefill(self, plan: StepPlan, budget: int | None = None) -> None:
+        """Admit waiting requests, FCFS (only the head is tried). Without a `budget` each computes
+        its whole prompt, up to `max_num_batched_tokens` in all (the first always fits); with one
+        (chunked prefill) each computes what is left of the budget and continues next step."""
         config = self.config
         batched_tokens = 0
         if self._admission_failed_at == (self.waiting[0], self._resource_version):
             return  # nothing that admission depends on changed since the head last failed
-        while self.waiting:
+        while self.waiting and (budget is None or budget > 0):
             seq = self.waiting[0]
-            self._admission_failed_at = (seq, self._resource_version)
-            if len(self.running) >= config.max_num_seqs:
-                break
             num_tokens = seq.num_tokens  # a preempted request recomputes its outputs too
             cached = self.block_manager.cached_prefix_blocks(seq, num_tokens)
-            new_tokens = num_tokens - len(cached) * self.block_size
-            if plan.prefill and batched_tokens + new_tokens > config.max_num_batched_tokens:
+            start = len(cached) * self.block_size
+            if budget is None and plan.prefill and (
+                    batched_tokens + num_tokens - start > config.max_num_batched_tokens):
+                break  # the tokens of this step, not a resource: the next step may admit it
+            self._admission_failed_at = (seq, self._resource_version)
+            if len(self.running) >= config.max_num_seqs:
                 break
             if self.compress and not self.free_slots:
                 # Hybrid scheduling admits a request without a slot only if it will not write
@@ -214,8 +230,48 @@ class Scheduler:
             seq.block_table = self.block_manager.allocate_prefill(cached, num_tokens)
             slot = heapq.heappop(self.free_slots) if self.compress and self.free_slots else None
             self._admit(seq, slot)
-            plan.prefill.append(PrefillItem(seq, len(cached) * self.block_size, num_tokens))
-            batched_tokens += new_tokens
+            seq.set_counters(start, seq.num_output_tokens)
+            plan.prefix_hit_tokens += start
+            end = num_tokens if budget is None else min(num_tokens, start + budget)
+            self._plan_chunk(plan, seq, end)
+            batched_tokens += end - start
+            if budget is not None:
+                budget -= end - start
+
+    def _schedule_chunked(self, plan: StepPlan) -> None:
+        """Chunked prefill (docs/architecture.md, 'Chunked prefill'): the running requests decode
+        first; prompt chunks fill the rest of `max_num_batched_tokens`, the requests already
+        part-way through their prompt before new admissions. A step that preempted admits
+        nobody (the victim would come straight back)."""
+        self._schedule_decode(plan)
+        budget = self.config.max_num_batched_tokens - len(plan.decode)
+        for seq in list(self.prefilling):
+            if budget <= 0:
+                return
+            start = seq.kv_len
+            end = min(seq.num_tokens, start + budget)
+            self._plan_chunk(plan, seq, end)
+            budget -= end - start
+        if self.waiting and budget > 0 and not plan.preempted:
+            self._schedule_prefill(plan, budget)
+
+    def _plan_chunk(self, plan: StepPlan, seq: Sequence, end: int) -> None:
+        """Compute entries [seq.kv_len, end) of `seq` in this step.
+
+        The full prompt blocks the range completes enter the prefix index now, not when the step
+        is done: a request admitted later in this step maps them and the driver computes them
+        once (it stores a step's KV before any attention reads it). Only blocks this step
+        computes are indexed, so a hit is always on KV that exists by the time it is read.
+        """
+        start = seq.kv_len
+        self.block_manager.register_prompt_blocks(seq, start // self.block_size,
+                                                  end // self.block_size)
+        samples = end == seq.num_tokens
+        plan.prefill.append(PrefillItem(seq, start, end, samples))
+        if samples:
+            self.prefilling.pop(seq, None)
+        else:
+            self.prefilling.setdefault(seq, None)  # keeps its place in admission order
 
     def _admit(self, seq: Sequence, slot: int | None) -> None:
         seq.status = SequenceStatus.RUNNING
@@ -232,9 +288,10 @@ class Scheduler:
 
     def _finish_prefill(self, item: PrefillItem, result: StepResult) -> None:
         seq = item.seq
+        if not item.samples:  # a partial chunk: the prompt continues next step
+            seq.set_counters(item.num_tokens, seq.num_output_tokens)
+            return
         seq.set_counters(item.num_tokens, seq.num_output_tokens + 1)
-        self.block_manager.register_prompt_blocks(
-            seq, item.num_cached_tokens // self.block_size, item.num_tokens // self.block_size)
         if seq.first_token_time is None:
             seq.first_token_time = result.t_end
         if seq.remaining_output_tokens <= 0 or seq.seq_id in result.stopped:
@@ -358,7 +415,7 @@ class Scheduler:
         """Free every block of `seq` and send it to the front of `waiting` (recompute later)."""
         self._leave_steady(seq)
         self._forget_blocked(seq)
-        self.block_manager.release_all(seq.block_table)
+        self.block_manager.release_table(seq.block_table)
         seq.block_table = []
         seq.set_counters(0, seq.num_output_tokens)
         self._remove_from_running(seq)
@@ -482,7 +539,7 @@ class Scheduler:
         """A running request leaves for good (finished or aborted): blocks and slot are freed."""
         self._leave_steady(seq)
         self._forget_blocked(seq)
-        self.block_manager.release_all(seq.block_table)
+        self.block_manager.release_table(seq.block_table)
         seq.block_table = []
         self._remove_from_running(seq)
         seq.status = status
@@ -490,6 +547,7 @@ class Scheduler:
 
     def _remove_from_running(self, seq: Sequence) -> None:
         del self.running[seq]
+        self.prefilling.pop(seq, None)
         self._release_slot(seq)
         self._resource_version += 1
 

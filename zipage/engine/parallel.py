@@ -25,6 +25,7 @@ gone exits, so nothing hangs.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import pickle
 import queue
@@ -50,6 +51,7 @@ TIMEOUT_ENV = "ZIPAGE_TP_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
 STARTUP_POLL_S = 0.2
 FAILURE_GRACE_S = 5.0  # how long rank 0 waits to learn which worker broke its collective
+LEAVE_TIMEOUT_S = 10.0  # how long a rank's process-group teardown may take before it aborts
 
 
 class TensorParallelError(ZipageError):
@@ -181,8 +183,6 @@ def start_rank(rank: int, device: torch.device, setup: dict, store) -> tuple[Mod
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if dist.is_initialized():
-        import gc
-
         gc.collect()  # a dropped engine (executor <-> compressor proxy cycle) stops its workers
     if dist.is_initialized():
         raise ConfigError("tensor_parallel: this process already runs a tensor-parallel engine; "
@@ -269,6 +269,10 @@ def worker_main(fd: int) -> None:
                 # share their memory between processes).
                 connection.send_bytes(pickle.dumps(("caches", rank, cache_snapshot(runner))))
             elif kind == "stop":
+                # Rank 0 tears its group down at the same moment: NCCL's teardown waits for
+                # the peers, so a worker that just exited would leave rank 0 hanging.
+                _drop_graphs(runner)
+                _leave_group(dist)
                 break
     except BaseException as error:  # report, then leave at once: peers see the closed links
         try:
@@ -277,6 +281,38 @@ def worker_main(fd: int) -> None:
             pass
         os._exit(1)
     os._exit(0)
+
+
+def _drop_graphs(runner: ModelRunner | None) -> None:
+    """Free a runner's CUDA graphs. Graphs that captured NCCL collectives hold on to the
+    communicator: destroying (or even aborting) the process group while they exist hangs."""
+    if runner is None or not runner.graphs:
+        return
+    runner.graphs = {}
+    gc.collect()
+    torch.cuda.synchronize(runner.device)
+
+
+def _leave_group(dist, timeout_s: float = LEAVE_TIMEOUT_S) -> None:
+    """Destroy this process's process group; abort it if that takes longer than `timeout_s`
+    (a peer that died cannot take part in NCCL's teardown)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    done = threading.Event()
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group cannot always be torn down cleanly
+            pass
+        done.set()
+
+    threading.Thread(target=destroy, daemon=True, name="zipage-tp-leave").start()
+    if not done.wait(timeout_s):
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception:  # noqa: BLE001 - best effort; the process is leaving anyway
+            pass
 
 
 def _fault_now(fault: str, rank: int, step_id: int) -> bool:
@@ -322,6 +358,7 @@ class _Links:
     failure: str | None = None
     closing: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    runner: "weakref.ref | None" = None  # rank 0's runner, whose CUDA graphs go before the group
 
     def fail(self, message: str) -> None:
         with self.lock:
@@ -400,6 +437,7 @@ class TensorParallelExecutor:
             if links.failure is not None:
                 raise TensorParallelError(f"tensor parallel: {links.failure}") from None
             raise
+        links.runner = weakref.ref(runner)
         return cls(runner, tokenizer, links, ShardGroup(0, world, dist.group.WORLD))
 
     # ------------------------------------------------------------------ the runner interface
@@ -533,6 +571,8 @@ def _stop(links: _Links) -> None:
             worker.connection.send(("stop",))
         except OSError:
             pass
+    _drop_graphs(links.runner() if links.runner is not None else None)
+    _leave_group(dist)  # together with the workers, which leave on "stop"
     deadline = time.monotonic() + 5.0
     for worker in links.workers:
         try:
@@ -541,11 +581,6 @@ def _stop(links: _Links) -> None:
             worker.process.kill()
             worker.process.wait()
         worker.connection.close()
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - a broken group cannot always be torn down cleanly
-            pass
 
 
 if __name__ == "__main__":
