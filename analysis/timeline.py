@@ -3,9 +3,11 @@
 A run directory (written by `zipage replay TRACE --out DIR`, by the simulator and the real engine
 alike) holds `summary.json`, `steps.csv`, `requests.csv` and `decisions.log`. `load_run` reads the
 first three into a `RunData`; `plot_timeline` draws three stacked panels over time: (a) real-time
-decode throughput with prefill time shaded, (b) running and waiting requests, (c) block occupancy
-and query slots used. Every curve is a time-weighted aggregate over fixed-width time bins, computed
-exactly from the piecewise-constant step records, so a 100k-step run draws as fast as a 5-step one.
+decode throughput (decode and mixed steps) with the time of prefill steps shaded (decoding waits)
+and, with chunked prefill, that of mixed steps, (b) running and waiting requests, (c) block
+occupancy and query slots used. Every curve is a time-weighted aggregate over fixed-width time
+bins, computed exactly from the piecewise-constant step records, so a 100k-step run draws as fast
+as a 5-step one.
 """
 
 from __future__ import annotations
@@ -84,7 +86,8 @@ class _BinnedSteps:
     edges: np.ndarray
     decode_tokens: np.ndarray
     decode_seconds: np.ndarray
-    prefill_share: np.ndarray
+    prefill_share: np.ndarray  # prefill-only steps: nobody decodes
+    mixed_share: np.ndarray  # mixed steps (chunked prefill): decodes and prompt chunks together
     running: np.ndarray
     waiting: np.ndarray
     block_occupancy_percent: np.ndarray
@@ -120,8 +123,10 @@ def _bin_steps(steps: pd.DataFrame, bins: int) -> _BinnedSteps:
     def column(name: str) -> np.ndarray:
         return ordered[name].to_numpy(dtype=float)
 
-    is_decode = (ordered["kind"] == "decode").to_numpy()
+    # Decode and mixed steps decode; prefill and idle steps do not.
+    is_decode = (ordered["n_decode"] > 0).to_numpy()
     is_prefill = (ordered["kind"] == "prefill").to_numpy(dtype=float)
+    is_mixed = (ordered["kind"] == "mixed").to_numpy(dtype=float)
     # Decode tokens are spread evenly over their step; a zero-duration step has no rate to spread.
     has_rate = is_decode & (duration > 0)
     token_rate = np.divide(column("n_decode"), duration, out=np.zeros_like(duration),
@@ -134,6 +139,7 @@ def _bin_steps(steps: pd.DataFrame, bins: int) -> _BinnedSteps:
         decode_tokens=integral_per_bin(token_rate),
         decode_seconds=integral_per_bin(is_decode.astype(float)),
         prefill_share=np.nan_to_num(time_weighted_mean(is_prefill)),
+        mixed_share=np.nan_to_num(time_weighted_mean(is_mixed)),
         running=time_weighted_mean(column("n_running")),
         waiting=time_weighted_mean(column("n_waiting")),
         block_occupancy_percent=time_weighted_mean(occupancy_percent),
@@ -218,11 +224,18 @@ def _draw_panels(binned: _BinnedSteps, throughput_axis: Axes, queue_axis: Axes,
     window_bins = max(1, round(SMOOTHING_FRACTION * len(centres)))
     # Prefill share on an axis of its own (right), drawn under the throughput curves.
     share_axis = throughput_axis.twinx()
-    share_axis.fill_between(edges, 0, 100 * _per_bin(binned.prefill_share), step="post",
+    prefill_percent = 100 * _per_bin(binned.prefill_share)
+    share_axis.fill_between(edges, 0, prefill_percent, step="post",
                             color="tab:orange", alpha=0.2, linewidth=0,
                             label="prefill share of time")
+    if binned.mixed_share.any():  # chunked prefill: mixed steps stacked on the prefill share
+        share_axis.fill_between(edges, prefill_percent,
+                                prefill_percent + 100 * _per_bin(binned.mixed_share),
+                                step="post", color="tab:olive", alpha=0.2, linewidth=0,
+                                label="mixed-step share of time")
     share_axis.set_ylim(0, 100)
-    share_axis.set_ylabel("prefill share of time (%)", color="tab:orange")
+    share_axis.set_ylabel(("prefill and mixed" if binned.mixed_share.any() else "prefill")
+                          + " share of time (%)", color="tab:orange")
     share_axis.tick_params(axis="y", colors="tab:orange")
     throughput_axis.set_zorder(share_axis.get_zorder() + 1)
     throughput_axis.patch.set_visible(False)

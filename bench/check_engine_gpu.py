@@ -9,6 +9,13 @@ on timing; so a few requests may diverge late, hence an agreement threshold, not
 a small AMC23-shaped trace, EOS ignored. Prints the share of requests whose outputs agree exactly
 and the first token index where the others diverge; exits 1 below `--min-agreement`.
 
+Prefill graphs (`ZIPAGE_PREFILL_GRAPHS=1`, off by default) are covered twice:
+- step by step, exactly: prefill and mixed steps (ragged prompts, a prefix-cached chunk, decode
+  rows) replayed from the captured graph of their token bucket must give bit-identical logits and
+  KV to the same padded forward run eagerly (turning graphs on cannot change a result);
+- the trace variants "+ prefill graphs": decode and prefill graphs against eager, by agreement
+  (the padded layout folds decode rows into the prefill launch, so sums differ from eager's).
+
     python bench/check_engine_gpu.py
 """
 
@@ -24,18 +31,80 @@ from pathlib import Path
 import torch
 
 from zipage.core.config import ZipageConfig
-from zipage.engine.replay import replay_on_engine
+from zipage.core.sequence import Sequence
+from zipage.core.step import MIXED, PREFILL, PrefillItem, StepPlan
 from zipage.deployment import ReplaySettings
+from zipage.engine.llm import build_engine
+from zipage.engine.replay import replay_on_engine
+from zipage.engine.runner import PREFILL_GRAPHS_ENV
+from zipage.engine.sampler import SamplingParams
 from zipage.workloads import make_trace
 
 
-def run(trace, config: ZipageConfig, cuda_graphs: bool, model: str) -> dict[str, list[int]]:
+def run(trace, config: ZipageConfig, cuda_graphs: bool, model: str,
+        prefill_graphs: bool = False) -> dict[str, list[int]]:
     settings = ReplaySettings(model=f"random:{model}", dtype="float32", kv_memory_gb=1.0,
                               config=config)
-    _, engine_run = replay_on_engine(trace, settings, "cuda", cuda_graphs=cuda_graphs)
+    os.environ[PREFILL_GRAPHS_ENV] = "1" if prefill_graphs else "0"
+    try:
+        _, engine_run = replay_on_engine(trace, settings, "cuda", cuda_graphs=cuda_graphs)
+    finally:
+        os.environ.pop(PREFILL_GRAPHS_ENV)
     gc.collect()
     torch.cuda.empty_cache()
     return engine_run.tokens
+
+
+def prefill_graph_steps_exact(model: str) -> list[str]:
+    """Prefill / mixed steps: graph replay against the same padded forward run eagerly, bit for
+    bit (logits and the KV the step wrote). Returns the failures."""
+    settings = ReplaySettings(model=f"random:{model}", dtype="float32", kv_memory_gb=1.0,
+                              config=ZipageConfig(compress=False, block_size=64))
+    engine = build_engine(settings, "cuda", cuda_graphs=True)
+    runner, blocks = engine.runner, engine.new_scheduler().block_manager
+    runner.enable_prefill_graphs()
+    vocab = engine.shape.vocab_size
+
+    def request(name: str, length: int, outputs: int = 0) -> Sequence:
+        seq = Sequence(name, None, 64, prompt_len=length, sampling=SamplingParams(temperature=0.0))
+        seq.block_table = [blocks.allocate() for _ in range(length // 64 + 1)]
+        seq.set_counters(length - outputs, outputs)
+        return seq
+
+    history = {}
+    decoding = [request(f"d{i}", 300 + 97 * i, outputs=1) for i in range(5)]
+    plans = {
+        "one prompt of 100": [PrefillItem(request("a", 100), 0, 100)],
+        "ragged prompts 7 + 200 + 33": [PrefillItem(request(n, k), 0, k)
+                                        for n, k in (("b", 7), ("c", 200), ("e", 33))],
+        "a cached 128 + chunk of 57, partial": [PrefillItem(request("f", 400), 128, 185, False)],
+    }
+    cases = [(name, StepPlan(step_id=0, kind=PREFILL, prefill=items)) for name, items in plans.items()]
+    cases.append(("mixed: chunk of 90 + 5 decodes", StepPlan(
+        step_id=0, kind=MIXED, prefill=[PrefillItem(request("g", 90), 0, 90)], decode=decoding)))
+    failures = []
+    for name, plan in cases:
+        for seq in [item.seq for item in plan.prefill] + plan.decode:
+            history[seq.seq_id] = [(31 * i + len(seq.seq_id)) % vocab for i in range(seq.num_tokens)]
+        results = []
+        for graphs in (runner.prefill_graphs, {}):
+            saved, runner.prefill_graphs = runner.prefill_graphs, graphs
+            try:
+                runner.execute(plan, history)
+                logits = runner.last_logits
+                results.append((None if logits is None else logits.clone(), runner.kv_cache.clone()))
+            finally:
+                runner.prefill_graphs = saved
+        (graph_logits, graph_kv), (eager_logits, eager_kv) = results
+        same = torch.equal(graph_kv, eager_kv) and (
+            graph_logits is None and eager_logits is None or torch.equal(graph_logits, eager_logits))
+        print(f"prefill graph {name:<40} replay == padded eager: {same}", flush=True)
+        if not same:
+            failures.append(name)
+    del engine, runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    return failures
 
 
 def main() -> int:
@@ -51,9 +120,14 @@ def main() -> int:
         "zipage sync": ZipageConfig(block_size=64, kv_budget=256, async_compress=False),
     }
     report, failed = {}, False
+    step_failures = prefill_graph_steps_exact(args.model)
+    report["prefill graph steps"] = dict(exact=not step_failures, failures=step_failures)
+    failed |= bool(step_failures)
+    variants["full-kv + prefill graphs"] = variants["full-kv"]
+    variants["zipage sync + prefill graphs"] = variants["zipage sync"]
     for name, config in variants.items():
         torch.manual_seed(0)
-        graphs = run(trace, config, True, args.model)
+        graphs = run(trace, config, True, args.model, prefill_graphs=name.endswith("prefill graphs"))
         torch.manual_seed(0)
         eager = run(trace, config, False, args.model)
         same = [seq_id for seq_id in graphs if graphs[seq_id] == eager[seq_id]]
@@ -62,7 +136,7 @@ def main() -> int:
         agreement = len(same) / len(graphs)
         failed |= agreement < args.min_agreement
         report[name] = dict(agreement=agreement, first_divergence=diverged[:8])
-        print(f"{name:<14} graphs == eager for {len(same)}/{len(graphs)} requests; "
+        print(f"{name:<30} graphs == eager for {len(same)}/{len(graphs)} requests; "
               f"divergence at token {diverged[:8]}", flush=True)
     (out / "check_engine_gpu.json").write_text(json.dumps(report, indent=2))
     print(f"RESULT: {'FAIL' if failed else 'PASS'}")

@@ -13,6 +13,12 @@ above its kernel time is host-bound (launch and Python overhead); a kernel time 
 roofline is the kernels'.
 
     . bench/env.sh && python bench/prefill_gpu.py [--models qwen3-0.6b,qwen3-8b] [--tokens 128,512,2048,8192]
+        [--prefill-graphs off|on|both] [--decodes N --decode-context C]
+
+`--prefill-graphs both` (the default) times every step eagerly, then with the runner's padded
+prefill graphs (`ModelRunner.enable_prefill_graphs`: one CUDA graph per token bucket up to 4096,
+eager above), on the same engine, one row each. `--decodes N` makes every step a mixed one: the
+prompt plus N requests decoding one token each over C cached entries (chunked prefill's shape).
 
 Prints a table last and writes prefill_gpu.json under $OUT (or the current directory).
 """
@@ -31,7 +37,7 @@ import torch
 
 from zipage.core.config import ZipageConfig
 from zipage.core.sequence import Sequence
-from zipage.core.step import PREFILL, PrefillItem, StepPlan
+from zipage.core.step import MIXED, PREFILL, PrefillItem, StepPlan
 from zipage.deployment import ReplaySettings
 from zipage.engine.llm import build_engine
 from zipage.engine.sampler import SamplingParams
@@ -68,47 +74,81 @@ def roofline(model: str, tokens: int, bandwidth: float, flops: float) -> float:
 
 
 def measure(model: str, token_counts: list[int], repeats: int, bandwidth: float,
-            flops: float) -> list[dict]:
+            flops: float, graphs: str, decodes: int, decode_context: int) -> list[dict]:
     longest = max(token_counts)
     shape = get_preset(model)
-    kv_gb = (longest + 1024) * 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2 / 2**30
+    entries = longest + 1024 + decodes * (decode_context + 64)
+    kv_gb = entries * 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2 / 2**30
     settings = ReplaySettings(model=f"random:{model}", dtype="bfloat16", kv_memory_gb=kv_gb + 0.5,
                               config=ZipageConfig(compress=False, block_size=64,
                                                   max_num_batched_tokens=max(16384, longest)))
     engine = build_engine(settings, "cuda", cuda_graphs=False)
     runner, scheduler = engine.runner, engine.new_scheduler()
+    running = decoding_requests(scheduler, shape, decodes, decode_context)
     rows = []
-    for step_id, tokens in enumerate(token_counts):
-        seq = Sequence(f"p{tokens}", None, 4, prompt_len=tokens, sampling=GREEDY)
-        seq.block_table = [scheduler.block_manager.allocate() for _ in range(-(-tokens // 64))]
-        plan = StepPlan(step_id=step_id, kind=PREFILL, prefill=[PrefillItem(seq, 0, tokens)])
-        ids = {seq.seq_id: [(7 * i) % shape.vocab_size for i in range(tokens)]}
-        for _ in range(2):
-            runner.execute(plan, ids)  # warm-up: Triton compiles for this shape
-        torch.cuda.synchronize()
-        walls, gpus = [], []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            started = time.perf_counter()
-            start.record()
-            runner.execute(plan, ids)
-            end.record()
-            walls.append(time.perf_counter() - started)
-            torch.cuda.synchronize()
-            gpus.append(start.elapsed_time(end) / 1e3)
-        row = {"model": model, "tokens": tokens, "step_s": statistics.median(walls),
-               "gpu_s": statistics.median(gpus),
-               "roofline_s": roofline(model, tokens, bandwidth, flops),
-               "spread": (max(walls) - min(walls)) / statistics.median(walls)}
-        row.update(profile(runner, plan, ids))
-        row["vs_roofline"] = row["step_s"] / row["roofline_s"]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        scheduler.block_manager.release_all(seq.block_table)
+    for mode in (("off", "on") if graphs == "both" else (graphs,)):
+        if mode == "on":
+            try:
+                runner.enable_prefill_graphs()
+            except Exception as error:  # noqa: BLE001 - the eager rows above still count
+                rows.append({"model": model, "prefill_graphs": True, "error": repr(error)})
+                print(json.dumps(rows[-1]), flush=True)
+                break
+        for step_id, tokens in enumerate(token_counts):
+            row = time_step(runner, scheduler, shape, model, tokens, running, step_id, repeats)
+            row.update(prefill_graphs=mode == "on", decodes=decodes, decode_context=decode_context,
+                       roofline_s=roofline(model, tokens, bandwidth, flops))
+            row["vs_roofline"] = row["step_s"] / row["roofline_s"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     del engine, runner
     gc.collect()
     torch.cuda.empty_cache()
     return rows
+
+
+def decoding_requests(scheduler, shape, count: int, context: int) -> dict:
+    """`count` requests as a mixed step's decode rows: `context` cached entries each (random
+    contents of the fresh cache), decoding their next token; and their token ids."""
+    running = {}
+    for index in range(count):
+        seq = Sequence(f"d{index}", None, 1 << 20, prompt_len=context, sampling=GREEDY)
+        seq.block_table = [scheduler.block_manager.allocate() for _ in range(context // 64 + 1)]
+        seq.set_counters(context, 1)
+        running[seq] = [(5 * i) % shape.vocab_size for i in range(context + 1)]
+    return running
+
+
+def time_step(runner, scheduler, shape, model: str, tokens: int, running: dict, step_id: int,
+              repeats: int) -> dict:
+    """Median wall and GPU time of one prefill (or mixed) step of `tokens` prompt tokens."""
+    seq = Sequence(f"p{tokens}", None, 4, prompt_len=tokens, sampling=GREEDY)
+    seq.block_table = [scheduler.block_manager.allocate() for _ in range(-(-tokens // 64))]
+    plan = StepPlan(step_id=step_id, kind=MIXED if running else PREFILL,
+                    prefill=[PrefillItem(seq, 0, tokens)], decode=list(running))
+    ids = {seq.seq_id: [(7 * i) % shape.vocab_size for i in range(tokens)]}
+    ids.update({other.seq_id: history for other, history in running.items()})
+    for _ in range(2):
+        runner.execute(plan, ids)  # warm-up: Triton compiles for this shape
+    torch.cuda.synchronize()
+    walls, gpus = [], []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        started = time.perf_counter()
+        start.record()
+        runner.execute(plan, ids)
+        end.record()
+        walls.append(time.perf_counter() - started)
+        torch.cuda.synchronize()
+        gpus.append(start.elapsed_time(end) / 1e3)
+    rows = tokens + len(running)
+    row = {"model": model, "tokens": tokens, "step_s": statistics.median(walls),
+           "gpu_s": statistics.median(gpus),
+           "padded_bucket": next((b for b in runner.prefill_buckets if b >= rows), None),
+           "spread": (max(walls) - min(walls)) / statistics.median(walls)}
+    row.update(profile(runner, plan, ids))
+    scheduler.block_manager.release_all(seq.block_table)
+    return row
 
 
 def profile(runner, plan: StepPlan, ids: dict) -> dict:
@@ -131,6 +171,12 @@ def main() -> None:
     parser.add_argument("--models", default="qwen3-0.6b,qwen3-8b")
     parser.add_argument("--tokens", default="128,512,2048,8192")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--prefill-graphs", choices=("off", "on", "both"), default="both",
+                        help="time steps eagerly, through padded prefill graphs, or both")
+    parser.add_argument("--decodes", type=int, default=0,
+                        help="requests decoding beside each prompt (a mixed step)")
+    parser.add_argument("--decode-context", type=int, default=1024,
+                        help="cached entries of each decoding request")
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "."))
     bandwidth, flops = copy_bandwidth(), matmul_flops()
@@ -138,13 +184,18 @@ def main() -> None:
               "matmul_flops": flops, "rows": []}
     for model in args.models.split(","):
         report["rows"] += measure(model, [int(t) for t in args.tokens.split(",")], args.repeats,
-                                  bandwidth, flops)
+                                  bandwidth, flops, args.prefill_graphs, args.decodes,
+                                  args.decode_context)
         (out / "prefill_gpu.json").write_text(json.dumps(report, indent=2))
     print(f"\n{report['device']}: copy {bandwidth / 1e12:.2f} TB/s, matmul {flops / 1e12:.0f} TFLOP/s")
-    print(f"{'model':<11} {'tokens':>6} {'step ms':>8} {'gpu ms':>7} {'kernels ms':>10} "
+    print(f"{'model':<11} {'graphs':>6} {'tokens':>6} {'step ms':>8} {'gpu ms':>7} {'kernels ms':>10} "
           f"{'launches':>8} {'roofline ms':>11} {'x roofline':>10}")
     for row in report["rows"]:
-        print(f"{row['model']:<11} {row['tokens']:>6} {row['step_s'] * 1e3:>8.2f} "
+        if "error" in row:
+            print(f"{row['model']:<11} graphs on failed: {row['error']}")
+            continue
+        graphs = row["padded_bucket"] if row["prefill_graphs"] and row["padded_bucket"] else "-"
+        print(f"{row['model']:<11} {graphs:>6} {row['tokens']:>6} {row['step_s'] * 1e3:>8.2f} "
               f"{row['gpu_s'] * 1e3:>7.2f} {row['kernel_s'] * 1e3:>10.2f} {row['launches']:>8} "
               f"{row['roofline_s'] * 1e3:>11.2f} {row['vs_roofline']:>10.2f}")
 

@@ -15,7 +15,16 @@ is rebuilt from whatever parts exist, so the parts can run in separate GPU calls
     python bench/serve_gpu.py --wheels DIR_OF_SERVE_WHEELS          # all three (~8 min on an H200)
     python bench/serve_gpu.py --parts offline; python bench/serve_gpu.py --parts served,sim
 
-`--wheels DIR` installs the serve extra's wheels first when the image lacks them (pip --no-index).
+`--wheels DIR` installs the serve extra's wheels first when the image lacks them (pip --no-index):
+the server needs fastapi, starlette, pydantic, pydantic-core, annotated-types, typing-inspection
+and uvicorn (httpx, anyio, h11, click and prometheus-client are in the GPU image; the openai
+client only the tests use). `zipage serve` runs its engine in a child process (docs/serve.md,
+'How it works'), started with this interpreter and environment, so PYTHONPATH reaches it too.
+
+A smoke run of the whole script on the CPU (random SmolLM2; 17 s on a 2-core machine):
+
+    python bench/serve_gpu.py --engine cpu --model smollm2-135m --questions 2 --samples 2 \
+        --max-output 48 --rate 4 --kv-memory-gb 0.1 --block-size 32 --budget 128 --out /tmp/sg
 """
 
 from __future__ import annotations
@@ -53,6 +62,8 @@ def main() -> None:
     parser.add_argument("--hardware", default="h200-141gb", help="the simulator's GPU")
     parser.add_argument("--cost-model", default="analytic",
                         help="the simulator's cost model (a `zipage calibrate` profile JSON)")
+    parser.add_argument("--full-kv", action="store_true",
+                        help="the Full-KV baseline (--no-compress) for all three parts")
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
     parser.add_argument("--wheels", default=None, help="directory of the serve extra's wheels")
@@ -67,7 +78,8 @@ def main() -> None:
     trace = out / "trace.json"
     _make_trace(args, trace)
     engine_flags = ["--kv-memory-gb", str(args.kv_memory_gb), "--block-size",
-                    str(args.block_size), "--budget", str(args.budget)]
+                    str(args.block_size), "--budget", str(args.budget)] + (
+                        ["--no-compress"] if args.full_kv else [])
     for part in args.parts.split(","):
         started = time.perf_counter()
         if part == "offline":
@@ -156,9 +168,9 @@ def _table(out: Path) -> None:
 
 
 def _install_wheels(directory: str) -> None:
-    try:
+    try:  # what `zipage serve` and `zipage bench serve` import (zipage/serve/cli.py)
         import fastapi  # noqa: F401
-        import openai  # noqa: F401
+        import httpx  # noqa: F401
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
         return

@@ -11,9 +11,13 @@ from types import ModuleType
 
 import torch
 
-from zipage.kernels.attention_ref import (
+from zipage.kernels.attention_ref import (  # noqa: F401 (the work-list helpers are public here)
+    PrefillWork,
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
+    prefill_tile_tokens,
+    prefill_work,
+    prefill_work_capacity,
     store_kv_ref,
 )
 from zipage.kernels.dispatch import use_triton
@@ -53,17 +57,19 @@ def paged_prefill_attention(
     block_tables: torch.Tensor,
     scale: float,
     max_q_len: int | None = None,
+    work: PrefillWork | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens ``q`` ``[total_q_tokens, num_heads, head_dim]`` of each sequence over
     its paged cache (cached prefix + the new tokens, already stored); see ``paged_prefill_attention_ref``.
     ``max_q_len``, the most new tokens of any sequence, lets the Triton kernel size its grid without reading
-    ``cu_seqlens_q`` back from the device (a host sync per layer)."""
+    ``cu_seqlens_q`` back from the device (a host sync per layer); ``work`` (``prefill_work``) replaces the
+    grid by a list of programs of fixed size, for CUDA graphs."""
     backend = _triton_backend(q)
     if backend is None:
         return paged_prefill_attention_ref(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
-                                           max_q_len)
+                                           max_q_len, work)
     return backend.paged_prefill_attention_triton(
-        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, max_q_len
+        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, max_q_len, work
     )
 
 

@@ -9,7 +9,52 @@ follows the usual convention: query head ``h`` reads KV head ``h // (num_heads /
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+# Query rows (new tokens x heads of a GQA group) per prefill program when the engine cuts a work list: the
+# Triton kernel's default tile (``attention_triton._PREFILL_ROWS``).
+PREFILL_WORK_ROWS = 64
+
+
+@dataclass(frozen=True)
+class PrefillWork:
+    """The programs of a prefill launch as a list: ``items`` int32 ``[num_items, 2]``, each (sequence, query
+    tile), the tile being ``tile_tokens`` new tokens of that sequence; (-1, -1) is a padding item that computes
+    nothing. A fixed-size list (padded) makes the launch's grid independent of the batch (CUDA graphs). It
+    only decides which program computes what: results never depend on it, so the reference ignores it."""
+
+    items: torch.Tensor
+    tile_tokens: int
+
+
+def prefill_tile_tokens(num_heads: int, num_kv_heads: int) -> int:
+    """New tokens per work item: ``PREFILL_WORK_ROWS`` rows shared by the query heads of one KV head."""
+    group_padded = 1 << (num_heads // num_kv_heads - 1).bit_length()
+    return max(PREFILL_WORK_ROWS // group_padded, 1)
+
+
+def prefill_work_capacity(num_tokens: int, num_seqs: int, tile_tokens: int) -> int:
+    """Most items any batch of at most ``num_tokens`` new tokens in at most ``num_seqs`` sequences needs: each
+    sequence adds at most one partial tile to ``num_tokens / tile_tokens`` full ones."""
+    return -(-num_tokens // tile_tokens) + num_seqs
+
+
+def prefill_work(query_lens: torch.Tensor, tile_tokens: int, capacity: int | None = None) -> PrefillWork:
+    """The work list of sequences with ``query_lens`` (int, host) new tokens: their query tiles in order, then
+    padding items up to ``capacity`` (None: no padding)."""
+    tiles = (query_lens + tile_tokens - 1) // tile_tokens
+    total = int(tiles.sum())
+    if capacity is not None and total > capacity:
+        raise ValueError(f"{total} prefill work items do not fit a capacity of {capacity}")
+    size = total if capacity is None else capacity
+    items = torch.full((size, 2), -1, dtype=torch.int32)
+    seqs = torch.repeat_interleave(torch.arange(len(query_lens)), tiles)
+    first_item = torch.cumsum(tiles, 0) - tiles
+    items[:total, 0] = seqs.to(torch.int32)
+    items[:total, 1] = (torch.arange(total) - first_item[seqs]).to(torch.int32)
+    return PrefillWork(items, tile_tokens)
 
 
 def store_kv_ref(
@@ -77,10 +122,12 @@ def paged_prefill_attention_ref(
     block_tables: torch.Tensor,
     scale: float,
     max_q_len: int | None = None,
+    work: PrefillWork | None = None,
 ) -> torch.Tensor:
     """Causal attention of variable-length new tokens over the paged cache.
 
-    ``max_q_len`` (the longest sequence's new tokens) only sizes the Triton kernel's grid; unused here.
+    ``max_q_len`` (the longest sequence's new tokens) and ``work`` (the Triton kernel's programs as a list) only
+    shape the Triton launch; unused here. Rows past ``cu_seqlens_q[-1]`` (padding) get zeros.
 
     ``q`` is ``[total_q_tokens, num_heads, head_dim]``; sequence ``i`` owns rows ``cu_seqlens_q[i]`` to
     ``cu_seqlens_q[i+1]`` and has ``context_lens[i]`` cached entries, its new tokens already stored as the last

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from zipage.kernels.attention_ref import PrefillWork
+
 _LOG2_E = 1.4426950408889634
 
 # Tokens per K/V tile in the prefill loop. 64 keeps a [64, 128] bfloat16 tile (16 KiB) per operand in shared memory
@@ -210,6 +212,7 @@ def _prefill_kernel(
     cu_seqlens_q_ptr,
     context_lens_ptr,
     block_tables_ptr,
+    work_items_ptr,
     qk_scale,
     q_token_stride,
     q_head_stride,
@@ -227,12 +230,22 @@ def _prefill_kernel(
     HEAD_DIM_PADDED: tl.constexpr,
     KV_TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_WORK_ITEMS: tl.constexpr,
 ):
-    query_tile = tl.program_id(0)
-    seq = tl.program_id(1)
     kv_head = tl.program_id(2)
+    if USE_WORK_ITEMS:
+        # Program i runs work item i = (sequence, query tile); a padding item (-1, -1) owns no rows.
+        item = tl.program_id(0).to(tl.int64)
+        work_seq = tl.load(work_items_ptr + 2 * item)
+        query_tile = tl.maximum(tl.load(work_items_ptr + 2 * item + 1), 0)
+        seq = tl.maximum(work_seq, 0)
+    else:
+        query_tile = tl.program_id(0)
+        seq = tl.program_id(1)
+        work_seq = seq
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    q_len = tl.where(work_seq >= 0, q_len, 0)
     context_len = tl.load(context_lens_ptr + seq)
     first_token = query_tile * QUERY_TOKENS
 
@@ -298,13 +311,19 @@ def paged_prefill_attention_triton(
     block_tables: torch.Tensor,
     scale: float,
     max_q_len: int | None = None,
+    work: PrefillWork | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged cache (prefix + new tokens, stored).
 
     Grid: (query tiles of the longest sequence, batch, num_kv_heads). A program owns ``QUERY_TOKENS`` new tokens
     times the ``GROUP`` query heads of one KV head and walks the KV tiles up to its last token's causal limit.
     The grid is sized by ``max_q_len``; without it the longest query length is read back from the device (a host
-    sync, so the engine passes it). It must be the true maximum: a smaller value leaves rows unwritten."""
+    sync, so the engine passes it). It must be the true maximum: a smaller value leaves rows unwritten.
+
+    With ``work`` (``PrefillWork``: a list of (sequence, query tile) items and the tile size it was cut with) the
+    grid is (items, 1, num_kv_heads) instead: one program per item, padding items (-1, -1) write nothing. Its
+    size is the list's, whatever the batch, which is what lets a CUDA graph capture a padded step. Rows that no
+    item covers (padding rows of a padded step) are left unwritten."""
     _check_cache(k_cache, v_cache)
     if q.dtype != k_cache.dtype:
         raise ValueError(f"q is {q.dtype} but the KV cache is {k_cache.dtype}; they must match")
@@ -317,10 +336,18 @@ def paged_prefill_attention_triton(
         return out
     group = _group_size(num_heads, num_kv_heads)
     group_padded = triton.next_power_of_2(group)
-    query_tokens = max(_PREFILL_ROWS // group_padded, 1)
-    if max_q_len is None:
-        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
-    grid = (triton.cdiv(max_q_len, query_tokens), batch, num_kv_heads)
+    if work is not None:
+        query_tokens = work.tile_tokens
+        grid = (work.items.shape[0], 1, num_kv_heads)
+        work_items = work.items
+    else:
+        query_tokens = max(_PREFILL_ROWS // group_padded, 1)
+        if max_q_len is None:
+            max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+        grid = (triton.cdiv(max_q_len, query_tokens), batch, num_kv_heads)
+        work_items = cu_seqlens_q  # unread: a placeholder pointer
+    if grid[0] == 0:
+        return out
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -329,6 +356,7 @@ def paged_prefill_attention_triton(
         cu_seqlens_q,
         context_lens,
         block_tables,
+        work_items,
         scale * _LOG2_E,
         q.stride(0),
         q.stride(1),
@@ -346,6 +374,7 @@ def paged_prefill_attention_triton(
         HEAD_DIM_PADDED=max(triton.next_power_of_2(head_dim), _MIN_DOT_DIM),
         KV_TILE=_KV_TILE,
         DOT_PRECISION=_dot_precision(q.dtype),
+        USE_WORK_ITEMS=work is not None,
         num_warps=_PREFILL_NUM_WARPS,
         num_stages=_PREFILL_NUM_STAGES,
     )

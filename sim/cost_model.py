@@ -1,9 +1,11 @@
-"""Step durations for the simulator: how long a prefill, a decode step and a compression take.
+"""Step durations for the simulator: how long a step and a compression batch take.
 
-The simulator asks a `CostModel` three questions (docs/architecture.md, 'Simulator') and a fourth
-about async overlap: `prefill_time(plan)`, `decode_time(plan)`, `compress_time(jobs)` and
-`decode_contention(overlap_fraction)`. Two implementations answer them. `AnalyticCostModel` is a
-roofline over the model's shape and a `GPUSpec`: every operation costs
+The simulator asks a `CostModel` (docs/architecture.md, 'Simulator') for `step_time(plan)` — a
+step of any kind: its sync compressions, then one forward over its decode requests and prompt
+chunks (a prefill, decode or mixed step) — for `compress_time(batch)` of an async batch, and for
+`decode_contention(overlap_fraction)`. A forward is costed from its `StepWork` (the counts of what
+it computes), so one formula covers every kind of step. Two implementations answer.
+`AnalyticCostModel` is a roofline over the model's shape and a `GPUSpec`: every operation costs
 max-ish(bytes / achievable bandwidth, FLOPs / achievable compute) plus launch and host
 overheads, with the compression pipeline (docs/architecture.md, 'Compression pipeline') costed
 kernel by kernel.
@@ -35,7 +37,10 @@ if TYPE_CHECKING:
     from zipage.core.step import CompressionBatch, CompressionJob, StepPlan
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
-PROFILE_VERSION = 1
+# Version 2 added the "mixed" section; version-1 profiles (no mixed points) still load.
+PROFILE_VERSION = 2
+READABLE_PROFILE_VERSIONS = (1, 2)
+PROFILE_SECTIONS = ("decode", "prefill", "mixed", "compress")
 FLOAT32_BYTES = 4
 
 # Real kernels do not switch abruptly from memory- to compute-bound at the ridge point: measured
@@ -93,27 +98,59 @@ COST_KNOBS = tuple(ZipageConfig().cost_knobs())
 KNOBS = ("dtype_bytes", *COST_KNOBS, "tensor_parallel", "contention_factor")
 
 
+@dataclass(slots=True)  # not frozen: a frozen dataclass takes twice as long to build
+class StepWork:
+    """What one step's forward computes, in the counts the cost models read.
+
+    A decode step has only decode requests, a prefill step only prompt chunks (whole prompts or
+    parts of them), a mixed step (chunked prefill) both; an idle step nothing.
+    """
+
+    num_decode: int = 0  # requests decoding one token each
+    decode_context_tokens: int = 0  # KV entries they attend to in all, their new tokens included
+    num_prefill: int = 0  # prompt chunks
+    num_sampled_prefill: int = 0  # chunks that reach their prompt's end: each samples a token
+    prefill_tokens: int = 0  # tokens the chunks compute
+    cached_tokens: int = 0  # KV entries before the chunks: prefix-cache hits, earlier chunks
+    attention_pairs: int = 0  # (query, key) pairs of the chunks' causal attention
+
+    @classmethod
+    def of(cls, plan: StepPlan) -> "StepWork":
+        if not plan.prefill:  # the common case, kept cheap: the simulator asks ~100k times a run
+            return cls(len(plan.decode), plan.decode_context_tokens)
+        return cls(len(plan.decode), plan.decode_context_tokens, len(plan.prefill),
+                   sum(1 for item in plan.prefill if item.samples),
+                   sum(item.num_new_tokens for item in plan.prefill),
+                   sum(item.num_cached_tokens for item in plan.prefill),
+                   sum(item.attention_pairs for item in plan.prefill))
+
+    @classmethod
+    def from_counts(cls, num_decode: int = 0, decode_context_tokens: int = 0,
+                    prefill: Sequence[tuple[int, int]] = ()) -> "StepWork":
+        """`prefill`: (new_tokens, cached_tokens) of each chunk; every chunk ends its prompt."""
+        return cls(num_decode, decode_context_tokens, len(prefill), len(prefill),
+                   sum(new for new, _ in prefill), sum(cached for _, cached in prefill),
+                   sum(causal_pairs(new, cached) for new, cached in prefill))
+
+
 class CostModel(ABC):
     """Durations in seconds of the steps a `StepPlan` describes.
 
-    Subclasses answer from counts (`*_time_for`); the plan-level methods here extract those counts,
-    so the engine's calibration tool and tests can ask without building plans. A step with sync
-    compression costs `compress_time(plan.compress_sync) + decode_time(plan)`.
+    Subclasses cost a forward from its `StepWork` and a compression batch from its source blocks;
+    the plan-level methods here extract those counts, so the engine's calibration tool and tests
+    can ask without building plans.
     """
 
-    # Multiplier of a decode step fully overlapped by an async compression batch.
+    # Multiplier of a step fully overlapped by an async compression batch.
     contention_factor: float
 
-    def decode_time(self, plan: StepPlan) -> float:
-        batch = plan.num_decode
-        return self.decode_time_for(batch, plan.decode_context_tokens) if batch else 0.0
-
-    def prefill_time(self, plan: StepPlan) -> float:
-        if not plan.prefill:
-            return 0.0
-        return self.prefill_time_for(
-            [(item.num_new_tokens, item.num_cached_tokens) for item in plan.prefill]
-        )
+    def step_time(self, plan: StepPlan) -> float:
+        """A step of any kind: its sync compressions run first, then one forward over its decode
+        requests and prompt chunks. An idle step computes nothing (0)."""
+        duration = self.forward_time_for(StepWork.of(plan))
+        if plan.compress_sync:
+            duration += self.compress_time(plan.compress_sync)
+        return duration
 
     def compress_time(self, jobs: Iterable[CompressionJob] | CompressionBatch) -> float:
         """Duration of one compression batch (the jobs of a plan, or a `CompressionBatch`)."""
@@ -122,17 +159,21 @@ class CostModel(ABC):
         return self.compress_time_for(blocks) if blocks else 0.0
 
     def decode_contention(self, overlap_fraction: float) -> float:
-        """Multiplier of a decode step whose `overlap_fraction` (0..1) ran beside a compression."""
+        """Multiplier of a step whose `overlap_fraction` (0..1) ran beside a compression."""
         overlap = min(1.0, max(0.0, overlap_fraction))
         return 1.0 + (self.contention_factor - 1.0) * overlap
 
-    @abstractmethod
     def decode_time_for(self, batch: int, context_tokens: int) -> float:
         """A decode step of `batch` requests attending to `context_tokens` KV entries in total."""
+        return self.forward_time_for(StepWork(batch, context_tokens))
 
-    @abstractmethod
     def prefill_time_for(self, requests: Sequence[tuple[int, int]]) -> float:
         """A prefill step over (new_tokens, cached_tokens) per request."""
+        return self.forward_time_for(StepWork.from_counts(prefill=requests))
+
+    @abstractmethod
+    def forward_time_for(self, work: StepWork) -> float:
+        """One forward over `work`: a decode, prefill or mixed step without its compressions."""
 
     @abstractmethod
     def compress_time_for(self, blocks: Sequence[int]) -> float:
@@ -196,9 +237,9 @@ class AnalyticCostModel(CostModel):
         linear_flops = gpu.achievable_flops * LINEAR_COMPUTE_EFFICIENCY
         self._weight_s = self.weight_bytes / linear_bandwidth
         self._decode_token_flop_s = 2 * (body_params + lm_head_params) / linear_flops
-        # Prefill computes logits for each request's last token only.
+        # A prompt chunk computes logits for its last token only, and only if it samples.
         self._prefill_token_flop_s = 2 * body_params / linear_flops
-        self._prefill_request_flop_s = 2 * lm_head_params / linear_flops
+        self._sampled_chunk_flop_s = 2 * lm_head_params / linear_flops
         self._kv_token_s = self.kv_bytes_per_token / gpu.achievable_bandwidth
         # One query-key pair costs a multiply-add in QK^T and one in PV, per query head and layer.
         self._attention_pair_s = (4 * layers * self.q_heads * head_dim
@@ -220,31 +261,31 @@ class AnalyticCostModel(CostModel):
             + TOPK_CALL_S
         )
 
-    def decode_time_for(self, batch: int, context_tokens: int) -> float:
-        # Weights stream once for the whole batch; each request reads its own KV entries.
-        linear = _roofline(self._weight_s, batch * self._decode_token_flop_s)
-        attention = _roofline(context_tokens * self._kv_token_s,
-                              context_tokens * self._attention_pair_s)
-        gpu = linear + attention + self._allreduce_fixed_s + batch * self._allreduce_token_s
+    def forward_time_for(self, work: StepWork) -> float:
+        batch, tokens = work.num_decode, work.prefill_tokens
+        if not batch and not work.num_prefill:
+            return 0.0
+        # Weights stream once for every row of the step; each decode row and each chunk that
+        # samples goes through the LM head (a chunk computes logits for its last token only).
+        linear = _roofline(self._weight_s, batch * self._decode_token_flop_s
+                           + tokens * self._prefill_token_flop_s
+                           + work.num_sampled_prefill * self._sampled_chunk_flop_s)
+        # Decode rows and chunks attend in two kernels (split-K decode, varlen prefill), so two
+        # rooflines: each decode row reads its own KV entries; a chunk reads the entries before
+        # it, writes its new ones and reads them back.
+        attention = 0.0
+        if batch:
+            context = work.decode_context_tokens
+            attention = _roofline(context * self._kv_token_s, context * self._attention_pair_s)
+        if work.num_prefill:
+            attention += _roofline((work.cached_tokens + 2 * tokens) * self._kv_token_s,
+                                   work.attention_pairs * self._attention_pair_s)
+        gpu = (linear + attention + self._allreduce_fixed_s
+               + (batch + tokens) * self._allreduce_token_s)
         if gpu < self._kernel_floor_s:
             gpu = self._kernel_floor_s
-        return gpu + self._step_overhead_s + batch * PER_SEQUENCE_OVERHEAD_S
-
-    def prefill_time_for(self, requests: Sequence[tuple[int, int]]) -> float:
-        new_tokens = cached_tokens = pairs = 0
-        for new, cached in requests:
-            new_tokens += new
-            cached_tokens += cached
-            # Causal: the i-th new token (0-based) sees the cached prefix and i + 1 new tokens.
-            pairs += causal_pairs(new, cached)
-        linear = _roofline(self._weight_s, new_tokens * self._prefill_token_flop_s
-                           + len(requests) * self._prefill_request_flop_s)
-        # The prefix is read from the cache; new entries are written, then read by attention.
-        attention = _roofline((cached_tokens + 2 * new_tokens) * self._kv_token_s,
-                              pairs * self._attention_pair_s)
-        gpu = max(linear + attention + self._allreduce_fixed_s
-                  + new_tokens * self._allreduce_token_s, self._kernel_floor_s)
-        return gpu + self._step_overhead_s + len(requests) * PER_SEQUENCE_OVERHEAD_S
+        return (gpu + self._step_overhead_s
+                + (batch + work.num_prefill) * PER_SEQUENCE_OVERHEAD_S)
 
     def compress_time_for(self, blocks: Sequence[int]) -> float:
         block_size = self.block_size
@@ -346,16 +387,19 @@ class LinearFit:
 
 
 class CalibratedCostModel(CostModel):
-    """Linear models fitted to a measured profile (format: docs/cost_model.md).
+    """Linear models fitted to a measured profile (format and fits: docs/cost_model.md).
 
     decode:   a + b * batch + c * context_tokens
     prefill:  a + b * new_tokens + c * attention_pairs   (pairs: sum of T*C + T(T+1)/2)
+    mixed:    m + decode's b, c terms + prefill's b, c terms   (m fitted to the mixed points)
     compress: a + b * blocks [+ c * blocks_squared with the flash redundancy score]
     """
 
-    def __init__(self, decode: LinearFit, prefill: LinearFit, compress: LinearFit | None,
-                 contention_factor: float, header: dict[str, Any], source: str) -> None:
-        self.decode_fit, self.prefill_fit, self.compress_fit = decode, prefill, compress
+    def __init__(self, decode: LinearFit, prefill: LinearFit, mixed: LinearFit,
+                 compress: LinearFit | None, contention_factor: float, header: dict[str, Any],
+                 source: str) -> None:
+        self.decode_fit, self.prefill_fit, self.mixed_fit = decode, prefill, mixed
+        self.compress_fit = compress
         self.contention_factor = contention_factor
         self.header, self.source = header, source
         self._decode_a, self._decode_b, self._decode_c = decode.coefficients
@@ -372,12 +416,16 @@ class CalibratedCostModel(CostModel):
         decode = _fit(source, "decode", ("batch", "context_tokens"),
                       [[row["batch"], row["context_tokens"]] for row in decode_rows],
                       [row["time_s"] for row in decode_rows])
-        prefill_rows = _points(source, data, "prefill", ("new_tokens",),
-                               {"cached_tokens": 0, "requests": 1, "attention_pairs": None})
+        prefill_rows = _points(source, data, "prefill", ("new_tokens",), PREFILL_DEFAULTS)
         prefill = _fit(source, "prefill", ("new_tokens", "attention_pairs"),
                        [[row["requests"] * row["new_tokens"], _prefill_pairs(row)]
                         for row in prefill_rows],
                        [row["time_s"] for row in prefill_rows])
+        mixed_rows = []
+        if "mixed" in data:
+            mixed_rows = _points(source, data, "mixed", ("batch", "context_tokens", "new_tokens"),
+                                 PREFILL_DEFAULTS)
+        mixed = _mixed_fit(source, decode, prefill, mixed_rows)
         compress = None
         if "compress" in data:
             compress_rows = _points(source, data, "compress", ("requests", "blocks"),
@@ -386,10 +434,11 @@ class CalibratedCostModel(CostModel):
             if redundancy == "flash":
                 compress = _fit(source, "compress", ("blocks", "blocks_squared"),
                                 [[row["blocks"], _blocks_squared(row)] for row in compress_rows],
-                                times)
+                                times, proportional_if_uniform=True)
             else:
                 compress = _fit(source, "compress", ("blocks",),
-                                [[row["blocks"]] for row in compress_rows], times)
+                                [[row["blocks"]] for row in compress_rows], times,
+                                proportional_if_uniform=True)
         contention = knobs.get("contention_factor")
         if contention is None:
             contention = data.get("contention_factor", DEFAULT_CONTENTION[redundancy])
@@ -397,16 +446,20 @@ class CalibratedCostModel(CostModel):
                 or not contention >= 1.0:
             raise ConfigError(f"{source}: contention_factor: got {contention!r}, "
                               "expected a number >= 1")
-        return cls(decode, prefill, compress, float(contention), header, source)
+        return cls(decode, prefill, mixed, compress, float(contention), header, source)
 
-    def decode_time_for(self, batch: int, context_tokens: int) -> float:
-        value = self._decode_a + self._decode_b * batch + self._decode_c * context_tokens
-        return value if value > self._decode_floor else self._decode_floor
-
-    def prefill_time_for(self, requests: Sequence[tuple[int, int]]) -> float:
-        new_tokens = sum(new for new, _ in requests)
-        pairs = sum(causal_pairs(new, cached) for new, cached in requests)
-        return self.prefill_fit.predict(new_tokens, pairs)
+    def forward_time_for(self, work: StepWork) -> float:
+        batch = work.num_decode
+        if not work.num_prefill:
+            if not batch:
+                return 0.0
+            value = (self._decode_a + self._decode_b * batch
+                     + self._decode_c * work.decode_context_tokens)
+            return value if value > self._decode_floor else self._decode_floor
+        if not batch:
+            return self.prefill_fit.predict(work.prefill_tokens, work.attention_pairs)
+        return self.mixed_fit.predict(batch, work.decode_context_tokens, work.prefill_tokens,
+                                      work.attention_pairs)
 
     def compress_time_for(self, blocks: Sequence[int]) -> float:
         if self.compress_fit is None:
@@ -414,6 +467,33 @@ class CalibratedCostModel(CostModel):
                               "cannot time compressions; measure one, or run with compression off "
                               "or the analytic cost model")
         return self.compress_fit.predict(sum(blocks), sum(count * count for count in blocks))
+
+
+# Optional fields of a prefill or mixed point: the prompt chunks of the step.
+PREFILL_DEFAULTS = {"cached_tokens": 0, "requests": 1, "attention_pairs": None}
+
+
+def _mixed_fit(source: str, decode: LinearFit, prefill: LinearFit,
+               rows: list[dict[str, Any]]) -> LinearFit:
+    """A mixed step costs the decode fit's per-request and per-context-token terms plus the
+    prefill fit's per-token and per-pair terms, and one constant: a single forward reads the
+    weights and pays the host's step overhead once, not once per part. The constant is fitted to
+    the mixed points (in relative error, like every fit); a profile without them (version 1)
+    gets the larger of the two constants, the one-forward assumption (docs/cost_model.md)."""
+    names = decode.feature_names[1:] + prefill.feature_names[1:]
+    slopes = decode.coefficients[1:] + prefill.coefficients[1:]
+    if not rows:
+        return LinearFit(("constant",) + names,
+                         (max(decode.coefficients[0], prefill.coefficients[0]),) + slopes,
+                         relative_rms_error=float("nan"), num_points=0,
+                         floor_s=max(decode.floor_s, prefill.floor_s))
+    features = np.array([[row["batch"], row["context_tokens"],
+                          row["requests"] * row["new_tokens"], _prefill_pairs(row)]
+                         for row in rows], dtype=float)
+    constant = _fit(source, "mixed", (), [[] for _ in rows], [row["time_s"] for row in rows],
+                    offsets=features @ np.asarray(slopes))
+    return LinearFit(("constant",) + names, constant.coefficients + slopes,
+                     constant.relative_rms_error, constant.num_points, constant.floor_s)
 
 
 def _prefill_pairs(row: dict) -> float:
@@ -451,15 +531,18 @@ def _check_header(source: str, data: dict, shape: ModelShape | None, gpu: GPUSpe
                   knobs: dict[str, Any]) -> dict[str, Any]:
     """Validate the profile's metadata and refuse a profile measured for a different setup."""
     _check_knob_names(knobs)
-    if data.get("version") != PROFILE_VERSION:
-        raise ConfigError(f"{source}: version: got {data.get('version')!r}, expected "
-                          f"{PROFILE_VERSION}")
+    version = data.get("version")
+    if isinstance(version, bool) or version not in READABLE_PROFILE_VERSIONS:
+        raise ConfigError(f"{source}: version: got {version!r}, expected one of "
+                          f"{', '.join(map(str, READABLE_PROFILE_VERSIONS))}")
+    if version < 2 and "mixed" in data:
+        raise ConfigError(f"{source}: mixed: a version-2 section; set \"version\" to 2")
     for name in ("model", "gpu"):
         if not isinstance(data.get(name), str):
             raise ConfigError(f"{source}: {name}: expected a string naming the "
                               f"{'model preset' if name == 'model' else 'GPU'} it was measured on")
     header = {key: value for key, value in data.items()
-              if key not in ("decode", "prefill", "compress")}
+              if key not in PROFILE_SECTIONS}
     if header.get("redundancy", "lightning") not in REDUNDANCY_MODES:
         raise ConfigError(f"{source}: redundancy: got {header['redundancy']!r}, expected one of "
                           f"{', '.join(REDUNDANCY_MODES)}")
@@ -536,14 +619,32 @@ def _points(source: str, data: dict, section: str, required: tuple[str, ...],
 
 
 def _fit(source: str, section: str, names: tuple[str, ...], features: list[list[float]],
-         times: list[float]) -> LinearFit:
-    """Least squares in relative error, so short steps are fitted as well as long ones."""
+         times: list[float], offsets: np.ndarray | None = None,
+         proportional_if_uniform: bool = False) -> LinearFit:
+    """Least squares in relative error, so short steps are fitted as well as long ones.
+
+    time = offset + constant + sum(coefficient * feature): `offsets` are the parts of each
+    point's time that other fits already explain (default none). With
+    `proportional_if_uniform`, points that all have the same features (every compression batch
+    of a run the same size) cannot separate the constant from the slope: the time is then taken
+    as proportional to the first feature, which is what a compression's cost mostly is."""
     unknowns = len(names) + 1
+    time = np.asarray(times, dtype=float)
+    offset = np.zeros(len(times)) if offsets is None else np.asarray(offsets, dtype=float)
+    rows = np.asarray(features, dtype=float)
+    if proportional_if_uniform and len(times) >= 1 and rows.size and (rows == rows[0]).all() \
+            and rows[0][0] > 0:
+        slope = float(np.median(time - offset)) / rows[0][0]
+        predicted = offset + slope * rows[:, 0]
+        return LinearFit(
+            feature_names=("constant",) + names,
+            coefficients=(0.0, slope) + (0.0,) * (len(names) - 1),
+            relative_rms_error=float(np.sqrt(np.mean((predicted / time - 1.0) ** 2))),
+            num_points=len(times), floor_s=float(time.min()))
     if len(times) < unknowns + 1:
         raise ConfigError(f"{source}: {section}: {len(times)} point(s) cannot fit "
                           f"{' + '.join(('constant',) + names)}; measure at least {unknowns + 1}")
-    time = np.asarray(times, dtype=float)
-    design = np.column_stack([np.ones(len(times)), np.asarray(features, dtype=float)])
+    design = np.column_stack([np.ones(len(times)), rows])
     # Columns span orders of magnitude (tokens vs 1): scale them before judging the rank.
     scale = np.abs(design).max(axis=0)
     scale[scale == 0] = 1.0
@@ -552,9 +653,9 @@ def _fit(source: str, section: str, names: tuple[str, ...], features: list[list[
         raise ConfigError(f"{source}: {section}: the points do not vary "
                           f"{' and '.join(names)} independently, so their effects cannot be "
                           "separated; measure more varied points")
-    solution, *_ = np.linalg.lstsq(weighted, np.ones(len(times)), rcond=None)
+    solution, *_ = np.linalg.lstsq(weighted, 1.0 - offset / time, rcond=None)
     coefficients = solution / scale
-    relative = design @ coefficients / time - 1.0
+    relative = (offset + design @ coefficients) / time - 1.0
     return LinearFit(
         feature_names=("constant",) + names,
         coefficients=tuple(float(value) for value in coefficients),
@@ -599,6 +700,11 @@ def synthesize_profile(model: AnalyticCostModel, *, noise: float = 0.03,
     compress = [{"requests": requests, "blocks": requests * each,
                  "time_s": jitter(model.compress_time_for([each] * requests))}
                 for requests in (1, 2, 4, 8) for each in (9, 12, 16)]
+    # Drawn last, so the sections above are what they were before mixed points existed.
+    mixed = [{"batch": batch, "context_tokens": batch * context, "new_tokens": new,
+              "cached_tokens": 0, "requests": 1, "time_s": jitter(model.forward_time_for(
+                  StepWork.from_counts(batch, batch * context, [(new, 0)])))}
+             for batch in (1, 32, 128) for context in (512, 4096) for new in (128, 512, 2048)]
     return {
         "version": PROFILE_VERSION,
         "note": (f"SYNTHETIC: generated by sim.cost_model.synthesize_profile from the analytic "
@@ -612,5 +718,6 @@ def synthesize_profile(model: AnalyticCostModel, *, noise: float = 0.03,
         "contention_factor": model.contention_factor,
         "decode": decode,
         "prefill": prefill,
+        "mixed": mixed,
         "compress": compress,
     }

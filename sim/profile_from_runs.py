@@ -5,12 +5,14 @@ directory an engine replay or a served run writes (`--out`) holds each step's ki
 context, prefill tokens and attention pairs, compressed blocks and measured start and end. This
 module turns those steps into the profile format of `CalibratedCostModel` (docs/cost_model.md):
 
-- decode points: decode steps that neither compress nor overlap an async compression batch;
-- prefill points: prefill steps, one point each (`new_tokens` and its `attention_pairs`);
-- compress points: sync compressions, measured as the step's time minus the decode fit's
-  prediction of its decode; async batches as the time from the launching step's start to the end
+- decode, prefill and mixed points (a mixed step: decodes and prompt chunks in one forward, with
+  chunked prefill): the steps of that kind that neither compress nor overlap an async
+  compression batch, one point each (batch and context tokens of the decodes, new tokens and
+  attention pairs of the prompt chunks);
+- compress points: sync compressions, measured as the step's time minus the fitted model's
+  prediction of its forward; async batches as the time from the launching step's start to the end
   of the step that reported them done (an upper bound: the batch shares the GPU meanwhile);
-- the contention factor: the median ratio of overlapped decode steps to the decode fit.
+- the contention factor: the median ratio of overlapped steps to the fitted model.
 
 A step starts when the engine's loop iteration does, so the host time between steps (admission,
 scheduling, input staging) is inside the fitted times. The profile's header names the model,
@@ -27,7 +29,7 @@ import pandas as pd
 
 from zipage.errors import ConfigError
 
-from .cost_model import PROFILE_VERSION, CalibratedCostModel
+from .cost_model import PROFILE_VERSION, CalibratedCostModel, StepWork
 
 
 def profile_from_runs(run_dirs: list[str | Path], *, gpu: str | None = None) -> dict:
@@ -36,21 +38,23 @@ def profile_from_runs(run_dirs: list[str | Path], *, gpu: str | None = None) -> 
         raise ConfigError("--from-run: give at least one run directory (zipage replay --out)")
     runs = [_read(Path(directory)) for directory in run_dirs]
     header = _header(runs, gpu)
-    decode, prefill, compress, overlapped = [], [], [], []
+    points: dict[str, list] = {"decode": [], "prefill": [], "mixed": []}
+    compress, overlapped = [], []
     for summary, steps in runs:
         asynchronous = summary["settings"]["config"]["async_compress"]
-        _collect(steps, asynchronous, decode, prefill, compress, overlapped)
-    profile = {**header, "decode": decode, "prefill": prefill}
-    decode_fit = CalibratedCostModel.from_profile(profile).decode_fit
+        _collect(steps, asynchronous, points, compress, overlapped)
+    profile = {**header, "decode": points["decode"], "prefill": points["prefill"]}
+    if len(points["mixed"]) >= 2:  # what a fit of their constant needs; else one is assumed
+        profile["mixed"] = points["mixed"]
+    model = CalibratedCostModel.from_profile(profile)
     for row in compress:
-        batch, context = row.pop("batch"), row.pop("context_tokens")
-        if row.pop("sync"):  # the step's time less its decode
-            row["time_s"] -= decode_fit.predict(batch, context)
+        work = row.pop("work")
+        if row.pop("sync"):  # the step's time less its forward
+            row["time_s"] -= model.forward_time_for(work)
     usable = [row for row in compress if row["time_s"] > 0]
     if usable:
         profile["compress"] = usable
-    ratios = [row["time_s"] / decode_fit.predict(row["batch"], row["context_tokens"])
-              for row in overlapped]
+    ratios = [time_s / model.forward_time_for(work) for work, time_s in overlapped]
     if ratios:
         profile["contention_factor"] = round(max(1.0, statistics.median(ratios)), 4)
     return profile
@@ -63,8 +67,9 @@ def _read(directory: Path) -> tuple[dict, pd.DataFrame]:
     except (OSError, ValueError) as error:
         raise ConfigError(f"--from-run {directory}: cannot read the run directory ({error}); "
                           "give a directory written by `zipage replay --gpu --out DIR`") from None
-    needed = {"kind", "n_decode", "n_compress", "decode_context_tokens", "prefill_tokens",
-              "attention_pairs", "compress_blocks", "batches_done", "t_start", "t_end"}
+    needed = {"kind", "n_prefill", "n_decode", "n_compress", "decode_context_tokens",
+              "prefill_tokens", "attention_pairs", "compress_blocks", "batches_done", "t_start",
+              "t_end"}
     missing = sorted(needed - set(steps.columns))
     if missing or "settings" not in summary:
         raise ConfigError(f"--from-run {directory}: steps.csv lacks {', '.join(missing) or '-'}"
@@ -101,31 +106,40 @@ def _header(runs: list[tuple[dict, pd.DataFrame]], gpu: str | None) -> dict:
             "note": f"fitted by `zipage calibrate --from-run` from {len(runs)} run(s)", **header}
 
 
-def _collect(steps: pd.DataFrame, asynchronous: bool, decode: list, prefill: list,
-             compress: list, overlapped: list) -> None:
+def _collect(steps: pd.DataFrame, asynchronous: bool, points: dict[str, list], compress: list,
+             overlapped: list) -> None:
     launched_at: float | None = None  # start of the step that launched the batch in flight
     pending: dict | None = None  # the compress point of that batch, until it is reported done
     for step in steps.itertuples(index=False):
         duration = float(step.t_end - step.t_start)
-        if step.kind == "prefill":
-            prefill.append({"new_tokens": int(step.prefill_tokens),
-                            "attention_pairs": int(step.attention_pairs), "time_s": duration})
-        elif step.kind == "decode":
-            point = {"batch": int(step.n_decode), "context_tokens": int(step.decode_context_tokens),
-                     "time_s": duration}
+        if step.kind in points:  # every kind but idle runs a forward
+            work = StepWork(num_decode=int(step.n_decode),
+                            decode_context_tokens=int(step.decode_context_tokens),
+                            num_prefill=int(step.n_prefill),
+                            prefill_tokens=int(step.prefill_tokens),
+                            attention_pairs=int(step.attention_pairs))
             if step.n_compress and not asynchronous:
                 compress.append({"requests": int(step.n_compress),
-                                 "blocks": int(step.compress_blocks), "sync": True, **point})
+                                 "blocks": int(step.compress_blocks), "time_s": duration,
+                                 "sync": True, "work": work})
             elif step.n_compress:
                 launched_at = float(step.t_start)
                 pending = {"requests": int(step.n_compress), "blocks": int(step.compress_blocks),
-                           "sync": False, **point}
-                overlapped.append(point)
+                           "sync": False, "work": work}
+                overlapped.append((work, duration))
             elif launched_at is not None:
-                overlapped.append(point)
-            elif step.n_decode:
-                decode.append(point)
+                overlapped.append((work, duration))
+            else:
+                points[step.kind].append(_point(step.kind, work, duration))
         if step.batches_done and pending is not None:
             pending["time_s"] = float(step.t_end) - launched_at
             compress.append(pending)
             launched_at = pending = None
+
+
+def _point(kind: str, work: StepWork, duration: float) -> dict:
+    """A profile point in the section `kind` (format: docs/cost_model.md)."""
+    decode = {"batch": work.num_decode, "context_tokens": work.decode_context_tokens}
+    prefill = {"new_tokens": work.prefill_tokens, "attention_pairs": work.attention_pairs}
+    sections = {"decode": decode, "prefill": prefill, "mixed": {**decode, **prefill}}
+    return {**sections[kind], "time_s": duration}

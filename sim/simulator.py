@@ -5,8 +5,11 @@ Three processes share one SimPy clock:
 - the engine loop: `schedule()` -> wait the cost model's duration -> `finish(result)`, exactly the
   step protocol the real engine follows (docs/architecture.md, 'Step protocol');
 - the compressor: runs each async compression batch for `compress_time(batch)` while the engine
-  loop keeps decoding; decode steps that start while a batch is in flight are stretched by the
-  cost model's contention factor.
+  loop keeps stepping; steps that run while a batch is in flight are stretched by the cost
+  model's contention factor.
+
+A step lasts the cost model's `step_time(plan)`, whatever its kind (prefill, decode, or a mixed
+step of chunked prefill); an idle step lasts until the in-flight batch completes.
 
 The simulator never decides anything itself: who runs, who is compressed into which blocks and
 who is preempted all come from the plans. With sync compression its decisions are exactly the
@@ -20,7 +23,7 @@ import simpy
 from zipage.core.recorder import Run, StepRecorder
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
-from zipage.core.step import IDLE, PREFILL, StepPlan, StepResult
+from zipage.core.step import IDLE, StepPlan, StepResult
 
 from .cost_model import CostModel
 
@@ -119,14 +122,8 @@ class Simulator:
         """The step's duration; the part of it that runs beside an async compression batch
         is stretched by the cost model's contention factor."""
         cost = self.cost_model
-        if plan.kind == PREFILL:
-            duration = cost.prefill_time(plan)
-        else:
-            duration = cost.decode_time(plan)
-            if plan.compress_sync:
-                duration += cost.compress_time(plan.compress_sync)
+        duration = cost.step_time(plan)
         overlap = self._compression_ends_at - self.env.now
         if overlap > 0 and duration > 0:
             duration *= cost.decode_contention(min(1.0, overlap / duration))
         return duration
-

@@ -149,6 +149,19 @@ def test_timeline_leaves_gaps_between_steps_empty():
     assert binned.decode_tokens.sum() == pytest.approx(8.0)
 
 
+def test_timeline_counts_the_decodes_of_mixed_steps(tmp_path):
+    # Chunked prefill: a mixed step decodes 4 requests beside a prompt chunk; a prefill step
+    # decodes nobody.
+    steps = make_steps(["prefill", "mixed", "decode", "mixed"], [1.0, 1.0, 1.0, 1.0],
+                       n_decode=[0, 4, 4, 6], n_prefill=[1, 1, 0, 2])
+    binned = _bin_steps(steps, bins=2)
+    assert binned.decode_tokens == pytest.approx([4, 10])
+    assert binned.decode_seconds == pytest.approx([1.0, 2.0])
+    assert binned.prefill_share == pytest.approx([0.5, 0.0])
+    assert binned.mixed_share == pytest.approx([0.5, 0.5])
+    assert_png(plot_timeline(steps, tmp_path / "mixed.png"))
+
+
 @pytest.mark.parametrize("missing", ["summary.json", "steps.csv", "requests.csv"])
 def test_load_run_names_the_missing_file(real_dir, missing):
     (real_dir / missing).unlink()

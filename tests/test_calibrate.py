@@ -54,6 +54,70 @@ def test_profile_has_every_section_measured(profile):
     assert "contention_factor" in profile and 1.0 <= profile["contention_factor"] < float("inf")
 
 
+def test_profile_measures_mixed_steps(profile):
+    assert "mixed" in profile, profile["note"]  # the engine executes mixed steps
+    mixed = profile["mixed"]
+    # Decode batches at two contexts, each with the first and the last chunk of a prompt.
+    assert len({row["batch"] for row in mixed}) >= 2
+    assert len({row["context_tokens"] // row["batch"] for row in mixed}) == 2
+    assert len({row["new_tokens"] for row in mixed}) >= 2
+    assert {row["cached_tokens"] > 0 for row in mixed} == {False, True}
+    assert all(row["time_s"] > 0 for row in mixed)
+    fit = CalibratedCostModel.from_profile(profile).mixed_fit
+    assert fit.num_points == len(mixed) and fit.coefficients[0] > 0
+
+
+class MixedStepRunner:
+    """Stands in for a runner that executes mixed plans (until the engine's is merged): checks
+    what a real one would need of each plan and answers the tokens a real one samples."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, config: ZipageConfig) -> None:
+        self.config, self.plans = config, []
+
+    def execute(self, plan, tokens):
+        block_size = self.config.block_size
+        sequences = [item.seq for item in plan.prefill] + plan.decode
+        for item in plan.prefill:
+            assert len(item.seq.block_table) * block_size > item.num_tokens
+            assert len(tokens[item.seq.seq_id]) >= item.seq.prompt_len >= item.num_tokens
+        for seq in plan.decode:
+            assert len(seq.block_table) * block_size > seq.kv_len
+        slots = [seq.query_slot for seq in sequences]
+        assert len(set(slots)) == len(slots)  # no query slot shared in a step
+        blocks = [block for seq in sequences for block in seq.block_table]
+        assert len(set(blocks)) == len(blocks)
+        self.plans.append(plan)
+        return [(seq, 0) for seq in plan.sampled]
+
+
+def test_mixed_grid_on_an_engine_that_runs_mixed_steps():
+    from types import SimpleNamespace
+
+    from zipage.core.scheduler import Scheduler
+    from zipage.core.step import MIXED
+    from zipage.engine.calibrate import Bench, mixed_points, runs_mixed_steps
+
+    config = ZipageConfig(**KNOBS, max_model_len=512)
+    capacity = SimpleNamespace(num_blocks=2000, num_query_slots=80)
+    runner = MixedStepRunner(config)
+    engine = SimpleNamespace(config=config, capacity=capacity, runner=runner,
+                             new_scheduler=lambda: Scheduler(config, 2000, 80))
+    bench = Bench(engine, repeats=1)
+    assert runs_mixed_steps(bench) is None
+    points = mixed_points(bench)
+    assert bench.blocks.num_free_blocks == 2000  # every point frees what it took
+    # 3 batches x 2 contexts x 2 chunk sizes (128, and 255: half the longest prompt) x 2 chunks.
+    assert len(points) == 24 and all(plan.kind == MIXED for plan in runner.plans[1:])
+    profile = {"version": 2, "model": "tiny", "gpu": "h200", "mixed": points,
+               "decode": [{"batch": b, "context_tokens": b * c, "time_s": 1e-3 + 1e-6 * b * c}
+                          for b in (1, 4, 16) for c in (8, 72)],
+               "prefill": [{"new_tokens": n, "time_s": 2e-3 + 1e-6 * n * n} for n in (16, 64,
+                                                                                       255)] * 2}
+    assert CalibratedCostModel.from_profile(profile).mixed_fit.num_points == 24
+
+
 def test_simulator_accepts_the_profile_for_the_same_setup_only(profile, tiny_model, tmp_path):  # noqa: F811
     directory, _ = tiny_model
     path = tmp_path / "tiny-h200.json"

@@ -2,9 +2,11 @@
 
 They pin the shape of the analytic roofline (monotone in batch, context, blocks; memory-bound
 small-batch decode equal to a hand computation; flash above lightning above off; smaller layer
-stride dearer; prefix caching cheaper), its plausibility for the paper's setup (Qwen3-8B on an
-A100), the calibrated model's recovery of the coefficients it was fitted to, one clear
-ConfigError per profile mistake, and the shipped synthetic example profile.
+stride dearer; prefix caching cheaper; a mixed step between its larger part and the sum of its
+parts), its plausibility for the paper's setup (Qwen3-8B on an A100), the calibrated model's
+recovery of the coefficients it was fitted to (mixed steps included), one clear ConfigError per
+profile mistake, the shipped profiles, and the decode and prefill predictions every model made
+before mixed steps existed (tests/golden/cost_predictions.json), which must not change.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ from sim.cost_model import (
     synthesize_profile,
 )
 from sim.hardware import HARDWARE, get_hardware
-from zipage.core.step import CompressionBatch, PrefillItem, StepPlan
+from zipage.core.step import DECODE, MIXED, PREFILL, CompressionBatch, PrefillItem, StepPlan
 from zipage.errors import ConfigError
 from zipage.presets import get_preset
 
-EXAMPLE_PROFILE = Path(__file__).resolve().parents[1] / "sim/profiles/example-synthetic.json"
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE_PROFILE = ROOT / "sim/profiles/example-synthetic.json"
+GOLDEN_PREDICTIONS = ROOT / "tests/golden/cost_predictions.json"
 QWEN3_8B = get_preset("qwen3-8b")
 A100 = get_hardware("a100")
 
@@ -44,7 +48,7 @@ class Job:
 
 
 def decode_plan(batch: int, context_per_request: int) -> StepPlan:
-    return StepPlan(step_id=0, kind="decode", decode=[None] * batch,
+    return StepPlan(step_id=0, kind=DECODE, decode=[None] * batch,
                     decode_context_tokens=batch * context_per_request)
 
 
@@ -52,7 +56,17 @@ def prefill_plan(*requests: tuple[int, int]) -> StepPlan:
     """requests: (num_cached_tokens, num_tokens) per prefilled request."""
     items = [PrefillItem(seq=None, num_cached_tokens=cached, num_tokens=total)
              for cached, total in requests]
-    return StepPlan(step_id=0, kind="prefill", prefill=items)
+    return StepPlan(step_id=0, kind=PREFILL, prefill=items)
+
+
+def mixed_plan(batch: int, context_per_request: int, *chunks: tuple[int, int],
+               samples: bool = True) -> StepPlan:
+    """A chunked-prefill step: `batch` decodes, prompt chunks (num_cached_tokens, num_tokens)."""
+    plan = decode_plan(batch, context_per_request)
+    plan.kind = MIXED
+    plan.prefill = [PrefillItem(seq=None, num_cached_tokens=cached, num_tokens=total,
+                                samples=samples) for cached, total in chunks]
+    return plan
 
 
 def model(**knobs) -> AnalyticCostModel:
@@ -88,12 +102,12 @@ def test_unknown_gpu_lists_known_names():
 
 def test_decode_grows_with_batch_and_context():
     cost = model()
-    by_batch = [cost.decode_time(decode_plan(batch, 2048)) for batch in (1, 8, 32, 128, 176, 512)]
+    by_batch = [cost.step_time(decode_plan(batch, 2048)) for batch in (1, 8, 32, 128, 176, 512)]
     assert all(a < b for a, b in zip(by_batch, by_batch[1:]))
-    by_context = [cost.decode_time(decode_plan(64, context))
+    by_context = [cost.step_time(decode_plan(64, context))
                   for context in (128, 1024, 4096, 16384)]
     assert all(a < b for a, b in zip(by_context, by_context[1:]))
-    assert cost.decode_time(decode_plan(0, 0)) == 0.0
+    assert cost.step_time(decode_plan(0, 0)) == 0.0
 
 
 def test_small_batch_decode_is_weight_streaming():
@@ -106,14 +120,14 @@ def test_small_batch_decode_is_weight_streaming():
     expected = weight_bytes / (2.039e12 * 0.89 * 0.89)  # 9.37 ms on the A100
     cost = model()
     overhead = A100.step_overhead_s + 5e-6
-    gpu_time = cost.decode_time(decode_plan(1, 1)) - overhead
+    gpu_time = cost.step_time(decode_plan(1, 1)) - overhead
     assert gpu_time == pytest.approx(expected, rel=0.01)
     assert 9.0e-3 < gpu_time < 9.6e-3
 
 
 def test_decode_a100_qwen3_8b_batch_176_is_tens_of_ms():
     # The paper's operating point: Zipage keeps ~100-200 requests running on one A100.
-    seconds = model().decode_time(decode_plan(176, 2048))
+    seconds = model().step_time(decode_plan(176, 2048))
     assert 0.030 < seconds < 0.100  # 44.7 ms with the defaults (docs/cost_model.md)
 
 
@@ -121,13 +135,13 @@ def test_decode_is_cheap_to_evaluate():
     cost, plan = model(), decode_plan(176, 2048)
     start = time.perf_counter()
     for _ in range(20_000):
-        cost.decode_time(plan)
+        cost.step_time(plan)
     assert time.perf_counter() - start < 1.0  # ~2 us a call; the simulator calls it ~100k times
 
 
 def test_faster_gpu_decodes_faster():
     plan = decode_plan(176, 2048)
-    a100, h100, h200 = (AnalyticCostModel(QWEN3_8B, get_hardware(name)).decode_time(plan)
+    a100, h100, h200 = (AnalyticCostModel(QWEN3_8B, get_hardware(name)).step_time(plan)
                         for name in ("a100", "h100", "h200"))
     assert a100 > h100 > h200
 
@@ -139,7 +153,7 @@ def test_tensor_parallel_splits_weights_and_kv():
     assert two.weight_bytes == pytest.approx(one.weight_bytes / 2)
     assert two.kv_bytes_per_token == one.kv_bytes_per_token // 2
     plan = decode_plan(128, 2048)
-    assert two.decode_time(plan) < one.decode_time(plan)
+    assert two.step_time(plan) < one.step_time(plan)
     with pytest.raises(ConfigError, match="tensor_parallel"):
         AnalyticCostModel(qwen3_32b, A100, tensor_parallel=3)
 
@@ -159,20 +173,86 @@ def test_bad_knobs_raise_config_error_naming_them(knob, value):
 
 def test_prefill_with_cached_prefix_is_cheaper():
     cost = model()
-    uncached = cost.prefill_time(prefill_plan((0, 4096)))
-    cached = cost.prefill_time(prefill_plan((2048, 4096)))
+    uncached = cost.step_time(prefill_plan((0, 4096)))
+    cached = cost.step_time(prefill_plan((2048, 4096)))
     assert cached < uncached
     # Same new tokens, but attending to a longer prefix costs more than no prefix.
-    assert cost.prefill_time(prefill_plan((0, 2048))) < cached
-    assert cost.prefill_time(StepPlan(step_id=0, kind="prefill")) == 0.0
+    assert cost.step_time(prefill_plan((0, 2048))) < cached
+    assert cost.step_time(StepPlan(step_id=0, kind="prefill")) == 0.0
 
 
 def test_prefill_grows_with_tokens_and_batches_weights():
     cost = model()
-    times = [cost.prefill_time(prefill_plan((0, tokens))) for tokens in (16, 128, 1024, 8192)]
+    times = [cost.step_time(prefill_plan((0, tokens))) for tokens in (16, 128, 1024, 8192)]
     assert all(a < b for a, b in zip(times, times[1:]))
     # Two short prompts in one step stream the weights once: cheaper than two steps.
-    assert cost.prefill_time(prefill_plan((0, 128), (0, 128))) < 2 * times[1]
+    assert cost.step_time(prefill_plan((0, 128), (0, 128))) < 2 * times[1]
+
+
+# --- analytic mixed steps (chunked prefill) ----------------------------------------------------
+
+MIXED_CASES = [  # (model, gpu, knobs), decode batch, context per request, chunks
+    (("qwen3-8b", "a100", {}), 1, 512, [(0, 16)]),
+    (("qwen3-8b", "a100", {}), 64, 2048, [(0, 512)]),
+    (("qwen3-8b", "h200", {}), 176, 2048, [(1024, 2048), (0, 300)]),
+    (("qwen3-8b", "h200", {}), 8, 8192, [(6000, 8000)]),
+    (("qwen3-0.6b", "h200", {}), 32, 2048, [(0, 128)]),
+    (("qwen3-0.6b", "h200", {}), 1, 100, [(0, 1)]),
+    (("qwen3-32b", "h100", {"tensor_parallel": 2}), 128, 4096, [(0, 1024)]),
+]
+
+
+@pytest.mark.parametrize("setup, batch, context, chunks", MIXED_CASES)
+def test_mixed_step_costs_between_its_larger_part_and_the_sum_of_its_parts(setup, batch,
+                                                                          context, chunks):
+    name, gpu, knobs = setup
+    cost = AnalyticCostModel(get_preset(name), get_hardware(gpu), **knobs)
+    decode = cost.step_time(decode_plan(batch, context))
+    prefill = cost.step_time(prefill_plan(*chunks))
+    mixed = cost.step_time(mixed_plan(batch, context, *chunks))
+    assert max(decode, prefill) <= mixed
+    # One forward: the weights stream once and the step's host overhead is paid once.
+    assert mixed < decode + prefill - cost.gpu.step_overhead_s
+
+
+def test_mixed_step_reduces_to_decode_and_prefill():
+    cost = model()
+    # The same plan fields give the same time whatever the kind label says.
+    assert cost.step_time(mixed_plan(32, 2048)) == cost.step_time(decode_plan(32, 2048))
+    assert cost.step_time(mixed_plan(0, 0, (0, 512))) == cost.step_time(prefill_plan((0, 512)))
+    assert cost.step_time(StepPlan(step_id=0, kind="idle")) == 0.0
+
+
+def test_mixed_step_grows_with_every_count():
+    cost = model()
+    by_chunk = [cost.step_time(mixed_plan(64, 2048, (0, tokens)))
+                for tokens in (1, 16, 128, 1024, 4096)]
+    assert all(a < b for a, b in zip(by_chunk, by_chunk[1:]))
+    by_batch = [cost.step_time(mixed_plan(batch, 2048, (0, 256))) for batch in (1, 16, 128, 512)]
+    assert all(a < b for a, b in zip(by_batch, by_batch[1:]))
+    by_context = [cost.step_time(mixed_plan(64, context, (0, 256)))
+                  for context in (128, 2048, 16384)]
+    assert all(a < b for a, b in zip(by_context, by_context[1:]))
+    # A chunk late in its prompt attends to more keys than the same chunk at the start.
+    assert (cost.step_time(mixed_plan(64, 2048, (4096, 4352)))
+            > cost.step_time(mixed_plan(64, 2048, (0, 256))))
+
+
+def test_a_partial_chunk_computes_no_logits():
+    cost = model()
+    whole = cost.step_time(mixed_plan(16, 2048, (0, 512)))
+    partial = cost.step_time(mixed_plan(16, 2048, (0, 512), samples=False))
+    assert partial < whole
+    # The difference is one LM-head row: 2 * vocab * hidden FLOPs, microseconds.
+    assert whole - partial < 1e-4
+
+
+def test_mixed_step_with_sync_compression_adds_the_compression():
+    cost = model()
+    plan = mixed_plan(16, 2048, (0, 512))
+    plan.compress_sync = [Job(9)]
+    assert cost.step_time(plan) == (cost.step_time(mixed_plan(16, 2048, (0, 512)))
+                                    + cost.compress_time([Job(9)]))
 
 
 # --- analytic compression ---------------------------------------------------------------------
@@ -219,7 +299,7 @@ def test_compression_of_one_request_is_a_fraction_of_a_busy_decode_step():
     # The paper: a compression step costs ~40-70% of a decode step and lightning brings it to
     # about one decode step or less; our kernels' roofline is well under either.
     cost = model()
-    decode = cost.decode_time(decode_plan(176, 2048))
+    decode = cost.step_time(decode_plan(176, 2048))
     assert cost.compress_time([Job(9)]) < 0.5 * decode
 
 
@@ -238,6 +318,14 @@ def test_contention_factor():
 DECODE_TRUTH = (0.010, 3e-5, 1.2e-7)  # constant, per request, per KV entry
 PREFILL_TRUTH = (0.004, 6e-5, 4e-9)  # constant, per new token, per attention pair
 COMPRESS_TRUTH = (0.003, 2e-4, 5e-6)  # constant, per block, per block squared (flash)
+# A mixed step: its own constant plus the decode and the prefill per-unit costs.
+MIXED_CONSTANT = 0.011
+MIXED_TRUTH = (MIXED_CONSTANT,) + DECODE_TRUTH[1:] + PREFILL_TRUTH[1:]
+
+
+def mixed_truth(batch: int, context: int, new: int, pairs: int) -> float:
+    return (MIXED_CONSTANT + DECODE_TRUTH[1] * batch + DECODE_TRUTH[2] * context
+            + PREFILL_TRUTH[1] * new + PREFILL_TRUTH[2] * pairs)
 
 
 def synthetic_profile(noise: float = 0.01, redundancy: str = "flash") -> dict:
@@ -262,28 +350,67 @@ def synthetic_profile(noise: float = 0.01, redundancy: str = "flash") -> dict:
             compress.append({"requests": requests, "blocks": blocks, "time_s": measured(
                 COMPRESS_TRUTH[0] + COMPRESS_TRUTH[1] * blocks
                 + COMPRESS_TRUTH[2] * requests * each * each)})
-    return {"version": 1, "model": "qwen3-8b", "gpu": "a100-80gb", "dtype": "bfloat16",
+    mixed = []
+    for batch in (1, 32, 128):
+        for context in (512, 4096):
+            for new, cached in ((64, 0), (1024, 0), (4096, 2048)):
+                pairs = new * cached + new * (new + 1) // 2
+                mixed.append({"batch": batch, "context_tokens": batch * context,
+                              "new_tokens": new, "cached_tokens": cached, "time_s": measured(
+                                  mixed_truth(batch, batch * context, new, pairs))})
+    return {"version": 2, "model": "qwen3-8b", "gpu": "a100-80gb", "dtype": "bfloat16",
             "block_size": 256, "redundancy": redundancy, "decode": decode, "prefill": prefill,
-            "compress": compress, "contention_factor": 1.2}
+            "mixed": mixed, "compress": compress, "contention_factor": 1.2}
 
 
 def test_calibrated_recovers_coefficients():
     fitted = CalibratedCostModel.from_profile(synthetic_profile())
     for fit, truth in ((fitted.decode_fit, DECODE_TRUTH), (fitted.prefill_fit, PREFILL_TRUTH),
-                       (fitted.compress_fit, COMPRESS_TRUTH)):
+                       (fitted.mixed_fit, MIXED_TRUTH), (fitted.compress_fit, COMPRESS_TRUTH)):
         assert fit.coefficients == pytest.approx(truth, rel=0.08)
         assert fit.relative_rms_error < 0.02
     assert fitted.compress_fit.feature_names == ("constant", "blocks", "blocks_squared")
+    assert fitted.mixed_fit.feature_names == (
+        "constant", "batch", "context_tokens", "new_tokens", "attention_pairs")
     assert fitted.contention_factor == 1.2
     # Predictions go through the same plan interface as the analytic model.
     assert isinstance(fitted, CostModel)
     expected = DECODE_TRUTH[0] + DECODE_TRUTH[1] * 100 + DECODE_TRUTH[2] * 100 * 3000
-    assert fitted.decode_time(decode_plan(100, 3000)) == pytest.approx(expected, rel=0.03)
+    assert fitted.step_time(decode_plan(100, 3000)) == pytest.approx(expected, rel=0.03)
     pairs = 1000 * 500 + 1000 * 1001 // 2
     expected = PREFILL_TRUTH[0] + PREFILL_TRUTH[1] * 1000 + PREFILL_TRUTH[2] * pairs
-    assert fitted.prefill_time(prefill_plan((500, 1500))) == pytest.approx(expected, rel=0.03)
+    assert fitted.step_time(prefill_plan((500, 1500))) == pytest.approx(expected, rel=0.03)
+    expected = mixed_truth(100, 100 * 3000, 1000, pairs)
+    assert fitted.step_time(mixed_plan(100, 3000, (500, 1500))) == pytest.approx(expected,
+                                                                                rel=0.03)
     expected = COMPRESS_TRUTH[0] + COMPRESS_TRUTH[1] * 30 + COMPRESS_TRUTH[2] * (100 + 400)
     assert fitted.compress_time([Job(10), Job(20)]) == pytest.approx(expected, rel=0.05)
+
+
+def test_calibrated_fit_is_exact_on_exact_costs():
+    fitted = CalibratedCostModel.from_profile(synthetic_profile(noise=0.0))
+    for fit, truth in ((fitted.decode_fit, DECODE_TRUTH), (fitted.prefill_fit, PREFILL_TRUTH),
+                       (fitted.mixed_fit, MIXED_TRUTH)):
+        assert fit.coefficients == pytest.approx(truth, rel=1e-9)
+        assert fit.relative_rms_error < 1e-9
+
+
+def test_version_1_profile_assumes_one_forward_for_mixed_steps():
+    profile = synthetic_profile(noise=0.0)
+    profile["version"] = 1
+    del profile["mixed"]
+    fitted = CalibratedCostModel.from_profile(profile)
+    mixed = fitted.mixed_fit
+    # No mixed points: the larger constant (one forward's fixed cost), the parts' slopes.
+    assert mixed.num_points == 0
+    assert mixed.coefficients == pytest.approx((max(DECODE_TRUTH[0], PREFILL_TRUTH[0]),)
+                                               + MIXED_TRUTH[1:], rel=1e-9)
+    decode = fitted.step_time(decode_plan(64, 2048))
+    prefill = fitted.step_time(prefill_plan((0, 512)))
+    assert max(decode, prefill) < fitted.step_time(mixed_plan(64, 2048, (0, 512))) \
+        < decode + prefill
+    with pytest.raises(ConfigError, match="mixed.*version"):
+        CalibratedCostModel.from_profile(dict(synthetic_profile(), version=1))
 
 
 def test_calibrated_lightning_profile_fits_blocks_only():
@@ -294,14 +421,14 @@ def test_calibrated_lightning_profile_fits_blocks_only():
 def test_calibrated_predictions_never_fall_below_fastest_measurement():
     fitted = CalibratedCostModel.from_profile(synthetic_profile())
     fastest = min(point["time_s"] for point in synthetic_profile()["decode"])
-    assert fitted.decode_time(decode_plan(1, 1)) >= fastest
+    assert fitted.step_time(decode_plan(1, 1)) >= fastest
 
 
 def test_calibrated_without_compress_section_refuses_to_time_compression():
     profile = synthetic_profile()
     del profile["compress"]
     fitted = CalibratedCostModel.from_profile(profile)
-    assert fitted.decode_time(decode_plan(8, 1024)) > 0
+    assert fitted.step_time(decode_plan(8, 1024)) > 0
     with pytest.raises(ConfigError, match="compress"):
         fitted.compress_time([Job(9)])
 
@@ -315,7 +442,12 @@ def broken(edit) -> dict:
 @pytest.mark.parametrize("edit, field", [
     (lambda p: p.pop("decode"), "decode"),
     (lambda p: p.update(prefill={"new_tokens": 1}), "prefill"),
-    (lambda p: p.update(version=2), "version"),
+    (lambda p: p.update(version=3), "version"),
+    (lambda p: p.update(version=True), "version"),
+    (lambda p: p["mixed"][2].pop("new_tokens"), r"mixed\[2\]\.new_tokens"),
+    (lambda p: p["mixed"][0].update(batch=-1), r"mixed\[0\]\.batch"),
+    (lambda p: p.update(mixed=p["mixed"][:1]), "mixed.*at least 2"),
+    (lambda p: p.update(mixed={}), "mixed"),
     (lambda p: p.pop("gpu"), "gpu"),
     (lambda p: p["decode"][3].pop("time_s"), r"decode\[3\]\.time_s"),
     (lambda p: p["decode"][1].update(batch=-4), r"decode\[1\]\.batch"),
@@ -353,9 +485,10 @@ def test_example_profile_is_labelled_synthetic_and_tracks_the_analytic_model():
     assert isinstance(fitted, CalibratedCostModel)
     analytic = model()
     for plan in (decode_plan(32, 2048), decode_plan(176, 2048)):
-        assert fitted.decode_time(plan) == pytest.approx(analytic.decode_time(plan), rel=0.15)
-    plan = prefill_plan((0, 2048))
-    assert fitted.prefill_time(plan) == pytest.approx(analytic.prefill_time(plan), rel=0.15)
+        assert fitted.step_time(plan) == pytest.approx(analytic.step_time(plan), rel=0.15)
+    for plan in (prefill_plan((0, 2048)), mixed_plan(32, 2048, (0, 512)),
+                 mixed_plan(128, 1024, (0, 2048))):
+        assert fitted.step_time(plan) == pytest.approx(analytic.step_time(plan), rel=0.15)
     assert fitted.compress_time([Job(9)]) == pytest.approx(analytic.compress_time([Job(9)]),
                                                            rel=0.15)
 
@@ -366,6 +499,9 @@ def test_synthesized_profile_round_trips_through_the_calibrated_model():
                                               redundancy="flash")
     assert fitted.compress_fit.feature_names[-1] == "blocks_squared"
     assert fitted.decode_fit.relative_rms_error < 0.1
+    # A plane cannot follow the roofline's bend exactly; a mixed step adds no worse error.
+    assert fitted.mixed_fit.num_points == len(profile["mixed"])
+    assert fitted.mixed_fit.relative_rms_error < 0.1
 
 
 def test_load_cost_model_specs():
@@ -388,3 +524,66 @@ def test_load_cost_model_specs():
 def test_profile_for_another_setup_is_refused(shape, gpu, knobs, field):
     with pytest.raises(ConfigError, match=field):
         load_cost_model(str(EXAMPLE_PROFILE), shape, gpu, **knobs)
+
+
+# --- predictions that must not change -----------------------------------------------------------
+
+
+def golden_model(entry: dict) -> CostModel:
+    shape, gpu = get_preset(entry["model"]), get_hardware(entry["gpu"])
+    if entry["spec"] == "analytic":
+        return AnalyticCostModel(shape, gpu, **entry["knobs"])
+    return load_cost_model(entry["spec"], shape, gpu)
+
+
+GOLDEN = json.loads(GOLDEN_PREDICTIONS.read_text())
+
+
+@pytest.mark.parametrize("entry", GOLDEN["models"], ids=lambda entry: entry["spec"] + "-"
+                         + entry["model"])
+def test_decode_and_prefill_predictions_are_what_they_were_before_mixed_steps(entry):
+    """Mixed steps changed the cost models' interface and the profile format (version 2); every
+    decode and prefill step of the analytic model and of the shipped profiles (version 1 files
+    among them) must still cost exactly what it did (generated at commit 16793d0 with
+    decode_time_for and prefill_time_for)."""
+    cost = golden_model(entry)
+    for (batch, context), expected in zip(GOLDEN["decode"], entry["decode"]):
+        assert cost.decode_time_for(batch, context) == expected
+        plan = StepPlan(step_id=0, kind=DECODE, decode=[None] * batch,
+                        decode_context_tokens=context)
+        assert cost.step_time(plan) == expected
+    for requests, expected in zip(GOLDEN["prefill"], entry["prefill"]):
+        assert cost.prefill_time_for([tuple(request) for request in requests]) == expected
+        plan = prefill_plan(*[(cached, cached + new) for new, cached in requests])
+        assert cost.step_time(plan) == expected
+
+
+def test_every_shipped_profile_loads_and_times_mixed_steps():
+    specs = sorted(path.stem for path in (ROOT / "sim/profiles").glob("*.json"))
+    assert {entry["spec"] for entry in GOLDEN["models"]} >= set(specs)
+    for spec in specs:
+        data = json.loads((ROOT / "sim/profiles" / f"{spec}.json").read_text())
+        cost = load_cost_model(spec, get_preset(data["model"]), get_hardware(data["gpu"]))
+        decode = cost.step_time(decode_plan(32, 1024))
+        prefill = cost.step_time(prefill_plan((0, 512)))
+        mixed = cost.step_time(mixed_plan(32, 1024, (0, 512)))
+        # Measured profiles (version 1) have no mixed points: one forward's fixed cost assumed.
+        assert (cost.mixed_fit.num_points > 0) == ("mixed" in data)
+        assert 0 < mixed < decode + prefill
+
+
+def test_compression_batches_of_one_size_fit_a_cost_per_block():
+    """A run whose compression batches all had the same number of blocks (one request each, say)
+    cannot separate a constant from a per-block cost: the profile takes the cost as proportional
+    to blocks instead of refusing (`zipage calibrate --from-run` on such a run)."""
+    data = json.loads(EXAMPLE_PROFILE.read_text())
+    data["compress"] = [{"requests": 1, "blocks": 9, "time_s": time}
+                        for time in (0.0040, 0.0044, 0.0042)]
+    model = CalibratedCostModel.from_profile(data)
+    fit = model.compress_fit
+    assert fit.coefficients[0] == 0.0
+    assert fit.coefficients[1] == pytest.approx(0.0042 / 9)
+    assert model.compress_time_for([18]) == pytest.approx(2 * 0.0042)
+    # Varied sizes still get a constant and a slope.
+    data["compress"][0]["blocks"] = 18
+    assert CalibratedCostModel.from_profile(data).compress_fit.coefficients[0] != 0.0

@@ -33,6 +33,9 @@ from zipage.kernels import attention  # noqa: E402
 from zipage.kernels.attention_ref import (  # noqa: E402
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
+    prefill_tile_tokens,
+    prefill_work,
+    prefill_work_capacity,
     store_kv_ref,
 )
 
@@ -62,7 +65,8 @@ def hopper_launches() -> list:
     attention_shape = shape | dict(GROUP=8, KV_TILE=64, DOT_PRECISION="tf32")
     return [
         (kernels._store_kv_kernel, shape | dict(NUM_KV_HEADS=2, HEADS_PADDED=2)),
-        (kernels._prefill_kernel, attention_shape | dict(GROUP_PADDED=8, QUERY_TOKENS=8)),
+        (kernels._prefill_kernel, attention_shape | dict(GROUP_PADDED=8, QUERY_TOKENS=8, USE_WORK_ITEMS=False)),
+        (kernels._prefill_kernel, attention_shape | dict(GROUP_PADDED=8, QUERY_TOKENS=8, USE_WORK_ITEMS=True)),
         (
             kernels._decode_partition_kernel,
             attention_shape | dict(NUM_HEADS=16, SINGLE_PARTITION=False, GROUP_PADDED=16, MIN_TILES=2),
@@ -76,7 +80,9 @@ def hopper_launches() -> list:
 
 POINTER_TYPES = {name: "*bf16" for name in ("key_ptr", "value_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
 POINTER_TYPES |= {name: "*fp32" for name in ("partial_out_ptr", "partial_log_sum_ptr")}
-POINTER_TYPES |= {name: "*i32" for name in ("cu_seqlens_q_ptr", "context_lens_ptr", "block_tables_ptr")}
+POINTER_TYPES |= {
+    name: "*i32" for name in ("cu_seqlens_q_ptr", "context_lens_ptr", "block_tables_ptr", "work_items_ptr")
+}
 POINTER_TYPES |= {"slot_mapping_ptr": "*i64", "qk_scale": "fp32"}
 
 
@@ -240,6 +246,65 @@ def test_prefill_matches_reference(triton_kernels, dtype, group, block_size, pad
     torch.testing.assert_close(out, paged_prefill_attention_ref(*arguments), **TOLERANCES[dtype])
     # The engine passes the longest query length instead of letting the wrapper read it back.
     assert torch.equal(triton_kernels.paged_prefill_attention_triton(*arguments, max(q_lens)), out)
+
+
+def test_prefill_work_lists_every_tile_once_and_pads():
+    work = prefill_work(torch.tensor([5, 0, 16, 17, 1]), tile_tokens=8, capacity=12)
+    assert work.items.tolist() == [[0, 0], [2, 0], [2, 1], [3, 0], [3, 1], [3, 2], [4, 0]] + [[-1, -1]] * 5
+    assert prefill_tile_tokens(32, 8) == 16 and prefill_tile_tokens(12, 4) == 16 and prefill_tile_tokens(4, 4) == 64
+    # The capacity bound holds for the worst split of a bucket: every sequence one token past full tiles.
+    assert len(prefill_work(torch.tensor([9] * 7), 8).items) <= prefill_work_capacity(64, 7, 8)
+    with pytest.raises(ValueError, match="do not fit"):
+        prefill_work(torch.tensor([17]), tile_tokens=8, capacity=2)
+
+
+def test_reference_leaves_padding_rows_zero():
+    """A padded step: rows past cu_seqlens_q[-1] and zero-length padding sequences compute nothing."""
+    generator = torch.Generator().manual_seed(4)
+    batch = make_paged_batch([9, 3], 16, torch.float32, generator)
+    q = torch.randn((16, NUM_KV_HEADS, HEAD_DIM), generator=generator)
+    cu = torch.tensor([0, 5, 8, 8, 8], dtype=torch.int32)
+    lens = torch.tensor([9, 3, 0, 0], dtype=torch.int32)
+    tables = torch.cat([batch.block_tables, torch.zeros_like(batch.block_tables)])
+    padded = paged_prefill_attention_ref(q, batch.k_cache, batch.v_cache, cu, lens, tables, 0.125)
+    tight = paged_prefill_attention_ref(q[:8], batch.k_cache, batch.v_cache, cu[:3], lens[:2], tables[:2], 0.125)
+    assert torch.equal(padded[:8], tight) and torch.count_nonzero(padded[8:]) == 0
+
+
+@under_interpreter
+@pytest.mark.parametrize("dtype,group", [(torch.float32, 1), (torch.float32, 3), (torch.float16, 8)])
+def test_prefill_work_items_match_the_grid(triton_kernels, dtype, group):
+    """The work-list launch (tight, and padded as a CUDA graph's: padding items, zero-length padding sequences,
+    rows past the last sequence, decode rows as 1-token sequences) computes exactly what the grid does."""
+    generator = torch.Generator().manual_seed(group + 40)
+    block_size = 16
+    context_lens = [2 * block_size + 23, 70, 40, 17, 1]
+    q_lens = [23, 70, 1, 1, 1]  # a cached-prefix chunk, a whole prompt, three decode rows
+    batch = make_paged_batch(context_lens, block_size, dtype, generator)
+    total = sum(q_lens)
+    q = torch.randn((total, NUM_KV_HEADS * group, HEAD_DIM), generator=generator).to(dtype)
+    arguments = (q, batch.k_cache, batch.v_cache, cumulative(q_lens), batch.context_lens, batch.block_tables, 0.125)
+    grid_out = triton_kernels.paged_prefill_attention_triton(*arguments, max(q_lens))
+    tile = prefill_tile_tokens(NUM_KV_HEADS * group, NUM_KV_HEADS)
+    tight = prefill_work(torch.tensor(q_lens), tile)
+    assert torch.equal(triton_kernels.paged_prefill_attention_triton(*arguments, None, tight), grid_out)
+    # Padded: 128 rows, 8 sequences (3 of them empty), the work list sized for the bucket.
+    rows, seqs = 128, 8
+    padded_q = torch.cat([q, torch.randn((rows - total, *q.shape[1:]), generator=generator).to(dtype)])
+    cu = torch.cat([cumulative(q_lens), torch.full((seqs - len(q_lens),), total, dtype=torch.int32)])
+    lens = torch.cat([batch.context_lens, torch.zeros(seqs - len(q_lens), dtype=torch.int32)])
+    tables = torch.cat([batch.block_tables, torch.zeros((seqs - len(q_lens), batch.block_tables.shape[1]),
+                                                        dtype=torch.int32)])
+    padded = prefill_work(torch.tensor(q_lens + [0] * (seqs - len(q_lens))), tile,
+                          capacity=prefill_work_capacity(rows, seqs, tile))
+    padded_arguments = (padded_q, batch.k_cache, batch.v_cache, cu, lens, tables, 0.125)
+    out = triton_kernels.paged_prefill_attention_triton(*padded_arguments, None, padded)
+    assert torch.equal(out[:total], grid_out)
+    torch.testing.assert_close(out[:total], paged_prefill_attention_ref(*padded_arguments)[:total],
+                               **TOLERANCES[dtype])
+    decode = paged_decode_attention_ref(q[93:], batch.k_cache, batch.v_cache, batch.context_lens[2:],
+                                        batch.block_tables[2:], 0.125)
+    torch.testing.assert_close(out[93:total], decode, **TOLERANCES[dtype])
 
 
 DECODE_CASES = [

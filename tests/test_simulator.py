@@ -1,5 +1,6 @@
 """The simulator twin: same decisions as the instant driver in sync mode, the core's invariants
-under random step and compression durations (async included), and the CLI's contract."""
+under random step and compression durations (async included), mixed steps (chunked prefill)
+timed by the cost model as one step, and the CLI's contract."""
 
 from __future__ import annotations
 
@@ -17,8 +18,12 @@ from hypothesis import strategies as st
 from strategies import MODES, cases, mode_seed
 from zipage.core.config import ZipageConfig
 from zipage.core.scheduler import Scheduler
+from zipage.core.sequence import Sequence
+from zipage.core.step import DECODE, MIXED, PREFILL
 from zipage.deployment import ReplaySettings
-from zipage.sim.cost_model import CostModel
+from zipage.presets import get_preset
+from zipage.sim.cost_model import AnalyticCostModel, CostModel
+from zipage.sim.hardware import get_hardware
 from zipage.sim.instant import InstantDriver
 from zipage.sim.simulate import simulate
 from zipage.sim.simulator import Simulator
@@ -33,11 +38,8 @@ class RandomCostModel(CostModel):
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
 
-    def decode_time(self, plan) -> float:
-        return self.rng.uniform(0.001, 0.05)
-
-    def prefill_time(self, plan) -> float:
-        return self.rng.uniform(0.001, 0.2)
+    def step_time(self, plan) -> float:
+        return self.rng.uniform(0.001, 0.2 if plan.prefill else 0.05)
 
     def compress_time(self, jobs) -> float:
         return self.rng.uniform(0.0, 0.3)
@@ -45,10 +47,7 @@ class RandomCostModel(CostModel):
     def decode_contention(self, overlap_fraction: float) -> float:
         return 1.0 + 0.3 * overlap_fraction
 
-    def decode_time_for(self, batch, context_tokens):
-        raise NotImplementedError
-
-    def prefill_time_for(self, requests):
+    def forward_time_for(self, work):
         raise NotImplementedError
 
     def compress_time_for(self, blocks):
@@ -122,6 +121,88 @@ def test_async_compression_overlaps_decoding():
         results[asynchronous] = summary
     assert results[True]["compressions"] > 0
     assert results[True]["makespan_s"] < results[False]["makespan_s"]
+
+
+CHUNKED_SHAPES = [(70, 12), (5, 30), (130, 8), (33, 20), (64, 1), (200, 15)]  # prompt, output
+
+
+def chunked_run(driver_class, **driver_knobs):
+    """A run of the core's chunked prefill (sync compression, a step budget of 48 tokens, so
+    prompts split and share steps with decodes), and the plans it was made of."""
+    config = ZipageConfig(block_size=16, window=4, kv_budget=64, async_compress=False,
+                          chunked_prefill=True, max_num_batched_tokens=48)
+    scheduler = Scheduler(config, num_blocks=64, num_query_slots=4)
+    plans, schedule = [], scheduler.schedule
+
+    def recording_schedule():
+        plan = schedule()
+        if plan is not None:
+            plans.append(plan)
+        return plan
+
+    scheduler.schedule = recording_schedule
+    sequences = [Sequence(f"r{index}", [1000 * index + token for token in range(prompt)], output,
+                          arrival_s=0.002 * index)
+                 for index, (prompt, output) in enumerate(CHUNKED_SHAPES)]
+    run = driver_class(scheduler, check=True, **driver_knobs).run(sequences)
+    assert run.summary["completed"] == len(CHUNKED_SHAPES)
+    assert run.summary["output_tokens"] == sum(output for _, output in CHUNKED_SHAPES)
+    return run, plans
+
+
+def test_simulator_times_mixed_steps_as_one_forward():
+    cost = AnalyticCostModel(get_preset("qwen3-0.6b"), get_hardware("h200"), block_size=16,
+                             window=4, kv_budget=64)
+    run, plans = chunked_run(Simulator, cost_model=cost)
+    assert {DECODE, PREFILL, MIXED} <= {record.kind for record in run.steps}
+    assert any(plan.kind == MIXED and plan.compress_sync for plan in plans)
+    for record, plan in zip(run.steps, plans, strict=True):
+        assert record.kind == plan.kind
+        assert record.t_end - record.t_start == pytest.approx(cost.step_time(plan), rel=1e-9)
+
+
+def test_instant_driver_runs_a_mixed_step_as_one_step():
+    run, plans = chunked_run(InstantDriver)
+    assert MIXED in {record.kind for record in run.steps}
+    assert [record.t_end - record.t_start for record in run.steps] == [1.0] * len(plans)
+
+
+def test_sync_simulator_decides_like_the_instant_driver_with_chunked_prefill():
+    trace = load_trace(ROOT / "traces" / "tiny.json")
+    config = ZipageConfig(block_size=16, window=4, kv_budget=64, async_compress=False,
+                          chunked_prefill=True, max_num_batched_tokens=48)
+    settings_ = ReplaySettings(model="qwen3-0.6b", kv_memory_gb=0.05, config=config)
+    summary, run = simulate(trace, settings_, log_decisions=True, check=True)
+    from zipage.deployment import trace_sequences
+    from zipage.presets import resolve_shape
+
+    shape = resolve_shape("qwen3-0.6b")
+    scheduler = Scheduler(replace(config, max_model_len=shape.max_position),
+                          summary["num_blocks"], summary["max_concurrency"])
+    instant = InstantDriver(scheduler, log_decisions=True).run(
+        trace_sequences(trace, shape.vocab_size, need_tokens=True))
+    assert run.decision_log == instant.decision_log
+    assert MIXED in {record.kind for record in run.steps}
+    assert summary["completed"] == len(trace.requests)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_invariants_hold_under_random_timing_with_chunked_prefill(mode):
+    from test_core_chunked import chunked_cases
+
+    @settings(max_examples=40)
+    @given(case=chunked_cases(mode), seed=st.integers(0, 1000))
+    def check(case, seed):
+        scheduler = Scheduler(case.config, case.num_blocks, case.num_slots)
+        sequences = case.sequences()
+        for seq in sequences:  # arrivals in seconds instead of steps
+            seq.arrival_s = seq.arrival_s * 0.05
+        run = Simulator(scheduler, RandomCostModel(seed), check=True).run(sequences)
+        accepted = [seq for seq in sequences if seq.error is None]
+        assert run.summary["completed"] == len(accepted)
+        assert all(seq.num_output_tokens == seq.max_output_tokens for seq in accepted)
+
+    check()
 
 
 def run_cli(*arguments: str) -> subprocess.CompletedProcess:

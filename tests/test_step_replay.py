@@ -1,5 +1,6 @@
 """Step-time replay: the simulator driven by an engine run's measured clock makes exactly the
-engine's decisions, step for step, with sync and async compression and with online arrivals."""
+engine's decisions, step for step, with sync and async compression, with online arrivals, and
+with chunked prefill (mixed steps)."""
 
 from __future__ import annotations
 
@@ -27,21 +28,30 @@ def tiny_model(tmp_path_factory):
     return directory
 
 
-def online_trace() -> Trace:
+# Arrivals 5 ms apart into 0.1 MB of KV overlap and preempt whether a step takes 0.1 ms or 10 ms
+# (40 ms apart, a fast machine finished each request before the next arrived: no preemption).
+# The fitting tests keep the wider spacing, whose steps vary more.
+TIGHT = dict(spacing=0.005, kv_memory_gb=0.0001)
+WIDE = dict(spacing=0.04, kv_memory_gb=0.00012)
+
+
+def online_trace(spacing: float = TIGHT["spacing"]) -> Trace:
     """Requests arriving while the engine runs (some share a prefix), long enough to compress."""
     shapes = [(20, 70), (33, 40), (5, 90), (40, 30), (17, 60), (64, 20), (21, 80), (48, 35)]
     return Trace("online", [
-        TraceRequest(id=f"r{i}", arrival_s=0.04 * i, prompt_len=prompt, output_len=output,
+        TraceRequest(id=f"r{i}", arrival_s=spacing * i, prompt_len=prompt, output_len=output,
                      prefix_group="g" if i % 2 else None, prefix_len=16 if i % 2 else 0)
         for i, (prompt, output) in enumerate(shapes)])
 
 
-def engine_run(model_dir, out_dir, trace: Trace, asynchronous: bool):
+def engine_run(model_dir, out_dir, trace: Trace, asynchronous: bool,
+               kv_memory_gb: float = TIGHT["kv_memory_gb"], **knobs):
     """`zipage replay --engine cpu --out` of `trace` in a cache small enough to compress and
     preempt."""
     torch.set_num_threads(1)
-    config = ZipageConfig(block_size=16, window=4, kv_budget=32, async_compress=asynchronous)
-    settings = ReplaySettings(model=str(model_dir), dtype="float32", kv_memory_gb=0.00012,
+    config = ZipageConfig(block_size=16, window=4, kv_budget=32, async_compress=asynchronous,
+                          **knobs)
+    settings = ReplaySettings(model=str(model_dir), dtype="float32", kv_memory_gb=kv_memory_gb,
                               config=config)
     summary, run = replay_on_engine(trace, settings, "cpu", log_decisions=True)
     return write_run(out_dir, summary, run.steps, run.requests, run.decision_log), summary, run
@@ -67,7 +77,7 @@ def test_step_replay_reports_drift(tiny_model, tmp_path):
     out, _, _ = engine_run(tiny_model, tmp_path / "engine", trace, asynchronous=False)
     # A scheduling change the engine did not have: fewer running requests at once.
     values = json.loads((out / "summary.json").read_text())
-    values["settings"]["config"]["max_num_seqs"] = 2
+    values["settings"]["config"]["max_num_seqs"] = 1
     (out / "summary.json").write_text(json.dumps(values))
     replayed, _ = replay_step_times(trace, out)
     assert not replayed["decisions_match"]
@@ -83,14 +93,15 @@ def test_profile_fitted_from_the_run_simulates_it(tiny_model, tmp_path):
     from zipage.sim.profile_from_runs import profile_from_runs
     from zipage.sim.simulate import simulate
 
-    trace = online_trace()
-    out, summary, _ = engine_run(tiny_model, tmp_path / "engine", trace, asynchronous=False)
+    trace = online_trace(WIDE["spacing"])
+    out, summary, _ = engine_run(tiny_model, tmp_path / "engine", trace, asynchronous=False,
+                                 kv_memory_gb=WIDE["kv_memory_gb"])
     profile = profile_from_runs([out], gpu="h100")
     assert profile["decode"] and profile["prefill"] and profile["compress"]
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(profile))
     settings = ReplaySettings(model=str(tiny_model), hardware="h100", dtype="float32",
-                              kv_memory_gb=0.00012, cost_model=str(path),
+                              kv_memory_gb=WIDE["kv_memory_gb"], cost_model=str(path),
                               config=ZipageConfig(block_size=16, window=4, kv_budget=32,
                                                   async_compress=False))
     simulated, _ = simulate(trace, settings)
@@ -103,8 +114,9 @@ def test_profile_fitted_from_the_run_simulates_it(tiny_model, tmp_path):
 def test_cli_step_times_and_calibrate_from_run(tiny_model, tmp_path, capsys):
     from zipage.cli import main
 
-    trace = online_trace()
-    out, _, _ = engine_run(tiny_model, tmp_path / "engine", trace, asynchronous=True)
+    trace = online_trace(WIDE["spacing"])
+    out, _, _ = engine_run(tiny_model, tmp_path / "engine", trace, asynchronous=True,
+                           kv_memory_gb=WIDE["kv_memory_gb"])
     trace_path = tmp_path / "trace.json"
     from zipage.trace import save_trace
 
@@ -118,3 +130,24 @@ def test_cli_step_times_and_calibrate_from_run(tiny_model, tmp_path, capsys):
     assert main(["calibrate", "--from-run", str(tmp_path / "nothing"), "--out",
                  str(profile)]) == 2
     assert "--from-run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_step_replay_of_a_chunked_prefill_run(tiny_model, tmp_path, asynchronous):
+    trace = online_trace()
+    out, summary, run = engine_run(tiny_model, tmp_path / "engine", trace, asynchronous,
+                                   chunked_prefill=True, max_num_batched_tokens=24)
+    assert "mixed" in {record.kind for record in run.steps}
+    assert summary["completed"] == len(trace.requests)
+    replayed, replay_run = replay_step_times(trace, out, check=True)
+    assert replayed["decisions_match"], replayed["first_decision_difference"]
+    # Every step, mixed ones included, lasts exactly what the engine measured.
+    assert [(r.kind, r.t_start, r.t_end) for r in replay_run.steps] == [
+        (r.kind, r.t_start, r.t_end) for r in run.steps]
+    if not asynchronous:
+        from zipage.sim.cost_model import CalibratedCostModel
+        from zipage.sim.profile_from_runs import profile_from_runs
+
+        profile = profile_from_runs([out], gpu="h100")
+        assert CalibratedCostModel.from_profile(profile).mixed_fit.num_points == len(
+            profile["mixed"]) >= 2

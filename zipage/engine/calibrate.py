@@ -2,7 +2,8 @@
 
 The simulator's calibrated cost model (`sim/cost_model.py`, docs/cost_model.md) fits linear models
 to measured step times: decode by (batch, context tokens), prefill by (new tokens, attention
-pairs), compression by source blocks, plus the slowdown of a decode step that overlaps an async
+pairs), mixed steps (chunked prefill: decodes and a prompt chunk in one forward) by both,
+compression by source blocks, plus the slowdown of a decode step that overlaps an async
 compression. This module measures exactly those on the engine: whole `ModelRunner.execute` calls
 (input building on the host, the CUDA graph or eager forward, sampling, tokens back on the host:
 what the step loop times), on synthetic requests laid out directly in the block manager, so every
@@ -19,16 +20,22 @@ from collections.abc import Callable
 
 import torch
 
-from zipage.core.step import DECODE, PREFILL, CompressionBatch, CompressionJob, PrefillItem, StepPlan
+from zipage.core.step import (
+    DECODE, MIXED, PREFILL, CompressionBatch, CompressionJob, PrefillItem, StepPlan,
+)
 from zipage.core.sequence import Sequence
 from zipage.engine.llm import Engine, build_engine
 from zipage.engine.sampler import SamplingParams
 from zipage.errors import ConfigError
 from zipage.deployment import ReplaySettings
+from zipage.sim.cost_model import PROFILE_VERSION
 
 DECODE_BATCHES = (1, 4, 16, 32, 64, 128, 256)
 FULL_KV_CONTEXTS = (512, 2048, 8192)
 PREFILL_TOKENS = (128, 512, 2048, 8192)
+# Mixed steps: decode batches (at the smallest and largest decode context) x prompt-chunk tokens.
+MIXED_BATCHES = (1, 16, 64)
+MIXED_CHUNK_TOKENS = (128, 512, 2048)
 COMPRESS_REQUESTS = (1, 2, 4, 8)
 # The profile's `gpu` field names an entry of the hardware table; these substrings of the CUDA
 # device name pick it when --hardware is not given.
@@ -49,8 +56,11 @@ class Bench:
         self.step_id = 0
         self.sequences: list[Sequence] = []
 
-    def fits(self, requests: int, tokens_each: int) -> bool:
-        needed = requests * -(-tokens_each // self.config.block_size)
+    def fits(self, *shapes: tuple[int, int]) -> bool:
+        """Whether requests of these (count, tokens each) fit the free blocks and query slots."""
+        block_size = self.config.block_size
+        needed = sum(requests * -(-tokens_each // block_size) for requests, tokens_each in shapes)
+        requests = sum(count for count, _ in shapes)
         slots_ok = not self.config.compress or requests <= self.engine.capacity.num_query_slots
         return slots_ok and needed <= self.blocks.num_free_blocks
 
@@ -96,19 +106,23 @@ class Bench:
             torch.cuda.synchronize(self.runner.device)
 
 
-def decode_points(bench: Bench) -> list[dict]:
-    config = bench.config
+def decode_contexts(config) -> list[int]:
+    """KV entries per decoding request that the decode points measure."""
     if config.compress:
         # What compressed requests hold: from one block up to N_max blocks.
         contexts = (config.block_size // 2, config.kv_budget // 2,
                     config.kv_budget + config.block_size // 2)
     else:
         contexts = FULL_KV_CONTEXTS
-    limit = config.max_model_len - 1
+    return sorted({min(context, config.max_model_len - 1) for context in contexts})
+
+
+def decode_points(bench: Bench) -> list[dict]:
+    config = bench.config
     points = []
-    for context in sorted({min(context, limit) for context in contexts}):
+    for context in decode_contexts(config):
         for batch in DECODE_BATCHES:
-            if batch > config.max_num_seqs or not bench.fits(batch, context + 1):
+            if batch > config.max_num_seqs or not bench.fits((batch, context + 1)):
                 continue
             sequences = bench.make_requests(batch, context)
             seconds = bench.median(lambda: bench.execute(dict(kind=DECODE, decode=sequences),
@@ -132,7 +146,7 @@ def prefill_points(bench: Bench) -> list[dict]:
     points = []
     for requests, new, cached in cases:
         if (requests * new > config.max_num_batched_tokens
-                or not bench.fits(requests, new + cached + 1)):
+                or not bench.fits((requests, new + cached + 1))):
             continue
 
         def step() -> float:
@@ -148,6 +162,67 @@ def prefill_points(bench: Bench) -> list[dict]:
 
         points.append({"new_tokens": new, "cached_tokens": cached, "requests": requests,
                        "time_s": round(bench.median(step), 9)})
+    return points
+
+
+def chunk_request(bench: Bench, prompt_len: int, query_slot: int) -> Sequence:
+    """A request whose prompt of `prompt_len` tokens has blocks, none of them computed yet."""
+    seq = bench.make_requests(1, 0)[0]
+    seq.block_table += [bench.blocks.allocate() for _ in range(prompt_len // bench.config.block_size)]
+    seq.prompt_len = prompt_len
+    if bench.config.compress:
+        seq.query_slot = query_slot  # past the decode requests' slots
+    return seq
+
+
+def runs_mixed_steps(bench: Bench) -> str | None:
+    """None if the engine executes a mixed step (decodes and a prompt chunk in one forward),
+    else why not: an engine without chunked prefill rejects the plan or runs only its decodes."""
+    decode = bench.make_requests(1, bench.config.block_size // 2)
+    chunk = chunk_request(bench, 16, query_slot=1)
+    plan = StepPlan(step_id=0, kind=MIXED, prefill=[PrefillItem(chunk, 0, 16)], decode=decode)
+    tokens = {seq.seq_id: [1] * max(seq.kv_len + 1, seq.prompt_len) for seq in decode + [chunk]}
+    try:
+        sampled = [seq for seq, _ in bench.runner.execute(plan, tokens)]
+    except Exception as error:  # noqa: BLE001 - any refusal means: no mixed points
+        return f"ModelRunner.execute refused a mixed plan ({type(error).__name__}: {error})"
+    finally:
+        bench.free()
+    if sampled != plan.sampled:
+        return ("ModelRunner.execute ran a mixed plan without its prompt chunk (sampled "
+                f"{len(sampled)} of {len(plan.sampled)} requests)")
+    return None
+
+
+def mixed_points(bench: Bench) -> list[dict]:
+    """Decode batches at the smallest and largest decode context, each with the first chunk
+    (nothing cached, samples nothing) or the last chunk (the first one cached, samples) of a
+    prompt of two chunks."""
+    config = bench.config
+    contexts = decode_contexts(config)
+    limit = min(config.max_num_batched_tokens, (config.max_model_len - 1) // 2)
+    chunk_tokens = sorted({min(new, limit) for new in MIXED_CHUNK_TOKENS})
+    points = []
+    for context in sorted({contexts[0], contexts[-1]}):
+        for batch in MIXED_BATCHES:
+            for new in chunk_tokens:
+                if (batch > config.max_num_seqs or batch + new > config.max_num_batched_tokens
+                        or not bench.fits((batch, context + 1), (1, 2 * new + 1))):
+                    continue
+                for cached in (0, new):
+
+                    def step() -> float:
+                        decode = bench.make_requests(batch, context)
+                        chunk = chunk_request(bench, 2 * new, query_slot=batch)
+                        item = PrefillItem(chunk, cached, cached + new, samples=cached > 0)
+                        seconds = bench.execute(dict(kind=MIXED, prefill=[item], decode=decode),
+                                                decode + [chunk])
+                        bench.free()
+                        return seconds
+
+                    points.append({"batch": batch, "context_tokens": batch * (context + 1),
+                                   "new_tokens": new, "cached_tokens": cached, "requests": 1,
+                                   "time_s": round(bench.median(step), 9)})
     return points
 
 
@@ -168,7 +243,7 @@ def compress_points(bench: Bench) -> list[dict]:
     points = []
     for requests in COMPRESS_REQUESTS:
         for blocks_each in (n_max, 2 * n_max):
-            if not bench.fits(requests, blocks_each * bench.config.block_size):
+            if not bench.fits((requests, blocks_each * bench.config.block_size)):
                 continue
             jobs = compression_jobs(bench, requests, blocks_each)
 
@@ -200,7 +275,7 @@ def contention_factor(bench: Bench, compress: list[dict]) -> float | None:
     pair = next((p for p in compress if p["requests"] == 2 and p["blocks"] == 2 * config.n_max),
                 None)
     batch = next((b for b in (64, 32, 16, 4) if b <= config.max_num_seqs
-                  and bench.fits(b + 2, config.n_max * config.block_size)), None)
+                  and bench.fits((b + 2, config.n_max * config.block_size))), None)
     if pair is None or batch is None:
         return None
     compressor = bench.runner.compressor
@@ -255,14 +330,21 @@ def calibrate(settings: ReplaySettings, device: str | None = None, *, hardware: 
     bench = Bench(engine, repeats)
     config = engine.config
     sections = [("decode", decode_points), ("prefill", prefill_points)]
+    no_mixed = runs_mixed_steps(bench)
+    if no_mixed is None:
+        sections.append(("mixed", mixed_points))
     if config.compress:
         sections.append(("compress", compress_points))
     report = print if progress else (lambda *args, **kwargs: None)
+    note = (f"measured by `zipage calibrate` on {_device_name(engine.device)}, torch "
+            f"{torch.__version__}, {datetime.date.today().isoformat()}, {repeats} repeats "
+            f"(median); whole engine steps, host work included")
+    if no_mixed is not None:
+        report(f"mixed: no points: {no_mixed}", flush=True)
+        note += f"; no mixed points: {no_mixed}"
     profile = {
-        "version": 1,
-        "note": (f"measured by `zipage calibrate` on {_device_name(engine.device)}, torch "
-                 f"{torch.__version__}, {datetime.date.today().isoformat()}, {repeats} repeats "
-                 f"(median); whole engine steps, host work included"),
+        "version": PROFILE_VERSION,
+        "note": note,
         "source": "measured",
         "model": engine.shape.name.removeprefix("random:"),
         "gpu": gpu,

@@ -5,6 +5,10 @@ KV entries in the paged cache (slot mapping, per-sequence query offsets, cached 
 is set here by the model runner right before the forward and cleared after it. Keeping it out of the
 call signatures lets every layer stay a plain `nn.Module` and lets a captured CUDA graph replay with
 the same (static) tensors, which the runner refills in place between replays.
+
+Row layout of a step (docs/architecture.md, 'The engine'): the tokens of every prompt chunk first,
+sequence after sequence (`cu_seqlens_q`), then one row per decoding request. A decode step has only
+decode rows, a prefill step only chunk rows, a mixed step (chunked prefill) both.
 """
 
 from __future__ import annotations
@@ -15,20 +19,33 @@ from dataclasses import dataclass
 
 import torch
 
+from zipage.kernels.attention import PrefillWork
+
 
 @dataclass
 class ForwardContext:
     """What one forward step needs beyond token ids and positions. Tensors live on the model's device.
 
+    - `is_prefill`: the step has prompt-chunk rows (a prefill or mixed step); they are rows
+      `0 .. num_prefill_tokens - 1` and attention runs the varlen prefill kernel over them.
     - `slot_mapping` int64 [num_tokens]: the KV cache slot (block * block_size + offset) of each token,
       -1 for a token whose KV is not stored.
     - `cu_seqlens_q` int32 [num_seqs + 1]: prefill only, where each sequence's new tokens start and end.
-    - `context_lens` int32 [num_seqs]: KV entries of each sequence once this step's tokens are stored.
+    - `context_lens` int32 [num_seqs]: KV entries of each sequence once this step's tokens are stored
+      (the chunk sequences when `is_prefill`, else the decode rows).
     - `block_tables` int32 [num_seqs, max_blocks]: each sequence's blocks; entries past a row's
-      ceil(context_len / block_size) are undefined (padding, or stale ids in a decode graph's table)
+      ceil(context_len / block_size) are undefined (padding, or stale ids in a graph's table)
       and never read.
     - `max_q_len`: prefill only, the most new tokens of any sequence (sizes the attention kernel's grid
       without reading `cu_seqlens_q` back from the device).
+    - `prefill_work` (`PrefillWork`), optional: prefill only, the (sequence, query tile) programs the
+      Triton prefill kernel runs (`zipage.kernels.attention.prefill_work`); a padded step gives a
+      fixed-size list whose padding items are (-1, -1). None: the kernel sizes a grid by `max_q_len`.
+    - `num_prefill_tokens`, `decode_context_lens` int32 [num_decode], `decode_block_tables` int32
+      [num_decode, max_blocks]: a mixed step's decode rows, which follow the chunk rows
+      (`num_prefill_tokens` of them) and attend through the split-K decode kernel. None on other steps.
+    - `logits_indices` int64 [num_sampled], optional: the rows whose logits the step computes, in the
+      order tokens are sampled. None: the last row of each prefill sequence (prefill), every row (decode).
     - `query_slot_mapping` int64 [num_tokens], optional: the compression hook. A token whose entry is
       not -1 has its post-RoPE query written into the query cache at flat index
       `query_slot * window + window_index` (docs/architecture.md, 'Rules', rule 7).
@@ -41,6 +58,11 @@ class ForwardContext:
     block_tables: torch.Tensor | None = None
     query_slot_mapping: torch.Tensor | None = None
     max_q_len: int | None = None
+    prefill_work: PrefillWork | None = None
+    num_prefill_tokens: int | None = None
+    decode_context_lens: torch.Tensor | None = None
+    decode_block_tables: torch.Tensor | None = None
+    logits_indices: torch.Tensor | None = None
 
 
 _current = ForwardContext()

@@ -276,11 +276,25 @@ class PagedAttention(nn.Module):
         store_kv(key, value, self.k_cache, self.v_cache, context.slot_mapping)
         if context.query_slot_mapping is not None:
             store_queries(query, self.query_cache, context.query_slot_mapping)
-        if context.is_prefill:
-            return paged_prefill_attention(
-                query, self.k_cache, self.v_cache, context.cu_seqlens_q, context.context_lens,
-                context.block_tables, self.scale, context.max_q_len,
+        if not context.is_prefill:
+            return paged_decode_attention(
+                query, self.k_cache, self.v_cache, context.context_lens, context.block_tables, self.scale
             )
-        return paged_decode_attention(
-            query, self.k_cache, self.v_cache, context.context_lens, context.block_tables, self.scale
+        if context.decode_context_lens is None:
+            return self._prefill(query, context)
+        # A mixed step: the chunk rows through the varlen prefill kernel, the decode rows through the
+        # split-K decode kernel (docs/kernels.md, 'Mixed steps'). Every row's KV is stored above, so
+        # neither kernel reads an entry this step has yet to write.
+        rows = context.num_prefill_tokens
+        chunks = self._prefill(query[:rows], context)
+        decoded = paged_decode_attention(
+            query[rows:], self.k_cache, self.v_cache, context.decode_context_lens,
+            context.decode_block_tables, self.scale,
+        )
+        return torch.cat((chunks, decoded))
+
+    def _prefill(self, query: torch.Tensor, context) -> torch.Tensor:
+        return paged_prefill_attention(
+            query, self.k_cache, self.v_cache, context.cu_seqlens_q, context.context_lens,
+            context.block_tables, self.scale, context.max_q_len, context.prefill_work,
         )

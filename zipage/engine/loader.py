@@ -72,6 +72,22 @@ def load_model(
     raise UnknownModelError(_unresolved_message(spec, path))
 
 
+def load_tokenizer(spec: str) -> PreTrainedTokenizerBase | None:
+    """The tokenizer `load_model(spec)` returns, without the weights (`zipage serve` detokenizes
+    in its HTTP process while the engine process holds the model). Call it after `load_model`
+    accepted `spec`: a path it refuses is refused here with the same message."""
+    if spec.lower().startswith(RANDOM_PREFIX):
+        return None
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        from zipage.engine.gguf_file import gguf_tokenizer
+
+        return gguf_tokenizer(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return _hf_tokenizer(path)
+    raise UnknownModelError(_unresolved_message(spec, path))
+
+
 def build_model(shape: ModelShape, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     """Our model for `shape`, parameters allocated but not initialised, on `device` in `dtype`."""
     previous_dtype = torch.get_default_dtype()
@@ -160,7 +176,7 @@ def _load_hf_directory(
     directory: Path, dtype: torch.dtype, device: torch.device
 ) -> tuple[LlamaForCausalLM, ModelShape, PreTrainedTokenizerBase | None]:
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     # AutoConfig rather than the raw json: it fills each architecture's defaults (Qwen3's head_dim is 128,
     # not hidden/heads) and brings older rope_theta/rope_scaling keys into today's form. When it refuses
@@ -187,11 +203,17 @@ def _load_hf_directory(
                         yield name, reader.get_tensor(name)
 
     load_weights(model, checkpoint_tensors())
-    tokenizer = None
-    if any((directory / file).is_file() for file in _TOKENIZER_FILES):
-        with _user_file(directory, "a tokenizer transformers can load"):
-            tokenizer = AutoTokenizer.from_pretrained(directory)
-    return model, shape, tokenizer
+    return model, shape, _hf_tokenizer(directory)
+
+
+def _hf_tokenizer(directory: Path) -> PreTrainedTokenizerBase | None:
+    """A model directory's tokenizer; None if it ships no tokenizer files."""
+    from transformers import AutoTokenizer
+
+    if not any((directory / file).is_file() for file in _TOKENIZER_FILES):
+        return None
+    with _user_file(directory, "a tokenizer transformers can load"):
+        return AutoTokenizer.from_pretrained(directory)
 
 
 @contextmanager

@@ -1,13 +1,14 @@
 """The real engine's step loop: the core's step protocol on a wall clock.
 
 Exactly the simulator's loop with the cost model replaced by the model runner: `schedule()` plans a
-step, the runner executes it and samples one token per request, `finish(result)` applies it with
+step, the runner executes it and samples one token per request that samples (a decode, a whole
+prompt, a prompt's last chunk; a partial chunk of a chunked prefill gets none), `finish(result)` applies it with
 the measured times and the requests that hit EOS. The core's decisions are the simulator's; only
 the durations differ. Logging, invariant checks, metrics and progress are the shared
 `StepRecorder`'s.
 
 One `step()` serves both users: the offline `run()` (a trace's requests added when the wall clock
-reaches their arrival) and the online server (`zipage.serve.engine`), which adds and aborts
+reaches their arrival) and the online server (`zipage.serve.engine_process`), which adds and aborts
 requests between steps and streams each step's tokens out.
 """
 

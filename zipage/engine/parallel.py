@@ -135,9 +135,11 @@ class ShardRequest:
 
 
 def encode_step(plan: StepPlan, tokens: dict[str, list[int]], completed: list[int]) -> tuple:
+    """A plan as plain data for the workers: every kind (a mixed step carries its chunks and its
+    decodes; a partial chunk its `samples=False`, so no rank computes logits for it)."""
     prefill = [(item.seq.seq_id, item.num_cached_tokens, item.num_tokens,
                 list(item.seq.block_table), item.seq.query_slot,
-                tokens[item.seq.seq_id][item.num_cached_tokens:item.num_tokens])
+                tokens[item.seq.seq_id][item.num_cached_tokens:item.num_tokens], item.samples)
                for item in plan.prefill]
     decode = [(seq.seq_id, seq.kv_len, seq.position, list(seq.block_table), seq.query_slot,
                tokens[seq.seq_id][-1]) for seq in plan.decode]
@@ -162,9 +164,9 @@ def decode_step(message: tuple) -> tuple[StepPlan, dict[str, list[int]], list[in
     if launch is not None:
         plan.compress_launch = CompressionBatch(launch[0], decode_jobs(launch[1]))
     tokens: dict[str, list[int]] = {}
-    for seq_id, start, end, table, slot, ids in prefill:
+    for seq_id, start, end, table, slot, ids, samples in prefill:
         request = ShardRequest(seq_id, table, slot, start, end - 1)
-        plan.prefill.append(PrefillItem(request, start, end))
+        plan.prefill.append(PrefillItem(request, start, end, samples))
         tokens[seq_id] = [0] * start + ids  # the runner reads tokens [start, end)
     for seq_id, kv_len, position, table, slot, last in decode:
         plan.decode.append(ShardRequest(seq_id, table, slot, kv_len, position))
@@ -286,9 +288,10 @@ def worker_main(fd: int) -> None:
 def _drop_graphs(runner: ModelRunner | None) -> None:
     """Free a runner's CUDA graphs. Graphs that captured NCCL collectives hold on to the
     communicator: destroying (or even aborting) the process group while they exist hangs."""
-    if runner is None or not runner.graphs:
+    if runner is None or not (runner.graphs or runner.prefill_graphs):
         return
     runner.graphs = {}
+    runner.prefill_graphs = {}  # prefill graphs capture the all-reduces too
     gc.collect()
     torch.cuda.synchronize(runner.device)
 

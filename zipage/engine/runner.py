@@ -1,35 +1,97 @@
 """The model runner: KV cache memory, per-step batch layout, CUDA graphs and sampling.
 
 The runner turns one `StepPlan` into tensors, runs the model and samples one token per request
-with each request's own `SamplingParams` (`seq.sampling`). It allocates the caches
-(`engine/caches.py`) and gives each attention layer views of them; the compressor gets the
-caches, not the runner.
+that samples (`StepPlan.sampled`) with each request's own `SamplingParams` (`seq.sampling`). It
+allocates the caches (`engine/caches.py`) and gives each attention layer views of them; the
+compressor gets the caches, not the runner.
 Decode steps replay CUDA graphs captured for a ladder of batch sizes (eager above the largest);
-prefill steps run eagerly. On the CPU the same code runs the torch reference kernels.
+prefill and mixed steps run eagerly, or, with prefill graphs on (`prefill_graphs=True` or
+`ZIPAGE_PREFILL_GRAPHS=1`; off by default until measured on a GPU), through a padded layout and a
+graph per token bucket (below). On the CPU the same code runs the torch reference kernels.
+
+Mixed steps (chunked prefill: decodes and prompt chunks in one plan) run as ONE forward. The
+rows are every chunk's new tokens, sequence after sequence, then one row per decode request;
+the linear layers, norms and RoPE run once over all of them, and each layer stores every row's
+K/V before any attention reads the cache (so a chunk, or a prefix-cache hit on blocks another
+item of the same step computes, sees them). Attention is then two kernels in the same layer:
+the varlen prefill kernel over the chunk rows and the split-K decode kernel over the decode
+rows, not one varlen kernel with the decodes as 1-token sequences. The prefill kernel gives one
+program to each (sequence, query tile, KV head) and walks that sequence's whole context
+serially; the decode kernel cuts each context into partitions sized from the decode batch so a
+few long decodes still fill the GPU. A mixed step of a chunk and, say, 4 decodes at 32k context
+would through one varlen kernel spend 4 x kv_heads programs walking 32k entries each (a few SMs
+busy, the rest idle) — far slower than the decode step alone. Two launches keep a mixed step
+at about decode attention + chunk attention, and each kernel stays the one already tuned for its
+shape. Logits are computed only for the rows that sample: each sampling chunk's last row, then
+every decode row (a partial chunk computes KV only), in `StepPlan.sampled` order.
+
+Prefill graphs. An eager prefill step is host-bound (~400 launches at ~60-70 us of Python and
+launcher time each on an H200, against 5-11 ms of kernels for 128-512 tokens). A step of at most
+`PREFILL_GRAPH_TOKENS[-1]` rows is therefore staged into static tensors padded to its bucket (the
+next size of the ladder): rows (padding rows store nothing), sequences (padding sequences are
+empty), a block table of the widest shape, a fixed-size work list for the prefill kernel, and
+fixed logits rows; the decode rows of a mixed step become sequences of one new token in the same
+prefill launch, because a graph's grid cannot depend on how many rows decode (they lose the
+decode kernel's split-K inside graphed steps; the bucket's size bounds them). Each bucket's graph
+replays that padded forward; the same forward runs eagerly where no graph was captured (the CPU
+and its tests), so turning graphs on changes nothing but the launches. Larger steps run eagerly.
 """
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 import torch
 
 from zipage.core.config import ZipageConfig
 from zipage.core.memory import MemoryPlan
 from zipage.core.sequence import Sequence
-from zipage.core.step import PREFILL, StepPlan
+from zipage.core.step import StepPlan
 from zipage.core.window import WindowLayout
 from zipage.engine.caches import KVCaches
 from zipage.engine.compressor import Compressor
 from zipage.engine.context import ForwardContext, forward_context
 from zipage.engine.sampler import sample
+from zipage.kernels.attention import PrefillWork, prefill_tile_tokens, prefill_work, prefill_work_capacity
 from zipage.presets import ModelShape
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+# Token buckets of padded prefill / mixed steps (one CUDA graph each); larger steps run eagerly,
+# where the launches' host time is small next to the kernels'.
+PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# "1" turns padded prefill graphs on in every runner of the process (workers of a tensor-parallel
+# engine inherit it); off by default until measured on a GPU.
+PREFILL_GRAPHS_ENV = "ZIPAGE_PREFILL_GRAPHS"
+
+
+@dataclass
+class StepInputs:
+    """Host tensors of one prefill or mixed step (`ModelRunner.step_inputs`).
+
+    Rows: the new tokens of every prompt chunk (sequence i owns rows cu_seqlens_q[i] ..
+    cu_seqlens_q[i + 1] - 1), then one row per decode request. `logits_indices` are the rows that
+    sample a token, in `StepPlan.sampled` order: each sampling chunk's last row, then the decode
+    rows. The decode fields are None in a step without decodes.
+    """
+
+    input_ids: torch.Tensor  # int64 [rows]
+    positions: torch.Tensor  # int64 [rows]
+    slot_mapping: torch.Tensor  # int64 [rows], -1 = store nothing
+    query_slot_mapping: torch.Tensor  # int64 [rows], -1 = no window query
+    cu_seqlens_q: torch.Tensor  # int32 [chunks + 1]
+    context_lens: torch.Tensor  # int32 [chunks]
+    block_tables: torch.Tensor  # int32 [chunks, width]
+    decode_context_lens: torch.Tensor | None  # int32 [decodes]
+    decode_block_tables: torch.Tensor | None  # int32 [decodes, width]
+    logits_indices: torch.Tensor  # int64 [sampled]
+    max_q_len: int
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, shape: ModelShape, config: ZipageConfig,
                  capacity: MemoryPlan, dtype: torch.dtype, device: torch.device,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, prefill_graphs: bool | None = None) -> None:
         self.model = model
         self.shape = shape
         self.config = config
@@ -58,15 +120,26 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_inputs: dict[str, torch.Tensor] = {}
         self.staging: dict[str, torch.Tensor] = {}
+        self.graph_pool = None  # one memory pool for every graph: they never run at once
+        # Padded prefill/mixed steps (off by default until measured on a GPU): token buckets,
+        # their static inputs, and a graph per bucket where graphs can be captured.
+        self.prefill_buckets: tuple[int, ...] = ()
+        self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.padded_inputs: dict[str, torch.Tensor] = {}
         if cuda_graphs and device.type == "cuda":
             self.capture_decode_graphs()
+        if prefill_graphs is None:
+            prefill_graphs = os.environ.get(PREFILL_GRAPHS_ENV) == "1"
+        if prefill_graphs:
+            self.enable_prefill_graphs(capture=cuda_graphs)
 
     # ------------------------------------------------------------------ one step
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, tokens: dict[str, list[int]]) -> list[tuple[Sequence, int]]:
-        """Run the prefill or decode of `plan`; return (request, sampled token) for each request
-        in it. `tokens` holds every request's prompt + output token ids so far."""
+        """Run the forward of `plan` (prefill, decode or mixed); return (request, sampled token)
+        for each request of `plan.sampled`, in that order (a partial chunk gets none). `tokens`
+        holds every request's prompt + output token ids so far."""
         if self.stream is None:
             return self._execute(plan, tokens)
         # The step runs on the runner's high-priority stream, ordered after whatever the caller
@@ -107,8 +180,8 @@ class ModelRunner:
                 self.compressor.run(plan.compress_sync)
             if plan.compress_launch is not None:
                 self.compressor.launch(plan.compress_launch)
-        if plan.kind == PREFILL:
-            sequences = [item.seq for item in plan.prefill]
+        if plan.prefill:  # a prefill or mixed step: one forward over chunks and decode rows
+            sequences = plan.sampled
             logits = self._prefill(plan, tokens)
         else:
             sequences = plan.decode
@@ -118,12 +191,15 @@ class ModelRunner:
         self.last_logits = logits  # for analysis (teacher-forced fidelity); never copied
         return sequences, logits
 
-    def _prefill(self, plan: StepPlan, tokens: dict[str, list[int]]) -> torch.Tensor:
+    def step_inputs(self, plan: StepPlan, tokens: dict[str, list[int]]) -> StepInputs:
+        """Host tensors of a prefill or mixed step: the rows of every prompt chunk, in plan order,
+        then one row per decode request (docs/architecture.md, 'The engine')."""
         b = self.block_size
         input_ids, positions, slots, query_slots = [], [], [], []
-        cu_seqlens, context_lens, tables = [0], [], []
+        cu_seqlens, context_lens, tables, logits_rows = [0], [], [], []
         for item in plan.prefill:
             seq, start, end = item.seq, item.num_cached_tokens, item.num_tokens
+            # Chunks come before a request's first compression: KV index == position.
             table = torch.tensor(seq.block_table, dtype=torch.int64)
             entries = torch.arange(start, end, dtype=torch.int64)
             input_ids.append(torch.tensor(tokens[seq.seq_id][start:end], dtype=torch.int64))
@@ -137,16 +213,51 @@ class ModelRunner:
             cu_seqlens.append(cu_seqlens[-1] + end - start)
             context_lens.append(end)
             tables.append(seq.block_table)
+            if item.samples:  # a partial chunk computes KV only
+                logits_rows.append(cu_seqlens[-1] - 1)
+        decode = None
+        if plan.decode:
+            width = max(len(seq.block_table) for seq in plan.decode)
+            columns, decode_tables = self._decode_inputs(plan.decode, tokens, len(plan.decode),
+                                                         width)
+            for rows, column in zip((input_ids, positions, slots, query_slots), columns[[0, 1, 2, 4]]):
+                rows.append(column)
+            logits_rows.extend(range(cu_seqlens[-1], cu_seqlens[-1] + len(plan.decode)))
+            decode = (columns[3].int(), decode_tables)
+        return StepInputs(
+            input_ids=torch.cat(input_ids), positions=torch.cat(positions),
+            slot_mapping=torch.cat(slots), query_slot_mapping=torch.cat(query_slots),
+            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32),
+            block_tables=_pad_tables(tables, max(len(t) for t in tables)),
+            decode_context_lens=None if decode is None else decode[0],
+            decode_block_tables=None if decode is None else decode[1],
+            logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
+            max_q_len=max(item.num_new_tokens for item in plan.prefill))
+
+    def _prefill(self, plan: StepPlan, tokens: dict[str, list[int]]) -> torch.Tensor | None:
+        """A prefill or mixed step, eagerly: the chunk rows attend through the varlen prefill
+        kernel, the decode rows through the split-K decode kernel, in each layer. Returns the
+        logits of the rows that sample (None when every chunk is partial)."""
+        inputs = self.step_inputs(plan, tokens)
+        bucket = next((size for size in self.prefill_buckets if size >= len(inputs.input_ids)), None)
+        if bucket is not None:
+            return self._prefill_padded(inputs, bucket)
+        device = self._to_device
+        decoding = inputs.decode_context_lens is not None
         context = ForwardContext(
-            is_prefill=True, slot_mapping=self._to_device(torch.cat(slots)),
-            cu_seqlens_q=self._to_device(torch.tensor(cu_seqlens, dtype=torch.int32)),
-            max_q_len=max(item.num_tokens - item.num_cached_tokens for item in plan.prefill),
-            context_lens=self._to_device(torch.tensor(context_lens, dtype=torch.int32)),
-            block_tables=self._to_device(_pad_tables(tables, max(len(t) for t in tables))),
-            query_slot_mapping=self._query_mapping(torch.cat(query_slots)))
+            is_prefill=True, slot_mapping=device(inputs.slot_mapping),
+            cu_seqlens_q=device(inputs.cu_seqlens_q), context_lens=device(inputs.context_lens),
+            block_tables=device(inputs.block_tables), max_q_len=inputs.max_q_len,
+            num_prefill_tokens=int(inputs.cu_seqlens_q[-1]),
+            decode_context_lens=device(inputs.decode_context_lens) if decoding else None,
+            decode_block_tables=device(inputs.decode_block_tables) if decoding else None,
+            logits_indices=device(inputs.logits_indices),
+            query_slot_mapping=self._query_mapping(inputs.query_slot_mapping))
         with forward_context(context):
-            hidden = self.model(self._to_device(torch.cat(input_ids)),
-                                self._to_device(torch.cat(positions)))
+            hidden = self.model(device(inputs.input_ids), device(inputs.positions))
+            if inputs.logits_indices.numel() == 0:
+                return None
             return self.model.compute_logits(hidden)
 
     def _decode_inputs(self, sequences: list[Sequence], tokens: dict[str, list[int]],
@@ -231,6 +342,7 @@ class ModelRunner:
             pool = graph.pool()
             self.graphs[size] = graph
         self.graphs = dict(sorted(self.graphs.items()))
+        self.graph_pool = pool
         torch.cuda.synchronize()
 
     def allocate_graph_inputs(self, largest: int) -> None:
@@ -265,6 +377,135 @@ class ModelRunner:
             query_slot_mapping=static["columns"][4, :size] if self.query_cache is not None
             else None)
 
+    # ------------------------------------------------------------------ padded prefill / mixed steps
+
+    def enable_prefill_graphs(self, capture: bool = True) -> None:
+        """Run prefill and mixed steps of up to the largest bucket through the padded layout, and
+        on a GPU (with `capture`) replay a CUDA graph per bucket. Elsewhere (the CPU, tests) the
+        padded layout runs eagerly: exactly the captured forward, so what a graph computes is
+        what the CPU tests check."""
+        limit = self.config.max_num_batched_tokens
+        self.prefill_buckets = tuple(size for size in PREFILL_GRAPH_TOKENS if size <= limit)
+        if not self.prefill_buckets:
+            return
+        self.allocate_padded_inputs(self.prefill_buckets[-1])
+        if capture and self.device.type == "cuda":
+            self.capture_prefill_graphs()
+
+    def bucket_sequences(self, bucket: int) -> int:
+        """Most sequences a step of `bucket` rows can hold: each has at least one row."""
+        return min(bucket, self.config.max_num_seqs)
+
+    def bucket_work_items(self, bucket: int) -> int:
+        return prefill_work_capacity(bucket, self.bucket_sequences(bucket), self.tile_tokens)
+
+    @property
+    def tile_tokens(self) -> int:
+        return prefill_tile_tokens(self.shape.num_heads, self.shape.num_kv_heads)
+
+    def allocate_padded_inputs(self, largest: int) -> None:
+        """Static tensors of the padded layout for up to `largest` rows; bucket b uses their
+        first rows / sequences / work items (`padded_context`), so one set serves every bucket."""
+        device, seqs = self.device, self.bucket_sequences(largest)
+        rows = torch.zeros(4, largest, dtype=torch.int64, device=device)
+        rows[2:] = -1  # store no KV and no query until a step fills them
+        self.padded_inputs = {
+            "rows": rows,  # token, position, KV slot, query-cache index
+            "cu_seqlens_q": torch.zeros(seqs + 1, dtype=torch.int32, device=device),
+            "context_lens": torch.zeros(seqs, dtype=torch.int32, device=device),
+            "block_tables": torch.zeros(seqs, self.max_blocks_per_seq, dtype=torch.int32,
+                                        device=device),
+            "work_items": torch.full((self.bucket_work_items(largest), 2), -1, dtype=torch.int32,
+                                     device=device),
+            "logits_indices": torch.zeros(seqs, dtype=torch.int64, device=device),
+            "logits": torch.empty(seqs, self.shape.vocab_size, dtype=self.dtype, device=device),
+        }
+
+    def padded_context(self, bucket: int) -> ForwardContext:
+        """The forward context of a padded step of `bucket` rows (captured and replayed with)."""
+        static, seqs = self.padded_inputs, self.bucket_sequences(bucket)
+        return ForwardContext(
+            is_prefill=True, slot_mapping=static["rows"][2, :bucket],
+            cu_seqlens_q=static["cu_seqlens_q"][:seqs + 1],
+            context_lens=static["context_lens"][:seqs],
+            block_tables=static["block_tables"][:seqs],
+            prefill_work=PrefillWork(static["work_items"][:self.bucket_work_items(bucket)],
+                                     self.tile_tokens),
+            logits_indices=static["logits_indices"][:seqs],
+            query_slot_mapping=static["rows"][3, :bucket] if self.query_cache is not None
+            else None)
+
+    def padded_forward(self, bucket: int) -> torch.Tensor:
+        """The forward of a padded step on the static inputs: what a prefill graph captures."""
+        static = self.padded_inputs
+        with forward_context(self.padded_context(bucket)):
+            hidden = self.model(static["rows"][0, :bucket], static["rows"][1, :bucket])
+            return self.model.compute_logits(hidden)
+
+    def padded_layout(self, inputs: StepInputs, bucket: int) -> dict[str, torch.Tensor]:
+        """Host tensors of `inputs` in the padded layout of `bucket` rows.
+
+        The decode rows become sequences of one new token (`PrefillWork` items like any tile), so
+        one prefill launch covers every row and its size depends on the bucket only. Padding:
+        rows store nothing (slot -1, query -1), padding sequences are empty (context 0, no work
+        item), padding work items are (-1, -1), padding logits rows read row 0 and are dropped.
+        """
+        num_rows, seqs = len(inputs.input_ids), self.bucket_sequences(bucket)
+        cu, lens, tables = inputs.cu_seqlens_q, inputs.context_lens, [inputs.block_tables]
+        if inputs.decode_context_lens is not None:
+            decodes = len(inputs.decode_context_lens)
+            cu = torch.cat((cu, cu[-1] + torch.arange(1, decodes + 1, dtype=torch.int32)))
+            lens = torch.cat((lens, inputs.decode_context_lens))
+            tables.append(inputs.decode_block_tables)
+        padding = seqs - len(lens)
+        cu = torch.cat((cu, cu[-1:].expand(padding)))
+        lens = torch.cat((lens, torch.zeros(padding, dtype=torch.int32)))
+        rows = torch.tensor([0, 0, -1, -1], dtype=torch.int64)[:, None].repeat(1, bucket)
+        rows[:, :num_rows] = torch.stack((inputs.input_ids, inputs.positions,
+                                          inputs.slot_mapping, inputs.query_slot_mapping))
+        logits_indices = torch.zeros(seqs, dtype=torch.int64)
+        logits_indices[:len(inputs.logits_indices)] = inputs.logits_indices
+        work = prefill_work((cu[1:] - cu[:-1]).long(), self.tile_tokens,
+                            self.bucket_work_items(bucket))
+        width = max(table.shape[1] for table in tables)
+        return {"rows": rows, "cu_seqlens_q": cu, "context_lens": lens,
+                "block_tables": torch.cat([_widen(table, width) for table in tables]),
+                "work_items": work.items, "logits_indices": logits_indices}
+
+    def _prefill_padded(self, inputs: StepInputs, bucket: int) -> torch.Tensor | None:
+        """Stage a step into the static inputs of its bucket, then replay the bucket's graph (or,
+        without one, run the same padded forward eagerly)."""
+        layout = self.padded_layout(inputs, bucket)
+        static = self.padded_inputs
+        # Each into the leading part of its static tensor. Of the block tables only the rows and
+        # columns this step uses are written: stale entries beyond are never read.
+        for name, tensor in layout.items():
+            static[name][tuple(slice(0, size) for size in tensor.shape)].copy_(
+                self._to_device(tensor))
+        sampled = len(inputs.logits_indices)
+        graph = self.prefill_graphs.get(bucket)
+        if graph is None:
+            logits = self.padded_forward(bucket)
+        else:
+            graph.replay()
+            logits = static["logits"][:self.bucket_sequences(bucket)]
+        return logits[:sampled] if sampled else None
+
+    def capture_prefill_graphs(self) -> None:
+        """One graph per token bucket, largest first, in the decode graphs' memory pool."""
+        static = self.padded_inputs
+        for bucket in reversed(self.prefill_buckets):
+            seqs = self.bucket_sequences(bucket)
+            graph = torch.cuda.CUDAGraph()
+            with torch.inference_mode():
+                self.padded_forward(bucket)  # warm-up outside the graph (Triton compiles)
+                torch.cuda.synchronize()
+                with torch.cuda.graph(graph, pool=self.graph_pool):
+                    static["logits"][:seqs] = self.padded_forward(bucket)
+            self.graph_pool = graph.pool()
+            self.prefill_graphs[bucket] = graph
+        torch.cuda.synchronize()
+
     # ------------------------------------------------------------------ helpers
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -274,6 +515,10 @@ class ModelRunner:
         if self.query_cache is None:
             return None
         return self._to_device(mapping)
+
+
+def _widen(table: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(table, (0, width - table.shape[1]))
 
 
 def _pad_tables(tables: list[list[int]], width: int) -> torch.Tensor:

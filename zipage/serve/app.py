@@ -5,10 +5,10 @@ for the cost of a coroutine each, FastAPI's pydantic models validate the request
 type is a 400 naming the field), and the OpenAI clients already speak its server-sent events.
 
 Each request: validate -> tokens -> `SamplingParams` -> the core's own admission check (a prompt
-that can never fit is a 400 naming the limit) -> the waiting cap (429) -> the engine thread.
-Tokens come back after every step and are sent as they come (`stream: true`) or at the end. A
-client that disconnects aborts its request at once: the engine frees its blocks before its next
-step.
+that can never fit is a 400 naming the limit) -> the waiting cap (429) -> the engine process
+(`engine_client`). Token ids come back after every step, are detokenized here and sent as they
+come (`stream: true`) or at the end. A client that disconnects aborts its request at once: the
+engine frees its blocks before its next step.
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from zipage.engine.llm import Engine
 from zipage.engine.sampler import SamplingParams
 from zipage.errors import ZipageError
 from zipage.serve.detokenize import IncrementalText
-from zipage.serve.engine import AsyncEngine, Delta, EngineStopped, RequestHandle
+from zipage.serve.engine_client import Delta, EngineClient, EngineStopped, RequestHandle
 from zipage.serve.metrics import CONTENT_TYPE, ServerMetrics
 from zipage.serve.protocol import (
     ChatRequest, CompletionRequest, SamplingFields, ServeError, error_body, validation_message,
@@ -39,19 +38,18 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 
 
 class Server:
-    """What the routes share: the engine, the tokenizer, the waiting cap, the API key."""
+    """What the routes share: the engine process, the tokenizer, the waiting cap, the API key."""
 
-    def __init__(self, engine: Engine, model_name: str, max_waiting: int | None = None,
-                 api_key: str | None = None) -> None:
+    def __init__(self, engine: EngineClient, tokenizer, model_name: str,
+                 max_waiting: int | None = None, api_key: str | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.tokenizer = engine.tokenizer
+        self.tokenizer = tokenizer
         self.max_waiting = max_waiting
         self.api_key = api_key
-        self.metrics = ServerMetrics(model_name, engine.capacity.num_blocks)
-        self.engine_thread = AsyncEngine(engine, self.metrics)
-        self.eos = self.engine_thread.loop.eos_token_ids
-        self.max_model_len = engine.config.max_model_len
+        self.metrics = ServerMetrics(model_name, engine.info.capacity.num_blocks)
+        self.eos = engine.info.eos_token_ids
+        self.max_model_len = engine.info.config.max_model_len
         self.created = int(time.time())
 
     # ---------------------------------------------------------------- admission
@@ -73,27 +71,26 @@ class Server:
                 ignore_eos=body.ignore_eos)
         except ZipageError as error:
             raise ServeError(400, str(error), str(error).split(":")[0]) from None
-        seq = self.engine_thread.new_sequence(prompt_ids, sampling)
-        reason = self.engine_thread.rejection_reason(seq)
+        reason = self.engine.rejection_reason(len(prompt_ids), sampling.max_tokens)
         if reason is not None:
             self.metrics.rejected.inc()
             reason = reason.split(": ", 1)[-1].replace("output_len", "max_tokens")
             raise ServeError(400, f"prompt: too long for this server: {reason}", "prompt")
-        waiting = self.engine_thread.num_waiting
+        waiting = self.engine.num_waiting
         if self.max_waiting is not None and waiting >= self.max_waiting:
             self.metrics.rejected.inc()
             raise ServeError(429, f"server busy: {waiting} requests are waiting "
                                   f"(--max-waiting {self.max_waiting}); retry later",
                              None, "rate_limit_exceeded")
         try:
-            handle = self.engine_thread.submit(seq)
+            handle = self.engine.submit(prompt_ids, sampling)
         except EngineStopped as error:
             raise ServeError(503, str(error), None, "server_error") from None
         return handle
 
     def default_output_limit(self, prompt_len: int) -> int:
         """Chat's default max_tokens: whatever the context and memory leave (vLLM's rule)."""
-        scheduler = self.engine_thread.loop.scheduler
+        scheduler = self.engine.admission
         limit = (self.max_model_len or 2**31) - prompt_len
         if not scheduler.compress:  # Full KV: the request's KV must fit the pool
             limit = min(limit, scheduler.block_manager.num_blocks * scheduler.block_size
@@ -102,7 +99,7 @@ class Server:
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
-            vocab = self.engine.shape.vocab_size
+            vocab = self.engine.info.vocab_size
             if max(prompt) >= vocab:
                 raise ServeError(400, f"prompt: token id {max(prompt)} is outside the "
                                       f"vocabulary (0..{vocab - 1})", "prompt")
@@ -137,14 +134,11 @@ class Server:
                 batch = [await handle.deltas.get()]
                 while not handle.deltas.empty():
                     batch.append(handle.deltas.get_nowait())
-                last = batch[-1]
-                if last.finish_reason is not None or last.error is not None:
-                    handle.done = True
                 yield batch
-                if handle.done:
+                if batch[-1].finish_reason is not None or batch[-1].error is not None:
                     return
         finally:
-            self.engine_thread.abort(handle)  # a no-op once the engine reported the end
+            self.engine.abort(handle)  # a no-op once the engine reported the end
 
     def absorb(self, handle: RequestHandle, text: IncrementalText,
                batch: list[Delta]) -> str | None:
@@ -153,8 +147,8 @@ class Server:
         tokens = [token for delta in batch for token in delta.token_ids]
         last = batch[-1]
         if last.error is not None:
-            raise ServeError(400 if "request" in last.error else 500, last.error, None,
-                             "server_error")
+            raise ServeError(last.status, last.error, None,
+                             "invalid_request_error" if last.status < 500 else "server_error")
         finish = last.finish_reason
         text_tokens = tokens
         if finish == "stop" and tokens and tokens[-1] in self.eos:
@@ -164,7 +158,7 @@ class Server:
             text.finish()
         elif text.stopped:
             finish = "stop"
-            self.engine_thread.abort(handle, finish)
+            self.engine.abort(handle, finish)
         text.generated += len(tokens)
         return finish
 
@@ -212,15 +206,18 @@ async def _cancel_on_disconnect(request: Request, work):
     return task.result()
 
 
-def build_app(engine: Engine, model_name: str, *, max_waiting: int | None = None,
-              api_key: str | None = None) -> FastAPI:
-    server = Server(engine, model_name, max_waiting, api_key)
+def build_app(engine: EngineClient, tokenizer, model_name: str, *,
+              max_waiting: int | None = None, api_key: str | None = None) -> FastAPI:
+    """The routes over a started engine process (`EngineClient.start`); the app's shutdown stops
+    that process."""
+    server = Server(engine, tokenizer, model_name, max_waiting, api_key)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        server.engine_thread.start()
+        engine.attach(server.metrics)
         yield
-        await asyncio.to_thread(server.engine_thread.stop)
+        engine.close()
+        await asyncio.to_thread(engine.stop_process)
 
     app = FastAPI(title="Zipage", lifespan=lifespan)
     app.state.server = server
@@ -246,8 +243,9 @@ def build_app(engine: Engine, model_name: str, *, max_waiting: int | None = None
 
     @app.get("/health")
     async def health():
-        if not server.engine_thread.alive:
-            return JSONResponse({"status": "error", "error": server.engine_thread.error}, 503)
+        if not engine.alive:
+            return JSONResponse({"status": "error",
+                                 "error": engine.error or "the engine process stopped"}, 503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -328,7 +326,7 @@ class _EventStream(StreamingResponse):
 
 
 def _stream(server: Server, handle: RequestHandle, events: AsyncIterator[str]) -> _EventStream:
-    return _EventStream(events, lambda: server.engine_thread.abort(handle))
+    return _EventStream(events, lambda: server.engine.abort(handle))
 
 
 async def _completion_stream(server, handle, rid, text, prompt_len, want_ids, include_usage):

@@ -29,6 +29,9 @@ def add_serve_commands(commands) -> None:
     serve.add_argument("--served-model-name", default=None,
                        help="the name clients use (default: the last part of --model)")
     serve.add_argument("--no-cuda-graphs", action="store_true", help="run decode eagerly")
+    from zipage.cli import _add_threads_flag
+
+    _add_threads_flag(serve)
 
     bench = commands.add_parser("bench", help="benchmarks against a running server")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
@@ -75,22 +78,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _require_torch(args.engine)
     import uvicorn
 
-    from zipage.engine.llm import build_engine
+    from zipage.engine.loader import load_tokenizer
     from zipage.serve.app import build_app
+    from zipage.serve.engine_client import EngineClient, EngineProcessError
+    from zipage.serve.wire import Setup
 
     settings = settings_from_args(args)
-    engine = build_engine(settings, "cuda" if args.engine == "gpu" else "cpu",
-                          cuda_graphs=not args.no_cuda_graphs)
-    name = args.served_model_name or Path(settings.model).name  # a path's last part
-    app = build_app(engine, name, max_waiting=args.max_waiting, api_key=args.api_key)
-    capacity = engine.capacity
-    print(f"zipage serve: {name} on {engine.device} ({settings.dtype}), {capacity.num_blocks} "
-          f"KV blocks of {engine.config.block_size} tokens, {capacity.num_query_slots} query "
-          f"slots; listening on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    # The engine thread and the event loop share the GIL: hand it over every 0.5 ms instead of
-    # every 5 ms, so a step never waits long for the HTTP side to let go.
-    sys.setswitchinterval(0.0005)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    # The engine runs in a process of its own (docs/serve.md, 'How it works'); the server
+    # listens only once it has loaded the model.
+    try:
+        engine = EngineClient.start(Setup(settings, "cuda" if args.engine == "gpu" else "cpu",
+                                          not args.no_cuda_graphs, args.threads))
+    except EngineProcessError as error:
+        print(f"zipage: error: {error}", file=sys.stderr)
+        return 1
+    try:
+        tokenizer = load_tokenizer(settings.model)  # this process detokenizes
+        name = args.served_model_name or Path(settings.model).name  # a path's last part
+        app = build_app(engine, tokenizer, name, max_waiting=args.max_waiting,
+                        api_key=args.api_key)
+        info, capacity = engine.info, engine.info.capacity
+        threads = (f", {info.threads} torch thread{'s' * (info.threads != 1)}"
+                   if info.threads is not None else "")
+        print(f"zipage serve: {name} on {info.device} ({settings.dtype}{threads}), "
+              f"{capacity.num_blocks} KV blocks of {info.config.block_size} tokens, "
+              f"{capacity.num_query_slots} query slots, engine process {engine.pid}; "
+              f"listening on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.stop_process()
     return 0
 
 

@@ -1,9 +1,10 @@
 """The server's Prometheus metrics (GET /metrics), named like vLLM's with a `zipage:` prefix.
 
-Gauges are the scheduler's state after the latest step; counters and histograms are updated by the
-engine thread once per step from the step's plan and the requests that got their first token or
-finished in it (prometheus_client is thread-safe). Each server owns its registry, so several can
-live in one process (tests).
+Gauges are the scheduler's state after the latest step, as the engine process reports it with each
+step (`wire.EngineStats`); token counters and latency histograms are kept by the HTTP process as
+each request's tokens arrive (`engine_client`), so TTFT, TPOT and end-to-end latency count from
+the request's arrival at the server to the token's arrival back in it. Each server owns its
+registry, so several can live in one process (tests).
 """
 
 from __future__ import annotations
@@ -11,9 +12,6 @@ from __future__ import annotations
 from prometheus_client import (
     CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest,
 )
-
-from zipage.core.scheduler import Scheduler
-from zipage.core.step import PREFILL
 
 # Seconds; vLLM's buckets, which cover CPU runs of small models and GPU runs alike.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -63,35 +61,32 @@ class ServerMetrics:
                               TPOT_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.",
                              E2E_BUCKETS)
+        self._compressions = self._preemptions = 0  # the engine's totals seen so far
 
-    def record_step(self, output, scheduler: Scheduler) -> None:
-        """After each engine step (engine thread)."""
-        plan = output.plan
-        self.compressions.inc(len(plan.compressions))
-        self.preemptions.inc(len(plan.preempted))
-        self.generation_tokens.inc(len(output.tokens))
-        if plan.kind == PREFILL:
-            for item in plan.prefill:
-                seq = item.seq
-                if seq.num_preemptions == 0:  # a recomputed request had its first token before
-                    self.prompt_tokens.inc(seq.prompt_len)
-                    self.ttft.observe(seq.first_token_time - seq.arrival_s)
-        for seq in output.finished:
-            self.e2e.observe(seq.finish_time - seq.arrival_s)
-            if seq.num_output_tokens > 1:
-                self.tpot.observe((seq.finish_time - seq.first_token_time)
-                                  / (seq.num_output_tokens - 1))
-        self.update_gauges(scheduler)
+    def first_token(self, handle) -> None:
+        """A request got its first token (its prompt was computed)."""
+        self.prompt_tokens.inc(handle.prompt_len)
+        self.ttft.observe(handle.first_token_s - handle.arrival_s)
 
-    def finished_request(self, reason: str) -> None:
+    def finished_request(self, handle, reason: str, now: float) -> None:
+        """A request ended with `reason` ("stop" or "length") at `now` (perf_counter)."""
         self.finished.labels(self.model_name, reason).inc()
+        self.e2e.observe(now - handle.arrival_s)
+        if handle.num_tokens > 1:
+            self.tpot.observe((now - handle.first_token_s) / (handle.num_tokens - 1))
 
-    def update_gauges(self, scheduler: Scheduler) -> None:
-        used = scheduler.block_manager.num_used_blocks
-        self.running.set(len(scheduler.running))
-        self.waiting.set(len(scheduler.waiting))
-        self.blocks_used.set(used)
-        self.blocks_free.set(self.num_blocks - used)
+    def engine_stats(self, stats, generated: int) -> None:
+        """After each engine step: its tokens and the scheduler's state (`wire.EngineStats`)."""
+        self.generation_tokens.inc(generated)
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.blocks_used.set(stats.blocks_used)
+        self.blocks_free.set(self.num_blocks - stats.blocks_used)
+        # The engine reports totals; a counter advances by what is new.
+        self.compressions.inc(stats.compressions_total - self._compressions)
+        self.preemptions.inc(stats.preemptions_total - self._preemptions)
+        self._compressions = stats.compressions_total
+        self._preemptions = stats.preemptions_total
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -151,9 +151,13 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [num_seqs, vocab_size] of each sequence's last token of this step."""
+        """Logits [num_sampled, vocab_size] of the rows that sample a token this step: the context's
+        `logits_indices` (the runner's: sampling chunks' last rows, then decode rows), else each
+        prefill sequence's last row, else every row (decode)."""
         context = get_context()
-        if context.is_prefill:
+        if context.logits_indices is not None:
+            hidden = hidden.index_select(0, context.logits_indices)  # no host sync: graph-safe
+        elif context.is_prefill:
             hidden = hidden[context.cu_seqlens_q[1:].long() - 1]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         # Under tensor parallelism each rank computes its vocabulary shard's logits.

@@ -1,0 +1,118 @@
+"""Padded prefill / mixed steps, the layout CUDA graphs of prefill steps replay (CPU side).
+
+A graph cannot be captured here, but everything it runs can: with prefill graphs on, a step of
+up to the largest token bucket is staged into the runner's static tensors in the padded layout
+(rows padded to the bucket, sequences to the bucket's capacity, decode rows folded in as 1-token
+sequences, a fixed-size work list) and the padded forward runs on them, exactly the forward a
+graph captures. It must give the eager results; the Triton side (padded work items) is checked
+under the interpreter in tests/test_kernels_attention.py and tests/test_engine_mixed.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from test_engine import GREEDY, hf_greedy, prompts_with_shared_prefix, tiny_model  # noqa: E402,F401
+from test_engine_compression import SMALL  # noqa: E402
+from test_engine_mixed import (  # noqa: E402
+    assert_same_caches,
+    random_prompts,
+    run_chunked,
+    run_unchunked,
+)
+from test_models_hf_parity import _tiny_hf_model  # noqa: E402
+from zipage import LLM  # noqa: E402
+from zipage.engine import loader  # noqa: E402
+from zipage.engine.runner import PREFILL_GRAPHS_ENV, ModelRunner  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_cpu_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def count_padded_steps(monkeypatch) -> list[int]:
+    """Record the bucket of every padded forward the runners of this test run."""
+    buckets: list[int] = []
+    original = ModelRunner.padded_forward
+
+    def spy(runner, bucket):
+        buckets.append(bucket)
+        return original(runner, bucket)
+
+    monkeypatch.setattr(ModelRunner, "padded_forward", spy)
+    return buckets
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "llama"])
+def test_padded_mixed_steps_equal_eager(architecture: str, tmp_path: Path, monkeypatch) -> None:
+    _tiny_hf_model(architecture, tmp_path)
+    model, shape, _ = loader.load_model(str(tmp_path), dtype=torch.float32, device="cpu")
+    prompts = random_prompts(shape.vocab_size)
+    buckets = count_padded_steps(monkeypatch)
+    unchunked = run_unchunked(model, shape, prompts)
+    assert not buckets  # graphs off: the eager path
+    padded = run_chunked(model, shape, prompts, prefill_graphs=True)
+    assert padded.outputs() == unchunked.outputs()
+    assert_same_caches(padded, unchunked)
+    # every prefill and mixed step of the schedule was padded (decode steps use decode graphs)
+    assert buckets == [16, 64, 64, 64, 32, 16]  # 10, 42, 33, 37, 27 and 4 rows
+
+
+def test_steps_above_the_largest_bucket_run_eagerly(tmp_path: Path, monkeypatch) -> None:
+    _tiny_hf_model("qwen3", tmp_path)
+    model, shape, _ = loader.load_model(str(tmp_path), dtype=torch.float32, device="cpu")
+    prompts = random_prompts(shape.vocab_size)
+    buckets = count_padded_steps(monkeypatch)
+    unchunked = run_unchunked(model, shape, prompts)
+    # buckets 16 and 32 only: the 42-, 33- and 37-row steps run eagerly, in the same run
+    padded = run_chunked(model, shape, prompts, prefill_graphs=True, max_num_batched_tokens=32)
+    assert padded.runner.prefill_buckets == (16, 32)
+    assert buckets == [16, 32, 16]
+    assert padded.outputs() == unchunked.outputs()
+    assert_same_caches(padded, unchunked)
+
+
+class EagerReplay:
+    """Stands in for a captured prefill graph: the padded forward into the static logits."""
+
+    def __init__(self, runner: ModelRunner, bucket: int) -> None:
+        self.runner, self.bucket = runner, bucket
+
+    def replay(self) -> None:
+        seqs = self.runner.bucket_sequences(self.bucket)
+        self.runner.padded_inputs["logits"][:seqs] = self.runner.padded_forward(self.bucket)
+
+
+@pytest.mark.parametrize("knobs", [dict(compress=False, block_size=16, kv_memory_gb=0.002),
+                                   dict(SMALL, async_compress=False), SMALL],
+                         ids=["full-kv", "compress-sync", "compress-async"])
+def test_graph_replay_path_matches_eager(tiny_model, knobs, monkeypatch):  # noqa: F811
+    """Whole runs through the scheduler (prefix-cache hits, preemption, compression reading the
+    window queries padded prefills wrote), the replay branch served by a stand-in graph: the
+    static inputs are refilled step after step, with fewer sequences and narrower tables than
+    earlier steps left behind."""
+    directory, reference = tiny_model
+    prompts = prompts_with_shared_prefix()
+    eager = LLM(str(directory), **knobs).generate(prompts, GREEDY, progress=False)
+    monkeypatch.setenv(PREFILL_GRAPHS_ENV, "1")
+    llm = LLM(str(directory), **knobs)
+    runner = llm.engine.runner
+    assert runner.prefill_buckets and not runner.prefill_graphs  # on, nothing captured on the CPU
+    runner.prefill_graphs = {bucket: EagerReplay(runner, bucket) for bucket in runner.prefill_buckets}
+    buckets = count_padded_steps(monkeypatch)
+    padded = llm.generate(prompts, GREEDY, progress=False)
+    assert [o.token_ids for o in padded] == [o.token_ids for o in eager]
+    assert len(buckets) >= sum(1 for step in llm.last_run.steps if step.kind == "prefill") > 0
+    if knobs.get("compress", True):
+        assert llm.last_run.summary["compressions"] > 0
+    else:
+        assert [o.token_ids for o in padded] == hf_greedy(reference, prompts, len(padded[0].token_ids))

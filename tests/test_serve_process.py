@@ -1,0 +1,222 @@
+"""`zipage serve`'s engine process: startup, failure and shutdown, over real HTTP on localhost.
+
+The engine runs in a child of the server process (zipage/serve/engine_process.py). Covered: a
+bad model file is the child's one-line error and exit 2 in the parent; a crash of the child while
+it starts is reported, not hung on; `--threads` sets the child's torch threads; SIGTERM stops the
+child with the server; a server killed outright (SIGKILL) leaves no engine process behind; an
+engine process that dies fails the requests in flight (a stream gets an error event, a plain
+request a 503), refuses new ones and turns /health unhealthy, and the server still shuts down;
+with `--tensor-parallel 3` the engine process starts the other ranks, serves the one-rank
+tokens, and SIGTERM stops every rank.
+The servers here serve random weights (`random:smollm2-135m`, prompts as token ids): they start
+in seconds and need no model file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+httpx = pytest.importorskip("httpx")
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(),
+                                reason="finds the engine process through /proc (Linux)")
+
+MODEL = "random:smollm2-135m"
+FLAGS = ["--engine", "cpu", "--dtype", "float32", "--kv-memory-gb", "0.1", "--block-size", "16",
+         "--budget", "64", "--window", "4"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+# After its graceful shutdown uvicorn (>= 0.29) re-raises the signal it caught; older ones exit 0.
+_STOPPED = (0, -signal.SIGTERM)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter from /proc (None: no such process)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[1].split()[0]
+
+
+def _alive(pid: int) -> bool:
+    return _state(pid) not in (None, "Z")  # a zombie has exited; only its parent's wait is due
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def _server(tmp_path: Path, *extra: str):
+    """A `zipage serve` subprocess, healthy; yields (process, url, engine pid, log path)."""
+    port = _free_port()
+    log = tmp_path / "server.log"
+    with log.open("w") as handle:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "zipage.cli", "serve", "--model", MODEL, *FLAGS, *extra,
+             "--port", str(port)], stdout=handle, stderr=subprocess.STDOUT, env=ENV)
+    url = f"http://127.0.0.1:{port}"
+    engines: list[int] = []
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.poll() is None, "zipage serve exited:\n" + log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "not healthy:\n" + log.read_text()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        engines = _children(process.pid)
+        assert len(engines) == 1, f"expected one engine process, found {engines}"
+        yield process, url, engines[0], log
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        for pid in engines:  # never leave one behind, whatever the test asserted
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_bad_model_file_is_the_engines_one_line_error_and_exit_2(tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"not a gguf file")
+    result = subprocess.run(
+        [sys.executable, "-m", "zipage.cli", "serve", "--model", str(broken), "--engine", "cpu",
+         "--port", str(_free_port())], capture_output=True, text=True, timeout=180, env=ENV)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"zipage: error: model: {broken} is not a readable GGUF file (GGUF magic invalid)"]
+
+
+def test_engine_crash_while_starting_is_reported(capfd):
+    from zipage.serve.engine_client import EngineClient, EngineProcessError
+    from zipage.serve.wire import Setup
+
+    with pytest.raises(EngineProcessError, match="failed while starting: AttributeError"):
+        EngineClient.start(Setup(settings=None, device="cpu", cuda_graphs=False, threads=1))
+    assert "Traceback" in capfd.readouterr().err  # the child's own, for the bug report
+
+
+def test_sigterm_stops_the_engine_process_and_threads_flag(tmp_path):
+    with _server(tmp_path, "--threads", "2") as (process, url, engine, log):
+        assert "2 torch threads" in log.read_text()  # the engine process's count, not the env's
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) in _STOPPED
+        _wait_for(lambda: not _alive(engine), 5, "the engine process to exit")
+        assert "the engine process exited with code" not in log.read_text()  # it exited 0
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
+def test_killed_server_leaves_no_engine_process(tmp_path, busy):
+    """Idle, the engine waits for a command and reads the end of the socket; busy, it learns
+    between two steps."""
+    with _server(tmp_path) as (process, url, engine, log):
+        with contextlib.ExitStack() as stack:
+            if busy:
+                body = {"prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": True,
+                        "stream": True}
+                reply = stack.enter_context(
+                    httpx.stream("POST", url + "/v1/completions", json=body, timeout=60))
+                next(reply.iter_lines())  # the engine is stepping
+            process.kill()
+            process.wait()
+        _wait_for(lambda: not _alive(engine), 20, "the orphaned engine process to exit")
+
+
+def test_dead_engine_fails_requests_in_flight_and_health(tmp_path):
+    with _server(tmp_path) as (process, url, engine, log):
+        async def main():
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                body = {"prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": True}
+                plain = asyncio.create_task(http.post("/v1/completions", json=body))
+                async with http.stream("POST", "/v1/completions",
+                                       json={**body, "stream": True}) as reply:
+                    lines = reply.aiter_lines()
+                    first = await anext(lines)
+                    while await _running(http) < 2:  # both requests are in the engine
+                        await asyncio.sleep(0.05)
+                    os.kill(engine, signal.SIGKILL)
+                    rest = [line async for line in lines if line]
+                return first, rest, await plain, await http.get("/health"), await http.post(
+                    "/v1/completions", json=body)
+
+        first, rest, plain, health, after = asyncio.run(main())
+        assert first.startswith("data: {")
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2].removeprefix("data: "))["error"]
+        assert "engine process stopped" in error["message"] and error["code"] == 503
+        assert plain.status_code == 503
+        assert "engine process stopped" in plain.json()["error"]["message"]
+        assert health.status_code == 503 and "engine process stopped" in health.json()["error"]
+        assert after.status_code == 503
+        assert process.poll() is None  # the server itself is still up, and stops cleanly
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) in _STOPPED
+
+
+async def _running(http) -> float:
+    text = (await http.get("/metrics")).text
+    line = next(line for line in text.splitlines()
+                if line.startswith("zipage:num_requests_running{"))
+    return float(line.split()[-1])
+
+
+def test_tensor_parallel_server_matches_one_rank_and_stops_every_rank(tmp_path):
+    from zipage.engine.llm import LLM
+    from zipage.engine.sampler import SamplingParams
+
+    prompt = [1, 2, 3, 4, 5]
+    with _server(tmp_path, "--tensor-parallel", "3") as (process, url, engine, log):
+        ranks = _children(engine)
+        assert len(ranks) == 2  # ranks 1 and 2; rank 0 is the engine process
+        reply = httpx.post(url + "/v1/completions", timeout=120, json={
+            "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        served = reply.json()["choices"][0]["token_ids"]
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) in _STOPPED
+        for pid in [engine, *ranks]:
+            _wait_for(lambda: not _alive(pid), 10, f"process {pid} to exit")
+        assert "the engine process exited with code" not in log.read_text()
+    llm = LLM(MODEL, device="cpu", dtype="float32", kv_memory_gb=0.1, threads=1, block_size=16,
+              kv_budget=64, window=4)
+    expected = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8,
+                                                     ignore_eos=True), progress=False)[0]
+    assert served == expected.token_ids

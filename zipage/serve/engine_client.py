@@ -1,0 +1,282 @@
+"""The HTTP process's side of the engine process (`zipage.serve.engine_process`).
+
+`EngineClient.start` spawns the engine process and blocks until its model is loaded, before the
+server listens; a bad model file raises the child's one-line `ZipageError` here. Once the event
+loop runs, `attach` watches the socket: each `StepUpdate` is read on the event loop (one message
+per engine step, however many requests it carries) and each request's tokens go to its own
+`asyncio.Queue`. Requests and aborts go out as they come (`submit`, `abort`). If the engine
+process dies, every request in flight gets an error, new ones are refused (`EngineStopped`) and
+/health turns unhealthy.
+
+Latency metrics are measured here, on receipt: arrival is when the request reached the server,
+so TTFT and TPOT include everything between the client and the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+from zipage.core.scheduler import Scheduler
+from zipage.core.sequence import Sequence
+from zipage.errors import ZipageError
+from zipage.serve.metrics import ServerMetrics
+from zipage.serve.wire import (
+    Abort, Add, EngineFailed, Ready, Setup, StartupFailed, StepUpdate, Stop,
+)
+
+STOP_TIMEOUT_S = 30.0  # a step in flight finishes and tensor-parallel ranks leave their group
+# (up to 15 s: zipage/engine/parallel.py) first; an engine process stuck longer is killed
+
+
+class EngineStopped(RuntimeError):
+    """The engine process is gone (shut down, or it died); nothing more can be served."""
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process failed while starting, not because of the user's input."""
+
+
+@dataclass
+class Delta:
+    """New tokens of one request from one step; `finish_reason` once it ended ("stop" at an
+    end-of-sequence token, "length" at max tokens); `error` and its HTTP `status` if it failed
+    (400: the core refused it; 503: the engine stopped)."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None
+    error: str | None = None
+    status: int = 500
+
+
+@dataclass
+class RequestHandle:
+    """The asyncio side of one request: the queue its deltas arrive on, and its timings."""
+
+    seq_id: str
+    prompt_len: int
+    arrival_s: float
+    deltas: asyncio.Queue = field(default_factory=asyncio.Queue)
+    done: bool = False  # ended, failed or aborted: nothing more arrives
+    waiting: bool = True  # no token yet and not ended (counts against --max-waiting)
+    first_token_s: float | None = None
+    num_tokens: int = 0
+
+
+class EngineClient:
+    def __init__(self, process: subprocess.Popen, connection: Connection, info: Ready) -> None:
+        self.process = process
+        self.connection = connection
+        self.info = info
+        # The core's admission rule, asked before a request is sent (pure: the configuration).
+        self.admission = Scheduler(info.config, info.capacity.num_blocks,
+                                   info.capacity.num_query_slots)
+        self.metrics: ServerMetrics | None = None
+        self.error: str | None = None  # why the engine stopped, once it did
+        self.num_waiting = 0  # requests sent that have no token yet
+        self._handles: dict[str, RequestHandle] = {}
+        self._ids = itertools.count()
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+
+    # ---------------------------------------------------------------- starting and stopping
+
+    @classmethod
+    def start(cls, setup: Setup) -> "EngineClient":
+        """Spawn the engine process and wait until it has built the engine."""
+        ours, theirs = socket.socketpair()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "zipage.serve.engine_process", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),))
+        theirs.close()  # only the child holds it now: its exit reads as EOF here
+        connection = Connection(ours.detach())
+        try:
+            connection.send(setup)
+            reply = connection.recv()
+        except (EOFError, OSError):
+            reply = None
+        except BaseException:  # Ctrl-C while the model loads
+            connection.close()
+            _reap(process, timeout=0)
+            raise
+        if isinstance(reply, Ready):
+            return cls(process, connection, reply)
+        connection.close()
+        code = _reap(process, STOP_TIMEOUT_S)
+        if isinstance(reply, StartupFailed) and reply.user_error:
+            raise ZipageError(reply.message)
+        if isinstance(reply, StartupFailed):
+            raise EngineProcessError(f"the engine process failed while starting: "
+                                     f"{reply.message} (its traceback is above)")
+        raise EngineProcessError(f"the engine process exited with code {code} before it was "
+                                 "ready (its output is above)")
+
+    def attach(self, metrics: ServerMetrics | None = None) -> None:
+        """Start reading the engine's updates on the running event loop."""
+        self.metrics = metrics
+        self._event_loop = asyncio.get_running_loop()
+        if self.alive:
+            self._event_loop.add_reader(self.connection.fileno(), self._read)
+
+    def close(self, reason: str = "the server is shutting down") -> None:
+        """On the event loop: tell the engine to stop, stop reading, fail what is in flight."""
+        self.error = self.error or reason
+        self._send_stop()
+        self._detach()
+        self._fail_all(self.error)
+
+    def stop_process(self) -> None:
+        """Wait for the engine process to exit (told to stop first; killed if it hangs).
+        Blocking; safe to call more than once, and after `close`."""
+        stopping = self.process.poll() is None
+        self._send_stop()
+        if not self.connection.closed:
+            self.connection.close()
+        code = _reap(self.process, STOP_TIMEOUT_S)
+        if stopping and code != 0:  # it was told to stop: anything but 0 is worth a line
+            print(f"zipage serve: the engine process exited with code {code} while stopping",
+                  file=sys.stderr, flush=True)
+
+    def _send_stop(self) -> None:
+        if not self.connection.closed and self.process.poll() is None:
+            try:
+                self.connection.send(Stop())
+            except OSError:
+                pass
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self.process.poll() is None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    # ---------------------------------------------------------------- requests
+
+    def rejection_reason(self, prompt_len: int, max_tokens: int) -> str | None:
+        """Why the core would refuse such a request (`Scheduler.rejection_reason`)."""
+        return self.admission.rejection_reason(Sequence("request", None, max_tokens,
+                                                        prompt_len=prompt_len))
+
+    def submit(self, prompt_token_ids: list[int], sampling) -> RequestHandle:
+        """Send a request to the engine; it arrives now (its TTFT counts from here)."""
+        if not self.alive:
+            raise EngineStopped(self.error or "the engine is not running")
+        handle = RequestHandle(f"req-{next(self._ids)}", len(prompt_token_ids),
+                               time.perf_counter())
+        try:
+            self.connection.send(Add(handle.seq_id, prompt_token_ids, sampling))
+        except OSError:
+            self._engine_gone()
+            raise EngineStopped(self.error) from None
+        self._handles[handle.seq_id] = handle
+        self.num_waiting += 1
+        return handle
+
+    def abort(self, handle: RequestHandle, finish_reason: str | None = None) -> None:
+        """Drop the request (the engine frees its blocks before its next step): its client went
+        away, or (`finish_reason` "stop") its text reached a stop string. A no-op once the
+        request ended."""
+        if handle.done:
+            return
+        self._end(handle)
+        if self.metrics is not None:
+            if finish_reason is None:
+                self.metrics.aborted.inc()
+            else:
+                self.metrics.finished_request(handle, finish_reason, time.perf_counter())
+        if self.alive:
+            try:
+                self.connection.send(Abort(handle.seq_id))
+            except OSError:
+                pass  # the reader learns the engine is gone
+
+    # ---------------------------------------------------------------- the engine's updates
+
+    def _read(self) -> None:
+        """The socket is readable: take every update queued (the loop may have been busy for
+        several steps), then hand the tokens out."""
+        try:
+            while self.connection.poll():
+                message = self.connection.recv()
+                if isinstance(message, StepUpdate):
+                    self._receive(message)
+                elif isinstance(message, EngineFailed):
+                    self.error = message.message
+        except (EOFError, OSError):
+            self._engine_gone()
+
+    def _receive(self, update: StepUpdate) -> None:
+        now = time.perf_counter()
+        metrics = self.metrics
+        handles = self._handles
+        for seq_id, token in zip(update.seq_ids, update.tokens):
+            handle = handles.get(seq_id)
+            if handle is None:
+                continue  # aborted while the step ran
+            handle.num_tokens += 1
+            if handle.first_token_s is None:
+                handle.first_token_s = now
+                self._started(handle)
+                if metrics is not None:
+                    metrics.first_token(handle)
+            reason = update.finished.get(seq_id)
+            if reason is not None:
+                self._end(handle)
+                if metrics is not None:
+                    metrics.finished_request(handle, reason, now)
+            handle.deltas.put_nowait(Delta([token], reason))
+        for seq_id, message in update.rejected.items():
+            handle = handles.get(seq_id)
+            if handle is not None:
+                self._end(handle)
+                handle.deltas.put_nowait(Delta([], None, message, 400))
+        if metrics is not None:
+            metrics.engine_stats(update.stats, len(update.tokens))
+
+    def _end(self, handle: RequestHandle) -> None:
+        handle.done = True
+        self._handles.pop(handle.seq_id, None)
+        self._started(handle)
+
+    def _started(self, handle: RequestHandle) -> None:
+        if handle.waiting:
+            handle.waiting = False
+            self.num_waiting -= 1
+
+    def _engine_gone(self) -> None:
+        """The socket closed: the engine process exited (or was killed)."""
+        self._detach()
+        if self.error is None:
+            try:  # the socket closes as the process exits: its code is due at once
+                code = self.process.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:  # never hold the event loop long; shutdown reaps
+                code = "unknown"
+            self.error = f"the engine process stopped (exit code {code})"
+        self._fail_all(self.error)
+
+    def _detach(self) -> None:
+        if self._event_loop is not None and not self.connection.closed:
+            if not self._event_loop.is_closed():
+                self._event_loop.remove_reader(self.connection.fileno())
+            self.connection.close()
+
+    def _fail_all(self, message: str) -> None:
+        for handle in list(self._handles.values()):
+            self._end(handle)
+            handle.deltas.put_nowait(Delta([], None, message, 503))
+
+
+def _reap(process: subprocess.Popen, timeout: float) -> int:
+    """Wait up to `timeout` s for the process to exit, then kill it; its exit code."""
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()

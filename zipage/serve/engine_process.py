@@ -1,0 +1,214 @@
+"""The engine process of `zipage serve`: it owns the `Engine`, its `EngineLoop` and the scheduler.
+
+Why a process of its own: on a thread of the server process the engine loop shared the GIL with
+the HTTP event loop (request parsing, detokenization, SSE writes), and on an H200 every decode
+step took ~30 % longer than offline (TPOT p50 16.8 vs 13.0 ms, docs/BENCHMARKS.md section 9). Here
+the step loop runs alone on its interpreter, as `zipage replay --gpu` runs it.
+
+`EngineClient.start` runs `python -m zipage.serve.engine_process FD` (FD: this side of a socket
+pair). The process builds the engine from the `Setup` it receives and answers `Ready`, or
+`StartupFailed` with the one-line error of a bad model file. Then, until told to stop: apply the
+adds and aborts that arrived (between steps, never inside one), run one `EngineLoop.step()` (the
+step `zipage replay --gpu` runs), send one `StepUpdate` with the step's token ids. No text here:
+the HTTP process detokenizes. A thread receives commands into a queue, so the HTTP process's
+writes never wait for a step to end. The process exits on `Stop`, when the HTTP process is gone
+(its end of the socket closes), or when a step raises (after sending `EngineFailed`).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Connection
+
+from zipage.core.sequence import Sequence
+from zipage.errors import ZipageError
+from zipage.serve.wire import (
+    Abort, Add, EngineFailed, EngineStats, Ready, Setup, StartupFailed, StepUpdate, Stop,
+)
+
+
+class ServerGone(Exception):
+    """The HTTP process closed its end of the socket."""
+
+
+def main(fd: int) -> int:
+    # Ctrl-C in a terminal reaches the whole process group; the HTTP process decides when the
+    # engine stops (after its in-flight streams), so the engine ignores it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    connection = Connection(fd)
+    try:
+        setup: Setup = connection.recv()
+    except (EOFError, OSError):
+        return 1
+    try:
+        engine, threads = build(setup)
+    except ZipageError as error:  # the user's to fix: the HTTP process prints it in one line
+        _send_quietly(connection, StartupFailed(str(error), user_error=True))
+        return 2
+    except Exception as error:  # a bug: keep the traceback (stderr is the server's)
+        traceback.print_exc()
+        _send_quietly(connection, StartupFailed(f"{type(error).__name__}: {error}",
+                                                user_error=False))
+        return 1
+    core = EngineCore(engine, connection)
+    try:
+        connection.send(Ready(str(engine.device), engine.config, engine.capacity,
+                              engine.shape.vocab_size, core.loop.eos_token_ids, threads))
+    except OSError:
+        return 0
+    return core.serve()
+
+
+def build(setup: Setup):
+    """The engine, and the torch thread count on the CPU (set before any torch work)."""
+    from zipage.engine.llm import build_engine
+
+    threads = None
+    if setup.device == "cpu":
+        from zipage.engine.threads import set_cpu_threads
+
+        threads = set_cpu_threads(setup.threads)  # zipage.engine.threads: why not torch's default
+    return build_engine(setup.settings, setup.device, cuda_graphs=setup.cuda_graphs), threads
+
+
+class EngineCore:
+    """The step loop fed from the socket."""
+
+    def __init__(self, engine, connection: Connection) -> None:
+        from zipage.engine.loop import EngineLoop
+
+        self.connection = connection
+        self.loop = EngineLoop(engine.new_scheduler(), engine.runner,
+                               eos_token_ids=eos_token_ids(engine.tokenizer))
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.rejected: dict[str, str] = {}
+        self.changed = False  # an abort or rejection the HTTP side has no update of yet
+        self.compressions = 0
+        self.preemptions = 0
+
+    def serve(self) -> int:
+        self.loop.start()
+        receiver = threading.Thread(target=self._receive, name="zipage-commands", daemon=True)
+        receiver.start()
+        try:
+            while self._apply(wait=not self.loop.scheduler.has_unfinished()):
+                output = self.loop.step()
+                if output is not None or self.changed:
+                    self._publish(output)
+        except ServerGone:
+            return 0
+        except BaseException as error:
+            _send_quietly(self.connection,
+                          EngineFailed(f"engine stopped: {type(error).__name__}: {error}"))
+            raise
+        finally:
+            self._stop_receiving(receiver)
+        return 0
+
+    def _stop_receiving(self, receiver: threading.Thread) -> None:
+        """End the command thread before the interpreter finalizes, so no thread wakes from
+        `recv` in a half torn-down interpreter (the HTTP process closes its end right after
+        `Stop`). Shutting the socket down wakes the thread with an end of file, and tells the
+        HTTP process at once that the engine is gone."""
+        try:
+            with socket.socket(fileno=os.dup(self.connection.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        receiver.join(timeout=5.0)
+
+    def _receive(self) -> None:
+        """Thread: commands into the inbox as they arrive; `Stop` once the server is gone."""
+        try:
+            while True:
+                self.inbox.put(self.connection.recv())
+        except (EOFError, OSError):
+            self.inbox.put(Stop())
+
+    def _apply(self, wait: bool) -> bool:
+        """Apply the queued adds and aborts; block for one when idle. False on `Stop`."""
+        while True:
+            try:
+                command = self.inbox.get() if wait else self.inbox.get_nowait()
+            except queue.Empty:
+                return True
+            wait = False
+            if isinstance(command, Stop):
+                return False
+            if isinstance(command, Add):
+                self._add(command)
+            elif isinstance(command, Abort):
+                self._abort(command.seq_id)
+
+    def _add(self, command: Add) -> None:
+        seq = Sequence(command.seq_id, command.prompt_token_ids, command.sampling.max_tokens,
+                       arrival_s=self.loop.now(), sampling=command.sampling)
+        if not self.loop.add(seq):  # the HTTP side asked the same rule first: rare
+            self.loop.tokens.pop(seq.seq_id, None)
+            self.rejected[seq.seq_id] = seq.error
+            self.changed = True
+
+    def _abort(self, seq_id: str) -> None:
+        if self.loop.abort(seq_id):  # False: it finished before the abort arrived
+            self.loop.tokens.pop(seq_id, None)
+            self.changed = True
+
+    def _publish(self, output) -> None:
+        seq_ids, tokens, finished = [], [], {}
+        if output is not None:
+            for seq, token in output.tokens:
+                seq_ids.append(seq.seq_id)
+                tokens.append(token)
+            eos = self.loop.eos_token_ids
+            for seq in output.finished:
+                last = self.loop.tokens.pop(seq.seq_id)[-1]
+                stopped = last in eos and not seq.sampling.ignore_eos
+                finished[seq.seq_id] = "stop" if stopped else "length"
+            self.compressions += len(output.plan.compressions)
+            self.preemptions += len(output.plan.preempted)
+        scheduler = self.loop.scheduler
+        stats = EngineStats(len(scheduler.running), len(scheduler.waiting),
+                            scheduler.block_manager.num_used_blocks, self.compressions,
+                            self.preemptions)
+        update = StepUpdate(seq_ids, tokens, finished, self.rejected, stats)
+        self.rejected, self.changed = {}, False
+        self._forget_history()
+        try:
+            self.connection.send(update)
+        except OSError:
+            raise ServerGone from None
+
+    def _forget_history(self) -> None:
+        """A server runs for days: keep no per-step records or finished requests around (the
+        offline loop keeps them for its `Run`; the server's /metrics has the aggregates)."""
+        scheduler = self.loop.scheduler
+        scheduler.finished.clear()
+        scheduler.aborted.clear()
+        scheduler.rejected.clear()
+        scheduler.admission_order.clear()
+        self.loop.recorder.metrics.steps.clear()
+
+
+def eos_token_ids(tokenizer) -> frozenset[int]:
+    """The tokenizer's end-of-sequence ids (none for models without a tokenizer)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset(eos if isinstance(eos, (list, tuple)) else [eos])
+
+
+def _send_quietly(connection: Connection, message) -> None:
+    try:
+        connection.send(message)
+    except OSError:  # nobody is listening any more
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1])))

@@ -1,0 +1,93 @@
+"""What crosses between `zipage serve`'s HTTP process and its engine process, pickled over one
+socket pair (`multiprocessing.connection.Connection`; docs/serve.md, 'How it works').
+
+HTTP -> engine: `Setup` once, then `Add`, `Abort` and `Stop`.
+Engine -> HTTP: `Ready` or `StartupFailed` once, then one `StepUpdate` per step (and after aborts
+or rejections that changed the engine's state between steps), and `EngineFailed` if a step
+raised. A step's tokens travel as two flat lists, not an object per token: building and
+pickling the message is host time every step of the engine pays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zipage.core.config import ZipageConfig
+    from zipage.core.memory import MemoryPlan
+    from zipage.deployment import ReplaySettings
+    from zipage.engine.sampler import SamplingParams
+
+
+@dataclass
+class Setup:
+    """How to build the engine (`zipage.engine.llm.build_engine`'s arguments)."""
+
+    settings: ReplaySettings
+    device: str  # "cuda" or "cpu"
+    cuda_graphs: bool
+    threads: int | None  # CPU: torch threads (`zipage.engine.threads`); None: its default
+
+
+@dataclass
+class Ready:
+    """The engine is built: what the HTTP side needs to admit, validate and report."""
+
+    device: str
+    config: ZipageConfig
+    capacity: MemoryPlan
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    threads: int | None  # torch threads on the CPU; None on a GPU
+
+
+@dataclass
+class StartupFailed:
+    message: str
+    user_error: bool  # a ZipageError (a bad model file, too little memory): one line says it all
+
+
+@dataclass
+class Add:
+    seq_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass
+class Abort:
+    seq_id: str
+
+
+@dataclass
+class Stop:
+    pass
+
+
+@dataclass
+class EngineStats:
+    """The scheduler after the step, and totals since the engine started (updates that follow
+    an abort rather than a step carry them unchanged)."""
+
+    running: int
+    waiting: int
+    blocks_used: int
+    compressions_total: int
+    preemptions_total: int
+
+
+@dataclass
+class StepUpdate:
+    seq_ids: list[str]  # one entry per token the step produced, beside `tokens`
+    tokens: list[int]
+    finished: dict[str, str]  # request -> "stop" (end-of-sequence token) or "length"
+    rejected: dict[str, str]  # request -> why the core refused it (it never ran)
+    stats: EngineStats
+
+
+@dataclass
+class EngineFailed:
+    """A step raised (a bug): the engine process exits after sending this."""
+
+    message: str
