@@ -40,13 +40,15 @@ RULES = {
     "slot handout": "a freed slot goes to a running request without one",
 }
 
-# The share of a mode's examples that must reach each of its rules: about half of what the ci
-# profile reaches (docs/results/rule-coverage.md), so they only catch a generator that drifts
-# away. Rules with no floor here are reached too rarely by random traces to pin (several victims
-# in one step with the prefix cache, rule 5's shortfall); named witness traces cover them
+# The share of a mode's examples that must reach each of its rules: about a third of the fewer
+# examples the ci profile reaches when this file runs alone or in the whole suite (hypothesis
+# draws some values from constants of the loaded modules, so the two differ; see
+# docs/results/rule-coverage.md), and at least one example. They only catch a generator that
+# drifts away. Rules with no floor here are reached too rarely by random traces to pin (several
+# victims in one step with the prefix cache, rule 5's shortfall); named witnesses cover them
 # (tests/test_preemption_witnesses.py).
 _PREFIX = {"preempt": 0.08, "victim not last": 0.015, "preempt slot holder": 0.05,
-           "preempt for compression": 0.05, "compress shared": 0.15, "keep indexed": 0.15,
+           "preempt for compression": 0.05, "compress shared": 0.15, "keep indexed": 0.1,
            "overwrite indexed": 0.25, "slots exhausted": 0.2}
 MIN_SHARE = {
     "full_kv": {"preempt": 0.25, "preempt several": 0.03},
@@ -54,7 +56,8 @@ MIN_SHARE = {
     "constrained_prefix": _PREFIX,
     "hybrid": {"preempt": 0.2, "preempt several": 0.03, "blocked": 0.04, "slots exhausted": 0.3,
                "waits for slot": 0.1, "slot handout": 0.2},
-    "hybrid_prefix": _PREFIX | {"waits for slot": 0.05, "slot handout": 0.1},
+    "hybrid_prefix": _PREFIX | {"victim not last": 0.005, "waits for slot": 0.05,
+                                "slot handout": 0.1},
 }
 assert all(set(floors) <= set(RULES) for floors in MIN_SHARE.values())
 

@@ -70,7 +70,7 @@ SHAPES = {
     "constrained": ["spread", "crowd", "crowd"],
     "hybrid": ["spread", "crowd", "crowd"],
     "constrained_prefix": ["spread", "crowd", "family", "family", "family"],
-    "hybrid_prefix": ["spread", "crowd", "family", "family", "family"],
+    "hybrid_prefix": ["spread", "crowd", "crowd", "family", "family", "family"],
 }
 
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from strategies import MODES, Case, cases
+from strategies import MODES, Case, cases, mode_seed
 from zipage.core.config import ZipageConfig
 from zipage.core.invariants import InvariantChecker
 from zipage.core.scheduler import Scheduler
@@ -35,6 +35,7 @@ def chunked_cases(draw, mode: str) -> Case:
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_invariants_hold_chunked(mode):
+    @mode_seed(mode)
     @given(case=chunked_cases(mode))
     def check(case):
         scheduler = Scheduler(case.config, case.num_blocks, case.num_slots)

@@ -190,6 +190,7 @@ def test_sync_simulator_decides_like_the_instant_driver_with_chunked_prefill():
 def test_invariants_hold_under_random_timing_with_chunked_prefill(mode):
     from test_core_chunked import chunked_cases
 
+    @mode_seed(mode)
     @settings(max_examples=40)
     @given(case=chunked_cases(mode), seed=st.integers(0, 1000))
     def check(case, seed):
