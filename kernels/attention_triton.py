@@ -203,7 +203,14 @@ def _attend_kv_tile(
     return new_max, running_sum, accumulator
 
 
-@triton.jit
+# Integer arguments that change from step to step. Triton specialises an integer argument on
+# being 1 or a multiple of 16 and compiles a variant for each: a prefill whose widest block table
+# had one block (a 64-token prompt at b = 64) compiled a new kernel in the middle of an H200 run and
+# took 810 ms. Not specialising them costs an unproven alignment hint on an index computation.
+_STEP_VARYING = ["block_table_stride", "num_partitions", "fixed_partition_size"]
+
+
+@triton.jit(do_not_specialize=["block_table_stride"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -396,7 +403,7 @@ def _decode_partition_tokens(
     return partition_size
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_STEP_VARYING)
 def _decode_partition_kernel(
     q_ptr,
     k_cache_ptr,
@@ -490,7 +497,7 @@ def _decode_partition_kernel(
             )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_STEP_VARYING[1:])
 def _decode_merge_kernel(
     out_ptr,
     partial_out_ptr,

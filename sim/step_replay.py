@@ -85,8 +85,11 @@ def _read_run(run_dir: Path):
     except (OSError, ValueError) as error:
         raise ZipageError(f"--step-times {run_dir}: cannot read the run directory ({error}); "
                           "give a directory written by `zipage replay --gpu --out DIR`") from None
+    if summary.get("driver") in ("served", "simulator", "step-replay"):
+        raise ZipageError(f"--step-times {run_dir}: a {summary['driver']} run has no engine "
+                          "steps to replay; give an engine run (`zipage replay --gpu --out DIR`)")
     missing = [column for column in STEP_TIME_COLUMNS if column not in steps.columns]
-    if missing or "settings" not in summary or "num_blocks" not in summary:
+    if missing or "config" not in summary.get("settings", {}) or "num_blocks" not in summary:
         raise ZipageError(f"--step-times {run_dir}: not a run directory of this version (missing "
                           f"{', '.join(missing) or 'settings'}); rerun the engine with --out")
     done = requests[requests["status"] == "finished"]

@@ -15,6 +15,7 @@ from tiny_models import save_tiny_qwen3  # noqa: E402
 from zipage.core.config import ZipageConfig  # noqa: E402
 from zipage.deployment import ReplaySettings  # noqa: E402
 from zipage.engine.replay import replay_on_engine  # noqa: E402
+from zipage.core.metrics import STEP_COLUMNS  # noqa: E402
 from zipage.errors import ZipageError  # noqa: E402
 from zipage.rundir import write_run  # noqa: E402
 from zipage.sim.step_replay import replay_step_times  # noqa: E402
@@ -151,3 +152,13 @@ def test_step_replay_of_a_chunked_prefill_run(tiny_model, tmp_path, asynchronous
         profile = profile_from_runs([out], gpu="h100")
         assert CalibratedCostModel.from_profile(profile).mixed_fit.num_points == len(
             profile["mixed"]) >= 2
+
+
+def test_step_replay_refuses_a_served_run(tmp_path):
+    """`zipage bench serve --out` measures from the client: no engine steps, no settings."""
+    (tmp_path / "summary.json").write_text(json.dumps({"driver": "served", "settings": {},
+                                                       "num_blocks": 0}))
+    (tmp_path / "steps.csv").write_text(",".join(STEP_COLUMNS) + "\n")
+    (tmp_path / "requests.csv").write_text("id,status,output_len\n")
+    with pytest.raises(ZipageError, match="served run has no engine steps"):
+        replay_step_times(online_trace(), tmp_path)
