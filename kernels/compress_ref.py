@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from zipage.core.config import ZipageConfig
+from zipage.core.config import ZipageConfig, window_violation
 
 
 _KNOBS = ZipageConfig()  # the knobs' defaults are declared once, on ZipageConfig
@@ -46,6 +46,12 @@ class CompressionParams:
     tau: float = _KNOBS.tau
     similarity_threshold: float = _KNOBS.similarity_threshold
     pool_kernel: int = 5  # the paper's max-pooling width; not a user knob
+
+    def __post_init__(self) -> None:
+        # Beyond half a block the Triton kernels and this reference disagree (3.4e-2 on the
+        # final scores at w = 24, b = 16); ZipageConfig rejects such a window, so do the kernels.
+        if expected := window_violation(self.block_size, self.window):
+            raise ValueError(f"window: got {self.window!r}, expected {expected}")
 
     @classmethod
     def from_config(cls, config: ZipageConfig) -> "CompressionParams":
@@ -150,8 +156,21 @@ def final_scores(keys: torch.Tensor, queries: torch.Tensor, previous: torch.Tens
 
 
 def kept_entries(scores: torch.Tensor, keep: int) -> torch.Tensor:
-    """Indices [Hkv, keep] of the highest scores per kv head, in their original order."""
-    return scores.topk(keep, dim=-1).indices.sort(dim=-1).values
+    """Indices [..., keep] of the `keep` highest scores of each row (the last dim), in their
+    original order. Among equal scores the lowest position wins, on every device (torch.topk
+    leaves ties unspecified). No value is read back to the host: an async compression never
+    stalls the thread that launches decode steps."""
+    cut = scores.topk(keep, dim=-1).values[..., -1:]  # the keep-th highest score of each row
+    above = scores > cut
+    tied = scores == cut
+    # Entries at the cut fill the rows' remaining places, lowest positions first.
+    room = keep - above.sum(dim=-1, keepdim=True)
+    kept = above | (tied & (tied.cumsum(dim=-1) <= room))
+    # The j-th kept entry is the first position where the running count of kept entries
+    # reaches j + 1 (each row keeps exactly `keep`).
+    counts = kept.cumsum(dim=-1)
+    ranks = torch.arange(1, keep + 1, device=scores.device).expand(*scores.shape[:-1], keep)
+    return torch.searchsorted(counts, ranks.contiguous())
 
 
 def write_kept_entries(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Tensor | None,

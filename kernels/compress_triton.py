@@ -15,7 +15,7 @@ runs, for L layers x R requests x Hkv KV heads at once (step numbers of docs/arc
   pairs;
 - steps 3, 4 (the softmax) and 5: ``_final_score_kernel`` — pooling, the redundancy softmax, the weighted
   difference, +inf for the window and -inf for padding, one program per (layer, request, KV head);
-- step 6: ``torch.topk`` over the padded final scores (``compress_ref.kept_entries``);
+- step 6: the top k of the padded final scores, ties to the lowest position (``compress_ref.kept_entries``);
 - step 7: ``_compact_in_place_kernel`` (and ``_compact_staged_kernel`` where in place would be unsafe) — the kept
   K, V and global-score entries written densely, in order, into the target blocks.
 

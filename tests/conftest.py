@@ -10,4 +10,17 @@ _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Healt
 settings.register_profile("ci", max_examples=200, derandomize=True, print_blob=True, **_common)
 settings.register_profile("thorough", max_examples=5000, print_blob=True, **_common)
 settings.register_profile("dev", max_examples=30, **_common)
+# tests/mutation_check.py: the ci examples, but stop at the first failure and name it.
+settings.register_profile("mutation", max_examples=200, derandomize=True,
+                          report_multiple_bugs=False, **_common)
 settings.load_profile("ci")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print how often the core property tests' examples reached each rule, per mode."""
+    from rule_coverage import format_tally
+
+    table = format_tally()
+    if table:
+        terminalreporter.write_sep("-", "rule coverage of the core property tests")
+        terminalreporter.write_line(table)

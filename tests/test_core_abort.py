@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from strategies import MODES, cases
+from strategies import MODES, cases, mode_seed
 from zipage.core.config import ZipageConfig
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence, SequenceStatus
@@ -31,6 +31,7 @@ def cases_with_aborts(draw, mode: str):
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_random_aborts_keep_every_invariant(mode):
+    @mode_seed(mode)
     @given(drawn=cases_with_aborts(mode))
     def check(drawn):
         case, aborts = drawn

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from strategies import MODES, Case, cases
+from strategies import MODES, Case, cases, mode_seed
 from zipage.core.config import ZipageConfig
 from zipage.core.invariants import InvariantChecker
 from zipage.core.scheduler import Scheduler
@@ -35,6 +35,7 @@ def chunked_cases(draw, mode: str) -> Case:
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_invariants_hold_chunked(mode):
+    @mode_seed(mode)
     @given(case=chunked_cases(mode))
     def check(case):
         scheduler = Scheduler(case.config, case.num_blocks, case.num_slots)
@@ -189,11 +190,14 @@ def test_checker_catches_a_hit_on_an_uncomputed_block():
     checker = InvariantChecker(scheduler)
     a, b = Sequence("a", prefix + [1], 2), Sequence("b", prefix + [2], 2)
     scheduler.add(a)
+    checker.before_schedule()
     plan = scheduler.schedule()
+    checker.record_plan_writes(plan)
     scheduler.finish(StepResult(plan.step_id))
     checker.after_finish()
     checker.indexed_before = set()  # as if a's blocks had been indexed without being computed
     scheduler.add(b)
+    checker.before_schedule()
     plan = scheduler.schedule()
     assert plan.prefill[0].num_cached_tokens == 32
     with pytest.raises(AssertionError, match="before any request computed it"):

@@ -37,6 +37,8 @@ from triton_interpreter import (  # noqa: E402
     compiler_environment,
     under_interpreter,
 )
+from zipage.core.config import ZipageConfig  # noqa: E402
+from zipage.errors import ConfigError  # noqa: E402
 from zipage.kernels import compress as compress_module  # noqa: E402
 from zipage.kernels.compress import CompressionInputs  # noqa: E402
 from zipage.kernels.compress_ref import (  # noqa: E402
@@ -140,6 +142,31 @@ def test_compaction_keeps_order_and_may_overwrite_its_sources():
 def test_kept_entries_are_the_top_k_in_sequence_order():
     scores = torch.tensor([[0.3, 0.9, 0.1, 0.8, float("inf"), float("inf")]])
     assert kept_entries(scores, 4).tolist() == [[1, 3, 4, 5]]
+
+
+def test_kept_entries_break_ties_to_the_lowest_position():
+    scores = torch.tensor([[1.0, 2.0, 2.0, 2.0, 2.0, 1.0, float("inf")],
+                           [5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0]])
+    assert kept_entries(scores, 3).tolist() == [[1, 2, 6], [0, 1, 2]]
+    # Rows full of ties (four distinct values) against a stable sort, batched as the Triton path
+    # calls it ([L, R, Hkv, length]).
+    generator = torch.Generator().manual_seed(0)
+    for keep in (1, 7, 32, 63):
+        scores = torch.randint(0, 4, (2, 3, 2, 64), generator=generator).float()
+        expected = scores.sort(dim=-1, descending=True, stable=True).indices[..., :keep]
+        assert torch.equal(kept_entries(scores, keep), expected.sort(dim=-1).values)
+
+
+@pytest.mark.parametrize("window", [0, 9, 24])
+def test_a_window_beyond_half_a_block_is_rejected_like_the_config_does(window):
+    with pytest.raises(ValueError) as error:
+        CompressionParams(block_size=16, window=window)
+    message = str(error.value)
+    assert message == f"window: got {window}, expected an integer with 1 <= window <= block_size/2 = 8"
+    with pytest.raises(ConfigError, match=message.split(", expected")[1].strip()):
+        ZipageConfig(block_size=16, window=window, kv_budget=32)
+    with pytest.raises(ValueError, match="^window: got"):
+        replace(CompressionParams(block_size=16, window=8), window=window)
 
 
 def test_reference_score_cache_follows_the_global_score_switch():
@@ -419,6 +446,36 @@ def test_pipeline_matches_reference(triton_kernels, monkeypatch, dtype, group, b
         assert torch.equal(result.k_cache, reference.k_cache)
         assert torch.equal(result.v_cache, reference.v_cache)
         torch.testing.assert_close(result.score_cache, reference.score_cache, **SCORE_TOLERANCE)
+
+
+@under_interpreter
+def test_ties_go_to_the_lowest_position_in_triton_as_in_the_reference(triton_kernels, monkeypatch):
+    """All keys zero: every entry outside the window gets the same attention score (exactly, on both
+    sides), so the kept set is the window plus the lowest positions, for every (layer, request, head)."""
+    params = CompressionParams(block_size=16, window=4, redundancy="off", pooling="off",
+                               global_score=False)
+    batch = make_batch(torch.float32, group=3, block_size=16, window=4, seed=1)
+    batch.k_cache.zero_()
+    keep = batch.target_tables.shape[1] * params.block_size
+    recorded = {}
+    compact_function = triton_kernels.compact_triton
+
+    def record_compaction(*arguments):
+        recorded["kept"] = arguments[6]
+        return compact_function(*arguments)
+
+    monkeypatch.setattr(triton_kernels, "compact_triton", record_compaction)
+    result = batch.clone()
+    triton_kernels.compress_triton(*result.arguments(params, SCALE))
+    reference = batch.clone()
+    compress_ref(*reference.arguments(params, SCALE))
+    for request, count in enumerate(batch.num_source_blocks.tolist()):
+        length = count * params.block_size
+        expected = list(range(keep - params.window)) + list(range(length - params.window, length))
+        for layer in range(LAYERS):
+            assert recorded["kept"][layer, request].tolist() == [expected] * KV_HEADS
+    assert torch.equal(result.k_cache, reference.k_cache)
+    assert torch.equal(result.v_cache, reference.v_cache)
 
 
 @under_interpreter

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strategies import MODES, cases
+from strategies import MODES, cases, mode_seed
 from zipage.core.config import ZipageConfig
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
@@ -60,6 +60,7 @@ def offline(case):
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_sync_simulator_decides_exactly_like_the_instant_driver(mode):
+    @mode_seed(mode)
     @settings(max_examples=60)
     @given(case=cases(mode), seed=st.integers(0, 1000))
     def check(case, seed):
@@ -76,6 +77,7 @@ def test_sync_simulator_decides_exactly_like_the_instant_driver(mode):
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_invariants_hold_under_random_timing(mode):
+    @mode_seed(mode)
     @settings(max_examples=100)
     @given(case=cases(mode), seed=st.integers(0, 1000))
     def check(case, seed):
@@ -188,6 +190,7 @@ def test_sync_simulator_decides_like_the_instant_driver_with_chunked_prefill():
 def test_invariants_hold_under_random_timing_with_chunked_prefill(mode):
     from test_core_chunked import chunked_cases
 
+    @mode_seed(mode)
     @settings(max_examples=40)
     @given(case=chunked_cases(mode), seed=st.integers(0, 1000))
     def check(case, seed):

@@ -13,6 +13,13 @@ from zipage.core.sequence import Sequence, SequenceStatus
 from zipage.core.step import StepPlan
 
 
+def slot_blocks(seq: Sequence, block_size: int) -> int:
+    """Blocks a query slot reserves for its holder: its N_max (from its budget), or all it can
+    ever hold if fewer."""
+    whole = -(-(seq.prompt_len + seq.max_output_tokens - 1) // block_size)
+    return min(seq.kv_budget // block_size + 1, whole)
+
+
 class BudgetInvariants:
     def __init__(self, scheduler: Scheduler, fail) -> None:
         self.scheduler = scheduler
@@ -40,11 +47,8 @@ class BudgetInvariants:
 
     def after_schedule(self, plan: StepPlan) -> None:
         scheduler = self.scheduler
-        for job in plan.compressions:
+        for job in plan.compressions:  # (fixed: rule 3 in InvariantChecker._check_compression)
             seq, kept = job.seq, len(job.target_blocks)
-            if not scheduler.elastic and kept != seq.n_max - 1:
-                self.fail(f"{seq.seq_id} is compressed into {kept} target blocks, but its "
-                          f"budget gives N_max - 1 = {seq.n_max - 1} (rule 3)")
             if scheduler.elastic and not seq.n_max - 1 <= kept <= len(job.source_table) - 1:
                 self.fail(f"{seq.seq_id}: an elastic compression of {len(job.source_table)} "
                           f"blocks keeps {kept}, outside [N_max - 1 = {seq.n_max - 1}, source - 1]"
@@ -76,8 +80,7 @@ class BudgetInvariants:
                 self.fail(f"{seq.seq_id} holds {len(seq.block_table)} blocks for "
                           f"{seq.num_tokens} tokens (a block beyond its KV and next token)")
             if seq.query_slot is not None:
-                whole = -(-(seq.prompt_len + seq.max_output_tokens - 1) // b)
-                backed += min(seq.n_max, whole)
+                backed += slot_blocks(seq, b)
         # Deadlock freedom with any mix of budgets: the pool backs every slot holder up to its
         # own N_max (or all it can ever hold), i.e. N_total >= the sum of the holders' N_max.
         if backed > scheduler.block_manager.num_blocks:

@@ -88,9 +88,8 @@ class ZipageConfig:
         if not isinstance(b, int) or b < 16 or b > 1024 or b & (b - 1):
             _bad("block_size", b, "a power of two between 16 and 1024 (e.g. --block-size 256)")
         # The window only exists for compression; Full KV may use blocks smaller than 2 * window.
-        if self.compress and (
-                not isinstance(self.window, int) or self.window < 1 or 2 * self.window > b):
-            _bad("window", self.window, f"an integer with 1 <= window <= block_size/2 = {b // 2}")
+        if self.compress and (expected := window_violation(b, self.window)):
+            _bad("window", self.window, expected)
         if expected := budget_violation(b, self.kv_budget):
             _bad("kv_budget", self.kv_budget, f"{expected} (e.g. --budget {max(b, 2048 // b * b)})")
         if self.budget_policy not in BUDGET_POLICIES:
@@ -138,6 +137,15 @@ class ZipageConfig:
             raise ConfigError(f"unknown config field(s) {', '.join(unknown)}; known: "
                               f"{', '.join(sorted(known))}")
         return cls(**values)
+
+
+def window_violation(block_size: int, window) -> str | None:
+    """What a valid window is, if `window` is not one, else None: it lies in the second half of
+    a block (b >= 2w), the part of the final block the scheduler and the kernels assume holds the
+    window queries. The config and the compression kernels' parameters both check it."""
+    if isinstance(window, int) and 1 <= window and 2 * window <= block_size:
+        return None
+    return f"an integer with 1 <= window <= block_size/2 = {block_size // 2}"
 
 
 def budget_violation(block_size: int, budget) -> str | None:

@@ -1,17 +1,21 @@
 """Checks of the core's invariants (docs/architecture.md, 'Invariants'), run by drivers under test.
 
-`InvariantChecker` watches a scheduler step by step: `after_schedule(plan)` before the driver
-executes the plan, `record_computed(seq, start, end)` for every KV range a driver computes, and
-`after_finish()` once the step is applied; `at_end()` when the run is over. A violation raises
-`InvariantViolation` with the step and the request. The checks read the scheduler's state; they
-never change it, so a run with checks on makes exactly the decisions of a run without them.
+`InvariantChecker` watches a scheduler step by step: `before_schedule()` right before
+`Scheduler.schedule` (a snapshot of the queues the plan is judged against), `after_schedule(plan)`
+before the driver executes the plan, `record_computed(seq, start, end)` for every KV range a
+driver computes, and `after_finish()` once the step is applied; `at_end()` when the run is over.
+A violation raises `InvariantViolation` with the step and the request. The checks read the
+scheduler's state and keep their own copies; they never change the scheduler, so a run with
+checks on makes exactly the decisions of a run without them.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from zipage.core.budget_invariants import BudgetInvariants
+from zipage.core.budget_invariants import BudgetInvariants, slot_blocks
 from zipage.core.step import StepPlan
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence, SequenceStatus
@@ -19,6 +23,57 @@ from zipage.core.sequence import Sequence, SequenceStatus
 
 class InvariantViolation(AssertionError):
     pass
+
+
+@dataclass
+class QueueSnapshot:
+    """The queues right before `Scheduler.schedule`: what a step's preemptions, admissions and
+    slot hand-outs are judged against (copies, so the checks never touch the scheduler)."""
+
+    running: list[Sequence]  # running order (admission order)
+    waiting: list[Sequence]
+    # Whether each running request holds a query slot once the step's hand-out is done: freed
+    # slots go to the foremost running requests without one (docs/architecture.md, 'Scheduling').
+    holds_slot: dict[Sequence, bool]
+    # Running requests neither compressed nor being compressed before the step: the only ones
+    # the prefix-cache rule may preempt.
+    uncompressed: set[Sequence]
+
+    @classmethod
+    def take(cls, scheduler: Scheduler) -> "QueueSnapshot":
+        running = list(scheduler.running)
+        holds_slot = {seq: seq.query_slot is not None for seq in running}
+        free = len(scheduler.free_slots)
+        # A slot also reserves its holder's N_max blocks; the hand-out stops at the foremost
+        # request the pool cannot back (docs/architecture.md, 'Per-request and elastic budgets').
+        block_size, pool = scheduler.block_size, scheduler.block_manager.num_blocks
+        reserved = sum(slot_blocks(seq, block_size) for seq in running if holds_slot[seq])
+        for seq in running:
+            if free and not holds_slot[seq]:
+                if reserved + slot_blocks(seq, block_size) > pool:
+                    break
+                reserved += slot_blocks(seq, block_size)
+                holds_slot[seq] = True
+                free -= 1
+        return cls(
+            running=running, waiting=list(scheduler.waiting), holds_slot=holds_slot,
+            uncompressed={seq for seq in running
+                          if seq.num_compressions == 0 and not seq.compressing})
+
+
+def victim_rule(scheduler: Scheduler) -> tuple[str, Callable[[Sequence, QueueSnapshot], bool]]:
+    """Who the scheduler may preempt when blocks run out (docs/architecture.md, 'Scheduling'):
+    the rule's name, and whether a running request of the snapshot may be the victim."""
+    config = scheduler.config
+    if not config.compress:
+        return "Full KV: the last running request", lambda seq, before: True
+    if config.prefix_cache:
+        return ("prefix cache: the last running request neither compressed nor being compressed",
+                lambda seq, before: seq in before.uncompressed)
+    if config.hybrid:
+        return ("hybrid: the last running request without a query slot",
+                lambda seq, before: not before.holds_slot[seq])
+    return "constrained: nobody is preempted", lambda seq, before: False
 
 
 class InvariantChecker:
@@ -29,6 +84,10 @@ class InvariantChecker:
         # window index -> KV entry whose query it holds.
         self.window_queries: dict[Sequence, dict[int, int]] = {}
         self.accepted_order: list = []  # ids of accepted requests, in the order they arrived
+        self.before: QueueSnapshot | None = None  # taken by before_schedule, used once
+        # Block -> hash of the full prompt block it holds (None: anything else), from the writes
+        # the driver computed and the compressions planned; the prefix index must agree.
+        self.block_content: dict[int, int | None] = {}
         # KV entries each request computed itself since it was last admitted.
         self.computed: dict[Sequence, int] = {}
         # (hash, block) entries of the prefix index when the current step was planned: their KV
@@ -42,16 +101,27 @@ class InvariantChecker:
 
     # ---- hooks ----
 
+    def before_schedule(self) -> None:
+        self.before = QueueSnapshot.take(self.scheduler)
+        self.budgets.before_schedule()
+
     def after_schedule(self, plan: StepPlan) -> None:
         self.step_id = plan.step_id
-        scheduler = self.scheduler
+        if self.before is None:
+            raise RuntimeError("InvariantChecker.before_schedule() must run before each schedule()")
+        before, self.before = self.before, None
         for seq in plan.preempted:
             if seq.num_compressions or seq.compressing:
                 self.fail(f"{seq.seq_id} was preempted although compressed or compressing")
             self.window_queries.pop(seq, None)
             self.computed.pop(seq, None)
+        self._check_victims(plan, before)
+        self._check_waiting(plan, before)
+        self._check_slot_handout(plan, before)
         for job in plan.compressions:
             self._check_compression(job)
+            for block in job.target_blocks + [job.new_block]:
+                self.block_content[block] = None  # about to be overwritten
         self._check_chunks(plan)
         self._check_writes(plan)
         self._check_blocks()
@@ -60,11 +130,18 @@ class InvariantChecker:
 
     def record_plan_writes(self, plan: StepPlan) -> None:
         """Record the KV ranges (and so the window queries) a driver computes for `plan`."""
+        b = self.scheduler.block_size
         for item in plan.prefill:
             self.record_computed(item.seq, item.num_cached_tokens, item.num_tokens)
+            hashes = item.seq.prompt_block_hashes
+            for index in range(item.num_cached_tokens // b, -(-item.num_tokens // b)):
+                # A block holds prompt block `index` once a prefill has written it to its end.
+                whole = index < len(hashes) and (index + 1) * b <= item.num_tokens
+                self.block_content[item.seq.block_table[index]] = hashes[index] if whole else None
             self.computed[item.seq] = item.num_tokens
         for seq in plan.decode:
             self.record_computed(seq, seq.kv_len, seq.kv_len + 1)
+            self.block_content[seq.block_table[seq.kv_len // b]] = None
 
     def record_computed(self, seq: Sequence, start: int, end: int) -> None:
         """A driver computed KV entries [start, end) of `seq` (and wrote their window queries)."""
@@ -77,6 +154,7 @@ class InvariantChecker:
     def after_finish(self) -> None:
         self._check_blocks()
         self._check_slots()
+        self._check_prefix_index()
         scheduler = self.scheduler
         self.indexed_before = set(scheduler.block_manager.hash_to_block.items())
         if scheduler.prefilling and not scheduler.config.chunked_prefill:
@@ -88,7 +166,7 @@ class InvariantChecker:
         self.budgets.after_finish()
         for seq in self.scheduler.running:
             # Rule 6 with the request's own N_max; an elastic request may hold more (its cap).
-            n_max = seq.n_max
+            n_max = self.n_max(seq)
             if seq.num_compressions and len(seq.block_table) > n_max and not scheduler.elastic:
                 self.fail(f"{seq.seq_id} holds {len(seq.block_table)} > N_max = {n_max} blocks "
                           "after its first compression")
@@ -121,12 +199,20 @@ class InvariantChecker:
 
     # ---- the checks ----
 
+    def n_max(self, seq: Sequence) -> int:
+        """The request's N_max from its budget and the config, not from the scheduler's copy."""
+        return seq.kv_budget // self.scheduler.config.block_size + 1
+
     def _check_compression(self, job) -> None:
         scheduler = self.scheduler
         manager = scheduler.block_manager
         seq = job.seq
         if seq.query_slot is None or job.query_slot != seq.query_slot:
             self.fail(f"{seq.seq_id} is compressed without its query slot")
+        # Rule 3 with the request's own N_max (elastic compressions: BudgetInvariants).
+        if len(job.target_blocks) != self.n_max(seq) - 1 and not scheduler.elastic:
+            self.fail(f"{seq.seq_id} is compressed into {len(job.target_blocks)} target blocks, "
+                      f"expected N_max - 1 = {self.n_max(seq) - 1} (rule 3)")
         for block in job.target_blocks + [job.new_block]:
             holders = self._holders()[block]
             if manager.refcount[block] != 1 or holders != 1:
@@ -142,6 +228,57 @@ class InvariantChecker:
                 self.fail(f"{seq.seq_id}: window query {index} of its final block is missing "
                           f"(holds entry {written.get(index)}, expected {expected})")
         self.window_queries.pop(seq, None)
+
+    def _check_victims(self, plan: StepPlan, before: QueueSnapshot) -> None:
+        """Each victim is the last running request the mode's rule allows, re-chosen after every
+        preemption of the step. Within a decode step the allowed set does not change before a
+        victim is chosen (a request compressed earlier in the step sits before the requester,
+        which is itself allowed), so the victims are exactly the last allowed requests of the
+        snapshot, last first."""
+        if not plan.preempted:
+            return
+        rule, allowed = victim_rule(self.scheduler)
+        candidates = [seq for seq in before.running if allowed(seq, before)]
+        expected = candidates[::-1][:len(plan.preempted)]
+        if plan.preempted != expected:
+            self.fail(f"preempted {_ids(plan.preempted)}, but the victim rule ({rule}, re-chosen "
+                      f"after each preemption) picks {_ids(expected)}")
+
+    def _check_waiting(self, plan: StepPlan, before: QueueSnapshot) -> None:
+        """FCFS admission from the head of `waiting`; preempted requests go to its front."""
+        preempted = set(plan.preempted)
+        was_running = set(before.running)
+        admitted = [item.seq for item in plan.prefill
+                    if item.seq not in was_running or item.seq in preempted]
+        # Each victim is put at the front as it is preempted: the last one heads the queue.
+        queue = plan.preempted[::-1] + before.waiting
+        if admitted and admitted not in (before.waiting[:len(admitted)], queue[:len(admitted)]):
+            self.fail(f"admitted {_ids(admitted)}, not the head of waiting {_ids(queue)}")
+        taken = set(admitted)
+        expected = [seq for seq in queue if seq not in taken]
+        if list(self.scheduler.waiting) != expected:
+            self.fail(f"waiting is {_ids(self.scheduler.waiting)}, expected {_ids(expected)}: "
+                      "preempted requests go to the front of waiting, the last preempted first")
+
+    def _check_slot_handout(self, plan: StepPlan, before: QueueSnapshot) -> None:
+        """Slots move only at the step start, to the foremost running requests without one."""
+        preempted = set(plan.preempted)
+        for seq in before.running:
+            if seq in preempted:
+                continue
+            if (seq.query_slot is not None) != before.holds_slot[seq]:
+                self.fail(f"{seq.seq_id} {'holds' if seq.query_slot is not None else 'lacks'} a "
+                          "query slot, but freed slots go to the foremost running requests "
+                          "without one")
+
+    def _check_prefix_index(self) -> None:
+        """Every block in the prefix index holds the prompt block its hash names: computed by a
+        prefill and not overwritten since (a compression target leaves the index at once)."""
+        content = self.block_content
+        for block_hash, block in self.scheduler.block_manager.hash_to_block.items():
+            if content.get(block) != block_hash:
+                self.fail(f"block {block} is in the prefix index but does not hold the prompt "
+                          "block of its hash (overwritten, or never computed)")
 
     def _check_chunks(self, plan: StepPlan) -> None:
         """Prompt ranges continue where their request stopped; a range samples exactly when it
@@ -191,6 +328,9 @@ class InvariantChecker:
             for index in range(item.num_cached_tokens // b, -(-item.num_tokens // b)):
                 writes.append((item.seq, table[index]))
         for seq in plan.decode:
+            if seq.kv_len >= len(seq.block_table) * b:
+                self.fail(f"{seq.seq_id} decodes KV entry {seq.kv_len} beyond its "
+                          f"{len(seq.block_table)} blocks")
             writes.append((seq, seq.block_table[seq.kv_len // b]))
         writers = Counter(block for _, block in writes)
         hits_now: dict[int, set] = {}  # block -> requests that map it from the index this step
@@ -254,3 +394,8 @@ class InvariantChecker:
         elif scheduler.compress:
             if any(seq.query_slot is None for seq in scheduler.running):
                 self.fail("constrained scheduling ran a request without a query slot")
+
+
+def _ids(seqs, limit: int = 8) -> str:
+    ids = [str(seq.seq_id) for seq in seqs]
+    return "[" + ",".join(ids[:limit]) + (",..." if len(ids) > limit else "") + "]"

@@ -60,7 +60,7 @@ class StepRecorder:
 
     def schedule(self) -> StepPlan | None:
         if self.checker:
-            self.checker.budgets.before_schedule()
+            self.checker.before_schedule()
         plan = self.scheduler.schedule()
         if plan is None:
             return None

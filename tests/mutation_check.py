@@ -1,0 +1,240 @@
+"""Mutation check: does some test fail when a scheduling rule is broken?
+
+    python tests/mutation_check.py             # every mutation (a few minutes on 2 cores)
+    python tests/mutation_check.py --list      # the mutations, nothing run
+    python tests/mutation_check.py --check-snippets   # every snippet still found? (instant)
+    python tests/mutation_check.py NAME...     # only these (substrings of the names)
+
+Each mutation is one deliberate break of a rule of docs/architecture.md, written as (file, exact
+old snippet, new snippet) in MUTATIONS below. The tool copies the package and the tests to a
+temporary directory (never touching the working tree), checks that the unmutated copy passes,
+then for each mutation replaces the snippet in the copy, runs TESTS there (the core property
+tests and the witness traces, stopping at the first failure) and prints one line per mutation:
+"caught" (with the test that failed and why), "survived", or "not applicable: snippet not
+found". It exits 0 only if every mutation was caught.
+
+Refreshing after a merge: a snippet must occur exactly once in its file. When the code around a
+rule changes, edit the `old`/`new` pair here to the new code (keep the break the same) and run
+`--check-snippets`; tests/test_mutation_table.py runs that check in the normal test run.
+
+Why not mutmut or cosmic-ray: they mutate operators at random all over a module, so most of
+their mutants break nothing the paper specifies (or are equivalent), a run over the core takes
+hours on this machine, and their report says which line survived, not which rule. What we want
+to know is narrower: is each named rule guarded? A hand-written list of semantic breaks answers
+exactly that, runs in minutes, and is reviewed like code (docs/results/mutation-check.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str  # relative to the repository root
+    old: str
+    new: str
+
+
+SCHEDULER = "zipage/core/scheduler.py"
+BLOCKS = "zipage/core/block_manager.py"
+
+MUTATIONS = [
+    # ---- the four breaks of issue 11
+    Mutation("preempted request to the back of waiting", SCHEDULER,
+             "        self.waiting.appendleft(seq)\n        plan.preempted.append(seq)",
+             "        self.waiting.append(seq)\n        plan.preempted.append(seq)"),
+    Mutation("prefix cache: the victim may be a compressed request", SCHEDULER,
+             "                if seq.num_compressions == 0 and not seq.compressing:",
+             "                if not seq.compressing:"),
+    Mutation("constrained scheduling also preempts slot holders", SCHEDULER,
+             "        if self.config.prefix_cache:\n            # Compression may need fresh",
+             "        if self.config.prefix_cache or not self.config.hybrid:\n"
+             "            # Compression may need fresh"),
+    Mutation("hybrid scheduling also preempts slot holders", SCHEDULER,
+             "        if self.config.prefix_cache:\n            # Compression may need fresh",
+             "        if self.config.prefix_cache or self.config.hybrid:\n"
+             "            # Compression may need fresh"),
+    Mutation("prefix-cache deadlock-avoidance preemption removed", SCHEDULER,
+             "        if self.config.prefix_cache:\n            # Compression may need fresh",
+             "        if False:\n            # Compression may need fresh"),
+    # ---- the rules the audit found guarded
+    Mutation("N_max off by one (the scheduler's cap)", SCHEDULER,
+             "        return budget // self.block_size + 1\n",
+             "        return budget // self.block_size + 2\n"),
+    Mutation("compression trigger off by one (N > N_max instead of N >= N_max)", SCHEDULER,
+             "            if self.compress and len(table) >= seq.n_max:",
+             "            if self.compress and len(table) > seq.n_max:"),
+    Mutation("refcount decrement skipped for a shared block", BLOCKS,
+             "        self.refcount[block] -= 1\n",
+             "        self.refcount[block] -= 1 if self.refcount[block] == 1 else 0\n"),
+    Mutation("freed slot given to the last request without one", SCHEDULER,
+             "        for seq in self.running:\n            if seq.query_slot is None:\n",
+             "        for seq in reversed(self.running):\n            if seq.query_slot is None:\n"),
+    Mutation("window-slot rule off by one (offset > b - w)", SCHEDULER,
+             "                and token_index % b >= b - self.window)",
+             "                and token_index % b > b - self.window)"),
+    Mutation("compression targets not dropped from the prefix index", BLOCKS,
+             "        for block in own_used:\n            self._forget_hash(block)\n",
+             "        for block in own_used:\n            pass\n"),
+    # ---- more rules
+    Mutation("rule 5: a shared block reused as a compression target", BLOCKS,
+             "        own = [block for block in table if refcount[block] == 1]",
+             "        own = [block for block in table if refcount[block] >= 1]"),
+    Mutation("rule 7: the last prompt block taken from the prefix cache", BLOCKS,
+             "        limit = min(len(seq.prompt_block_hashes), (num_tokens - 1) // self.block_size)",
+             "        limit = min(len(seq.prompt_block_hashes), num_tokens // self.block_size)"),
+    Mutation("window-query range off by one (one window query not written)", "zipage/core/window.py",
+             "        first = max(start, last_block_start + b - self.window)",
+             "        first = max(start, last_block_start + b - self.window + 1)"),
+]
+
+# The CI property tests of the core and the witness traces, run separately so the report says
+# what each catches (not the golden logs: a golden diff only says that some decision changed,
+# not that a rule broke).
+TESTS = {"property tests": "tests/test_core_properties.py",
+         "witness traces": "tests/test_preemption_witnesses.py"}
+TIMEOUT_S = 900
+
+
+def apply(mutation: Mutation, root: Path) -> str | None:
+    """Mutate the file under `root`; None if the snippet is not there exactly once."""
+    path = root / mutation.path
+    text = path.read_text()
+    if text.count(mutation.old) != 1:
+        return None
+    mutated = text.replace(mutation.old, mutation.new)
+    path.write_text(mutated)
+    return text
+
+
+def check_snippets() -> list[str]:
+    """Names of the mutations whose snippet is not found exactly once in the working tree."""
+    missing = []
+    for mutation in MUTATIONS:
+        text = (ROOT / mutation.path).read_text()
+        if text.count(mutation.old) != 1 or mutation.old == mutation.new:
+            missing.append(mutation.name)
+    return missing
+
+
+def make_copy(tmp: Path) -> tuple[Path, Path]:
+    """Copy the package (laid out as installed, per pyproject's package-dir) and the tests.
+    Returns (import root, repository-shaped view for the mutation paths)."""
+    package_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())[
+        "tool"]["setuptools"]["package-dir"]
+    src = tmp / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(ROOT / package_dirs["zipage"], src / "zipage", ignore=ignore)
+    view = tmp / "view"  # repository paths -> the copied files, so a mutation path maps 1:1
+    view.mkdir()
+    (view / "zipage").symlink_to(src / "zipage")
+    for package, directory in package_dirs.items():
+        if package != "zipage":
+            target = src / Path(*package.split("."))
+            shutil.copytree(ROOT / directory, target, ignore=ignore)
+            (view / directory).symlink_to(target)
+    shutil.copytree(ROOT / "tests", tmp / "tests", ignore=ignore)
+    (view / "tests").symlink_to(tmp / "tests")
+    shutil.copy(ROOT / "pyproject.toml", tmp / "pyproject.toml")
+    return src, view
+
+
+def run_tests(tmp: Path, src: Path, tests: str) -> tuple[bool, str]:
+    """Run a test file against the copy; (passed, the first failure and why)."""
+    env = dict(os.environ, PYTHONPATH=str(src), PYTHONDONTWRITEBYTECODE="1", COLUMNS="250",
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+               "-o", "addopts=", "-rfE", "--hypothesis-profile=mutation", tests]
+    try:
+        result = subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True,
+                                timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return False, f"timeout after {TIMEOUT_S} s"
+    if result.returncode == 0:
+        return True, ""
+    lines = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    if not lines:
+        return False, f"pytest exit {result.returncode}: {result.stdout[-300:]}"
+    failure = re.sub(r"^(FAILED|ERROR) tests/", "", lines[0])
+    return False, re.sub(r"\s+", " ", failure)[:200]
+
+
+def assert_imports_from(tmp: Path, src: Path) -> None:
+    """The copy, not the working tree, is what the tests import (else 'caught' means nothing)."""
+    probe = ("import zipage.core.scheduler as s, zipage.sim.instant as i; "
+             "print(s.__file__); print(i.__file__)")
+    env = dict(os.environ, PYTHONPATH=str(src), PYTHONDONTWRITEBYTECODE="1")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp, env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    if not all(Path(path).resolve().is_relative_to(src.resolve()) for path in out):
+        sys.exit(f"the tests would import {out}, not the copy under {src}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="run only mutations whose name contains one")
+    parser.add_argument("--list", action="store_true", help="list the mutations")
+    parser.add_argument("--check-snippets", action="store_true",
+                        help="only check that every snippet is found exactly once")
+    args = parser.parse_args(argv)
+    selected = [m for m in MUTATIONS if not args.names or any(n in m.name for n in args.names)]
+    if args.list:
+        for mutation in selected:
+            print(f"{mutation.name}  ({mutation.path})")
+        return 0
+    missing = set(check_snippets())
+    if args.check_snippets:
+        for name in missing:
+            print(f"not applicable: snippet not found   {name}")
+        return 1 if missing else 0
+
+    caught_all = True
+    with tempfile.TemporaryDirectory(prefix="zipage-mutation-") as name:
+        tmp = Path(name)
+        src, view = make_copy(tmp)
+        assert_imports_from(tmp, src)
+        started = time.perf_counter()
+        for label, tests in TESTS.items():
+            passed, failure = run_tests(tmp, src, tests)
+            if not passed:
+                print(f"the unmutated copy fails its {label} ({failure}); fix that first")
+                return 2
+        print(f"unmutated copy: {' and '.join(TESTS)} pass "
+              f"({time.perf_counter() - started:.0f} s)")
+        for mutation in selected:
+            if mutation.name in missing:
+                print(f"not applicable: snippet not found   {mutation.name}")
+                caught_all = False
+                continue
+            started = time.perf_counter()
+            original = apply(mutation, view)
+            assert original is not None, mutation.name
+            try:
+                results = {label: run_tests(tmp, src, tests) for label, tests in TESTS.items()}
+            finally:
+                (view / mutation.path).write_text(original)
+            caught = not all(passed for passed, _ in results.values())
+            caught_all &= caught
+            print(f"{'caught  ' if caught else 'survived'} {mutation.name}  "
+                  f"({time.perf_counter() - started:.0f} s)")
+            for label, (passed, failure) in results.items():
+                print(f"         {label}: {'pass' if passed else failure}", flush=True)
+    return 0 if caught_all else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
