@@ -75,17 +75,19 @@ def compress_with_scores(score_fn: Callable[[int, int], torch.Tensor],
                          source_tables: torch.Tensor, num_source_blocks: torch.Tensor,
                          target_tables: torch.Tensor, query_slots: torch.Tensor,
                          is_compressed: torch.Tensor, params: CompressionParams,
-                         scale: float) -> None:
+                         scale: float, num_target_blocks: torch.Tensor | None = None) -> None:
     """The pipeline's top-k and compaction (`kept_entries`, `write_kept_entries`) with the scores of
     `score_fn(length, kv_heads)` instead of the pipeline's.
 
     The window always scores +inf, as in the pipeline, so a baseline differs from it only in which
     older entries it keeps. Global scores are neither read nor written: baselines never use them.
     """
-    keep = target_tables.shape[1] * params.block_size
     for request in range(source_tables.shape[0]):
         source = source_tables[request, :int(num_source_blocks[request])].long()
-        target = target_tables[request].long()
+        targets = (target_tables.shape[1] if num_target_blocks is None
+                   else int(num_target_blocks[request]))
+        target = target_tables[request, :targets].long()
+        keep = targets * params.block_size
         length = len(source) * params.block_size
         for layer in range(k_cache.shape[0]):
             scores = score_fn(length, k_cache.shape[3]).clone()
@@ -96,7 +98,8 @@ def compress_with_scores(score_fn: Callable[[int, int], torch.Tensor],
 
 def sink_recent_compress(k_cache, v_cache, score_cache, query_cache, source_tables,
                          num_source_blocks, target_tables, query_slots, is_compressed,
-                         params: CompressionParams, scale: float) -> None:
+                         params: CompressionParams, scale: float,
+                         num_target_blocks: torch.Tensor | None = None) -> None:
     """Baseline: keep the first `SINK_ENTRIES` entries and the most recent ones (StreamingLLM).
 
     Kept entries stay in order, so after a compression the first entries are still the prompt's
@@ -108,7 +111,7 @@ def sink_recent_compress(k_cache, v_cache, score_cache, query_cache, source_tabl
 
     compress_with_scores(scores, k_cache, v_cache, score_cache, query_cache, source_tables,
                          num_source_blocks, target_tables, query_slots, is_compressed, params,
-                         scale)
+                         scale, num_target_blocks)
 
 
 class RandomEviction:
@@ -120,13 +123,14 @@ class RandomEviction:
 
     def __call__(self, k_cache, v_cache, score_cache, query_cache, source_tables,
                  num_source_blocks, target_tables, query_slots, is_compressed,
-                 params: CompressionParams, scale: float) -> None:
+                 params: CompressionParams, scale: float,
+                 num_target_blocks: torch.Tensor | None = None) -> None:
         def scores(length: int, kv_heads: int) -> torch.Tensor:
             return torch.rand(kv_heads, length, generator=self.generator)
 
         compress_with_scores(scores, k_cache, v_cache, score_cache, query_cache, source_tables,
                              num_source_blocks, target_tables, query_slots, is_compressed,
-                             params, scale)
+                             params, scale, num_target_blocks)
 
 
 # --------------------------------------------------------------------------- variants
@@ -189,7 +193,8 @@ class VariantDispatcher:
 
     def __call__(self, k_cache, v_cache, score_cache, query_cache, source_tables,
                  num_source_blocks, target_tables, query_slots, is_compressed,
-                 params: CompressionParams, scale: float) -> None:
+                 params: CompressionParams, scale: float,
+                 num_target_blocks: torch.Tensor | None = None) -> None:
         assert len(self.current_requests) == source_tables.shape[0], "rows and jobs differ"
         groups: dict[str, list[int]] = {}
         for row, request_id in enumerate(self.current_requests):
@@ -200,7 +205,9 @@ class VariantDispatcher:
             rows_of = dict(source_tables=source_tables[index],
                            num_source_blocks=num_source_blocks[index],
                            target_tables=target_tables[index], query_slots=query_slots[index],
-                           is_compressed=is_compressed[index])
+                           is_compressed=is_compressed[index],
+                           num_target_blocks=(None if num_target_blocks is None
+                                              else num_target_blocks[index]))
             policy = self.policies[name]
             if policy is not None:
                 policy(k_cache, v_cache, None, query_cache, params=params, scale=scale,

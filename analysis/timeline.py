@@ -22,7 +22,8 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from zipage.core.metrics import REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS, STEP_COLUMNS
+from zipage.core.metrics import (REQUEST_COLUMN_DEFAULTS, REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS,
+                                  STEP_COLUMNS)
 from zipage.errors import ZipageError
 from zipage.rundir import DECISIONS_FILE
 
@@ -67,6 +68,9 @@ def load_run(directory: str | Path) -> RunData:
     for column, default in STEP_COLUMN_DEFAULTS.items():
         if column not in steps.columns:
             steps[column] = default
+    for column, default in REQUEST_COLUMN_DEFAULTS.items():  # runs written before the column
+        if column not in requests.columns:
+            requests[column] = default
     _require_columns(steps, STEP_COLUMNS, Path(directory) / STEPS_FILE)
     _require_columns(requests, REQUEST_COLUMNS, Path(directory) / REQUESTS_FILE)
     return RunData(directory=Path(directory), summary=summary, steps=steps, requests=requests)

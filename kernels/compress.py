@@ -33,9 +33,14 @@ class CompressionInputs:
     target_tables: torch.Tensor
     query_slots: torch.Tensor
     is_compressed: torch.Tensor
+    # int32 [R]: each request's own number of target blocks (None: all of target_tables' columns);
+    # a keyword of `compress`, so not part of `arguments`.
+    num_target_blocks: torch.Tensor | None = None
 
     def arguments(self, params: CompressionParams, scale: float) -> tuple:
-        return (*(getattr(self, field.name) for field in dataclasses.fields(self)), params, scale)
+        """The positional arguments of `compress`; `num_target_blocks` goes by keyword."""
+        return (*(getattr(self, field.name) for field in dataclasses.fields(self)
+                  if field.name != "num_target_blocks"), params, scale)
 
     def clone(self) -> "CompressionInputs":
         """A copy whose caches (what a compression writes) are separate tensors."""
@@ -47,21 +52,23 @@ class CompressionInputs:
 def compress(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Tensor | None,
              query_cache: torch.Tensor, source_tables: torch.Tensor, num_source_blocks: torch.Tensor,
              target_tables: torch.Tensor, query_slots: torch.Tensor, is_compressed: torch.Tensor,
-             params: CompressionParams, scale: float, reduce_group_max=None) -> None:
-    """Compress the requests of `source_tables` into `target_tables`, in place in the caches."""
+             params: CompressionParams, scale: float, reduce_group_max=None, *,
+             num_target_blocks: torch.Tensor | None = None) -> None:
+    """Compress the requests of `source_tables` into `target_tables` (request r into its first
+    `num_target_blocks[r]`, all of them when None), in place in the caches."""
     arguments = (k_cache, v_cache, score_cache, query_cache, source_tables, num_source_blocks,
                  target_tables, query_slots, is_compressed, params, scale)
     if reduce_group_max is not None:
         # Tensor parallelism with replicated KV heads: the GQA max spans ranks. The Triton
         # kernels fuse it with the window mean, so only the reference takes the hook.
-        compress_ref(*arguments, reduce_group_max)
+        compress_ref(*arguments, reduce_group_max, num_target_blocks=num_target_blocks)
         return
     if not use_triton(k_cache):
-        compress_ref(*arguments)
+        compress_ref(*arguments, num_target_blocks=num_target_blocks)
         return
     from zipage.kernels.compress_triton import compress_triton
 
-    compress_triton(*arguments)
+    compress_triton(*arguments, num_target_blocks=num_target_blocks)
 
 
 __all__ = ["CompressionParams", "compress"]

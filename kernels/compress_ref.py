@@ -11,13 +11,17 @@ in the group, R requests, N source blocks at most, b the block size, w the windo
 - query_cache       [L, num_slots, w, Hq, d]     window queries, post-RoPE
 - source_tables     int [R, N]                   blocks being compressed (padded with -1)
 - num_source_blocks int [R]                      N_r; every source block is full
-- target_tables     int [R, T]                   T = N_max - 1 blocks receiving the kept entries
+- target_tables     int [R, T]                   the blocks receiving the kept entries (padded with -1)
 - query_slots       int [R]
 - is_compressed     bool [R]                     compressed before (global-score decay, pooling)
+- num_target_blocks int [R], keyword, optional   T_r <= T: request r's target blocks (its own
+                                                 N_max - 1, or more under the elastic policy);
+                                                 None: every request fills all T
 
-Every step is computed in float32 per (layer, request, kv head), then the top k = T * b entries
-are kept in their original order and written densely into the target blocks. All kept entries are
-gathered before any is written, so a target block may also be a source block.
+Every step is computed in float32 per (layer, request, kv head), then the top k_r = T_r * b
+entries are kept in their original order and written densely into the request's target blocks.
+All kept entries are gathered before any is written, so a target block may also be a source
+block.
 """
 
 from __future__ import annotations
@@ -155,22 +159,31 @@ def final_scores(keys: torch.Tensor, queries: torch.Tensor, previous: torch.Tens
     return scores, stored
 
 
-def kept_entries(scores: torch.Tensor, keep: int) -> torch.Tensor:
-    """Indices [..., keep] of the `keep` highest scores of each row (the last dim), in their
+def kept_entries(scores: torch.Tensor, keep: int | torch.Tensor,
+                 width: int | None = None) -> torch.Tensor:
+    """Indices [..., width] of the `keep` highest scores of each row (the last dim), in their
     original order. Among equal scores the lowest position wins, on every device (torch.topk
     leaves ties unspecified). No value is read back to the host: an async compression never
-    stalls the thread that launches decode steps."""
-    cut = scores.topk(keep, dim=-1).values[..., -1:]  # the keep-th highest score of each row
+    stalls the thread that launches decode steps.
+
+    `keep` is one count for every row (then `width` = `keep`), or an int64 tensor of each row's
+    count shaped like `scores[..., :1]`, each at most `width` (requests with their own budgets
+    in one batch); past its count a row holds the last position of the sequence, which a
+    compaction that stops at the row's count never reads."""
+    width = keep if width is None else width
+    values = scores.topk(width, dim=-1).values
+    # The keep-th highest score of each row.
+    cut = values[..., -1:] if isinstance(keep, int) else values.gather(-1, keep - 1)
     above = scores > cut
     tied = scores == cut
     # Entries at the cut fill the rows' remaining places, lowest positions first.
     room = keep - above.sum(dim=-1, keepdim=True)
     kept = above | (tied & (tied.cumsum(dim=-1) <= room))
     # The j-th kept entry is the first position where the running count of kept entries
-    # reaches j + 1 (each row keeps exactly `keep`).
+    # reaches j + 1 (each row keeps exactly its count; past it, the search runs off the end).
     counts = kept.cumsum(dim=-1)
-    ranks = torch.arange(1, keep + 1, device=scores.device).expand(*scores.shape[:-1], keep)
-    return torch.searchsorted(counts, ranks.contiguous())
+    ranks = torch.arange(1, width + 1, device=scores.device).expand(*scores.shape[:-1], width)
+    return torch.searchsorted(counts, ranks.contiguous()).clamp_(max=scores.shape[-1] - 1)
 
 
 def write_kept_entries(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Tensor | None,
@@ -200,16 +213,23 @@ def compress_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torc
                  query_cache: torch.Tensor, source_tables: torch.Tensor,
                  num_source_blocks: torch.Tensor, target_tables: torch.Tensor,
                  query_slots: torch.Tensor, is_compressed: torch.Tensor,
-                 params: CompressionParams, scale: float, reduce_group_max=None) -> None:
+                 params: CompressionParams, scale: float, reduce_group_max=None, *,
+                 num_target_blocks: torch.Tensor | None = None) -> None:
     if params.global_score and score_cache is None:
         raise ValueError("the global score is on but score_cache is None")
     # Without the global score the score cache (if any) is neither read nor written.
     score_cache = score_cache if params.global_score else None
-    keep = target_tables.shape[1] * params.block_size
     for request in range(source_tables.shape[0]):
         count = int(num_source_blocks[request])
         source = source_tables[request, :count].long()
-        target = target_tables[request].long()
+        targets = (target_tables.shape[1] if num_target_blocks is None
+                   else int(num_target_blocks[request]))
+        if not 1 <= targets < count:
+            raise ValueError(f"request {request}: {targets} target blocks for {count} source "
+                             "blocks; a compression keeps at least one block and fewer than it "
+                             "reads")
+        target = target_tables[request, :targets].long()
+        keep = targets * params.block_size
         slot = int(query_slots[request])
         compressed = bool(is_compressed[request])
         for layer in range(k_cache.shape[0]):

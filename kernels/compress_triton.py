@@ -600,15 +600,15 @@ def _needs_staging(
     source_row_ptr,
     target_row_ptr,
     num_blocks,
-    NUM_TARGETS: tl.constexpr,
+    num_targets,
     TARGETS_PADDED: tl.constexpr,
     SOURCES_PADDED: tl.constexpr,
 ):
-    """Whether some target block is also the request's source block at a later index. In-place compaction is safe
-    otherwise (see ``compact_triton``)."""
+    """Whether some of the request's ``num_targets`` target blocks is also its source block at a later index.
+    In-place compaction is safe otherwise (see ``compact_triton``)."""
     target_index = tl.arange(0, TARGETS_PADDED)
     source_index = tl.arange(0, SOURCES_PADDED)
-    targets = tl.load(target_row_ptr + target_index, mask=target_index < NUM_TARGETS, other=-1)
+    targets = tl.load(target_row_ptr + target_index, mask=target_index < num_targets, other=-1)
     sources = tl.load(source_row_ptr + source_index, mask=source_index < num_blocks, other=-2)
     hazard = (targets[:, None] == sources[None, :]) & (source_index[None, :] > target_index[:, None])
     return tl.max(tl.max(hazard.to(tl.int32), axis=1), axis=0) > 0
@@ -631,6 +631,7 @@ def _compact_in_place_kernel(
     source_tables_ptr,
     num_source_blocks_ptr,
     target_tables_ptr,
+    num_target_blocks_ptr,
     staging_queue_ptr,
     staging_count_ptr,
     num_requests,
@@ -648,7 +649,6 @@ def _compact_in_place_kernel(
     NUM_KV_HEADS: tl.constexpr,
     NUM_DIM_TILES: tl.constexpr,
     KEEP: tl.constexpr,
-    NUM_TARGETS: tl.constexpr,
     TARGETS_PADDED: tl.constexpr,
     SOURCES_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -659,13 +659,16 @@ def _compact_in_place_kernel(
 ):
     """Grid (L * R, Hkv, head-dim tiles): the two-pointer move of one (layer, request, KV head)'s kept K and V
     entries (one slice of the head dim) into the target blocks, chunk by chunk in order; the slice-0 program also
-    moves the kept global scores. A request whose targets make in-place unsafe is queued for the staged kernel."""
+    moves the kept global scores. A request whose targets make in-place unsafe is queued for the staged kernel.
+    ``KEEP`` is the widest request's count; request r moves its first ``num_target_blocks[r] * BLOCK_SIZE``."""
     layer_request = tl.program_id(0)
     kv_head = tl.program_id(1)
     dim_tile = tl.program_id(2)
     layer = (layer_request // num_requests).to(tl.int64)
     request = layer_request % num_requests
     num_blocks = tl.load(num_source_blocks_ptr + request)
+    num_targets = tl.load(num_target_blocks_ptr + request)
+    keep = num_targets * BLOCK_SIZE
     source_row_ptr = source_tables_ptr + request * source_table_stride
     target_row_ptr = target_tables_ptr + request * target_table_stride
     item = (layer_request * NUM_KV_HEADS + kv_head).to(tl.int64)
@@ -673,13 +676,13 @@ def _compact_in_place_kernel(
     head_base = layer * cache_layer_stride + kv_head * cache_head_stride
     dims = dim_tile * DIM_TILE + tl.arange(0, DIM_TILE)
     lanes = tl.arange(0, ENTRY_TILE)
-    if _needs_staging(source_row_ptr, target_row_ptr, num_blocks, NUM_TARGETS, TARGETS_PADDED, SOURCES_PADDED):
+    if _needs_staging(source_row_ptr, target_row_ptr, num_blocks, num_targets, TARGETS_PADDED, SOURCES_PADDED):
         queue_index = tl.atomic_add(staging_count_ptr, 1)
         tl.store(staging_queue_ptr + queue_index, item * NUM_DIM_TILES + dim_tile)
     else:
         for entry_start in range(0, KEEP, ENTRY_TILE):
             entries = entry_start + lanes
-            used = entries < KEEP
+            used = entries < keep
             kept = tl.load(kept_row_ptr + entries, mask=used, other=0)
             source = _entry_offsets(source_row_ptr, kept, used, head_base, cache_block_stride, cache_slot_stride,
                                     BLOCK_SIZE)
@@ -700,7 +703,7 @@ def _compact_in_place_kernel(
             scores_row = item * max_blocks * BLOCK_SIZE
             for entry_start in range(0, KEEP, ENTRY_TILE):
                 entries = entry_start + lanes
-                used = entries < KEEP
+                used = entries < keep
                 kept = tl.load(kept_row_ptr + entries, mask=used, other=0)
                 kept_scores = tl.load(scores_ptr + scores_row + kept, mask=used)
                 target = _entry_offsets(target_row_ptr, entries, used, score_head_base, score_block_stride,
@@ -717,6 +720,7 @@ def _compact_staged_kernel(
     kept_ptr,
     source_tables_ptr,
     target_tables_ptr,
+    num_target_blocks_ptr,
     staging_queue_ptr,
     staging_count_ptr,
     num_requests,
@@ -753,10 +757,11 @@ def _compact_staged_kernel(
         source_row_ptr = source_tables_ptr + request * source_table_stride
         target_row_ptr = target_tables_ptr + request * target_table_stride
         kept_row_ptr = kept_ptr + item * KEEP
+        keep = tl.load(num_target_blocks_ptr + request) * BLOCK_SIZE
         head_base = layer * cache_layer_stride + kv_head * cache_head_stride
         for entry_start in range(0, KEEP, ENTRY_TILE):
             entries = entry_start + lanes
-            used = entries < KEEP
+            used = entries < keep
             kept = tl.load(kept_row_ptr + entries, mask=used, other=0)
             source = _entry_offsets(source_row_ptr, kept, used, head_base, cache_block_stride, cache_slot_stride,
                                     BLOCK_SIZE)
@@ -770,7 +775,7 @@ def _compact_staged_kernel(
         tl.debug_barrier()
         for entry_start in range(0, KEEP, ENTRY_TILE):
             entries = entry_start + lanes
-            used = entries < KEEP
+            used = entries < keep
             mask = used[:, None] & (dims < HEAD_DIM)[None, :]
             scratch = scratch_base + entries[:, None] * DIM_TILE + scratch_dims[None, :]
             target = _entry_offsets(target_row_ptr, entries, used, head_base, cache_block_stride, cache_slot_stride,
@@ -899,9 +904,12 @@ def compression_scores_triton(k_cache: torch.Tensor, score_cache: torch.Tensor |
 
 def compact_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Tensor | None,
                    source_tables: torch.Tensor, num_source_blocks: torch.Tensor, target_tables: torch.Tensor,
-                   kept: torch.Tensor, scores: torch.Tensor, global_score: bool) -> None:
+                   kept: torch.Tensor, scores: torch.Tensor, global_score: bool,
+                   num_target_blocks: torch.Tensor | None = None) -> None:
     """Step 7: write the kept entries ``kept`` (int64 ``[L, R, Hkv, keep]``, sorted) densely into the target blocks:
-    K and V from the source blocks, global scores (when on) from ``scores``.
+    K and V from the source blocks, global scores (when on) from ``scores``. Request r fills its first
+    ``num_target_blocks[r]`` target blocks with its first ``num_target_blocks[r] * b`` kept entries (None: every
+    request fills all of them, ``keep`` = their count times b).
 
     In place, chunk by chunk in order, when no target block is a source block of the same request at a *later*
     index (true of the core's targets, which are fresh blocks or the request's own blocks at the same index): the
@@ -915,6 +923,8 @@ def compact_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: to
     layers, _, block_size, kv_heads, head_dim = k_cache.shape
     requests, max_blocks = source_tables.shape
     num_targets = target_tables.shape[1]
+    if num_target_blocks is None:
+        num_target_blocks = torch.full((requests,), num_targets, dtype=torch.int32, device=k_cache.device)
     kept = kept.contiguous()  # the kernels step through it row by row
     keep = kept.shape[-1]
     dim_tile = min(_COMPACTION_DIM_TILE, triton.next_power_of_2(head_dim))
@@ -931,26 +941,33 @@ def compact_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: to
                   HEAD_DIM=head_dim, DIM_TILE=dim_tile, ENTRY_TILE=_COMPACTION_ENTRIES, num_stages=1)
     _compact_in_place_kernel[(layers * requests, kv_heads, num_dim_tiles)](
         k_cache, v_cache, score_tensor, scores, kept, source_tables, num_source_blocks, target_tables,
-        staging_queue, staging_count, requests, max_blocks, *cache_strides, *score_strides,
-        source_tables.stride(0), target_tables.stride(0), NUM_TARGETS=num_targets,
+        num_target_blocks, staging_queue, staging_count, requests, max_blocks, *cache_strides, *score_strides,
+        source_tables.stride(0), target_tables.stride(0),
         TARGETS_PADDED=triton.next_power_of_2(num_targets), SOURCES_PADDED=triton.next_power_of_2(max_blocks),
         GLOBAL_SCORE=global_score, **shapes)
     programs = _STAGING_PROGRAMS if device.type == "cuda" else _INTERPRETER_STAGING_PROGRAMS
     k_scratch = torch.empty((programs, keep, dim_tile), dtype=k_cache.dtype, device=device)
     v_scratch = torch.empty_like(k_scratch)
     _compact_staged_kernel[(programs,)](
-        k_cache, v_cache, k_scratch, v_scratch, kept, source_tables, target_tables, staging_queue, staging_count,
-        requests, *cache_strides, source_tables.stride(0), target_tables.stride(0), **shapes)
+        k_cache, v_cache, k_scratch, v_scratch, kept, source_tables, target_tables, num_target_blocks, staging_queue,
+        staging_count, requests, *cache_strides, source_tables.stride(0), target_tables.stride(0), **shapes)
 
 
 def compress_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Tensor | None,
                     query_cache: torch.Tensor, source_tables: torch.Tensor, num_source_blocks: torch.Tensor,
                     target_tables: torch.Tensor, query_slots: torch.Tensor, is_compressed: torch.Tensor,
-                    params: CompressionParams, scale: float) -> None:
+                    params: CompressionParams, scale: float, *,
+                    num_target_blocks: torch.Tensor | None = None) -> None:
     """Compress a batch of requests over a group of layers; arguments and semantics of ``compress_ref``."""
     _check_inputs(k_cache, v_cache, score_cache, query_cache, params)
     final, scores = compression_scores_triton(k_cache, score_cache, query_cache, source_tables, num_source_blocks,
                                               query_slots, is_compressed, params, scale)
-    kept = kept_entries(final, target_tables.shape[1] * params.block_size)
+    width = target_tables.shape[1] * params.block_size
+    if num_target_blocks is None:
+        kept = kept_entries(final, width)
+    else:
+        # Each request keeps its own count (its budget): one top-k of the widest, cut per row on the device.
+        counts = (num_target_blocks.to(torch.int64) * params.block_size).view(1, -1, 1, 1)
+        kept = kept_entries(final, counts.expand(*final.shape[:-1], 1), width)
     compact_triton(k_cache, v_cache, score_cache, source_tables, num_source_blocks, target_tables, kept, scores,
-                   params.global_score)
+                   params.global_score, num_target_blocks)

@@ -153,10 +153,14 @@ class CostModel(ABC):
         return duration
 
     def compress_time(self, jobs: Iterable[CompressionJob] | CompressionBatch) -> float:
-        """Duration of one compression batch (the jobs of a plan, or a `CompressionBatch`)."""
+        """Duration of one compression batch (the jobs of a plan, or a `CompressionBatch`), each
+        job priced by its own size: the blocks it reads and the blocks it keeps (a request's own
+        budget, or its elastic cap)."""
         jobs = getattr(jobs, "jobs", jobs)
         blocks = [job.num_source_blocks for job in jobs]
-        return self.compress_time_for(blocks) if blocks else 0.0
+        if not blocks:
+            return 0.0
+        return self.compress_time_for(blocks, [len(job.target_blocks) for job in jobs])
 
     def decode_contention(self, overlap_fraction: float) -> float:
         """Multiplier of a step whose `overlap_fraction` (0..1) ran beside a compression."""
@@ -176,8 +180,10 @@ class CostModel(ABC):
         """One forward over `work`: a decode, prefill or mixed step without its compressions."""
 
     @abstractmethod
-    def compress_time_for(self, blocks: Sequence[int]) -> float:
-        """A compression batch of requests holding `blocks[i]` source blocks each."""
+    def compress_time_for(self, blocks: Sequence[int],
+                          kept_blocks: Sequence[int] | None = None) -> float:
+        """A compression batch of requests holding `blocks[i]` source blocks each and keeping
+        `kept_blocks[i]` (None: the configured budget, N_max - 1 blocks, each)."""
 
 
 def _roofline(memory_s: float, compute_s: float) -> float:
@@ -287,12 +293,16 @@ class AnalyticCostModel(CostModel):
         return (gpu + self._step_overhead_s
                 + (batch + work.num_prefill) * PER_SEQUENCE_OVERHEAD_S)
 
-    def compress_time_for(self, blocks: Sequence[int]) -> float:
+    def compress_time_for(self, blocks: Sequence[int],
+                          kept_blocks: Sequence[int] | None = None) -> float:
         block_size = self.block_size
         tokens = sum(blocks) * block_size
         # Torch ops between the kernels run on the batch padded to its longest request.
         padded_tokens = len(blocks) * max(blocks) * block_size
-        kept_tokens = sum(min(self.kv_budget, count * block_size) for count in blocks)
+        if kept_blocks is None:
+            kept_tokens = sum(min(self.kv_budget, count * block_size) for count in blocks)
+        else:
+            kept_tokens = sum(kept_blocks) * block_size
         return (self.compress_fixed_s
                 + self._attention_score_s(tokens, padded_tokens, len(blocks))
                 + self._score_elementwise_s(tokens, padded_tokens)
@@ -461,7 +471,10 @@ class CalibratedCostModel(CostModel):
         return self.mixed_fit.predict(batch, work.decode_context_tokens, work.prefill_tokens,
                                       work.attention_pairs)
 
-    def compress_time_for(self, blocks: Sequence[int]) -> float:
+    def compress_time_for(self, blocks: Sequence[int],
+                          kept_blocks: Sequence[int] | None = None) -> float:
+        # The fit prices the blocks read (what a profile measures); what is kept is not a
+        # feature of it, so `kept_blocks` does not change the estimate.
         if self.compress_fit is None:
             raise ConfigError(f"{self.source}: the profile has no \"compress\" section, so it "
                               "cannot time compressions; measure one, or run with compression off "

@@ -1,7 +1,7 @@
 """Capacity planning: search deployments of a trace with the simulator (`zipage plan`).
 
-A `PlanSpec` names the axes of the search (GPU, KV budget, block size, cache memory, hybrid
-scheduling, replicas, arrival rate) and the objective: throughput, throughput per dollar, or the
+A `PlanSpec` names the axes of the search (GPU, KV budget, budget policy, block size, cache
+memory, hybrid scheduling, replicas, arrival rate) and the objective: throughput, throughput per dollar, or the
 highest arrival rate that still meets the latency SLOs. Each grid point (`PlanPoint`) is evaluated
 by `evaluate_point`, a pure function of the trace and the point that runs the simulator
 (`zipage.sim.cluster.simulate_cluster`) once or, for the max-rate objective, bisects over Poisson
@@ -56,10 +56,11 @@ METRIC_KEYS = (
     "requests", "completed", "failed", "output_tokens", "makespan_s", "tps",
     "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms",
     "mean_ttft_s", "mean_tpot_ms", "peak_running", "mean_running", "preemptions",
-    "compressions", "n_max", "max_concurrency", "num_blocks",
+    "compressions", "mean_kept_budget", "n_max", "max_concurrency", "num_blocks",
 )
 RESULT_COLUMNS = [
-    "rank", "status", "reason", "hardware", "budget", "block_size", "hybrid", "replicas",
+    "rank", "status", "reason", "hardware", "budget", "budget_policy", "block_size", "hybrid",
+    "replicas",
     "routing", "kv_memory_gb", "gpu_memory_utilization", "rate_qps", "objective",
     "objective_value", "pareto", "tps", "tps_per_dollar", "max_rate_qps", "gpus",
     "price_per_hour_usd", *[key for key in METRIC_KEYS if key != "tps"], "simulations", "key",
@@ -116,6 +117,7 @@ class PlanPoint:
     arrivals: str = "poisson"
     arrival_seed: int = 0
     burst_size: int = 8
+    budget_policy: str = "fixed"
 
     def settings(self) -> ReplaySettings:
         """The settings of one engine; raises `ConfigError` for an invalid combination (a
@@ -123,7 +125,8 @@ class PlanPoint:
         from zipage.core.config import ZipageConfig
 
         config = ZipageConfig.from_dict({**self.base.config.to_dict(), "kv_budget": self.budget,
-                                         "block_size": self.block_size, "hybrid": self.hybrid})
+                                         "block_size": self.block_size, "hybrid": self.hybrid,
+                                         "budget_policy": self.budget_policy})
         return dataclasses.replace(self.base, hardware=self.hardware, config=config,
                                    kv_memory_gb=self.kv_memory_gb,
                                    gpu_memory_utilization=self.gpu_memory_utilization)
@@ -131,7 +134,8 @@ class PlanPoint:
     def labels(self) -> dict:
         """The point's coordinates as result columns."""
         return {
-            "hardware": self.hardware, "budget": self.budget, "block_size": self.block_size,
+            "hardware": self.hardware, "budget": self.budget,
+            "budget_policy": self.budget_policy, "block_size": self.block_size,
             "hybrid": self.hybrid, "replicas": self.replicas, "routing": self.routing,
             "kv_memory_gb": self.kv_memory_gb,
             "gpu_memory_utilization": (None if self.kv_memory_gb is not None
@@ -157,6 +161,7 @@ class PlanSpec:
     base: ReplaySettings = field(default_factory=ReplaySettings)
     hardware: list[str] = field(default_factory=lambda: ["a100-80gb"])
     budgets: list[int] = field(default_factory=lambda: [2048])
+    budget_policies: list[str] = field(default_factory=lambda: ["fixed"])
     block_sizes: list[int] = field(default_factory=lambda: [256])
     hybrid: list[bool] = field(default_factory=lambda: [True])
     kv_memory_gb: list[float] | None = None
@@ -208,12 +213,19 @@ class PlanSpec:
         for slo_value in (self.slo.ttft_p90_s, self.slo.tpot_p99_ms):
             if slo_value is not None and not slo_value > 0:
                 raise ConfigError(f"slo: got {slo_value!r}, expected a number > 0")
+        from zipage.core.config import BUDGET_POLICIES
+
+        if not self.budget_policies or any(policy not in BUDGET_POLICIES
+                                           for policy in self.budget_policies):
+            raise ConfigError(f"budget_policy: got {self.budget_policies!r}, expected some of "
+                              f"{', '.join(BUDGET_POLICIES)}")
         if not 0 < self.search.tolerance < 1:
             raise ConfigError(f"rate tolerance: got {self.search.tolerance!r}, expected a share "
                               "between 0 and 1 (e.g. --rate-tolerance 0.05)")
 
     def points(self) -> list[PlanPoint]:
-        """The grid in a fixed order (GPU, budget, block size, hybrid, memory, replicas, rate)."""
+        """The grid in a fixed order (GPU, budget, budget policy, block size, hybrid, memory,
+        replicas, rate)."""
         memories: list[tuple[float | None, float]] = (
             [(gigabytes, self.base.gpu_memory_utilization) for gigabytes in self.kv_memory_gb]
             if self.kv_memory_gb is not None
@@ -222,10 +234,10 @@ class PlanSpec:
         return [
             PlanPoint(self.base, hardware, budget, block_size, hybrid, kv_gb, utilization,
                       replicas, self.routing, rate, self.arrivals, self.arrival_seed,
-                      self.burst_size)
-            for hardware, budget, block_size, hybrid, (kv_gb, utilization), replicas, rate in (
-                itertools.product(self.hardware, self.budgets, self.block_sizes, self.hybrid,
-                                  memories, self.replicas, rates))
+                      self.burst_size, policy)
+            for hardware, budget, policy, block_size, hybrid, (kv_gb, utilization), replicas, rate
+            in itertools.product(self.hardware, self.budgets, self.budget_policies,
+                                 self.block_sizes, self.hybrid, memories, self.replicas, rates)
         ]
 
 

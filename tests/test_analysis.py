@@ -26,7 +26,8 @@ from zipage.analysis.ablation import (
 )
 from zipage.analysis.compare import DIFFERENCE_CONTEXT, compare_runs, excerpt, format_report
 from zipage.analysis.timeline import _bin_steps, load_run, plot_timeline, run_title
-from zipage.core.metrics import REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS, STEP_COLUMNS
+from zipage.core.metrics import (REQUEST_COLUMN_DEFAULTS, REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS,
+                                  STEP_COLUMNS)
 from zipage.errors import ZipageError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,7 +61,7 @@ def make_requests(arrival: list[float], first_token: list[float], finish: list[f
         "id": [f"r{index}" for index in range(count)], "arrival": arrival,
         "first_token": first_token, "finish": finish, "prompt_len": 10, "output_len": output_len,
         "n_preempted": 0, "n_compressions": 0, "max_blocks_held_after_first_compression": 0,
-        "status": "finished", "error": None,
+        "status": "finished", "error": None, **REQUEST_COLUMN_DEFAULTS,
     })[REQUEST_COLUMNS]
 
 

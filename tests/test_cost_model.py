@@ -42,9 +42,14 @@ A100 = get_hardware("a100")
 
 @dataclass
 class Job:
-    """Stands in for a CompressionJob: the cost model reads only the block count."""
+    """Stands in for a CompressionJob: the cost model reads only the blocks it reads and keeps."""
 
     num_source_blocks: int
+    kept_blocks: int = 8  # N_max - 1 at the default budget (2048 in blocks of 256)
+
+    @property
+    def target_blocks(self) -> list[int]:
+        return [0] * min(self.kept_blocks, self.num_source_blocks - 1)
 
 
 def decode_plan(batch: int, context_per_request: int) -> StepPlan:
@@ -293,6 +298,16 @@ def test_compression_grows_with_batch_and_blocks_and_accepts_a_batch():
     assert cost.compress_time([]) == 0.0
     # Global scores add a kernel and the F traffic.
     assert model(global_score=False).compress_time([Job(9)]) < cost.compress_time([Job(9)])
+
+
+def test_a_compression_is_priced_by_what_it_keeps_too():
+    """Requests with budgets of their own (or elastic caps) keep different numbers of blocks in
+    one batch: the compaction moves more for a larger one; at the configured budget it is the
+    price of the budget itself."""
+    cost = model()
+    assert cost.compress_time([Job(17, 16)]) > cost.compress_time([Job(17, 8)])
+    assert cost.compress_time([Job(17, 8)]) == cost.compress_time_for([17])
+    assert cost.compress_time([Job(17, 16), Job(9)]) == cost.compress_time_for([17, 9], [16, 8])
 
 
 def test_compression_of_one_request_is_a_fraction_of_a_busy_decode_step():

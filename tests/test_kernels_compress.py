@@ -157,6 +157,56 @@ def test_kept_entries_break_ties_to_the_lowest_position():
         assert torch.equal(kept_entries(scores, keep), expected.sort(dim=-1).values)
 
 
+def test_kept_entries_with_a_count_per_row():
+    """Requests with budgets of their own: each row keeps its own count (the rest of the row holds the row's
+    last position), exactly the row's `kept_entries` with that count, ties included."""
+    scores = torch.tensor([[1.0, 2.0, 2.0, 2.0, 2.0, 1.0, float("inf")],
+                           [5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0],
+                           [0.3, 0.9, 0.1, 0.8, 0.2, 0.0, float("inf")]])
+    counts = torch.tensor([[3], [1], [5]])
+    assert kept_entries(scores, counts, 5).tolist() == [[1, 2, 6, 6, 6], [0, 6, 6, 6, 6],
+                                                        [0, 1, 3, 4, 6]]
+    generator = torch.Generator().manual_seed(1)
+    scores = torch.randint(0, 4, (2, 3, 2, 64), generator=generator).float()
+    counts = torch.tensor([16, 48, 32]).view(1, 3, 1, 1).expand(2, 3, 2, 1)
+    kept = kept_entries(scores, counts, 48)
+    for request, count in enumerate((16, 48, 32)):
+        assert torch.equal(kept[:, request, :, :count], kept_entries(scores[:, request], count))
+
+
+def ragged(batch: "Batch") -> "Batch":
+    """`make_batch`'s three requests with their own numbers of target blocks (3, 1, 2), as requests with
+    budgets of their own (or elastic caps) in one batch: request 0 keeps a third block (its own block 2, in
+    place), request 1 only its block 0; the table is padded with -1."""
+    sources, targets = batch.source_tables.tolist(), batch.target_tables.tolist()
+    rows = [targets[0] + [sources[0][2]], targets[1][:1] + [-1, -1], targets[2] + [-1]]
+    return replace(batch, target_tables=torch.tensor(rows, dtype=torch.int32),
+                   num_target_blocks=torch.tensor([3, 1, 2], dtype=torch.int32))
+
+
+def test_reference_keeps_each_requests_own_count():
+    """One ragged batch gives what each request gives compressed alone into its own target blocks."""
+    params = CompressionParams(block_size=16, window=4)
+    batch = ragged(make_batch(torch.float32, group=2, block_size=16, window=4, seed=3))
+    together = batch.clone()
+    compress_ref(*together.arguments(params, SCALE), num_target_blocks=together.num_target_blocks)
+    alone = batch.clone()
+    for request, count in enumerate(batch.num_target_blocks.tolist()):
+        rows = slice(request, request + 1)
+        compress_ref(alone.k_cache, alone.v_cache, alone.score_cache, alone.query_cache,
+                     batch.source_tables[rows], batch.num_source_blocks[rows],
+                     batch.target_tables[rows, :count], batch.query_slots[rows],
+                     batch.is_compressed[rows], params, SCALE)
+    for name in ("k_cache", "v_cache", "score_cache"):
+        assert torch.equal(getattr(together, name), getattr(alone, name))
+    # Fewer targets than the widest request: the other requests' blocks beyond theirs are untouched.
+    untouched = batch.source_tables[1, 2]
+    assert torch.equal(together.k_cache[:, untouched], batch.k_cache[:, untouched])
+    with pytest.raises(ValueError, match="request 1: 3 target blocks for 3 source blocks"):
+        compress_ref(*batch.clone().arguments(params, SCALE),
+                     num_target_blocks=torch.tensor([3, 3, 2], dtype=torch.int32))
+
+
 @pytest.mark.parametrize("window", [0, 9, 24])
 def test_a_window_beyond_half_a_block_is_rejected_like_the_config_does(window):
     with pytest.raises(ValueError) as error:
@@ -341,7 +391,7 @@ def hopper_launches() -> list:
         (kernels._final_score_kernel, dict(NUM_KV_HEADS=8, BLOCK_SIZE=64, WINDOW=16, POOLING=1, POOL_RADIUS=2,
                                            REDUNDANCY=True, TILE=1024)),
         (kernels._compact_in_place_kernel,
-         compaction | dict(NUM_TARGETS=8, TARGETS_PADDED=8, SOURCES_PADDED=16, GLOBAL_SCORE=True)),
+         compaction | dict(TARGETS_PADDED=8, SOURCES_PADDED=16, GLOBAL_SCORE=True)),
         (kernels._compact_staged_kernel, compaction),
     ]
 
@@ -351,7 +401,7 @@ POINTER_TYPES = {name: "*bf16" for name in ("query_cache_ptr", "k_cache_ptr", "v
 POINTER_TYPES |= {name: "*fp32" for name in ("block_max_ptr", "block_sum_ptr", "scores_ptr", "redundancy_ptr",
                                              "final_ptr")}
 POINTER_TYPES |= {name: "*i32" for name in ("source_tables_ptr", "num_source_blocks_ptr", "target_tables_ptr",
-                                            "newest_ptr", "staging_count_ptr")}
+                                            "num_target_blocks_ptr", "newest_ptr", "staging_count_ptr")}
 POINTER_TYPES |= {name: "*i64" for name in ("query_slots_ptr", "kept_ptr", "staging_queue_ptr")}
 POINTER_TYPES |= {"is_compressed_ptr": "*i1"}
 FLOAT_ARGUMENTS = {"qk_scale", "alpha", "threshold", "tau", "lambda_weight"}
@@ -449,6 +499,61 @@ def test_pipeline_matches_reference(triton_kernels, monkeypatch, dtype, group, b
 
 
 @under_interpreter
+@pytest.mark.parametrize("redundancy,pooling,global_score", [("lightning", "first", True),
+                                                             ("flash", "off", False)])
+def test_pipeline_with_a_target_count_per_request_matches_reference(triton_kernels, monkeypatch, redundancy,
+                                                                    pooling, global_score):
+    """Requests keeping different numbers of blocks in one batch (3, 1, 2 of the ragged table), float32: each
+    request's kept set is its own top k_r (differences only at ties with its k_r-th score), Triton writes
+    exactly what the reference compaction writes from those kept sets, and what `compress_ref` writes when the
+    kept sets agree."""
+    params = CompressionParams(block_size=16, window=4, redundancy=redundancy, pooling=pooling,
+                               global_score=global_score)
+    batch = ragged(make_batch(torch.float32, group=3, block_size=16, window=4, seed=11))
+    recorded = {}
+    compact_function = triton_kernels.compact_triton
+
+    def record_compaction(*arguments):
+        recorded["kept"], recorded["scores"] = arguments[6], arguments[7]
+        return compact_function(*arguments)
+
+    monkeypatch.setattr(triton_kernels, "compact_triton", record_compaction)
+    result = batch.clone()
+    triton_kernels.compress_triton(*result.arguments(params, SCALE), num_target_blocks=result.num_target_blocks)
+    expected = reference_scores(batch, params)
+    from_kept = batch.clone()
+    all_agree = True
+    for (layer, request), (final, _) in expected.items():
+        count = int(batch.num_target_blocks[request])
+        keep = count * params.block_size
+        kept = recorded["kept"][layer, request, :, :keep]
+        kept_reference = kept_entries(final, keep)
+        for head in range(KV_HEADS):
+            differing = set(kept[head].tolist()) ^ set(kept_reference[head].tolist())
+            if differing:
+                all_agree = False
+                cut = final[head].topk(keep).values[-1]
+                near_cut = (final[head, sorted(differing)] - cut).abs() <= 1e-6 + 1e-5 * cut.abs()
+                assert torch.all(near_cut), (layer, request, head, sorted(differing))
+        source = batch.source_tables[request, :batch.num_source_blocks[request]].long()
+        write_kept_entries(from_kept.k_cache[layer], from_kept.v_cache[layer],
+                           from_kept.score_cache[layer] if global_score else None, source,
+                           batch.target_tables[request, :count].long(), kept,
+                           recorded["scores"][layer, request, :, :final.shape[1]])
+    for name in ("k_cache", "v_cache", "score_cache"):
+        assert torch.equal(getattr(result, name), getattr(from_kept, name)), name
+    if all_agree:
+        reference = batch.clone()
+        compress_ref(*reference.arguments(params, SCALE), num_target_blocks=reference.num_target_blocks)
+        assert torch.equal(result.k_cache, reference.k_cache)
+        assert torch.equal(result.v_cache, reference.v_cache)
+        torch.testing.assert_close(result.score_cache, reference.score_cache, **SCORE_TOLERANCE)
+    # Request 1 keeps one block: its block 2 (a source, not a target) is left as it was.
+    untouched = batch.source_tables[1, 2]
+    assert torch.equal(result.k_cache[:, untouched], batch.k_cache[:, untouched])
+
+
+@under_interpreter
 def test_ties_go_to_the_lowest_position_in_triton_as_in_the_reference(triton_kernels, monkeypatch):
     """All keys zero: every entry outside the window gets the same attention score (exactly, on both
     sides), so the kept set is the window plus the lowest positions, for every (layer, request, head)."""
@@ -521,7 +626,8 @@ def test_dispatch_uses_reference_for_cpu_tensors_unless_forced(triton_kernels, m
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("ZIPAGE_FORCE_TRITON", raising=False)
     calls = []
-    monkeypatch.setattr(triton_kernels, "compress_triton", lambda *arguments: calls.append(arguments))
+    monkeypatch.setattr(triton_kernels, "compress_triton",
+                        lambda *arguments, **keywords: calls.append(arguments))
     params = CompressionParams(block_size=16, window=4)
     reference_batch = make_batch(torch.float32, group=1, block_size=16, window=4, seed=2)
     dispatched_batch = reference_batch.clone()

@@ -67,6 +67,10 @@ def axis_values(args: argparse.Namespace, name: str) -> list | None:
                 raise ConfigError(f"{flag}: got {item!r}; give on, off or on,off")
             values.append(_BOOL_WORDS[item.lower()])
             continue
+        choices = declared.metadata.get("choices")
+        if choices and item not in choices:
+            raise ConfigError(f"{flag}: got {item!r} in {text!r}; give some of "
+                              f"{', '.join(choices)}, e.g. {flag} {','.join(choices)}")
         try:
             values.append(kind(item))
         except ValueError:

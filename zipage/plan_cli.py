@@ -2,7 +2,8 @@
 
 `add_plan_command(subparsers)` registers the subcommand. It takes every engine flag of
 `zipage replay` for the knobs that stay fixed; the searched axes take comma lists (`--hardware
-h100,h200`, `--budget 1024,2048`, `--hybrid on,off`, `--replicas 1..4`, `--rate offline,5,10`).
+h100,h200`, `--budget 1024,2048`, `--budget-policy fixed,elastic`, `--hybrid on,off`, `--replicas
+1..4`, `--rate offline,5,10`).
 The handler prints the ranked table, the infeasible points with their reasons and the Pareto
 front of the objective against the budget per GPU; `--out DIR` writes results.csv,
 results.parquet (when pandas has a Parquet engine) and pareto.png.
@@ -27,7 +28,7 @@ from zipage.sim.planning import (
 OFFLINE = "offline"
 # Deployment fields and knobs that are grid axes of the search (each flag takes a comma list).
 PLAN_AXES = frozenset({"hardware", "kv_memory_gb", "gpu_memory_utilization", "kv_budget",
-                       "block_size", "hybrid"})
+                       "budget_policy", "block_size", "hybrid"})
 OBJECTIVE_LABELS = {TPS: "throughput (tok/s)", TPS_PER_DOLLAR: "tok/s per $/h",
                     MAX_RATE: "max rate meeting the SLOs (req/s)"}
 
@@ -135,6 +136,7 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
     budgets = axis_values(args, "kv_budget")
     block_sizes = axis_values(args, "block_size")
     hybrid = axis_values(args, "hybrid")
+    policies = axis_values(args, "budget_policy")
     kv_memory = axis_values(args, "kv_memory_gb")
     utilizations = axis_values(args, "gpu_memory_utilization")
     if kv_memory is not None and utilizations is not None:
@@ -152,6 +154,7 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
     return PlanSpec(
         base=base, hardware=axis_values(args, "hardware") or list(HARDWARE),
         budgets=budgets or [base.config.kv_budget],
+        budget_policies=policies or [base.config.budget_policy],
         block_sizes=block_sizes or [base.config.block_size], hybrid=hybrid or [True],
         kv_memory_gb=kv_memory, gpu_memory_utilization=utilizations,
         replicas=parse_replicas(args.replicas), rates=rates, routing=args.routing,
@@ -200,6 +203,7 @@ def parse_rates(text: str) -> list[float | None]:
 
 def describe_grid(spec: PlanSpec) -> str:
     axes = [(len(spec.hardware), "GPUs"), (len(spec.budgets), "budgets"),
+            (len(spec.budget_policies), "budget policies"),
             (len(spec.block_sizes), "block sizes"), (len(spec.hybrid), "hybrid modes"),
             (len(spec.kv_memory_gb or spec.gpu_memory_utilization), "memory sizes"),
             (len(spec.replicas), "replica counts"),
@@ -261,7 +265,10 @@ def format_table(headers: list[str], rows: list[list]) -> list[str]:
 
 def _table_columns(spec: PlanSpec) -> list[tuple[str, object]]:
     columns = [("#", lambda row: row["rank"]), ("gpu", lambda row: row["hardware"]),
-               ("budget", lambda row: row["budget"]), ("block", lambda row: row["block_size"]),
+               ("budget", lambda row: row["budget"])]
+    if len(spec.budget_policies) > 1:
+        columns.append(("policy", lambda row: row["budget_policy"]))
+    columns += [("block", lambda row: row["block_size"]),
                ("hybrid", lambda row: "on" if row["hybrid"] else "off"),
                ("replicas", lambda row: row["replicas"])]
     if spec.kv_memory_gb is not None:
@@ -276,7 +283,11 @@ def _table_columns(spec: PlanSpec) -> list[tuple[str, object]]:
     columns += [("tok/s", lambda row: _number(row["tps"])),
                 ("tok/s per $/h", lambda row: _number(row["tps_per_dollar"])),
                 ("TTFT p90 s", lambda row: f"{row['ttft_p90_s']:.2f}"),
-                ("TPOT p99 ms", lambda row: f"{row['tpot_p99_ms']:.1f}"),
+                ("TPOT p99 ms", lambda row: f"{row['tpot_p99_ms']:.1f}")]
+    if len(spec.budget_policies) > 1:
+        # What the requests kept on average: the budget under "fixed", more under "elastic".
+        columns.append(("kept", lambda row: _number(row["mean_kept_budget"])))
+    columns += [
                 ("M", lambda row: row["max_concurrency"] if row["max_concurrency"] is not None
                  else "-"),
                 ("status", lambda row: row["status"] + (" *" if row["pareto"] else ""))]
@@ -297,7 +308,8 @@ def _describe_slo(slo: SLO) -> str:
 
 
 def _describe_deployment(row: dict) -> str:
-    parts = [f"block {row['block_size']}", f"hybrid {'on' if row['hybrid'] else 'off'}",
+    policy = ["elastic budget"] if row.get("budget_policy") == "elastic" else []
+    parts = [*policy, f"block {row['block_size']}", f"hybrid {'on' if row['hybrid'] else 'off'}",
              f"{row['replicas']} replica{'s' if row['replicas'] > 1 else ''}"]
     if row["kv_memory_gb"] is not None:
         parts.append(f"{row['kv_memory_gb']:g} GiB kv")

@@ -79,19 +79,20 @@ class Compressor:
     def run(self, jobs: list[CompressionJob]) -> None:
         """Compress `jobs` now, on the current stream."""
         caches, device = self.caches, self.device
-        longest = max(len(job.source_table) for job in jobs)
-        source = torch.full((len(jobs), longest), -1, dtype=torch.int32)
-        for row, job in enumerate(jobs):
-            source[row, :len(job.source_table)] = torch.tensor(job.source_table)
+        # Both tables are padded with -1: requests read different numbers of source blocks and,
+        # with budgets of their own or the elastic policy, keep different numbers of blocks.
+        source = _padded([job.source_table for job in jobs])
+        target = _padded([job.target_blocks for job in jobs])
         tables = dict(
             source_tables=source.to(device),
             num_source_blocks=torch.tensor([len(job.source_table) for job in jobs],
                                            dtype=torch.int32, device=device),
-            target_tables=torch.tensor([job.target_blocks for job in jobs], dtype=torch.int32,
-                                       device=device),
+            target_tables=target.to(device),
             query_slots=torch.tensor([job.query_slot for job in jobs], dtype=torch.int64,
                                      device=device),
             is_compressed=torch.tensor([not job.is_first for job in jobs], device=device),
+            num_target_blocks=torch.tensor([len(job.target_blocks) for job in jobs],
+                                           dtype=torch.int32, device=device),
         )
         # Tensor parallelism with replicated KV heads: the GQA max spans ranks.
         extra = {} if self.reduce_group_max is None else {"reduce_group_max": self.reduce_group_max}
@@ -132,3 +133,11 @@ class Compressor:
             torch.cuda.current_stream().wait_event(done)
         self.in_flight = None
         return [batch_id]
+
+
+def _padded(rows: list[list[int]]) -> torch.Tensor:
+    """int32 [len(rows), longest row], each row padded with -1."""
+    table = torch.full((len(rows), max(len(row) for row in rows)), -1, dtype=torch.int32)
+    for index, row in enumerate(rows):
+        table[index, :len(row)] = torch.tensor(row, dtype=torch.int32)
+    return table
