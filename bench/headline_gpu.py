@@ -13,6 +13,13 @@ The defaults are the paper's AMC23 setting with every length divided by 4 (max o
 4096, budget 2048 -> 512, block 256 -> 64), so output / budget stays 8 as in the paper.
 `--variants` runs a subset (a 10-minute GPU call fits Full KV or the two Zipage variants of the
 8B model, not all three); `--tag` names the JSON file so separate calls do not overwrite each other.
+The `-elastic` variants run the elastic budget policy (docs/architecture.md, 'Per-request and
+elastic budgets'); `--trace FILE` replays a shipped trace instead of generating the AMC23 one, e.g.
+the elastic-vs-fixed comparison of docs/BENCHMARKS.md:
+
+    python bench/headline_gpu.py --variants zipage,zipage-elastic --tag=-elastic
+    python bench/headline_gpu.py --trace traces/online-mixture.json \
+        --variants zipage,zipage-elastic --tag=-elastic-online
 """
 
 from __future__ import annotations
@@ -29,11 +36,12 @@ import torch
 from zipage.core.config import ZipageConfig
 from zipage.engine.replay import replay_on_engine
 from zipage.deployment import ReplaySettings
+from zipage.trace import load_trace
 from zipage.workloads import make_trace
 
 KEYS = ("tps", "makespan_s", "completed", "output_tokens", "peak_running", "mean_running",
-        "preemptions", "compressions", "max_blocks_after_compress", "num_blocks",
-        "max_concurrency", "steps")
+        "preemptions", "compressions", "max_blocks_after_compress", "mean_kept_budget",
+        "tpot_p50_ms", "tpot_p99_ms", "ttft_p90_s", "num_blocks", "max_concurrency", "steps")
 
 
 def main() -> None:
@@ -51,14 +59,21 @@ def main() -> None:
     parser.add_argument("--hardware", default="h200-141gb")
     parser.add_argument("--variants", default="full-kv,zipage,zipage-sync")
     parser.add_argument("--tag", default="", help="suffix of the output file name")
+    parser.add_argument("--trace", default=None,
+                        help="replay this trace file instead of the generated AMC23 one")
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "."))
-    trace = make_trace("amc23", 0, num_questions=args.questions,
-                       samples_per_question=args.samples, max_output_len=args.max_output)
+    if args.trace is not None:
+        trace = load_trace(args.trace)
+    else:
+        trace = make_trace("amc23", 0, num_questions=args.questions,
+                           samples_per_question=args.samples, max_output_len=args.max_output)
     variants = {
         "full-kv": dict(compress=False),
         "zipage": dict(),
         "zipage-sync": dict(async_compress=False),
+        "zipage-elastic": dict(budget_policy="elastic"),
+        "zipage-elastic-sync": dict(budget_policy="elastic", async_compress=False),
     }
     report = {"model": args.model, "requests": len(trace.requests),
               "output_tokens": sum(r.output_len for r in trace.requests), "args": vars(args)}
@@ -86,15 +101,20 @@ def main() -> None:
     if "full-kv" in report and "zipage" in report:
         report["speedup"] = report["zipage"]["tps"] / report["full-kv"]["tps"]
         (out / f"headline_gpu{args.tag}.json").write_text(json.dumps(report, indent=2))
-    print(f"\n{'variant':<12} {'tok/s':>10} {'makespan s':>11} {'peak run':>9} "
-          f"{'preempt':>8} {'compress':>9} {'sim tok/s':>10}")
+    print(f"\n{'variant':<20} {'tok/s':>10} {'makespan s':>11} {'peak run':>9} "
+          f"{'preempt':>8} {'compress':>9} {'kept':>7} {'sim tok/s':>10}")
     for name in args.variants.split(","):
         row = report[name]
         simulated = row["simulated_tps"]
         simulated = f"{simulated:10.1f}" if isinstance(simulated, float) else "         -"
-        print(f"{name:<12} {row['tps']:>10.1f} {row['makespan_s']:>11.1f} "
+        print(f"{name:<20} {row['tps']:>10.1f} {row['makespan_s']:>11.1f} "
               f"{row['peak_running']:>9} {row['preemptions']:>8} {row['compressions']:>9} "
-              f"{simulated}")
+              f"{row['mean_kept_budget']:>7.0f} {simulated}")
+    if "zipage" in report and "zipage-elastic" in report:
+        ratio = report["zipage-elastic"]["tps"] / report["zipage"]["tps"]
+        print(f"elastic / fixed: {ratio:.3f}x tok/s, kept budget "
+              f"{report['zipage-elastic']['mean_kept_budget']:.0f} vs "
+              f"{report['zipage']['mean_kept_budget']:.0f}")
     if "speedup" in report:
         print(f"Zipage / Full KV: {report['speedup']:.2f}x")
 
