@@ -288,7 +288,8 @@ def run_requests(engine: Engine, prompts: dict[str, list[int]], max_tokens: int,
                  dispatcher: VariantDispatcher | None = None) -> RecordingRunner:
     """Run every request to exactly `max_tokens` outputs (EOS ignored) through the step loop."""
     sequences = [Sequence(request_id, prompt, max_tokens,
-                          sampling=dataclasses.replace(sampling[request_id], ignore_eos=True))
+                          sampling=dataclasses.replace(sampling[request_id], ignore_eos=True),
+                          kv_budget=sampling[request_id].kv_budget)
                  for request_id, prompt in prompts.items()]
     recorder = RecordingRunner(engine.runner, {request_id: len(prompt) for request_id, prompt
                                                in prompts.items()}, on_logits, dispatcher)
@@ -298,6 +299,7 @@ def run_requests(engine: Engine, prompts: dict[str, list[int]], max_tokens: int,
     if failed:
         raise RuntimeError(f"fidelity run: requests failed: {failed}")
     assert run.summary["preemptions"] == 0, "caches are sized so nothing is preempted"
+    recorder.run = run
     return recorder
 
 
@@ -364,8 +366,12 @@ class VariantResult:
 
 
 def teacher_force(engine: Engine, reference: Reference, variants: SequenceOf[Variant],
-                  seed: int = 0) -> list[VariantResult]:
-    """Feed the reference tokens to the compressed engine, every variant side by side."""
+                  seed: int = 0, budgets: SequenceOf[SequenceOf[int | None]] | None = None,
+                  runs: list | None = None) -> list[VariantResult]:
+    """Feed the reference tokens to the compressed engine, every variant side by side.
+
+    `budgets[v][p]`: the KV budget of variant v's request for prompt p (None, or no `budgets`:
+    the engine's). `runs`, when given, receives the engine's `Run` (its summary and records)."""
     config = engine.config
     assert config.compress and config.global_score and not config.async_compress
     dispatcher = VariantDispatcher(variants, seed)
@@ -404,8 +410,13 @@ def teacher_force(engine: Engine, reference: Reference, variants: SequenceOf[Var
         return token
 
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    recorder = run_requests(engine, requests, max_tokens, dict.fromkeys(requests, greedy),
-                            record, next_token=forced, dispatcher=dispatcher)
+    sampling = {request_id: dataclasses.replace(greedy, kv_budget=None if budgets is None else
+                                                budgets[owner[request_id][0]][owner[request_id][1]])
+                for request_id in requests}
+    recorder = run_requests(engine, requests, max_tokens, sampling, record, next_token=forced,
+                            dispatcher=dispatcher)
+    if runs is not None:
+        runs.append(recorder.run)
     results = []
     for variant_index, variant in enumerate(variants):
         first = [recorder.first_compression.get(f"{variant_index}/{prompt_index}")

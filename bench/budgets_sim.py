@@ -1,0 +1,65 @@
+"""Elastic vs fixed KV budgets in the simulator, at the same memory (docs/BENCHMARKS.md, section 14).
+
+Replays the AMC23-shaped headline trace, the online mixture and a few-requests case (the first
+`--few` requests of the headline trace, arriving together: memory to spare) with the flags of the
+GPU headline (`--model qwen3-8b --hardware h200 --kv-memory-gb 6 --block-size 64 --budget 512`),
+under the fixed and the elastic budget policy, with async and sync compression, and Full KV for
+the few-requests case; prints one markdown table: output tok/s, elastic / fixed, the budget the
+requests kept on average (`mean_kept_budget`), compressions, preemptions, TPOT and TTFT.
+
+    python bench/budgets_sim.py [--few 4]
+
+No GPU: the analytic H200 cost model. `bench/headline_gpu.py --variants zipage,zipage-elastic`
+is the same comparison on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from pathlib import Path
+
+from zipage.core.config import ZipageConfig
+from zipage.deployment import ReplaySettings
+from zipage.sim.simulate import simulate
+from zipage.trace import Trace, load_trace
+
+TRACES = Path(__file__).resolve().parent.parent / "traces"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--few", type=int, default=4, help="requests of the few-requests case")
+    args = parser.parse_args()
+    headline = load_trace(TRACES / "amc23-headline.json")
+    cases = {
+        "AMC23 headline (128 requests)": headline,
+        "online mixture (160 requests)": load_trace(TRACES / "online-mixture.json"),
+        f"few requests ({args.few} of the headline)": Trace("few", headline.requests[:args.few]),
+    }
+    base = ReplaySettings(model="qwen3-8b", hardware="h200", kv_memory_gb=6.0,
+                          config=ZipageConfig(block_size=64, kv_budget=512))
+    print("| trace | compression | policy | tok/s | elastic / fixed | kept budget | "
+          "compressions | preemptions | TPOT p50 / p99 ms | TTFT p90 s |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, trace in cases.items():
+        modes = [("async", {}), ("sync", {"async_compress": False})]
+        if name.startswith("few"):
+            modes.append(("Full KV", {"compress": False}))
+        for mode, knobs in modes:
+            policies = ["fixed", "elastic"] if mode != "Full KV" else ["-"]
+            fixed_tps = None
+            for policy in policies:
+                config = replace(base.config, **knobs,
+                                 **({} if policy == "-" else {"budget_policy": policy}))
+                summary, _ = simulate(trace, replace(base, config=config))
+                fixed_tps = summary["tps"] if policy == "fixed" else fixed_tps
+                ratio = f"{summary['tps'] / fixed_tps:.3f}" if policy == "elastic" else ""
+                print(f"| {name} | {mode} | {policy} | {summary['tps']:,.0f} | {ratio} | "
+                      f"{summary['mean_kept_budget']:,.0f} | {summary['compressions']:,} | "
+                      f"{summary['preemptions']} | {summary['tpot_p50_ms']:.2f} / "
+                      f"{summary['tpot_p99_ms']:.2f} | {summary['ttft_p90_s']:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
