@@ -176,3 +176,22 @@ def test_report_rebuilds_tables_from_saved_files(tmp_path):
     assert "| v | 0.500 | 2.000 | 0.500 | 2.000 |" in markdown  # positions 2 and 3 only
     rows = list(csv.DictReader(open(tmp_path / "fidelity.csv")))
     assert rows[0]["compressed_positions"] == "2" and rows[0]["budget"] == "128"
+
+
+def test_budgets_per_request_and_by_prompt_length(tiny_model, reference):
+    """teacher_force with a budget per request: the one that covers its sequence is exactly Full
+    KV, the small one compresses where the engine's default would; budgets by prompt length
+    average the fixed budget whole-block by whole-block."""
+    from zipage.analysis.fidelity_budgets import budgets_by_prompt_length
+
+    engine = compressed_engine(tiny_model, budget=32, num_requests=2)
+    runs = []
+    (result,) = fidelity.teacher_force(engine, reference, [fidelity.Variant("mixed")],
+                                       budgets=[[256, 32]], runs=runs)
+    assert result.first_compression == [None, 3 * BLOCK + 1 - 37]
+    assert bool(result.agreement[0].all()) and float(result.kl[0].abs().max()) < 1e-5
+    assert {record.id: record.kv_budget for record in runs[0].requests} == {"0/0": 256,
+                                                                         "0/1": 32}
+    assert budgets_by_prompt_length([48, 47, 48, 48, 277, 277], 256, 16) == (
+        176, 176, 176, 176, 416, 416)
+    assert budgets_by_prompt_length([300], 64, 16) == (320,)  # at least one block of tail
