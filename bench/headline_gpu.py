@@ -17,9 +17,9 @@ The `-elastic` variants run the elastic budget policy (docs/architecture.md, 'Pe
 elastic budgets'); `--trace FILE` replays a shipped trace instead of generating the AMC23 one, e.g.
 the elastic-vs-fixed comparison of docs/BENCHMARKS.md:
 
-    python bench/headline_gpu.py --variants zipage,zipage-elastic --tag=-elastic
+    python bench/headline_gpu.py --variants zipage,zipage-elastic --tag _elastic
     python bench/headline_gpu.py --trace traces/online-mixture.json \
-        --variants zipage,zipage-elastic --tag=-elastic-online
+        --variants zipage,zipage-elastic --tag _elastic_online
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ SUMMARY_ROWS = [
     ("peak running", "peak_running", "{}"), ("mean running", "mean_running", "{:.1f}"),
     ("preemptions", "preemptions", "{:,}"), ("compressions", "compressions", "{:,}"),
     ("max blocks after compression", "max_blocks_after_compress", "{}"),
+    ("mean kept budget (tokens)", "mean_kept_budget", "{:,.0f}"),
     ("N_max (blocks per request)", "n_max", "{}"),
     # M bounds the requests that hold a query slot; hybrid scheduling runs more without one.
     ("query slots M", "max_concurrency", "{}"),

@@ -158,8 +158,9 @@ def summarize(steps: list[StepRecord], requests: list[RequestRecord]) -> dict:
         "prefix_hit_tokens": sum(s.prefix_hit_tokens for s in steps),
         "max_blocks_after_compress": max(compressed, default=0),
         # Mean over finished requests whose budget bound them of the KV budget they kept: the
-        # configured budget under the fixed policy, more under the elastic one.
-        "mean_kept_budget": sum(kept) / len(kept) if kept else 0.0,
+        # configured budget under the fixed policy, more under the elastic one (None: no
+        # request's budget bound it).
+        "mean_kept_budget": sum(kept) / len(kept) if kept else None,
         "steps": len(busy),
     }
 
