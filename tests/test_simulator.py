@@ -183,7 +183,7 @@ def test_instant_driver_runs_a_mixed_step_as_one_step():
 def test_sync_simulator_decides_like_the_instant_driver_with_chunked_prefill():
     config = ZipageConfig(block_size=16, window=4, kv_budget=64, async_compress=False,
                           chunked_prefill=True, max_num_batched_tokens=48)
-    _, run, instant = simulate_tiny_beside_instant(config)
+    summary, run, instant = simulate_tiny_beside_instant(config)
     assert run.decision_log == instant.decision_log
     assert MIXED in {record.kind for record in run.steps}
     assert summary["completed"] == len(trace.requests)
