@@ -4,6 +4,7 @@
 `thorough` is for long local runs: `pytest --hypothesis-profile=thorough tests/test_core_properties.py`.
 """
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -24,3 +25,15 @@ def pytest_terminal_summary(terminalreporter):
     if table:
         terminalreporter.write_sep("-", "rule coverage of the core property tests")
         terminalreporter.write_line(table)
+
+
+@pytest.fixture(scope="module")
+def one_cpu_thread():
+    """torch on one thread for a module's tests: on a busy 2-core machine torch's default made
+    the CPU engine many times slower."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -58,8 +58,9 @@ MUTATIONS = [
              "        self.waiting.appendleft(seq)\n        plan.preempted.append(seq)",
              "        self.waiting.append(seq)\n        plan.preempted.append(seq)"),
     Mutation("prefix cache: the victim may be a compressed request", SCHEDULER,
-             "                if seq.num_compressions == 0 and not seq.compressing:",
-             "                if not seq.compressing:"),
+             "                if seq.num_compressions == 0 and not seq.compressing and "
+             "self.can_recompute(seq):",
+             "                if not seq.compressing and self.can_recompute(seq):"),
     Mutation("constrained scheduling also preempts slot holders", SCHEDULER,
              "        if self.config.prefix_cache:\n            # Compression may need fresh",
              "        if self.config.prefix_cache or not self.config.hybrid:\n"
@@ -71,6 +72,9 @@ MUTATIONS = [
     Mutation("prefix-cache deadlock-avoidance preemption removed", SCHEDULER,
              "        if self.config.prefix_cache:\n            # Compression may need fresh",
              "        if False:\n            # Compression may need fresh"),
+    Mutation("a victim whose recomputation cannot fit the pool", SCHEDULER,
+             "        return -(-seq.num_tokens // self.block_size) <= self.block_manager.num_blocks",
+             "        return True"),
     # ---- the rules the audit found guarded
     Mutation("N_max off by one (the scheduler's cap)", SCHEDULER,
              "        return budget // self.block_size + 1\n",

@@ -31,12 +31,8 @@ from zipage.engine import loader  # noqa: E402
 from zipage.engine.runner import PREFILL_GRAPHS_ENV, ModelRunner  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# Module-wide: torch on one thread (tests/conftest.py, `one_cpu_thread`).
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def count_padded_steps(monkeypatch) -> list[int]:

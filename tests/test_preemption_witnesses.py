@@ -194,16 +194,13 @@ def test_rule5_shortfall_takes_fresh_targets_for_a_shared_block_mid_table():
     assert targets.released == [table[1]]  # the shared block: only this request's reference
 
 
-# ---------------------------------------------------------------- a bug in scheduler.py
+# ------------------------------------------- a victim whose recomputation cannot fit the pool
 
 
-@pytest.mark.xfail(strict=True, raises=SchedulerStuck, reason=(
-    "scheduler.py: a request preempted on a block boundary recomputes prompt + outputs, one "
-    "block more than it held; with its prompt as large as the pool it can never be readmitted "
-    "(rejection_reason/peak_blocks only bound the first prefill). Reported in issue 11."))
 def test_a_preempted_request_with_a_pool_sized_prompt_is_readmitted():
     """b's 64-token prompt maps a's two blocks and fills the 4-block pool. a's compression needs
-    a fresh block for the shared prefix, so b (64 tokens cached, one sampled) is preempted; its
-    recompute covers 65 tokens, 5 blocks, more than exist."""
+    a fresh block for the shared prefix. b (64 tokens cached, one sampled) would recompute 65
+    tokens, 5 blocks, more than exist: it is not a victim (it once was, and the run stuck); a, the
+    other sharer, is preempted instead and runs again once b is done."""
     run_trace([("a", P[:2 * B], 32, 0), ("b", P[:4 * B], 32, 1)],
               budget=B, num_blocks=4, num_slots=2, prefix_cache=True)

@@ -81,31 +81,44 @@ def test_invariants_hold_under_random_timing(mode):
     @settings(max_examples=100)
     @given(case=cases(mode), seed=st.integers(0, 1000))
     def check(case, seed):
-        scheduler = Scheduler(case.config, case.num_blocks, case.num_slots)
-        sequences = case.sequences()
-        for seq in sequences:  # arrivals in seconds instead of steps
-            seq.arrival_s = seq.arrival_s * 0.05
-        run = Simulator(scheduler, RandomCostModel(seed), check=True).run(sequences)
-        accepted = [seq for seq in sequences if seq.error is None]
-        assert run.summary["completed"] == len(accepted)
-        assert all(seq.num_output_tokens == seq.max_output_tokens for seq in accepted)
+        check_random_timing(case, seed)
 
     check()
 
 
-def test_tiny_trace_decisions_match_instant_driver_with_real_cost_model():
+def check_random_timing(case, seed: int) -> None:
+    """Every request finishes with its tokens, every invariant holding, under random step times."""
+    scheduler = Scheduler(case.config, case.num_blocks, case.num_slots)
+    sequences = case.sequences()
+    for seq in sequences:  # arrivals in seconds instead of steps
+        seq.arrival_s = seq.arrival_s * 0.05
+    run = Simulator(scheduler, RandomCostModel(seed), check=True).run(sequences)
+    accepted = [seq for seq in sequences if seq.error is None]
+    assert run.summary["completed"] == len(accepted)
+    assert all(seq.num_output_tokens == seq.max_output_tokens for seq in accepted)
+
+
+def simulate_tiny_beside_instant(config: ZipageConfig):
+    """traces/tiny.json simulated with the analytic cost model (sync compression) and run by the
+    instant driver at the same capacity: (summary, simulated run, instant run)."""
+    from zipage.deployment import trace_sequences
+    from zipage.presets import resolve_shape
+
     trace = load_trace(ROOT / "traces" / "tiny.json")
-    config = ZipageConfig(block_size=16, window=4, kv_budget=64, async_compress=False)
     settings_ = ReplaySettings(model="qwen3-0.6b", kv_memory_gb=0.05, config=config)
     summary, run = simulate(trace, settings_, log_decisions=True, check=True)
-    from zipage.presets import resolve_shape
-    from zipage.deployment import trace_sequences
-
     shape = resolve_shape("qwen3-0.6b")
     scheduler = Scheduler(replace(config, max_model_len=shape.max_position),
                           summary["num_blocks"], summary["max_concurrency"])
     instant = InstantDriver(scheduler, log_decisions=True).run(
         trace_sequences(trace, shape.vocab_size, need_tokens=True))
+    return summary, run, instant
+
+
+def test_tiny_trace_decisions_match_instant_driver_with_real_cost_model():
+    config = ZipageConfig(block_size=16, window=4, kv_budget=64, async_compress=False)
+    summary, run, instant = simulate_tiny_beside_instant(config)
+    trace = load_trace(ROOT / "traces" / "tiny.json")
     assert run.decision_log == instant.decision_log
     assert summary["completed"] == len(trace.requests) and summary["compressions"] > 0
 
@@ -168,22 +181,12 @@ def test_instant_driver_runs_a_mixed_step_as_one_step():
 
 
 def test_sync_simulator_decides_like_the_instant_driver_with_chunked_prefill():
-    trace = load_trace(ROOT / "traces" / "tiny.json")
     config = ZipageConfig(block_size=16, window=4, kv_budget=64, async_compress=False,
                           chunked_prefill=True, max_num_batched_tokens=48)
-    settings_ = ReplaySettings(model="qwen3-0.6b", kv_memory_gb=0.05, config=config)
-    summary, run = simulate(trace, settings_, log_decisions=True, check=True)
-    from zipage.deployment import trace_sequences
-    from zipage.presets import resolve_shape
-
-    shape = resolve_shape("qwen3-0.6b")
-    scheduler = Scheduler(replace(config, max_model_len=shape.max_position),
-                          summary["num_blocks"], summary["max_concurrency"])
-    instant = InstantDriver(scheduler, log_decisions=True).run(
-        trace_sequences(trace, shape.vocab_size, need_tokens=True))
+    summary, run, instant = simulate_tiny_beside_instant(config)
     assert run.decision_log == instant.decision_log
     assert MIXED in {record.kind for record in run.steps}
-    assert summary["completed"] == len(trace.requests)
+    assert summary["completed"] == len(load_trace(ROOT / "traces" / "tiny.json").requests)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -194,14 +197,7 @@ def test_invariants_hold_under_random_timing_with_chunked_prefill(mode):
     @settings(max_examples=40)
     @given(case=chunked_cases(mode), seed=st.integers(0, 1000))
     def check(case, seed):
-        scheduler = Scheduler(case.config, case.num_blocks, case.num_slots)
-        sequences = case.sequences()
-        for seq in sequences:  # arrivals in seconds instead of steps
-            seq.arrival_s = seq.arrival_s * 0.05
-        run = Simulator(scheduler, RandomCostModel(seed), check=True).run(sequences)
-        accepted = [seq for seq in sequences if seq.error is None]
-        assert run.summary["completed"] == len(accepted)
-        assert all(seq.num_output_tokens == seq.max_output_tokens for seq in accepted)
+        check_random_timing(case, seed)
 
     check()
 

@@ -67,12 +67,21 @@ def victim_rule(scheduler: Scheduler) -> tuple[str, Callable[[Sequence, QueueSna
     config = scheduler.config
     if not config.compress:
         return "Full KV: the last running request", lambda seq, before: True
+    # A request whose recomputation would exceed the pool is never a victim (it could never be
+    # admitted again); the rule reads the request's length, not the scheduler's own check.
+    pool_tokens = scheduler.block_manager.num_blocks * scheduler.block_size
+
+    def recomputable(seq: Sequence) -> bool:
+        return seq.num_tokens <= pool_tokens
+
     if config.prefix_cache:
-        return ("prefix cache: the last running request neither compressed nor being compressed",
-                lambda seq, before: seq in before.uncompressed)
+        return ("prefix cache: the last running request neither compressed nor being compressed "
+                "whose recomputation fits the pool",
+                lambda seq, before: seq in before.uncompressed and recomputable(seq))
     if config.hybrid:
-        return ("hybrid: the last running request without a query slot",
-                lambda seq, before: not before.holds_slot[seq])
+        return ("hybrid: the last running request without a query slot whose recomputation "
+                "fits the pool",
+                lambda seq, before: not before.holds_slot[seq] and recomputable(seq))
     return "constrained: nobody is preempted", lambda seq, before: False
 
 

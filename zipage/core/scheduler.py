@@ -528,14 +528,22 @@ class Scheduler:
             # Compression may need fresh target blocks, so only preempting uncompressed requests
             # (slot or not) keeps prefix sharing deadlock-free.
             for seq in reversed(self.running):
-                if seq.num_compressions == 0 and not seq.compressing:
+                if seq.num_compressions == 0 and not seq.compressing and self.can_recompute(seq):
                     return seq
             return None
         if self.config.hybrid:
             for seq in reversed(self.running):
-                if seq.query_slot is None:
+                if seq.query_slot is None and self.can_recompute(seq):
                     return seq
         return None
+
+    def can_recompute(self, seq: Sequence) -> bool:
+        """A preempted request recomputes its prompt and outputs: one block more than it held
+        when it stopped on a block boundary. One whose recomputation would not fit the pool is
+        never a victim (it could never run again). Such a request holds every block, so the
+        requests sharing its prefix blocks are uncompressed and remain victims: the deadlock
+        argument is unchanged (docs/architecture.md, 'Deadlock freedom')."""
+        return -(-seq.num_tokens // self.block_size) <= self.block_manager.num_blocks
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Free every block of `seq` and send it to the front of `waiting` (recompute later)."""
