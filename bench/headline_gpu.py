@@ -20,6 +20,16 @@ the elastic-vs-fixed comparison of docs/BENCHMARKS.md:
     python bench/headline_gpu.py --variants zipage,zipage-elastic --tag _elastic
     python bench/headline_gpu.py --trace traces/online-mixture.json \
         --variants zipage,zipage-elastic --tag _elastic_online
+
+The `-chunked` variants run chunked prefill (`--max-num-batched-tokens` per step), the comparison
+of issue #13:
+
+    python bench/headline_gpu.py --trace traces/online-mixture.json --no-simulate \
+        --variants zipage,zipage-chunked,full-kv,full-kv-chunked --runs-dir $OUT/runs
+
+`--runs-dir` writes each variant's run directory (summary, steps, requests: what `zipage
+compare` and the twin-fidelity study read). The script only uses what every version of the
+package has, so it also times an older checkout (`. OLD/bench/env.sh` before running it).
 """
 
 from __future__ import annotations
@@ -36,12 +46,13 @@ import torch
 from zipage.core.config import ZipageConfig
 from zipage.engine.replay import replay_on_engine
 from zipage.deployment import ReplaySettings
-from zipage.trace import load_trace
+from zipage.trace import Trace, load_trace
 from zipage.workloads import make_trace
 
 KEYS = ("tps", "makespan_s", "completed", "output_tokens", "peak_running", "mean_running",
         "preemptions", "compressions", "max_blocks_after_compress", "mean_kept_budget",
-        "tpot_p50_ms", "tpot_p99_ms", "ttft_p90_s", "num_blocks", "max_concurrency", "steps")
+        "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms",
+        "prefill_tokens", "prefix_hit_tokens", "num_blocks", "max_concurrency", "steps")
 
 
 def main() -> None:
@@ -61,6 +72,15 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="suffix of the output file name")
     parser.add_argument("--trace", default=None,
                         help="replay this trace file instead of the generated AMC23 one")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script")
+    parser.add_argument("--head", type=int, default=None,
+                        help="replay only the trace's first N requests")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="step token budget of the -chunked variants")
+    parser.add_argument("--runs-dir", default=None,
+                        help="write each variant's run directory under this folder")
+    parser.add_argument("--simulate", action=argparse.BooleanOptionalAction, default=True,
+                        help="also replay each variant in the simulator (needs simpy)")
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "."))
     if args.trace is not None:
@@ -74,7 +94,13 @@ def main() -> None:
         "zipage-sync": dict(async_compress=False),
         "zipage-elastic": dict(budget_policy="elastic"),
         "zipage-elastic-sync": dict(budget_policy="elastic", async_compress=False),
+        "zipage-chunked": dict(chunked_prefill=True,
+                               max_num_batched_tokens=args.max_num_batched_tokens),
+        "full-kv-chunked": dict(compress=False, chunked_prefill=True,
+                                max_num_batched_tokens=args.max_num_batched_tokens),
     }
+    if args.head is not None:
+        trace = Trace(trace.name, trace.requests[:args.head])
     report = {"model": args.model, "requests": len(trace.requests),
               "output_tokens": sum(r.output_len for r in trace.requests), "args": vars(args)}
     for name in args.variants.split(","):
@@ -84,14 +110,23 @@ def main() -> None:
         settings = ReplaySettings(model=f"random:{args.model}", hardware=args.hardware,
                                   kv_memory_gb=args.kv_memory_gb, config=config)
         started = time.perf_counter()
-        summary, _ = replay_on_engine(trace, settings, "cuda")
-        report[name] = {key: summary[key] for key in KEYS}
+        summary, run = replay_on_engine(trace, settings, args.device)
+        # Older checkouts lack some keys; the steps still say how many prompt tokens were computed.
+        summary.setdefault("prefill_tokens", sum(step.prefill_tokens for step in run.steps))
+        report[name] = {key: summary.get(key) for key in KEYS}
         report[name]["wall_s"] = time.perf_counter() - started
-        try:
-            from zipage.sim.simulate import simulate
+        if args.runs_dir is not None:
+            from zipage.rundir import write_run
 
-            simulated, _ = simulate(trace, settings)
-            report[name]["simulated_tps"] = simulated["tps"]
+            write_run(Path(args.runs_dir) / name, summary, run.steps, run.requests,
+                      run.decision_log)
+        report[name]["simulated_tps"] = "not run"
+        try:
+            if args.simulate:
+                from zipage.sim.simulate import simulate
+
+                simulated, _ = simulate(trace, settings)
+                report[name]["simulated_tps"] = simulated["tps"]
         except ImportError as error:  # simpy is not on every GPU image
             report[name]["simulated_tps"] = f"unavailable: {error}"
         print(name, json.dumps(report[name]), flush=True)
@@ -101,15 +136,21 @@ def main() -> None:
     if "full-kv" in report and "zipage" in report:
         report["speedup"] = report["zipage"]["tps"] / report["full-kv"]["tps"]
         (out / f"headline_gpu{args.tag}.json").write_text(json.dumps(report, indent=2))
-    print(f"\n{'variant':<20} {'tok/s':>10} {'makespan s':>11} {'peak run':>9} "
-          f"{'preempt':>8} {'compress':>9} {'kept':>7} {'sim tok/s':>10}")
+    print(f"\n{'variant':<18} {'tok/s':>9} {'makespan':>9} {'preempt':>8} {'compress':>9} "
+          f"{'kept':>6} {'prefill tok':>11} {'TTFT p50/p90/p99 s':>20} "
+          f"{'TPOT p50/p90/p99 ms':>21} {'sim tok/s':>10}")
     for name in args.variants.split(","):
         row = report[name]
         simulated = row["simulated_tps"]
         simulated = f"{simulated:10.1f}" if isinstance(simulated, float) else "         -"
-        print(f"{name:<20} {row['tps']:>10.1f} {row['makespan_s']:>11.1f} "
-              f"{row['peak_running']:>9} {row['preemptions']:>8} {row['compressions']:>9} "
-              f"{row['mean_kept_budget']:>7.0f} {simulated}")
+        kept = "-" if row["mean_kept_budget"] is None else f"{row['mean_kept_budget']:.0f}"
+        ttft = "/".join("-" if row[key] is None else f"{row[key]:.2f}"
+                        for key in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s"))
+        tpot = "/".join("-" if row[key] is None else f"{row[key]:.1f}"
+                        for key in ("tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms"))
+        print(f"{name:<18} {row['tps']:>9.1f} {row['makespan_s']:>9.1f} {row['preemptions']:>8} "
+              f"{row['compressions']:>9} {kept:>6} {row['prefill_tokens']:>11,} {ttft:>20} "
+              f"{tpot:>21} {simulated}")
     if "zipage" in report and "zipage-elastic" in report:
         ratio = report["zipage-elastic"]["tps"] / report["zipage"]["tps"]
         print(f"elastic / fixed: {ratio:.3f}x tok/s, kept budget "
