@@ -57,7 +57,7 @@ from zipage.kernels.compress_ref import (
 OUT = Path(os.environ.get("OUT", "."))
 LOG_LINES: list[str] = []
 N_MAX = 9
-WINDOW = 16
+WINDOW = 16  # capped at half a block (the kernels' rule) for block 16
 # Final and global scores: float32 on both sides from the same bfloat16 inputs; the kernels' dots sum in another
 # order, exp2 replaces exp, the cosine divides after the dot. Scores are ~1 / length, so 1e-6 absolute is tight.
 SCORE_ATOL, SCORE_RTOL = 1e-6, 1e-4
@@ -124,7 +124,8 @@ def random_batch(layers: int, query_heads: int, kv_heads: int, head_dim: int, bl
     source_tables = torch.full((3, max(counts)), -1, dtype=torch.int32)
     for row, table in enumerate((first, second, third)):
         source_tables[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
-    query_cache = torch.randn((layers, 4, WINDOW, query_heads, head_dim), generator=generator)
+    window = min(WINDOW, block_size // 2)
+    query_cache = torch.randn((layers, 4, window, query_heads, head_dim), generator=generator)
     # Earlier global scores of the size of this compression's attention scores, so the decayed max picks both.
     score_cache = torch.rand(shape[:4], generator=generator) * 2 / (max(counts) * block_size)
     return Batch(
@@ -215,7 +216,8 @@ def part_a(smoke: bool, device: str) -> list[dict]:
             batch = random_batch(layers, query_heads, kv_heads, head_dim, block_size, counts, dtype, device,
                                  seed=block_size + head_dim)
             for redundancy, pooling, global_score in CHECK_MODES:
-                params = CompressionParams(block_size=block_size, window=WINDOW, redundancy=redundancy,
+                params = CompressionParams(block_size=block_size, window=min(WINDOW, block_size // 2),
+                                           redundancy=redundancy,
                                            pooling=pooling, global_score=global_score)
                 row = dict(shape=name, dtype=str(dtype), group=query_heads // kv_heads, head_dim=head_dim,
                            block_size=block_size, redundancy=redundancy, pooling=pooling, global_score=global_score)

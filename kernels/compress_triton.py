@@ -46,12 +46,20 @@ _FINAL_TILE = 1024
 # head dim gives a one-request batch more programs; every element is moved independently).
 _COMPACTION_ENTRIES = 64
 _COMPACTION_DIM_TILE = 64
-# Programs (each with a private scratch of KEEP x DIM_TILE entries for K and V) of the staged compaction.
+# Programs (each with a private scratch of keep_width x DIM_TILE entries for K and V) of the staged compaction.
 _STAGING_PROGRAMS = 32
 _INTERPRETER_STAGING_PROGRAMS = 2
 # Triton compiles a variant per integer argument equal to 1 or divisible by 16; for the batch's request count and
 # table width that would mean compilations in the middle of serving, whenever a new batch shape shows up.
 _BATCH_SHAPE_ARGUMENTS = ["num_requests", "max_blocks"]
+# The padded block tables' row strides are their widths: the batch's longest source table and widest target.
+_TABLE_ARGUMENTS = [*_BATCH_SHAPE_ARGUMENTS, "source_table_stride"]
+# The compaction's width is the batch's widest target count: one value under a fixed budget, a new one for almost
+# every batch with per-request or elastic budgets. As a constexpr (with the table widths padded to powers of two)
+# it cost a compilation of up to 2.2 s, 19 times in one H200 run (BENCHMARKS section 14); so the compaction
+# kernels take the width, and walk the block tables in tiles, with runtime bounds. (The table strides are not
+# specialised either: a width of 16 or 32 blocks compiled every kernel anew, 1.8 s.)
+_COMPACTION_TABLE_TILE = 16
 _POOLING_MODES = {"off": 0, "first": 1, "always": 2}
 _REDUNDANCY_MODES = ("lightning", "flash", "off")
 
@@ -122,7 +130,7 @@ def _block_tile_logits(
     return tl.where(offsets[None, :] <= last_visible[:, None], logits, float("-inf"))
 
 
-@triton.jit(do_not_specialize=_BATCH_SHAPE_ARGUMENTS)
+@triton.jit(do_not_specialize=_TABLE_ARGUMENTS)
 def _block_softmax_stats_kernel(
     query_cache_ptr,
     k_cache_ptr,
@@ -212,7 +220,7 @@ def _block_softmax_stats_kernel(
         tl.store(block_sum_ptr + stats_offsets, running_sum)
 
 
-@triton.jit(do_not_specialize=_BATCH_SHAPE_ARGUMENTS)
+@triton.jit(do_not_specialize=_TABLE_ARGUMENTS)
 def _attention_score_kernel(
     query_cache_ptr,
     k_cache_ptr,
@@ -370,7 +378,7 @@ def _cosine_similarity(row_keys, row_norms, rows, column_keys, column_norms, col
     return tl.where(rows[:, None] == columns[None, :], 0.0, similarity)
 
 
-@triton.jit(do_not_specialize=_BATCH_SHAPE_ARGUMENTS)
+@triton.jit(do_not_specialize=_TABLE_ARGUMENTS)
 def _newest_similar_row_kernel(
     k_cache_ptr,
     source_tables_ptr,
@@ -448,7 +456,7 @@ def _newest_similar_row_kernel(
         tl.store(newest_ptr + sequence_row + columns, newest)
 
 
-@triton.jit(do_not_specialize=_BATCH_SHAPE_ARGUMENTS)
+@triton.jit(do_not_specialize=_TABLE_ARGUMENTS)
 def _redundancy_kernel(
     k_cache_ptr,
     source_tables_ptr,
@@ -596,22 +604,20 @@ def _final_score_kernel(
 
 
 @triton.jit
-def _needs_staging(
-    source_row_ptr,
-    target_row_ptr,
-    num_blocks,
-    num_targets,
-    TARGETS_PADDED: tl.constexpr,
-    SOURCES_PADDED: tl.constexpr,
-):
+def _needs_staging(source_row_ptr, target_row_ptr, num_blocks, num_targets, TILE: tl.constexpr):
     """Whether some of the request's ``num_targets`` target blocks is also its source block at a later index.
-    In-place compaction is safe otherwise (see ``compact_triton``)."""
-    target_index = tl.arange(0, TARGETS_PADDED)
-    source_index = tl.arange(0, SOURCES_PADDED)
-    targets = tl.load(target_row_ptr + target_index, mask=target_index < num_targets, other=-1)
-    sources = tl.load(source_row_ptr + source_index, mask=source_index < num_blocks, other=-2)
-    hazard = (targets[:, None] == sources[None, :]) & (source_index[None, :] > target_index[:, None])
-    return tl.max(tl.max(hazard.to(tl.int32), axis=1), axis=0) > 0
+    In-place compaction is safe otherwise (see ``compact_triton``). Tiles of ``TILE`` table entries with runtime
+    bounds: padding to the batch's table widths would compile a new variant whenever a new width shows up."""
+    hazard = tl.full((), 0, tl.int32)
+    for target_start in range(0, num_targets, TILE):
+        target_index = target_start + tl.arange(0, TILE)
+        targets = tl.load(target_row_ptr + target_index, mask=target_index < num_targets, other=-1)
+        for source_start in range(0, num_blocks, TILE):
+            source_index = source_start + tl.arange(0, TILE)
+            sources = tl.load(source_row_ptr + source_index, mask=source_index < num_blocks, other=-2)
+            later = (targets[:, None] == sources[None, :]) & (source_index[None, :] > target_index[:, None])
+            hazard = tl.maximum(hazard, tl.max(tl.max(later.to(tl.int32), axis=1), axis=0))
+    return hazard > 0
 
 
 @triton.jit
@@ -621,7 +627,7 @@ def _entry_offsets(table_row_ptr, entries, mask, head_base, block_stride, slot_s
     return head_base + block_ids * block_stride + (entries % BLOCK_SIZE) * slot_stride
 
 
-@triton.jit(do_not_specialize=_BATCH_SHAPE_ARGUMENTS)
+@triton.jit(do_not_specialize=[*_TABLE_ARGUMENTS, "target_table_stride", "keep_width"])
 def _compact_in_place_kernel(
     k_cache_ptr,
     v_cache_ptr,
@@ -636,6 +642,7 @@ def _compact_in_place_kernel(
     staging_count_ptr,
     num_requests,
     max_blocks,
+    keep_width,
     cache_layer_stride,
     cache_block_stride,
     cache_slot_stride,
@@ -648,9 +655,7 @@ def _compact_in_place_kernel(
     target_table_stride,
     NUM_KV_HEADS: tl.constexpr,
     NUM_DIM_TILES: tl.constexpr,
-    KEEP: tl.constexpr,
-    TARGETS_PADDED: tl.constexpr,
-    SOURCES_PADDED: tl.constexpr,
+    TABLE_TILE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_TILE: tl.constexpr,
@@ -660,7 +665,7 @@ def _compact_in_place_kernel(
     """Grid (L * R, Hkv, head-dim tiles): the two-pointer move of one (layer, request, KV head)'s kept K and V
     entries (one slice of the head dim) into the target blocks, chunk by chunk in order; the slice-0 program also
     moves the kept global scores. A request whose targets make in-place unsafe is queued for the staged kernel.
-    ``KEEP`` is the widest request's count; request r moves its first ``num_target_blocks[r] * BLOCK_SIZE``."""
+    ``keep_width`` is the widest request's count; request r moves its first ``num_target_blocks[r] * BLOCK_SIZE``."""
     layer_request = tl.program_id(0)
     kv_head = tl.program_id(1)
     dim_tile = tl.program_id(2)
@@ -672,15 +677,15 @@ def _compact_in_place_kernel(
     source_row_ptr = source_tables_ptr + request * source_table_stride
     target_row_ptr = target_tables_ptr + request * target_table_stride
     item = (layer_request * NUM_KV_HEADS + kv_head).to(tl.int64)
-    kept_row_ptr = kept_ptr + item * KEEP
+    kept_row_ptr = kept_ptr + item * keep_width
     head_base = layer * cache_layer_stride + kv_head * cache_head_stride
     dims = dim_tile * DIM_TILE + tl.arange(0, DIM_TILE)
     lanes = tl.arange(0, ENTRY_TILE)
-    if _needs_staging(source_row_ptr, target_row_ptr, num_blocks, num_targets, TARGETS_PADDED, SOURCES_PADDED):
+    if _needs_staging(source_row_ptr, target_row_ptr, num_blocks, num_targets, TABLE_TILE):
         queue_index = tl.atomic_add(staging_count_ptr, 1)
         tl.store(staging_queue_ptr + queue_index, item * NUM_DIM_TILES + dim_tile)
     else:
-        for entry_start in range(0, KEEP, ENTRY_TILE):
+        for entry_start in range(0, keep_width, ENTRY_TILE):
             entries = entry_start + lanes
             used = entries < keep
             kept = tl.load(kept_row_ptr + entries, mask=used, other=0)
@@ -701,7 +706,7 @@ def _compact_in_place_kernel(
             # The kept scores come from the dense scores of this call, never from the cache: no hazard here.
             score_head_base = layer * score_layer_stride + kv_head * score_head_stride
             scores_row = item * max_blocks * BLOCK_SIZE
-            for entry_start in range(0, KEEP, ENTRY_TILE):
+            for entry_start in range(0, keep_width, ENTRY_TILE):
                 entries = entry_start + lanes
                 used = entries < keep
                 kept = tl.load(kept_row_ptr + entries, mask=used, other=0)
@@ -711,7 +716,7 @@ def _compact_in_place_kernel(
                 tl.store(score_cache_ptr + target, kept_scores.to(score_cache_ptr.dtype.element_ty), mask=used)
 
 
-@triton.jit(do_not_specialize=["num_requests"])
+@triton.jit(do_not_specialize=["num_requests", "keep_width", "source_table_stride", "target_table_stride"])
 def _compact_staged_kernel(
     k_cache_ptr,
     v_cache_ptr,
@@ -724,6 +729,7 @@ def _compact_staged_kernel(
     staging_queue_ptr,
     staging_count_ptr,
     num_requests,
+    keep_width,
     cache_layer_stride,
     cache_block_stride,
     cache_slot_stride,
@@ -732,20 +738,19 @@ def _compact_staged_kernel(
     target_table_stride,
     NUM_KV_HEADS: tl.constexpr,
     NUM_DIM_TILES: tl.constexpr,
-    KEEP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_TILE: tl.constexpr,
     ENTRY_TILE: tl.constexpr,
 ):
     """Grid (programs,): each program takes queued items in turn and moves their kept K and V entries through its
-    private scratch ``[KEEP, DIM_TILE]``: all gathered first, then all written. Costs one launch and one load when
+    private scratch ``[keep_width, DIM_TILE]``: all gathered first, then all written. Costs one launch and one load when
     the queue is empty (the common case)."""
     program = tl.program_id(0)
     num_staged = tl.load(staging_count_ptr)
     lanes = tl.arange(0, ENTRY_TILE)
     scratch_dims = tl.arange(0, DIM_TILE)
-    scratch_base = program.to(tl.int64) * KEEP * DIM_TILE
+    scratch_base = program.to(tl.int64) * keep_width * DIM_TILE
     for queue_index in range(program, num_staged, tl.num_programs(0)):
         staged = tl.load(staging_queue_ptr + queue_index)
         item = staged // NUM_DIM_TILES
@@ -756,10 +761,10 @@ def _compact_staged_kernel(
         request = layer_request % num_requests
         source_row_ptr = source_tables_ptr + request * source_table_stride
         target_row_ptr = target_tables_ptr + request * target_table_stride
-        kept_row_ptr = kept_ptr + item * KEEP
+        kept_row_ptr = kept_ptr + item * keep_width
         keep = tl.load(num_target_blocks_ptr + request) * BLOCK_SIZE
         head_base = layer * cache_layer_stride + kv_head * cache_head_stride
-        for entry_start in range(0, KEEP, ENTRY_TILE):
+        for entry_start in range(0, keep_width, ENTRY_TILE):
             entries = entry_start + lanes
             used = entries < keep
             kept = tl.load(kept_row_ptr + entries, mask=used, other=0)
@@ -773,7 +778,7 @@ def _compact_staged_kernel(
                      mask=mask)
         # Every kept entry is in the scratch before any target slot (possibly a slot just read) is written.
         tl.debug_barrier()
-        for entry_start in range(0, KEEP, ENTRY_TILE):
+        for entry_start in range(0, keep_width, ENTRY_TILE):
             entries = entry_start + lanes
             used = entries < keep
             mask = used[:, None] & (dims < HEAD_DIM)[None, :]
@@ -937,20 +942,19 @@ def compact_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: to
     score_strides = score_cache.stride() if global_score else (0, 0, 0, 0)
     # No software pipelining: a load issued asynchronously ahead of its use could complete after the barrier
     # that must order it before the chunk's stores.
-    shapes = dict(NUM_KV_HEADS=kv_heads, NUM_DIM_TILES=num_dim_tiles, KEEP=keep, BLOCK_SIZE=block_size,
+    shapes = dict(NUM_KV_HEADS=kv_heads, NUM_DIM_TILES=num_dim_tiles, BLOCK_SIZE=block_size,
                   HEAD_DIM=head_dim, DIM_TILE=dim_tile, ENTRY_TILE=_COMPACTION_ENTRIES, num_stages=1)
     _compact_in_place_kernel[(layers * requests, kv_heads, num_dim_tiles)](
         k_cache, v_cache, score_tensor, scores, kept, source_tables, num_source_blocks, target_tables,
-        num_target_blocks, staging_queue, staging_count, requests, max_blocks, *cache_strides, *score_strides,
+        num_target_blocks, staging_queue, staging_count, requests, max_blocks, keep, *cache_strides, *score_strides,
         source_tables.stride(0), target_tables.stride(0),
-        TARGETS_PADDED=triton.next_power_of_2(num_targets), SOURCES_PADDED=triton.next_power_of_2(max_blocks),
-        GLOBAL_SCORE=global_score, **shapes)
+        TABLE_TILE=_COMPACTION_TABLE_TILE, GLOBAL_SCORE=global_score, **shapes)
     programs = _STAGING_PROGRAMS if device.type == "cuda" else _INTERPRETER_STAGING_PROGRAMS
     k_scratch = torch.empty((programs, keep, dim_tile), dtype=k_cache.dtype, device=device)
     v_scratch = torch.empty_like(k_scratch)
     _compact_staged_kernel[(programs,)](
         k_cache, v_cache, k_scratch, v_scratch, kept, source_tables, target_tables, num_target_blocks, staging_queue,
-        staging_count, requests, *cache_strides, source_tables.stride(0), target_tables.stride(0), **shapes)
+        staging_count, requests, keep, *cache_strides, source_tables.stride(0), target_tables.stride(0), **shapes)
 
 
 def compress_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Tensor | None,

@@ -372,6 +372,27 @@ def test_kernels_compile_for_hopper(child_processes):
     check_hopper_compilation(returncode, stderr)
 
 
+# Constexprs of the compression kernels: fixed by the model and the config, never by a batch (a value that
+# changes from batch to batch compiles a new variant mid-run: 19 compilations of up to 2.2 s in one elastic run).
+DEPLOYMENT_CONSTEXPRS = {"NUM_KV_HEADS", "WINDOW", "GROUP", "WINDOW_PADDED", "GROUP_PADDED", "BLOCK_SIZE",
+                         "HEAD_DIM", "HEAD_DIM_PADDED", "KEY_TILE", "DOT_PRECISION", "STATS_CHUNK", "GLOBAL_SCORE",
+                         "TILE", "LIGHTNING", "POOLING", "POOL_RADIUS", "REDUNDANCY", "NUM_DIM_TILES", "TABLE_TILE",
+                         "DIM_TILE", "ENTRY_TILE"}
+BATCH_SHAPE_ARGUMENTS = {"num_requests", "max_blocks", "keep_width", "source_table_stride",
+                         "target_table_stride"}
+
+
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="triton is not installed")
+@pytest.mark.skipif(UNDER_INTERPRETER, reason="the interpreter's kernels keep no parameter list")
+def test_no_kernel_compiles_anew_for_a_new_batch_shape():
+    for kernel, _ in hopper_launches():
+        for param in kernel.params:
+            if param.is_constexpr:
+                assert param.name in DEPLOYMENT_CONSTEXPRS, (kernel.fn.__name__, param.name)
+            elif param.name in BATCH_SHAPE_ARGUMENTS:
+                assert param.do_not_specialize, (kernel.fn.__name__, param.name)
+
+
 def hopper_launches() -> list:
     """Every kernel with the constexpr values of one bfloat16 launch; small shapes keep the compilation quick
     (the interpreter ignores barriers, so this also checks the kernels that rely on them build)."""
@@ -381,7 +402,7 @@ def hopper_launches() -> list:
                  HEAD_DIM=128, HEAD_DIM_PADDED=128, KEY_TILE=64, DOT_PRECISION="tf32")
     redundancy = dict(NUM_KV_HEADS=8, BLOCK_SIZE=64, HEAD_DIM=128, HEAD_DIM_PADDED=128, TILE=64,
                       DOT_PRECISION="tf32")
-    compaction = dict(NUM_KV_HEADS=8, NUM_DIM_TILES=2, KEEP=512, BLOCK_SIZE=64, HEAD_DIM=128, DIM_TILE=64,
+    compaction = dict(NUM_KV_HEADS=8, NUM_DIM_TILES=2, BLOCK_SIZE=64, HEAD_DIM=128, DIM_TILE=64,
                       ENTRY_TILE=64)
     return [
         (kernels._block_softmax_stats_kernel, score),
@@ -391,7 +412,7 @@ def hopper_launches() -> list:
         (kernels._final_score_kernel, dict(NUM_KV_HEADS=8, BLOCK_SIZE=64, WINDOW=16, POOLING=1, POOL_RADIUS=2,
                                            REDUNDANCY=True, TILE=1024)),
         (kernels._compact_in_place_kernel,
-         compaction | dict(TARGETS_PADDED=8, SOURCES_PADDED=16, GLOBAL_SCORE=True)),
+         compaction | dict(TABLE_TILE=16, GLOBAL_SCORE=True)),
         (kernels._compact_staged_kernel, compaction),
     ]
 
