@@ -452,6 +452,21 @@ SMALL_TILES = dict(_SCORE_KEY_TILE=16, _REDUNDANCY_TILE=16, _STATS_CHUNK=2, _FIN
 SCORE_TOLERANCE = dict(atol=1e-6, rtol=1e-5)
 
 
+def kept_sets_agree_up_to_ties(kept: torch.Tensor, final: torch.Tensor, keep: int, where: tuple) -> bool:
+    """Whether Triton's kept sets (per KV head) equal the reference's; asserts that any difference lies at
+    the keep-th score (a tie within float tolerance)."""
+    kept_reference = kept_entries(final, keep)
+    agree = True
+    for head in range(KV_HEADS):
+        differing = set(kept[head].tolist()) ^ set(kept_reference[head].tolist())
+        if differing:
+            agree = False
+            cut = final[head].topk(keep).values[-1]
+            near_cut = (final[head, sorted(differing)] - cut).abs() <= 1e-6 + 1e-5 * cut.abs()
+            assert torch.all(near_cut), (*where, head, sorted(differing))
+    return agree
+
+
 @under_interpreter
 @pytest.mark.parametrize("dtype,group,block_size,redundancy,pooling,global_score,small_tiles", TRITON_CASES)
 def test_pipeline_matches_reference(triton_kernels, monkeypatch, dtype, group, block_size, redundancy, pooling,
@@ -495,14 +510,7 @@ def test_pipeline_matches_reference(triton_kernels, monkeypatch, dtype, group, b
         if global_score:
             torch.testing.assert_close(recorded["scores"][layer, request, :, :length], stored, **SCORE_TOLERANCE)
         kept = recorded["kept"][layer, request]
-        kept_reference = kept_entries(final, keep)
-        for head in range(KV_HEADS):
-            differing = set(kept[head].tolist()) ^ set(kept_reference[head].tolist())
-            if differing:
-                all_agree = False
-                cut = final[head].topk(keep).values[-1]
-                near_cut = (final[head, sorted(differing)] - cut).abs() <= 1e-6 + 1e-5 * cut.abs()
-                assert torch.all(near_cut), (layer, request, head, sorted(differing))
+        all_agree &= kept_sets_agree_up_to_ties(kept, final, keep, (layer, request))
         source = batch.source_tables[request, :batch.num_source_blocks[request]].long()
         write_kept_entries(from_kept.k_cache[layer], from_kept.v_cache[layer],
                            from_kept.score_cache[layer] if global_score else None, source,
@@ -548,14 +556,7 @@ def test_pipeline_with_a_target_count_per_request_matches_reference(triton_kerne
         count = int(batch.num_target_blocks[request])
         keep = count * params.block_size
         kept = recorded["kept"][layer, request, :, :keep]
-        kept_reference = kept_entries(final, keep)
-        for head in range(KV_HEADS):
-            differing = set(kept[head].tolist()) ^ set(kept_reference[head].tolist())
-            if differing:
-                all_agree = False
-                cut = final[head].topk(keep).values[-1]
-                near_cut = (final[head, sorted(differing)] - cut).abs() <= 1e-6 + 1e-5 * cut.abs()
-                assert torch.all(near_cut), (layer, request, head, sorted(differing))
+        all_agree &= kept_sets_agree_up_to_ties(kept, final, keep, (layer, request))
         source = batch.source_tables[request, :batch.num_source_blocks[request]].long()
         write_kept_entries(from_kept.k_cache[layer], from_kept.v_cache[layer],
                            from_kept.score_cache[layer] if global_score else None, source,
