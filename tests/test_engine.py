@@ -98,24 +98,33 @@ def test_bad_request_fails_alone(tiny_model):
     assert outputs[1].finish_reason == "error" and "max_model_len" in outputs[1].error
 
 
-def test_engine_and_simulator_make_the_same_decisions(tiny_model, tmp_path):
-    directory, _ = tiny_model
+def replay_sim_and_cpu(directory: Path, tmp_path: Path, name: str, shapes: list[tuple[int, int]],
+                       *flags: str) -> dict[str, dict]:
+    """Replay requests of these (prompt, output) lengths, every other one sharing a 16-token prefix,
+    through the simulator and the CPU engine with the same flags (Full KV, block 16, a cache small
+    enough to preempt, `flags`); their summaries, keyed "sim" and "cpu", run directories under
+    `tmp_path / key`."""
     requests = [TraceRequest(id=f"r{i}", arrival_s=0.0, prompt_len=length, output_len=output,
                              prefix_group="g" if i % 2 else None, prefix_len=16 if i % 2 else 0)
-                for i, (length, output) in enumerate([(20, 30), (33, 12), (5, 50), (40, 8),
-                                                      (17, 25), (64, 3)])]
+                for i, (length, output) in enumerate(shapes)]
     trace_path = tmp_path / "trace.json"
-    save_trace(Trace("engine-vs-sim", requests), trace_path)
+    save_trace(Trace(name, requests), trace_path)
     common = ["replay", str(trace_path), "--model", str(directory), "--no-compress",
-              "--block-size", "16", "--dtype", "float32", "--kv-memory-gb", "0.0001",
+              "--block-size", "16", "--dtype", "float32", "--kv-memory-gb", "0.0001", *flags,
               "--json"]
     runs = {}
-    for name, extra in (("sim", []), ("cpu", ["--engine", "cpu"])):
-        out = tmp_path / name
+    for run, extra in (("sim", []), ("cpu", ["--engine", "cpu"])):
         result = subprocess.run([sys.executable, "-m", "zipage.cli", *common, *extra, "--out",
-                                 str(out)], capture_output=True, text=True, cwd=ROOT)
+                                 str(tmp_path / run)], capture_output=True, text=True, cwd=ROOT)
         assert result.returncode == 0, result.stderr
-        runs[name] = json.loads(result.stdout)
+        runs[run] = json.loads(result.stdout)
+    return runs
+
+
+def test_engine_and_simulator_make_the_same_decisions(tiny_model, tmp_path):
+    directory, _ = tiny_model
+    runs = replay_sim_and_cpu(directory, tmp_path, "engine-vs-sim",
+                              [(20, 30), (33, 12), (5, 50), (40, 8), (17, 25), (64, 3)])
     assert set(runs["sim"]) == set(runs["cpu"])
     assert runs["sim"]["num_blocks"] == runs["cpu"]["num_blocks"]
     assert runs["cpu"]["preemptions"] > 0  # the cache is small enough to force recompute

@@ -288,7 +288,8 @@ def test_triton_mixed_steps_equal_unchunked(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- through the core's chunked scheduler
 
-from test_engine import GREEDY as ENGINE_GREEDY, prompts_with_shared_prefix, tiny_model  # noqa: E402,F401
+from test_engine import (  # noqa: E402,F401
+    GREEDY as ENGINE_GREEDY, prompts_with_shared_prefix, replay_sim_and_cpu, tiny_model)
 from test_engine_compression import SMALL  # noqa: E402
 from zipage import LLM  # noqa: E402
 from zipage.engine.runner import PREFILL_GRAPHS_ENV  # noqa: E402
@@ -324,30 +325,13 @@ def test_chunked_engine_makes_the_simulators_decisions(tiny_model, tmp_path):  #
     """`zipage replay --chunked-prefill` on the CPU engine and in the simulator: the same decision
     log step for step (mixed steps, partial chunks, preemptions), so the engine loop hands the
     core exactly what the simulator does."""
-    import json
-    import subprocess
-    import sys
-
-    from zipage.trace import Trace, TraceRequest, save_trace
-
     directory, _ = tiny_model
-    requests = [TraceRequest(id=f"r{i}", arrival_s=0.0, prompt_len=length, output_len=output,
-                             prefix_group="g" if i % 2 else None, prefix_len=16 if i % 2 else 0)
-                for i, (length, output) in enumerate([(20, 30), (53, 12), (5, 50), (40, 8),
-                                                      (17, 25), (64, 3)])]
-    trace_path = tmp_path / "trace.json"
-    save_trace(Trace("chunked-engine-vs-sim", requests), trace_path)
-    common = ["replay", str(trace_path), "--model", str(directory), "--no-compress",
-              "--block-size", "16", "--dtype", "float32", "--kv-memory-gb", "0.0001",
-              "--chunked-prefill", "--max-num-batched-tokens", "24", "--json"]
+    runs = replay_sim_and_cpu(directory, tmp_path, "chunked-engine-vs-sim",
+                              [(20, 30), (53, 12), (5, 50), (40, 8), (17, 25), (64, 3)],
+                              "--chunked-prefill", "--max-num-batched-tokens", "24")
     logs = {}
-    for name, extra in (("sim", []), ("cpu", ["--engine", "cpu"])):
-        out = tmp_path / name
-        result = subprocess.run([sys.executable, "-m", "zipage.cli", *common, *extra, "--out",
-                                 str(out)], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parent.parent)
-        assert result.returncode == 0, result.stderr
-        assert json.loads(result.stdout)["preemptions"] > 0
-        logs[name] = (out / "decisions.log").read_text()
+    for name, summary in runs.items():
+        assert summary["preemptions"] > 0
+        logs[name] = (tmp_path / name / "decisions.log").read_text()
     assert " mixed " in logs["cpu"] and "+" in logs["cpu"]  # mixed steps and partial chunks
     assert logs["sim"] == logs["cpu"]
