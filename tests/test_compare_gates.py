@@ -49,3 +49,20 @@ def test_finish_order_that_differs(tmp_path):
 def test_bad_gate_names_the_fix(item):
     with pytest.raises(ZipageError, match="--max-error"):
         parse_max_errors([item])
+
+
+def test_cli_gates_exit_status(tmp_path, capsys):
+    from zipage.cli import main
+
+    runs(tmp_path, sim_finish=[8.0, 13.1, 4.0], sim_summary={"tps": 90.0, "makespan_s": 12.1})
+    sim, real = str(tmp_path / "sim"), str(tmp_path / "real")
+    assert main(["compare", sim, real, "--max-error", "tps=5", "--max-error", "makespan=15"]) == 1
+    captured = capsys.readouterr()
+    assert "(e) run-level error" in captured.out
+    assert captured.err.splitlines() == [
+        "zipage compare: gate failed: tps: error -10.00% exceeds 5%"]
+    assert main(["compare", sim, real, "--max-error", "tps=10.5", "--max-error", "e2e_mape=4"]) == 0
+    assert "all 2 gates passed" in capsys.readouterr().out
+    assert main(["compare", sim, real]) == 0  # no gate: a report only
+    assert main(["compare", sim, real, "--max-error", "latency=5"]) == 2
+    assert "--max-error: unknown metric 'latency'" in capsys.readouterr().err

@@ -17,10 +17,11 @@ from pathlib import Path
 from zipage.errors import ZipageError
 from zipage.flags import add_engine_flags, add_knob_flags, config_from_args, settings_from_args
 
-# Exit statuses (docs/engine.md): 0 every request completed; 2 a mistake in the input, nothing
-# ran; 3 the run finished and wrote its results, but some requests failed (e.g. too long for
+# Exit statuses (docs/engine.md): 0 every request completed; 1 a `zipage compare --max-error`
+# gate failed; 2 a mistake in the input, nothing ran; 3 the run finished and wrote its results, but some requests failed (e.g. too long for
 # --max-model-len); 130 interrupted; 141 stdout closed early.
 EXIT_OK = 0
+EXIT_GATE = 1  # zipage compare: a --max-error gate was exceeded
 EXIT_USAGE = 2
 EXIT_REQUESTS_FAILED = 3
 
@@ -355,8 +356,18 @@ _ABLATION_FLAGS = {"async_compress": "--no-async", "hybrid": "--no-hybrid",
 def cmd_compare(args: argparse.Namespace) -> int:
     from zipage.analysis.compare import compare_runs, format_report
 
-    print(format_report(compare_runs(args.run_a, args.run_b)))
-    return 0
+    from zipage.analysis.compare import exceeded, parse_max_errors
+
+    limits = parse_max_errors(args.max_error)  # a bad gate fails before the runs are read
+    comparison = compare_runs(args.run_a, args.run_b)
+    print(format_report(comparison))
+    failed = exceeded(comparison["errors"], limits)
+    for line in failed:
+        print(f"zipage compare: gate failed: {line}", file=sys.stderr)
+    if limits and not failed:
+        print(f"all {len(limits)} gates passed: "
+              + ", ".join(f"{name} <= {100 * limit:g}%" for name, limit in limits.items()))
+    return EXIT_GATE if failed else EXIT_OK
 
 
 # ---------------------------------------------------------------- entry point
@@ -377,8 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
                "  zipage generate --model SmolLM2-135M-Instruct.Q4_1.gguf --chat \"Hi!\"\n"
                "  zipage plan traces/amc23.json --hardware a100,h100 --budget 1024,2048\n"
                "\n"
-               "Exit status: 0 done; 2 a mistake in the input (one line on stderr); 3 the run "
-               "finished but\nsome requests failed (results written). docs/engine.md has more.",
+               "Exit status: 0 done; 1 a `compare --max-error` gate failed; 2 a mistake in the input "
+               "(one line on\nstderr); 3 the run finished but some requests failed (results "
+               "written). docs/engine.md has more.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     from zipage import __version__
 
@@ -534,12 +546,20 @@ def build_parser() -> argparse.ArgumentParser:
                "  zipage replay traces/tiny.json --engine cpu --model random:smollm2-135m "
                "--out runs/cpu\n"
                "  zipage compare runs/sim runs/cpu   # (the model and device differ: expect "
-               "setup differences)",
+               "setup differences)\n"
+               "  zipage compare runs/sim runs/gpu --max-error tps=3 --max-error ttft_p90=10"
+               "   # a regression gate",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     compare.add_argument("run_a", metavar="RUN_A",
                          help="a run directory (zipage replay --out), typically the simulator's")
     compare.add_argument("run_b", metavar="RUN_B",
                          help="the run to compare against, typically the real engine's")
+    compare.add_argument(
+        "--max-error", action="append", default=[], metavar="METRIC=PCT",
+        help="fail (exit 1) when |error| of METRIC exceeds PCT percent, or cannot be measured; "
+             "repeat for several. METRIC: makespan, tps, ttft_p50/p90/p99, tpot_p50/p90/p99, "
+             "e2e_mape (per-request end-to-end latency), decisions (share of decision lines "
+             "that differ)")
     compare.set_defaults(handler=cmd_compare)
 
     from zipage.plan_cli import add_plan_command
