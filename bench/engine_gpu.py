@@ -121,8 +121,7 @@ def decode_roofline(model: str, batches: list[int], bandwidth: float,
             for seq in sequences:
                 manager.release_all(seq.block_table)
     finally:
-        if tensor_parallel > 1:
-            runner.shutdown()
+        engine.close()  # tensor parallel: the workers stop now
         del engine, runner
         gc.collect()
         torch.cuda.empty_cache()

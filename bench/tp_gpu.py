@@ -13,10 +13,13 @@ Part C - runs to fit calibrated profiles from (`zipage calibrate --from-run`): t
 settings on a *different* trace (GSM8K-shaped: short outputs), Full KV and Zipage, so the
 calibrated simulator's prediction of part B is made with a profile that never saw part B's trace.
 
+Every engine (a decode world of part A, a variant of parts B and C) is built, run and closed in a
+process of its own under a watchdog (--job-timeout): a collective or teardown that never returns
+costs that job, not the call, and leaves every process's stack in logs/JOB.log (faulthandler).
 Parts B and C write their run directories (summary.json, steps.csv, requests.csv) under
-$OUT/runs/ and pack them as $OUT/tp_runs.tar.gz.
+$OUT/runs/; runs, logs and per-job results are packed as $OUT/tp_runs.tar.gz.
 
-    . bench/env.sh && python bench/tp_gpu.py [--parts A,B] [--questions 8 --samples 8 ...]
+    . bench/env.sh && python bench/tp_gpu.py [--parts A,B,C] [--questions 8 --samples 8 ...]
 
 Prints a table last and writes tp_gpu.json under $OUT (or the current directory).
 """
@@ -24,10 +27,11 @@ Prints a table last and writes tp_gpu.json under $OUT (or the current directory)
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
+import signal
 import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -48,54 +52,90 @@ from engine_gpu import copy_bandwidth, decode_roofline  # noqa: E402
 DEVICE = os.environ.get("ZIPAGE_BENCH_DEVICE", "cuda")  # "cpu": a smoke run of parts B and C
 
 
-def headline(args, out: Path, trace_kind: str = "amc23", label: str = "headline") -> dict:
+def headline_variant(args, out: Path, trace_kind: str, label: str, name: str) -> dict:
+    """One engine run (`name`: full-kv or zipage) of part B's or part C's trace, and the
+    simulator's analytic prediction of it; the run directory goes under runs/."""
     if trace_kind == "amc23":
         trace = make_trace("amc23", 0, num_questions=args.questions,
                            samples_per_question=args.samples, max_output_len=args.max_output)
     else:
         trace = make_trace(trace_kind, 1, num_questions=args.fit_questions,
                            samples_per_question=4, max_output_len=args.max_output)
-    report = {"model": args.model, "tp": args.tp, "trace": trace_kind,
-              "requests": len(trace.requests),
-              "output_tokens": sum(r.output_len for r in trace.requests)}
-    (out / "runs").mkdir(parents=True, exist_ok=True)
     save_trace(trace, out / "runs" / f"{label}-trace.json")
-    for name, knobs in (("full-kv", dict(compress=False)), ("zipage", dict())):
-        config = ZipageConfig(block_size=args.block_size, window=args.window,
-                              kv_budget=args.budget, **knobs)
-        settings = ReplaySettings(model=f"random:{args.model}", hardware="h200-141gb",
-                                  kv_memory_gb=args.kv_memory_gb, tensor_parallel=args.tp,
-                                  config=config)
-        started = time.perf_counter()
-        try:
-            summary, run = replay_on_engine(trace, settings, DEVICE)
-        except Exception:  # noqa: BLE001 - e.g. a collective that a CUDA graph cannot capture
-            report.setdefault("graph_errors", []).append(traceback.format_exc())
-            traceback.print_exc()
-            summary, run = replay_on_engine(trace, settings, DEVICE, cuda_graphs=False)
-            summary["cuda_graphs"] = False
-        write_run(out / "runs" / f"{label}-{name}", summary, run.steps, run.requests, [],
-                  decisions="none")
-        row = {key: summary.get(key) for key in ("tps", "makespan_s", "peak_running",
-                                                 "mean_running", "preemptions", "compressions",
-                                                 "num_blocks", "steps")}
-        row["wall_s"] = time.perf_counter() - started
-        try:
-            from zipage.sim.simulate import simulate
+    config = ZipageConfig(block_size=args.block_size, window=args.window, kv_budget=args.budget,
+                          **(dict(compress=False) if name == "full-kv" else {}))
+    settings = ReplaySettings(model=f"random:{args.model}", hardware="h200-141gb",
+                              kv_memory_gb=args.kv_memory_gb, tensor_parallel=args.tp,
+                              config=config)
+    row = {"model": args.model, "tp": args.tp, "trace": trace_kind, "requests": len(trace.requests),
+           "output_tokens": sum(r.output_len for r in trace.requests)}
+    started = time.perf_counter()
+    try:
+        summary, run = replay_on_engine(trace, settings, DEVICE)
+    except Exception:  # noqa: BLE001 - e.g. a collective that a CUDA graph cannot capture
+        row["graph_error"] = traceback.format_exc()
+        traceback.print_exc()
+        summary, run = replay_on_engine(trace, settings, DEVICE, cuda_graphs=False)
+        summary["cuda_graphs"] = False
+    row["wall_s"] = time.perf_counter() - started  # build + run + close
+    write_run(out / "runs" / f"{label}-{name}", summary, run.steps, run.requests, [],
+              decisions="none")
+    row.update({key: summary.get(key) for key in (
+        "tps", "makespan_s", "peak_running", "mean_running", "preemptions", "compressions",
+        "num_blocks", "steps", "tpot_p50_ms", "ttft_p50_s", "mean_kept_budget")})
+    from zipage.sim.simulate import simulate
 
-            simulated, _ = simulate(trace, settings)
-            row["simulated_tps"] = simulated["tps"]
-        except ImportError as error:
-            row["simulated_tps"] = f"unavailable: {error}"
-        report[name] = row
-        print(name, json.dumps(row), flush=True)
-        gc.collect()
-        torch.cuda.empty_cache()
-    report["speedup"] = report["zipage"]["tps"] / report["full-kv"]["tps"]
-    sims = [report[name]["simulated_tps"] for name in ("zipage", "full-kv")]
-    if all(isinstance(value, float) for value in sims):
-        report["simulated_speedup"] = sims[0] / sims[1]
-    return report
+    simulated, _ = simulate(trace, settings)
+    row["simulated_tps"] = simulated["tps"]
+    print(name, json.dumps(row), flush=True)
+    return row
+
+
+# ---------------------------------------------------------------- one job per process
+#
+# Each engine is built, run and closed in a process of its own, under a watchdog: an NCCL
+# collective or teardown that never returns costs that job its time limit, not the call, and
+# Python's faulthandler (SIGABRT) prints where every process of the job waits.
+
+JOBS = {"A1": "part A, TP=1 decode steps", "A2": "part A, TP=2 decode steps",
+        "B-full-kv": "part B, Full KV", "B-zipage": "part B, Zipage",
+        "C-full-kv": "part C, Full KV", "C-zipage": "part C, Zipage"}
+
+
+def run_job(job: str, args, out: Path) -> dict:
+    """The body of one job, in its own process; returns what goes into the report."""
+    if job.startswith("A"):
+        world = int(job[1:])
+        return {"bandwidth": (bandwidth := copy_bandwidth()),
+                "rows": decode_roofline(args.decode_model, [int(b) for b in args.batches.split(",")],
+                                        bandwidth, tensor_parallel=world, eager=False)}
+    part, name = job.split("-", 1)
+    return headline_variant(args, out, "amc23" if part == "B" else "gsm8k",
+                            "headline" if part == "B" else "fit", name)
+
+
+def launch(job: str, argv: list[str], out: Path, limit_s: float) -> dict:
+    """Run `job` in a child process; on a hang, dump every process's stack, then kill them."""
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    log = (out / "logs" / f"{job}.log").open("w")
+    started = time.perf_counter()
+    child = subprocess.Popen([sys.executable, __file__, *argv, "--job", job], stdout=log,
+                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        code = child.wait(timeout=limit_s)
+        status = "ok" if code == 0 else f"exit {code}"
+    except subprocess.TimeoutExpired:
+        status = f"hung: killed after {limit_s:.0f} s (stacks in logs/{job}.log)"
+        os.killpg(child.pid, signal.SIGABRT)  # faulthandler prints the stacks of the group
+        time.sleep(5)
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+    log.close()
+    result_file = out / "jobs" / f"{job}.json"
+    result = json.loads(result_file.read_text()) if result_file.exists() else {}
+    result.update(status=status, process_s=time.perf_counter() - started)
+    print(f"[{job}] {JOBS[job]}: {status}, {result['process_s']:.0f} s", flush=True)
+    return result
 
 
 def main() -> None:
@@ -116,49 +156,64 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=8)
     parser.add_argument("--fit-questions", type=int, default=24,
                         help="part C: GSM8K-shaped questions (4 samples each)")
+    parser.add_argument("--job-timeout", type=float, default=300.0,
+                        help="seconds one job (one engine: build, run, close) may take")
+    parser.add_argument("--deadline", type=float, default=570.0,
+                        help="seconds for all jobs; a job that would not fit is skipped")
+    parser.add_argument("--job", choices=sorted(JOBS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "."))
+    if args.job:  # a child: one job, its result as JSON
+        result = run_job(args.job, args, out)
+        (out / "jobs").mkdir(parents=True, exist_ok=True)
+        (out / "jobs" / f"{args.job}.json").write_text(json.dumps(result, indent=2))
+        return
+    for folder in ("jobs", "logs", "runs"):
+        (out / folder).mkdir(parents=True, exist_ok=True)
+    argv = [arg for arg in sys.argv[1:]]
     parts = args.parts.split(",")
-    report: dict = {"args": vars(args), "gpus": torch.cuda.device_count()}
-    if "A" in parts:
-        bandwidth = copy_bandwidth()
-        report["copy_bandwidth"] = bandwidth
-        batches = [int(b) for b in args.batches.split(",")]
-        report["decode"] = []
-        for world in [int(w) for w in (args.decode_worlds or f"1,{args.tp}").split(",")]:
-            try:
-                report["decode"] += decode_roofline(args.decode_model, batches, bandwidth,
-                                                     tensor_parallel=world, eager=False)
-            except Exception:  # noqa: BLE001 - keep part B
-                report.setdefault("errors", []).append(traceback.format_exc())
-                traceback.print_exc()
-        (out / "tp_gpu.json").write_text(json.dumps(report, indent=2))
-    for part, key, kind in (("B", "headline", "amc23"), ("C", "fit", "gsm8k")):
-        if part not in parts:
+    # The headline (B) first: what is left of the deadline goes to the decode rows, then C.
+    jobs = [f"B-{name}" for name in ("full-kv", "zipage") if "B" in parts]
+    jobs += [f"A{w}" for w in (args.decode_worlds or f"1,{args.tp}").split(",") if "A" in parts]
+    jobs += [f"C-{name}" for name in ("full-kv", "zipage") if "C" in parts]
+    started = time.perf_counter()
+    report: dict = {"args": vars(args), "gpus": torch.cuda.device_count(), "jobs": {}}
+    for job in jobs:
+        left = args.deadline - (time.perf_counter() - started)
+        if left < 60:
+            report["jobs"][job] = {"status": f"skipped: {left:.0f} s left of --deadline"}
+            print(f"[{job}] skipped ({left:.0f} s left)", flush=True)
             continue
-        try:
-            report[key] = headline(args, out, kind, key)
-        except Exception:  # noqa: BLE001 - keep the other parts
-            report.setdefault("errors", []).append(traceback.format_exc())
-            traceback.print_exc()
+        report["jobs"][job] = launch(job, argv, out, min(args.job_timeout, left))
         (out / "tp_gpu.json").write_text(json.dumps(report, indent=2))
-        subprocess.run(["tar", "czf", str(out / "tp_runs.tar.gz"), "-C", str(out), "runs"],
-                       check=False)
+    subprocess.run(["tar", "czf", str(out / "tp_runs.tar.gz"), "-C", str(out), "runs", "logs",
+                    "jobs"], check=False)
+    print_tables(report)
+
+
+def print_tables(report: dict) -> None:
+    jobs = report["jobs"]
     print(f"\n{'model':<10} {'tp':>3} {'batch':>6} {'step ms':>8} {'roofline ms':>12} {'share':>6}")
-    for row in report.get("decode", []):
-        print(f"{row['model']:<10} {row['tp']:>3} {row['batch']:>6} {row['graphs'] * 1e3:>8.2f} "
-              f"{row['roofline_s'] * 1e3:>12.2f} {row['bandwidth_share']:>6.0%}")
-    for key in ("headline", "fit"):
-        if key not in report:
+    for job in ("A1", "A2"):
+        for row in jobs.get(job, {}).get("rows", []):
+            print(f"{row['model']:<10} {row['tp']:>3} {row['batch']:>6} {row['graphs'] * 1e3:>8.2f} "
+                  f"{row['roofline_s'] * 1e3:>12.2f} {row['bandwidth_share']:>6.0%}")
+    for part in ("B", "C"):
+        rows = {name: jobs.get(f"{part}-{name}", {}) for name in ("full-kv", "zipage")}
+        if not any(rows.values()):
             continue
-        h = report[key]
-        print(f"\n{key}: {h['trace']} {h['model']} TP={h['tp']}, {h['requests']} requests")
-        for name in ("full-kv", "zipage"):
-            row = h[name]
-            print(f"{name:<8} {row['tps']:>9.1f} tok/s  peak running {row['peak_running']}  "
-                  f"preemptions {row['preemptions']}  simulated {row['simulated_tps']}")
-        print(f"Zipage / Full KV: {h['speedup']:.2f}x (simulated "
-              f"{h.get('simulated_speedup', float('nan')):.2f}x)")
+        print(f"\npart {part}:")
+        for name, row in rows.items():
+            if "tps" not in row:
+                print(f"{name:<8} {row.get('status', 'not run')}")
+                continue
+            print(f"{name:<8} {row['tps']:>9.1f} tok/s  makespan {row['makespan_s']:.1f} s  "
+                  f"peak running {row['peak_running']}  preemptions {row['preemptions']}  "
+                  f"compressions {row['compressions']}  simulated {row['simulated_tps']:.1f}  "
+                  f"build+run+close {row['wall_s']:.0f} s  [{row['status']}]")
+        if all("tps" in row for row in rows.values()):
+            print(f"Zipage / Full KV: {rows['zipage']['tps'] / rows['full-kv']['tps']:.2f}x "
+                  f"(simulated {rows['zipage']['simulated_tps'] / rows['full-kv']['simulated_tps']:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,9 @@ from zipage.engine.loader import build_model, initialise_random  # noqa: E402
 from zipage.engine.parallel import TensorParallelError, rank_devices  # noqa: E402
 from zipage.engine.sharding import (  # noqa: E402
     ShardLayout, _random_full_tensors, check_tensor_parallel, valid_sizes)
+from zipage.core.config import ZipageConfig  # noqa: E402
+from zipage.deployment import ReplaySettings  # noqa: E402
+from zipage.engine.replay import replay_on_engine  # noqa: E402
 from zipage.errors import ConfigError  # noqa: E402
 from zipage.kernels.compress_ref import CompressionParams, compress_ref  # noqa: E402
 from zipage.presets import get_preset  # noqa: E402
@@ -90,8 +93,7 @@ def generate(model: str, tensor_parallel: int, **knobs):
                     "score": runner.caches.score}])
         return [output.token_ids for output in outputs], caches, llm.last_run
     finally:
-        if tensor_parallel > 1:
-            llm.engine.runner.shutdown()
+        llm.close()
 
 
 def assert_shards_match(full: dict, shards: list[dict], layout_of) -> None:
@@ -252,8 +254,7 @@ def test_smollm2_random_tp3_equals_tp1():
                                                          ignore_eos=True), progress=False)
             results.append([output.token_ids for output in outputs])
         finally:
-            if world > 1:
-                llm.engine.runner.shutdown()
+            llm.close()
     assert results[0] == results[1]
 
 
@@ -303,3 +304,22 @@ def _shape(model: str):
     from zipage.engine.parallel import full_shape
 
     return full_shape(model)
+
+
+def test_replay_and_llm_close_their_ranks(tiny_models):
+    """The engine leaves its process group when the run ends, not when the garbage collector
+    gets to it (an NCCL teardown at interpreter exit can wait forever on a peer)."""
+    import torch.distributed as dist
+
+    settings = ReplaySettings(model=str(tiny_models["qwen3"]), dtype="float32",
+                              kv_memory_gb=0.002, tensor_parallel=2,
+                              config=ZipageConfig(block_size=16, window=4, kv_budget=32))
+    trace = Trace("close", [TraceRequest(id="a", arrival_s=0.0, prompt_len=12, output_len=6)])
+    summary, _ = replay_on_engine(trace, settings, "cpu")
+    assert summary["completed"] == 1 and not dist.is_initialized()
+    with LLM(str(tiny_models["qwen3"]), tensor_parallel=2, compress=False, block_size=16,
+             kv_memory_gb=0.002, device="cpu") as llm:
+        workers = llm.engine.runner.links.workers
+        assert llm.generate([[1, 2, 3]], GREEDY, progress=False)[0].token_ids
+    assert not dist.is_initialized()
+    assert all(worker.process.poll() is not None for worker in workers)

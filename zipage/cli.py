@@ -239,14 +239,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed, max_tokens=args.max_tokens,
                             ignore_eos=args.ignore_eos)
-    if args.chat:
-        system = [{"role": "system", "content": args.system}] if args.system else []
-        if any(isinstance(prompt, list) for prompt in prompts):
-            raise ZipageError("--chat: prompts must be text, not ids:...")
-        outputs = llm.chat([[*system, {"role": "user", "content": prompt}]
-                            for prompt in prompts], params, progress=False)
-    else:
-        outputs = llm.generate(prompts, params, progress=False)
+    with llm:
+        if args.chat:
+            system = [{"role": "system", "content": args.system}] if args.system else []
+            if any(isinstance(prompt, list) for prompt in prompts):
+                raise ZipageError("--chat: prompts must be text, not ids:...")
+            outputs = llm.chat([[*system, {"role": "user", "content": prompt}]
+                                for prompt in prompts], params, progress=False)
+        else:
+            outputs = llm.generate(prompts, params, progress=False)
     for index, (prompt, output) in enumerate(zip(prompts, outputs), start=1):
         if len(prompts) > 1:  # label each answer with its prompt, so they cannot run together
             print(f"{'' if index == 1 else chr(10)}[{index}/{len(prompts)}] {_short(prompt)}")

@@ -47,6 +47,14 @@ class Engine:
         leaves behind that a new run could read)."""
         return Scheduler(self.config, self.capacity.num_blocks, self.capacity.num_query_slots)
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers and leave the process group, now. Left to the
+        garbage collector, an NCCL teardown runs at an arbitrary moment or at interpreter exit,
+        where it can wait forever on a peer; a one-GPU engine has nothing to stop."""
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
 
 def resolve_device(device: str | None) -> torch.device:
     """`device` as a torch device: None / "auto" pick CUDA when present; a device this machine
@@ -146,6 +154,16 @@ class LLM:
         self.engine = build_engine(settings, str(resolved), cuda_graphs)
         self.tokenizer = self.engine.tokenizer
         self.last_run: Run | None = None
+
+    def close(self) -> None:
+        """Free the engine's workers (tensor parallel) now; `with LLM(...) as llm:` does it."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, *,

@@ -187,8 +187,10 @@ def start_rank(rank: int, device: torch.device, setup: dict, store) -> tuple[Mod
     if dist.is_initialized():
         gc.collect()  # a dropped engine (executor <-> compressor proxy cycle) stops its workers
     if dist.is_initialized():
-        raise ConfigError("tensor_parallel: this process already runs a tensor-parallel engine; "
-                          "shut it down first (engine.runner.shutdown())")
+        raise ConfigError("tensor_parallel: this process already holds a process group: another "
+                          "tensor-parallel engine is still open (close it first: engine.close() "
+                          "or LLM.close()), or an earlier one could not leave its group (see the "
+                          "warning above; start a new process)")
     timeout = datetime.timedelta(seconds=setup["timeout_s"])
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
@@ -296,26 +298,39 @@ def _drop_graphs(runner: ModelRunner | None) -> None:
     torch.cuda.synchronize(runner.device)
 
 
-def _leave_group(dist, timeout_s: float = LEAVE_TIMEOUT_S) -> None:
-    """Destroy this process's process group; abort it if that takes longer than `timeout_s`
-    (a peer that died cannot take part in NCCL's teardown)."""
+def _leave_group(dist, timeout_s: float = LEAVE_TIMEOUT_S) -> bool:
+    """Destroy this process's process group; abort it if that takes longer than `timeout_s` (a
+    peer that died cannot take part in NCCL's teardown). Both run on daemon threads with a bound,
+    so leaving never hangs the caller: if even the abort does not return, the group is left
+    behind with a warning (this process cannot start another tensor-parallel engine, and says
+    so) and False is returned."""
     if not (dist.is_available() and dist.is_initialized()):
-        return
-    done = threading.Event()
+        return True
 
-    def destroy() -> None:
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - a broken group cannot always be torn down cleanly
-            pass
-        done.set()
+    def bounded(action, name: str) -> bool:
+        done = threading.Event()
 
-    threading.Thread(target=destroy, daemon=True, name="zipage-tp-leave").start()
-    if not done.wait(timeout_s):
-        try:
-            dist.distributed_c10d._abort_process_group()
-        except Exception:  # noqa: BLE001 - best effort; the process is leaving anyway
-            pass
+        def run() -> None:
+            try:
+                action()
+            except Exception:  # noqa: BLE001 - a broken group cannot always be torn down cleanly
+                pass
+            done.set()
+
+        threading.Thread(target=run, daemon=True, name=name).start()
+        return done.wait(timeout_s)
+
+    started = time.monotonic()
+    if bounded(dist.destroy_process_group, "zipage-tp-leave"):
+        return True
+    if bounded(dist.distributed_c10d._abort_process_group, "zipage-tp-abort"):
+        print(f"zipage: tensor parallel: the process group did not shut down within {timeout_s:g} s;"
+              " aborted it", file=sys.stderr, flush=True)
+        return True
+    print(f"zipage: tensor parallel: leaving the process group did not finish in "
+          f"{time.monotonic() - started:.0f} s (destroy, then abort); left it behind",
+          file=sys.stderr, flush=True)
+    return False
 
 
 def _fault_now(fault: str, rank: int, step_id: int) -> bool:

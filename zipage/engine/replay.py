@@ -21,14 +21,18 @@ def replay_on_engine(trace: Trace, settings: ReplaySettings, device: str | None 
                      cuda_graphs: bool = True, progress: bool = False,
                      log_decisions: bool = False) -> tuple[dict, Run]:
     engine = build_engine(settings, device, cuda_graphs)
-    scheduler = engine.new_scheduler()
-    # A request the scheduler will reject gets no prompt (it may be 10^9 tokens long).
-    sequences = trace_sequences(trace, engine.shape.vocab_size, need_tokens=True,
-                                scheduler=scheduler)
-    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
-    for seq in sequences:
-        seq.sampling = greedy
-    loop = EngineLoop(scheduler, engine.runner, progress=progress, log_decisions=log_decisions)
-    run = loop.run(sequences)
+    try:
+        scheduler = engine.new_scheduler()
+        # A request the scheduler will reject gets no prompt (it may be 10^9 tokens long).
+        sequences = trace_sequences(trace, engine.shape.vocab_size, need_tokens=True,
+                                    scheduler=scheduler)
+        greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+        for seq in sequences:
+            seq.sampling = greedy
+        loop = EngineLoop(scheduler, engine.runner, progress=progress,
+                          log_decisions=log_decisions)
+        run = loop.run(sequences)
+    finally:
+        engine.close()  # tensor parallel: the workers stop here, not at some later collection
     driver = f"engine-{engine.device.type}"
     return run_summary(run.summary, engine.capacity, engine.config, settings, driver), run

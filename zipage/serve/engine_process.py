@@ -61,8 +61,12 @@ def main(fd: int) -> int:
         connection.send(Ready(str(engine.device), engine.config, engine.capacity,
                               engine.shape.vocab_size, core.loop.eos_token_ids, threads))
     except OSError:
+        engine.close()
         return 0
-    return core.serve()
+    try:
+        return core.serve()
+    finally:
+        engine.close()  # tensor parallel: stop the workers before the interpreter exits
 
 
 def build(setup: Setup):
