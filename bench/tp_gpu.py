@@ -53,8 +53,8 @@ DEVICE = os.environ.get("ZIPAGE_BENCH_DEVICE", "cuda")  # "cpu": a smoke run of 
 
 
 def headline_variant(args, out: Path, trace_kind: str, label: str, name: str) -> dict:
-    """One engine run (`name`: full-kv or zipage) of part B's or part C's trace, and the
-    simulator's analytic prediction of it; the run directory goes under runs/."""
+    """One engine run (`name`: full-kv or zipage, ".2" for a second run) of part B's or part C's
+    trace, and the simulator's analytic prediction of it; the run directory goes under runs/."""
     if trace_kind == "amc23":
         trace = make_trace("amc23", 0, num_questions=args.questions,
                            samples_per_question=args.samples, max_output_len=args.max_output)
@@ -63,7 +63,7 @@ def headline_variant(args, out: Path, trace_kind: str, label: str, name: str) ->
                            samples_per_question=4, max_output_len=args.max_output)
     save_trace(trace, out / "runs" / f"{label}-trace.json")
     config = ZipageConfig(block_size=args.block_size, window=args.window, kv_budget=args.budget,
-                          **(dict(compress=False) if name == "full-kv" else {}))
+                          **(dict(compress=False) if name.startswith("full-kv") else {}))
     settings = ReplaySettings(model=f"random:{args.model}", hardware="h200-141gb",
                               kv_memory_gb=args.kv_memory_gb, tensor_parallel=args.tp,
                               config=config)
@@ -83,10 +83,13 @@ def headline_variant(args, out: Path, trace_kind: str, label: str, name: str) ->
     row.update({key: summary.get(key) for key in (
         "tps", "makespan_s", "peak_running", "mean_running", "preemptions", "compressions",
         "num_blocks", "steps", "tpot_p50_ms", "ttft_p50_s", "mean_kept_budget")})
-    from zipage.sim.simulate import simulate
+    try:  # the GPU image has no simpy unless its wheel is carried: then simulate here later
+        from zipage.sim.simulate import simulate
 
-    simulated, _ = simulate(trace, settings)
-    row["simulated_tps"] = simulated["tps"]
+        row["simulated_tps"] = simulate(trace, settings)[0]["tps"]
+    except ImportError as error:
+        row["simulated_tps"] = None
+        row["simulated_error"] = str(error)
     print(name, json.dumps(row), flush=True)
     return row
 
@@ -134,7 +137,7 @@ def launch(job: str, argv: list[str], out: Path, limit_s: float) -> dict:
     result_file = out / "jobs" / f"{job}.json"
     result = json.loads(result_file.read_text()) if result_file.exists() else {}
     result.update(status=status, process_s=time.perf_counter() - started)
-    print(f"[{job}] {JOBS[job]}: {status}, {result['process_s']:.0f} s", flush=True)
+    print(f"[{job}] {JOBS[job.split('.')[0]]}: {status}, {result['process_s']:.0f} s", flush=True)
     return result
 
 
@@ -154,13 +157,15 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--window", type=int, default=8)
+    parser.add_argument("--variants", default="full-kv,zipage",
+                        help="parts B and C: which engines, in this order (zipage twice: two runs)")
     parser.add_argument("--fit-questions", type=int, default=24,
                         help="part C: GSM8K-shaped questions (4 samples each)")
     parser.add_argument("--job-timeout", type=float, default=300.0,
                         help="seconds one job (one engine: build, run, close) may take")
     parser.add_argument("--deadline", type=float, default=570.0,
                         help="seconds for all jobs; a job that would not fit is skipped")
-    parser.add_argument("--job", choices=sorted(JOBS), help=argparse.SUPPRESS)
+    parser.add_argument("--job", help=argparse.SUPPRESS)
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "."))
     if args.job:  # a child: one job, its result as JSON
@@ -173,9 +178,10 @@ def main() -> None:
     argv = [arg for arg in sys.argv[1:]]
     parts = args.parts.split(",")
     # The headline (B) first: what is left of the deadline goes to the decode rows, then C.
-    jobs = [f"B-{name}" for name in ("full-kv", "zipage") if "B" in parts]
+    variants = numbered(args.variants.split(","))
+    jobs = [f"B-{name}" for name in variants if "B" in parts]
     jobs += [f"A{w}" for w in (args.decode_worlds or f"1,{args.tp}").split(",") if "A" in parts]
-    jobs += [f"C-{name}" for name in ("full-kv", "zipage") if "C" in parts]
+    jobs += [f"C-{name}" for name in variants if "C" in parts]
     started = time.perf_counter()
     report: dict = {"args": vars(args), "gpus": torch.cuda.device_count(), "jobs": {}}
     for job in jobs:
@@ -191,6 +197,12 @@ def main() -> None:
     print_tables(report)
 
 
+def numbered(names: list[str]) -> list[str]:
+    """A name's second and later runs get a number: zipage,zipage -> zipage, zipage.2."""
+    return [name if names[:index].count(name) == 0 else f"{name}.{names[:index].count(name) + 1}"
+            for index, name in enumerate(names)]
+
+
 def print_tables(report: dict) -> None:
     jobs = report["jobs"]
     print(f"\n{'model':<10} {'tp':>3} {'batch':>6} {'step ms':>8} {'roofline ms':>12} {'share':>6}")
@@ -199,21 +211,22 @@ def print_tables(report: dict) -> None:
             print(f"{row['model']:<10} {row['tp']:>3} {row['batch']:>6} {row['graphs'] * 1e3:>8.2f} "
                   f"{row['roofline_s'] * 1e3:>12.2f} {row['bandwidth_share']:>6.0%}")
     for part in ("B", "C"):
-        rows = {name: jobs.get(f"{part}-{name}", {}) for name in ("full-kv", "zipage")}
-        if not any(rows.values()):
+        rows = {job.split("-", 1)[1]: row for job, row in jobs.items() if job[0] == part}
+        if not rows:
             continue
         print(f"\npart {part}:")
         for name, row in rows.items():
             if "tps" not in row:
-                print(f"{name:<8} {row.get('status', 'not run')}")
+                print(f"{name:<10} {row.get('status', 'not run')}")
                 continue
-            print(f"{name:<8} {row['tps']:>9.1f} tok/s  makespan {row['makespan_s']:.1f} s  "
+            print(f"{name:<10} {row['tps']:>9.1f} tok/s  makespan {row['makespan_s']:.1f} s  "
                   f"peak running {row['peak_running']}  preemptions {row['preemptions']}  "
-                  f"compressions {row['compressions']}  simulated {row['simulated_tps']:.1f}  "
+                  f"compressions {row['compressions']}  simulated {row['simulated_tps']}  "
                   f"build+run+close {row['wall_s']:.0f} s  [{row['status']}]")
-        if all("tps" in row for row in rows.values()):
-            print(f"Zipage / Full KV: {rows['zipage']['tps'] / rows['full-kv']['tps']:.2f}x "
-                  f"(simulated {rows['zipage']['simulated_tps'] / rows['full-kv']['simulated_tps']:.2f}x)")
+        full_kv = rows.get("full-kv", {}).get("tps")
+        for name, row in rows.items():
+            if name.startswith("zipage") and full_kv and "tps" in row:
+                print(f"{name} / full-kv: {row['tps'] / full_kv:.2f}x")
 
 
 if __name__ == "__main__":

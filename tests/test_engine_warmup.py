@@ -12,16 +12,18 @@ from zipage import LLM, SamplingParams  # noqa: E402
 from zipage.engine.warmup import warm_up  # noqa: E402
 
 
-@pytest.mark.parametrize("compress", [False, True])
-def test_warm_up_leaves_generation_unchanged(tmp_path, compress):
+@pytest.mark.parametrize("compress,world", [(False, 1), (True, 1), (True, 2)])
+def test_warm_up_leaves_generation_unchanged(tmp_path, compress, world):
+    """world 2: through the tensor-parallel executor (gloo), as `build_engine` warms a TP engine
+    on a GPU: every rank runs the warm-up's steps and compression."""
     torch.set_num_threads(1)
     save_tiny_qwen3(tmp_path)
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     prompts = [list(range(3, 40)), list(range(50, 70))]
     knobs = dict(block_size=16, window=4, kv_budget=32, kv_memory_gb=0.001, compress=compress)
-    cold = LLM(str(tmp_path), **knobs)
-    expected = [output.token_ids for output in cold.generate(prompts, params, progress=False)]
-    warm = LLM(str(tmp_path), **knobs)
+    with LLM(str(tmp_path), **knobs) as cold:
+        expected = [output.token_ids for output in cold.generate(prompts, params, progress=False)]
+    warm = LLM(str(tmp_path), tensor_parallel=world, dtype="float32", device="cpu", **knobs)
     compressions = []
     if compress:  # count the warm-up's compression
         run = warm.engine.runner.compressor.run
@@ -32,3 +34,4 @@ def test_warm_up_leaves_generation_unchanged(tmp_path, compress):
     assert [output.token_ids for output in warm.generate(prompts, params, progress=False)] \
         == expected
     assert not compress or warm.last_run.summary["compressions"] > 0
+    warm.close()

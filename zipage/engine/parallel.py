@@ -87,6 +87,12 @@ def build_parallel_engine(settings, device: torch.device, dtype: torch.dtype, cu
                  capacity=capacity, dtype=dtype, cuda_graphs=cuda_graphs,
                  timeout_s=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
     executor = TensorParallelExecutor.start(setup, devices)
+    if device.type == "cuda":
+        # As on one GPU (zipage.engine.warmup): compile and allocate now, on every rank, not in
+        # the first compression of a run (3.9 s on Qwen3-32B at TP=2 before this).
+        from zipage.engine.warmup import warm_up
+
+        warm_up(executor, capacity.num_blocks)
     return Engine(executor.runner.model, shape, executor.tokenizer, config, capacity, executor,
                   devices[0])
 
@@ -426,6 +432,7 @@ class TensorParallelExecutor:
         self.world = group.world
         self.device = runner.device
         self.shape = runner.shape  # this rank's shard
+        self.config = runner.config
         self.caches = runner.caches
         self.completed_batches: list[int] = []
         self.compressor = _CompressorProxy(self) if runner.compressor is not None else None

@@ -22,7 +22,8 @@ GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
 
 def warm_up(runner: ModelRunner, num_blocks: int) -> None:
-    """One prefill, one decode and one compression on blocks [0, n) of an unused cache."""
+    """One prefill, one decode and one compression on blocks [0, n) of an unused cache.
+    `runner` may be a `TensorParallelExecutor` (same interface): every rank warms up."""
     config = runner.config
     b = config.block_size
     # A compression needs N_max full source blocks plus the block of the token being decoded.
