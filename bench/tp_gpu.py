@@ -42,7 +42,7 @@ from zipage.core.config import ZipageConfig
 from zipage.deployment import ReplaySettings
 from zipage.engine.replay import replay_on_engine
 from zipage.rundir import write_run
-from zipage.trace import save_trace
+from zipage.trace import Trace, load_trace, save_trace
 from zipage.workloads import make_trace
 
 # The single-GPU decode benchmark's bandwidth probe and decode-step timing (bench/ is the
@@ -58,6 +58,9 @@ def headline_variant(args, out: Path, trace_kind: str, label: str, name: str) ->
     if trace_kind == "amc23":
         trace = make_trace("amc23", 0, num_questions=args.questions,
                            samples_per_question=args.samples, max_output_len=args.max_output)
+    elif args.fit_trace:  # part C on a trace file (e.g. with arrivals: many prefill sizes)
+        trace = load_trace(args.fit_trace)
+        trace = Trace(trace.name, trace.requests[:args.fit_head])
     else:
         trace = make_trace(trace_kind, 1, num_questions=args.fit_questions,
                            samples_per_question=4, max_output_len=args.max_output)
@@ -161,6 +164,9 @@ def main() -> None:
                         help="parts B and C: which engines, in this order (zipage twice: two runs)")
     parser.add_argument("--fit-questions", type=int, default=24,
                         help="part C: GSM8K-shaped questions (4 samples each)")
+    parser.add_argument("--fit-trace", default=None,
+                        help="part C: replay this trace file instead (its first --fit-head requests)")
+    parser.add_argument("--fit-head", type=int, default=None)
     parser.add_argument("--job-timeout", type=float, default=300.0,
                         help="seconds one job (one engine: build, run, close) may take")
     parser.add_argument("--deadline", type=float, default=570.0,
