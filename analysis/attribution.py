@@ -1,0 +1,188 @@
+"""Where two runs of one trace spend their time differently, term by term.
+
+    python -m zipage.analysis.attribution RUN_A RUN_B [--labels fixed,elastic]
+
+Made for the elastic-vs-fixed budget comparison (docs/BENCHMARKS.md, section 14) and usable for
+any two run directories (engine or simulator). Each run's clock, up to the end of its last step,
+is split into terms that add up to it exactly:
+
+- **decode forward**: one decode plane, t = a + b * requests + c * KV entries read, is fitted by
+  least squares to the decode steps of *both* runs that compress nothing, and prices every decode
+  step: `decode steps` (count x a), `decode requests` (x b), `decode context` (x c), plus
+  `decode residual`, what the plane misses on the steps that compress nothing (a run that was
+  slower throughout shows it here);
+- **compression**: what the decode steps that compress (launch an async batch, or run sync jobs)
+  cost beyond the plane: the price of the compressions as the run paid it. Measured on the H200,
+  all of it lands on the compressing step itself, none on the steps after it;
+- **prefill** (prefill and mixed steps: recomputation after preemption included), **idle** steps
+  (waiting for an async batch) and **host gaps** between steps.
+
+The difference B - A of each term says which one moved the makespan; the compression term is also
+split into its count (B's batches minus A's, at A's mean price) and its price (B's batches times
+the difference of the mean prices).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from zipage.analysis.timeline import load_run
+from zipage.errors import ZipageError
+
+TERMS = ("decode steps", "decode requests", "decode context", "decode residual", "compression",
+         "prefill", "idle", "host gaps")
+PREFILL_KINDS = ("prefill", "mixed")
+# A plane has three coefficients; fewer clean decode steps than this cannot price the others.
+MIN_CLEAN_DECODE_STEPS = 4
+
+
+def _durations(steps: pd.DataFrame) -> np.ndarray:
+    return (steps["t_end"] - steps["t_start"]).to_numpy(dtype=float)
+
+
+def _features(steps: pd.DataFrame) -> np.ndarray:
+    return np.column_stack([np.ones(len(steps)), steps["n_decode"].to_numpy(dtype=float),
+                            steps["decode_context_tokens"].to_numpy(dtype=float)])
+
+
+def _decode_steps(steps: pd.DataFrame, compressing: bool) -> pd.DataFrame:
+    decode = steps[steps["kind"] == "decode"]
+    return decode[(decode["n_compress"] > 0) == compressing]
+
+
+def decode_plane(runs: list[pd.DataFrame]) -> np.ndarray:
+    """(a, b, c) of t = a + b * requests + c * context tokens, fitted to the decode steps that
+    compress nothing, pooled over `runs` so that every run is priced by the same plane."""
+    clean = pd.concat([_decode_steps(steps, compressing=False) for steps in runs])
+    if len(clean) < MIN_CLEAN_DECODE_STEPS:
+        raise ZipageError(f"attribution: {len(clean)} decode step(s) without compression; at "
+                          f"least {MIN_CLEAN_DECODE_STEPS} are needed to fit the decode plane")
+    plane, *_ = np.linalg.lstsq(_features(clean), _durations(clean), rcond=None)
+    return plane
+
+
+def run_terms(steps: pd.DataFrame, plane: np.ndarray) -> dict[str, float]:
+    """Seconds of each term of `TERMS`; they add up to the end of the run's last step."""
+    decode = steps[steps["kind"] == "decode"]
+    clean, compressing = (_decode_steps(steps, flag) for flag in (False, True))
+    durations = _durations(steps)
+    terms = {
+        "decode steps": len(decode) * plane[0],
+        "decode requests": float(decode["n_decode"].sum()) * plane[1],
+        "decode context": float(decode["decode_context_tokens"].sum()) * plane[2],
+        "decode residual": float((_durations(clean) - _features(clean) @ plane).sum()),
+        "compression": float((_durations(compressing) - _features(compressing) @ plane).sum()),
+        "prefill": float(durations[steps["kind"].isin(PREFILL_KINDS).to_numpy()].sum()),
+        "idle": float(durations[(steps["kind"] == "idle").to_numpy()].sum()),
+    }
+    # Whatever the steps do not cover: host time between steps (and before the first one).
+    terms["host gaps"] = float(steps["t_end"].max()) - float(durations.sum())
+    return terms
+
+
+def run_counts(steps: pd.DataFrame) -> dict[str, float]:
+    """What the terms are made of: steps, decode rows, KV entries, compressions, preemptions."""
+    decode = steps[steps["kind"] == "decode"]
+    compressing = _decode_steps(steps, compressing=True)
+    return {
+        "decode steps": len(decode),
+        "decode requests": int(decode["n_decode"].sum()),
+        "decode context (M tokens)": float(decode["decode_context_tokens"].sum()) / 1e6,
+        "compressing steps (batches)": len(compressing),
+        "compressions (jobs)": int(compressing["n_compress"].sum()),
+        "source blocks compressed": int(compressing["compress_blocks"].sum()),
+        "prefill steps": int(steps["kind"].isin(PREFILL_KINDS).sum()),
+        "prefill tokens": int(steps["prefill_tokens"].sum()),
+        "preemptions": int(steps["preempted"].sum()),
+    }
+
+
+def residual_after_compression(steps: pd.DataFrame, plane: np.ndarray) -> float | None:
+    """Mean plane residual (s) of the decode steps that compress nothing and follow a step that
+    compressed: near 0 when a compression costs only the step that runs it."""
+    follows = (steps["n_compress"].shift(1, fill_value=0) > 0).to_numpy()
+    after = steps[follows & (steps["kind"] == "decode").to_numpy()
+                  & (steps["n_compress"] == 0).to_numpy()]
+    if after.empty:
+        return None
+    return float((_durations(after) - _features(after) @ plane).mean())
+
+
+def attribute(steps_a: pd.DataFrame, steps_b: pd.DataFrame) -> dict:
+    """Terms and counts of both runs, their differences, and the compression term split into
+    its count and its price."""
+    plane = decode_plane([steps_a, steps_b])
+    terms = [run_terms(steps, plane) for steps in (steps_a, steps_b)]
+    counts = [run_counts(steps) for steps in (steps_a, steps_b)]
+    batches = [count["compressing steps (batches)"] for count in counts]
+    price = [term["compression"] / n if n else 0.0 for term, n in zip(terms, batches)]
+    return {
+        "plane": tuple(float(value) for value in plane),
+        "terms": terms,
+        "counts": counts,
+        "makespan": [sum(term.values()) for term in terms],
+        "compression_price_s": price,
+        "residual_after_compression_s": [residual_after_compression(steps, plane)
+                                         for steps in (steps_a, steps_b)],
+        "compression_count_effect_s": (batches[1] - batches[0]) * price[0],
+        "compression_price_effect_s": batches[1] * (price[1] - price[0]),
+    }
+
+
+def attribute_runs(dir_a: str | Path, dir_b: str | Path) -> dict:
+    return attribute(load_run(dir_a).steps, load_run(dir_b).steps)
+
+
+def format_attribution(result: dict, labels: tuple[str, str] = ("A", "B")) -> str:
+    """Markdown: the terms (s), their difference and its share of A's makespan; the counts."""
+    a, b = labels
+    (terms_a, terms_b), (span_a, span_b) = result["terms"], result["makespan"]
+    lines = [f"| term | {a} s | {b} s | {b} - {a} s | of {a}'s makespan |", "|---|---:|---:|---:|---:|"]
+    for name in TERMS + ("makespan",):
+        value_a = span_a if name == "makespan" else terms_a[name]
+        value_b = span_b if name == "makespan" else terms_b[name]
+        lines.append(f"| {name} | {value_a:.3f} | {value_b:.3f} | {value_b - value_a:+.3f} | "
+                     f"{(value_b - value_a) / span_a:+.2%} |")
+    lines += ["", f"| count | {a} | {b} |", "|---|---:|---:|"]
+    for name, value_a in result["counts"][0].items():
+        value_b = result["counts"][1][name]
+        lines.append(f"| {name} | {_number(value_a)} | {_number(value_b)} |")
+    plane_a, plane_b, plane_c = result["plane"]
+    price_a, price_b = (1e3 * price for price in result["compression_price_s"])
+    lines += ["", f"decode plane: {plane_a * 1e3:.3f} ms + {plane_b * 1e6:.2f} us per request + "
+              f"{plane_c * 1e9:.1f} ns per KV entry read",
+              f"compression price per compressing step: {a} {price_a:.2f} ms, {b} {price_b:.2f} ms; "
+              f"{b} - {a} = {result['compression_count_effect_s']:+.3f} s from the count + "
+              f"{result['compression_price_effect_s']:+.3f} s from the price",
+              "mean residual of the clean decode steps right after a compressing step: "
+              + ", ".join(f"{label} {_ms(value)}" for label, value
+                          in zip(labels, result["residual_after_compression_s"]))]
+    return "\n".join(lines)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:+.3f} ms"
+
+
+def _number(value: float) -> str:
+    return f"{value:,.2f}" if isinstance(value, float) else f"{value:,}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_a", help="run directory (e.g. the fixed budget)")
+    parser.add_argument("run_b", help="run directory of the same trace (e.g. elastic)")
+    parser.add_argument("--labels", default="A,B", help="names of the two runs, comma-separated")
+    args = parser.parse_args(argv)
+    labels = tuple(args.labels.split(","))
+    if len(labels) != 2:
+        parser.error("--labels: give two names, e.g. fixed,elastic")
+    print(format_attribution(attribute_runs(args.run_a, args.run_b), labels))
+
+
+if __name__ == "__main__":
+    main()
