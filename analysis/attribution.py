@@ -92,9 +92,10 @@ def run_counts(steps: pd.DataFrame) -> dict[str, float]:
         "decode steps": len(decode),
         "decode requests": int(decode["n_decode"].sum()),
         "decode context (M tokens)": float(decode["decode_context_tokens"].sum()) / 1e6,
-        "compressing steps (batches)": len(compressing),
-        "compressions (jobs)": int(compressing["n_compress"].sum()),
-        "source blocks compressed": int(compressing["compress_blocks"].sum()),
+        "compressing decode steps": len(compressing),
+        # Jobs of every step: an idle step may launch a batch too (its wait is the idle term).
+        "compressions (jobs)": int(steps["n_compress"].sum()),
+        "source blocks compressed": int(steps["compress_blocks"].sum()),
         "prefill steps": int(steps["kind"].isin(PREFILL_KINDS).sum()),
         "prefill tokens": int(steps["prefill_tokens"].sum()),
         "preemptions": int(steps["preempted"].sum()),
@@ -118,7 +119,7 @@ def attribute(steps_a: pd.DataFrame, steps_b: pd.DataFrame) -> dict:
     plane = decode_plane([steps_a, steps_b])
     terms = [run_terms(steps, plane) for steps in (steps_a, steps_b)]
     counts = [run_counts(steps) for steps in (steps_a, steps_b)]
-    batches = [count["compressing steps (batches)"] for count in counts]
+    batches = [count["compressing decode steps"] for count in counts]
     price = [term["compression"] / n if n else 0.0 for term, n in zip(terms, batches)]
     return {
         "plane": tuple(float(value) for value in plane),
