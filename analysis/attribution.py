@@ -113,6 +113,13 @@ def residual_after_compression(steps: pd.DataFrame, plane: np.ndarray) -> float 
     return float((_durations(after) - _features(after) @ plane).mean())
 
 
+def _median_price(steps: pd.DataFrame, plane: np.ndarray) -> float | None:
+    compressing = _decode_steps(steps, compressing=True)
+    if compressing.empty:
+        return None
+    return float(np.median(_durations(compressing) - _features(compressing) @ plane))
+
+
 def attribute(steps_a: pd.DataFrame, steps_b: pd.DataFrame) -> dict:
     """Terms and counts of both runs, their differences, and the compression term split into
     its count and its price."""
@@ -121,12 +128,15 @@ def attribute(steps_a: pd.DataFrame, steps_b: pd.DataFrame) -> dict:
     counts = [run_counts(steps) for steps in (steps_a, steps_b)]
     batches = [count["compressing decode steps"] for count in counts]
     price = [term["compression"] / n if n else 0.0 for term, n in zip(terms, batches)]
+    # The median resists the odd step of a run (a kernel compiled mid-run takes seconds).
+    median = [_median_price(steps, plane) for steps in (steps_a, steps_b)]
     return {
         "plane": tuple(float(value) for value in plane),
         "terms": terms,
         "counts": counts,
         "makespan": [sum(term.values()) for term in terms],
         "compression_price_s": price,
+        "compression_median_price_s": median,
         "residual_after_compression_s": [residual_after_compression(steps, plane)
                                          for steps in (steps_a, steps_b)],
         "compression_count_effect_s": (batches[1] - batches[0]) * price[0],
@@ -154,9 +164,11 @@ def format_attribution(result: dict, labels: tuple[str, str] = ("A", "B")) -> st
         lines.append(f"| {name} | {_number(value_a)} | {_number(value_b)} |")
     plane_a, plane_b, plane_c = result["plane"]
     price_a, price_b = (1e3 * price for price in result["compression_price_s"])
+    median_a, median_b = (_ms(price).lstrip("+") for price in result["compression_median_price_s"])
     lines += ["", f"decode plane: {plane_a * 1e3:.3f} ms + {plane_b * 1e6:.2f} us per request + "
               f"{plane_c * 1e9:.1f} ns per KV entry read",
-              f"compression price per compressing step: {a} {price_a:.2f} ms, {b} {price_b:.2f} ms; "
+              f"compression price per compressing decode step, mean (median): {a} {price_a:.2f} ms "
+              f"({median_a}), {b} {price_b:.2f} ms ({median_b}); "
               f"{b} - {a} = {result['compression_count_effect_s']:+.3f} s from the count + "
               f"{result['compression_price_effect_s']:+.3f} s from the price",
               "mean residual of the clean decode steps right after a compressing step: "

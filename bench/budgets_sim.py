@@ -7,11 +7,13 @@ under the fixed and the elastic budget policy, with async and sync compression, 
 the few-requests case; prints one markdown table: output tok/s, elastic / fixed, the budget the
 requests kept on average (`mean_kept_budget`), compressions, preemptions, TPOT and TTFT.
 
-    python bench/budgets_sim.py [--few 4] [--cost-model PROFILE] [--out DIR]
+    python bench/budgets_sim.py [--few 4] [--cost-model PROFILE] [--contention X] [--out DIR]
 
 No GPU: the analytic H200 cost model, or `--cost-model` a profile (e.g.
-sim/profiles/qwen3-8b-h200-b64-k512-zipage.json, measured on the H200). `--out DIR` writes each
-run's directory (DIR/<trace>-<mode>-<policy>) for `python -m zipage.analysis.attribution`.
+sim/profiles/qwen3-8b-h200-b64-k512-zipage.json, measured on the H200). `--contention X` replaces
+the cost model's contention factor (a what-if: how much a step that runs beside an async
+compression batch is slowed, docs/cost_model.md). `--out DIR` writes each run's directory
+(DIR/<trace>-<mode>-<policy>) for `python -m zipage.analysis.attribution`.
 `bench/headline_gpu.py --variants zipage,zipage-elastic` is the same comparison on a GPU.
 """
 
@@ -35,6 +37,8 @@ def main() -> None:
     parser.add_argument("--few", type=int, default=4, help="requests of the few-requests case")
     parser.add_argument("--cost-model", default="analytic",
                         help="'analytic' or a profile JSON (default: analytic)")
+    parser.add_argument("--contention", type=float, default=None,
+                        help="contention factor instead of the cost model's (a what-if)")
     parser.add_argument("--out", default=None, help="write each run's directory under this folder")
     args = parser.parse_args()
     headline = load_trace(TRACES / "amc23-headline.json")
@@ -60,7 +64,8 @@ def main() -> None:
             for policy in policies:
                 config = replace(base.config, **knobs,
                                  **({} if policy == "-" else {"budget_policy": policy}))
-                summary, run = simulate(trace, replace(base, config=config))
+                summary, run = simulate(trace, replace(base, config=config),
+                                        contention_factor=args.contention)
                 if args.out is not None:
                     label = "-".join(part for part in (short, mode.replace(" ", "-").lower(), policy)
                                      if part != "-")

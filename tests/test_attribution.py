@@ -58,6 +58,7 @@ def test_terms_add_up_and_recover_the_known_costs():
         assert terms["prefill"] == pytest.approx(PREFILL_S)
         assert terms["host gaps"] == pytest.approx(GAP_S * (len(steps) - 1), rel=1e-6)
     assert result["compression_price_s"] == pytest.approx([4e-3, 3e-3], rel=1e-6)
+    assert result["compression_median_price_s"] == pytest.approx([4e-3, 3e-3], rel=1e-6)
     assert result["residual_after_compression_s"] == pytest.approx([0.0, 0.0], abs=1e-9)
     # The count and the price account for the whole change of the compression term.
     change = result["terms"][1]["compression"] - result["terms"][0]["compression"]
