@@ -20,17 +20,27 @@ is split into terms that add up to it exactly:
 The difference B - A of each term says which one moved the makespan; the compression term is also
 split into its count (B's batches minus A's, at A's mean price) and its price (B's batches times
 the difference of the mean prices).
+
+With `--cost-model SPEC` (analytic or a profile) each compressing decode step's batch is also
+priced by that model, job by job from the run's decision log (source and kept blocks; an engine
+run written without one gets it from its step-time replay, `zipage replay TRACE --step-times RUN
+--out DIR`, which keeps the engine's clock), and the report gives the compression term over the
+modelled durations: the contention factor minus 1 that the run implies for that model.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from zipage.analysis.compare import read_decisions
 from zipage.analysis.timeline import load_run
+from zipage.deployment import ReplaySettings
 from zipage.errors import ZipageError
 
 TERMS = ("decode steps", "decode requests", "decode context", "decode residual", "compression",
@@ -38,6 +48,9 @@ TERMS = ("decode steps", "decode requests", "decode context", "decode residual",
 PREFILL_KINDS = ("prefill", "mixed")
 # A plane has three coefficients; fewer clean decode steps than this cannot price the others.
 MIN_CLEAN_DECODE_STEPS = 4
+# One compression job of a decision-log line: its source table and its target blocks.
+_JOB = re.compile(r"compress\((?:launch|sync)\)=\S+?:\[([^\]]*)\]->\[([^\]]*)\]")
+_STEP = re.compile(r"step (\d+) ")
 
 
 def _durations(steps: pd.DataFrame) -> np.ndarray:
@@ -144,8 +157,14 @@ def attribute(steps_a: pd.DataFrame, steps_b: pd.DataFrame) -> dict:
     }
 
 
-def attribute_runs(dir_a: str | Path, dir_b: str | Path) -> dict:
-    return attribute(load_run(dir_a).steps, load_run(dir_b).steps)
+def attribute_runs(dir_a: str | Path, dir_b: str | Path, cost_spec: str | None = None) -> dict:
+    result = attribute(load_run(dir_a).steps, load_run(dir_b).steps)
+    if cost_spec is not None:
+        plane = np.asarray(result["plane"])
+        result["cost_model"] = cost_spec
+        result["price_over_modelled"] = [modelled_price_ratio(directory, cost_spec, plane)
+                                         for directory in (dir_a, dir_b)]
+    return result
 
 
 def format_attribution(result: dict, labels: tuple[str, str] = ("A", "B")) -> str:
@@ -174,11 +193,51 @@ def format_attribution(result: dict, labels: tuple[str, str] = ("A", "B")) -> st
               "mean residual of the clean decode steps right after a compressing step: "
               + ", ".join(f"{label} {_ms(value)}" for label, value
                           in zip(labels, result["residual_after_compression_s"]))]
+    if "price_over_modelled" in result:
+        (ratio_a, median_a), (ratio_b, median_b) = result["price_over_modelled"]
+        lines.append(f"compression term / the batches' durations in {result['cost_model']} "
+                     f"(median step): {a} {ratio_a:.2f} ({median_a:.2f}), {b} {ratio_b:.2f} "
+                     f"({median_b:.2f}): the contention factor minus 1 that the run implies "
+                     "for that model")
     return "\n".join(lines)
 
 
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:+.3f} ms"
+
+
+def batch_blocks(decision_lines: list[str]) -> dict[int, tuple[list[int], list[int]]]:
+    """Source and kept blocks of each job, by the step that compresses them."""
+    batches = {}
+    for line in decision_lines:
+        jobs = _JOB.findall(line)
+        if jobs:
+            sources = [len(source.split(",")) for source, _ in jobs]
+            kept = [len(target.split(",")) if target else 0 for _, target in jobs]
+            batches[int(_STEP.match(line).group(1))] = (sources, kept)
+    return batches
+
+
+def modelled_price_ratio(run_dir: str | Path, cost_spec: str,
+                         plane: np.ndarray) -> tuple[float, float]:
+    """Compression term / the durations `cost_spec` gives the same batches, over the run's
+    compressing decode steps: what the run implies for that model's contention factor, minus 1;
+    and the median of that ratio step by step (which a few outlying steps do not move)."""
+    from zipage.sim.simulate import plan_deployment  # the simulator is only needed here
+
+    run = load_run(run_dir)
+    lines = read_decisions(run_dir)
+    if not lines:
+        raise ZipageError(f"{run_dir}: no decision log to take the compression jobs from; "
+                          "replay the run with `zipage replay TRACE --step-times RUN --out DIR`")
+    settings = replace(ReplaySettings.from_dict(run.summary["settings"]), cost_model=cost_spec)
+    cost = plan_deployment(settings).cost_model
+    batches = batch_blocks(lines)
+    compressing = _decode_steps(run.steps, compressing=True)
+    modelled = np.array([cost.compress_time_for(*batches[step])
+                         for step in compressing["step_id"]])
+    paid = _durations(compressing) - _features(compressing) @ plane
+    return float(paid.sum() / modelled.sum()), float(np.median(paid / modelled))
 
 
 def _number(value: float) -> str:
@@ -190,11 +249,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("run_a", help="run directory (e.g. the fixed budget)")
     parser.add_argument("run_b", help="run directory of the same trace (e.g. elastic)")
     parser.add_argument("--labels", default="A,B", help="names of the two runs, comma-separated")
+    parser.add_argument("--cost-model", default=None,
+                        help="also price each compressing step's batch with this cost model "
+                             "('analytic' or a profile; needs the runs' decision logs)")
     args = parser.parse_args(argv)
     labels = tuple(args.labels.split(","))
     if len(labels) != 2:
         parser.error("--labels: give two names, e.g. fixed,elastic")
-    print(format_attribution(attribute_runs(args.run_a, args.run_b), labels))
+    print(format_attribution(attribute_runs(args.run_a, args.run_b, args.cost_model), labels))
 
 
 if __name__ == "__main__":
