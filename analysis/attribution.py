@@ -168,42 +168,58 @@ def attribute_runs(dir_a: str | Path, dir_b: str | Path, cost_spec: str | None =
 
 
 def format_attribution(result: dict, labels: tuple[str, str] = ("A", "B")) -> str:
-    """Markdown: the terms (s), their difference and its share of A's makespan; the counts."""
+    """Markdown: the terms (s), their difference and its share of A's makespan; the counts; the
+    plane, the compression prices and (with a cost model) the implied contention."""
+    return "\n".join(_terms_table(result, labels) + [""] + _counts_table(result, labels) + [""]
+                     + _notes(result, labels))
+
+
+def _terms_table(result: dict, labels: tuple[str, str]) -> list[str]:
     a, b = labels
     (terms_a, terms_b), (span_a, span_b) = result["terms"], result["makespan"]
-    lines = [f"| term | {a} s | {b} s | {b} - {a} s | of {a}'s makespan |", "|---|---:|---:|---:|---:|"]
-    for name in TERMS + ("makespan",):
-        value_a = span_a if name == "makespan" else terms_a[name]
-        value_b = span_b if name == "makespan" else terms_b[name]
-        lines.append(f"| {name} | {value_a:.3f} | {value_b:.3f} | {value_b - value_a:+.3f} | "
-                     f"{(value_b - value_a) / span_a:+.2%} |")
-    lines += ["", f"| count | {a} | {b} |", "|---|---:|---:|"]
-    for name, value_a in result["counts"][0].items():
-        value_b = result["counts"][1][name]
-        lines.append(f"| {name} | {_number(value_a)} | {_number(value_b)} |")
+    rows = [*((name, terms_a[name], terms_b[name]) for name in TERMS),
+            ("makespan", span_a, span_b)]
+    return [f"| term | {a} s | {b} s | {b} - {a} s | of {a}'s makespan |",
+            "|---|---:|---:|---:|---:|",
+            *(f"| {name} | {value_a:.3f} | {value_b:.3f} | {value_b - value_a:+.3f} | "
+              f"{(value_b - value_a) / span_a:+.2%} |" for name, value_a, value_b in rows)]
+
+
+def _counts_table(result: dict, labels: tuple[str, str]) -> list[str]:
+    counts_a, counts_b = result["counts"]
+    return [f"| count | {labels[0]} | {labels[1]} |", "|---|---:|---:|",
+            *(f"| {name} | {_number(value)} | {_number(counts_b[name])} |"
+              for name, value in counts_a.items())]
+
+
+def _notes(result: dict, labels: tuple[str, str]) -> list[str]:
+    a, b = labels
     plane_a, plane_b, plane_c = result["plane"]
-    price_a, price_b = (1e3 * price for price in result["compression_price_s"])
-    median_a, median_b = (_ms(price).lstrip("+") for price in result["compression_median_price_s"])
-    lines += ["", f"decode plane: {plane_a * 1e3:.3f} ms + {plane_b * 1e6:.2f} us per request + "
-              f"{plane_c * 1e9:.1f} ns per KV entry read",
-              f"compression price per compressing decode step, mean (median): {a} {price_a:.2f} ms "
-              f"({median_a}), {b} {price_b:.2f} ms ({median_b}); "
-              f"{b} - {a} = {result['compression_count_effect_s']:+.3f} s from the count + "
-              f"{result['compression_price_effect_s']:+.3f} s from the price",
-              "mean residual of the clean decode steps right after a compressing step: "
-              + ", ".join(f"{label} {_ms(value)}" for label, value
-                          in zip(labels, result["residual_after_compression_s"]))]
+    price_a, price_b = (_ms(price, signed=False) for price in result["compression_price_s"])
+    median_a, median_b = (_ms(price, signed=False)
+                          for price in result["compression_median_price_s"])
+    after_a, after_b = (_ms(value) for value in result["residual_after_compression_s"])
+    notes = [f"decode plane: {plane_a * 1e3:.3f} ms + {plane_b * 1e6:.2f} us per request + "
+             f"{plane_c * 1e9:.1f} ns per KV entry read",
+             f"compression price per compressing decode step, mean (median): {a} {price_a} "
+             f"({median_a}), {b} {price_b} ({median_b}); {b} - {a} = "
+             f"{result['compression_count_effect_s']:+.3f} s from the count + "
+             f"{result['compression_price_effect_s']:+.3f} s from the price",
+             "mean residual of the clean decode steps right after a compressing step: "
+             f"{a} {after_a}, {b} {after_b}"]
     if "price_over_modelled" in result:
         (ratio_a, median_a), (ratio_b, median_b) = result["price_over_modelled"]
-        lines.append(f"compression term / the batches' durations in {result['cost_model']} "
+        notes.append(f"compression term / the batches' durations in {result['cost_model']} "
                      f"(median step): {a} {ratio_a:.2f} ({median_a:.2f}), {b} {ratio_b:.2f} "
                      f"({median_b:.2f}): the contention factor minus 1 that the run implies "
                      "for that model")
-    return "\n".join(lines)
+    return notes
 
 
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:+.3f} ms"
+def _ms(seconds: float | None, signed: bool = True) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1e3:+.3f} ms" if signed else f"{seconds * 1e3:.3f} ms"
 
 
 def batch_blocks(decision_lines: list[str]) -> dict[int, tuple[list[int], list[int]]]:
@@ -234,6 +250,10 @@ def modelled_price_ratio(run_dir: str | Path, cost_spec: str,
     cost = plan_deployment(settings).cost_model
     batches = batch_blocks(lines)
     compressing = _decode_steps(run.steps, compressing=True)
+    missing = sorted(set(compressing["step_id"]) - set(batches))
+    if missing:
+        raise ZipageError(f"{run_dir}: the decision log has no compression jobs for step(s) "
+                          f"{', '.join(map(str, missing[:5]))}; is it this run's log?")
     modelled = np.array([cost.compress_time_for(*batches[step])
                          for step in compressing["step_id"]])
     paid = _durations(compressing) - _features(compressing) @ plane

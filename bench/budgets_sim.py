@@ -32,6 +32,12 @@ from zipage.trace import Trace, load_trace
 TRACES = Path(__file__).resolve().parent.parent / "traces"
 
 
+def run_label(trace: str, mode: str, policy: str) -> str:
+    """Directory name of one run: headline-async-fixed, few-full-kv, ..."""
+    parts = (trace, mode.replace(" ", "-").lower(), policy)
+    return "-".join(part for part in parts if part != "-")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--few", type=int, default=4, help="requests of the few-requests case")
@@ -67,10 +73,8 @@ def main() -> None:
                 summary, run = simulate(trace, replace(base, config=config),
                                         contention_factor=args.contention)
                 if args.out is not None:
-                    label = "-".join(part for part in (short, mode.replace(" ", "-").lower(), policy)
-                                     if part != "-")
-                    write_run(Path(args.out) / label, summary, run.steps, run.requests, [],
-                              decisions="none")
+                    write_run(Path(args.out) / run_label(short, mode, policy), summary,
+                              run.steps, run.requests, [], decisions="none")
                 fixed_tps = summary["tps"] if policy == "fixed" else fixed_tps
                 ratio = f"{summary['tps'] / fixed_tps:.3f}" if policy == "elastic" else ""
                 print(f"| {name} | {mode} | {policy} | {summary['tps']:,.0f} | {ratio} | "

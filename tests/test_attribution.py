@@ -1,4 +1,4 @@
-"""analysis/attribution.py: two runs' clocks split into terms that add up, on steps of known cost."""
+"""analysis/attribution.py: two runs' clocks split into terms that add up (steps of known cost)."""
 
 from __future__ import annotations
 
