@@ -39,20 +39,25 @@ class SimulatedDeployment:
         return Scheduler(self.config, self.capacity.num_blocks, self.capacity.num_query_slots)
 
 
-def plan_deployment(settings: ReplaySettings) -> SimulatedDeployment:
+def plan_deployment(settings: ReplaySettings,
+                    contention_factor: float | None = None) -> SimulatedDeployment:
+    """`contention_factor`: the cost model's, instead of its default or its profile's (a what-if:
+    bench/budgets_sim.py --contention)."""
     shape = resolve_shape(settings.model)
     gpu = get_hardware(settings.hardware)
     config = effective_config(settings, shape)
     capacity = plan_capacity(settings, shape, gpu.memory_bytes)
+    knobs = {} if contention_factor is None else {"contention_factor": contention_factor}
     cost_model = load_cost_model(
         settings.cost_model, shape, gpu, dtype_bytes=dtype_bytes(settings.dtype),
-        tensor_parallel=settings.tensor_parallel, **config.cost_knobs())
+        tensor_parallel=settings.tensor_parallel, **config.cost_knobs(), **knobs)
     return SimulatedDeployment(shape, config, capacity, cost_model)
 
 
 def simulate(trace: Trace, settings: ReplaySettings, *, progress: bool = False,
-             log_decisions: bool = False, check: bool = False) -> tuple[dict, Run]:
-    deployment = plan_deployment(settings)
+             log_decisions: bool = False, check: bool = False,
+             contention_factor: float | None = None) -> tuple[dict, Run]:
+    deployment = plan_deployment(settings, contention_factor)
     config = deployment.config
     scheduler = deployment.new_scheduler()
     sequences = trace_sequences(trace, deployment.shape.vocab_size,
