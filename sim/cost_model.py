@@ -82,9 +82,12 @@ SCORE_LOGIT_PASSES = 4
 # redundancy normalisation and softmax, the lambda combination, top-k input and keep-mask output.
 SCORE_ELEMENT_PASSES = 10
 # Tensor parallelism: ring all-reduce over NVLink at this share of the link rate, plus a fixed
-# latency per all-reduce (small messages inside a CUDA graph).
+# latency per all-reduce (NCCL inside a CUDA graph). 25 us is what two H200s measured: with it,
+# Qwen3-8B TP=2 decode steps (batch 32/128/256, 2k contexts) sit 1.10/1.05/1.11x above this
+# model, as TP=1 steps do (1.18/1.05/0.99x); the first guess, 10 us, left TP=2 1.37/1.18/1.19x
+# above (docs/BENCHMARKS.md, 'Tensor parallelism on two H200s').
 INTERCONNECT_EFFICIENCY = 0.80
-ALLREDUCE_LATENCY_S = 10e-6
+ALLREDUCE_LATENCY_S = 25e-6
 # A decode step overlapping an async compression batch shares the host thread, SMs and HBM
 # bandwidth with it. These are the multipliers for a fully overlapped step. On our engine an
 # overlapped batch delays the decode by about its whole duration: `zipage calibrate` measured 2.09
