@@ -76,7 +76,7 @@ def test_fit_recovers_the_costs_of_sync_runs(tmp_path):
                                  synthetic_run(tmp_path / "b", False, seed=1)])
     model = CalibratedCostModel.from_profile(profile)
     assert model.decode_fit.coefficients == pytest.approx(DECODE, rel=1e-6)
-    assert model.prefill_fit.coefficients == pytest.approx(PREFILL, rel=1e-6)
+    assert model.prefill_fit.device_coefficients == pytest.approx(PREFILL, rel=1e-6)
     assert model.mixed_fit.coefficients == pytest.approx(MIXED, rel=1e-6)
     assert model.compress_fit.coefficients == pytest.approx(COMPRESS, rel=1e-6)
     assert profile["gpu"] == "h200" and profile["block_size"] == 256

@@ -200,11 +200,9 @@ def _write_profile(profile: dict, path: str) -> int:
     for name, fit in (("decode", model.decode_fit), ("prefill", model.prefill_fit),
                       ("mixed", model.mixed_fit), ("compress", model.compress_fit)):
         if fit is not None:
-            terms = " + ".join(f"{c:.3g} * {f}" for c, f in
-                               zip(fit.coefficients[1:], fit.feature_names[1:]))
             quality = (f"relative RMS error {fit.relative_rms_error:.1%} over {fit.num_points} "
                        "points" if fit.num_points else "no points: the larger constant assumed")
-            print(f"{name:<8} {fit.coefficients[0]:.3g} + {terms} s  ({quality})")
+            print(f"{name:<8} {fit.describe()} s  ({quality})")
     print(f"wrote {out}; simulate with --cost-model {out}")
     return 0
 
