@@ -26,8 +26,9 @@ import numpy as np
 # rounds; it keeps the best model seen, so a cycle between two assignments is harmless.
 MAX_ROUNDS = 50
 # Initial guesses of the regime boundary: the points above these quantiles of new tokens start
-# device-bound (1.0: none does), plus a start with every point device-bound.
-START_QUANTILES = (0.25, 0.5, 0.75, 1.0)
+# device-bound, and a last start has every point device-bound (a profile without host-bound
+# steps). A start with none device-bound would stay there: its device line is never fitted.
+START_QUANTILES = (0.25, 0.5, 0.75)
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,8 @@ def fit_prefill(new_tokens, attention_pairs, requests, times) -> PrefillFit:
     prompts, time = np.asarray(requests, float), np.asarray(times, float)
     with_prompts = bool(np.ptp(prompts) > 0)
     best: PrefillFit | None = None
-    for quantile in START_QUANTILES:
-        device = tokens > np.quantile(tokens, quantile)
+    starts = [tokens > np.quantile(tokens, q) for q in START_QUANTILES] + [tokens >= 0]
+    for device in starts:
         for _ in range(MAX_ROUNDS):
             fit = _fit_assignment(tokens, pairs, prompts, time, device, with_prompts)
             if best is None or fit.relative_rms_error < best.relative_rms_error:

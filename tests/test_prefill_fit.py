@@ -148,3 +148,16 @@ def test_calibrate_prints_the_prefill_model(tmp_path, capsys):
     assert _write_profile(data, str(tmp_path / "p.json")) == 0  # what `zipage calibrate` runs
     printed = capsys.readouterr().out
     assert "prefill  0.0002 * requests + max(0.026, 0.009 + 2.1e-05 * new_tokens" in printed
+
+
+def test_a_device_bound_profile_is_one_line():
+    """Without host-bound steps (synthesize_profile's analytic costs, say) the fit is the line
+    with its per-sequence term, and the host bound never binds."""
+    tokens, pairs, prompts = steps(30, 8192)
+    line = DEVICE[0] + DEVICE[1] * tokens + DEVICE[2] * pairs + PER_SEQUENCE * prompts
+    fit = fit_prefill(tokens, pairs, prompts, line)
+    assert fit.device_coefficients == pytest.approx(DEVICE, rel=1e-6)
+    assert fit.per_sequence_s == pytest.approx(PER_SEQUENCE, rel=1e-6)
+    # No point is host-bound, so the host time is only known not to bind anywhere.
+    assert fit.host_s <= min(fit.device_time(t, a) for t, a in zip(tokens, pairs)) * (1 + 1e-9)
+    assert fit.relative_rms_error < 1e-9
