@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# The alternating fit (assign each point to a regime, refit, reassign) stops after this many
-# rounds; it keeps the best model seen, so a cycle between two assignments is harmless.
+# The alternating fit (assign each point to a regime, refit, reassign) stops when an assignment
+# comes back (a fixed point or a cycle) or after this many rounds; it keeps the best model seen.
 MAX_ROUNDS = 50
 # Initial guesses of the regime boundary: the points above these quantiles of new tokens start
 # device-bound, and a last start has every point device-bound (a profile without host-bound
@@ -97,17 +97,18 @@ def fit_prefill(new_tokens, attention_pairs, requests, times) -> PrefillFit:
     prompts, time = np.asarray(requests, float), np.asarray(times, float)
     with_prompts = bool(np.ptp(prompts) > 0)
     best: PrefillFit | None = None
+    seen: set[bytes] = set()  # assignments fitted already: from there the path is known
     starts = [tokens > np.quantile(tokens, q) for q in START_QUANTILES] + [tokens >= 0]
     for device in starts:
         for _ in range(MAX_ROUNDS):
+            if device.tobytes() in seen:
+                break
+            seen.add(device.tobytes())
             fit = _fit_assignment(tokens, pairs, prompts, time, device, with_prompts)
             if best is None or fit.relative_rms_error < best.relative_rms_error:
                 best = fit
             constant, per_token, per_pair = fit.device_coefficients
-            reassigned = constant + (per_token * tokens + per_pair * pairs) > fit.host_s
-            if (reassigned == device).all():
-                break
-            device = reassigned
+            device = constant + (per_token * tokens + per_pair * pairs) > fit.host_s
     return best
 
 
