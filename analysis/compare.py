@@ -6,7 +6,10 @@ engine-cuda, ...), or A and B when both have the same. In the results the first 
 "sim" and the second under "real". `compare_runs` measures (a) scheduling agreement: `decisions.log` line by line, which
 must be identical with synchronous compression since both drivers run the same core; (b) the cost
 model's accuracy: relative error of every step's duration, overall and per step kind, and of the
-total time; (c) per-request errors of TTFT, TPOT and finish time; (d) the summaries side by side.
+total time; (c) per-request errors of TTFT, TPOT and finish time; (d) the summaries side by side;
+(f) where each run's time went: steps and seconds per step kind (compressing steps apart) and the
+host gaps between steps, which attribute a makespan error to its parts even when the two runs'
+steps differ (step-by-step matching in (b) compares different steps once decisions drift).
 Errors are always sim against real: (sim - real) / real, so a positive bias means the simulator
 is slow. `format_report` turns the result into the text the CLI prints.
 """
@@ -150,6 +153,37 @@ def compare_step_times(sim_steps: pd.DataFrame, real_steps: pd.DataFrame) -> dic
     }
 
 
+def step_kind_label(kind: str, n_compress: int) -> str:
+    """A step's kind, with "+compress" when it runs or launches compressions."""
+    return f"{kind}+compress" if n_compress else kind
+
+
+def time_by_kind(steps: pd.DataFrame) -> dict:
+    """Steps, seconds and mean ms per step kind, and the host gaps between steps (the time from a
+    step's end to the next step's start), of one run."""
+    duration = steps["t_end"] - steps["t_start"]
+    labels = [step_kind_label(kind, count) for kind, count in zip(steps["kind"], steps["n_compress"])]
+    kinds = {}
+    for label, group in duration.groupby(labels):
+        kinds[label] = {"steps": int(group.size), "seconds": float(group.sum()),
+                        "mean_ms": float(1000 * group.mean())}
+    gaps = (steps["t_start"].shift(-1) - steps["t_end"]).dropna()
+    kinds["host gaps"] = {"steps": int(gaps.size), "seconds": float(gaps.clip(lower=0).sum()),
+                          "mean_ms": float(1000 * gaps.mean()) if gaps.size else 0.0}
+    return kinds
+
+
+def compare_time_by_kind(sim_steps: pd.DataFrame, real_steps: pd.DataFrame) -> dict:
+    """Both runs' `time_by_kind` and, per kind, the seconds the first run spends more, as a share
+    of the second run's total time: the parts of the makespan error."""
+    sim, real = time_by_kind(sim_steps), time_by_kind(real_steps)
+    span = float(real_steps["t_end"].max() - real_steps["t_start"].min()) if len(real_steps) else 0
+    empty = {"steps": 0, "seconds": 0.0, "mean_ms": 0.0}
+    share = {kind: (sim.get(kind, empty)["seconds"] - real.get(kind, empty)["seconds"]) / span
+             if span else None for kind in sorted(set(sim) | set(real))}
+    return {"sim": sim, "real": real, "share_of_real_time": share}
+
+
 def compare_request_times(sim_requests: pd.DataFrame, real_requests: pd.DataFrame) -> dict:
     """TTFT, TPOT and finish time (from arrival) of the requests finished in both runs."""
     joined = sim_requests.merge(real_requests, on="id", suffixes=("_sim", "_real"))
@@ -285,6 +319,7 @@ def compare_runs(sim_dir: str | Path, real_dir: str | Path) -> dict:
         "setup_differences": setup_differences(sim.summary, real.summary),
         "decisions": decisions,
         "step_time": compare_step_times(sim.steps, real.steps),
+        "time_by_kind": compare_time_by_kind(sim.steps, real.steps),
         "request_time": compare_request_times(sim.requests, real.requests),
         "summary": compare_summaries(sim.summary, real.summary),
         "finish_order_correlation": finish_order_correlation(sim.requests, real.requests),
@@ -349,6 +384,7 @@ def format_report(comparison: dict) -> str:
                                        "tpot_p50", "tpot_p90", "tpot_p99"))
               + f"; end-to-end MAPE {_percent(errors['e2e_mape'])}; finish-order rank correlation "
               + (f"{correlation:.3f}" if correlation is not None else "-")]
+    lines += _format_time_by_kind(comparison.get("time_by_kind"), a, b)
     column = max(14, len(a), len(b))
     lines += ["", f"(d) {'summary':<14} {a:>{column}} {b:>{column}} {'ratio':>9}"
                   f"  (ratio = {a} / {b})"]
@@ -357,6 +393,21 @@ def format_report(comparison: dict) -> str:
         lines.append(f"    {key:<14} {_number(values['sim']):>{column}}"
                      f" {_number(values['real']):>{column}} {ratio}")
     return "\n".join(lines) + "\n"
+
+
+def _format_time_by_kind(by_kind: dict | None, a: str, b: str) -> list[str]:
+    if by_kind is None:  # a comparison made before this section existed
+        return []
+    lines = ["", f"(f) time by step kind, {a} | {b}: steps, seconds, mean ms; {a} - {b} in % of "
+                 f"{b}'s total time"]
+    empty = {"steps": 0, "seconds": 0.0, "mean_ms": 0.0}
+    for kind, share in by_kind["share_of_real_time"].items():
+        first, second = by_kind["sim"].get(kind, empty), by_kind["real"].get(kind, empty)
+        lines.append(f"  {kind:<16} {first['steps']:>6} | {second['steps']:<6} "
+                     f"{first['seconds']:8.2f} | {second['seconds']:<8.2f} "
+                     f"{first['mean_ms']:7.2f} | {second['mean_ms']:<7.2f} "
+                     f"{_percent(share, signed=True)}")
+    return lines
 
 
 def _format_stats(name: str, stats: dict, unit_scale: float, unit: str) -> str:

@@ -16,6 +16,7 @@ Every formula, constant and assumption is written out in docs/cost_model.md.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from abc import ABC, abstractmethod
@@ -32,14 +33,17 @@ from zipage.errors import ConfigError
 from zipage.presets import ModelShape
 
 from .hardware import GPUSpec, get_hardware
+from .prefill_fit import PrefillFit, fit_prefill
 
 if TYPE_CHECKING:
     from zipage.core.step import CompressionBatch, CompressionJob, StepPlan
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
-# Version 2 added the "mixed" section; version-1 profiles (no mixed points) still load.
-PROFILE_VERSION = 2
-READABLE_PROFILE_VERSIONS = (1, 2)
+# Version 2 added the "mixed" section; version 3 fits prefill steps as host- or device-bound with
+# a per-sequence term, every coefficient >= 0 (sim/prefill_fit.py). Older profiles still load and
+# predict what they did.
+PROFILE_VERSION = 3
+READABLE_PROFILE_VERSIONS = (1, 2, 3)
 PROFILE_SECTIONS = ("decode", "prefill", "mixed", "compress")
 FLOAT32_BYTES = 4
 
@@ -403,17 +407,23 @@ class LinearFit:
         value = self.coefficients[0] + sum(c * f for c, f in zip(self.coefficients[1:], features))
         return max(value, self.floor_s)
 
+    def describe(self) -> str:
+        return " + ".join([f"{self.coefficients[0]:.3g}"] + [
+            f"{c:.3g} * {name}" for c, name in zip(self.coefficients[1:], self.feature_names[1:])])
+
 
 class CalibratedCostModel(CostModel):
     """Linear models fitted to a measured profile (format and fits: docs/cost_model.md).
 
     decode:   a + b * batch + c * context_tokens
-    prefill:  a + b * new_tokens + c * attention_pairs   (pairs: sum of T*C + T(T+1)/2)
-    mixed:    m + decode's b, c terms + prefill's b, c terms   (m fitted to the mixed points)
+    prefill:  s * requests + max(h, a + b * new_tokens + c * attention_pairs)   (version 3;
+              before it s = h = 0; pairs: sum of T*C + T(T+1)/2)
+    mixed:    s * requests + max(h, m + decode's b, c terms + prefill's b, c terms)
+              (m fitted to the mixed points)
     compress: a + b * blocks [+ c * blocks_squared with the flash redundancy score]
     """
 
-    def __init__(self, decode: LinearFit, prefill: LinearFit, mixed: LinearFit,
+    def __init__(self, decode: LinearFit, prefill: PrefillFit, mixed: LinearFit,
                  compress: LinearFit | None, contention_factor: float, header: dict[str, Any],
                  source: str) -> None:
         self.decode_fit, self.prefill_fit, self.mixed_fit = decode, prefill, mixed
@@ -435,10 +445,7 @@ class CalibratedCostModel(CostModel):
                       [[row["batch"], row["context_tokens"]] for row in decode_rows],
                       [row["time_s"] for row in decode_rows])
         prefill_rows = _points(source, data, "prefill", ("new_tokens",), PREFILL_DEFAULTS)
-        prefill = _fit(source, "prefill", ("new_tokens", "attention_pairs"),
-                       [[row["requests"] * row["new_tokens"], _prefill_pairs(row)]
-                        for row in prefill_rows],
-                       [row["time_s"] for row in prefill_rows])
+        prefill = _prefill_fit(source, data["version"], prefill_rows)
         mixed_rows = []
         if "mixed" in data:
             mixed_rows = _points(source, data, "mixed", ("batch", "context_tokens", "new_tokens"),
@@ -475,9 +482,12 @@ class CalibratedCostModel(CostModel):
                      + self._decode_c * work.decode_context_tokens)
             return value if value > self._decode_floor else self._decode_floor
         if not batch:
-            return self.prefill_fit.predict(work.prefill_tokens, work.attention_pairs)
-        return self.mixed_fit.predict(batch, work.decode_context_tokens, work.prefill_tokens,
-                                      work.attention_pairs)
+            return self.prefill_fit.predict(work.prefill_tokens, work.attention_pairs,
+                                            work.num_prefill)
+        # A mixed step runs the eager prefill path: the same host bound and per-chunk cost.
+        return self.prefill_fit.bound(
+            self.mixed_fit.predict(batch, work.decode_context_tokens, work.prefill_tokens,
+                                   work.attention_pairs), work.num_prefill)
 
     def compress_time_for(self, blocks: Sequence[int],
                           kept_blocks: Sequence[int] | None = None) -> float:
@@ -492,27 +502,52 @@ class CalibratedCostModel(CostModel):
 
 # Optional fields of a prefill or mixed point: the prompt chunks of the step.
 PREFILL_DEFAULTS = {"cached_tokens": 0, "requests": 1, "attention_pairs": None}
+PREFILL_FEATURES = ("new_tokens", "attention_pairs")
 
 
-def _mixed_fit(source: str, decode: LinearFit, prefill: LinearFit,
+def _prefill_fit(source: str, version: int, rows: list[dict[str, Any]]) -> PrefillFit:
+    """Version 3: host- or device-bound with a per-sequence term, non-negative
+    (sim/prefill_fit.py). Before it: one unconstrained line in tokens and pairs, exactly as those
+    profiles were always read (their predictions must not change)."""
+    tokens = [row["requests"] * row["new_tokens"] for row in rows]
+    pairs = [_prefill_pairs(row) for row in rows]
+    times = [row["time_s"] for row in rows]
+    if version < 3:
+        line = _fit(source, "prefill", PREFILL_FEATURES, list(map(list, zip(tokens, pairs))),
+                    times)
+        return PrefillFit(line.coefficients, 0.0, 0.0, line.relative_rms_error,
+                          line.num_points, line.floor_s)
+    requests = [row["requests"] for row in rows]
+    unknowns = 5 if len(set(requests)) > 1 else 4
+    if len(rows) < unknowns + 1:
+        raise ConfigError(f"{source}: prefill: {len(rows)} point(s) cannot fit "
+                          f"{unknowns} coefficients; measure at least {unknowns + 1}")
+    return fit_prefill(tokens, pairs, requests, times)
+
+
+def _mixed_fit(source: str, decode: LinearFit, prefill: PrefillFit,
                rows: list[dict[str, Any]]) -> LinearFit:
     """A mixed step costs the decode fit's per-request and per-context-token terms plus the
     prefill fit's per-token and per-pair terms, and one constant: a single forward reads the
     weights and pays the host's step overhead once, not once per part. The constant is fitted to
     the mixed points (in relative error, like every fit); a profile without them (version 1)
-    gets the larger of the two constants, the one-forward assumption (docs/cost_model.md)."""
-    names = decode.feature_names[1:] + prefill.feature_names[1:]
-    slopes = decode.coefficients[1:] + prefill.coefficients[1:]
+    gets the larger of the two constants, the one-forward assumption (docs/cost_model.md). The
+    prefill's host bound and per-chunk cost apply on top (`PrefillFit.bound`)."""
+    names = decode.feature_names[1:] + PREFILL_FEATURES
+    slopes = decode.coefficients[1:] + prefill.device_coefficients[1:]
     if not rows:
         return LinearFit(("constant",) + names,
-                         (max(decode.coefficients[0], prefill.coefficients[0]),) + slopes,
+                         (max(decode.coefficients[0], prefill.device_coefficients[0]),) + slopes,
                          relative_rms_error=float("nan"), num_points=0,
                          floor_s=max(decode.floor_s, prefill.floor_s))
     features = np.array([[row["batch"], row["context_tokens"],
                           row["requests"] * row["new_tokens"], _prefill_pairs(row)]
                          for row in rows], dtype=float)
+    offsets = features @ np.asarray(slopes)
+    if prefill.per_sequence_s:
+        offsets = offsets + prefill.per_sequence_s * np.array([row["requests"] for row in rows])
     constant = _fit(source, "mixed", (), [[] for _ in rows], [row["time_s"] for row in rows],
-                    offsets=features @ np.asarray(slopes))
+                    offsets=offsets)
     return LinearFit(("constant",) + names, constant.coefficients + slopes,
                      constant.relative_rms_error, constant.num_points, constant.floor_s)
 
@@ -538,10 +573,13 @@ def _read_profile(profile: str | Path | dict) -> tuple[str, dict]:
     path = Path(profile)
     source = f"profile {path}"
     try:
-        data = json.loads(path.read_text())
+        # A profile fitted from long runs holds thousands of points: it may be kept gzipped.
+        text = (gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz"
+                else path.read_text())
+        data = json.loads(text)
     except FileNotFoundError:
         raise ConfigError(f"{source}: no such file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ConfigError(f"{source}: not a readable JSON file ({error})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a JSON object at the top level")

@@ -2,27 +2,36 @@
 
 `zipage calibrate --gpu` times synthetic steps; users have production traffic instead. Every run
 directory an engine replay or a served run writes (`--out`) holds each step's kind, batch,
-context, prefill tokens and attention pairs, compressed blocks and measured start and end. This
-module turns those steps into the profile format of `CalibratedCostModel` (docs/cost_model.md):
+context, prefill tokens, prompts and attention pairs, compressed blocks and measured start and
+end. This module turns those steps into the profile format of `CalibratedCostModel`
+(docs/cost_model.md):
 
 - decode, prefill and mixed points (a mixed step: decodes and prompt chunks in one forward, with
   chunked prefill): the steps of that kind that neither compress nor overlap an async
-  compression batch, one point each (batch and context tokens of the decodes, new tokens and
-  attention pairs of the prompt chunks);
-- compress points: sync compressions, measured as the step's time minus the fitted model's
-  prediction of its forward; async batches as the time from the launching step's start to the end
-  of the step that reported them done (an upper bound: the batch shares the GPU meanwhile);
-- the contention factor: the median ratio of overlapped steps to the fitted model.
+  compression batch, one point each (batch and context tokens of the decodes; prompts, new
+  tokens and attention pairs of the prompt chunks);
+- compress points: a sync compression runs before its step's forward, so its duration is the
+  step's time beyond the forward (the fitted model's prediction). An async batch runs beside
+  the steps, and the simulator stretches the part of a step it overlaps by the contention
+  factor c: its duration is the steps it overlapped whole plus, of the step that reported it
+  done, the extra time over the forward divided by c - 1;
+- the contention factor: the median ratio of the steps a batch overlapped from start to end to
+  the fitted model. When every batch finished within the step that launched it (so no step was
+  overlapped whole), the runs cannot tell a batch's duration from the slowdown it causes; the
+  overlap is then taken as serial, c = 2 (what `zipage calibrate --gpu` measured on the H200:
+  2.09), and a batch's duration is its steps' extra time.
 
-A step starts when the engine's loop iteration does, so the host time between steps (admission,
-scheduling, input staging) is inside the fitted times. The profile's header names the model,
-GPU, dtype and knobs the runs had; the runs must agree on them.
+A step starts when the engine's loop iteration does, so admission and scheduling are inside it;
+the bookkeeping after a step's end until the next step starts (the run's median gap, tens of
+microseconds) is added to every step, because the simulator runs its steps back to back. The
+profile's header names the model, GPU, dtype and knobs the runs had; the runs must agree on them.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -31,33 +40,74 @@ from zipage.errors import ConfigError
 
 from .cost_model import PROFILE_VERSION, CalibratedCostModel, StepWork
 
+# Contention assumed when no step was overlapped whole by a batch: the batch and the decode
+# share the GPU serially (measured 2.09 by `zipage calibrate --gpu` on the H200).
+SERIAL_CONTENTION = 2.0
+# Below this slowdown an overlap is practically free, and a batch's extra time says nothing of
+# its duration: its duration is then the span from its launch to the end of the step that
+# reported it (an upper bound).
+FREE_OVERLAP = 1.05
 
-def profile_from_runs(run_dirs: list[str | Path], *, gpu: str | None = None) -> dict:
-    """The profile of the runs in `run_dirs`; `gpu` labels it (default: the runs' hardware)."""
+
+@dataclass
+class AsyncBatch:
+    """An async compression batch of a run: the steps from its launch to its report."""
+
+    requests: int
+    blocks: int
+    steps: list[tuple[StepWork | None, float]] = field(default_factory=list)  # None: idle
+    span_s: float = 0.0  # launching step's start to the reporting step's end
+
+
+def profile_from_runs(run_dirs: list[str | Path], *, gpu: str | None = None,
+                      stall_factor: float | None = None) -> dict:
+    """The profile of the runs in `run_dirs`; `gpu` labels it (default: the runs' hardware).
+
+    `stall_factor`: leave out decode steps slower than this many times their run's median decode
+    step (a mid-run kernel compilation, which no cost model should learn), and the compression
+    batches they launched or reported."""
     if not run_dirs:
         raise ConfigError("--from-run: give at least one run directory (zipage replay --out)")
+    if stall_factor is not None and not stall_factor > 1:
+        raise ConfigError(f"--stall-factor: got {stall_factor!r}, expected a number > 1")
     runs = [_read(Path(directory)) for directory in run_dirs]
     header = _header(runs, gpu)
-    points: dict[str, list] = {"decode": [], "prefill": [], "mixed": []}
-    compress, overlapped = [], []
-    for summary, steps in runs:
-        asynchronous = summary["settings"]["config"]["async_compress"]
-        _collect(steps, asynchronous, points, compress, overlapped)
+    points, sync, batches, stalls = _sort_steps(runs, stall_factor)
     profile = {**header, "decode": points["decode"], "prefill": points["prefill"]}
+    if stalls:
+        profile["note"] += f"; {stalls} decode step(s) over {stall_factor:g}x the median left out"
     if len(points["mixed"]) >= 2:  # what a fit of their constant needs; else one is assumed
         profile["mixed"] = points["mixed"]
     model = CalibratedCostModel.from_profile(profile)
-    for row in compress:
-        work = row.pop("work")
-        if row.pop("sync"):  # the step's time less its forward
-            row["time_s"] -= model.forward_time_for(work)
-    usable = [row for row in compress if row["time_s"] > 0]
+    contention = _contention(model, batches)
+    compress = [dict(point, time_s=time_s - model.forward_time_for(work))
+                for point, work, time_s in sync]
+    compress += [_batch_point(model, batch, contention) for batch in batches]
+    usable = [point for point in compress if point["time_s"] > 0]
     if usable:
         profile["compress"] = usable
-    ratios = [time_s / model.forward_time_for(work) for work, time_s in overlapped]
-    if ratios:
-        profile["contention_factor"] = round(max(1.0, statistics.median(ratios)), 4)
+    if batches:
+        profile["contention_factor"] = round(contention, 4)
     return profile
+
+
+def forward_points(run_dirs: list[str | Path], *, stall_factor: float | None = None
+                   ) -> dict[str, list]:
+    """The decode, prefill and mixed points of runs, as `profile_from_runs` takes them, without
+    a profile around them: to compose a profile from runs of several setups (a Full-KV decode,
+    say, with the prefill of compressing runs: bench/fidelity_cross_trace.py)."""
+    return _sort_steps([_read(Path(directory)) for directory in run_dirs], stall_factor)[0]
+
+
+def _sort_steps(runs: list[tuple[dict, pd.DataFrame]], stall_factor: float | None):
+    """Every run's steps sorted into clean points, sync compressions and async batches, and the
+    number of stalled steps left out."""
+    points: dict[str, list] = {"decode": [], "prefill": [], "mixed": []}
+    sync, batches, stalls = [], [], 0
+    for summary, steps in runs:
+        asynchronous = summary["settings"]["config"]["async_compress"]
+        stalls += _collect(_durations(steps, stall_factor), asynchronous, points, sync, batches)
+    return points, sync, batches, stalls
 
 
 def _read(directory: Path) -> tuple[dict, pd.DataFrame]:
@@ -106,40 +156,94 @@ def _header(runs: list[tuple[dict, pd.DataFrame]], gpu: str | None) -> dict:
             "note": f"fitted by `zipage calibrate --from-run` from {len(runs)} run(s)", **header}
 
 
-def _collect(steps: pd.DataFrame, asynchronous: bool, points: dict[str, list], compress: list,
-             overlapped: list) -> None:
-    launched_at: float | None = None  # start of the step that launched the batch in flight
-    pending: dict | None = None  # the compress point of that batch, until it is reported done
+def _durations(steps: pd.DataFrame, stall_factor: float | None) -> pd.DataFrame:
+    """The steps with `duration` (start to end plus the run's median gap to the next step) and
+    `stalled` (a decode step over `stall_factor` times the median)."""
+    steps = steps.copy()
+    gaps = (steps["t_start"].shift(-1) - steps["t_end"]).dropna()
+    gap = float(gaps.median()) if len(gaps) else 0.0
+    steps["duration"] = steps["t_end"] - steps["t_start"] + max(gap, 0.0)
+    steps["stalled"] = False
+    decode = steps["kind"] == "decode"
+    if stall_factor is not None and decode.any():
+        limit = stall_factor * steps.loc[decode, "duration"].median()
+        steps["stalled"] = decode & (steps["duration"] > limit)
+    return steps
+
+
+def _collect(steps: pd.DataFrame, asynchronous: bool, points: dict[str, list], sync: list,
+             batches: list[AsyncBatch]) -> int:
+    """Sort one run's steps into clean points, sync compressions and async batches; returns the
+    number of stalled steps left out."""
+    in_flight: AsyncBatch | None = None
+    tainted = False  # the batch in flight launched or overlapped a stalled step
     for step in steps.itertuples(index=False):
-        duration = float(step.t_end - step.t_start)
+        duration = float(step.duration)
+        work = None
         if step.kind in points:  # every kind but idle runs a forward
             work = StepWork(num_decode=int(step.n_decode),
                             decode_context_tokens=int(step.decode_context_tokens),
                             num_prefill=int(step.n_prefill),
                             prefill_tokens=int(step.prefill_tokens),
                             attention_pairs=int(step.attention_pairs))
-            if step.n_compress and not asynchronous:
-                compress.append({"requests": int(step.n_compress),
-                                 "blocks": int(step.compress_blocks), "time_s": duration,
-                                 "sync": True, "work": work})
-            elif step.n_compress:
-                launched_at = float(step.t_start)
-                pending = {"requests": int(step.n_compress), "blocks": int(step.compress_blocks),
-                           "sync": False, "work": work}
-                overlapped.append((work, duration))
-            elif launched_at is not None:
-                overlapped.append((work, duration))
-            else:
-                points[step.kind].append(_point(step.kind, work, duration))
-        if step.batches_done and pending is not None:
-            pending["time_s"] = float(step.t_end) - launched_at
-            compress.append(pending)
-            launched_at = pending = None
+        if step.n_compress and asynchronous and in_flight is None:
+            in_flight = AsyncBatch(int(step.n_compress), int(step.compress_blocks))
+            tainted = False
+        if in_flight is not None:
+            in_flight.steps.append((work, duration))
+            in_flight.span_s += duration
+            tainted |= bool(step.stalled)
+        elif step.stalled:
+            pass
+        elif step.n_compress:  # sync: the compressions run before this step's forward
+            sync.append(({"requests": int(step.n_compress), "blocks": int(step.compress_blocks)},
+                         work, duration))
+        elif work is not None:
+            points[step.kind].append(_point(step.kind, work, duration))
+        if step.batches_done and in_flight is not None:
+            if not tainted:
+                batches.append(in_flight)
+            in_flight = None
+    return int(steps["stalled"].sum())
+
+
+def _overlapped_whole(batch: AsyncBatch) -> list[tuple[StepWork | None, float]]:
+    """The steps a batch overlapped from their start to their end: all but the reporting one."""
+    return batch.steps[:-1]
+
+
+def _contention(model: CalibratedCostModel, batches: list[AsyncBatch]) -> float:
+    ratios = [duration / model.forward_time_for(work) for batch in batches
+              for work, duration in _overlapped_whole(batch) if work is not None]
+    if not ratios:
+        return SERIAL_CONTENTION
+    return max(1.0, statistics.median(ratios))
+
+
+def _batch_point(model: CalibratedCostModel, batch: AsyncBatch, contention: float) -> dict:
+    """The batch's duration as the simulator would have to run it to stretch its steps as the
+    engine's were: the steps it overlapped whole, plus the part of the reporting step that
+    step's extra time over its forward implies, (extra) / (c - 1); an idle reporting step
+    waited for the batch whole."""
+    point = {"requests": batch.requests, "blocks": batch.blocks}
+    if contention < FREE_OVERLAP:
+        return {**point, "time_s": batch.span_s}
+    whole = sum(duration for _, duration in _overlapped_whole(batch))
+    work, duration = batch.steps[-1]
+    last = duration
+    if work is not None:
+        extra = duration - model.forward_time_for(work)
+        last = min(max(extra / (contention - 1.0), 0.0), duration)
+    return {**point, "time_s": whole + last}
 
 
 def _point(kind: str, work: StepWork, duration: float) -> dict:
-    """A profile point in the section `kind` (format: docs/cost_model.md)."""
+    """A profile point in the section `kind` (format: docs/cost_model.md). A step's prompts
+    differ in length: `new_tokens` is their mean, `attention_pairs` the step's total."""
     decode = {"batch": work.num_decode, "context_tokens": work.decode_context_tokens}
-    prefill = {"new_tokens": work.prefill_tokens, "attention_pairs": work.attention_pairs}
+    prompts, tokens = max(work.num_prefill, 1), work.prefill_tokens
+    mean = tokens // prompts if tokens % prompts == 0 else tokens / prompts
+    prefill = {"new_tokens": mean, "requests": prompts,
+               "attention_pairs": work.attention_pairs}
     sections = {"decode": decode, "prefill": prefill, "mixed": {**decode, **prefill}}
     return {**sections[kind], "time_s": duration}

@@ -382,6 +382,28 @@ def test_perturbed_run_against_hand_computed_errors(real_dir, tmp_path):
     assert f"    A: {decisions[3]}" in report and f"    B: {REAL_DECISIONS[3]}" in report
 
 
+def test_time_by_kind_splits_the_total_time_error(real_dir, tmp_path):
+    """Where each run's time went, per step kind (compressing steps apart) and host gaps: the
+    parts of a makespan error, whether or not the runs' steps match one for one."""
+    steps = make_steps(REAL_KINDS, [3.0, 1.1, 1.0, 2.2, 4.0, 0.9],
+                       n_compress=[0, 0, 0, 1, 0, 0])
+    steps.loc[1:, ["t_start", "t_end"]] += 0.1  # 0.1 s of host time after the first step
+    sim_dir = write_run_dir(tmp_path / "sim", steps, real_requests(), REAL_SUMMARY,
+                            REAL_DECISIONS)
+    comparison = compare_runs(sim_dir, real_dir)
+    by_kind = comparison["time_by_kind"]
+    assert by_kind["sim"]["decode+compress"] == {"steps": 1, "seconds": pytest.approx(2.2),
+                                                 "mean_ms": pytest.approx(2200.0)}
+    assert by_kind["real"]["decode"] == {"steps": 4, "seconds": 5.0, "mean_ms": 1250.0}
+    assert by_kind["sim"]["host gaps"]["seconds"] == pytest.approx(0.1)
+    # Of the engine's 11 s: prefill 7 vs 6 s, decode 3 vs 5, compressing decode 2.2 vs 0.
+    assert by_kind["share_of_real_time"] == pytest.approx({
+        "prefill": 1 / 11, "decode": -2 / 11, "decode+compress": 2.2 / 11,
+        "host gaps": 0.1 / 11})
+    report = format_report(comparison)
+    assert "(f) time by step kind" in report and "+20.00%" in report
+
+
 def test_a_log_that_stops_early_differs_at_its_end(real_dir, tmp_path):
     sim_dir = tmp_path / "sim"
     shutil.copytree(real_dir, sim_dir)

@@ -44,7 +44,7 @@ def test_profile_has_every_section_measured(profile):
     assert len({row["context_tokens"] // row["batch"] for row in decode}) == 3
     assert len({row["batch"] for row in decode}) >= 4
     assert {(row["requests"], row["cached_tokens"] > 0) for row in profile["prefill"]} >= {
-        (1, False), (1, True), (4, False)}
+        (1, False), (1, True), (4, False), (16, False)}
     n_max = KNOBS["kv_budget"] // KNOBS["block_size"] + 1
     assert {row["blocks"] // row["requests"] for row in profile["compress"]} == {n_max, 2 * n_max}
     rows = decode + profile["prefill"] + profile["compress"]

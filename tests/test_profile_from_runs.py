@@ -1,4 +1,8 @@
-"""`zipage calibrate --from-run`: a cost profile fitted from run directories' steps."""
+"""`zipage calibrate --from-run`: a cost profile fitted from run directories' steps.
+
+The synthetic runs here follow known costs exactly, in the simulator's own terms (a prefill
+step host- or device-bound plus a per-prompt cost, an async batch stretching the steps it
+overlaps by the contention factor), so the fit must give those costs back."""
 
 from __future__ import annotations
 
@@ -13,12 +17,16 @@ from zipage.core.metrics import STEP_COLUMN_DEFAULTS, STEP_COLUMNS
 from zipage.deployment import ReplaySettings
 from zipage.errors import ConfigError
 from zipage.sim.cost_model import CalibratedCostModel
-from zipage.sim.profile_from_runs import profile_from_runs
+from zipage.sim.profile_from_runs import forward_points, profile_from_runs
 
 DECODE = (2e-3, 1e-5, 2e-8)  # seconds: constant, per request, per context token
-PREFILL = (5e-3, 2e-6, 1e-10)  # constant, per new token, per attention pair
-MIXED = (6e-3,) + DECODE[1:] + PREFILL[1:]  # its own constant, the parts' per-unit costs
+# Prefill: per prompt, host-bound time, and the device line: constant, per new token, per pair.
+PER_SEQUENCE, HOST, DEVICE = 3e-4, 25e-3, (5e-3, 2e-5, 1e-10)
+MIXED_CONSTANT = 6e-3  # a mixed step's own constant; its slopes are the parts'
 COMPRESS = (1e-3, 4e-5)  # constant, per source block
+# A compressing decode step (and the step after it) reads this much more context, so that it
+# lasts longer than its compression (the engine's batches finish within their launching step).
+COMPRESSING_CONTEXT = 500_000
 
 
 def step_kind(step_id: int) -> str:
@@ -30,40 +38,57 @@ def compresses(step_id: int) -> bool:
     return step_id % 10 == 5 or step_id % 20 == 7
 
 
-def synthetic_run(directory, asynchronous: bool, seed: int = 0):
-    """A run directory whose step times follow known linear costs exactly."""
+def prefill_time(prompts: int, new: int, pairs: int) -> float:
+    return PER_SEQUENCE * prompts + max(HOST, DEVICE[0] + DEVICE[1] * new + DEVICE[2] * pairs)
+
+
+def forward_time(kind: str, batch: int, context: int, prompts: int, new: int, pairs: int) -> float:
+    if kind == "prefill":
+        return prefill_time(prompts, new, pairs)
+    decode = DECODE[1] * batch + DECODE[2] * context
+    if kind == "decode":
+        return DECODE[0] + decode
+    # Mixed steps here carry long chunks: device-bound, as the profile's mixed fit assumes.
+    return PER_SEQUENCE * prompts + MIXED_CONSTANT + decode + DEVICE[1] * new + DEVICE[2] * pairs
+
+
+def synthetic_steps(seed: int = 0) -> list[dict]:
+    """300 steps of known work; `forward` is each one's forward time."""
     rng = np.random.default_rng(seed)
-    rows, t = [], 0.0
+    steps = []
     for step_id in range(300):
         kind = step_kind(step_id)
         batch, context = int(rng.integers(1, 64)), int(rng.integers(100, 100_000))
-        new, pairs = int(rng.integers(16, 4096)), int(rng.integers(1_000, 10_000_000))
+        prompts = int(rng.integers(1, 9)) if kind == "prefill" else int(rng.integers(1, 4))
+        each = int(np.exp(rng.uniform(np.log(16), np.log(2048))))
+        if kind == "mixed":
+            each = int(rng.integers(2048, 4096))
+        new = prompts * each
+        pairs = prompts * each * (each + 1) // 2 + int(rng.integers(0, 4096)) * new
         blocks = int(rng.integers(9, 200)) if compresses(step_id) else 0
-        if blocks:  # inside the clean steps' range: a fit never extrapolates below its fastest
-            context += 100_000  # point (the floor), which would blur the subtraction
+        if blocks or compresses(step_id - 1):  # the steps an async batch overlaps: inside the
+            context += COMPRESSING_CONTEXT  # clean steps' range, above the fit's floor
         decodes, prefills = kind != "prefill", kind != "decode"
-        if kind == "prefill":
-            duration = PREFILL[0] + PREFILL[1] * new + PREFILL[2] * pairs
-        elif kind == "decode":
-            duration = DECODE[0] + DECODE[1] * batch + DECODE[2] * context
-        else:
-            duration = (MIXED[0] + MIXED[1] * batch + MIXED[2] * context + MIXED[3] * new
-                        + MIXED[4] * pairs)
-        if compresses(step_id) and not asynchronous:
-            duration += COMPRESS[0] + COMPRESS[1] * blocks
-        rows.append(dict(STEP_COLUMN_DEFAULTS, step_id=step_id, t_start=t, t_end=t + duration,
-                         kind=kind,
-                         n_prefill=int(prefills), n_decode=batch if decodes else 0,
-                         n_compress=int(compresses(step_id)), n_running=batch, n_waiting=0,
-                         blocks_used=0, blocks_total=1000, slots_used=0, preempted=0,
-                         prefill_tokens=new if prefills else 0,
-                         decode_context_tokens=context if decodes else 0,
-                         batches_done=int(compresses(step_id) and asynchronous),
-                         attention_pairs=pairs if prefills else 0,
-                         compress_blocks=blocks))
-        t += duration
+        steps.append(dict(
+            STEP_COLUMN_DEFAULTS, step_id=step_id, kind=kind, n_prefill=prompts if prefills else 0,
+            n_decode=batch if decodes else 0, n_compress=int(bool(blocks)), n_running=batch,
+            n_waiting=0, blocks_used=0, blocks_total=1000, slots_used=0, preempted=0,
+            prefill_tokens=new if prefills else 0,
+            decode_context_tokens=context if decodes else 0,
+            attention_pairs=pairs if prefills else 0, compress_blocks=blocks,
+            forward=forward_time(kind, batch if decodes else 0, context, prompts, new, pairs)))
+    return steps
+
+
+def write_run(directory, steps: list[dict], durations: list[float], asynchronous: bool,
+              gap: float = 0.0):
+    """A run directory of `steps` lasting `durations`, `gap` seconds of host time between two."""
+    t = 0.0
+    for step, duration in zip(steps, durations):
+        step.update(t_start=t, t_end=t + duration)
+        t += duration + gap
     directory.mkdir()
-    pd.DataFrame(rows)[STEP_COLUMNS].to_csv(directory / "steps.csv", index=False)
+    pd.DataFrame(steps)[STEP_COLUMNS].to_csv(directory / "steps.csv", index=False)
     settings = ReplaySettings(model="qwen3-8b", hardware="h200",
                               config=ZipageConfig(async_compress=asynchronous))
     (directory / "summary.json").write_text(json.dumps({"driver": "engine-cuda",
@@ -71,19 +96,65 @@ def synthetic_run(directory, asynchronous: bool, seed: int = 0):
     return directory
 
 
+def compress_time(blocks: int) -> float:
+    return COMPRESS[0] + COMPRESS[1] * blocks
+
+
+def synthetic_run(directory, asynchronous: bool, seed: int = 0, gap: float = 0.0):
+    """Sync: a compression runs before its step's forward. Async: each batch is reported done in
+    the step that launched it, which it delays by its whole duration (a serial overlap)."""
+    steps = synthetic_steps(seed)
+    durations = [step["forward"] + (compress_time(step["compress_blocks"])
+                                    if step["compress_blocks"] else 0.0) for step in steps]
+    for step in steps:
+        step["batches_done"] = int(asynchronous and step["compress_blocks"] > 0)
+    return write_run(directory, steps, durations, asynchronous, gap)
+
+
+def assert_prefill(fit, rel: float) -> None:
+    assert fit.per_sequence_s == pytest.approx(PER_SEQUENCE, rel=rel)
+    assert fit.host_s == pytest.approx(HOST, rel=rel)
+    assert fit.device_coefficients == pytest.approx(DEVICE, rel=rel)
+
+
 def test_fit_recovers_the_costs_of_sync_runs(tmp_path):
     profile = profile_from_runs([synthetic_run(tmp_path / "a", False),
                                  synthetic_run(tmp_path / "b", False, seed=1)])
     model = CalibratedCostModel.from_profile(profile)
+    assert profile["version"] == 3
     assert model.decode_fit.coefficients == pytest.approx(DECODE, rel=1e-6)
-    assert model.prefill_fit.coefficients == pytest.approx(PREFILL, rel=1e-6)
-    assert model.mixed_fit.coefficients == pytest.approx(MIXED, rel=1e-6)
+    assert_prefill(model.prefill_fit, rel=1e-6)
+    assert model.mixed_fit.coefficients == pytest.approx(
+        (MIXED_CONSTANT,) + DECODE[1:] + DEVICE[1:], rel=1e-6)
     assert model.compress_fit.coefficients == pytest.approx(COMPRESS, rel=1e-6)
     assert profile["gpu"] == "h200" and profile["block_size"] == 256
     clean = [step_kind(i) for i in range(300) if not compresses(i)]
     for kind in ("decode", "prefill", "mixed"):
         assert len(profile[kind]) == 2 * clean.count(kind)
     assert len(profile["compress"]) == 2 * sum(map(compresses, range(300)))
+    assert "contention_factor" not in profile  # no async batch measured it
+
+
+def test_prefill_points_carry_the_prompts_of_their_step(tmp_path):
+    run = synthetic_run(tmp_path / "a", False)
+    steps = pd.read_csv(run / "steps.csv")
+    prefill = steps[steps["kind"] == "prefill"]
+    points = forward_points([run])["prefill"]
+    assert [point["requests"] for point in points] == prefill["n_prefill"].tolist()
+    assert [point["requests"] * point["new_tokens"] for point in points] == pytest.approx(
+        prefill["prefill_tokens"].tolist())
+    assert [point["attention_pairs"] for point in points] == prefill["attention_pairs"].tolist()
+
+
+def test_host_time_between_steps_is_part_of_every_step(tmp_path):
+    gap = 5e-5
+    profile = profile_from_runs([synthetic_run(tmp_path / "a", False, gap=gap)])
+    model = CalibratedCostModel.from_profile(profile)
+    # The simulator runs steps back to back: the engine's gap joins each step's constant.
+    assert model.decode_fit.coefficients == pytest.approx((DECODE[0] + gap,) + DECODE[1:],
+                                                          rel=1e-6)
+    assert model.prefill_fit.host_s == pytest.approx(HOST + gap, rel=1e-6)
+    assert model.compress_fit.coefficients == pytest.approx(COMPRESS, rel=1e-6)
 
 
 def test_runs_without_mixed_steps_give_a_profile_without_mixed_points(tmp_path):
@@ -96,35 +167,66 @@ def test_runs_without_mixed_steps_give_a_profile_without_mixed_points(tmp_path):
     assert CalibratedCostModel.from_profile(profile).mixed_fit.num_points == 0
 
 
-def test_async_batches_and_contention(tmp_path):
+def test_async_batches_within_their_step_are_taken_as_a_serial_overlap(tmp_path):
+    """Every batch ends in the step that launched it (as on the H200): the runs cannot tell its
+    duration from the slowdown it causes, so the overlap is taken as serial (c = 2) and the
+    batch's duration is its step's time beyond the forward: the known costs come back."""
     profile = profile_from_runs([synthetic_run(tmp_path / "a", True)], gpu="h200-141gb")
-    # The launching step overlaps its own batch; it completes within it here: no contention.
-    assert profile["contention_factor"] == pytest.approx(1.0)
-    assert all(row["time_s"] > 0 for row in profile["compress"])
+    assert profile["contention_factor"] == 2.0
+    model = CalibratedCostModel.from_profile(profile)
+    assert model.compress_fit.coefficients == pytest.approx(COMPRESS, rel=1e-6)
     assert profile["gpu"] == "h200-141gb"
 
 
-def test_steps_that_overlap_a_batch_measure_contention_whatever_their_kind(tmp_path):
+def test_batches_over_several_steps_measure_contention_whatever_their_kind(tmp_path):
+    """Each batch lasts its launching step's forward plus half the next step's; the steps it
+    overlaps are stretched as the simulator stretches them with c = 1.5: the factor and every
+    batch's duration come back."""
+    contention = 1.5
+    steps = synthetic_steps()
+    durations, batches = [], []
+    for index, step in enumerate(steps):
+        step["batches_done"] = 0
+        if index and steps[index - 1]["compress_blocks"]:  # the step after a launch
+            launched, overlap = steps[index - 1], batches[-1] - durations[-1]
+            step["batches_done"] = 1
+            durations.append(step["forward"] + (contention - 1) * overlap)
+        elif step["compress_blocks"]:
+            durations.append(contention * step["forward"])  # overlapped whole
+            batches.append(durations[-1] + 0.5 * steps[index + 1]["forward"])
+        else:
+            durations.append(step["forward"])
+    run = write_run(tmp_path / "a", steps, durations, True)
+    kinds = {step["kind"] for index, step in enumerate(steps)
+             if step["compress_blocks"] or (index and steps[index - 1]["compress_blocks"])}
+    assert kinds == {"decode", "mixed"}
+    profile = profile_from_runs([run])
+    assert profile["contention_factor"] == pytest.approx(contention)
+    assert [point["time_s"] for point in profile["compress"]] == pytest.approx(batches, rel=1e-6)
+    overlapped = sum(1 for index, step in enumerate(steps)
+                     if step["compress_blocks"] or (index and steps[index - 1]["compress_blocks"]))
+    assert sum(len(profile[kind]) for kind in ("decode", "prefill", "mixed")) == (
+        len(steps) - overlapped)
+
+
+def test_stalled_steps_are_left_out_on_request(tmp_path):
     run = synthetic_run(tmp_path / "a", True)
     steps = pd.read_csv(run / "steps.csv")
-    # Each batch now completes one step after its launch, and both steps run 1.5 times slower.
-    launches = steps.index[steps["n_compress"] > 0]
-    overlapped = launches.union(launches + 1)
-    steps["batches_done"] = 0
-    steps.loc[launches + 1, "batches_done"] = 1
-    duration = (steps["t_end"] - steps["t_start"]).where(~steps.index.isin(overlapped),
-                                                        1.5 * (steps["t_end"] - steps["t_start"]))
-    steps["t_end"] = duration.cumsum()
-    steps["t_start"] = steps["t_end"] - duration
+    stalled = steps.index[(steps["kind"] == "decode") & (steps["n_compress"] > 0)][0]
+    steps.loc[stalled:, ["t_start", "t_end"]] += 2.0  # a 2 s compilation inside one step
+    steps.loc[stalled, "t_start"] -= 2.0
     steps.to_csv(run / "steps.csv", index=False)
-    assert set(steps.loc[overlapped, "kind"]) == {"decode", "mixed"}
-    profile = profile_from_runs([run])
-    assert profile["contention_factor"] == pytest.approx(1.5)
-    clean = steps.drop(index=overlapped)
-    for kind in ("decode", "prefill", "mixed"):
-        assert len(profile[kind]) == (clean["kind"] == kind).sum()
-    assert CalibratedCostModel.from_profile(profile).mixed_fit.coefficients == pytest.approx(
-        MIXED, rel=1e-6)
+    batches = int((steps["n_compress"] > 0).sum())
+    kept = profile_from_runs([run])
+    assert len(kept["compress"]) == batches
+    assert max(point["time_s"] for point in kept["compress"]) > 1.0
+    left_out = profile_from_runs([run], stall_factor=10)
+    assert len(left_out["compress"]) == batches - 1
+    assert "1 decode step(s) over 10x the median left out" in left_out["note"]
+    model = CalibratedCostModel.from_profile(left_out)
+    assert model.compress_fit.coefficients == pytest.approx(COMPRESS, rel=1e-6)
+    with pytest.raises(ConfigError, match="stall-factor"):
+        profile_from_runs([run], stall_factor=0.5)
 
 
 def test_runs_of_different_setups_are_refused(tmp_path):
@@ -137,3 +239,16 @@ def test_runs_of_different_setups_are_refused(tmp_path):
         profile_from_runs([sync, other])
     with pytest.raises(ConfigError, match="--from-run"):
         profile_from_runs([tmp_path / "missing"])
+
+
+def test_command_line_stall_factor(tmp_path, capsys):
+    from zipage.cli import main
+
+    run, out = synthetic_run(tmp_path / "a", True), tmp_path / "profile.json"
+    assert main(["calibrate", "--from-run", str(run), "--stall-factor", "10", "--hardware",
+                 "h200", "--out", str(out)]) == 0
+    assert "prefill  0.0003 * requests + max(0.025," in capsys.readouterr().out
+    assert json.loads(out.read_text())["contention_factor"] == 2.0
+    assert main(["calibrate", "--from-run", str(run), "--stall-factor", "1", "--out",
+                 str(out)]) == 2
+    assert "--stall-factor" in capsys.readouterr().err

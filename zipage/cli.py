@@ -173,7 +173,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.from_run:
         from zipage.sim.profile_from_runs import profile_from_runs
 
-        return _write_profile(profile_from_runs(args.from_run, gpu=args.hardware), args.out)
+        return _write_profile(profile_from_runs(args.from_run, gpu=args.hardware,
+                                                stall_factor=args.stall_factor), args.out)
     engine = "gpu" if args.gpu else args.engine
     _require_torch(engine)
     from zipage.engine.calibrate import calibrate
@@ -200,11 +201,9 @@ def _write_profile(profile: dict, path: str) -> int:
     for name, fit in (("decode", model.decode_fit), ("prefill", model.prefill_fit),
                       ("mixed", model.mixed_fit), ("compress", model.compress_fit)):
         if fit is not None:
-            terms = " + ".join(f"{c:.3g} * {f}" for c, f in
-                               zip(fit.coefficients[1:], fit.feature_names[1:]))
             quality = (f"relative RMS error {fit.relative_rms_error:.1%} over {fit.num_points} "
                        "points" if fit.num_points else "no points: the larger constant assumed")
-            print(f"{name:<8} {fit.coefficients[0]:.3g} + {terms} s  ({quality})")
+            print(f"{name:<8} {fit.describe()} s  ({quality})")
     print(f"wrote {out}; simulate with --cost-model {out}")
     return 0
 
@@ -451,6 +450,10 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--from-run", nargs="+", default=None, metavar="RUN_DIR",
                            help="fit the profile from engine runs' steps.csv (their --out "
                                 "directories) instead of measuring; --hardware labels it")
+    calibrate.add_argument("--stall-factor", type=float, default=None, metavar="X",
+                           help="with --from-run: leave out decode steps slower than X times "
+                                "their run's median decode step (mid-run kernel compilation) "
+                                "and the compressions they launched (default: keep every step)")
     calibrate.add_argument("--repeats", type=int, default=5,
                            help="timed repeats per point; the median is kept (default 5)")
     calibrate.add_argument("--out", required=True,

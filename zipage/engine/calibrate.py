@@ -1,10 +1,10 @@
 """`zipage calibrate --gpu`: time the real engine's steps and write a profile for the simulator.
 
-The simulator's calibrated cost model (`sim/cost_model.py`, docs/cost_model.md) fits linear models
-to measured step times: decode by (batch, context tokens), prefill by (new tokens, attention
-pairs), mixed steps (chunked prefill: decodes and a prompt chunk in one forward) by both,
-compression by source blocks, plus the slowdown of a decode step that overlaps an async
-compression. This module measures exactly those on the engine: whole `ModelRunner.execute` calls
+The simulator's calibrated cost model (`sim/cost_model.py`, docs/cost_model.md) fits models to
+measured step times: decode by (batch, context tokens), prefill by (prompts, new tokens, attention
+pairs: host- or device-bound, `sim/prefill_fit.py`), mixed steps (chunked prefill: decodes and a
+prompt chunk in one forward) by both, compression by source blocks, plus the slowdown of a decode
+step that overlaps an async compression. This module measures exactly those on the engine: whole `ModelRunner.execute` calls
 (input building on the host, the CUDA graph or eager forward, sampling, tokens back on the host:
 what the step loop times), on synthetic requests laid out directly in the block manager, so every
 point is exactly the batch and context it names. Nothing here schedules; the caches hold whatever
@@ -33,6 +33,8 @@ from zipage.sim.cost_model import PROFILE_VERSION
 DECODE_BATCHES = (1, 4, 16, 32, 64, 128, 256)
 FULL_KV_CONTEXTS = (512, 2048, 8192)
 PREFILL_TOKENS = (128, 512, 2048, 8192)
+# Prompts per prefill step besides one: each short and mid-length prompt is also timed in these.
+PREFILL_REQUESTS = (4, 16)
 # Mixed steps: decode batches (at the smallest and largest decode context) x prompt-chunk tokens.
 MIXED_BATCHES = (1, 16, 64)
 MIXED_CHUNK_TOKENS = (128, 512, 2048)
@@ -142,7 +144,10 @@ def prefill_points(bench: Bench) -> list[dict]:
                           f"must fit to calibrate (the limit is {limit} tokens)")
     cases = [(1, new, cached) for new in new_counts for cached in (0, new)
              if new + cached <= config.max_model_len - 1]
-    cases.append((4, new_counts[0], 0))
+    # Several prompts in one step, short (host-bound) and long (device-bound): what separates
+    # the per-sequence cost from the constants (docs/cost_model.md, 'Calibrated model').
+    cases += [(requests, new, 0) for requests in PREFILL_REQUESTS
+              for new in sorted({new_counts[0], new_counts[len(new_counts) // 2]})]
     points = []
     for requests, new, cached in cases:
         if (requests * new > config.max_num_batched_tokens

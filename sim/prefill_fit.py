@@ -1,0 +1,131 @@
+"""The calibrated prefill model: host-bound or device-bound, whichever is longer.
+
+A prefill step runs eagerly (no CUDA graph): the host enqueues a chain of kernels while the GPU
+runs them, so the step lasts as long as the slower of the two. Short prompts are host-bound — a
+flat time whatever their length (25-33 ms for Qwen3-8B on the H200 runs of docs/BENCHMARKS.md
+section 16); long prompts are device-bound — the weights' FLOPs per token and the attention
+work per causal (query, key) pair. Building the step's inputs happens before the first kernel
+can start, so its cost per prompt adds to either bound:
+
+    time = per_sequence * requests + max(host, device + per_token * new_tokens
+                                                + per_pair * attention_pairs)
+
+A single line through both regimes (the version-2 fit) is flat where the profile's points are
+short and extrapolates far too low for long prompts (docs/cost_model.md). Every coefficient is
+a cost, so none may be negative: the fit is non-negative least squares in relative error.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+# The alternating fit (assign each point to a regime, refit, reassign) stops when an assignment
+# comes back (a fixed point or a cycle) or after this many rounds; it keeps the best model seen.
+MAX_ROUNDS = 50
+# Initial guesses of the regime boundary: the points above these quantiles of new tokens start
+# device-bound, and a last start has every point device-bound (a profile without host-bound
+# steps). A start with none device-bound would stay there: its device line is never fitted.
+START_QUANTILES = (0.25, 0.5, 0.75)
+
+
+@dataclass(frozen=True)
+class PrefillFit:
+    """A fitted prefill model (the formula in the module docstring).
+
+    Profiles before version 3 are device-only lines without a per-sequence term (`host_s` and
+    `per_sequence_s` are 0), fitted as they always were, so their predictions are unchanged.
+    """
+
+    device_coefficients: tuple[float, float, float]  # constant, per new token, per pair
+    host_s: float  # the host-bound time of a step
+    per_sequence_s: float  # input building per prompt (or chunk)
+    relative_rms_error: float  # over the profile points it was fitted to
+    num_points: int
+    floor_s: float  # fastest measured time: a prediction below it is clamped to it
+
+    def device_time(self, new_tokens: float, attention_pairs: float) -> float:
+        constant, per_token, per_pair = self.device_coefficients
+        return constant + (per_token * new_tokens + per_pair * attention_pairs)
+
+    def predict(self, new_tokens: float, attention_pairs: float, requests: float) -> float:
+        value = self.bound(self.device_time(new_tokens, attention_pairs), requests)
+        return max(value, self.floor_s)
+
+    def bound(self, device_s: float, requests: float) -> float:
+        """A step whose GPU work takes `device_s`: the host bound and the per-prompt cost."""
+        return self.per_sequence_s * requests + max(self.host_s, device_s)
+
+    def describe(self) -> str:
+        constant, per_token, per_pair = self.device_coefficients
+        device = f"{constant:.3g} + {per_token:.3g} * new_tokens + {per_pair:.3g} * attention_pairs"
+        if not self.host_s and not self.per_sequence_s:
+            return device
+        return f"{self.per_sequence_s:.3g} * requests + max({self.host_s:.3g}, {device})"
+
+
+def nonnegative_least_squares(matrix: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """argmin ||matrix x - target|| over x >= 0, for a handful of columns.
+
+    Some optimum is the plain least-squares solution on its support (the columns whose
+    coefficient is positive), so trying every subset of columns and keeping the best solution
+    that is non-negative is exact; with at most five columns that is 31 small solves.
+    """
+    columns = matrix.shape[1]
+    best, best_residual = np.zeros(columns), float(target @ target)
+    for size in range(1, columns + 1):
+        for support in itertools.combinations(range(columns), size):
+            part = matrix[:, support]
+            solution, *_ = np.linalg.lstsq(part, target, rcond=None)
+            if (solution < 0).any():
+                continue
+            residual = part @ solution - target
+            if residual @ residual < best_residual:
+                best_residual = float(residual @ residual)
+                best = np.zeros(columns)
+                best[list(support)] = solution
+    return best
+
+
+def fit_prefill(new_tokens, attention_pairs, requests, times) -> PrefillFit:
+    """The host-or-device model of the points, in relative error (short steps count as much as
+    long ones), every coefficient >= 0. The per-sequence term is fitted only when the points
+    vary the number of prompts per step; otherwise it cannot be told from the constants (0)."""
+    tokens, pairs = np.asarray(new_tokens, float), np.asarray(attention_pairs, float)
+    prompts, time = np.asarray(requests, float), np.asarray(times, float)
+    with_prompts = bool(np.ptp(prompts) > 0)
+    best: PrefillFit | None = None
+    seen: set[bytes] = set()  # assignments fitted already: from there the path is known
+    starts = [tokens > np.quantile(tokens, q) for q in START_QUANTILES] + [tokens >= 0]
+    for device in starts:
+        for _ in range(MAX_ROUNDS):
+            if device.tobytes() in seen:
+                break
+            seen.add(device.tobytes())
+            fit = _fit_assignment(tokens, pairs, prompts, time, device, with_prompts)
+            if best is None or fit.relative_rms_error < best.relative_rms_error:
+                best = fit
+            constant, per_token, per_pair = fit.device_coefficients
+            device = constant + (per_token * tokens + per_pair * pairs) > fit.host_s
+    return best
+
+
+def _fit_assignment(tokens, pairs, prompts, time, device, with_prompts) -> PrefillFit:
+    """Non-negative least squares with each point in the regime `device` assigns it to."""
+    host = ~device
+    design = np.column_stack([host, prompts if with_prompts else np.zeros_like(prompts),
+                              device, device * tokens, device * pairs]).astype(float)
+    weighted = design / time[:, None]
+    # Columns span orders of magnitude (pairs vs 1): scale them for the solves.
+    scale = np.abs(weighted).max(axis=0)
+    scale[scale == 0] = 1.0
+    solution = nonnegative_least_squares(weighted / scale, np.ones(len(time))) / scale
+    host_s, per_sequence, constant, per_token, per_pair = (float(value) for value in solution)
+    floor = float(time.min())
+    device_s = constant + (per_token * tokens + per_pair * pairs)
+    predicted = np.maximum(per_sequence * prompts + np.maximum(host_s, device_s), floor)
+    error = float(np.sqrt(np.mean((predicted / time - 1.0) ** 2)))
+    return PrefillFit((constant, per_token, per_pair), host_s, per_sequence, error, len(time),
+                      floor)
