@@ -112,6 +112,17 @@ def test_one_prompt_per_step_fits_no_per_sequence_term():
     assert fit.host_s == pytest.approx(HOST + PER_SEQUENCE, rel=1e-6)
 
 
+def test_two_prompt_counts_fit_no_per_sequence_term():
+    """Steps of one and two prompts cannot pin a per-prompt cost down for steps of a hundred
+    (MIN_PROMPT_COUNTS); three counts can."""
+    tokens, pairs, _ = steps(30, 8192)
+    two = np.where(np.arange(30) % 6 == 0, 2, 1)
+    assert fit_prefill(tokens, pairs, two, truth(tokens, pairs, two)).per_sequence_s == 0.0
+    three = np.where(np.arange(30) % 6 == 0, 2, np.where(np.arange(30) % 6 == 1, 4, 1))
+    fit = fit_prefill(tokens, pairs, three, truth(tokens, pairs, three))
+    assert fit.per_sequence_s == pytest.approx(PER_SEQUENCE, rel=1e-6)
+
+
 def test_too_few_prefill_points_are_refused():
     tokens, pairs, prompts = steps(5, 8192)
     points = points_of(tokens, pairs, prompts, truth(tokens, pairs, prompts))
