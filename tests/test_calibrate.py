@@ -156,3 +156,23 @@ def test_cli_writes_a_profile_and_refuses_what_it_cannot_do(tiny_model, tmp_path
     if not torch.cuda.is_available():
         no_gpu = subprocess.run(base + ["--gpu"], capture_output=True, text=True)
         assert no_gpu.returncode == 2 and "no CUDA device" in no_gpu.stderr
+
+
+def test_tensor_parallel_profile(tiny_model):  # noqa: F811
+    """TP=2 on the CPU (gloo): every timed step runs on both ranks, the profile says TP=2, the
+    simulator accepts it for TP=2 only, and the ranks are gone afterwards."""
+    import torch.distributed as dist
+
+    directory, _ = tiny_model
+    shape = resolve_shape(str(directory))
+    settings = ReplaySettings(model=str(directory), kv_memory_gb=0.01, tensor_parallel=2,
+                              config=ZipageConfig(**KNOBS))
+    profile = calibrate(settings, "cpu", hardware="h200", repeats=1)
+    assert not dist.is_initialized()
+    assert profile["tensor_parallel"] == 2
+    assert {"decode", "prefill", "compress"} <= set(profile)
+    h200 = get_hardware("h200")
+    CalibratedCostModel.from_profile(profile, shape=shape, gpu=h200, tensor_parallel=2, **KNOBS)
+    with pytest.raises(ConfigError, match="tensor_parallel"):
+        CalibratedCostModel.from_profile(profile, shape=shape, gpu=h200, tensor_parallel=1,
+                                         **KNOBS)

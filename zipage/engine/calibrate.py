@@ -326,13 +326,17 @@ def calibrate(settings: ReplaySettings, device: str | None = None, *, hardware: 
     """Measure the engine built from `settings` and return a profile (docs/cost_model.md)."""
     if repeats < 1:
         raise ConfigError(f"repeats: got {repeats}, expected >= 1")
-    if settings.tensor_parallel != 1:
-        raise ConfigError(f"tensor_parallel: got {settings.tensor_parallel}; the engine runs on one "
-                          "GPU, so calibrate with --tensor-parallel 1")
     engine_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = hardware_name(hardware, engine_device)  # before the slow part: refuse a bad label first
     engine = build_engine(settings, device)
-    bench = Bench(engine, repeats)
+    try:  # tensor parallel: every rank runs each timed step (the executor has the runner's calls)
+        return _measure(engine, Bench(engine, repeats), settings, gpu, repeats, progress)
+    finally:
+        engine.close()
+
+
+def _measure(engine: Engine, bench: Bench, settings: ReplaySettings, gpu: str, repeats: int,
+             progress: bool) -> dict:
     config = engine.config
     sections = [("decode", decode_points), ("prefill", prefill_points)]
     no_mixed = runs_mixed_steps(bench)
