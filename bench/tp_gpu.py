@@ -113,7 +113,8 @@ def run_job(job: str, args, out: Path) -> dict:
     if job.startswith("A"):
         world = int(job[1:])
         return {"bandwidth": (bandwidth := copy_bandwidth()),
-                "rows": decode_roofline(args.decode_model, [int(b) for b in args.batches.split(",")],
+                "rows": decode_roofline(args.decode_model,
+                                        [int(b) for b in args.batches.split(",")],
                                         bandwidth, tensor_parallel=world, eager=False)}
     part, name = job.split("-", 1)
     return headline_variant(args, out, "amc23" if part == "B" else "gsm8k",
@@ -165,7 +166,8 @@ def main() -> None:
     parser.add_argument("--fit-questions", type=int, default=24,
                         help="part C: GSM8K-shaped questions (4 samples each)")
     parser.add_argument("--fit-trace", default=None,
-                        help="part C: replay this trace file instead (its first --fit-head requests)")
+                        help="part C: replay this trace file instead (its first --fit-head "
+                             "requests)")
     parser.add_argument("--fit-head", type=int, default=None)
     parser.add_argument("--job-timeout", type=float, default=300.0,
                         help="seconds one job (one engine: build, run, close) may take")

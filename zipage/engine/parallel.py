@@ -92,7 +92,11 @@ def build_parallel_engine(settings, device: torch.device, dtype: torch.dtype, cu
         # the first compression of a run (3.9 s on Qwen3-32B at TP=2 before this).
         from zipage.engine.warmup import warm_up
 
-        warm_up(executor, capacity.num_blocks)
+        try:
+            warm_up(executor, capacity.num_blocks)
+        except BaseException:
+            executor.shutdown()  # the workers go with the failed build
+            raise
     return Engine(executor.runner.model, shape, executor.tokenizer, config, capacity, executor,
                   devices[0])
 
@@ -330,8 +334,8 @@ def _leave_group(dist, timeout_s: float = LEAVE_TIMEOUT_S) -> bool:
     if bounded(dist.destroy_process_group, "zipage-tp-leave"):
         return True
     if bounded(dist.distributed_c10d._abort_process_group, "zipage-tp-abort"):
-        print(f"zipage: tensor parallel: the process group did not shut down within {timeout_s:g} s;"
-              " aborted it", file=sys.stderr, flush=True)
+        print(f"zipage: tensor parallel: the process group did not shut down within "
+              f"{timeout_s:g} s; aborted it", file=sys.stderr, flush=True)
         return True
     print(f"zipage: tensor parallel: leaving the process group did not finish in "
           f"{time.monotonic() - started:.0f} s (destroy, then abort); left it behind",
