@@ -153,6 +153,9 @@ def compare_step_times(sim_steps: pd.DataFrame, real_steps: pd.DataFrame) -> dic
     }
 
 
+NO_TIME = {"steps": 0, "seconds": 0.0, "mean_ms": 0.0}  # a step kind one run never ran
+
+
 def step_kind_label(kind: str, n_compress: int) -> str:
     """A step's kind, with "+compress" when it runs or launches compressions."""
     return f"{kind}+compress" if n_compress else kind
@@ -178,8 +181,7 @@ def compare_time_by_kind(sim_steps: pd.DataFrame, real_steps: pd.DataFrame) -> d
     of the second run's total time: the parts of the makespan error."""
     sim, real = time_by_kind(sim_steps), time_by_kind(real_steps)
     span = float(real_steps["t_end"].max() - real_steps["t_start"].min()) if len(real_steps) else 0
-    empty = {"steps": 0, "seconds": 0.0, "mean_ms": 0.0}
-    share = {kind: (sim.get(kind, empty)["seconds"] - real.get(kind, empty)["seconds"]) / span
+    share = {kind: (sim.get(kind, NO_TIME)["seconds"] - real.get(kind, NO_TIME)["seconds"]) / span
              if span else None for kind in sorted(set(sim) | set(real))}
     return {"sim": sim, "real": real, "share_of_real_time": share}
 
@@ -400,9 +402,8 @@ def _format_time_by_kind(by_kind: dict | None, a: str, b: str) -> list[str]:
         return []
     lines = ["", f"(f) time by step kind, {a} | {b}: steps, seconds, mean ms; {a} - {b} in % of "
                  f"{b}'s total time"]
-    empty = {"steps": 0, "seconds": 0.0, "mean_ms": 0.0}
     for kind, share in by_kind["share_of_real_time"].items():
-        first, second = by_kind["sim"].get(kind, empty), by_kind["real"].get(kind, empty)
+        first, second = by_kind["sim"].get(kind, NO_TIME), by_kind["real"].get(kind, NO_TIME)
         lines.append(f"  {kind:<16} {first['steps']:>6} | {second['steps']:<6} "
                      f"{first['seconds']:8.2f} | {second['seconds']:<8.2f} "
                      f"{first['mean_ms']:7.2f} | {second['mean_ms']:<7.2f} "

@@ -183,7 +183,7 @@ def main() -> None:
         return
     for folder in ("jobs", "logs", "runs"):
         (out / folder).mkdir(parents=True, exist_ok=True)
-    argv = [arg for arg in sys.argv[1:]]
+    argv = sys.argv[1:]
     parts = args.parts.split(",")
     # The headline (B) first: what is left of the deadline goes to the decode rows, then C.
     variants = numbered(args.variants.split(","))

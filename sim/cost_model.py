@@ -98,9 +98,9 @@ ALLREDUCE_LATENCY_S = 25e-6
 # (Qwen3-8B) and 2.13 (Qwen3-0.6B) on the H200, and in H200 engine runs (the headline trace and
 # the online mixture) the step that launches a batch costs, at the median, 0.96-1.24 times this
 # model's duration of that batch more than a decode step without one (docs/cost_model.md, 'Async
-# compression on the GPU'). The paper's nearly free overlap (1.10) held for its engine, not ours. Flash (not measured) keeps the paper's extra 0.2
-# for its compute-heavy similarity kernels; off runs the lightning pipeline minus its redundancy
-# launches, so it takes lightning's factor.
+# compression on the GPU'). The paper's nearly free overlap (1.10) held for its engine, not ours.
+# Flash (not measured) keeps the paper's extra 0.2 for its compute-heavy similarity kernels; off
+# runs the lightning pipeline minus its redundancy launches, so it takes lightning's factor.
 DEFAULT_CONTENTION = {"off": 2.1, "lightning": 2.1, "flash": 2.3}
 
 ANALYTIC = "analytic"

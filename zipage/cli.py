@@ -18,8 +18,9 @@ from zipage.errors import ZipageError
 from zipage.flags import add_engine_flags, add_knob_flags, config_from_args, settings_from_args
 
 # Exit statuses (docs/engine.md): 0 every request completed; 1 a `zipage compare --max-error`
-# gate failed; 2 a mistake in the input, nothing ran; 3 the run finished and wrote its results, but some requests failed (e.g. too long for
-# --max-model-len); 130 interrupted; 141 stdout closed early.
+# gate failed; 2 a mistake in the input, nothing ran; 3 the run finished and wrote its results,
+# but some requests failed (e.g. too long for --max-model-len); 130 interrupted; 141 stdout
+# closed early.
 EXIT_OK = 0
 EXIT_GATE = 1  # zipage compare: a --max-error gate was exceeded
 EXIT_USAGE = 2
@@ -354,9 +355,7 @@ _ABLATION_FLAGS = {"async_compress": "--no-async", "hybrid": "--no-hybrid",
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from zipage.analysis.compare import compare_runs, format_report
-
-    from zipage.analysis.compare import exceeded, parse_max_errors
+    from zipage.analysis.compare import compare_runs, exceeded, format_report, parse_max_errors
 
     limits = parse_max_errors(args.max_error)  # a bad gate fails before the runs are read
     comparison = compare_runs(args.run_a, args.run_b)

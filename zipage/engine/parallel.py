@@ -308,14 +308,14 @@ def _drop_graphs(runner: ModelRunner | None) -> None:
     torch.cuda.synchronize(runner.device)
 
 
-def _leave_group(dist, timeout_s: float = LEAVE_TIMEOUT_S) -> bool:
+def _leave_group(dist, timeout_s: float = LEAVE_TIMEOUT_S) -> None:
     """Destroy this process's process group; abort it if that takes longer than `timeout_s` (a
     peer that died cannot take part in NCCL's teardown). Both run on daemon threads with a bound,
     so leaving never hangs the caller: if even the abort does not return, the group is left
     behind with a warning (this process cannot start another tensor-parallel engine, and says
-    so) and False is returned."""
+    so)."""
     if not (dist.is_available() and dist.is_initialized()):
-        return True
+        return
 
     def bounded(action, name: str) -> bool:
         done = threading.Event()
@@ -332,15 +332,14 @@ def _leave_group(dist, timeout_s: float = LEAVE_TIMEOUT_S) -> bool:
 
     started = time.monotonic()
     if bounded(dist.destroy_process_group, "zipage-tp-leave"):
-        return True
+        return
     if bounded(dist.distributed_c10d._abort_process_group, "zipage-tp-abort"):
         print(f"zipage: tensor parallel: the process group did not shut down within "
               f"{timeout_s:g} s; aborted it", file=sys.stderr, flush=True)
-        return True
+        return
     print(f"zipage: tensor parallel: leaving the process group did not finish in "
           f"{time.monotonic() - started:.0f} s (destroy, then abort); left it behind",
           file=sys.stderr, flush=True)
-    return False
 
 
 def _fault_now(fault: str, rank: int, step_id: int) -> bool:
