@@ -40,6 +40,7 @@ import torch
 
 from zipage.core.config import ZipageConfig
 from zipage.deployment import ReplaySettings
+from zipage.engine.compressor import ASYNC_LAUNCH_ENV
 from zipage.engine.replay import replay_on_engine
 from zipage.rundir import write_run
 from zipage.trace import Trace, load_trace, save_trace
@@ -105,7 +106,8 @@ def headline_variant(args, out: Path, trace_kind: str, label: str, name: str) ->
 
 JOBS = {"A1": "part A, TP=1 decode steps", "A2": "part A, TP=2 decode steps",
         "B-full-kv": "part B, Full KV", "B-zipage": "part B, Zipage",
-        "C-full-kv": "part C, Full KV", "C-zipage": "part C, Zipage"}
+        "C-full-kv": "part C, Full KV", "C-zipage": "part C, Zipage",
+        "B-zipage-launch-first": "part B, Zipage, async batches launched before the forward"}
 
 
 def run_job(job: str, args, out: Path) -> dict:
@@ -117,6 +119,8 @@ def run_job(job: str, args, out: Path) -> dict:
                                         [int(b) for b in args.batches.split(",")],
                                         bandwidth, tensor_parallel=world, eager=False)}
     part, name = job.split("-", 1)
+    if name.startswith("zipage-launch-first"):  # the engine's launch order before 2026-11-23
+        os.environ[ASYNC_LAUNCH_ENV] = "before-forward"  # its TP workers inherit it
     return headline_variant(args, out, "amc23" if part == "B" else "gsm8k",
                             "headline" if part == "B" else "fit", name)
 

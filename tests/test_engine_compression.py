@@ -80,3 +80,47 @@ def test_shared_prefix_blocks_survive_another_requests_compression(tiny_model, a
     long_record = next(r for r in run.requests if r.id == "long")
     # Checks ran after "long" had compressed while "short" still shared its prefix blocks.
     assert long_record.n_compressions > 0 and snapshots and max(checked) > 0
+
+
+@pytest.mark.parametrize("order", ["after-forward", "before-forward"])
+def test_async_launch_order(tiny_model, monkeypatch, order):  # noqa: F811
+    """An async batch goes in behind its step's forward (or before it, the order of old), and
+    the order changes no token: the batch's requests are not in that forward."""
+    from zipage.engine.compressor import ASYNC_LAUNCH_ENV
+
+    directory, _ = tiny_model
+    sync = LLM(str(directory), async_compress=False, **SMALL)
+    expected = [o.token_ids for o in sync.generate(prompts_with_shared_prefix(), GREEDY,
+                                                   progress=False)]
+    monkeypatch.setenv(ASYNC_LAUNCH_ENV, order)
+    llm = LLM(str(directory), **SMALL)
+    runner, events = llm.engine.runner, []
+    for name in ("execute", "_decode", "_prefill"):
+        forward = getattr(runner, name)
+        monkeypatch.setattr(runner, name, lambda *a, forward=forward, name=name:
+                            events.append(name) or forward(*a))
+    launch = runner.compressor.launch
+    monkeypatch.setattr(runner.compressor, "launch",
+                        lambda batch: events.append("launch") or launch(batch))
+    outputs = llm.generate(prompts_with_shared_prefix(), GREEDY, progress=False)
+    assert [o.token_ids for o in outputs] == expected
+    launches = [index for index, event in enumerate(events) if event == "launch"]
+    assert launches and llm.last_run.summary["compressions"] > 0
+    # Within its step ("execute" opens one), a launch comes right after or right before the
+    # step's forward.
+    before = [events[i - 1] for i in launches]
+    after = [events[i + 1] for i in launches]
+    forwards = {"_decode", "_prefill"}
+    if order == "after-forward":
+        assert set(before) <= forwards
+    else:
+        assert set(before) == {"execute"} and set(after) <= forwards
+
+
+def test_async_launch_order_refuses_a_bad_value(tiny_model, monkeypatch):  # noqa: F811
+    from zipage.engine.compressor import ASYNC_LAUNCH_ENV
+    from zipage.errors import ConfigError
+
+    monkeypatch.setenv(ASYNC_LAUNCH_ENV, "sideways")
+    with pytest.raises(ConfigError, match="ZIPAGE_ASYNC_LAUNCH: got 'sideways'"):
+        LLM(str(tiny_model[0]), **SMALL)

@@ -1,9 +1,10 @@
 """Runs the core's compression jobs on the engine's caches, synchronously or asynchronously.
 
-Sync jobs run on the main stream before the step's decode. An async batch runs on its own CUDA
-stream, overlapping the decode steps of the other requests: it first waits for everything the main
-stream has queued (the KV entries it reads), and records an event the step loop polls; the core
-keeps the compressed requests out of decode until the batch is reported done. Blocks the batch
+Sync jobs run on the main stream before the step's forward. An async batch runs on its own CUDA
+stream, overlapping the decode steps of the other requests: the runner launches it once the step's
+forward is queued, it waits for everything the main stream has queued (the KV entries it reads,
+and that forward), and it records an event the step loop polls; the core keeps the compressed
+requests out of decode until the batch is reported done. Blocks the batch
 reads or writes are held by the core until then, so no other request can touch them. On the CPU
 an async batch simply runs at launch and is done at the next poll.
 
@@ -21,6 +22,9 @@ from zipage.core.step import CompressionBatch, CompressionJob
 from zipage.engine.caches import KVCaches
 from zipage.errors import ConfigError
 from zipage.kernels.compress import CompressionInputs, CompressionParams, compress
+
+ASYNC_LAUNCH_ENV = "ZIPAGE_ASYNC_LAUNCH"
+ASYNC_LAUNCH_ORDERS = ("after-forward", "before-forward")
 
 
 class Compressor:
@@ -40,6 +44,13 @@ class Compressor:
         self.stream = torch.cuda.Stream(device) if self.on_gpu else None
         self.green_context = None
         self.in_flight: tuple[int, torch.cuda.Event | None] | None = None
+        # Where the runner launches an async batch: behind the step's forward (the default), or
+        # before it, as until 2026-11-23 (kept to measure the two against each other).
+        order = os.environ.get(ASYNC_LAUNCH_ENV, "after-forward")
+        if order not in ASYNC_LAUNCH_ORDERS:
+            raise ConfigError(f"{ASYNC_LAUNCH_ENV}: got {order!r}, expected one of "
+                              f"{', '.join(ASYNC_LAUNCH_ORDERS)} (unset it for after-forward)")
+        self.launch_first = order == "before-forward"
         sms = os.environ.get("ZIPAGE_COMPRESSOR_SMS")
         if sms:
             if not sms.isdigit() or int(sms) < 1:
@@ -78,22 +89,8 @@ class Compressor:
 
     def run(self, jobs: list[CompressionJob]) -> None:
         """Compress `jobs` now, on the current stream."""
-        caches, device = self.caches, self.device
-        # Both tables are padded with -1: requests read different numbers of source blocks and,
-        # with budgets of their own or the elastic policy, keep different numbers of blocks.
-        source = _padded([job.source_table for job in jobs])
-        target = _padded([job.target_blocks for job in jobs])
-        tables = dict(
-            source_tables=source.to(device),
-            num_source_blocks=torch.tensor([len(job.source_table) for job in jobs],
-                                           dtype=torch.int32, device=device),
-            target_tables=target.to(device),
-            query_slots=torch.tensor([job.query_slot for job in jobs], dtype=torch.int64,
-                                     device=device),
-            is_compressed=torch.tensor([not job.is_first for job in jobs], device=device),
-            num_target_blocks=torch.tensor([len(job.target_blocks) for job in jobs],
-                                           dtype=torch.int32, device=device),
-        )
+        caches = self.caches
+        tables = self.tables(jobs)
         # Tensor parallelism with replicated KV heads: the GQA max spans ranks.
         extra = {} if self.reduce_group_max is None else {"reduce_group_max": self.reduce_group_max}
         layers = caches.num_layers
@@ -105,6 +102,27 @@ class Compressor:
                 caches.query[group], **tables)
             self.compress_fn(**vars(inputs),
                              params=self.params, scale=self.scale, **extra)
+
+    def tables(self, jobs: list[CompressionJob]) -> dict[str, torch.Tensor]:
+        """The batch's per-request tables on the device, uploaded without blocking the host.
+
+        A blocking upload waits for the stream it runs on, and an async batch's stream waits for
+        the step's forward (`launch`): one blocking copy would hold the host until the forward
+        is done. So the tables go up from pinned memory, in three copies."""
+        # Both tables are padded with -1: requests read different numbers of source blocks and,
+        # with budgets of their own or the elastic policy, keep different numbers of blocks.
+        source = _padded([job.source_table for job in jobs])
+        target = _padded([job.target_blocks for job in jobs])
+        counts = torch.tensor([[len(job.source_table) for job in jobs],
+                               [job.query_slot for job in jobs],
+                               [not job.is_first for job in jobs],
+                               [len(job.target_blocks) for job in jobs]], dtype=torch.int32)
+        if self.on_gpu:
+            source, target, counts = (tensor.pin_memory().to(self.device, non_blocking=True)
+                                      for tensor in (source, target, counts))
+        return dict(source_tables=source, num_source_blocks=counts[0],
+                    target_tables=target, query_slots=counts[1].long(),
+                    is_compressed=counts[2].bool(), num_target_blocks=counts[3])
 
     def launch(self, batch: CompressionBatch) -> None:
         assert self.in_flight is None, "the core allows one compression batch in flight"

@@ -35,4 +35,10 @@ def replay_on_engine(trace: Trace, settings: ReplaySettings, device: str | None 
     finally:
         engine.close()  # tensor parallel: the workers stop here, not at some later collection
     driver = f"engine-{engine.device.type}"
-    return run_summary(run.summary, engine.capacity, engine.config, settings, driver), run
+    summary = run_summary(run.summary, engine.capacity, engine.config, settings, driver)
+    compressor = engine.runner.compressor
+    if compressor is not None and engine.config.async_compress:
+        # Where async batches started (`calibrate --from-run` reads it; absent before 2026-11-23,
+        # when every batch was launched before its step's forward).
+        summary["async_launch"] = "before-forward" if compressor.launch_first else "after-forward"
+    return summary, run

@@ -175,19 +175,26 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan, tokens: dict[str, list[int]]
                  ) -> tuple[list[Sequence], torch.Tensor | None]:
-        if self.compressor is not None:
-            if plan.compress_sync:
-                self.compressor.run(plan.compress_sync)
-            if plan.compress_launch is not None:
-                self.compressor.launch(plan.compress_launch)
+        compressor = self.compressor
+        launch = compressor is not None and plan.compress_launch is not None
+        if compressor is not None and plan.compress_sync:
+            compressor.run(plan.compress_sync)  # its requests decode in this very forward
+        if launch and compressor.launch_first:
+            compressor.launch(plan.compress_launch)
+        sequences, logits = [], None
         if plan.prefill:  # a prefill or mixed step: one forward over chunks and decode rows
             sequences = plan.sampled
             logits = self._prefill(plan, tokens)
-        else:
+        elif plan.decode:
             sequences = plan.decode
-            if not sequences:
-                return [], None
             logits = self._decode(sequences, tokens)
+        # An async batch goes in behind the forward: the host queues its ~20 launches per layer
+        # group while the GPU runs the forward, instead of before it, where they delayed the
+        # forward's start by their whole host time (3-7 ms a launching step on the H200;
+        # docs/cost_model.md, 'Async compression on the GPU'). Its requests are not in this
+        # forward, and its stream waits for it, so it starts on the GPU when the forward ends.
+        if launch and not compressor.launch_first:
+            compressor.launch(plan.compress_launch)
         self.last_logits = logits  # for analysis (teacher-forced fidelity); never copied
         return sequences, logits
 
