@@ -11,9 +11,12 @@ is split into terms that add up to it exactly:
   step: `decode steps` (count x a), `decode requests` (x b), `decode context` (x c), plus
   `decode residual`, what the plane misses on the steps that compress nothing (a run that was
   slower throughout shows it here);
-- **compression**: what the decode steps that compress (launch an async batch, or run sync jobs)
-  cost beyond the plane: the price of the compressions as the run paid it. Measured on the H200,
-  all of it lands on the compressing step itself, none on the steps after it;
+- **compression**: what the decode steps of each compression cost beyond the plane: the price of
+  the compressions as the run paid it. A compression's steps are the step that runs it (sync) or
+  launches it (async) and, for an async batch, every step up to the one that reports it done.
+  On the H200 an async batch launched before its step's forward (the engine until 2026-11-23)
+  cost all of it on that step; launched behind the forward (now), it finishes in the next step
+  and costs little on either;
 - **prefill** (prefill and mixed steps: recomputation after preemption included), **idle** steps
   (waiting for an async batch) and **host gaps** between steps.
 
@@ -21,7 +24,7 @@ The difference B - A of each term says which one moved the makespan; the compres
 split into its count (B's batches minus A's, at A's mean price) and its price (B's batches times
 the difference of the mean prices).
 
-With `--cost-model SPEC` (analytic or a profile) each compressing decode step's batch is also
+With `--cost-model SPEC` (analytic or a profile) each compression's batch is also
 priced by that model, job by job from the run's decision log (source and kept blocks; an engine
 run written without one gets it from its step-time replay, `zipage replay TRACE --step-times RUN
 --out DIR`, which keeps the engine's clock), and the report gives the compression term over the
@@ -62,9 +65,40 @@ def _features(steps: pd.DataFrame) -> np.ndarray:
                             steps["decode_context_tokens"].to_numpy(dtype=float)])
 
 
+def compression_owner(steps: pd.DataFrame) -> np.ndarray:
+    """For each step, the step_id of the compression it runs, launches or overlaps, or -1.
+
+    A compressing step owns itself and, when its batch is async, every step up to the one that
+    reports a batch done (the core keeps one batch in flight, so the next launch comes after). A
+    sync compression is never reported: the next compressing step, or the run's end, comes first
+    and the compression owns its step alone."""
+    ids = steps["step_id"].to_numpy()
+    compress = steps["n_compress"].to_numpy() > 0
+    done = steps["batches_done"].to_numpy() > 0
+    owner = np.full(len(steps), -1, dtype=np.int64)
+    for start in np.flatnonzero(compress):
+        end = start
+        while not done[end] and end + 1 < len(steps) and not compress[end + 1]:
+            end += 1
+        owner[start:end + 1 if done[end] else start + 1] = ids[start]
+    return owner
+
+
 def _decode_steps(steps: pd.DataFrame, compressing: bool) -> pd.DataFrame:
-    decode = steps[steps["kind"] == "decode"]
-    return decode[(decode["n_compress"] > 0) == compressing]
+    """Decode steps of a compression (`compression_owner`), or those of none."""
+    decode = (steps["kind"] == "decode").to_numpy()
+    return steps[decode & ((compression_owner(steps) >= 0) == compressing)]
+
+
+def _compressions(steps: pd.DataFrame, plane: np.ndarray | None = None) -> pd.Series:
+    """What each compression's decode steps cost beyond the plane (seconds; 0 without a
+    plane), by the step_id of the compression: the compressions that have decode steps."""
+    owner = compression_owner(steps)
+    decode = (steps["kind"] == "decode").to_numpy() & (owner >= 0)
+    rows = steps[decode]
+    residual = (_durations(rows) - _features(rows) @ plane if plane is not None
+                else np.zeros(len(rows)))
+    return pd.Series(residual).groupby(owner[decode]).sum()
 
 
 def decode_plane(runs: list[pd.DataFrame]) -> np.ndarray:
@@ -100,12 +134,12 @@ def run_terms(steps: pd.DataFrame, plane: np.ndarray) -> dict[str, float]:
 def run_counts(steps: pd.DataFrame) -> dict[str, float]:
     """What the terms are made of: steps, decode rows, KV entries, compressions, preemptions."""
     decode = steps[steps["kind"] == "decode"]
-    compressing = _decode_steps(steps, compressing=True)
     return {
         "decode steps": len(decode),
         "decode requests": int(decode["n_decode"].sum()),
         "decode context (M tokens)": float(decode["decode_context_tokens"].sum()) / 1e6,
-        "compressing decode steps": len(compressing),
+        # Compressions (sync steps or async batches) with decode steps to price them by.
+        "compression batches": len(_compressions(steps)),
         # Jobs of every step: an idle step may launch a batch too (its wait is the idle term).
         "compressions (jobs)": int(steps["n_compress"].sum()),
         "source blocks compressed": int(steps["compress_blocks"].sum()),
@@ -116,21 +150,19 @@ def run_counts(steps: pd.DataFrame) -> dict[str, float]:
 
 
 def residual_after_compression(steps: pd.DataFrame, plane: np.ndarray) -> float | None:
-    """Mean plane residual (s) of the decode steps that compress nothing and follow a step that
-    compressed: near 0 when a compression costs only the step that runs it."""
-    follows = (steps["n_compress"].shift(1, fill_value=0) > 0).to_numpy()
-    after = steps[follows & (steps["kind"] == "decode").to_numpy()
-                  & (steps["n_compress"] == 0).to_numpy()]
+    """Mean plane residual (s) of the decode steps of no compression that follow one's last
+    step: near 0 when a compression costs only its own steps."""
+    inside = compression_owner(steps) >= 0
+    follows = np.concatenate([[False], inside[:-1]]) & ~inside
+    after = steps[follows & (steps["kind"] == "decode").to_numpy()]
     if after.empty:
         return None
     return float((_durations(after) - _features(after) @ plane).mean())
 
 
 def _median_price(steps: pd.DataFrame, plane: np.ndarray) -> float | None:
-    compressing = _decode_steps(steps, compressing=True)
-    if compressing.empty:
-        return None
-    return float(np.median(_durations(compressing) - _features(compressing) @ plane))
+    prices = _compressions(steps, plane)
+    return None if prices.empty else float(prices.median())
 
 
 def attribute(steps_a: pd.DataFrame, steps_b: pd.DataFrame) -> dict:
@@ -139,7 +171,7 @@ def attribute(steps_a: pd.DataFrame, steps_b: pd.DataFrame) -> dict:
     plane = decode_plane([steps_a, steps_b])
     terms = [run_terms(steps, plane) for steps in (steps_a, steps_b)]
     counts = [run_counts(steps) for steps in (steps_a, steps_b)]
-    batches = [count["compressing decode steps"] for count in counts]
+    batches = [count["compression batches"] for count in counts]
     price = [term["compression"] / n if n else 0.0 for term, n in zip(terms, batches)]
     # The median resists the odd step of a run (a kernel compiled mid-run takes seconds).
     median = [_median_price(steps, plane) for steps in (steps_a, steps_b)]
@@ -201,11 +233,11 @@ def _notes(result: dict, labels: tuple[str, str]) -> list[str]:
     after_a, after_b = (_ms(value) for value in result["residual_after_compression_s"])
     notes = [f"decode plane: {plane_a * 1e3:.3f} ms + {plane_b * 1e6:.2f} us per request + "
              f"{plane_c * 1e9:.1f} ns per KV entry read",
-             f"compression price per compressing decode step, mean (median): {a} {price_a} "
+             f"compression price per batch, mean (median): {a} {price_a} "
              f"({median_a}), {b} {price_b} ({median_b}); {b} - {a} = "
              f"{result['compression_count_effect_s']:+.3f} s from the count + "
              f"{result['compression_price_effect_s']:+.3f} s from the price",
-             "mean residual of the clean decode steps right after a compressing step: "
+             "mean residual of the clean decode steps right after a compression's steps: "
              f"{a} {after_a}, {b} {after_b}"]
     if "price_over_modelled" in result:
         (ratio_a, median_a), (ratio_b, median_b) = result["price_over_modelled"]
@@ -237,8 +269,8 @@ def batch_blocks(decision_lines: list[str]) -> dict[int, tuple[list[int], list[i
 def modelled_price_ratio(run_dir: str | Path, cost_spec: str,
                          plane: np.ndarray) -> tuple[float, float]:
     """Compression term / the durations `cost_spec` gives the same batches, over the run's
-    compressing decode steps: what the run implies for that model's contention factor, minus 1;
-    and the median of that ratio step by step (which a few outlying steps do not move)."""
+    compressions: what the run implies for that model's contention factor, minus 1; and the
+    median of that ratio batch by batch (which a few outlying steps do not move)."""
     from zipage.sim.simulate import plan_deployment  # the simulator is only needed here
 
     run = load_run(run_dir)
@@ -249,14 +281,13 @@ def modelled_price_ratio(run_dir: str | Path, cost_spec: str,
     settings = replace(ReplaySettings.from_dict(run.summary["settings"]), cost_model=cost_spec)
     cost = plan_deployment(settings).cost_model
     batches = batch_blocks(lines)
-    compressing = _decode_steps(run.steps, compressing=True)
-    missing = sorted(set(compressing["step_id"]) - set(batches))
+    paid = _compressions(run.steps, plane)
+    missing = sorted(set(paid.index) - set(batches))
     if missing:
         raise ZipageError(f"{run_dir}: the decision log has no compression jobs for step(s) "
                           f"{', '.join(map(str, missing[:5]))}; is it this run's log?")
-    modelled = np.array([cost.compress_time_for(*batches[step])
-                         for step in compressing["step_id"]])
-    paid = _durations(compressing) - _features(compressing) @ plane
+    modelled = np.array([cost.compress_time_for(*batches[step]) for step in paid.index])
+    paid = paid.to_numpy()
     return float(paid.sum() / modelled.sum()), float(np.median(paid / modelled))
 
 
@@ -270,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("run_b", help="run directory of the same trace (e.g. elastic)")
     parser.add_argument("--labels", default="A,B", help="names of the two runs, comma-separated")
     parser.add_argument("--cost-model", default=None,
-                        help="also price each compressing step's batch with this cost model "
+                        help="also price each compression's batch with this cost model "
                              "('analytic' or a profile; needs the runs' decision logs)")
     args = parser.parse_args(argv)
     labels = tuple(args.labels.split(","))

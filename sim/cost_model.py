@@ -92,16 +92,16 @@ SCORE_ELEMENT_PASSES = 10
 # above (docs/BENCHMARKS.md, 'Tensor parallelism on two H200s').
 INTERCONNECT_EFFICIENCY = 0.80
 ALLREDUCE_LATENCY_S = 25e-6
-# A decode step overlapping an async compression batch shares the host thread, SMs and HBM
-# bandwidth with it. These are the multipliers for a fully overlapped step. On our engine an
-# overlapped batch delays the decode by about its whole duration: `zipage calibrate` measured 2.09
-# (Qwen3-8B) and 2.13 (Qwen3-0.6B) on the H200, and in H200 engine runs (the headline trace and
-# the online mixture) the step that launches a batch costs, at the median, 0.96-1.24 times this
-# model's duration of that batch more than a decode step without one (docs/cost_model.md, 'Async
-# compression on the GPU'). The paper's nearly free overlap (1.10) held for its engine, not ours.
-# Flash (not measured) keeps the paper's extra 0.2 for its compute-heavy similarity kernels; off
-# runs the lightning pipeline minus its redundancy launches, so it takes lightning's factor.
-DEFAULT_CONTENTION = {"off": 2.1, "lightning": 2.1, "flash": 2.3}
+# A decode step overlapping an async compression batch shares the SMs and HBM bandwidth with it.
+# These are the multipliers for a fully overlapped step. The engine launches a batch behind its
+# step's forward, so it runs in the gap before the next step and beside it: in H200 runs of the
+# headline trace the steps of a batch cost 0.15 (Qwen3-8B), 0.20 (0.6B) and 0.17 (Qwen3-32B,
+# TP=2) times this model's duration of the batch more than the decode plane (docs/cost_model.md,
+# 'Async compression on the GPU'). Launched before the forward, as until 2026-11-23, the same
+# batches cost 1.28-1.36 times it, hence the 2.1 of that time. Flash (not measured) keeps the
+# paper's extra 0.2 for its compute-heavy similarity kernels; off runs the lightning pipeline
+# minus its redundancy launches, so it takes lightning's factor.
+DEFAULT_CONTENTION = {"off": 1.15, "lightning": 1.15, "flash": 1.35}
 
 ANALYTIC = "analytic"
 # What a cost model is built for: the knobs that change a step's duration (declared with

@@ -16,10 +16,15 @@ end. This module turns those steps into the profile format of `CalibratedCostMod
   factor c: its duration is the steps it overlapped whole plus, of the step that reported it
   done, the extra time over the forward divided by c - 1;
 - the contention factor: the median ratio of the steps a batch overlapped from start to end to
-  the fitted model. When every batch finished within the step that launched it (so no step was
-  overlapped whole), the runs cannot tell a batch's duration from the slowdown it causes; the
-  overlap is then taken as serial, c = 2 (what `zipage calibrate --gpu` measured on the H200:
-  2.09), and a batch's duration is its steps' extra time.
+  the fitted model. When no batch outlasted a step (so no step was overlapped whole), the runs
+  cannot tell a batch's duration from the slowdown it causes; c is then assumed: 2 for runs
+  that launched batches before the forward (a serial overlap, measured then), the analytic
+  model's default for runs that launch behind it (measured on such runs, docs/cost_model.md),
+  and a batch's duration is its steps' extra time over c - 1.
+
+The engine launches a batch behind its step's forward (since 2026-11-23; the run's summary says
+`async_launch`), so a batch overlaps the steps after the one that launched it; in older runs it
+overlapped that step too.
 
 A step starts when the engine's loop iteration does, so admission and scheduling are inside it;
 the bookkeeping after a step's end until the next step starts (the run's median gap, tens of
@@ -38,11 +43,14 @@ import pandas as pd
 
 from zipage.errors import ConfigError
 
-from .cost_model import PROFILE_VERSION, CalibratedCostModel, StepWork
+from .cost_model import DEFAULT_CONTENTION, PROFILE_VERSION, CalibratedCostModel, StepWork
 
-# Contention assumed when no step was overlapped whole by a batch: the batch and the decode
-# share the GPU serially (measured 2.09 by `zipage calibrate --gpu` on the H200).
+# Contention assumed when no batch outlasted a step of runs that launched batches before the
+# step's forward: such a batch delayed its step by about its whole duration (`zipage calibrate
+# --gpu` measured 2.09 on the H200 then). Runs that launch behind the forward take the analytic
+# model's default, which was measured on runs of that engine.
 SERIAL_CONTENTION = 2.0
+
 # Below this slowdown an overlap is practically free, and a batch's extra time says nothing of
 # its duration: its duration is then the span from its launch to the end of the step that
 # reported it (an upper bound).
@@ -79,7 +87,10 @@ def profile_from_runs(run_dirs: list[str | Path], *, gpu: str | None = None,
     if len(points["mixed"]) >= 2:  # what a fit of their constant needs; else one is assumed
         profile["mixed"] = points["mixed"]
     model = CalibratedCostModel.from_profile(profile)
-    contention = _contention(model, batches)
+    # When no batch outlasted a step, the runs cannot tell its duration from its slowdown.
+    assumed = (SERIAL_CONTENTION if _launch_order(runs) == "before-forward"
+               else DEFAULT_CONTENTION[header["redundancy"]])
+    contention = _contention(model, batches, assumed)
     compress = [dict(point, time_s=time_s - model.forward_time_for(work))
                 for point, work, time_s in sync]
     compress += [_batch_point(model, batch, contention) for batch in batches]
@@ -106,8 +117,24 @@ def _sort_steps(runs: list[tuple[dict, pd.DataFrame]], stall_factor: float | Non
     sync, batches, stalls = [], [], 0
     for summary, steps in runs:
         asynchronous = summary["settings"]["config"]["async_compress"]
-        stalls += _collect(_durations(steps, stall_factor), asynchronous, points, sync, batches)
+        behind = _run_launch_order(summary) == "after-forward"
+        stalls += _collect(_durations(steps, stall_factor), asynchronous, behind, points, sync,
+                           batches)
     return points, sync, batches, stalls
+
+
+def _run_launch_order(summary: dict) -> str:
+    # Runs before 2026-11-23 launched every batch before its step's forward, and say nothing.
+    return summary.get("async_launch", "before-forward")
+
+
+def _launch_order(runs: list[tuple[dict, pd.DataFrame]]) -> str:
+    orders = sorted({_run_launch_order(summary) for summary, _ in runs})
+    if len(orders) > 1:
+        raise ConfigError("--from-run: the runs launched async batches in different orders "
+                          f"({' and '.join(orders)} the step's forward: engines of before and "
+                          "after 2026-11-23); fit one profile per engine")
+    return orders[0]
 
 
 def _read(directory: Path) -> tuple[dict, pd.DataFrame]:
@@ -171,10 +198,12 @@ def _durations(steps: pd.DataFrame, stall_factor: float | None) -> pd.DataFrame:
     return steps
 
 
-def _collect(steps: pd.DataFrame, asynchronous: bool, points: dict[str, list], sync: list,
-             batches: list[AsyncBatch]) -> int:
+def _collect(steps: pd.DataFrame, asynchronous: bool, behind: bool, points: dict[str, list],
+             sync: list, batches: list[AsyncBatch]) -> int:
     """Sort one run's steps into clean points, sync compressions and async batches; returns the
-    number of stalled steps left out."""
+    number of stalled steps left out. `behind`: the run launched each async batch behind its
+    step's forward, so a batch overlaps the steps after its launching step (that one too only
+    when the batch reported done in it, which a short batch can)."""
     in_flight: AsyncBatch | None = None
     tainted = False  # the batch in flight launched or overlapped a stalled step
     for step in steps.itertuples(index=False):
@@ -186,10 +215,14 @@ def _collect(steps: pd.DataFrame, asynchronous: bool, points: dict[str, list], s
                             num_prefill=int(step.n_prefill),
                             prefill_tokens=int(step.prefill_tokens),
                             attention_pairs=int(step.attention_pairs))
+        before_batch = False  # a launching step the batch (launched behind it) did not overlap
         if step.n_compress and asynchronous and in_flight is None:
             in_flight = AsyncBatch(int(step.n_compress), int(step.compress_blocks))
             tainted = False
-        if in_flight is not None:
+            before_batch = behind and work is not None and not step.batches_done
+        if before_batch:
+            tainted |= bool(step.stalled)
+        elif in_flight is not None:
             in_flight.steps.append((work, duration))
             in_flight.span_s += duration
             tainted |= bool(step.stalled)
@@ -212,11 +245,13 @@ def _overlapped_whole(batch: AsyncBatch) -> list[tuple[StepWork | None, float]]:
     return batch.steps[:-1]
 
 
-def _contention(model: CalibratedCostModel, batches: list[AsyncBatch]) -> float:
+def _contention(model: CalibratedCostModel, batches: list[AsyncBatch], default: float) -> float:
+    """The median slowdown of the steps batches overlapped whole; `default` (the analytic
+    model's, measured on the engine) when no batch outlasted a step."""
     ratios = [duration / model.forward_time_for(work) for batch in batches
               for work, duration in _overlapped_whole(batch) if work is not None]
     if not ratios:
-        return SERIAL_CONTENTION
+        return default
     return max(1.0, statistics.median(ratios))
 
 

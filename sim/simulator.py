@@ -4,7 +4,8 @@ Three processes share one SimPy clock:
 - arrivals: adds each trace request to the scheduler at its arrival time;
 - the engine loop: `schedule()` -> wait the cost model's duration -> `finish(result)`, exactly the
   step protocol the real engine follows (docs/architecture.md, 'Step protocol');
-- the compressor: runs each async compression batch for `compress_time(batch)` while the engine
+- the compressor: runs each async compression batch for `compress_time(batch)` from the end of
+  the step that launched it (the engine queues it behind that step's forward) while the engine
   loop keeps stepping; steps that run while a batch is in flight are stretched by the cost
   model's contention factor.
 
@@ -99,22 +100,27 @@ class Simulator:
                 yield self._request_arrived
                 continue
             t_start = self.env.now
+            # Priced before a batch it launches is set going: that batch does not overlap it.
+            step_time = 0.0 if plan.kind == IDLE else self._step_time(plan)
             if plan.compress_launch is not None:
+                # The engine launches a batch behind its step's forward, and the batch's stream
+                # waits for that forward: it starts when the step ends.
                 self._compression_done = self.env.event()
                 duration = cost.compress_time(plan.compress_launch.jobs)
-                self._compression_ends_at = t_start + duration
-                self.env.process(self._compress(plan.compress_launch.batch_id, duration))
+                self._compression_ends_at = t_start + step_time + duration
+                self.env.process(self._compress(plan.compress_launch.batch_id,
+                                                step_time + duration))
             if plan.kind == IDLE:
                 yield self._compression_done
             else:
-                yield self.env.timeout(self._step_time(plan))
+                yield self.env.timeout(step_time)
             result = StepResult(step_id=plan.step_id, t_start=t_start, t_end=self.env.now,
                                 completed_batches=self._completed_batches)
             self._completed_batches = []
             recorder.finish(plan, result)
 
-    def _compress(self, batch_id: int, duration: float):
-        yield self.env.timeout(duration)
+    def _compress(self, batch_id: int, done_in: float):
+        yield self.env.timeout(done_in)
         self._completed_batches.append(batch_id)
         self._compression_done.succeed()
 

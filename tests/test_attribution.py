@@ -70,7 +70,7 @@ def test_terms_add_up_and_recover_the_known_costs():
     assert (result["compression_count_effect_s"] + result["compression_price_effect_s"]
             == pytest.approx(change))
     counts = result["counts"]
-    assert counts[0]["compressing decode steps"] == len(range(3, 400, 3))
+    assert counts[0]["compression batches"] == len(range(3, 400, 3))
     assert counts[1]["compressions (jobs)"] == 2 * len(range(4, 400, 4))
 
 

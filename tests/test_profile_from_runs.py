@@ -178,6 +178,36 @@ def test_async_batches_within_their_step_are_taken_as_a_serial_overlap(tmp_path)
     assert profile["gpu"] == "h200-141gb"
 
 
+def test_batches_launched_behind_the_forward_overlap_the_next_step(tmp_path):
+    """The engine of now: a batch starts when its launching step's forward ends and is reported
+    by the next step, which it stretches by (c - 1) x its duration; with no step overlapped whole
+    c is the analytic default, and every batch's known duration comes back."""
+    from zipage.sim.cost_model import DEFAULT_CONTENTION
+
+    contention = DEFAULT_CONTENTION["lightning"]
+    steps = synthetic_steps()
+    durations, batches = [], []
+    for index, step in enumerate(steps):
+        step["batches_done"] = int(bool(index and steps[index - 1]["compress_blocks"]))
+        duration = step["forward"]
+        if step["batches_done"]:
+            duration += (contention - 1) * batches[-1]
+        if step["compress_blocks"]:
+            batches.append(compress_time(step["compress_blocks"]))
+        durations.append(duration)
+    run = write_run(tmp_path / "a", steps, durations, True)
+    summary = json.loads((run / "summary.json").read_text())
+    summary["settings"]["config"]["redundancy"] = "lightning"
+    (run / "summary.json").write_text(json.dumps({**summary, "async_launch": "after-forward"}))
+    profile = profile_from_runs([run])
+    assert profile["contention_factor"] == pytest.approx(contention)
+    assert [point["time_s"] for point in profile["compress"]] == pytest.approx(batches, rel=1e-6)
+    # Runs of the two engines do not make one profile.
+    old = synthetic_run(tmp_path / "b", True)
+    with pytest.raises(ConfigError, match="different orders"):
+        profile_from_runs([run, old])
+
+
 def test_batches_over_several_steps_measure_contention_whatever_their_kind(tmp_path):
     """Each batch lasts its launching step's forward plus half the next step's; the steps it
     overlaps are stretched as the simulator stretches them with c = 1.5: the factor and every

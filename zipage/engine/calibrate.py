@@ -273,8 +273,9 @@ def contention_factor(bench: Bench, compress: list[dict]) -> float | None:
     Decode steps of a mid-size batch alone, then with a batch of two requests launched on the
     compressor's stream in the first of them, stepping until it reports done: the extra time of
     those steps over the same number alone, per second of overlap (the compression's own
-    duration, or the steps' if shorter), plus one. 1.0 would be a free overlap; 2.0 a
-    compression that delays the decode by all of its own time.
+    duration, or the time of the steps it overlapped if shorter: the steps after the launching
+    one, which it runs behind, unless it finished within that one), plus one. 1.0 would be a
+    free overlap; 2.0 a compression that delays the decode by all of its own time.
     """
     config = bench.config
     pair = next((p for p in compress if p["requests"] == 2 and p["blocks"] == 2 * config.n_max),
@@ -298,7 +299,9 @@ def contention_factor(bench: Bench, compress: list[dict]) -> float | None:
             batch_id=attempt, jobs=jobs)), sequences)]
         while not compressor.completed():
             steps.append(bench.execute(decode, sequences))
-        overlap = min(pair["time_s"], len(steps) * alone)
+        behind = len(steps) > 1 and not compressor.launch_first
+        overlapped = len(steps) - 1 if behind else len(steps)
+        overlap = min(pair["time_s"], overlapped * alone)
         ratios.append(1.0 + max(0.0, sum(steps) - len(steps) * alone) / overlap)
     bench.free()
     return round(statistics.median(ratios), 3)
