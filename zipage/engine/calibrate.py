@@ -4,10 +4,10 @@ The simulator's calibrated cost model (`sim/cost_model.py`, docs/cost_model.md) 
 measured step times: decode by (batch, context tokens), prefill by (prompts, new tokens, attention
 pairs: host- or device-bound, `sim/prefill_fit.py`), mixed steps (chunked prefill: decodes and a
 prompt chunk in one forward) by both, compression by source blocks, plus the slowdown of a decode
-step that overlaps an async compression. This module measures exactly those on the engine: whole `ModelRunner.execute` calls
-(input building on the host, the CUDA graph or eager forward, sampling, tokens back on the host:
-what the step loop times), on synthetic requests laid out directly in the block manager, so every
-point is exactly the batch and context it names. Nothing here schedules; the caches hold whatever
+step that overlaps an async compression. This module measures exactly those on the engine: whole
+`ModelRunner.execute` calls (input building on the host, the CUDA graph or eager forward,
+sampling, tokens back on the host: what the step loop times), on synthetic requests laid out
+directly in the block manager, so every point is exactly the batch and context it names. Nothing here schedules; the caches hold whatever
 the points write (timing does not depend on the values).
 """
 
