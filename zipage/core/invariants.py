@@ -132,6 +132,7 @@ class InvariantChecker:
             for block in job.target_blocks + [job.new_block]:
                 self.block_content[block] = None  # about to be overwritten
         self._check_chunks(plan)
+        self._check_decode_context(plan)
         self._check_writes(plan)
         self._check_blocks()
         self._check_slots()
@@ -318,6 +319,15 @@ class InvariantChecker:
                 self.fail(f"{tokens} prompt tokens exceed max_num_batched_tokens")
             if any(not item.samples for item in plan.prefill):
                 self.fail("a partial prompt chunk without chunked prefill")
+
+    def _check_decode_context(self, plan: StepPlan) -> None:
+        # The scheduler keeps both counts incrementally (O(events) a step); here from scratch.
+        contexts = [seq.kv_len + 1 for seq in plan.decode]
+        if plan.decode_context_tokens != sum(contexts) \
+                or plan.decode_max_context != max(contexts, default=0):
+            self.fail(f"decode context: planned sum {plan.decode_context_tokens} / max "
+                      f"{plan.decode_max_context}, requests give {sum(contexts)} / "
+                      f"{max(contexts, default=0)}")
 
     def _check_writes(self, plan: StepPlan) -> None:
         """No prefill or decode writes KV into a block another holder can see.

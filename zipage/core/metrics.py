@@ -40,6 +40,9 @@ class StepRecord:
     compress_blocks: int = 0
     # Prompt tokens this step's admissions took from the prefix cache instead of computing.
     prefix_hit_tokens: int = 0
+    # The longest KV context among this step's decode requests: a decode step's time follows it
+    # as well as the sum (a fitted decode term; 0 in runs written before it).
+    decode_max_context: int = 0
 
 
 @dataclass
@@ -90,6 +93,7 @@ class MetricsRecorder:
             attention_pairs=sum(item.attention_pairs for item in plan.prefill),
             compress_blocks=sum(job.num_source_blocks for job in plan.compressions),
             prefix_hit_tokens=plan.prefix_hit_tokens,
+            decode_max_context=plan.decode_max_context,
         ))
 
 

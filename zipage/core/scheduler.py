@@ -77,6 +77,12 @@ class Scheduler:
         self.clock = DecodeClock()
         self._steady: dict[Sequence, None] = {}
         self._steady_kv_offset_sum = 0  # sum over steady requests of kv_len - clock.ticks
+        # Max-heap of (-(kv_len - clock.ticks), join number, request, its steady epoch): the
+        # longest decode context in O(log n) per join, not O(batch) per step (a decode step's
+        # time follows its longest context too). An entry whose request left steady decoding
+        # (epoch moved on) is dropped when it reaches the top.
+        self._steady_offsets: list[tuple[int, int, Sequence, int]] = []
+        self._steady_joins = 0
         self._decision_due: defaultdict[int, list] = defaultdict(list)
         self._finish_due: defaultdict[int, list] = defaultdict(list)
         self._pending: list[Sequence] = []  # need a decision at the next decode step
@@ -368,6 +374,8 @@ class Scheduler:
         # Each decode request attends its cached entries plus the token it decodes now.
         plan.decode_context_tokens = (
             self._steady_kv_offset_sum + len(self._steady) * (self.clock.ticks + 1))
+        plan.decode_max_context = self._longest_steady_offset() + self.clock.ticks + 1 \
+            if self._steady else 0
 
     def _decide(self, seq: Sequence, plan: StepPlan, jobs: list[CompressionJob]) -> None:
         """Settle what a request that is not steady does this step, then let it decode."""
@@ -576,6 +584,9 @@ class Scheduler:
         seq.join_steady(self.clock)
         self._steady[seq] = None
         self._steady_kv_offset_sum += kv_len - ticks
+        self._steady_joins += 1
+        heapq.heappush(self._steady_offsets,
+                       (ticks - kv_len, self._steady_joins, seq, seq.steady_epoch))
         steps_to_decision = len(seq.block_table) * self.block_size - kv_len
         if self.compress and seq.query_slot is None:
             steps_to_decision = min(steps_to_decision,
@@ -585,6 +596,16 @@ class Scheduler:
             self._finish_due[ticks + remaining].append((seq, seq.steady_epoch))
         else:
             self._decision_due[ticks + steps_to_decision].append((seq, seq.steady_epoch))
+
+    def _longest_steady_offset(self) -> int:
+        heap = self._steady_offsets
+        if len(heap) > 4 * len(self._steady) + 64:  # mostly stale: rebuild from the live ones
+            heap[:] = [entry for entry in heap
+                       if entry[2].is_steady and entry[2].steady_epoch == entry[3]]
+            heapq.heapify(heap)
+        while not (heap[0][2].is_steady and heap[0][2].steady_epoch == heap[0][3]):
+            heapq.heappop(heap)
+        return -heap[0][0]
 
     def _leave_steady(self, seq: Sequence) -> None:
         if seq.is_steady:

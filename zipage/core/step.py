@@ -107,6 +107,8 @@ class StepPlan:
     # Sum over decode requests of the KV entries each one attends to this step (its cached
     # entries plus the token being decoded): what a decode step reads from the KV cache.
     decode_context_tokens: int = 0
+    # The most KV entries one decode request attends to this step (0: no decode requests).
+    decode_max_context: int = 0
     # Prompt tokens the admissions of this step found in the prefix cache (not computed).
     prefix_hit_tokens: int = 0
     # Snapshot of the scheduler right after this plan was made (for the metrics records).
