@@ -13,6 +13,8 @@ can start, so its cost per prompt adds to either bound:
 A single line through both regimes (the version-2 fit) is flat where the profile's points are
 short and extrapolates far too low for long prompts (docs/cost_model.md). Every coefficient is
 a cost, so none may be negative: the fit is non-negative least squares in relative error.
+`fit_host_or_device` is that fit for any such max (columns inside and outside it, and parts
+of each point's time that other fits already explain).
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ import numpy as np
 # The alternating fit (assign each point to a regime, refit, reassign) stops when an assignment
 # comes back (a fixed point or a cycle) or after this many rounds; it keeps the best model seen.
 MAX_ROUNDS = 50
-# Initial guesses of the regime boundary: the points above these quantiles of new tokens start
-# device-bound, and a last start has every point device-bound (a profile without host-bound
-# steps). A start with none device-bound would stay there: its device line is never fitted.
+# Initial guesses of the regime boundary: the points above these quantiles of a step's size (new
+# tokens for a prefill step) start device-bound, and a last start has every point device-bound
+# (a profile without host-bound steps). A start with none device-bound would stay there: its
+# device line is never fitted.
 START_QUANTILES = (0.25, 0.5, 0.75)
 # The per-sequence term needs steps of at least this many different prompt counts. Steps of one
 # and two prompts only (a Qwen3-32B TP=2 online run: 54 and 5) fitted 11.7 ms per prompt and
@@ -101,36 +104,96 @@ def fit_prefill(new_tokens, attention_pairs, requests, times) -> PrefillFit:
     tokens, pairs = np.asarray(new_tokens, float), np.asarray(attention_pairs, float)
     prompts, time = np.asarray(requests, float), np.asarray(times, float)
     with_prompts = len(np.unique(prompts)) >= MIN_PROMPT_COUNTS
-    best: PrefillFit | None = None
+    fit = fit_host_or_device(
+        time, inner=np.column_stack([np.ones_like(time), tokens, pairs]),
+        outer=(prompts if with_prompts else np.zeros_like(prompts))[:, None], sizes=tokens,
+        floor=float(time.min()))
+    (per_sequence,), (constant, per_token, per_pair) = fit.outer, fit.inner
+    return PrefillFit((constant, per_token, per_pair), fit.host_s, per_sequence,
+                      fit.relative_rms_error, len(time), float(time.min()))
+
+
+@dataclass(frozen=True)
+class HostOrDeviceFit:
+    """time = outer offset + outer . x + max(host_s, inner offset + inner . y), fitted."""
+
+    host_s: float
+    outer: tuple[float, ...]  # x: the coefficients of the columns outside the max
+    inner: tuple[float, ...]  # y: the coefficients of the device columns
+    device: np.ndarray  # the points the fitted model prices device-bound (inner above host_s)
+    relative_rms_error: float  # of the model as it predicts (the max and the floor included)
+
+
+def fit_host_or_device(time: np.ndarray, inner: np.ndarray, outer: np.ndarray,
+                       sizes: np.ndarray, *, inner_offset: np.ndarray | None = None,
+                       outer_offset: np.ndarray | None = None,
+                       floor: float = 0.0) -> HostOrDeviceFit:
+    """Fit time = outer_offset + outer . x + max(host, inner_offset + inner . y) (x, y, host
+    >= 0; the offsets are parts of each point's time that other fits already explain) in
+    relative error, predictions clamped at `floor`.
+
+    The max is fitted by alternating: each point is assigned to the bound its current prediction
+    says, the coefficients are refitted with the assignment fixed, until an assignment comes
+    back (a fixed point or a cycle), from several starts: the points above START_QUANTILES of
+    `sizes` device-bound (a device time grows with them), and all of them. The best model seen
+    is kept."""
+    best: HostOrDeviceFit | None = None
     seen: set[bytes] = set()  # assignments fitted already: from there the path is known
-    starts = [tokens > np.quantile(tokens, q) for q in START_QUANTILES] + [tokens >= 0]
+    starts = [sizes > np.quantile(sizes, q) for q in START_QUANTILES]
+    starts.append(np.ones(len(time), dtype=bool))
     for device in starts:
         for _ in range(MAX_ROUNDS):
             if device.tobytes() in seen:
                 break
             seen.add(device.tobytes())
-            fit = _fit_assignment(tokens, pairs, prompts, time, device, with_prompts)
+            fit = _fit_assignment(time, inner, outer, device, inner_offset, outer_offset, floor)
             if best is None or fit.relative_rms_error < best.relative_rms_error:
                 best = fit
-            constant, per_token, per_pair = fit.device_coefficients
-            device = constant + (per_token * tokens + per_pair * pairs) > fit.host_s
+            device = fit.device
     return best
 
 
-def _fit_assignment(tokens, pairs, prompts, time, device, with_prompts) -> PrefillFit:
+def _fit_assignment(time, inner, outer, device, inner_offset, outer_offset,
+                    floor) -> HostOrDeviceFit:
     """Non-negative least squares with each point in the regime `device` assigns it to."""
     host = ~device
-    design = np.column_stack([host, prompts if with_prompts else np.zeros_like(prompts),
-                              device, device * tokens, device * pairs]).astype(float)
+    design = np.column_stack([host, outer, device[:, None] * inner]).astype(float)
     weighted = design / time[:, None]
+    target = np.ones(len(time))
+    if inner_offset is not None or outer_offset is not None:
+        # In relative error what the offsets explain leaves 1 - offset / time to fit (the
+        # inner offset only where the point is device-bound: a host-bound one is the host time).
+        count = len(time)
+        known = _offset(outer_offset, count) + np.where(device, _offset(inner_offset, count), 0)
+        target = 1.0 - known / time
     # Columns span orders of magnitude (pairs vs 1): scale them for the solves.
     scale = np.abs(weighted).max(axis=0)
     scale[scale == 0] = 1.0
-    solution = nonnegative_least_squares(weighted / scale, np.ones(len(time))) / scale
-    host_s, per_sequence, constant, per_token, per_pair = (float(value) for value in solution)
-    floor = float(time.min())
-    device_s = constant + (per_token * tokens + per_pair * pairs)
-    predicted = np.maximum(per_sequence * prompts + np.maximum(host_s, device_s), floor)
+    solution = nonnegative_least_squares(weighted / scale, target) / scale
+    host_s = float(solution[0])
+    outer_x = tuple(float(value) for value in solution[1:1 + outer.shape[1]])
+    inner_y = tuple(float(value) for value in solution[1 + outer.shape[1]:])
+    device_s = _combine(inner_offset, inner, inner_y)
+    predicted = np.maximum(_combine(outer_offset, outer, outer_x) + np.maximum(host_s, device_s),
+                           floor)
     error = float(np.sqrt(np.mean((predicted / time - 1.0) ** 2)))
-    return PrefillFit((constant, per_token, per_pair), host_s, per_sequence, error, len(time),
-                      floor)
+    return HostOrDeviceFit(host_s, outer_x, inner_y, device_s > host_s, error)
+
+
+def _offset(offset: np.ndarray | None, count: int) -> np.ndarray:
+    return np.zeros(count) if offset is None else np.asarray(offset, float)
+
+
+def _combine(offset: np.ndarray | None, columns: np.ndarray,
+             coefficients: tuple[float, ...]) -> np.ndarray:
+    """offset + columns . coefficients, summed in the order the prefill fit always summed it
+    (constant + (per_token * tokens + per_pair * pairs)), so its results stay bit for bit."""
+    if not coefficients:
+        return _offset(offset, len(columns))
+    first = columns[:, 0] * coefficients[0]
+    rest = None
+    for index in range(1, len(coefficients)):
+        term = coefficients[index] * columns[:, index]
+        rest = term if rest is None else rest + term
+    total = first if rest is None else first + rest
+    return total if offset is None else np.asarray(offset, float) + total
