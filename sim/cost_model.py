@@ -20,7 +20,7 @@ import gzip
 import json
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
@@ -33,7 +33,7 @@ from zipage.errors import ConfigError
 from zipage.presets import ModelShape
 
 from .hardware import GPUSpec, get_hardware
-from .prefill_fit import PrefillFit, fit_prefill
+from .prefill_fit import PrefillFit, fit_host_or_device, fit_prefill
 
 if TYPE_CHECKING:
     from zipage.core.step import CompressionBatch, CompressionJob, StepPlan
@@ -412,18 +412,44 @@ class LinearFit:
             f"{c:.3g} * {name}" for c, name in zip(self.coefficients[1:], self.feature_names[1:])])
 
 
+@dataclass(frozen=True)
+class MixedFit(LinearFit):
+    """A mixed step's model: `coefficients` is its device line (m and the pure fits' slopes,
+    clamped at `floor_s` as a LinearFit is), and the step costs
+    per_sequence_s * requests + max(host_s, that line).
+
+    `host_s` is the mixed points' own host bound h_m (version 3, when they determine it:
+    `host_fitted`), else the prefill's h; `per_sequence_s` is the prefill's s either way."""
+
+    host_s: float = 0.0
+    per_sequence_s: float = 0.0
+    host_fitted: bool = False
+
+    def step_time(self, batch: float, context_tokens: float, new_tokens: float,
+                  attention_pairs: float, requests: float) -> float:
+        device = self.predict(batch, context_tokens, new_tokens, attention_pairs)
+        return self.per_sequence_s * requests + max(self.host_s, device)
+
+    def describe(self) -> str:
+        line = super().describe()
+        if not self.host_s and not self.per_sequence_s:
+            return line
+        return f"{self.per_sequence_s:.3g} * requests + max({self.host_s:.3g}, {line})"
+
+
 class CalibratedCostModel(CostModel):
     """Linear models fitted to a measured profile (format and fits: docs/cost_model.md).
 
     decode:   a + b * batch + c * context_tokens
     prefill:  s * requests + max(h, a + b * new_tokens + c * attention_pairs)   (version 3;
               before it s = h = 0; pairs: sum of T*C + T(T+1)/2)
-    mixed:    s * requests + max(h, m + decode's b, c terms + prefill's b, c terms)
-              (m fitted to the mixed points)
+    mixed:    s * requests + max(h_m, m + decode's b, c terms + prefill's b, c terms)
+              (m and, version 3, h_m fitted to the mixed points; h_m = h when they cannot
+              determine it)
     compress: a + b * blocks [+ c * blocks_squared with the flash redundancy score]
     """
 
-    def __init__(self, decode: LinearFit, prefill: PrefillFit, mixed: LinearFit,
+    def __init__(self, decode: LinearFit, prefill: PrefillFit, mixed: MixedFit,
                  compress: LinearFit | None, contention_factor: float, header: dict[str, Any],
                  source: str) -> None:
         self.decode_fit, self.prefill_fit, self.mixed_fit = decode, prefill, mixed
@@ -450,7 +476,7 @@ class CalibratedCostModel(CostModel):
         if "mixed" in data:
             mixed_rows = _points(source, data, "mixed", ("batch", "context_tokens", "new_tokens"),
                                  PREFILL_DEFAULTS)
-        mixed = _mixed_fit(source, decode, prefill, mixed_rows)
+        mixed = _mixed_fit(source, data["version"], decode, prefill, mixed_rows)
         compress = None
         if "compress" in data:
             compress_rows = _points(source, data, "compress", ("requests", "blocks"),
@@ -484,10 +510,10 @@ class CalibratedCostModel(CostModel):
         if not batch:
             return self.prefill_fit.predict(work.prefill_tokens, work.attention_pairs,
                                             work.num_prefill)
-        # A mixed step runs the eager prefill path: the same host bound and per-chunk cost.
-        return self.prefill_fit.bound(
-            self.mixed_fit.predict(batch, work.decode_context_tokens, work.prefill_tokens,
-                                   work.attention_pairs), work.num_prefill)
+        # A mixed step runs the eager prefill path: a host bound (its own, or the prefill's)
+        # and the prefill's per-chunk cost.
+        return self.mixed_fit.step_time(batch, work.decode_context_tokens, work.prefill_tokens,
+                                        work.attention_pairs, work.num_prefill)
 
     def compress_time_for(self, blocks: Sequence[int],
                           kept_blocks: Sequence[int] | None = None) -> float:
@@ -503,6 +529,11 @@ class CalibratedCostModel(CostModel):
 # Optional fields of a prefill or mixed point: the prompt chunks of the step.
 PREFILL_DEFAULTS = {"cached_tokens": 0, "requests": 1, "attention_pairs": None}
 PREFILL_FEATURES = ("new_tokens", "attention_pairs")
+# The mixed fit's own coefficients (version 3): its host bound h_m and its constant m. Like every
+# section it needs a point more than those; and each is taken as determined only when that many
+# points fall in its regime: one point alone would set it to that point's time, noise included.
+MIXED_UNKNOWNS = 2
+MIN_REGIME_POINTS = 2
 
 
 def _prefill_fit(source: str, version: int, rows: list[dict[str, Any]]) -> PrefillFit:
@@ -525,31 +556,74 @@ def _prefill_fit(source: str, version: int, rows: list[dict[str, Any]]) -> Prefi
     return fit_prefill(tokens, pairs, requests, times)
 
 
-def _mixed_fit(source: str, decode: LinearFit, prefill: PrefillFit,
-               rows: list[dict[str, Any]]) -> LinearFit:
+def _mixed_fit(source: str, version: int, decode: LinearFit, prefill: PrefillFit,
+               rows: list[dict[str, Any]]) -> MixedFit:
     """A mixed step costs the decode fit's per-request and per-context-token terms plus the
-    prefill fit's per-token and per-pair terms, and one constant: a single forward reads the
-    weights and pays the host's step overhead once, not once per part. The constant is fitted to
-    the mixed points (in relative error, like every fit); a profile without them (version 1)
-    gets the larger of the two constants, the one-forward assumption (docs/cost_model.md). The
-    prefill's host bound and per-chunk cost apply on top (`PrefillFit.bound`)."""
+    prefill fit's per-token and per-pair terms, and one constant m: a single forward reads the
+    weights and pays the host's step overhead once, not once per part. It runs the eager
+    prefill path, so it is host-bound or device-bound like a prefill step, and pays the
+    prefill's per-chunk cost s. Version 3 fits its host bound h_m and m to the mixed points
+    (host-or-device, non-negative, relative error: sim/prefill_fit.py), falling back to the
+    prefill's h with m fitted alone when the points do not determine h_m; before version 3, and
+    in that fallback, m is fitted as one constant through every point (in relative error, like
+    every fit), as it always was. A profile without mixed points (version 1) gets the larger of
+    the two constants, the one-forward assumption, and the prefill's h (docs/cost_model.md)."""
     names = decode.feature_names[1:] + PREFILL_FEATURES
     slopes = decode.coefficients[1:] + prefill.device_coefficients[1:]
+    bounds = {"host_s": prefill.host_s, "per_sequence_s": prefill.per_sequence_s}
+    one_forward = max(decode.coefficients[0], prefill.device_coefficients[0])
     if not rows:
-        return LinearFit(("constant",) + names,
-                         (max(decode.coefficients[0], prefill.device_coefficients[0]),) + slopes,
-                         relative_rms_error=float("nan"), num_points=0,
-                         floor_s=max(decode.floor_s, prefill.floor_s))
+        return MixedFit(("constant",) + names, (one_forward,) + slopes,
+                        relative_rms_error=float("nan"), num_points=0,
+                        floor_s=max(decode.floor_s, prefill.floor_s), **bounds)
     features = np.array([[row["batch"], row["context_tokens"],
                           row["requests"] * row["new_tokens"], _prefill_pairs(row)]
                          for row in rows], dtype=float)
-    offsets = features @ np.asarray(slopes)
+    time = np.array([row["time_s"] for row in rows], dtype=float)
+    chunks = np.array([row["requests"] for row in rows], dtype=float)
+    slope_part = features @ np.asarray(slopes)  # v: what the pure fits' slopes charge
+    offsets = slope_part
     if prefill.per_sequence_s:
-        offsets = offsets + prefill.per_sequence_s * np.array([row["requests"] for row in rows])
-    constant = _fit(source, "mixed", (), [[] for _ in rows], [row["time_s"] for row in rows],
-                    offsets=offsets)
-    return LinearFit(("constant",) + names, constant.coefficients + slopes,
-                     constant.relative_rms_error, constant.num_points, constant.floor_s)
+        offsets = offsets + prefill.per_sequence_s * chunks
+    if version >= 3 and len(rows) >= MIXED_UNKNOWNS + 1:
+        # Known: v inside the max, s * chunks outside it; fitted: h_m and m. A point's device
+        # time grows with v, so the regimes split the points by v.
+        fit = fit_host_or_device(time, inner=np.ones((len(rows), 1)),
+                                 outer=np.empty((len(rows), 0)), sizes=slope_part,
+                                 inner_offset=slope_part,
+                                 outer_offset=prefill.per_sequence_s * chunks)
+        host_points = int((~fit.device).sum())
+        if host_points >= MIN_REGIME_POINTS:
+            constant = fit.inner[0]
+            if len(rows) - host_points < MIN_REGIME_POINTS:
+                # (Nearly) every point is host-bound: they bound m from above only. Take the
+                # one-forward assumption, as without mixed points.
+                constant = one_forward
+            # The fitted host bound is the floor: the device line may fall below it (the
+            # decode's slopes are not constrained), never the step.
+            mixed = MixedFit(("constant",) + names, (constant,) + slopes, 0.0, len(rows),
+                             fit.host_s, host_s=fit.host_s,
+                             per_sequence_s=prefill.per_sequence_s, host_fitted=True)
+            return replace(mixed, relative_rms_error=_mixed_error(mixed, features, chunks,
+                                                                  time))
+    constant = _fit(source, "mixed", (), [[] for _ in rows], time.tolist(), offsets=offsets)
+    mixed = MixedFit(("constant",) + names, constant.coefficients + slopes,
+                     constant.relative_rms_error, constant.num_points, constant.floor_s,
+                     **bounds)
+    if version < 3:
+        return mixed
+    # Points that leave h_m open are device-bound (or too few), so the fastest of them says
+    # nothing about a small mixed step, which the prefill's h bounds: the device line is only
+    # kept above the fastest decode step measured. The error is the model's as it predicts,
+    # with the host bound, which the constant was fitted without.
+    mixed = replace(mixed, floor_s=decode.floor_s)
+    return replace(mixed, relative_rms_error=_mixed_error(mixed, features, chunks, time))
+
+
+def _mixed_error(fit: MixedFit, features: np.ndarray, chunks: np.ndarray,
+                 time: np.ndarray) -> float:
+    predicted = np.array([fit.step_time(*point, count) for point, count in zip(features, chunks)])
+    return float(np.sqrt(np.mean((predicted / time - 1.0) ** 2)))
 
 
 def _prefill_pairs(row: dict) -> float:

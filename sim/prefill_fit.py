@@ -13,8 +13,8 @@ can start, so its cost per prompt adds to either bound:
 A single line through both regimes (the version-2 fit) is flat where the profile's points are
 short and extrapolates far too low for long prompts (docs/cost_model.md). Every coefficient is
 a cost, so none may be negative: the fit is non-negative least squares in relative error.
-`fit_host_or_device` is that fit for any such max (columns inside and outside it, and parts
-of each point's time that other fits already explain).
+`fit_host_or_device` is that fit for any such max; the mixed step's host bound
+(sim/cost_model.py) is fitted with it too.
 """
 
 from __future__ import annotations
@@ -130,7 +130,8 @@ def fit_host_or_device(time: np.ndarray, inner: np.ndarray, outer: np.ndarray,
                        floor: float = 0.0) -> HostOrDeviceFit:
     """Fit time = outer_offset + outer . x + max(host, inner_offset + inner . y) (x, y, host
     >= 0; the offsets are parts of each point's time that other fits already explain) in
-    relative error, predictions clamped at `floor`.
+    relative error, predictions clamped at `floor`; shared by the prefill fit and the mixed
+    step's (sim/cost_model.py).
 
     The max is fitted by alternating: each point is assigned to the bound its current prediction
     says, the coefficients are refitted with the assignment fixed, until an assignment comes

@@ -595,6 +595,23 @@ def test_decode_and_prefill_predictions_are_what_they_were_before_mixed_steps(en
         assert cost.step_time(plan) == expected
 
 
+@pytest.mark.parametrize("entry", GOLDEN["models"], ids=lambda entry: entry["spec"] + "-"
+                         + entry["model"])
+def test_mixed_predictions_are_pinned(entry):
+    """Mixed steps of every model (golden "mixed": [batch, decode context tokens, chunks as
+    [new, cached, samples]]): the entries that existed before version-3 profiles got a mixed
+    host bound of their own (analytic, version 1 and 2 profiles) were generated before it, at
+    commit f3c9594, and must not move."""
+    cost = golden_model(entry)
+    for (batch, context, chunks), expected in zip(GOLDEN["mixed"], entry["mixed"]):
+        plan = decode_plan(batch, 0)
+        plan.kind, plan.decode_context_tokens = MIXED, context
+        plan.prefill = [PrefillItem(seq=None, num_cached_tokens=cached,
+                                    num_tokens=cached + new, samples=samples)
+                        for new, cached, samples in chunks]
+        assert cost.step_time(plan) == expected
+
+
 def test_every_shipped_profile_loads_and_times_mixed_steps():
     specs = sorted(path.stem for path in (ROOT / "sim/profiles").glob("*.json"))
     assert {entry["spec"] for entry in GOLDEN["models"]} >= set(specs)

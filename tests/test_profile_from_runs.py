@@ -48,7 +48,8 @@ def forward_time(kind: str, batch: int, context: int, prompts: int, new: int, pa
     decode = DECODE[1] * batch + DECODE[2] * context
     if kind == "decode":
         return DECODE[0] + decode
-    # Mixed steps here carry long chunks: device-bound, as the profile's mixed fit assumes.
+    # Mixed steps here carry long chunks: device-bound, so their points leave the mixed host
+    # bound open and the fit takes the prefill's (docs/cost_model.md).
     return PER_SEQUENCE * prompts + MIXED_CONSTANT + decode + DEVICE[1] * new + DEVICE[2] * pairs
 
 
@@ -126,6 +127,8 @@ def test_fit_recovers_the_costs_of_sync_runs(tmp_path):
     assert_prefill(model.prefill_fit, rel=1e-6)
     assert model.mixed_fit.coefficients == pytest.approx(
         (MIXED_CONSTANT,) + DECODE[1:] + DEVICE[1:], rel=1e-6)
+    assert not model.mixed_fit.host_fitted
+    assert model.mixed_fit.host_s == model.prefill_fit.host_s
     assert model.compress_fit.coefficients == pytest.approx(COMPRESS, rel=1e-6)
     assert profile["gpu"] == "h200" and profile["block_size"] == 256
     clean = [step_kind(i) for i in range(300) if not compresses(i)]

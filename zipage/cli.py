@@ -204,6 +204,8 @@ def _write_profile(profile: dict, path: str) -> int:
         if fit is not None:
             quality = (f"relative RMS error {fit.relative_rms_error:.1%} over {fit.num_points} "
                        "points" if fit.num_points else "no points: the larger constant assumed")
+            if name == "mixed" and fit.num_points and fit.host_s and not fit.host_fitted:
+                quality += "; host bound: the prefill's (the points do not determine one)"
             print(f"{name:<8} {fit.describe()} s  ({quality})")
     print(f"wrote {out}; simulate with --cost-model {out}")
     return 0

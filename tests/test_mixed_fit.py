@@ -1,0 +1,188 @@
+"""The calibrated mixed step's own host bound (profile version 3, sim/cost_model.py `_mixed_fit`).
+
+A mixed step (decodes and prompt chunks in one eager forward) costs
+s * chunks + max(h_m, m + the decode fit's and the prefill fit's slopes): h_m and m are fitted
+to the profile's mixed points, s is the prefill's. When the points cannot determine h_m (all
+device-bound, or fewer than three) it falls back to the prefill's host bound h, m fitted as one
+constant through every point, as before; profiles before version 3 keep that fit exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from zipage.cli import _write_profile
+from zipage.core.step import causal_pairs
+from zipage.sim.cost_model import CalibratedCostModel, StepWork
+
+DECODE = (5e-3, 5e-6, 3.5e-8)  # constant, per request, per context token
+# Prefill: per prompt, host-bound time, device line (constant, per new token, per pair).
+PER_SEQUENCE, HOST, DEVICE = 2e-4, 15e-3, (1e-3, 2e-5, 2e-9)
+# The mixed step's own host bound, above the prefill's as measured on the H200 (19-20 ms
+# against 15.4 ms for Qwen3-8B: the decode rows add launches), and its own constant.
+MIXED_HOST, MIXED_CONSTANT = 20e-3, 3e-3
+
+
+def prefill_truth(tokens: float, pairs: float, prompts: int) -> float:
+    return PER_SEQUENCE * prompts + max(HOST, DEVICE[0] + DEVICE[1] * tokens + DEVICE[2] * pairs)
+
+
+def mixed_device(batch: int, context: int, tokens: float, pairs: float) -> float:
+    return (MIXED_CONSTANT + DECODE[1] * batch + DECODE[2] * context + DEVICE[1] * tokens
+            + DEVICE[2] * pairs)
+
+
+def mixed_truth(batch: int, context: int, tokens: float, pairs: float, chunks: int) -> float:
+    return PER_SEQUENCE * chunks + max(MIXED_HOST, mixed_device(batch, context, tokens, pairs))
+
+
+def mixed_point(batch: int, per_request: int, new: int, cached: int, chunks: int = 1) -> dict:
+    pairs = chunks * causal_pairs(new, cached)
+    return {"batch": batch, "context_tokens": batch * per_request, "new_tokens": new,
+            "cached_tokens": cached, "requests": chunks,
+            "time_s": mixed_truth(batch, batch * per_request, chunks * new, pairs, chunks)}
+
+
+def is_host_bound(point: dict) -> bool:
+    return mixed_device(point["batch"], point["context_tokens"], point["new_tokens"],
+                        causal_pairs(point["new_tokens"], point["cached_tokens"])) < MIXED_HOST
+
+
+# calibrate --gpu's grid: decode batches x two contexts x chunks of 128 / 512 / 2048 tokens,
+# first and last chunk of a prompt: 20 of its 36 points are host-bound.
+GRID = [mixed_point(batch, context, new, cached)
+        for batch in (1, 16, 64) for context in (512, 8192)
+        for new in (128, 512, 2048) for cached in (0, new)]
+
+
+def profile(mixed: list[dict], version: int = 3, noise: float = 0.0, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+
+    def measured(time: float) -> float:
+        return time * (1 + noise * rng.standard_normal())
+
+    decode = [{"batch": b, "context_tokens": b * c,
+               "time_s": measured(DECODE[0] + DECODE[1] * b + DECODE[2] * b * c)}
+              for b in (1, 4, 16, 64) for c in (512, 2048, 8192)]
+    prefill = []
+    for new, prompts in ((128, 1), (512, 1), (2048, 1), (8192, 1), (128, 4), (2048, 4),
+                         (128, 16)):
+        for cached in (0, new):
+            pairs = prompts * causal_pairs(new, cached)
+            prefill.append({"new_tokens": new, "cached_tokens": cached, "requests": prompts,
+                            "time_s": measured(prefill_truth(prompts * new, pairs, prompts))})
+    mixed = [dict(point, time_s=measured(point["time_s"])) for point in mixed]
+    return {"version": version, "model": "qwen3-8b", "gpu": "h200", "decode": decode,
+            "prefill": prefill, "mixed": mixed}
+
+
+def mixed_work(batch: int, per_request: int, *chunks: tuple[int, int]) -> StepWork:
+    """`chunks`: (new, cached) tokens of each prompt chunk."""
+    return StepWork.from_counts(batch, batch * per_request, list(chunks))
+
+
+def test_the_fit_recovers_a_known_mixed_host_bound_and_constant():
+    assert sum(map(is_host_bound, GRID)) == 20
+    exact = CalibratedCostModel.from_profile(profile(GRID))
+    fit = exact.mixed_fit
+    assert fit.host_fitted
+    assert fit.host_s == pytest.approx(MIXED_HOST, rel=1e-6)
+    assert fit.coefficients[0] == pytest.approx(MIXED_CONSTANT, rel=1e-6)
+    assert fit.per_sequence_s == pytest.approx(PER_SEQUENCE, rel=1e-6)
+    assert fit.relative_rms_error < 1e-6
+    # 1 % noise on every point of every section.
+    noisy = CalibratedCostModel.from_profile(profile(GRID, noise=0.01, seed=1)).mixed_fit
+    assert noisy.host_fitted
+    assert noisy.host_s == pytest.approx(MIXED_HOST, rel=0.01)
+    assert noisy.coefficients[0] == pytest.approx(MIXED_CONSTANT, abs=1.5e-3)
+    assert noisy.relative_rms_error < 0.02
+    assert min(noisy.host_s, noisy.coefficients[0]) >= 0
+
+
+def test_small_mixed_steps_are_priced_at_the_mixed_host_bound():
+    model = CalibratedCostModel.from_profile(profile(GRID))
+    assert model.prefill_fit.host_s == pytest.approx(HOST, rel=1e-6)
+    # One decode and a 16-token chunk: host-bound at h_m, not at the prefill's h.
+    small = model.forward_time_for(mixed_work(1, 100, (16, 0)))
+    assert small == pytest.approx(PER_SEQUENCE + MIXED_HOST, rel=1e-6)
+    assert small > model.forward_time_for(mixed_work(0, 0, (16, 0))) + 4e-3
+    # 32 decodes and two 256-token chunks: still host-bound; each chunk pays its cost.
+    work = mixed_work(32, 1024, (256, 0), (256, 0))
+    assert mixed_device(32, 32 * 1024, 512, work.attention_pairs) < MIXED_HOST - 5e-3
+    two = model.forward_time_for(work)
+    assert two == pytest.approx(2 * PER_SEQUENCE + MIXED_HOST, rel=1e-6)
+    # A 4096-token chunk beside 64 decodes is device-bound: m plus the pure fits' slopes.
+    work = mixed_work(64, 1024, (4096, 0))
+    expected = mixed_truth(64, 64 * 1024, 4096, work.attention_pairs, 1)
+    assert expected > PER_SEQUENCE + MIXED_HOST + 0.05
+    assert model.forward_time_for(work) == pytest.approx(expected, rel=1e-6)
+
+
+def test_device_bound_points_fall_back_to_the_prefill_host_bound():
+    """Mixed points that are all device-bound say nothing about h_m: the prefill's h is taken,
+    and m is the one constant through every point, as before h_m existed."""
+    device_bound = [point for point in GRID if not is_host_bound(point)]
+    model = CalibratedCostModel.from_profile(profile(device_bound))
+    fit = model.mixed_fit
+    assert not fit.host_fitted
+    assert fit.host_s == model.prefill_fit.host_s
+    assert fit.per_sequence_s == model.prefill_fit.per_sequence_s
+    assert fit.coefficients[0] == pytest.approx(MIXED_CONSTANT, rel=1e-6)
+    assert fit.relative_rms_error < 1e-6
+    small = model.forward_time_for(mixed_work(1, 100, (16, 0)))
+    assert small == pytest.approx(PER_SEQUENCE + HOST, rel=1e-6)
+
+
+def test_too_few_points_fall_back_to_the_prefill_host_bound():
+    # Two points (one host-bound, one device-bound) cannot fit h_m and m with a point to spare.
+    two = [GRID[0], GRID[4]]
+    assert is_host_bound(two[0]) and not is_host_bound(two[1])
+    model = CalibratedCostModel.from_profile(profile(two))
+    assert not model.mixed_fit.host_fitted
+    assert model.mixed_fit.host_s == model.prefill_fit.host_s
+    assert model.mixed_fit.num_points == 2
+
+
+def test_host_bound_points_fit_h_m_and_take_the_one_forward_constant():
+    """Points that are all host-bound give h_m but only an upper bound on m: m is then the
+    one-forward assumption of a profile without mixed points, the larger pure constant."""
+    host_bound = list(filter(is_host_bound, GRID))
+    model = CalibratedCostModel.from_profile(profile(host_bound))
+    fit = model.mixed_fit
+    assert fit.host_fitted
+    assert fit.host_s == pytest.approx(MIXED_HOST, rel=1e-6)
+    one_forward = max(model.decode_fit.coefficients[0], model.prefill_fit.device_coefficients[0])
+    assert fit.coefficients[0] == one_forward
+    assert one_forward == pytest.approx(DECODE[0], rel=1e-6)
+
+
+def test_profiles_before_version_3_keep_the_one_constant_fit():
+    """A version-2 profile with the same points: no host bound of its own (nor the prefill's,
+    a line there), m the relative-error mean of what the slopes leave, as it always was."""
+    model = CalibratedCostModel.from_profile(profile(GRID, version=2))
+    fit = model.mixed_fit
+    assert not fit.host_fitted
+    assert fit.host_s == fit.per_sequence_s == 0.0
+    features = np.array([[point["batch"], point["context_tokens"], point["new_tokens"],
+                          causal_pairs(point["new_tokens"], point["cached_tokens"])]
+                         for point in GRID], dtype=float)
+    time = np.array([point["time_s"] for point in GRID])
+    left = time - features @ np.array(fit.coefficients[1:])
+    assert fit.coefficients[0] == pytest.approx(np.sum(left / time**2) / np.sum(1 / time**2),
+                                                rel=1e-9)
+    # Version 3 fits the same points with their host bound, far closer.
+    assert CalibratedCostModel.from_profile(profile(GRID)).mixed_fit.relative_rms_error \
+        < fit.relative_rms_error / 100
+
+
+def test_calibrate_prints_the_mixed_host_bound(tmp_path, capsys):
+    assert _write_profile(profile(GRID), str(tmp_path / "p.json")) == 0
+    printed = capsys.readouterr().out
+    assert "mixed    0.0002 * requests + max(0.02, 0.003 + 5e-06 * batch" in printed
+    assert "host bound: the prefill's" not in printed
+    device_bound = [point for point in GRID if not is_host_bound(point)]
+    assert _write_profile(profile(device_bound), str(tmp_path / "q.json")) == 0
+    printed = capsys.readouterr().out
+    assert "mixed    0.0002 * requests + max(0.015, 0.003 + 5e-06 * batch" in printed
+    assert "host bound: the prefill's (the points do not determine one)" in printed
