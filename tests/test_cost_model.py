@@ -567,10 +567,13 @@ def test_profile_for_another_setup_is_refused(shape, gpu, knobs, field):
 
 
 def golden_model(entry: dict) -> CostModel:
+    """A golden entry's model: analytic, a shipped profile's name, or a profile file in the
+    repository (tests/golden/profiles/: profiles shipped once, kept to pin what they predict)."""
     shape, gpu = get_preset(entry["model"]), get_hardware(entry["gpu"])
     if entry["spec"] == "analytic":
         return AnalyticCostModel(shape, gpu, **entry["knobs"])
-    return load_cost_model(entry["spec"], shape, gpu)
+    spec = str(ROOT / entry["spec"]) if entry["spec"].endswith(".json") else entry["spec"]
+    return load_cost_model(spec, shape, gpu)
 
 
 GOLDEN = json.loads(GOLDEN_PREDICTIONS.read_text())
