@@ -14,7 +14,9 @@ import pytest
 
 from zipage.cli import _write_profile
 from zipage.core.step import causal_pairs
-from zipage.sim.cost_model import CalibratedCostModel, StepWork
+from zipage.presets import get_preset
+from zipage.sim.cost_model import CalibratedCostModel, StepWork, load_cost_model
+from zipage.sim.hardware import get_hardware
 
 DECODE = (5e-3, 5e-6, 3.5e-8)  # constant, per request, per context token
 # Prefill: per prompt, host-bound time, device line (constant, per new token, per pair).
@@ -186,3 +188,23 @@ def test_calibrate_prints_the_mixed_host_bound(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "mixed    0.0002 * requests + max(0.015, 0.003 + 5e-06 * batch" in printed
     assert "host bound: the prefill's (the points do not determine one)" in printed
+
+
+def test_the_shipped_8b_full_kv_profile_prices_small_mixed_steps_at_their_host_bound():
+    """Measured by `zipage calibrate --gpu` on an H200 (docs/BENCHMARKS.md section 17): small
+    mixed steps of Qwen3-8B are host-bound at 19-20 ms, above the prefill's 15.4 ms. One fitted
+    constant under the prefill's host bound left a relative RMS error of 22.5 % and priced 32
+    decodes beside a 512-token chunk at 23.7 ms, above a decode step and a prefill step apart
+    (6.5 + 15.4 ms)."""
+    cost = load_cost_model("qwen3-8b-h200-b64-k512-fullkv", get_preset("qwen3-8b"),
+                           get_hardware("h200"))
+    fit = cost.mixed_fit
+    assert fit.host_fitted and fit.num_points == 24
+    assert 19e-3 < fit.host_s < 21e-3
+    assert cost.prefill_fit.host_s < 16e-3
+    assert fit.relative_rms_error < 0.08
+    mixed = cost.forward_time_for(mixed_work(32, 1024, (512, 0)))
+    assert mixed == pytest.approx(fit.host_s + fit.per_sequence_s, rel=1e-12)
+    decode = cost.forward_time_for(mixed_work(32, 1024))
+    prefill = cost.forward_time_for(mixed_work(0, 0, (512, 0)))
+    assert max(decode, prefill) < mixed < decode + prefill
