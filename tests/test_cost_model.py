@@ -5,8 +5,10 @@ small-batch decode equal to a hand computation; flash above lightning above off;
 stride dearer; prefix caching cheaper; a mixed step between its larger part and the sum of its
 parts), its plausibility for the paper's setup (Qwen3-8B on an A100), the calibrated model's
 recovery of the coefficients it was fitted to (mixed steps included), one clear ConfigError per
-profile mistake, the shipped profiles, and the decode and prefill predictions every model made
-before mixed steps existed (tests/golden/cost_predictions.json), which must not change.
+profile mistake, the shipped profiles (a mixed step below its parts where their measurements say
+so), and the predictions pinned in tests/golden/cost_predictions.json (decode and prefill as
+every model made them before mixed steps existed, mixed as before version-3 profiles fitted a
+mixed host bound), which must not change.
 """
 
 from __future__ import annotations
