@@ -14,9 +14,9 @@ compression points) with the part fitted on the evaluated run itself.
 
 RUNS_DIR holds the engine run directories of docs/BENCHMARKS.md section 16 (made with
 `bench/headline_gpu.py --runs-dir`; the layout is RUNS below). Every command the script runs is
-written to OUT/commands.txt; OUT gets the cross-trace profiles (gzipped, times rounded to the
-microsecond), the compare reports, results.json and table.md. The simulated run directories,
-the attribution's profiles and reports go to --work. `before_after.sh` in the results folder
+written to OUT/commands.txt; OUT gets the cross-trace profiles (gzipped, times to six
+significant digits), the compare reports, results.json and table.md. The simulated run
+directories, the attribution's profiles and reports go to --work. `before_after.sh` in the results folder
 then compares the fit before these changes (zipage at d1bb791) on the same runs.
 """
 
@@ -69,8 +69,9 @@ SCALES = (0.97, 0.98, 0.99, 1.0, 1.01, 1.02, 1.03)
 class Study:
     """The folders of one study, and the `zipage` commands it runs (each logged as typed)."""
 
-    def __init__(self, runs: Path, out: Path, work: Path) -> None:
-        self.runs, self.out, self.work = runs, out, work
+    def __init__(self, runs: Path, out: Path, work: Path,
+                 deployment: list[str] = DEPLOYMENT) -> None:
+        self.runs, self.out, self.work, self.deployment = runs, out, work, deployment
         for directory in (out / "profiles", out / "compare", work):
             directory.mkdir(parents=True, exist_ok=True)
         self.commands = (out / "commands.txt").open("w")
@@ -87,8 +88,8 @@ class Study:
         return self.runs / name
 
     def fit(self, name: str, run_names: list[str], keep: bool = True) -> Path:
-        """A profile from runs (stalls left out), gzipped with times to the microsecond, under
-        OUT (`keep`) or --work."""
+        """A profile from runs (stalls left out), gzipped with times to six significant
+        digits, under OUT (`keep`) or --work."""
         raw = self.work / f"{name}.json"
         self.zipage("calibrate", "--from-run", *map(str, map(self.run, run_names)),
                     "--hardware", "h200", "--stall-factor", STALL_FACTOR, "--out", str(raw))
@@ -97,7 +98,9 @@ class Study:
     def keep_profile(self, name: str, profile: dict, keep: bool = True) -> Path:
         for section in ("decode", "prefill", "mixed", "compress"):
             for point in profile.get(section, []):
-                point["time_s"] = round(point["time_s"], 6)
+                # Six significant digits: rounding to the microsecond would make a batch that
+                # barely outlasted its steps (behind-the-forward launches) a zero duration.
+                point["time_s"] = float(f"{point['time_s']:.6g}")
         path = (self.out / "profiles" if keep else self.work) / f"{name}.json.gz"
         path.write_bytes(gzip.compress(_profile_json(profile).encode(), mtime=0))
         return path
@@ -117,7 +120,7 @@ class Study:
 
     def simulate(self, trace: Path, cost_model: str, name: str, *flags: str) -> Path:
         out = self.work / name
-        self.zipage("replay", str(trace), *DEPLOYMENT, *flags, "--cost-model", cost_model,
+        self.zipage("replay", str(trace), *self.deployment, *flags, "--cost-model", cost_model,
                     "--out", str(out), "--decisions", "none", "--no-progress")
         return out
 

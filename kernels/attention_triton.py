@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from zipage import decode_grid
 from zipage.kernels.attention_ref import PrefillWork
 
 _LOG2_E = 1.4426950408889634
@@ -41,13 +42,11 @@ _DECODE_NUM_STAGES = 3
 # A decode partition is never shorter than this many tiles: below it the partial write and the merge cost more
 # than the parallelism gained.
 _MIN_TILES_PER_PARTITION = 2
-# Decode aims for at most this many programs per streaming multiprocessor: as many as fit on an SM at once, so
-# that a batch of equal-length sequences runs in one wave with no short last wave.
-_PROGRAMS_PER_SM = 4
+# The decode grid's rule lives in zipage/decode_grid.py (the analytic cost model reads it too); these module
+# globals are its knobs here, so tests and bench/check_attention_gpu.py can patch them.
+_PROGRAMS_PER_SM = decode_grid.PROGRAMS_PER_SM
 # Round the partition count up instead of down (the first version's rule, kept for bench/check_attention_gpu.py).
 _ROUND_PARTITIONS_UP = False
-# Upper bound on decode partitions per sequence (a single sequence on many SMs).
-_MAX_PARTITIONS = 256
 # Partial results merged per iteration of the decode merge kernel.
 _MERGE_TILE = 16
 # The interpreter has no streaming multiprocessors to fill; a small count keeps its grids small.
@@ -549,17 +548,11 @@ def _decode_merge_kernel(
 
 
 def decode_num_partitions(batch: int, num_kv_heads: int, streaming_multiprocessors: int) -> int:
-    """Partitions per sequence (the decode grid's third dimension), from the batch size alone: as many as keep
-    batch x kv-heads x partitions within ``_PROGRAMS_PER_SM`` programs per SM. A large batch gets one partition
-    (no merge pass); a single sequence gets many. Each sequence's partition length is then its own
+    """Partitions per sequence (zipage/decode_grid.py). Each sequence's partition length is then its own
     ``context_len`` cut into that many tiles, on the device, so neither the block table's width (a CUDA graph's
     table is as wide as ``max_model_len``) nor the lengths of this step change the grid."""
-    target_programs = _PROGRAMS_PER_SM * streaming_multiprocessors
-    if _ROUND_PARTITIONS_UP:
-        num_partitions = triton.cdiv(target_programs, batch * num_kv_heads)
-    else:
-        num_partitions = target_programs // (batch * num_kv_heads)
-    return max(1, min(num_partitions, _MAX_PARTITIONS))
+    return decode_grid.decode_num_partitions(batch, num_kv_heads, streaming_multiprocessors,
+                                             programs_per_sm=_PROGRAMS_PER_SM, round_up=_ROUND_PARTITIONS_UP)
 
 
 def paged_decode_attention_triton(

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import numpy as np
 
 from zipage.core.config import REDUNDANCY_MODES, ZipageConfig
+from zipage.decode_grid import decode_num_partitions
 from zipage.core.memory import DTYPE_BYTES, heads_per_gpu
 from zipage.core.step import causal_pairs
 from zipage.errors import ConfigError
@@ -64,10 +65,22 @@ ATTENTION_COMPUTE_EFFICIENCY = 0.70
 # per-column threshold scan, so they run far below dense-matmul throughput; the paper's kernel
 # profile shows (flash) redundancy 1-2 orders of magnitude slower than the other operations.
 REDUNDANCY_EFFICIENCY = 0.25
-# A step cannot be faster than its chain of kernels: about 12 per layer (norms, projections, rope,
-# cache store, attention, activation), each at least a few microseconds even inside a CUDA graph.
+# A forward is a chain of kernels, about 12 per layer (norms, projections, rope, cache store,
+# attention, activation), and each adds a fixed latency to its roofline time (ramp-up, tail, the
+# gap to the next one), even inside a CUDA graph. 4.0 us is what our engine's decode steps
+# measured on the H200 (fitted with DECODE_PROGRAM_BANDWIDTH below on ~18k decode steps of twelve
+# runs, Qwen3-8B and 0.6B, three traces, Zipage and Full KV: relative RMS 10.4 %; the floor
+# it replaces, max(roofline, 3 us per kernel), left those steps 28-69 % short;
+# docs/cost_model.md, 'Twin fidelity over models and modes'). Part of it is host time of the
+# step loop that grows with the layer count: a forward replayed alone sits closer to the roofline.
 KERNELS_PER_LAYER = 12
-MIN_KERNEL_TIME_S = 3e-6
+KERNEL_LATENCY_S = 4.0e-6
+# The split-K decode kernel gives each sequence a fixed number of partitions from the batch size
+# alone (zipage/decode_grid.py): one per sequence once the batch fills the GPU. One program
+# streams its partition's K and V at this rate, so a step holding one long sequence beside many
+# short ones lasts as long as that sequence's program (LongBench: a 6k-token prompt not yet
+# compressed doubles a Qwen3-8B decode step). Fitted with KERNEL_LATENCY_S above.
+DECODE_PROGRAM_BANDWIDTH = 15.8e9
 # Host work that grows with the batch: building block tables, positions and slot mappings, and
 # appending each sampled token, in Python.
 PER_SEQUENCE_OVERHEAD_S = 5e-6
@@ -125,16 +138,20 @@ class StepWork:
     prefill_tokens: int = 0  # tokens the chunks compute
     cached_tokens: int = 0  # KV entries before the chunks: prefix-cache hits, earlier chunks
     attention_pairs: int = 0  # (query, key) pairs of the chunks' causal attention
+    # The most KV entries one decode request attends to (0: not known, priced as if balanced).
+    decode_max_context: int = 0
 
     @classmethod
     def of(cls, plan: StepPlan) -> "StepWork":
         if not plan.prefill:  # the common case, kept cheap: the simulator asks ~100k times a run
-            return cls(len(plan.decode), plan.decode_context_tokens)
+            return cls(len(plan.decode), plan.decode_context_tokens,
+                       decode_max_context=plan.decode_max_context)
         return cls(len(plan.decode), plan.decode_context_tokens, len(plan.prefill),
                    sum(1 for item in plan.prefill if item.samples),
                    sum(item.num_new_tokens for item in plan.prefill),
                    sum(item.num_cached_tokens for item in plan.prefill),
-                   sum(item.attention_pairs for item in plan.prefill))
+                   sum(item.attention_pairs for item in plan.prefill),
+                   plan.decode_max_context)
 
     @classmethod
     def from_counts(cls, num_decode: int = 0, decode_context_tokens: int = 0,
@@ -179,9 +196,11 @@ class CostModel(ABC):
         overlap = min(1.0, max(0.0, overlap_fraction))
         return 1.0 + (self.contention_factor - 1.0) * overlap
 
-    def decode_time_for(self, batch: int, context_tokens: int) -> float:
-        """A decode step of `batch` requests attending to `context_tokens` KV entries in total."""
-        return self.forward_time_for(StepWork(batch, context_tokens))
+    def decode_time_for(self, batch: int, context_tokens: int, max_context: int = 0) -> float:
+        """A decode step of `batch` requests attending to `context_tokens` KV entries in total,
+        the longest `max_context` of them (0: not known)."""
+        return self.forward_time_for(StepWork(batch, context_tokens,
+                                              decode_max_context=max_context))
 
     def prefill_time_for(self, requests: Sequence[tuple[int, int]]) -> float:
         """A prefill step over (new_tokens, cached_tokens) per request."""
@@ -262,7 +281,9 @@ class AnalyticCostModel(CostModel):
         # One query-key pair costs a multiply-add in QK^T and one in PV, per query head and layer.
         self._attention_pair_s = (4 * layers * self.q_heads * head_dim
                                   / (gpu.achievable_flops * ATTENTION_COMPUTE_EFFICIENCY))
-        self._kernel_floor_s = layers * KERNELS_PER_LAYER * MIN_KERNEL_TIME_S
+        self._kernel_chain_s = layers * KERNELS_PER_LAYER * KERNEL_LATENCY_S
+        # One program's time per KV entry of its partition, over all layers.
+        self._program_entry_s = layers * 2 * head_dim * dtype_bytes / DECODE_PROGRAM_BANDWIDTH
         self._step_overhead_s = gpu.step_overhead_s
         self._allreduce_token_s, self._allreduce_fixed_s = 0.0, 0.0
         if tensor_parallel > 1:
@@ -295,14 +316,18 @@ class AnalyticCostModel(CostModel):
         if batch:
             context = work.decode_context_tokens
             attention = _roofline(context * self._kv_token_s, context * self._attention_pair_s)
+            if work.decode_max_context:
+                partitions = decode_num_partitions(batch, self.kv_heads,
+                                                   self.gpu.streaming_multiprocessors)
+                longest = -(-work.decode_max_context // partitions) * self._program_entry_s
+                if longest > attention:
+                    attention = longest
         if work.num_prefill:
             attention += _roofline((work.cached_tokens + 2 * tokens) * self._kv_token_s,
                                    work.attention_pairs * self._attention_pair_s)
         gpu = (linear + attention + self._allreduce_fixed_s
                + (batch + tokens) * self._allreduce_token_s)
-        if gpu < self._kernel_floor_s:
-            gpu = self._kernel_floor_s
-        return (gpu + self._step_overhead_s
+        return (gpu + self._kernel_chain_s + self._step_overhead_s
                 + (batch + work.num_prefill) * PER_SEQUENCE_OVERHEAD_S)
 
     def compress_time_for(self, blocks: Sequence[int],
@@ -440,7 +465,8 @@ class MixedFit(LinearFit):
 class CalibratedCostModel(CostModel):
     """Linear models fitted to a measured profile (format and fits: docs/cost_model.md).
 
-    decode:   a + b * batch + c * context_tokens
+    decode:   a + b * batch + c * context_tokens [+ d * longest_excess, when the points carry
+              max_context: the longest request's entries beyond the mean, max - sum / batch]
     prefill:  s * requests + max(h, a + b * new_tokens + c * attention_pairs)   (version 3;
               before it s = h = 0; pairs: sum of T*C + T(T+1)/2)
     mixed:    s * requests + max(h_m, m + decode's b, c terms + prefill's b, c terms)
@@ -456,7 +482,9 @@ class CalibratedCostModel(CostModel):
         self.compress_fit = compress
         self.contention_factor = contention_factor
         self.header, self.source = header, source
-        self._decode_a, self._decode_b, self._decode_c = decode.coefficients
+        self._decode_a, self._decode_b, self._decode_c = decode.coefficients[:3]
+        # Per KV entry the longest request holds beyond the mean (0 when not fitted).
+        self._decode_excess = decode.coefficients[3] if len(decode.coefficients) > 3 else 0.0
         self._decode_floor = decode.floor_s
 
     @classmethod
@@ -466,10 +494,9 @@ class CalibratedCostModel(CostModel):
         source, data = _read_profile(profile)
         header = _check_header(source, data, shape, gpu, knobs)
         redundancy = header.get("redundancy", "lightning")
-        decode_rows = _points(source, data, "decode", ("batch", "context_tokens"), {})
-        decode = _fit(source, "decode", ("batch", "context_tokens"),
-                      [[row["batch"], row["context_tokens"]] for row in decode_rows],
-                      [row["time_s"] for row in decode_rows])
+        decode_rows = _points(source, data, "decode", ("batch", "context_tokens"),
+                              {"max_context": None})
+        decode = _decode_fit(source, decode_rows)
         prefill_rows = _points(source, data, "prefill", ("new_tokens",), PREFILL_DEFAULTS)
         prefill = _prefill_fit(source, data["version"], prefill_rows)
         mixed_rows = []
@@ -504,8 +531,11 @@ class CalibratedCostModel(CostModel):
         if not work.num_prefill:
             if not batch:
                 return 0.0
-            value = (self._decode_a + self._decode_b * batch
-                     + self._decode_c * work.decode_context_tokens)
+            context = work.decode_context_tokens
+            value = self._decode_a + self._decode_b * batch + self._decode_c * context
+            if self._decode_excess and work.decode_max_context:
+                value += self._decode_excess * longest_excess(work.decode_max_context, context,
+                                                              batch)
             return value if value > self._decode_floor else self._decode_floor
         if not batch:
             return self.prefill_fit.predict(work.prefill_tokens, work.attention_pairs,
@@ -556,6 +586,37 @@ def _prefill_fit(source: str, version: int, rows: list[dict[str, Any]]) -> Prefi
     return fit_prefill(tokens, pairs, requests, times)
 
 
+def longest_excess(max_context: float, context_tokens: float, batch: float) -> float:
+    """KV entries the longest decode request holds beyond the batch's mean: what makes a decode
+    step cost more than its batch and summed context say, when the kernel gives each request one
+    partition (the analytic model's DECODE_PROGRAM_BANDWIDTH)."""
+    excess = max_context - context_tokens / batch
+    return excess if excess > 0.0 else 0.0
+
+
+# A longest-request term is fitted only if some decode points hold one request this far (KV
+# entries) beyond the mean: balanced steps cannot separate it from the context slope.
+MIN_LONGEST_EXCESS = 1024
+
+
+def _decode_fit(source: str, rows: list[dict[str, Any]]) -> LinearFit:
+    """a + b * batch + c * context_tokens, plus d * longest_excess when every point says its
+    longest request (`max_context`: profiles fitted from runs whose steps.csv records it), some
+    are unbalanced and the fit finds d > 0; otherwise the three-term fit, as always."""
+    names = ("batch", "context_tokens")
+    features = [[row["batch"], row["context_tokens"]] for row in rows]
+    times = [row["time_s"] for row in rows]
+    if rows and all(row["max_context"] is not None for row in rows):
+        excess = [longest_excess(row["max_context"], row["context_tokens"], row["batch"])
+                  for row in rows]
+        if max(excess) >= MIN_LONGEST_EXCESS:
+            fit = _fit(source, "decode", names + ("longest_excess",),
+                       [point + [value] for point, value in zip(features, excess)], times)
+            if fit.coefficients[3] > 0:
+                return fit
+    return _fit(source, "decode", names, features, times)
+
+
 def _mixed_fit(source: str, version: int, decode: LinearFit, prefill: PrefillFit,
                rows: list[dict[str, Any]]) -> MixedFit:
     """A mixed step costs the decode fit's per-request and per-context-token terms plus the
@@ -568,8 +629,10 @@ def _mixed_fit(source: str, version: int, decode: LinearFit, prefill: PrefillFit
     in that fallback, m is fitted as one constant through every point (in relative error, like
     every fit), as it always was. A profile without mixed points (version 1) gets the larger of
     the two constants, the one-forward assumption, and the prefill's h (docs/cost_model.md)."""
-    names = decode.feature_names[1:] + PREFILL_FEATURES
-    slopes = decode.coefficients[1:] + prefill.device_coefficients[1:]
+    # The decode's batch and context slopes; not its longest-request term: a mixed step's
+    # prompt chunk, not one long decode, sets its length (host-bound or prefill-bound).
+    names = decode.feature_names[1:3] + PREFILL_FEATURES
+    slopes = decode.coefficients[1:3] + prefill.device_coefficients[1:]
     bounds = {"host_s": prefill.host_s, "per_sequence_s": prefill.per_sequence_s}
     one_forward = max(decode.coefficients[0], prefill.device_coefficients[0])
     if not rows:

@@ -28,6 +28,7 @@ class GPUSpec:
     step_overhead_s: float  # host cost of one step: schedule, inputs, graph replay, sampling
     price_per_hour_usd: float  # on-demand list-ish price of one GPU; an assumption
     interconnect_bytes_per_s: float  # NVLink, one direction, per GPU: tensor-parallel all-reduce
+    streaming_multiprocessors: int  # the decode kernel's grid follows it (zipage/decode_grid.py)
 
     @property
     def achievable_bandwidth(self) -> float:
@@ -56,18 +57,21 @@ HARDWARE: dict[str, GPUSpec] = {
             hbm_bandwidth_bytes_per_s=2.039e12, bandwidth_fraction=0.89,
             bf16_tflops=312.0, compute_fraction=0.80, step_overhead_s=400e-6,
             price_per_hour_usd=1.80, interconnect_bytes_per_s=300e9,
+            streaming_multiprocessors=108,
         ),
         GPUSpec(
             name="h100-80gb", memory_gb=80, memory_bytes=int(79.11 * GIB),
             hbm_bandwidth_bytes_per_s=3.35e12, bandwidth_fraction=0.89,
             bf16_tflops=989.0, compute_fraction=0.80, step_overhead_s=400e-6,
             price_per_hour_usd=3.00, interconnect_bytes_per_s=450e9,
+            streaming_multiprocessors=132,
         ),
         GPUSpec(
             name="h200-141gb", memory_gb=141, memory_bytes=150_109_880_320,
             hbm_bandwidth_bytes_per_s=4.8e12, bandwidth_fraction=0.89,
             bf16_tflops=989.0, compute_fraction=0.80, step_overhead_s=400e-6,
             price_per_hour_usd=3.80, interconnect_bytes_per_s=450e9,
+            streaming_multiprocessors=132,
         ),
     ]
 }

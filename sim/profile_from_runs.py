@@ -154,6 +154,8 @@ def _read(directory: Path) -> tuple[dict, pd.DataFrame]:
     if summary.get("driver") in ("simulator", "step-replay"):
         raise ConfigError(f"--from-run {directory}: a {summary['driver']} run; fit profiles from "
                           "real engine runs (zipage replay --gpu --out, or zipage bench serve)")
+    if "decode_max_context" not in steps:  # written before the column existed
+        steps["decode_max_context"] = 0
     return summary, steps
 
 
@@ -214,7 +216,8 @@ def _collect(steps: pd.DataFrame, asynchronous: bool, behind: bool, points: dict
                             decode_context_tokens=int(step.decode_context_tokens),
                             num_prefill=int(step.n_prefill),
                             prefill_tokens=int(step.prefill_tokens),
-                            attention_pairs=int(step.attention_pairs))
+                            attention_pairs=int(step.attention_pairs),
+                            decode_max_context=int(step.decode_max_context))
         before_batch = False  # a launching step the batch (launched behind it) did not overlap
         if step.n_compress and asynchronous and in_flight is None:
             in_flight = AsyncBatch(int(step.n_compress), int(step.compress_blocks))
@@ -276,6 +279,8 @@ def _point(kind: str, work: StepWork, duration: float) -> dict:
     """A profile point in the section `kind` (format: docs/cost_model.md). A step's prompts
     differ in length: `new_tokens` is their mean, `attention_pairs` the step's total."""
     decode = {"batch": work.num_decode, "context_tokens": work.decode_context_tokens}
+    if work.decode_max_context:  # runs written before steps.csv had it give none
+        decode["max_context"] = work.decode_max_context
     prompts, tokens = max(work.num_prefill, 1), work.prefill_tokens
     mean = tokens // prompts if tokens % prompts == 0 else tokens / prompts
     prefill = {"new_tokens": mean, "requests": prompts,

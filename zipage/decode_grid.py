@@ -1,0 +1,24 @@
+"""The split-K decode kernel's grid rule, without torch: the Triton kernel launches by it and the
+analytic cost model prices a decode step's longest sequence by it (a sequence's K/V is cut into
+this many partitions, one program each, so the longest one bounds the kernel when the batch
+fills the GPU with one partition per sequence)."""
+
+from __future__ import annotations
+
+# Decode aims for at most this many programs per streaming multiprocessor: as many as fit on an SM
+# at once, so that a batch of equal-length sequences runs in one wave with no short last wave.
+PROGRAMS_PER_SM = 4
+# Upper bound on decode partitions per sequence (a single sequence on many SMs).
+MAX_PARTITIONS = 256
+
+
+def decode_num_partitions(batch: int, num_kv_heads: int, streaming_multiprocessors: int, *,
+                          programs_per_sm: int = PROGRAMS_PER_SM, round_up: bool = False) -> int:
+    """Partitions per sequence (the decode grid's third dimension), from the batch size alone: as
+    many as keep batch x kv-heads x partitions within `programs_per_sm` programs per SM. A large
+    batch gets one partition (no merge pass); a single sequence gets many."""
+    target_programs = programs_per_sm * streaming_multiprocessors
+    per_sequence = batch * num_kv_heads
+    num_partitions = (-(-target_programs // per_sequence) if round_up
+                      else target_programs // per_sequence)
+    return max(1, min(num_partitions, MAX_PARTITIONS))
