@@ -14,7 +14,16 @@ column from their step-time replay: `zipage replay TRACE --step-times RUN` makes
 decisions step for step (checked here, column by column, for every run), so its plans hold the
 engine's decode requests. The completed copies go to --work/runs; the originals are not touched.
 
-    python bench/fidelity_matrix.py --runs /path/to/gpu_runs --out bench/results/fidelity_matrix_2026-11-23
+    python bench/fidelity_matrix.py --runs RUNS --out bench/results/fidelity_matrix_2026-11-23
+
+RUNS from the packed runs in bench/results (the layout of RUNS below):
+
+    mkdir -p RUNS/2026-11-23_launch/call2 RUNS/2026-11-23_fidelity
+    tar -xzf bench/results/launch_behind_h200_2026-11-23/runs_call1.tar.gz -C RUNS/2026-11-23_launch
+    tar -xzf bench/results/launch_behind_h200_2026-11-23/runs_call2.tar.gz \
+        -C RUNS/2026-11-23_launch/call2
+    for f in bench/results/fidelity_runs_h200_2026-11-23/*.tar.gz; do
+        tar -xzf $f -C RUNS/2026-11-23_fidelity; done
 
 Every `zipage` command it runs is written to OUT/commands.txt; OUT gets the cross-trace profiles,
 the compare reports, results.json and table.md.
@@ -33,24 +42,21 @@ from fidelity_cross_trace import DECISION_COLUMNS, Study, check_trace, row, trac
 
 # Relative to --runs. a, b: two runs of the same call (the headline's Zipage pair: two calls).
 LAUNCH, FIDELITY = "2026-11-23_launch", "2026-11-23_fidelity"
-RUNS = {
-    "qwen3-8b": {
-        "headline": {"zipage": [f"{LAUNCH}/runs8b/zipage", f"{LAUNCH}/call2/runs8b/zipage"],
-                     "full-kv": [f"{LAUNCH}/call2/runs8b/full-kv",
-                                 f"{FIDELITY}/8b-headline-fullkv/runs/full-kv"]},
-        **{trace: {mode: [f"{FIDELITY}/8b-{short}-{run}/runs/{mode}" for run in "ab"]
+
+
+def model_runs(tag: str) -> dict:
+    """One model's runs; `tag` names its folders (8b, 06)."""
+    return {
+        "headline": {"zipage": [f"{LAUNCH}/runs{tag}/zipage", f"{LAUNCH}/call2/runs{tag}/zipage"],
+                     "full-kv": [f"{LAUNCH}/call2/runs{tag}/full-kv",
+                                 f"{FIDELITY}/{tag}-headline-fullkv/runs/full-kv"]},
+        **{trace: {mode: [f"{FIDELITY}/{tag}-{short}-{run}/runs/{mode}" for run in "ab"]
                    for mode in ("zipage", "full-kv")}
            for trace, short in (("online", "online"), ("longbench200", "lb"))},
-    },
-    "qwen3-0.6b": {
-        "headline": {"zipage": [f"{LAUNCH}/runs06/zipage", f"{LAUNCH}/call2/runs06/zipage"],
-                     "full-kv": [f"{LAUNCH}/call2/runs06/full-kv",
-                                 f"{FIDELITY}/06-headline-fullkv/runs/full-kv"]},
-        **{trace: {mode: [f"{FIDELITY}/06-{short}-{run}/runs/{mode}" for run in "ab"]
-                   for mode in ("zipage", "full-kv")}
-           for trace, short in (("online", "online"), ("longbench200", "lb"))},
-    },
-}
+    }
+
+
+RUNS = {"qwen3-8b": model_runs("8b"), "qwen3-0.6b": model_runs("06")}
 KV_MEMORY_GB = {"qwen3-8b": "6", "qwen3-0.6b": "3"}
 TARGETS = {"makespan": 0.03, "tps": 0.03, "ttft_p50": 0.10, "ttft_p90": 0.10, "tpot_p50": 0.05,
            "e2e_mape": 0.08}
