@@ -71,7 +71,7 @@ REDUNDANCY_EFFICIENCY = 0.25
 # measured on the H200 (fitted with DECODE_PROGRAM_BANDWIDTH below on ~18k decode steps of twelve
 # runs, Qwen3-8B and 0.6B, three traces, Zipage and Full KV: relative RMS 10.4 %; the floor
 # it replaces, max(roofline, 3 us per kernel), left those steps 28-69 % short;
-# docs/cost_model.md, 'Twin fidelity over models and modes'). Part of it is host time of the
+# docs/cost_model.md, 'Decode step'). Part of it is host time of the
 # step loop that grows with the layer count: a forward replayed alone sits closer to the roofline.
 KERNELS_PER_LAYER = 12
 KERNEL_LATENCY_S = 4.0e-6

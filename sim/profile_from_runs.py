@@ -41,6 +41,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from zipage.core.metrics import STEP_COLUMN_DEFAULTS
 from zipage.errors import ConfigError
 
 from .cost_model import DEFAULT_CONTENTION, PROFILE_VERSION, CalibratedCostModel, StepWork
@@ -154,8 +155,9 @@ def _read(directory: Path) -> tuple[dict, pd.DataFrame]:
     if summary.get("driver") in ("simulator", "step-replay"):
         raise ConfigError(f"--from-run {directory}: a {summary['driver']} run; fit profiles from "
                           "real engine runs (zipage replay --gpu --out, or zipage bench serve)")
-    if "decode_max_context" not in steps:  # written before the column existed
-        steps["decode_max_context"] = 0
+    for column, default in STEP_COLUMN_DEFAULTS.items():  # optional to a fit: the rest are needed
+        if column not in needed and column not in steps:
+            steps[column] = default
     return summary, steps
 
 

@@ -230,7 +230,7 @@ class Scheduler:
                 self._complete_compression(job, swap_table=False)
             self.clock.ticks += 1
             for seq, epoch in self._finish_due.pop(self.clock.ticks, ()):
-                if seq.steady_epoch == epoch and seq.is_steady:
+                if seq.steady_in(epoch):
                     self._finish_sequence(seq, result.t_end)
             if result.stopped:
                 for seq in plan.decode:
@@ -346,7 +346,7 @@ class Scheduler:
 
     def _schedule_decode(self, plan: StepPlan) -> None:
         for seq, epoch in self._decision_due.pop(self.clock.ticks, ()):
-            if seq.steady_epoch == epoch and seq.is_steady:
+            if seq.steady_in(epoch):
                 self._leave_steady(seq)
                 self._pending.append(seq)
         candidates = self._pending
@@ -600,10 +600,9 @@ class Scheduler:
     def _longest_steady_offset(self) -> int:
         heap = self._steady_offsets
         if len(heap) > 4 * len(self._steady) + 64:  # mostly stale: rebuild from the live ones
-            heap[:] = [entry for entry in heap
-                       if entry[2].is_steady and entry[2].steady_epoch == entry[3]]
+            heap[:] = [entry for entry in heap if entry[2].steady_in(entry[3])]
             heapq.heapify(heap)
-        while not (heap[0][2].is_steady and heap[0][2].steady_epoch == heap[0][3]):
+        while not heap[0][2].steady_in(heap[0][3]):
             heapq.heappop(heap)
         return -heap[0][0]
 

@@ -122,6 +122,11 @@ class Sequence:
     def is_steady(self) -> bool:
         return self._steady_since is not None
 
+    def steady_in(self, epoch: int) -> bool:
+        """Still in the steady run that `epoch` was taken in (it bumps when the request leaves):
+        whether a due-list or heap entry made then is still live."""
+        return self.steady_epoch == epoch and self._steady_since is not None
+
     @property
     def is_finished(self) -> bool:
         return self.status in (SequenceStatus.FINISHED, SequenceStatus.REJECTED,
