@@ -161,9 +161,20 @@ def profile(runner, plan: StepPlan, ids: dict) -> dict:
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         top = sorted(prof.key_averages(), key=lambda e: e.cpu_time_total, reverse=True)[:15]
         return {"kernel_s": sum(e.device_time for e in kernels) / 1e6, "launches": len(kernels),
-                "top_cpu_ops": [(e.key, e.count, round(e.cpu_time_total / 1e3, 3)) for e in top]}
+                "top_cpu_ops": [(e.key, e.count, round(e.cpu_time_total / 1e3, 3)) for e in top],
+                "top_kernels": kernel_breakdown(kernels)}
     except Exception as error:  # noqa: BLE001 - the timings above still count
         return {"kernel_s": float("nan"), "launches": -1, "profile_error": repr(error)}
+
+
+def kernel_breakdown(kernels: list, top: int = 12) -> list[tuple[str, int, float, float]]:
+    """The costliest kernels by name: (name, launches, total ms, shortest us). Where the kernel
+    time of a small step goes: a few large kernels, or many at their latency floor."""
+    groups: dict[str, list[float]] = {}
+    for event in kernels:
+        groups.setdefault(event.name[:70], []).append(event.device_time)
+    rows = sorted(groups.items(), key=lambda item: sum(item[1]), reverse=True)[:top]
+    return [(name, len(times), round(sum(times) / 1e3, 4), round(min(times), 2)) for name, times in rows]
 
 
 def main() -> None:
@@ -177,6 +188,8 @@ def main() -> None:
                         help="requests decoding beside each prompt (a mixed step)")
     parser.add_argument("--decode-context", type=int, default=1024,
                         help="cached entries of each decoding request")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also print each step's costliest kernels (they are always in the json)")
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "."))
     bandwidth, flops = copy_bandwidth(), matmul_flops()
@@ -198,6 +211,14 @@ def main() -> None:
         print(f"{row['model']:<11} {graphs:>6} {row['tokens']:>6} {row['step_s'] * 1e3:>8.2f} "
               f"{row['gpu_s'] * 1e3:>7.2f} {row['kernel_s'] * 1e3:>10.2f} {row['launches']:>8} "
               f"{row['roofline_s'] * 1e3:>11.2f} {row['vs_roofline']:>10.2f}")
+    if args.kernels:
+        for row in report["rows"]:
+            if "top_kernels" not in row:
+                continue
+            graphs = "graphed" if row["prefill_graphs"] and row["padded_bucket"] else "eager"
+            print(f"\n{row['model']} {row['tokens']} tokens, {graphs}: launches, kernel ms, shortest us")
+            for name, count, total_ms, shortest_us in row["top_kernels"]:
+                print(f"  {count:>4} {total_ms:>8.3f} {shortest_us:>7.1f}  {name}")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,9 @@ _KV_TILE = 64
 _PREFILL_ROWS = 64
 _PREFILL_NUM_WARPS = 4
 _PREFILL_NUM_STAGES = 3
+# Resident prefill programs per SM when a work list is walked (a CUDA graph's padded step): one wave of
+# programs, each taking several items, instead of one program per item of a mostly padded list.
+_PREFILL_PROGRAMS_PER_SM = 2
 # tl.dot on tensor cores needs every dimension to be at least 16.
 _MIN_DOT_DIM = 16
 # Decode: tokens per K/V tile, warps per program and software-pipelining depth of the partition kernel.
@@ -209,8 +212,8 @@ def _attend_kv_tile(
 _STEP_VARYING = ["block_table_stride", "num_partitions", "fixed_partition_size"]
 
 
-@triton.jit(do_not_specialize=["block_table_stride"])
-def _prefill_kernel(
+@triton.jit
+def _prefill_tile(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -218,7 +221,8 @@ def _prefill_kernel(
     cu_seqlens_q_ptr,
     context_lens_ptr,
     block_tables_ptr,
-    work_items_ptr,
+    seq,
+    query_tile,
     qk_scale,
     q_token_stride,
     q_head_stride,
@@ -228,6 +232,7 @@ def _prefill_kernel(
     cache_slot_stride,
     cache_head_stride,
     block_table_stride,
+    kv_head,
     GROUP: tl.constexpr,
     GROUP_PADDED: tl.constexpr,
     QUERY_TOKENS: tl.constexpr,
@@ -236,22 +241,11 @@ def _prefill_kernel(
     HEAD_DIM_PADDED: tl.constexpr,
     KV_TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    USE_WORK_ITEMS: tl.constexpr,
 ):
-    kv_head = tl.program_id(2)
-    if USE_WORK_ITEMS:
-        # Program i runs work item i = (sequence, query tile); a padding item (-1, -1) owns no rows.
-        item = tl.program_id(0).to(tl.int64)
-        work_seq = tl.load(work_items_ptr + 2 * item)
-        query_tile = tl.maximum(tl.load(work_items_ptr + 2 * item + 1), 0)
-        seq = tl.maximum(work_seq, 0)
-    else:
-        query_tile = tl.program_id(0)
-        seq = tl.program_id(1)
-        work_seq = seq
+    """Attention of query tile ``query_tile`` of sequence ``seq`` (``QUERY_TOKENS`` new tokens times the
+    ``GROUP`` query heads of ``kv_head``) over the sequence's paged KV, up to each row's causal limit."""
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    q_len = tl.where(work_seq >= 0, q_len, 0)
     context_len = tl.load(context_lens_ptr + seq)
     first_token = query_tile * QUERY_TOKENS
 
@@ -308,6 +302,66 @@ def _prefill_kernel(
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
+@triton.jit(do_not_specialize=["block_table_stride", "num_work_items"])
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    cu_seqlens_q_ptr,
+    context_lens_ptr,
+    block_tables_ptr,
+    work_items_ptr,
+    num_work_items,
+    qk_scale,
+    q_token_stride,
+    q_head_stride,
+    out_token_stride,
+    out_head_stride,
+    cache_block_stride,
+    cache_slot_stride,
+    cache_head_stride,
+    block_table_stride,
+    GROUP: tl.constexpr,
+    GROUP_PADDED: tl.constexpr,
+    QUERY_TOKENS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    KV_TILE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_WORK_ITEMS: tl.constexpr,
+):
+    kv_head = tl.program_id(2)
+    if USE_WORK_ITEMS:
+        # A fixed set of programs walks the work list: in round r, program p takes item r * P + p, or
+        # r * P + (P - 1 - p) in odd rounds (a sequence's later tiles attend to more entries, so the
+        # snake order pairs each program's cheap items with expensive ones). Padding items (-1, -1)
+        # cost two loads, where a program each (a CUDA graph's list is sized for its bucket's worst
+        # case: mostly padding) cost ~40 us a layer in empty programs on an H200.
+        programs = tl.num_programs(0)
+        program = tl.program_id(0)
+        for round_start in range(0, num_work_items, programs):
+            odd = (round_start // programs) % 2
+            item = (round_start + tl.where(odd == 1, programs - 1 - program, program)).to(tl.int64)
+            if item < num_work_items:
+                work_seq = tl.load(work_items_ptr + 2 * item)
+                if work_seq >= 0:
+                    _prefill_tile(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+                                  block_tables_ptr, work_seq, tl.load(work_items_ptr + 2 * item + 1), qk_scale,
+                                  q_token_stride, q_head_stride, out_token_stride, out_head_stride,
+                                  cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride,
+                                  kv_head, GROUP, GROUP_PADDED, QUERY_TOKENS, BLOCK_SIZE, HEAD_DIM,
+                                  HEAD_DIM_PADDED, KV_TILE, DOT_PRECISION)
+    else:
+        _prefill_tile(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+                      block_tables_ptr, tl.program_id(1), tl.program_id(0), qk_scale,
+                      q_token_stride, q_head_stride, out_token_stride, out_head_stride,
+                      cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride,
+                      kv_head, GROUP, GROUP_PADDED, QUERY_TOKENS, BLOCK_SIZE, HEAD_DIM,
+                      HEAD_DIM_PADDED, KV_TILE, DOT_PRECISION)
+
+
 def paged_prefill_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -327,9 +381,10 @@ def paged_prefill_attention_triton(
     sync, so the engine passes it). It must be the true maximum: a smaller value leaves rows unwritten.
 
     With ``work`` (``PrefillWork``: a list of (sequence, query tile) items and the tile size it was cut with) the
-    grid is (items, 1, num_kv_heads) instead: one program per item, padding items (-1, -1) write nothing. Its
-    size is the list's, whatever the batch, which is what lets a CUDA graph capture a padded step. Rows that no
-    item covers (padding rows of a padded step) are left unwritten."""
+    grid is (P, 1, num_kv_heads) instead, P programs per KV head (about ``_PREFILL_PROGRAMS_PER_SM`` per SM, at
+    most one per item) walking the list; padding items (-1, -1) write nothing. Its size depends on the list's
+    length only, whatever the batch, which is what lets a CUDA graph capture a padded step. Rows that no item
+    covers (padding rows of a padded step) are left unwritten."""
     _check_cache(k_cache, v_cache)
     if q.dtype != k_cache.dtype:
         raise ValueError(f"q is {q.dtype} but the KV cache is {k_cache.dtype}; they must match")
@@ -344,7 +399,11 @@ def paged_prefill_attention_triton(
     group_padded = triton.next_power_of_2(group)
     if work is not None:
         query_tokens = work.tile_tokens
-        grid = (work.items.shape[0], 1, num_kv_heads)
+        streaming_multiprocessors = (
+            _streaming_multiprocessor_count(q.device.index or 0) if q.is_cuda else _INTERPRETER_SM_COUNT
+        )
+        programs = max(streaming_multiprocessors * _PREFILL_PROGRAMS_PER_SM // num_kv_heads, 1)
+        grid = (min(work.items.shape[0], programs), 1, num_kv_heads)
         work_items = work.items
     else:
         query_tokens = max(_PREFILL_ROWS // group_padded, 1)
@@ -363,6 +422,7 @@ def paged_prefill_attention_triton(
         context_lens,
         block_tables,
         work_items,
+        work_items.shape[0] if work is not None else 0,
         scale * _LOG2_E,
         q.stride(0),
         q.stride(1),

@@ -78,14 +78,13 @@ def test_steps_above_the_largest_bucket_run_eagerly(tmp_path: Path, monkeypatch)
 
 
 class EagerReplay:
-    """Stands in for a captured prefill graph: the padded forward into the static logits."""
+    """Stands in for a captured prefill graph: the padded forward into the static hidden states."""
 
     def __init__(self, runner: ModelRunner, bucket: int) -> None:
         self.runner, self.bucket = runner, bucket
 
     def replay(self) -> None:
-        seqs = self.runner.bucket_sequences(self.bucket)
-        self.runner.padded_inputs["logits"][:seqs] = self.runner.padded_forward(self.bucket)
+        self.runner.padded_inputs["hidden"][:self.bucket] = self.runner.padded_forward(self.bucket)
 
 
 @pytest.mark.parametrize("knobs", [dict(compress=False, block_size=16, kv_memory_gb=0.002),

@@ -29,12 +29,14 @@ Prefill graphs. An eager prefill step is host-bound (~400 launches at ~60-70 us 
 launcher time each on an H200, against 5-11 ms of kernels for 128-512 tokens). A step of at most
 `PREFILL_GRAPH_TOKENS[-1]` rows is therefore staged into static tensors padded to its bucket (the
 next size of the ladder): rows (padding rows store nothing), sequences (padding sequences are
-empty), a block table of the widest shape, a fixed-size work list for the prefill kernel, and
-fixed logits rows; the decode rows of a mixed step become sequences of one new token in the same
-prefill launch, because a graph's grid cannot depend on how many rows decode (they lose the
-decode kernel's split-K inside graphed steps; the bucket's size bounds them). Each bucket's graph
-replays that padded forward; the same forward runs eagerly where no graph was captured (the CPU
-and its tests), so turning graphs on changes nothing but the launches. Larger steps run eagerly.
+empty), a block table of the widest shape and a fixed-size work list for the prefill kernel;
+the decode rows of a mixed step become sequences of one new token in the same prefill launch,
+because a graph's grid cannot depend on how many rows decode (they lose the decode kernel's
+split-K inside graphed steps; the bucket's size bounds them). Each bucket's graph replays that
+padded forward up to the last hidden states; the logits of the rows that sample follow eagerly
+(one gather and one matmul of the right size). The same forward runs eagerly where no graph was
+captured (the CPU and its tests), so turning graphs on changes nothing but the launches. Larger
+steps run eagerly.
 """
 
 from __future__ import annotations
@@ -424,8 +426,7 @@ class ModelRunner:
                                         device=device),
             "work_items": torch.full((self.bucket_work_items(largest), 2), -1, dtype=torch.int32,
                                      device=device),
-            "logits_indices": torch.zeros(seqs, dtype=torch.int64, device=device),
-            "logits": torch.empty(seqs, self.shape.vocab_size, dtype=self.dtype, device=device),
+            "hidden": torch.empty(largest, self.shape.hidden_size, dtype=self.dtype, device=device),
         }
 
     def padded_context(self, bucket: int) -> ForwardContext:
@@ -438,16 +439,17 @@ class ModelRunner:
             block_tables=static["block_tables"][:seqs],
             prefill_work=PrefillWork(static["work_items"][:self.bucket_work_items(bucket)],
                                      self.tile_tokens),
-            logits_indices=static["logits_indices"][:seqs],
             query_slot_mapping=static["rows"][3, :bucket] if self.query_cache is not None
             else None)
 
     def padded_forward(self, bucket: int) -> torch.Tensor:
-        """The forward of a padded step on the static inputs: what a prefill graph captures."""
+        """The forward of a padded step on the static inputs, to the last hidden states of its
+        `bucket` rows: what a prefill graph captures. The logits are left out: a graph would
+        compute them for every sequence the bucket can hold (up to 512 rows of the LM head, ~1 ms
+        of the Qwen3-8B's 512-token step on an H200), where a step samples a few."""
         static = self.padded_inputs
         with forward_context(self.padded_context(bucket)):
-            hidden = self.model(static["rows"][0, :bucket], static["rows"][1, :bucket])
-            return self.model.compute_logits(hidden)
+            return self.model(static["rows"][0, :bucket], static["rows"][1, :bucket])
 
     def padded_layout(self, inputs: StepInputs, bucket: int) -> dict[str, torch.Tensor]:
         """Host tensors of `inputs` in the padded layout of `bucket` rows.
@@ -455,7 +457,7 @@ class ModelRunner:
         The decode rows become sequences of one new token (`PrefillWork` items like any tile), so
         one prefill launch covers every row and its size depends on the bucket only. Padding:
         rows store nothing (slot -1, query -1), padding sequences are empty (context 0, no work
-        item), padding work items are (-1, -1), padding logits rows read row 0 and are dropped.
+        item), padding work items are (-1, -1).
         """
         num_rows, seqs = len(inputs.input_ids), self.bucket_sequences(bucket)
         cu, lens, tables = inputs.cu_seqlens_q, inputs.context_lens, [inputs.block_tables]
@@ -470,14 +472,12 @@ class ModelRunner:
         rows = torch.tensor([0, 0, -1, -1], dtype=torch.int64)[:, None].repeat(1, bucket)
         rows[:, :num_rows] = torch.stack((inputs.input_ids, inputs.positions,
                                           inputs.slot_mapping, inputs.query_slot_mapping))
-        logits_indices = torch.zeros(seqs, dtype=torch.int64)
-        logits_indices[:len(inputs.logits_indices)] = inputs.logits_indices
         work = prefill_work((cu[1:] - cu[:-1]).long(), self.tile_tokens,
                             self.bucket_work_items(bucket))
         width = max(table.shape[1] for table in tables)
         return {"rows": rows, "cu_seqlens_q": cu, "context_lens": lens,
                 "block_tables": torch.cat([_widen(table, width) for table in tables]),
-                "work_items": work.items, "logits_indices": logits_indices}
+                "work_items": work.items}
 
     def _prefill_padded(self, inputs: StepInputs, bucket: int) -> torch.Tensor | None:
         """Stage a step into the static inputs of its bucket, then replay the bucket's graph (or,
@@ -489,26 +489,27 @@ class ModelRunner:
         for name, tensor in layout.items():
             static[name][tuple(slice(0, size) for size in tensor.shape)].copy_(
                 self._to_device(tensor))
-        sampled = len(inputs.logits_indices)
         graph = self.prefill_graphs.get(bucket)
         if graph is None:
-            logits = self.padded_forward(bucket)
+            hidden = self.padded_forward(bucket)
         else:
             graph.replay()
-            logits = static["logits"][:self.bucket_sequences(bucket)]
-        return logits[:sampled] if sampled else None
+            hidden = static["hidden"][:bucket]
+        if inputs.logits_indices.numel() == 0:
+            return None
+        with forward_context(ForwardContext(logits_indices=self._to_device(inputs.logits_indices))):
+            return self.model.compute_logits(hidden)
 
     def capture_prefill_graphs(self) -> None:
         """One graph per token bucket, largest first, in the decode graphs' memory pool."""
         static = self.padded_inputs
         for bucket in reversed(self.prefill_buckets):
-            seqs = self.bucket_sequences(bucket)
             graph = torch.cuda.CUDAGraph()
             with torch.inference_mode():
                 self.padded_forward(bucket)  # warm-up outside the graph (Triton compiles)
                 torch.cuda.synchronize()
                 with torch.cuda.graph(graph, pool=self.graph_pool):
-                    static["logits"][:seqs] = self.padded_forward(bucket)
+                    static["hidden"][:bucket] = self.padded_forward(bucket)
             self.graph_pool = graph.pool()
             self.prefill_graphs[bucket] = graph
         torch.cuda.synchronize()

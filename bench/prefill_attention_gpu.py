@@ -1,0 +1,136 @@
+"""The paged prefill attention kernel at the shapes of Qwen3-0.6B and Qwen3-8B, against torch's
+flash attention (run on a GPU; results go to docs/BENCHMARKS.md, section 12).
+
+One prompt of 128 / 512 / 2k / 8k tokens, block 64, bfloat16: the Triton kernel with each launch
+configuration of `--configs` (rows per program, KV tile, warps, pipeline stages; the first is the
+shipped default); the same prompt through the work list of a CUDA graph's padded step (sized
+for as many rows in up to 512 sequences, mostly padding) walked by 1-4 programs per SM or one
+program per item; and torch's dense causal scaled_dot_product_attention on the same shapes (KV
+repeated per query head, so the flash backend takes it) as what the hardware can do. Time is
+triton.testing.do_bench's median; TFLOP/s counts the causal half of QK^T and PV.
+
+    . bench/env.sh && python bench/prefill_attention_gpu.py [--tokens 512,2048,8192]
+
+Prints a table last and writes prefill_attention_gpu.json under $OUT (or the current directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import triton.testing
+
+from zipage.kernels import attention_triton
+from zipage.kernels.attention import prefill_tile_tokens, prefill_work, prefill_work_capacity
+from zipage.kernels.attention_triton import paged_prefill_attention_triton
+
+from check_attention_gpu import random_paged_cache, with_settings  # noqa: E402 (bench/ is the script's path)
+
+# (query heads, KV heads, head_dim) of the models whose prefill steps section 12 times.
+SHAPES = {"qwen3-0.6b": (16, 8, 128), "qwen3-8b": (32, 8, 128)}
+SETTINGS = ("_PREFILL_ROWS", "_KV_TILE", "_PREFILL_NUM_WARPS", "_PREFILL_NUM_STAGES")
+CONFIGS = "64/64/4/3,64/64/4/2,128/64/8/2,128/64/8/3,128/64/4/3,64/128/4/2,128/128/8/2"
+BLOCK_SIZE = 64
+# The padded step of a CUDA graph: a work list sized for `tokens` rows in up to this many sequences.
+GRAPH_SEQUENCES = 512
+# Work-list walks timed: programs per SM (a huge count gives one program per item, the old launch).
+PROGRAMS_PER_SM = (1, 2, 3, 4, 1 << 20)
+
+
+def milliseconds(function) -> float:
+    return triton.testing.do_bench(function, warmup=10, rep=100, return_mode="median")
+
+
+def measure(model: str, tokens: int, configs: list[tuple[int, ...]]) -> dict:
+    heads, kv_heads, head_dim = SHAPES[model]
+    generator = torch.Generator(device="cuda").manual_seed(tokens)
+    k_cache, v_cache, tables = random_paged_cache([tokens], BLOCK_SIZE, kv_heads, head_dim, generator)
+    q = torch.randn((tokens, heads, head_dim), generator=generator, device="cuda").to(torch.bfloat16)
+    cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([tokens], dtype=torch.int32, device="cuda")
+    scale = head_dim**-0.5
+
+    def paged():
+        return paged_prefill_attention_triton(q, k_cache, v_cache, cu, lens, tables, scale, max_q_len=tokens)
+
+    flops = 2 * 2 * heads * head_dim * tokens * (tokens + 1) / 2
+    reference = paged()
+    row = {"model": model, "tokens": tokens, "flops": flops, "configs": []}
+    for config in configs:
+        entry = {"config": "/".join(map(str, config))}
+        try:
+            out = with_settings(SETTINGS, config, paged)
+            entry["max_abs_difference"] = (out.float() - reference.float()).abs().max().item()
+            entry["ms"] = with_settings(SETTINGS, config, lambda: milliseconds(paged))
+        except Exception as error:  # noqa: BLE001 - a configuration that does not compile is a result
+            entry["error"] = repr(error)[:200]
+        row["configs"].append(entry)
+    # The work list of a CUDA graph's padded step: this prompt, then empty sequences and padding items.
+    seqs = min(tokens, GRAPH_SEQUENCES)
+    tile = prefill_tile_tokens(heads, kv_heads)
+    padded_cu = torch.cat((cu, cu[-1:].expand(seqs - 1)))
+    padded_lens = torch.cat((lens, torch.zeros(seqs - 1, dtype=torch.int32, device="cuda")))
+    padded_tables = torch.cat((tables, tables[:1].expand(seqs - 1, -1)))
+    host_work = prefill_work((padded_cu[1:] - padded_cu[:-1]).long().cpu(), tile,
+                             prefill_work_capacity(tokens, seqs, tile))
+    work = type(host_work)(host_work.items.cuda(), tile)
+
+    def walked():
+        return paged_prefill_attention_triton(q, k_cache, v_cache, padded_cu, padded_lens, padded_tables,
+                                              scale, work=work)
+
+    row["work_items"] = int(work.items.shape[0])
+    row["work_list"] = []
+    for per_sm in PROGRAMS_PER_SM:
+        entry = {"programs_per_sm": per_sm}
+        out = with_settings(("_PREFILL_PROGRAMS_PER_SM",), (per_sm,), walked)
+        entry["max_abs_difference"] = (out.float() - reference.float()).abs().max().item()
+        entry["ms"] = with_settings(("_PREFILL_PROGRAMS_PER_SM",), (per_sm,), lambda: milliseconds(walked))
+        row["work_list"].append(entry)
+    dense_q = q.transpose(0, 1)[None]
+    dense_k = torch.randn((1, heads, tokens, head_dim), generator=generator, device="cuda").to(torch.bfloat16)
+    row["sdpa_ms"] = milliseconds(lambda: torch.nn.functional.scaled_dot_product_attention(
+        dense_q, dense_k, dense_k, is_causal=True, scale=scale))
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default=",".join(SHAPES))
+    parser.add_argument("--tokens", default="128,512,2048,8192")
+    parser.add_argument("--configs", default=CONFIGS,
+                        help="rows/tile/warps/stages, comma separated; the first is the baseline")
+    args = parser.parse_args()
+    configs = [tuple(int(v) for v in c.split("/")) for c in args.configs.split(",")]
+    rows = [measure(model, int(tokens), configs)
+            for model in args.models.split(",") for tokens in args.tokens.split(",")]
+    out = Path(os.environ.get("OUT", "."))
+    (out / "prefill_attention_gpu.json").write_text(json.dumps(
+        {"device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
+    print(f"\n{torch.cuda.get_device_name()}: ms (TFLOP/s) per rows/tile/warps/stages; sdpa = torch flash")
+    print(f"{'model':<11} {'tokens':>6} " + " ".join(f"{c.get('config'):>16}" for c in rows[0]["configs"])
+          + f" {'sdpa':>16}")
+    for row in rows:
+        cells = []
+        for entry in row["configs"]:
+            if "ms" not in entry:
+                cells.append(f"{'error':>16}")
+            else:
+                bad = "!" if entry["max_abs_difference"] > 2e-2 else ""
+                cells.append(f"{entry['ms']:>7.3f} ({row['flops'] / entry['ms'] / 1e9:>4.0f}){bad:1}")
+        cells.append(f"{row['sdpa_ms']:>7.3f} ({row['flops'] / row['sdpa_ms'] / 1e9:>4.0f}) ")
+        print(f"{row['model']:<11} {row['tokens']:>6} " + " ".join(cells))
+    print(f"\nwork list of a padded step ({GRAPH_SEQUENCES} sequences at most): ms per programs/SM "
+          f"({', '.join(map(str, PROGRAMS_PER_SM[:-1]))}, one per item); grid: the first config above")
+    for row in rows:
+        cells = [f"{e['ms']:>7.3f}{'!' if e['max_abs_difference'] > 2e-2 else ' '}" for e in row["work_list"]]
+        print(f"{row['model']:<11} {row['tokens']:>6} {row['work_items']:>5} items " + " ".join(cells)
+              + f"  grid {row['configs'][0].get('ms', float('nan')):>7.3f}")
+
+
+if __name__ == "__main__":
+    main()
