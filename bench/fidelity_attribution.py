@@ -1,12 +1,12 @@
 """Where the twin's remaining misses come from, step by step (issue #15; docs/BENCHMARKS.md
-section 18, "What is left, and why"): 0.6B online TPOT p50 (Zipage, Full KV), 0.6B Full KV
-LongBench, 8B Zipage LongBench. Each engine step (steps.csv) is priced with the matrix's
+section 18, "What is left, and why"): 0.6B online TPOT p50 (Zipage, Full KV), 0.6B LongBench
+(Zipage, Full KV), 8B Zipage LongBench. Each engine step (steps.csv) is priced with the matrix's
 cross-trace profile (fitted on the other two traces), the simulator's rules replayed on the
 engine's own step sequence (`price`). It prints:
 
 1. TPOT p50: the engine's; the error when each request's life is re-summed with predicted step
    times on the engine's schedule; the simulation's error; steps per output token.
-2. The error by step group (0.6B Zipage online, 8B Zipage LongBench), with the group's share of
+2. The error by step group (Zipage: 0.6B online and LongBench, 8B LongBench), with the group's share of
    a median request's life (40th-60th TPOT percentile) and the TPOT error it gives (pp).
 3. The same by decode batch and mean context (0.6B Full KV online and LongBench).
 4. Shared prefix entries of decode steps (a block held by k decode requests is summed k times in
@@ -41,8 +41,9 @@ from zipage.sim.simulate import simulate
 from zipage.trace import load_trace
 
 PROFILES = Path(__file__).resolve().parent / "results/fidelity_matrix_2026-11-23/profiles"
-CASES = [("qwen3-0.6b", "zipage", "online"), ("qwen3-0.6b", "full-kv", "online"),
-         ("qwen3-0.6b", "full-kv", "longbench200"), ("qwen3-8b", "zipage", "longbench200")]
+CASES = [("qwen3-0.6b", "zipage", "online"), ("qwen3-0.6b", "zipage", "longbench200"),
+         ("qwen3-0.6b", "full-kv", "online"), ("qwen3-0.6b", "full-kv", "longbench200"),
+         ("qwen3-8b", "zipage", "longbench200")]
 BLOCK_SIZE = 64  # fidelity_matrix.deployment's --block-size
 BATCH_BINS, CONTEXT_BINS = [0, 8, 16, 32, 64, 128, 256, 600], [0, 500, 1000, 2000, 4000, 8000, 1e6]
 
@@ -247,7 +248,8 @@ def show(title: str, table: pd.DataFrame, digits: int = 2) -> None:
 
 
 def print_step_tables(priced: dict) -> None:
-    for model, trace in (("qwen3-0.6b", "online"), ("qwen3-8b", "longbench200")):
+    for model, trace in (("qwen3-0.6b", "online"), ("qwen3-0.6b", "longbench200"),
+                         ("qwen3-8b", "longbench200")):
         for name in "ab":
             steps, requests = priced[model, "zipage", trace, name]
             show(f"{model} Zipage {trace} {name} by step group ({steps.measured.sum():.2f} s "
