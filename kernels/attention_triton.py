@@ -354,6 +354,8 @@ def _prefill_kernel(
                                   kv_head, GROUP, GROUP_PADDED, QUERY_TOKENS, BLOCK_SIZE, HEAD_DIM,
                                   HEAD_DIM_PADDED, KV_TILE, DOT_PRECISION)
     else:
+        # The eager grid: one program per (query tile, sequence), no loop around it (the launch
+        # measured in BENCHMARKS.md section 12).
         _prefill_tile(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, context_lens_ptr,
                       block_tables_ptr, tl.program_id(1), tl.program_id(0), qk_scale,
                       q_token_stride, q_head_stride, out_token_stride, out_head_stride,
