@@ -7,8 +7,8 @@ prompt chunk in one forward) by both, compression by source blocks, plus the slo
 step that overlaps an async compression. This module measures exactly those on the engine: whole
 `ModelRunner.execute` calls (input building on the host, the CUDA graph or eager forward,
 sampling, tokens back on the host: what the step loop times), on synthetic requests laid out
-directly in the block manager, so every point is exactly the batch and context it names. Nothing here schedules; the caches hold whatever
-the points write (timing does not depend on the values).
+directly in the block manager, so every point is exactly the batch and context it names. Nothing
+here schedules; the caches hold whatever the points write (timing does not depend on the values).
 """
 
 from __future__ import annotations
