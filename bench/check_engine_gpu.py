@@ -9,7 +9,7 @@ on timing; so a few requests may diverge late, hence an agreement threshold, not
 a small AMC23-shaped trace, EOS ignored. Prints the share of requests whose outputs agree exactly
 and the first token index where the others diverge; exits 1 below `--min-agreement`.
 
-Prefill graphs (`ZIPAGE_PREFILL_GRAPHS=1`, off by default) are covered twice:
+Prefill graphs (`prefill_graphs=True`, `--prefill-graphs` on the CLI; off by default) are covered twice:
 - step by step, exactly: prefill and mixed steps (ragged prompts, a prefix-cached chunk, decode
   rows) replayed from the captured graph of their token bucket must give bit-identical logits and
   KV to the same padded forward run eagerly (turning graphs on cannot change a result);
@@ -36,7 +36,6 @@ from zipage.core.step import MIXED, PREFILL, PrefillItem, StepPlan
 from zipage.deployment import ReplaySettings
 from zipage.engine.llm import build_engine
 from zipage.engine.replay import replay_on_engine
-from zipage.engine.runner import PREFILL_GRAPHS_ENV
 from zipage.engine.sampler import SamplingParams
 from zipage.workloads import make_trace
 
@@ -45,11 +44,8 @@ def run(trace, config: ZipageConfig, cuda_graphs: bool, model: str,
         prefill_graphs: bool = False) -> dict[str, list[int]]:
     settings = ReplaySettings(model=f"random:{model}", dtype="float32", kv_memory_gb=1.0,
                               config=config)
-    os.environ[PREFILL_GRAPHS_ENV] = "1" if prefill_graphs else "0"
-    try:
-        _, engine_run = replay_on_engine(trace, settings, "cuda", cuda_graphs=cuda_graphs)
-    finally:
-        os.environ.pop(PREFILL_GRAPHS_ENV)
+    _, engine_run = replay_on_engine(trace, settings, "cuda", cuda_graphs=cuda_graphs,
+                                     prefill_graphs=prefill_graphs)
     gc.collect()
     torch.cuda.empty_cache()
     return engine_run.tokens

@@ -84,6 +84,8 @@ def main() -> None:
                         help="write each variant's run directory under this folder")
     parser.add_argument("--simulate", action=argparse.BooleanOptionalAction, default=True,
                         help="also replay each variant in the simulator (needs simpy)")
+    parser.add_argument("--prefill-graphs", action="store_true",
+                        help="the engine replays prefill and mixed steps as CUDA graphs too")
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "."))
     if args.trace is not None:
@@ -119,7 +121,8 @@ def main() -> None:
         started = time.perf_counter()
         os.environ.update(environment.get(name, {}))
         try:
-            summary, run = replay_on_engine(trace, settings, args.device)
+            summary, run = replay_on_engine(trace, settings, args.device,
+                                            prefill_graphs=args.prefill_graphs)
         finally:
             for key in environment.get(name, {}):
                 os.environ.pop(key)

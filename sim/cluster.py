@@ -23,7 +23,6 @@ from zipage.core.metrics import StepRecord, summarize
 from zipage.core.sequence import Sequence
 from zipage.errors import ConfigError
 from zipage.deployment import ReplaySettings, trace_sequences
-from zipage.rundir import run_summary
 from zipage.trace import Trace
 
 from .simulate import plan_deployment
@@ -50,7 +49,7 @@ def simulate_cluster(trace: Trace, settings: ReplaySettings, replicas: int = 1,
                           f"{', '.join(ROUTING_POLICIES)}")
     started = time.perf_counter()
     deployment = plan_deployment(settings)
-    config, capacity = deployment.config, deployment.capacity
+    config = deployment.config
     environment = simpy.Environment()
     engines = [Simulator(deployment.new_scheduler(), deployment.cost_model, env=environment)
                for _ in range(replicas)]
@@ -76,7 +75,7 @@ def simulate_cluster(trace: Trace, settings: ReplaySettings, replicas: int = 1,
                    requests_per_replica=[counts[index] for index in range(replicas)],
                    first_error=errors[0] if errors else None,
                    wall_s=time.perf_counter() - started)
-    return run_summary(summary, capacity, config, settings, "simulator")
+    return deployment.summary(summary, settings)
 
 
 def peak_concurrent_running(step_lists: list[list[StepRecord]]) -> int:

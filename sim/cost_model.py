@@ -172,6 +172,9 @@ class CostModel(ABC):
 
     # Multiplier of a step fully overlapped by an async compression batch.
     contention_factor: float
+    # Which engine steps replayed CUDA graphs when the costs were measured ({"decode": bool,
+    # "prefill": bool}), where a profile says so; None for the analytic model.
+    measured_graphs: dict[str, bool] | None = None
 
     def step_time(self, plan: StepPlan) -> float:
         """A step of any kind: its sync compressions run first, then one forward over its decode
@@ -482,6 +485,7 @@ class CalibratedCostModel(CostModel):
         self.compress_fit = compress
         self.contention_factor = contention_factor
         self.header, self.source = header, source
+        self.measured_graphs = header.get("graphs")
         self._decode_a, self._decode_b, self._decode_c = decode.coefficients[:3]
         # Per KV entry the longest request holds beyond the mean (0 when not fitted).
         self._decode_excess = decode.coefficients[3] if len(decode.coefficients) > 3 else 0.0
@@ -745,6 +749,12 @@ def _check_header(source: str, data: dict, shape: ModelShape | None, gpu: GPUSpe
     if "dtype" in header and header["dtype"] not in DTYPE_BYTES:
         raise ConfigError(f"{source}: dtype: got {header['dtype']!r}, expected one of "
                           f"{', '.join(DTYPE_BYTES)}")
+    graphs = header.get("graphs")
+    if graphs is not None and not (isinstance(graphs, dict) and set(graphs) == {"decode", "prefill"}
+                                   and all(isinstance(value, bool) for value in graphs.values())):
+        raise ConfigError(f"{source}: graphs: got {graphs!r}, expected {{\"decode\": true|false, "
+                          "\"prefill\": true|false}: which engine steps replayed CUDA graphs "
+                          "when it was measured")
     fix = "measure a profile for this setup, or use --cost-model analytic"
     if shape is not None and _plain(data["model"]) != _plain(shape.name):
         raise ConfigError(f"{source}: model: measured on {data['model']!r}, but this run uses "

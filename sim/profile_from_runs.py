@@ -175,6 +175,8 @@ def _header(runs: list[tuple[dict, pd.DataFrame]], gpu: str | None) -> dict:
             **config.cost_knobs(),
             "tensor_parallel": settings["tensor_parallel"],
             "compress": config.compress, "async_compress": config.async_compress,
+            # Absent from runs of before 2026-11-23 and from `zipage bench serve` (the server's).
+            "graphs": summary.get("graphs"),
         })
     for other in headers[1:]:
         differ = [key for key in headers[0] if other[key] != headers[0][key]]
@@ -183,6 +185,8 @@ def _header(runs: list[tuple[dict, pd.DataFrame]], gpu: str | None) -> dict:
                               "profile per setup")
     header = headers[0]
     header.pop("compress"), header.pop("async_compress")
+    if header["graphs"] is None:
+        header.pop("graphs")
     return {"version": PROFILE_VERSION, "source": "runs",
             "note": f"fitted by `zipage calibrate --from-run` from {len(runs)} run(s)", **header}
 

@@ -38,6 +38,14 @@ class SimulatedDeployment:
     def new_scheduler(self) -> Scheduler:
         return Scheduler(self.config, self.capacity.num_blocks, self.capacity.num_query_slots)
 
+    def summary(self, metrics: dict, settings: ReplaySettings) -> dict:
+        """The run summary of a simulation of this deployment; a profile that says which engine
+        steps it timed graphed passes that on (`zipage compare` sets it beside the engine's)."""
+        summary = run_summary(metrics, self.capacity, self.config, settings, "simulator")
+        if self.cost_model.measured_graphs is not None:
+            summary["graphs"] = self.cost_model.measured_graphs
+        return summary
+
 
 def plan_deployment(settings: ReplaySettings,
                     contention_factor: float | None = None) -> SimulatedDeployment:
@@ -65,4 +73,4 @@ def simulate(trace: Trace, settings: ReplaySettings, *, progress: bool = False,
     simulator = Simulator(scheduler, deployment.cost_model, check=check,
                           log_decisions=log_decisions, progress=progress, total=len(sequences))
     run = simulator.run(sequences)
-    return run_summary(run.summary, deployment.capacity, config, settings, "simulator"), run
+    return deployment.summary(run.summary, settings), run

@@ -375,6 +375,16 @@ def test_perturbed_run_against_hand_computed_errors(real_dir, tmp_path):
     assert summary["mean_tpot_ms"]["ratio"] is None
     assert comparison["setup_differences"] == {
         "config.async_compress": {"sim": True, "real": False}}
+    # Graphed steps: compared only where both runs say (an analytic simulation does not).
+    real_summary = json.loads((real_dir / "summary.json").read_text())
+    (real_dir / "summary.json").write_text(json.dumps(
+        {**real_summary, "graphs": {"decode": True, "prefill": True}}))
+    assert "graphs.prefill" not in compare_runs(sim_dir, real_dir)["setup_differences"]
+    (sim_dir / "summary.json").write_text(json.dumps(
+        {**sim_summary, "graphs": {"decode": True, "prefill": False}}))
+    differences = compare_runs(sim_dir, real_dir)["setup_differences"]
+    assert differences["graphs.prefill"] == {"sim": False, "real": True}
+    assert "graphs.decode" not in differences
 
     report = format_report(comparison)
     assert "DIFFERENT" in report

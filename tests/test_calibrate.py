@@ -138,6 +138,27 @@ def test_simulator_accepts_the_profile_for_the_same_setup_only(profile, tiny_mod
                               cost_model=str(path), config=ZipageConfig(**KNOBS))
     summary, _ = simulate(trace, settings)
     assert summary["completed"] == 4 and summary["makespan_s"] > 0
+    # Nothing is graphed on the CPU; the simulation says what its profile timed.
+    assert profile["graphs"] == {"decode": False, "prefill": False}
+    assert summary["graphs"] == profile["graphs"]
+
+
+def test_prefill_graphs_calibrate_the_padded_path(tiny_model, monkeypatch):  # noqa: F811
+    """With prefill graphs on, the prefill and mixed points are timed through the padded
+    layout a graph replays (on the CPU it runs eagerly: the same forward)."""
+    from zipage.engine.runner import ModelRunner
+
+    padded = []
+    forward = ModelRunner.padded_forward
+    monkeypatch.setattr(ModelRunner, "padded_forward",
+                        lambda runner, bucket: padded.append(bucket) or forward(runner, bucket))
+    directory, _ = tiny_model
+    settings = ReplaySettings(model=str(directory), kv_memory_gb=0.01,
+                              config=ZipageConfig(**KNOBS))
+    profile = calibrate(settings, "cpu", hardware="h200", repeats=1, prefill_graphs=True)
+    points = len(profile["prefill"]) + len(profile["mixed"])
+    assert len(padded) >= 2 * points  # a warm-up and a timed run per point
+    assert CalibratedCostModel.from_profile(profile).mixed_fit.num_points == 24
 
 
 def test_cli_writes_a_profile_and_refuses_what_it_cannot_do(tiny_model, tmp_path):  # noqa: F811
@@ -146,8 +167,8 @@ def test_cli_writes_a_profile_and_refuses_what_it_cannot_do(tiny_model, tmp_path
     base = [sys.executable, "-m", "zipage.cli", "calibrate", "--model", str(directory),
             "--block-size", "16", "--window", "4", "--budget", "64", "--kv-memory-gb", "0.01",
             "--repeats", "1", "--out", str(out)]
-    done = subprocess.run(base + ["--engine", "cpu", "--hardware", "h100"], capture_output=True,
-                          text=True)
+    done = subprocess.run(base + ["--engine", "cpu", "--hardware", "h100", "--prefill-graphs"],
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert json.loads(out.read_text())["gpu"] == "h100-80gb"
     assert "relative RMS error" in done.stdout

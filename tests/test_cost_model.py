@@ -515,6 +515,9 @@ def broken(edit) -> dict:
     (lambda p: p.update(contention_factor=0.7), "contention_factor"),
     (lambda p: p.update(redundancy="exact"), "redundancy"),
     (lambda p: p.update(dtype="int3"), "dtype"),
+    (lambda p: p.update(graphs=True), "graphs"),
+    (lambda p: p.update(graphs={"decode": True}), "graphs"),
+    (lambda p: p.update(graphs={"decode": True, "prefill": "on"}), "graphs"),
 ])
 def test_malformed_profile_names_the_field(edit, field):
     with pytest.raises(ConfigError, match=field):

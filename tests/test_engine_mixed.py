@@ -292,7 +292,6 @@ from test_engine import (  # noqa: E402,F401
     GREEDY as ENGINE_GREEDY, prompts_with_shared_prefix, replay_sim_and_cpu, tiny_model)
 from test_engine_compression import SMALL  # noqa: E402
 from zipage import LLM  # noqa: E402
-from zipage.engine.runner import PREFILL_GRAPHS_ENV  # noqa: E402
 
 CHUNKED = dict(chunked_prefill=True, max_num_batched_tokens=24)
 
@@ -301,16 +300,16 @@ CHUNKED = dict(chunked_prefill=True, max_num_batched_tokens=24)
 @pytest.mark.parametrize("knobs", [dict(compress=False, block_size=16, kv_memory_gb=0.002),
                                    dict(SMALL, async_compress=False), SMALL],
                          ids=["full-kv", "compress-sync", "compress-async"])
-@pytest.mark.parametrize("prefill_graphs", ["0", "1"], ids=["eager", "padded"])
-def test_chunked_engine_runs_equal_unchunked(tiny_model, knobs, prefill_graphs, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("prefill_graphs", [False, True], ids=["eager", "padded"])
+def test_chunked_engine_runs_equal_unchunked(tiny_model, knobs, prefill_graphs):  # noqa: F811
     """`LLM.generate` with the core's chunked prefill (24-token steps: prompts of 41-60 tokens in
     chunks, mixed steps, prefix hits, preemption under the small caches, compression) gives the
     unchunked run's tokens, eagerly and through the padded layout of prefill graphs."""
     directory, _ = tiny_model
     prompts = prompts_with_shared_prefix()
     expected = LLM(str(directory), **knobs).generate(prompts, ENGINE_GREEDY, progress=False)
-    monkeypatch.setenv(PREFILL_GRAPHS_ENV, prefill_graphs)
-    llm = LLM(str(directory), **knobs, **CHUNKED)
+    llm = LLM(str(directory), **knobs, **CHUNKED, prefill_graphs=prefill_graphs)
+    assert bool(llm.engine.runner.prefill_buckets) == prefill_graphs
     outputs = llm.generate(prompts, ENGINE_GREEDY, progress=False)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     kinds = {step.kind for step in llm.last_run.steps}

@@ -28,7 +28,7 @@ from test_engine_mixed import (  # noqa: E402
 from test_models_hf_parity import _tiny_hf_model  # noqa: E402
 from zipage import LLM  # noqa: E402
 from zipage.engine import loader  # noqa: E402
-from zipage.engine.runner import PREFILL_GRAPHS_ENV, ModelRunner  # noqa: E402
+from zipage.engine.runner import ModelRunner  # noqa: E402
 
 
 # Module-wide: torch on one thread (tests/conftest.py, `one_cpu_thread`).
@@ -98,8 +98,7 @@ def test_graph_replay_path_matches_eager(tiny_model, knobs, monkeypatch):  # noq
     directory, reference = tiny_model
     prompts = prompts_with_shared_prefix()
     eager = LLM(str(directory), **knobs).generate(prompts, GREEDY, progress=False)
-    monkeypatch.setenv(PREFILL_GRAPHS_ENV, "1")
-    llm = LLM(str(directory), **knobs)
+    llm = LLM(str(directory), **knobs, prefill_graphs=True)
     runner = llm.engine.runner
     assert runner.prefill_buckets and not runner.prefill_graphs  # on, nothing captured on the CPU
     runner.prefill_graphs = {bucket: EagerReplay(runner, bucket) for bucket in runner.prefill_buckets}
@@ -111,3 +110,32 @@ def test_graph_replay_path_matches_eager(tiny_model, knobs, monkeypatch):  # noq
         assert llm.last_run.summary["compressions"] > 0
     else:
         assert [o.token_ids for o in padded] == hf_greedy(reference, prompts, len(padded[0].token_ids))
+
+
+def test_replay_with_prefill_graphs(tiny_model, tmp_path, monkeypatch):  # noqa: F811
+    """`replay_on_engine(..., prefill_graphs=True)` runs prefill and mixed steps through the
+    padded layout and records what it replayed from graphs (nothing, on the CPU); the CLI flag
+    gives a run that makes the simulator's decisions, step for step."""
+    from test_engine import replay_sim_and_cpu
+    from zipage.core.config import ZipageConfig
+    from zipage.deployment import ReplaySettings
+    from zipage.engine.replay import replay_on_engine
+    from zipage.workloads import make_trace
+
+    directory, _ = tiny_model
+    buckets = count_padded_steps(monkeypatch)
+    trace = make_trace("amc23", 0, num_questions=2, samples_per_question=2, max_output_len=20)
+    settings = ReplaySettings(model=str(directory), dtype="float32", kv_memory_gb=0.002,
+                              config=ZipageConfig(compress=False, block_size=16))
+    summary, _ = replay_on_engine(trace, settings, "cpu", prefill_graphs=True)
+    assert summary["completed"] == 4 and buckets
+    assert summary["graphs"] == {"decode": False, "prefill": False}
+
+    runs = replay_sim_and_cpu(directory, tmp_path, "padded-vs-sim",
+                              [(20, 30), (53, 12), (5, 50), (40, 8)],
+                              "--chunked-prefill", "--max-num-batched-tokens", "24",
+                              "--prefill-graphs")
+    assert runs["cpu"]["graphs"] == {"decode": False, "prefill": False}
+    assert "graphs" not in runs["sim"]  # the analytic model times no engine path
+    logs = [(tmp_path / name / "decisions.log").read_text() for name in ("sim", "cpu")]
+    assert " mixed " in logs[1] and logs[0] == logs[1]

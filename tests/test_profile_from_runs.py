@@ -274,6 +274,23 @@ def test_runs_of_different_setups_are_refused(tmp_path):
         profile_from_runs([tmp_path / "missing"])
 
 
+def test_the_graphed_steps_of_the_runs_go_into_the_profile(tmp_path):
+    """Runs that say which steps replayed CUDA graphs pass it on; runs that differ in it are
+    refused (a graphed prefill costs less host time); runs that do not say leave it out."""
+    first, second = synthetic_run(tmp_path / "a", False), synthetic_run(tmp_path / "b", False)
+    assert "graphs" not in profile_from_runs([first, second])  # runs of before 2026-11-23
+    for run, prefill in ((first, True), (second, True)):
+        summary = json.loads((run / "summary.json").read_text())
+        summary["graphs"] = {"decode": True, "prefill": prefill}
+        (run / "summary.json").write_text(json.dumps(summary))
+    assert profile_from_runs([first, second])["graphs"] == {"decode": True, "prefill": True}
+    summary = json.loads((second / "summary.json").read_text())
+    summary["graphs"]["prefill"] = False
+    (second / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(ConfigError, match="differ in graphs"):
+        profile_from_runs([first, second])
+
+
 def test_command_line_stall_factor(tmp_path, capsys):
     from zipage.cli import main
 

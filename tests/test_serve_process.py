@@ -131,7 +131,8 @@ def test_engine_crash_while_starting_is_reported(capfd):
     from zipage.serve.wire import Setup
 
     with pytest.raises(EngineProcessError, match="failed while starting: AttributeError"):
-        EngineClient.start(Setup(settings=None, device="cpu", cuda_graphs=False, threads=1))
+        EngineClient.start(Setup(settings=None, device="cpu", cuda_graphs=False,
+                                 prefill_graphs=False, threads=1))
     assert "Traceback" in capfd.readouterr().err  # the child's own, for the bug report
 
 

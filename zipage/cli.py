@@ -126,7 +126,8 @@ def _replay_on_engine(trace, settings, engine: str, args, progress: bool):
         set_cpu_threads(args.threads)
 
     return replay_on_engine(trace, settings, "cuda" if engine == "gpu" else "cpu",
-                            cuda_graphs=not args.no_cuda_graphs, progress=progress,
+                            cuda_graphs=not args.no_cuda_graphs,
+                            prefill_graphs=args.prefill_graphs, progress=progress,
                             log_decisions=_log_decisions(args))
 
 
@@ -155,6 +156,10 @@ def describe_run(summary: dict) -> str:
                 f"{'hybrid' if config['hybrid'] else 'constrained'} scheduling")
     else:
         mode = f"Full KV (no compression), block {config['block_size']}"
+    graphs = summary.get("graphs")
+    if graphs is not None and summary["driver"] == "engine-cuda":
+        graphed = [steps for steps in ("decode", "prefill") if graphs[steps]]
+        mode += f", {' and '.join(graphed) if graphed else 'no'} CUDA graphs"
     return (f"{summary.get('trace', 'run')} on {summary['settings']['model']} · "
             f"{summary['driver']} on {summary['device']} · {mode}")
 
@@ -188,7 +193,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     # the engine plans its caches from the device it runs on.
     settings = replace(settings_from_args(args), hardware=args.hardware or "a100-80gb")
     profile = calibrate(settings, "cuda" if engine == "gpu" else "cpu", hardware=args.hardware,
-                        repeats=args.repeats, progress=_progress_wanted(args))
+                        repeats=args.repeats, progress=_progress_wanted(args),
+                        cuda_graphs=not args.no_cuda_graphs, prefill_graphs=args.prefill_graphs)
     return _write_profile(profile, args.out)
 
 
@@ -373,6 +379,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- entry point
 
+def add_graph_flags(parser: argparse.ArgumentParser) -> None:
+    """The real engine's CUDA graph flags (replay, calibrate, serve)."""
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="real engine: capture no CUDA graphs (every step eager)")
+    parser.add_argument("--prefill-graphs", action="store_true",
+                        help="real engine: replay prefill and mixed steps of up to 4,096 tokens "
+                             "as CUDA graphs too, padded to a token bucket (off by default: the "
+                             "shipped simulator profiles timed eager prefill; docs/engine.md)")
+
+
 def _add_threads_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU engine: torch threads (default: $ZIPAGE_CPU_THREADS, else "
@@ -419,8 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--engine", choices=["sim", "gpu", "cpu"], default="sim",
                         help="sim (default), the real engine on the GPU, or on the CPU (small "
                              "models; --kv-memory-gb defaults to 1)")
-    replay.add_argument("--no-cuda-graphs", action="store_true",
-                        help="real engine: run decode eagerly")
+    add_graph_flags(replay)
     _add_threads_flag(replay)
     replay.add_argument("--json", action="store_true",
                         help="print exactly one JSON object (the summary) on stdout")
@@ -447,6 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--engine", choices=["gpu", "cpu"], default="gpu",
                            help="gpu (default) or cpu (small models, to try the command out; "
                                 "--hardware then names the GPU entry the profile stands for)")
+    add_graph_flags(calibrate)
     _add_threads_flag(calibrate)
     calibrate.add_argument("--from-run", nargs="+", default=None, metavar="RUN_DIR",
                            help="fit the profile from engine runs' steps.csv (their --out "

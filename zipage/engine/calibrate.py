@@ -325,13 +325,15 @@ def hardware_name(hardware: str | None, device: torch.device) -> str:
 
 
 def calibrate(settings: ReplaySettings, device: str | None = None, *, hardware: str | None = None,
-              repeats: int = 5, progress: bool = False) -> dict:
-    """Measure the engine built from `settings` and return a profile (docs/cost_model.md)."""
+              repeats: int = 5, progress: bool = False, cuda_graphs: bool = True,
+              prefill_graphs: bool = False) -> dict:
+    """Measure the engine built from `settings` (graphs as `build_engine` takes them) and return
+    a profile (docs/cost_model.md)."""
     if repeats < 1:
         raise ConfigError(f"repeats: got {repeats}, expected >= 1")
     engine_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = hardware_name(hardware, engine_device)  # before the slow part: refuse a bad label first
-    engine = build_engine(settings, device)
+    engine = build_engine(settings, device, cuda_graphs, prefill_graphs)
     try:  # tensor parallel: every rank runs each timed step (the executor has the runner's calls)
         return _measure(engine, Bench(engine, repeats), settings, gpu, repeats, progress)
     finally:
@@ -363,6 +365,7 @@ def _measure(engine: Engine, bench: Bench, settings: ReplaySettings, gpu: str, r
         "dtype": settings.dtype,
         **config.cost_knobs(),
         "tensor_parallel": settings.tensor_parallel,
+        "graphs": engine.graphs,  # the path these steps took: a graphed step costs less host time
     }
     for name, measure in sections:
         started = time.perf_counter()

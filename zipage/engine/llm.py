@@ -47,6 +47,13 @@ class Engine:
         leaves behind that a new run could read)."""
         return Scheduler(self.config, self.capacity.num_blocks, self.capacity.num_query_slots)
 
+    @property
+    def graphs(self) -> dict[str, bool]:
+        """Which steps replay CUDA graphs: decode steps, prefill and mixed steps (what a run
+        summary and a calibrated profile record: the two paths cost differently)."""
+        runner = getattr(self.runner, "runner", self.runner)  # tensor parallel: rank 0's
+        return {"decode": bool(runner.graphs), "prefill": bool(runner.prefill_graphs)}
+
     def close(self) -> None:
         """Stop the tensor-parallel workers and leave the process group, now. Left to the
         garbage collector, an NCCL teardown runs at an arbitrary moment or at interpreter exit,
@@ -78,7 +85,10 @@ def resolve_device(device: str | None) -> torch.device:
 
 
 def build_engine(settings: ReplaySettings, device: str | None = None,
-                 cuda_graphs: bool = True) -> Engine:
+                 cuda_graphs: bool = True, prefill_graphs: bool = False) -> Engine:
+    """The engine of `settings` on `device`. `cuda_graphs`: capture CUDA graphs on a GPU (off:
+    every step eager). `prefill_graphs`: run prefill and mixed steps of up to 4,096 tokens through
+    the padded layout, graphed where `cuda_graphs` captures (`zipage.engine.runner`)."""
     device = resolve_device(device)
     if settings.dtype not in TORCH_DTYPES:
         raise ConfigError(f"dtype: got {settings.dtype!r}, expected one of "
@@ -87,7 +97,7 @@ def build_engine(settings: ReplaySettings, device: str | None = None,
     if settings.tensor_parallel != 1:  # one process per rank (docs/tensor_parallel.md)
         from zipage.engine.parallel import build_parallel_engine
 
-        return build_parallel_engine(settings, device, dtype, cuda_graphs)
+        return build_parallel_engine(settings, device, dtype, cuda_graphs, prefill_graphs)
     model, shape, tokenizer = load_model(settings.model, dtype, device)
     config = effective_config(settings, shape)
     if device.type == "cuda":
@@ -101,7 +111,8 @@ def build_engine(settings: ReplaySettings, device: str | None = None,
         _check_fits(capacity, device)
     # Fail fast on a capacity the core would refuse, before allocating caches for it.
     Scheduler(config, capacity.num_blocks, capacity.num_query_slots)
-    runner = ModelRunner(model, shape, config, capacity, dtype, device, cuda_graphs=cuda_graphs)
+    runner = ModelRunner(model, shape, config, capacity, dtype, device, cuda_graphs=cuda_graphs,
+                         prefill_graphs=prefill_graphs)
     if device.type == "cuda":
         # Compile and allocate now, not inside the first requests' time to first token.
         warm_up(runner, capacity.num_blocks)
@@ -134,14 +145,15 @@ class LLM:
 
     `model`: a preset (`random:qwen3-0.6b`), a HF model directory or a .gguf file. Keyword
     arguments are `ZipageConfig` knobs (block_size, kv_budget, compress, hybrid, ...) plus
-    dtype, device, kv_memory_gb, gpu_memory_utilization, cuda_graphs, threads (CPU only;
-    default: `zipage.engine.threads`) and tensor_parallel (ranks; docs/tensor_parallel.md).
+    dtype, device, kv_memory_gb, gpu_memory_utilization, cuda_graphs and prefill_graphs
+    (`build_engine`), threads (CPU only; default: `zipage.engine.threads`) and tensor_parallel
+    (ranks; docs/tensor_parallel.md).
     """
 
     def __init__(self, model: str, *, dtype: str = "auto", device: str | None = None,
                  kv_memory_gb: float | None = None, gpu_memory_utilization: float = 0.9,
-                 cuda_graphs: bool = True, threads: int | None = None, tensor_parallel: int = 1,
-                 **knobs) -> None:
+                 cuda_graphs: bool = True, prefill_graphs: bool = False, threads: int | None = None,
+                 tensor_parallel: int = 1, **knobs) -> None:
         _check_knob_names(knobs)
         resolved = resolve_device(device)
         if resolved.type == "cpu":
@@ -151,7 +163,7 @@ class LLM:
         settings = ReplaySettings(model=model, dtype=dtype, kv_memory_gb=kv_memory_gb,
                                   gpu_memory_utilization=gpu_memory_utilization,
                                   tensor_parallel=tensor_parallel, config=ZipageConfig(**knobs))
-        self.engine = build_engine(settings, str(resolved), cuda_graphs)
+        self.engine = build_engine(settings, str(resolved), cuda_graphs, prefill_graphs)
         self.tokenizer = self.engine.tokenizer
         self.last_run: Run | None = None
 
@@ -267,7 +279,7 @@ _CLI_NAMES = {"budget": "kv_budget=", "lambda_": "lambda_weight=", "no_compress"
               "no_async": "async_compress=False", "no_global_score": "global_score=False",
               "tp": "tensor_parallel=", "tensor_parallel_size": "tensor_parallel="}
 _LLM_KEYWORDS = ("dtype", "device", "kv_memory_gb", "gpu_memory_utilization", "cuda_graphs",
-                 "threads", "tensor_parallel")
+                 "prefill_graphs", "threads", "tensor_parallel")
 
 
 def _check_knob_names(knobs: dict) -> None:

@@ -61,7 +61,8 @@ class TensorParallelError(ZipageError):
 # ---------------------------------------------------------------------- building (rank 0)
 
 
-def build_parallel_engine(settings, device: torch.device, dtype: torch.dtype, cuda_graphs: bool):
+def build_parallel_engine(settings, device: torch.device, dtype: torch.dtype, cuda_graphs: bool,
+                          prefill_graphs: bool = False):
     """The `Engine` of `build_engine` for `settings.tensor_parallel` > 1 ranks."""
     from zipage.engine.llm import CPU_KV_MEMORY_GB, Engine, _check_fits
     from zipage.core.scheduler import Scheduler
@@ -85,6 +86,7 @@ def build_parallel_engine(settings, device: torch.device, dtype: torch.dtype, cu
         _check_fits(capacity, devices[0])
     setup = dict(world=world, model=settings.model, shape=shape, config=config,
                  capacity=capacity, dtype=dtype, cuda_graphs=cuda_graphs,
+                 prefill_graphs=prefill_graphs,
                  timeout_s=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
     executor = TensorParallelExecutor.start(setup, devices)
     if device.type == "cuda":
@@ -214,7 +216,8 @@ def start_rank(rank: int, device: torch.device, setup: dict, store) -> tuple[Mod
     with shard_group(group):
         model, tokenizer = load_shard(setup["model"], layout, setup["dtype"], device)
         runner = ModelRunner(model, layout.local_shape(), setup["config"], setup["capacity"],
-                             setup["dtype"], device, cuda_graphs=setup["cuda_graphs"])
+                             setup["dtype"], device, cuda_graphs=setup["cuda_graphs"],
+                             prefill_graphs=setup["prefill_graphs"])
     if replica_group is not None and runner.compressor is not None:
         runner.compressor.reduce_group_max = partial(_all_reduce_max, group=replica_group)
     return runner, tokenizer

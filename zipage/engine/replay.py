@@ -18,9 +18,9 @@ from zipage.trace import Trace
 
 
 def replay_on_engine(trace: Trace, settings: ReplaySettings, device: str | None = None, *,
-                     cuda_graphs: bool = True, progress: bool = False,
-                     log_decisions: bool = False) -> tuple[dict, Run]:
-    engine = build_engine(settings, device, cuda_graphs)
+                     cuda_graphs: bool = True, prefill_graphs: bool = False,
+                     progress: bool = False, log_decisions: bool = False) -> tuple[dict, Run]:
+    engine = build_engine(settings, device, cuda_graphs, prefill_graphs)
     try:
         scheduler = engine.new_scheduler()
         # A request the scheduler will reject gets no prompt (it may be 10^9 tokens long).
@@ -36,6 +36,8 @@ def replay_on_engine(trace: Trace, settings: ReplaySettings, device: str | None 
         engine.close()  # tensor parallel: the workers stop here, not at some later collection
     driver = f"engine-{engine.device.type}"
     summary = run_summary(run.summary, engine.capacity, engine.config, settings, driver)
+    # Which steps were graphed: `zipage compare` sets it beside a calibrated profile's.
+    summary["graphs"] = engine.graphs
     compressor = engine.runner.compressor
     if compressor is not None and engine.config.async_compress:
         # Where async batches started (`calibrate --from-run` reads it; absent before 2026-11-23,

@@ -5,9 +5,9 @@ that samples (`StepPlan.sampled`) with each request's own `SamplingParams` (`seq
 allocates the caches (`engine/caches.py`) and gives each attention layer views of them; the
 compressor gets the caches, not the runner.
 Decode steps replay CUDA graphs captured for a ladder of batch sizes (eager above the largest);
-prefill and mixed steps run eagerly, or, with prefill graphs on (`prefill_graphs=True` or
-`ZIPAGE_PREFILL_GRAPHS=1`; off by default until measured on a GPU), through a padded layout and a
-graph per token bucket (below). On the CPU the same code runs the torch reference kernels.
+prefill and mixed steps run eagerly, or, with prefill graphs on (`prefill_graphs=True`, the
+CLI's `--prefill-graphs`; off by default: the shipped simulator profiles timed the eager path),
+through a padded layout and a graph per token bucket (below). On the CPU the same code runs the torch reference kernels.
 
 Mixed steps (chunked prefill: decodes and prompt chunks in one plan) run as ONE forward. The
 rows are every chunk's new tokens, sequence after sequence, then one row per decode request;
@@ -41,7 +41,6 @@ steps run eagerly.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -62,9 +61,6 @@ GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320
 # Token buckets of padded prefill / mixed steps (one CUDA graph each); larger steps run eagerly,
 # where the launches' host time is small next to the kernels'.
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-# "1" turns padded prefill graphs on in every runner of the process (workers of a tensor-parallel
-# engine inherit it); off by default until measured on a GPU.
-PREFILL_GRAPHS_ENV = "ZIPAGE_PREFILL_GRAPHS"
 
 
 @dataclass
@@ -93,7 +89,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, shape: ModelShape, config: ZipageConfig,
                  capacity: MemoryPlan, dtype: torch.dtype, device: torch.device,
-                 cuda_graphs: bool = True, prefill_graphs: bool | None = None) -> None:
+                 cuda_graphs: bool = True, prefill_graphs: bool = False) -> None:
         self.model = model
         self.shape = shape
         self.config = config
@@ -123,15 +119,13 @@ class ModelRunner:
         self.graph_inputs: dict[str, torch.Tensor] = {}
         self.staging: dict[str, torch.Tensor] = {}
         self.graph_pool = None  # one memory pool for every graph: they never run at once
-        # Padded prefill/mixed steps (off by default until measured on a GPU): token buckets,
-        # their static inputs, and a graph per bucket where graphs can be captured.
+        # Padded prefill/mixed steps (with `prefill_graphs`): token buckets, their static
+        # inputs, and a graph per bucket where graphs can be captured.
         self.prefill_buckets: tuple[int, ...] = ()
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.padded_inputs: dict[str, torch.Tensor] = {}
         if cuda_graphs and device.type == "cuda":
             self.capture_decode_graphs()
-        if prefill_graphs is None:
-            prefill_graphs = os.environ.get(PREFILL_GRAPHS_ENV) == "1"
         if prefill_graphs:
             self.enable_prefill_graphs(capture=cuda_graphs)
 

@@ -28,9 +28,9 @@ def add_serve_commands(commands) -> None:
                        help="require 'Authorization: Bearer KEY' on /v1/ routes")
     serve.add_argument("--served-model-name", default=None,
                        help="the name clients use (default: the last part of --model)")
-    serve.add_argument("--no-cuda-graphs", action="store_true", help="run decode eagerly")
-    from zipage.cli import _add_threads_flag
+    from zipage.cli import _add_threads_flag, add_graph_flags
 
+    add_graph_flags(serve)
     _add_threads_flag(serve)
 
     bench = commands.add_parser("bench", help="benchmarks against a running server")
@@ -88,7 +88,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # listens only once it has loaded the model.
     try:
         engine = EngineClient.start(Setup(settings, "cuda" if args.engine == "gpu" else "cpu",
-                                          not args.no_cuda_graphs, args.threads))
+                                          not args.no_cuda_graphs, args.prefill_graphs,
+                                          args.threads))
     except EngineProcessError as error:
         print(f"zipage: error: {error}", file=sys.stderr)
         return 1

@@ -78,7 +78,8 @@ def build(setup: Setup):
         from zipage.engine.threads import set_cpu_threads
 
         threads = set_cpu_threads(setup.threads)  # zipage.engine.threads: why not torch's default
-    return build_engine(setup.settings, setup.device, cuda_graphs=setup.cuda_graphs), threads
+    return build_engine(setup.settings, setup.device, cuda_graphs=setup.cuda_graphs,
+                        prefill_graphs=setup.prefill_graphs), threads
 
 
 class EngineCore:

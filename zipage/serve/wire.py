@@ -27,6 +27,7 @@ class Setup:
     settings: ReplaySettings
     device: str  # "cuda" or "cpu"
     cuda_graphs: bool
+    prefill_graphs: bool
     threads: int | None  # CPU: torch threads (`zipage.engine.threads`); None: its default
 
 
