@@ -307,7 +307,7 @@ def setup_differences(sim_summary: dict, real_summary: dict) -> dict:
             **_flatten(real_summary.get("settings", {}))}
     # Which steps replayed CUDA graphs: an engine run's, or the profile a simulation was priced
     # with (a graphed step costs less host time); unknown to the analytic model: not compared.
-    if "graphs" in sim_summary and "graphs" in real_summary:
+    if sim_summary.get("graphs") is not None and real_summary.get("graphs") is not None:
         sim.update(_flatten({"graphs": sim_summary["graphs"]}))
         real.update(_flatten({"graphs": real_summary["graphs"]}))
     return {key: {"sim": sim.get(key), "real": real.get(key)}

@@ -42,8 +42,7 @@ class SimulatedDeployment:
         """The run summary of a simulation of this deployment; a profile that says which engine
         steps it timed graphed passes that on (`zipage compare` sets it beside the engine's)."""
         summary = run_summary(metrics, self.capacity, self.config, settings, "simulator")
-        if self.cost_model.measured_graphs is not None:
-            summary["graphs"] = self.cost_model.measured_graphs
+        summary["graphs"] = self.cost_model.measured_graphs  # None: the analytic model's
         return summary
 
 

@@ -136,6 +136,6 @@ def test_replay_with_prefill_graphs(tiny_model, tmp_path, monkeypatch):  # noqa:
                               "--chunked-prefill", "--max-num-batched-tokens", "24",
                               "--prefill-graphs")
     assert runs["cpu"]["graphs"] == {"decode": False, "prefill": False}
-    assert "graphs" not in runs["sim"]  # the analytic model times no engine path
+    assert runs["sim"]["graphs"] is None  # the analytic model times no engine path
     logs = [(tmp_path / name / "decisions.log").read_text() for name in ("sim", "cpu")]
     assert " mixed " in logs[1] and logs[0] == logs[1]
