@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # Query rows (new tokens x heads of a GQA group) per prefill program when the engine cuts a work list: the
@@ -43,18 +44,21 @@ def prefill_work_capacity(num_tokens: int, num_seqs: int, tile_tokens: int) -> i
 
 def prefill_work(query_lens: torch.Tensor, tile_tokens: int, capacity: int | None = None) -> PrefillWork:
     """The work list of sequences with ``query_lens`` (int, host) new tokens: their query tiles in order, then
-    padding items up to ``capacity`` (None: no padding)."""
-    tiles = (query_lens + tile_tokens - 1) // tile_tokens
+    padding items up to ``capacity`` (None: no padding).
+
+    Built with numpy, not torch: every padded (graphed) prefill step builds one on the host, and torch's CPU
+    ``repeat_interleave`` splits even a few elements across its whole thread pool (grain size 1), which cost
+    0.2-1.6 ms of host time a step on a 16-core H200 host (docs/BENCHMARKS.md, section 12)."""
+    lens = np.asarray(query_lens.tolist(), dtype=np.int64)
+    tiles = -(-lens // tile_tokens)
     total = int(tiles.sum())
     if capacity is not None and total > capacity:
         raise ValueError(f"{total} prefill work items do not fit a capacity of {capacity}")
-    size = total if capacity is None else capacity
-    items = torch.full((size, 2), -1, dtype=torch.int32)
-    seqs = torch.repeat_interleave(torch.arange(len(query_lens)), tiles)
-    first_item = torch.cumsum(tiles, 0) - tiles
-    items[:total, 0] = seqs.to(torch.int32)
-    items[:total, 1] = (torch.arange(total) - first_item[seqs]).to(torch.int32)
-    return PrefillWork(items, tile_tokens)
+    items = np.full((total if capacity is None else capacity, 2), -1, dtype=np.int32)
+    seqs = np.repeat(np.arange(len(lens)), tiles)
+    items[:total, 0] = seqs
+    items[:total, 1] = np.arange(total) - (np.cumsum(tiles) - tiles)[seqs]
+    return PrefillWork(torch.from_numpy(items), tile_tokens)
 
 
 def store_kv_ref(

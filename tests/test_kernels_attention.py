@@ -256,6 +256,15 @@ def test_prefill_work_lists_every_tile_once_and_pads():
     assert len(prefill_work(torch.tensor([9] * 7), 8).items) <= prefill_work_capacity(64, 7, 8)
     with pytest.raises(ValueError, match="do not fit"):
         prefill_work(torch.tensor([17]), tile_tokens=8, capacity=2)
+    assert prefill_work(torch.tensor([], dtype=torch.int64), 8, capacity=2).items.tolist() == [[-1, -1]] * 2
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):  # against the obvious loop
+        lens = torch.randint(0, 200, (int(torch.randint(1, 30, (1,), generator=generator)),),
+                             generator=generator)
+        tile = [1, 8, 16, 64][int(torch.randint(0, 4, (1,), generator=generator))]
+        expected = [[seq, index] for seq, n in enumerate(lens.tolist()) for index in range(-(-n // tile))]
+        work = prefill_work(lens, tile, capacity=len(expected) + 3)
+        assert work.items.dtype == torch.int32 and work.items.tolist() == expected + [[-1, -1]] * 3
 
 
 def test_reference_leaves_padding_rows_zero():
