@@ -483,15 +483,18 @@ class ModelRunner:
         for name, tensor in layout.items():
             static[name][tuple(slice(0, size) for size in tensor.shape)].copy_(
                 self._to_device(tensor))
+        # Before the replay: a copy from pageable memory waits for the stream, so after it the
+        # host would queue the logits only once the whole graph had run.
+        indices = self._to_device(inputs.logits_indices) if inputs.logits_indices.numel() else None
         graph = self.prefill_graphs.get(bucket)
         if graph is None:
             hidden = self.padded_forward(bucket)
         else:
             graph.replay()
             hidden = static["hidden"][:bucket]
-        if inputs.logits_indices.numel() == 0:
+        if indices is None:
             return None
-        with forward_context(ForwardContext(logits_indices=self._to_device(inputs.logits_indices))):
+        with forward_context(ForwardContext(logits_indices=indices)):
             return self.model.compute_logits(hidden)
 
     def capture_prefill_graphs(self) -> None:
