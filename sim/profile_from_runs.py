@@ -175,18 +175,20 @@ def _header(runs: list[tuple[dict, pd.DataFrame]], gpu: str | None) -> dict:
             **config.cost_knobs(),
             "tensor_parallel": settings["tensor_parallel"],
             "compress": config.compress, "async_compress": config.async_compress,
-            # Absent from runs of before 2026-11-23 and from `zipage bench serve` (the server's).
-            "graphs": summary.get("graphs"),
         })
+    # Which steps replayed CUDA graphs. Runs of before 2026-11-23 do not say: they agree with any.
+    known = [summary["graphs"] for summary, _ in runs if summary.get("graphs") is not None]
     for other in headers[1:]:
         differ = [key for key in headers[0] if other[key] != headers[0][key]]
+        if any(graphs != known[0] for graphs in known[1:]):
+            differ.append("graphs")
         if differ:
             raise ConfigError(f"--from-run: the runs differ in {', '.join(differ)}; fit one "
                               "profile per setup")
     header = headers[0]
     header.pop("compress"), header.pop("async_compress")
-    if header["graphs"] is None:
-        header.pop("graphs")
+    if known:
+        header["graphs"] = known[0]
     return {"version": PROFILE_VERSION, "source": "runs",
             "note": f"fitted by `zipage calibrate --from-run` from {len(runs)} run(s)", **header}
 
