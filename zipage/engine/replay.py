@@ -21,6 +21,7 @@ def replay_on_engine(trace: Trace, settings: ReplaySettings, device: str | None 
                      cuda_graphs: bool = True, prefill_graphs: bool = False,
                      progress: bool = False, log_decisions: bool = False) -> tuple[dict, Run]:
     engine = build_engine(settings, device, cuda_graphs, prefill_graphs)
+    graphs = engine.graphs  # now: closing a tensor-parallel engine drops its graphs
     try:
         scheduler = engine.new_scheduler()
         # A request the scheduler will reject gets no prompt (it may be 10^9 tokens long).
@@ -37,7 +38,7 @@ def replay_on_engine(trace: Trace, settings: ReplaySettings, device: str | None 
     driver = f"engine-{engine.device.type}"
     summary = run_summary(run.summary, engine.capacity, engine.config, settings, driver)
     # Which steps were graphed: `zipage compare` sets it beside a calibrated profile's.
-    summary["graphs"] = engine.graphs
+    summary["graphs"] = graphs
     compressor = engine.runner.compressor
     if compressor is not None and engine.config.async_compress:
         # Where async batches started (`calibrate --from-run` reads it; absent before 2026-11-23,

@@ -7,7 +7,8 @@ compressor gets the caches, not the runner.
 Decode steps replay CUDA graphs captured for a ladder of batch sizes (eager above the largest);
 prefill and mixed steps run eagerly, or, with prefill graphs on (`prefill_graphs=True`, the
 CLI's `--prefill-graphs`; off by default: the shipped simulator profiles timed the eager path),
-through a padded layout and a graph per token bucket (below). On the CPU the same code runs the torch reference kernels.
+through a padded layout and a graph per token bucket (below). On the CPU the same code runs the
+torch reference kernels.
 
 Mixed steps (chunked prefill: decodes and prompt chunks in one plan) run as ONE forward. The
 rows are every chunk's new tokens, sequence after sequence, then one row per decode request;
