@@ -365,7 +365,7 @@ def _measure(engine: Engine, bench: Bench, settings: ReplaySettings, gpu: str, r
         "dtype": settings.dtype,
         **config.cost_knobs(),
         "tensor_parallel": settings.tensor_parallel,
-        "graphs": engine.graphs,  # the path these steps took: a graphed step costs less host time
+        "graphs": engine.runner.graphed_steps,  # a graphed step costs less host time
     }
     for name, measure in sections:
         started = time.perf_counter()

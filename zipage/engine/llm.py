@@ -47,13 +47,6 @@ class Engine:
         leaves behind that a new run could read)."""
         return Scheduler(self.config, self.capacity.num_blocks, self.capacity.num_query_slots)
 
-    @property
-    def graphs(self) -> dict[str, bool]:
-        """Which steps replay CUDA graphs: decode steps, prefill and mixed steps (what a run
-        summary and a calibrated profile record: the two paths cost differently)."""
-        runner = getattr(self.runner, "runner", self.runner)  # tensor parallel: rank 0's
-        return {"decode": bool(runner.graphs), "prefill": bool(runner.prefill_graphs)}
-
     def close(self) -> None:
         """Stop the tensor-parallel workers and leave the process group, now. Left to the
         garbage collector, an NCCL teardown runs at an arbitrary moment or at interpreter exit,

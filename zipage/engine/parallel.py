@@ -487,6 +487,10 @@ class TensorParallelExecutor:
     def kv_cache(self) -> torch.Tensor:
         return self.runner.kv_cache
 
+    @property
+    def graphed_steps(self) -> dict[str, bool]:
+        return self.runner.graphed_steps
+
     def gather_caches(self) -> list[dict[str, torch.Tensor | None]]:
         """Every rank's caches on the CPU, by rank (tests compare them with a one-rank run)."""
         self._send(("caches",))

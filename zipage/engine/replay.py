@@ -21,7 +21,7 @@ def replay_on_engine(trace: Trace, settings: ReplaySettings, device: str | None 
                      cuda_graphs: bool = True, prefill_graphs: bool = False,
                      progress: bool = False, log_decisions: bool = False) -> tuple[dict, Run]:
     engine = build_engine(settings, device, cuda_graphs, prefill_graphs)
-    graphs = engine.graphs  # now: closing a tensor-parallel engine drops its graphs
+    graphs = engine.runner.graphed_steps  # now: closing a tensor-parallel engine drops its graphs
     try:
         scheduler = engine.new_scheduler()
         # A request the scheduler will reject gets no prompt (it may be 10^9 tokens long).

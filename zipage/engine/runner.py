@@ -383,6 +383,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ padded prefill / mixed steps
 
+    @property
+    def graphed_steps(self) -> dict[str, bool]:
+        """Which steps replay CUDA graphs: decode steps, prefill and mixed steps (what a run
+        summary and a calibrated profile record as `graphs`: the two paths cost differently)."""
+        return {"decode": bool(self.graphs), "prefill": bool(self.prefill_graphs)}
+
     def enable_prefill_graphs(self, capture: bool = True) -> None:
         """Run prefill and mixed steps of up to the largest bucket through the padded layout, and
         on a GPU (with `capture`) replay a CUDA graph per bucket. Elsewhere (the CPU, tests) the
