@@ -33,6 +33,24 @@ _KV_TILE = 64
 _PREFILL_ROWS = 64
 _PREFILL_NUM_WARPS = 4
 _PREFILL_NUM_STAGES = 3
+# How a prefill program reads a K/V tile (launch-time variants, compared by bench/prefill_attention_gpu.py):
+#   "gather"     one block-table entry per token and a [KV_TILE, HEAD_DIM] offset tensor built from them (any
+#                block size; a tile may straddle blocks);
+#   "block"      when the block size is a multiple of KV_TILE a tile lies inside one cache block: one block id
+#                per tile (a scalar load) and the tile's offsets as a scalar base + arange, provably contiguous;
+#   "descriptor" as "block", through a host-built TMA tensor descriptor of the whole cache (Hopper's bulk
+#                tensor copy engine), where the cache's layout allows one ([blocks * slots, heads * head_dim]).
+# (tl.make_block_ptr is no option: Triton 3.7+ removed block pointers in favour of tensor descriptors.)
+# "block" and "descriptor" fall back to "gather" when BLOCK_SIZE % KV_TILE != 0, and "descriptor" to
+# "block" when the cache cannot be described (padded head_dim, strided blocks).
+_PREFILL_KV_LOAD = "gather"
+# Split the causal KV loop: the tiles that every row of a program sees whole run without the causal and
+# token masks, only the last (diagonal) tiles apply them.
+_PREFILL_SPLIT_CAUSAL = False
+# Keep the logits unscaled and apply scale * log2(e) inside exp2's argument (a fused multiply-add), as
+# Triton's fused-attention tutorial does, instead of scaling every logit first.
+_PREFILL_FOLD_SCALE = False
+_PREFILL_KV_LOADS = ("gather", "block", "descriptor")
 # Resident prefill programs per SM when a work list is walked (a CUDA graph's padded step): one wave of
 # programs, each taking several items, instead of one program per item of a mostly padded list.
 _PREFILL_PROGRAMS_PER_SM = 2
@@ -177,28 +195,79 @@ def _attend_kv_tile(
     HEAD_DIM_PADDED: tl.constexpr,
     KV_TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_LOAD: tl.constexpr = "gather",
+    MASKED: tl.constexpr = True,
+    FOLD_SCALE: tl.constexpr = False,
+    k_desc=None,
+    v_desc=None,
 ):
     """One online-softmax step: fold the KV entries ``tile_start .. tile_start + KV_TILE - 1`` (those below
-    ``kv_end``) into the running state of every query row; row ``r`` sees entries ``<= visible_until[r]``."""
+    ``kv_end``) into the running state of every query row; row ``r`` sees entries ``<= visible_until[r]``.
+
+    ``KV_LOAD`` is how the tile is read (``_PREFILL_KV_LOAD``; every mode but "gather" needs the tile inside one
+    cache block, BLOCK_SIZE % KV_TILE == 0). Without ``MASKED`` the caller guarantees that every row sees every
+    entry of the tile and that the tile ends at or before ``kv_end``: no causal or token mask is applied. With
+    ``FOLD_SCALE`` the logits stay unscaled and ``qk_scale`` is applied inside the exponent's argument (one fused
+    multiply-add per entry instead of a multiply and a subtraction), as the scale is positive."""
     tokens = tile_start + tl.arange(0, KV_TILE)
-    token_mask = tokens < kv_end
     dims = tl.arange(0, HEAD_DIM_PADDED)
-    block_ids = tl.load(block_table_row_ptr + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
-    token_offsets = block_ids * cache_block_stride + (tokens % BLOCK_SIZE) * cache_slot_stride
-    token_offsets += kv_head * cache_head_stride
-    kv_offsets = token_offsets[:, None] + dims[None, :]
-    kv_mask = token_mask[:, None] & (dims[None, :] < HEAD_DIM)
-    keys = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-    logits = tl.dot(queries, tl.trans(keys), input_precision=DOT_PRECISION) * qk_scale
-    visible = token_mask[None, :] & (tokens[None, :] <= visible_until[:, None])
-    logits = tl.where(visible, logits, float("-inf"))
+    if MASKED:
+        token_mask = tokens < kv_end
+    if KV_LOAD == "gather":
+        if MASKED:
+            block_ids = tl.load(block_table_row_ptr + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
+        else:
+            block_ids = tl.load(block_table_row_ptr + tokens // BLOCK_SIZE).to(tl.int64)
+        token_offsets = block_ids * cache_block_stride + (tokens % BLOCK_SIZE) * cache_slot_stride
+        token_offsets += kv_head * cache_head_stride
+        kv_offsets = token_offsets[:, None] + dims[None, :]
+    else:
+        # The tile lies inside one block: its first entry's block id is the whole tile's.
+        block_id = tl.load(block_table_row_ptr + tile_start // BLOCK_SIZE).to(tl.int64)
+        slot = tile_start % BLOCK_SIZE
+        if KV_LOAD == "block":
+            tile_base = block_id * cache_block_stride + slot * cache_slot_stride + kv_head * cache_head_stride
+            kv_offsets = tile_base + (tl.arange(0, KV_TILE) * cache_slot_stride)[:, None] + dims[None, :]
+    if KV_LOAD == "descriptor":
+        # Rows of the descriptor are cache slots (block * BLOCK_SIZE + slot), columns heads x head_dim.
+        keys = k_desc.load([(block_id * BLOCK_SIZE + slot).to(tl.int32), kv_head * HEAD_DIM])
+    else:
+        if MASKED:
+            kv_mask = token_mask[:, None] & (dims[None, :] < HEAD_DIM)
+            keys = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        elif HEAD_DIM == HEAD_DIM_PADDED:
+            keys = tl.load(k_cache_ptr + kv_offsets)
+        else:
+            keys = tl.load(k_cache_ptr + kv_offsets, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+    logits = tl.dot(queries, tl.trans(keys), input_precision=DOT_PRECISION)
+    if not FOLD_SCALE:
+        logits = logits * qk_scale
+    if MASKED:
+        visible = token_mask[None, :] & (tokens[None, :] <= visible_until[:, None])
+        logits = tl.where(visible, logits, float("-inf"))
     # Every row sees entry 0 and the first tile starts there, so the running max is finite after one step and
     # a row with nothing visible in a later tile just gets zero weights.
-    new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+    if FOLD_SCALE:
+        new_max = tl.maximum(running_max, tl.max(logits, axis=1) * qk_scale)
+        weights = tl.exp2(logits * qk_scale - new_max[:, None])
+    else:
+        new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+        weights = tl.exp2(logits - new_max[:, None])
     rescale = tl.exp2(running_max - new_max)
-    weights = tl.exp2(logits - new_max[:, None])
     running_sum = running_sum * rescale + tl.sum(weights, axis=1)
-    values = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    if KV_LOAD == "descriptor":
+        values = v_desc.load([(block_id * BLOCK_SIZE + slot).to(tl.int32), kv_head * HEAD_DIM])
+        if MASKED:
+            # The descriptor reads whole tiles: entries past kv_end hold whatever the block holds (zero weight,
+            # but 0 * inf or 0 * nan would poison the sum).
+            values = tl.where(token_mask[:, None], values, 0.0)
+    else:
+        if MASKED:
+            values = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        elif HEAD_DIM == HEAD_DIM_PADDED:
+            values = tl.load(v_cache_ptr + kv_offsets)
+        else:
+            values = tl.load(v_cache_ptr + kv_offsets, mask=(dims < HEAD_DIM)[None, :], other=0.0)
     accumulator = accumulator * rescale[:, None] + tl.dot(
         weights.to(values.dtype), values, input_precision=DOT_PRECISION
     )
@@ -233,6 +302,8 @@ def _prefill_tile(
     cache_head_stride,
     block_table_stride,
     kv_head,
+    k_desc,
+    v_desc,
     GROUP: tl.constexpr,
     GROUP_PADDED: tl.constexpr,
     QUERY_TOKENS: tl.constexpr,
@@ -241,6 +312,9 @@ def _prefill_tile(
     HEAD_DIM_PADDED: tl.constexpr,
     KV_TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_LOAD: tl.constexpr,
+    SPLIT_CAUSAL: tl.constexpr,
+    FOLD_SCALE: tl.constexpr,
 ):
     """Attention of query tile ``query_tile`` of sequence ``seq`` (``QUERY_TOKENS`` new tokens times the
     ``GROUP`` query heads of ``kv_head``) over the sequence's paged KV, up to each row's causal limit."""
@@ -272,7 +346,40 @@ def _prefill_tile(
     running_sum = tl.zeros([QUERY_TOKENS * GROUP_PADDED], tl.float32)
     accumulator = tl.zeros([QUERY_TOKENS * GROUP_PADDED, HEAD_DIM_PADDED], tl.float32)
     block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * block_table_stride
-    for tile_start in range(0, kv_end, KV_TILE):
+    masked_start = 0
+    if SPLIT_CAUSAL:
+        # Tiles that end at or before the first row's causal limit are seen whole by every row (and end before
+        # kv_end, which is past that limit): no masks. Only the tiles from there on (the diagonal) need them.
+        masked_start = tl.minimum((cached_prefix + first_token + 1) // KV_TILE * KV_TILE, kv_end)
+        for tile_start in range(0, masked_start, KV_TILE):
+            running_max, running_sum, accumulator = _attend_kv_tile(
+                queries,
+                running_max,
+                running_sum,
+                accumulator,
+                k_cache_ptr,
+                v_cache_ptr,
+                block_table_row_ptr,
+                kv_head,
+                tile_start,
+                kv_end,
+                visible_until,
+                qk_scale,
+                cache_block_stride,
+                cache_slot_stride,
+                cache_head_stride,
+                BLOCK_SIZE,
+                HEAD_DIM,
+                HEAD_DIM_PADDED,
+                KV_TILE,
+                DOT_PRECISION,
+                KV_LOAD,
+                False,
+                FOLD_SCALE,
+                k_desc,
+                v_desc,
+            )
+    for tile_start in range(masked_start, kv_end, KV_TILE):
         running_max, running_sum, accumulator = _attend_kv_tile(
             queries,
             running_max,
@@ -294,6 +401,11 @@ def _prefill_tile(
             HEAD_DIM_PADDED,
             KV_TILE,
             DOT_PRECISION,
+            KV_LOAD,
+            True,
+            FOLD_SCALE,
+            k_desc,
+            v_desc,
         )
 
     out = accumulator / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
@@ -322,6 +434,8 @@ def _prefill_kernel(
     cache_slot_stride,
     cache_head_stride,
     block_table_stride,
+    k_desc,
+    v_desc,
     GROUP: tl.constexpr,
     GROUP_PADDED: tl.constexpr,
     QUERY_TOKENS: tl.constexpr,
@@ -331,6 +445,9 @@ def _prefill_kernel(
     KV_TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_WORK_ITEMS: tl.constexpr,
+    KV_LOAD: tl.constexpr,
+    SPLIT_CAUSAL: tl.constexpr,
+    FOLD_SCALE: tl.constexpr,
 ):
     kv_head = tl.program_id(2)
     if USE_WORK_ITEMS:
@@ -351,8 +468,9 @@ def _prefill_kernel(
                                   block_tables_ptr, work_seq, tl.load(work_items_ptr + 2 * item + 1), qk_scale,
                                   q_token_stride, q_head_stride, out_token_stride, out_head_stride,
                                   cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride,
-                                  kv_head, GROUP, GROUP_PADDED, QUERY_TOKENS, BLOCK_SIZE, HEAD_DIM,
-                                  HEAD_DIM_PADDED, KV_TILE, DOT_PRECISION)
+                                  kv_head, k_desc, v_desc, GROUP, GROUP_PADDED, QUERY_TOKENS, BLOCK_SIZE,
+                                  HEAD_DIM, HEAD_DIM_PADDED, KV_TILE, DOT_PRECISION, KV_LOAD, SPLIT_CAUSAL,
+                                  FOLD_SCALE)
     else:
         # The eager grid: one program per (query tile, sequence), no loop around it (the launch
         # measured in BENCHMARKS.md section 12).
@@ -360,8 +478,39 @@ def _prefill_kernel(
                       block_tables_ptr, tl.program_id(1), tl.program_id(0), qk_scale,
                       q_token_stride, q_head_stride, out_token_stride, out_head_stride,
                       cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride,
-                      kv_head, GROUP, GROUP_PADDED, QUERY_TOKENS, BLOCK_SIZE, HEAD_DIM,
-                      HEAD_DIM_PADDED, KV_TILE, DOT_PRECISION)
+                      kv_head, k_desc, v_desc, GROUP, GROUP_PADDED, QUERY_TOKENS, BLOCK_SIZE, HEAD_DIM,
+                      HEAD_DIM_PADDED, KV_TILE, DOT_PRECISION, KV_LOAD, SPLIT_CAUSAL, FOLD_SCALE)
+
+
+def _prefill_kv_load(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int, head_dim: int, head_dim_padded: int
+) -> tuple[str, object, object]:
+    """The K/V tile load mode of this launch (``_PREFILL_KV_LOAD`` where the shapes allow it, else the nearest one
+    that works) and, for "descriptor", the TMA descriptors of the two caches (else None)."""
+    mode = _PREFILL_KV_LOAD
+    if mode not in _PREFILL_KV_LOADS:
+        raise ValueError(f"_PREFILL_KV_LOAD must be one of {_PREFILL_KV_LOADS}, got {mode!r}")
+    if mode == "gather" or block_size % _KV_TILE != 0:
+        return "gather", None, None
+    if mode == "descriptor":
+        num_blocks, _, num_kv_heads, _ = k_cache.shape
+        slot_stride = k_cache.stride(1)
+        describable = (
+            head_dim == head_dim_padded
+            and k_cache.stride(2) == head_dim
+            and slot_stride >= num_kv_heads * head_dim
+            and k_cache.stride(0) == block_size * slot_stride
+            and num_blocks * block_size < 2**31
+            and all(cache.data_ptr() % 16 == 0 for cache in (k_cache, v_cache))
+            and (slot_stride * k_cache.element_size()) % 16 == 0
+        )
+        if not describable:
+            return "block", None, None
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        shape, strides, tile = [num_blocks * block_size, num_kv_heads * head_dim], [slot_stride, 1], [_KV_TILE, head_dim]
+        return (mode, TensorDescriptor(k_cache, shape, strides, tile), TensorDescriptor(v_cache, shape, strides, tile))
+    return mode, None, None
 
 
 def paged_prefill_attention_triton(
@@ -415,6 +564,9 @@ def paged_prefill_attention_triton(
         work_items = cu_seqlens_q  # unread: a placeholder pointer
     if grid[0] == 0:
         return out
+    block_size = k_cache.shape[1]
+    head_dim_padded = max(triton.next_power_of_2(head_dim), _MIN_DOT_DIM)
+    kv_load, k_desc, v_desc = _prefill_kv_load(k_cache, v_cache, block_size, head_dim, head_dim_padded)
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -434,15 +586,20 @@ def paged_prefill_attention_triton(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
+        k_desc,
+        v_desc,
         GROUP=group,
         GROUP_PADDED=group_padded,
         QUERY_TOKENS=query_tokens,
-        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
-        HEAD_DIM_PADDED=max(triton.next_power_of_2(head_dim), _MIN_DOT_DIM),
+        HEAD_DIM_PADDED=head_dim_padded,
         KV_TILE=_KV_TILE,
         DOT_PRECISION=_dot_precision(q.dtype),
         USE_WORK_ITEMS=work is not None,
+        KV_LOAD=kv_load,
+        SPLIT_CAUSAL=_PREFILL_SPLIT_CAUSAL,
+        FOLD_SCALE=_PREFILL_FOLD_SCALE,
         num_warps=_PREFILL_NUM_WARPS,
         num_stages=_PREFILL_NUM_STAGES,
     )

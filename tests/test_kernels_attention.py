@@ -63,10 +63,22 @@ def hopper_launches() -> list:
 
     shape = dict(BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PADDED=128)
     attention_shape = shape | dict(GROUP=8, KV_TILE=64, DOT_PRECISION="tf32")
+    prefill = attention_shape | dict(GROUP_PADDED=8, QUERY_TOKENS=8, k_desc=None, v_desc=None, KV_LOAD="gather",
+                                     SPLIT_CAUSAL=False, FOLD_SCALE=False)
+    # The load variants of _PREFILL_KV_LOAD need a block of 64 (one KV tile) or a multiple; "descriptor" takes
+    # TMA descriptors (typed in argument_type) instead of None.
+    variants = [
+        prefill | dict(BLOCK_SIZE=64, KV_LOAD=kv_load, SPLIT_CAUSAL=split, FOLD_SCALE=split, USE_WORK_ITEMS=items)
+        for kv_load, split, items in (("gather", True, False), ("block", False, False), ("block", True, True))
+    ]
+    descriptor = dict(attention_shape, GROUP_PADDED=8, QUERY_TOKENS=8, BLOCK_SIZE=64, KV_LOAD="descriptor")
+    variants += [descriptor | dict(SPLIT_CAUSAL=split, FOLD_SCALE=split, USE_WORK_ITEMS=items)
+                 for split, items in ((False, False), (True, True))]
     return [
         (kernels._store_kv_kernel, shape | dict(NUM_KV_HEADS=2, HEADS_PADDED=2)),
-        (kernels._prefill_kernel, attention_shape | dict(GROUP_PADDED=8, QUERY_TOKENS=8, USE_WORK_ITEMS=False)),
-        (kernels._prefill_kernel, attention_shape | dict(GROUP_PADDED=8, QUERY_TOKENS=8, USE_WORK_ITEMS=True)),
+        (kernels._prefill_kernel, prefill | dict(USE_WORK_ITEMS=False)),
+        (kernels._prefill_kernel, prefill | dict(USE_WORK_ITEMS=True)),
+        *[(kernels._prefill_kernel, constants) for constants in variants],
         (
             kernels._decode_partition_kernel,
             attention_shape | dict(NUM_HEADS=16, SINGLE_PARTITION=False, GROUP_PADDED=16, MIN_TILES=2),
@@ -84,6 +96,7 @@ POINTER_TYPES |= {
     name: "*i32" for name in ("cu_seqlens_q_ptr", "context_lens_ptr", "block_tables_ptr", "work_items_ptr")
 }
 POINTER_TYPES |= {"slot_mapping_ptr": "*i64", "qk_scale": "fp32"}
+POINTER_TYPES |= {name: "tensordesc<bf16[64, 128]>" for name in ("k_desc", "v_desc")}
 
 
 def argument_type(name: str) -> str:
@@ -314,6 +327,56 @@ def test_prefill_work_items_match_the_grid(triton_kernels, dtype, group):
     decode = paged_decode_attention_ref(q[93:], batch.k_cache, batch.v_cache, batch.context_lens[2:],
                                         batch.block_tables[2:], 0.125)
     torch.testing.assert_close(out[93:total], decode, **TOLERANCES[dtype])
+
+
+# Launch-time variants of the prefill kernel (module knobs of attention_triton; bench/prefill_attention_gpu.py
+# --variants times them): how a K/V tile is read, the causal loop split into unmasked and diagonal tiles, and the
+# softmax scale folded into exp2's argument.
+PREFILL_VARIANTS = {
+    "default": {},
+    "split": dict(_PREFILL_SPLIT_CAUSAL=True),
+    "block": dict(_PREFILL_KV_LOAD="block"),
+    "block+split": dict(_PREFILL_KV_LOAD="block", _PREFILL_SPLIT_CAUSAL=True),
+    "block+split+fold": dict(_PREFILL_KV_LOAD="block", _PREFILL_SPLIT_CAUSAL=True, _PREFILL_FOLD_SCALE=True),
+    "descriptor+split+fold": dict(_PREFILL_KV_LOAD="descriptor", _PREFILL_SPLIT_CAUSAL=True,
+                                  _PREFILL_FOLD_SCALE=True),
+}
+PREFILL_VARIANT_CASES = [
+    # (variant, dtype, group, block_size): every variant at a block of one KV tile (64) and of several (256),
+    # where the tile lies inside a block, and at 16, where it straddles blocks (the "block" loads fall back
+    # to the per-token gather); GQA groups 1, 3 and 8.
+    (variant, dtype, group, block_size)
+    for index, variant in enumerate(PREFILL_VARIANTS)
+    if variant != "default"
+    for dtype, group, block_size in (
+        (torch.float16, (1, 3, 8)[index % 3], 64),
+        (torch.float32, (3, 8, 1)[index % 3], 256),
+        (torch.float16, (8, 1, 3)[index % 3], 16),
+    )
+]
+
+
+@under_interpreter
+@pytest.mark.parametrize("variant,dtype,group,block_size", PREFILL_VARIANT_CASES)
+def test_prefill_variants_match_reference(triton_kernels, monkeypatch, variant, dtype, group, block_size):
+    """Each prefill variant, by grid and by a padded work list, against the reference: prefix-cached prompts
+    whose cached prefix ends inside a KV tile and on a tile boundary (whole tiles before the diagonal), a prompt
+    of several query tiles with nothing cached, a single new token after a full tile, and an empty chunk."""
+    for name, value in PREFILL_VARIANTS[variant].items():
+        monkeypatch.setattr(triton_kernels, name, value)
+    generator = torch.Generator().manual_seed(group * block_size + len(variant))
+    context_lens = [150, 130, 70, 133, 4]
+    q_lens = [23, 130, 1, 5, 0]
+    batch = make_paged_batch(context_lens, block_size, dtype, generator, padding=-1)
+    q = torch.randn((sum(q_lens), NUM_KV_HEADS * group, HEAD_DIM), generator=generator).to(dtype)
+    arguments = (q, batch.k_cache, batch.v_cache, cumulative(q_lens), batch.context_lens, batch.block_tables, 0.125)
+    expected = paged_prefill_attention_ref(*arguments)
+    out = triton_kernels.paged_prefill_attention_triton(*arguments, max(q_lens))
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+    # The work list of a CUDA graph's padded step: the same programs, walked, give the same answer.
+    tile = prefill_tile_tokens(NUM_KV_HEADS * group, NUM_KV_HEADS)
+    work = prefill_work(torch.tensor(q_lens), tile, capacity=prefill_work_capacity(sum(q_lens) + 16, 8, tile))
+    assert torch.equal(triton_kernels.paged_prefill_attention_triton(*arguments, None, work), out)
 
 
 DECODE_CASES = [
