@@ -11,6 +11,13 @@ triton.testing.do_bench's median; TFLOP/s counts the causal half of QK^T and PV.
 
     . bench/env.sh && python bench/prefill_attention_gpu.py [--tokens 512,2048,8192]
 
+`--variants` adds the kernel's launch-time variants (attention_triton's `_PREFILL_KV_LOAD`,
+`_PREFILL_SPLIT_CAUSAL`, `_PREFILL_FOLD_SCALE`; names in VARIANTS, joined by '+'): each is timed at
+every config, and its output compared with the default kernel's at the first config ('!' past 2e-2):
+
+    python bench/prefill_attention_gpu.py --tokens 512,2048,8192 --configs 64/64/4/3,128/64/4/3 \
+        --variants default,block,block+split,block+split+fold,descriptor+split,descriptor+split+fold
+
 Prints a table last and writes prefill_attention_gpu.json under $OUT (or the current directory).
 """
 
@@ -34,6 +41,18 @@ from check_attention_gpu import random_paged_cache, with_settings  # noqa: E402 
 SHAPES = {"qwen3-0.6b": (16, 8, 128), "qwen3-8b": (32, 8, 128)}
 SETTINGS = ("_PREFILL_ROWS", "_KV_TILE", "_PREFILL_NUM_WARPS", "_PREFILL_NUM_STAGES")
 CONFIGS = "64/64/4/3,64/64/4/2,128/64/8/2,128/64/8/3,128/64/4/3,64/128/4/2,128/128/8/2"
+# Variant parts (`--variants`, '+'-joined; "default" alone is the shipped kernel): the knobs each one sets.
+VARIANTS = {
+    "default": {},
+    # one block id per KV tile, offsets as a scalar base + arange (block size a multiple of the tile)
+    "block": {"_PREFILL_KV_LOAD": "block"},
+    # the K/V tiles through TMA tensor descriptors of the whole cache (Hopper's bulk tensor copies)
+    "descriptor": {"_PREFILL_KV_LOAD": "descriptor"},
+    # tiles every row sees whole run unmasked; only the diagonal tiles apply the causal and token masks
+    "split": {"_PREFILL_SPLIT_CAUSAL": True},
+    # scale * log2(e) inside exp2's argument (one FMA) instead of scaling the logits
+    "fold": {"_PREFILL_FOLD_SCALE": True},
+}
 BLOCK_SIZE = 64
 # The padded step of a CUDA graph: a work list sized for `tokens` rows in up to this many sequences.
 GRAPH_SEQUENCES = 512
@@ -45,7 +64,15 @@ def milliseconds(function) -> float:
     return triton.testing.do_bench(function, warmup=10, rep=100, return_mode="median")
 
 
-def measure(model: str, tokens: int, configs: list[tuple[int, ...]]) -> dict:
+def variant_settings(variant: str) -> tuple[tuple, tuple]:
+    """The (names, values) of a '+'-joined variant, for with_settings; unknown parts raise KeyError."""
+    settings: dict = {}
+    for part in variant.split("+"):
+        settings.update(VARIANTS[part])
+    return tuple(settings), tuple(settings.values())
+
+
+def measure(model: str, tokens: int, configs: list[tuple[int, ...]], variants: list[str]) -> dict:
     heads, kv_heads, head_dim = SHAPES[model]
     generator = torch.Generator(device="cuda").manual_seed(tokens)
     k_cache, v_cache, tables = random_paged_cache([tokens], BLOCK_SIZE, kv_heads, head_dim, generator)
@@ -60,15 +87,18 @@ def measure(model: str, tokens: int, configs: list[tuple[int, ...]]) -> dict:
     flops = 2 * 2 * heads * head_dim * tokens * (tokens + 1) / 2
     reference = paged()
     row = {"model": model, "tokens": tokens, "flops": flops, "configs": []}
-    for config in configs:
-        entry = {"config": "/".join(map(str, config))}
-        try:
-            out = with_settings(SETTINGS, config, paged)
-            entry["max_abs_difference"] = (out.float() - reference.float()).abs().max().item()
-            entry["ms"] = with_settings(SETTINGS, config, lambda: milliseconds(paged))
-        except Exception as error:  # noqa: BLE001 - a configuration that does not compile is a result
-            entry["error"] = repr(error)[:200]
-        row["configs"].append(entry)
+    for variant in variants:
+        for config in configs:
+            entry = {"config": "/".join(map(str, config)), "variant": variant}
+            try:
+                names, values = variant_settings(variant)
+                names, values = SETTINGS + names, tuple(config) + values
+                out = with_settings(names, values, paged)
+                entry["max_abs_difference"] = (out.float() - reference.float()).abs().max().item()
+                entry["ms"] = with_settings(names, values, lambda: milliseconds(paged))
+            except Exception as error:  # noqa: BLE001 - a variant or config that does not compile is a result
+                entry["error"] = repr(error)[:200]
+            row["configs"].append(entry)
     # The work list of a CUDA graph's padded step: this prompt, then empty sequences and padding items.
     seqs = min(tokens, GRAPH_SEQUENCES)
     tile = prefill_tile_tokens(heads, kv_heads)
@@ -104,26 +134,38 @@ def main() -> None:
     parser.add_argument("--tokens", default="128,512,2048,8192")
     parser.add_argument("--configs", default=CONFIGS,
                         help="rows/tile/warps/stages, comma separated; the first is the baseline")
+    parser.add_argument("--variants", default="default",
+                        help=f"kernel variants, comma separated, each '+'-joined parts of {', '.join(VARIANTS)}; "
+                             "every variant is timed at every config; outputs are compared with the default kernel")
     args = parser.parse_args()
     configs = [tuple(int(v) for v in c.split("/")) for c in args.configs.split(",")]
-    rows = [measure(model, int(tokens), configs)
+    variants = args.variants.split(",")
+    for variant in variants:
+        variant_settings(variant)  # an unknown name fails here, before any GPU work
+    rows = [measure(model, int(tokens), configs, variants)
             for model in args.models.split(",") for tokens in args.tokens.split(",")]
     out = Path(os.environ.get("OUT", "."))
     (out / "prefill_attention_gpu.json").write_text(json.dumps(
         {"device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
-    print(f"\n{torch.cuda.get_device_name()}: ms (TFLOP/s) per rows/tile/warps/stages; sdpa = torch flash")
-    print(f"{'model':<11} {'tokens':>6} " + " ".join(f"{c.get('config'):>16}" for c in rows[0]["configs"])
-          + f" {'sdpa':>16}")
-    for row in rows:
-        cells = []
-        for entry in row["configs"]:
-            if "ms" not in entry:
-                cells.append(f"{'error':>16}")
-            else:
-                bad = "!" if entry["max_abs_difference"] > 2e-2 else ""
-                cells.append(f"{entry['ms']:>7.3f} ({row['flops'] / entry['ms'] / 1e9:>4.0f}){bad:1}")
-        cells.append(f"{row['sdpa_ms']:>7.3f} ({row['flops'] / row['sdpa_ms'] / 1e9:>4.0f}) ")
-        print(f"{row['model']:<11} {row['tokens']:>6} " + " ".join(cells))
+    print(f"\n{torch.cuda.get_device_name()}: ms (TFLOP/s) per rows/tile/warps/stages; sdpa = torch flash; "
+          "'!' = output differs from the default kernel's by more than 2e-2")
+    for variant in variants:
+        entries = [e for e in rows[0]["configs"] if e["variant"] == variant]
+        print(f"\nvariant {variant}")
+        print(f"{'model':<11} {'tokens':>6} " + " ".join(f"{e['config']:>16}" for e in entries) + f" {'sdpa':>16}")
+        for row in rows:
+            cells = []
+            for entry in (e for e in row["configs"] if e["variant"] == variant):
+                if "ms" not in entry:
+                    cells.append(f"{'error':>16}")
+                else:
+                    bad = "!" if entry["max_abs_difference"] > 2e-2 else ""
+                    cells.append(f"{entry['ms']:>7.3f} ({row['flops'] / entry['ms'] / 1e9:>4.0f}){bad:1}")
+            cells.append(f"{row['sdpa_ms']:>7.3f} ({row['flops'] / row['sdpa_ms'] / 1e9:>4.0f}) ")
+            print(f"{row['model']:<11} {row['tokens']:>6} " + " ".join(cells))
+    errors = {(e["variant"], e["config"]): e["error"] for row in rows for e in row["configs"] if "error" in e}
+    for (variant, config), error in errors.items():
+        print(f"error: variant {variant} at {config}: {error}")
     print(f"\nwork list of a padded step ({GRAPH_SEQUENCES} sequences at most): ms per programs/SM "
           f"({', '.join(map(str, PROGRAMS_PER_SM[:-1]))}, one per item); grid: the first config above")
     for row in rows:
