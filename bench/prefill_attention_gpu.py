@@ -16,7 +16,9 @@ triton.testing.do_bench's median; TFLOP/s counts the causal half of QK^T and PV.
 every config, and its output compared with the default kernel's at the first config ('!' past 2e-2):
 
     python bench/prefill_attention_gpu.py --tokens 512,2048,8192 --configs 64/64/4/3,128/64/4/3 \
-        --variants default,block,block+split,block+split+fold,descriptor+split,descriptor+split+fold
+        --variants default,gather+nosplit+nofold,block+nosplit+nofold,descriptor+nosplit+nofold,descriptor+split+nofold
+
+(the shipped kernel is descriptor+split+fold; gather+nosplit+nofold is the kernel before 2026-11-23's variants).
 
 Prints a table last and writes prefill_attention_gpu.json under $OUT (or the current directory).
 """
@@ -44,14 +46,18 @@ CONFIGS = "64/64/4/3,64/64/4/2,128/64/8/2,128/64/8/3,128/64/4/3,64/128/4/2,128/1
 # Variant parts (`--variants`, '+'-joined; "default" alone is the shipped kernel): the knobs each one sets.
 VARIANTS = {
     "default": {},
+    # one block-table entry per token and an offset tensor built from them
+    "gather": {"_PREFILL_KV_LOAD": "gather"},
     # one block id per KV tile, offsets as a scalar base + arange (block size a multiple of the tile)
     "block": {"_PREFILL_KV_LOAD": "block"},
     # the K/V tiles through TMA tensor descriptors of the whole cache (Hopper's bulk tensor copies)
     "descriptor": {"_PREFILL_KV_LOAD": "descriptor"},
     # tiles every row sees whole run unmasked; only the diagonal tiles apply the causal and token masks
     "split": {"_PREFILL_SPLIT_CAUSAL": True},
+    "nosplit": {"_PREFILL_SPLIT_CAUSAL": False},
     # scale * log2(e) inside exp2's argument (one FMA) instead of scaling the logits
     "fold": {"_PREFILL_FOLD_SCALE": True},
+    "nofold": {"_PREFILL_FOLD_SCALE": False},
 }
 BLOCK_SIZE = 64
 # The padded step of a CUDA graph: a work list sized for `tokens` rows in up to this many sequences.

@@ -43,13 +43,13 @@ _PREFILL_NUM_STAGES = 3
 # (tl.make_block_ptr is no option: Triton 3.7+ removed block pointers in favour of tensor descriptors.)
 # "block" and "descriptor" fall back to "gather" when BLOCK_SIZE % KV_TILE != 0, and "descriptor" to
 # "block" when the cache cannot be described (padded head_dim, strided blocks).
-_PREFILL_KV_LOAD = "gather"
+_PREFILL_KV_LOAD = "descriptor"
 # Split the causal KV loop: the tiles that every row of a program sees whole run without the causal and
 # token masks, only the last (diagonal) tiles apply them.
-_PREFILL_SPLIT_CAUSAL = False
+_PREFILL_SPLIT_CAUSAL = True
 # Keep the logits unscaled and apply scale * log2(e) inside exp2's argument (a fused multiply-add), as
 # Triton's fused-attention tutorial does, instead of scaling every logit first.
-_PREFILL_FOLD_SCALE = False
+_PREFILL_FOLD_SCALE = True
 _PREFILL_KV_LOADS = ("gather", "block", "descriptor")
 # Resident prefill programs per SM when a work list is walked (a CUDA graph's padded step): one wave of
 # programs, each taking several items, instead of one program per item of a mostly padded list.
@@ -195,11 +195,11 @@ def _attend_kv_tile(
     HEAD_DIM_PADDED: tl.constexpr,
     KV_TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    KV_LOAD: tl.constexpr = "gather",
-    MASKED: tl.constexpr = True,
-    FOLD_SCALE: tl.constexpr = False,
-    k_desc=None,
-    v_desc=None,
+    KV_LOAD: tl.constexpr,
+    MASKED: tl.constexpr,
+    FOLD_SCALE: tl.constexpr,
+    k_desc,
+    v_desc,
 ):
     """One online-softmax step: fold the KV entries ``tile_start .. tile_start + KV_TILE - 1`` (those below
     ``kv_end``) into the running state of every query row; row ``r`` sees entries ``<= visible_until[r]``.
@@ -697,6 +697,12 @@ def _decode_partition_kernel(
             HEAD_DIM_PADDED,
             KV_TILE,
             DOT_PRECISION,
+            # Triton 3.6 cannot pass a helper's constexpr defaults: every argument is spelled out.
+            "gather",
+            True,
+            False,
+            None,
+            None,
         )
 
     # An empty sequence (a padding slot of a captured batch) has a zero sum and gets a zero output.

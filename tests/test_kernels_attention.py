@@ -333,13 +333,13 @@ def test_prefill_work_items_match_the_grid(triton_kernels, dtype, group):
 # --variants times them): how a K/V tile is read, the causal loop split into unmasked and diagonal tiles, and the
 # softmax scale folded into exp2's argument.
 PREFILL_VARIANTS = {
-    "default": {},
-    "split": dict(_PREFILL_SPLIT_CAUSAL=True),
-    "block": dict(_PREFILL_KV_LOAD="block"),
-    "block+split": dict(_PREFILL_KV_LOAD="block", _PREFILL_SPLIT_CAUSAL=True),
-    "block+split+fold": dict(_PREFILL_KV_LOAD="block", _PREFILL_SPLIT_CAUSAL=True, _PREFILL_FOLD_SCALE=True),
-    "descriptor+split+fold": dict(_PREFILL_KV_LOAD="descriptor", _PREFILL_SPLIT_CAUSAL=True,
-                                  _PREFILL_FOLD_SCALE=True),
+    # name: (_PREFILL_KV_LOAD, _PREFILL_SPLIT_CAUSAL, _PREFILL_FOLD_SCALE); the shipped one is the last
+    "gather": ("gather", False, False),
+    "gather+split": ("gather", True, False),
+    "block": ("block", False, False),
+    "block+split+fold": ("block", True, True),
+    "descriptor": ("descriptor", False, False),
+    "descriptor+split+fold": ("descriptor", True, True),
 }
 PREFILL_VARIANT_CASES = [
     # (variant, dtype, group, block_size): every variant at a block of one KV tile (64) and of several (256),
@@ -347,7 +347,6 @@ PREFILL_VARIANT_CASES = [
     # to the per-token gather); GQA groups 1, 3 and 8.
     (variant, dtype, group, block_size)
     for index, variant in enumerate(PREFILL_VARIANTS)
-    if variant != "default"
     for dtype, group, block_size in (
         (torch.float16, (1, 3, 8)[index % 3], 64),
         (torch.float32, (3, 8, 1)[index % 3], 256),
@@ -362,7 +361,8 @@ def test_prefill_variants_match_reference(triton_kernels, monkeypatch, variant, 
     """Each prefill variant, by grid and by a padded work list, against the reference: prefix-cached prompts
     whose cached prefix ends inside a KV tile and on a tile boundary (whole tiles before the diagonal), a prompt
     of several query tiles with nothing cached, a single new token after a full tile, and an empty chunk."""
-    for name, value in PREFILL_VARIANTS[variant].items():
+    for name, value in zip(("_PREFILL_KV_LOAD", "_PREFILL_SPLIT_CAUSAL", "_PREFILL_FOLD_SCALE"),
+                           PREFILL_VARIANTS[variant]):
         monkeypatch.setattr(triton_kernels, name, value)
     generator = torch.Generator().manual_seed(group * block_size + len(variant))
     context_lens = [150, 130, 70, 133, 4]
