@@ -9,7 +9,8 @@ on timing; so a few requests may diverge late, hence an agreement threshold, not
 a small AMC23-shaped trace, EOS ignored. Prints the share of requests whose outputs agree exactly
 and the first token index where the others diverge; exits 1 below `--min-agreement`.
 
-Prefill graphs (`prefill_graphs=True`, `--prefill-graphs` on the CLI; off by default) are covered twice:
+Prefill graphs (on by default on a GPU; the plain variants below turn them off to check decode graphs
+alone) are covered twice:
 - step by step, exactly: prefill and mixed steps (ragged prompts, a prefix-cached chunk, decode
   rows) replayed from the captured graph of their token bucket must give bit-identical logits and
   KV to the same padded forward run eagerly (turning graphs on cannot change a result);

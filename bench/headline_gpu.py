@@ -84,7 +84,7 @@ def main() -> None:
                         help="write each variant's run directory under this folder")
     parser.add_argument("--simulate", action=argparse.BooleanOptionalAction, default=True,
                         help="also replay each variant in the simulator (needs simpy)")
-    parser.add_argument("--prefill-graphs", action="store_true",
+    parser.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="the engine replays prefill and mixed steps as CUDA graphs too")
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "."))

@@ -383,10 +383,10 @@ def add_graph_flags(parser: argparse.ArgumentParser) -> None:
     """The real engine's CUDA graph flags (replay, calibrate, serve)."""
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="real engine: capture no CUDA graphs (every step eager)")
-    parser.add_argument("--prefill-graphs", action="store_true",
+    parser.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="real engine: replay prefill and mixed steps of up to 4,096 tokens "
-                             "as CUDA graphs too, padded to a token bucket (off by default: the "
-                             "shipped simulator profiles timed eager prefill; docs/engine.md)")
+                             "as CUDA graphs too, padded to a token bucket (default: on where "
+                             "CUDA graphs are captured; docs/engine.md, 'CUDA graphs')")
 
 
 def _add_threads_flag(parser: argparse.ArgumentParser) -> None:

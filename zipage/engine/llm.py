@@ -77,12 +77,24 @@ def resolve_device(device: str | None) -> torch.device:
     return resolved
 
 
+def default_prefill_graphs(prefill_graphs: bool | None, cuda_graphs: bool,
+                           device: torch.device) -> bool:
+    """Prefill graphs unless asked otherwise where graphs are captured: they are faster at every
+    step size measured (docs/BENCHMARKS.md section 12). Elsewhere the padded layout would only
+    compute padding rows eagerly, so it is off unless asked for (the CPU tests ask for it)."""
+    if prefill_graphs is None:
+        return cuda_graphs and device.type == "cuda"
+    return prefill_graphs
+
+
 def build_engine(settings: ReplaySettings, device: str | None = None,
-                 cuda_graphs: bool = True, prefill_graphs: bool = False) -> Engine:
+                 cuda_graphs: bool = True, prefill_graphs: bool | None = None) -> Engine:
     """The engine of `settings` on `device`. `cuda_graphs`: capture CUDA graphs on a GPU (off:
     every step eager). `prefill_graphs`: run prefill and mixed steps of up to 4,096 tokens through
-    the padded layout, graphed where `cuda_graphs` captures (`zipage.engine.runner`)."""
+    the padded layout, graphed where `cuda_graphs` captures (`zipage.engine.runner`); None (the
+    default) turns them on exactly where they are captured: on a GPU with `cuda_graphs`."""
     device = resolve_device(device)
+    prefill_graphs = default_prefill_graphs(prefill_graphs, cuda_graphs, device)
     if settings.dtype not in TORCH_DTYPES:
         raise ConfigError(f"dtype: got {settings.dtype!r}, expected one of "
                           f"{', '.join(TORCH_DTYPES)}")
@@ -145,7 +157,8 @@ class LLM:
 
     def __init__(self, model: str, *, dtype: str = "auto", device: str | None = None,
                  kv_memory_gb: float | None = None, gpu_memory_utilization: float = 0.9,
-                 cuda_graphs: bool = True, prefill_graphs: bool = False, threads: int | None = None,
+                 cuda_graphs: bool = True, prefill_graphs: bool | None = None,
+                 threads: int | None = None,
                  tensor_parallel: int = 1, **knobs) -> None:
         _check_knob_names(knobs)
         resolved = resolve_device(device)

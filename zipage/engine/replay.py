@@ -18,7 +18,7 @@ from zipage.trace import Trace
 
 
 def replay_on_engine(trace: Trace, settings: ReplaySettings, device: str | None = None, *,
-                     cuda_graphs: bool = True, prefill_graphs: bool = False,
+                     cuda_graphs: bool = True, prefill_graphs: bool | None = None,
                      progress: bool = False, log_decisions: bool = False) -> tuple[dict, Run]:
     engine = build_engine(settings, device, cuda_graphs, prefill_graphs)
     graphs = engine.runner.graphed_steps  # now: closing a tensor-parallel engine drops its graphs

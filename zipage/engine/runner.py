@@ -29,7 +29,7 @@ every decode row (a partial chunk computes KV only), in `StepPlan.sampled` order
 Prefill graphs. An eager prefill step is host-bound (~400 launches at ~60-70 us of Python and
 launcher time each on an H200, against 5-11 ms of kernels for 128-512 tokens). A step of at most
 `PREFILL_GRAPH_TOKENS[-1]` rows is therefore staged into static tensors padded to its bucket (the
-next size of the ladder): rows (padding rows store nothing), sequences (padding sequences are
+next size of the ladder in zipage/prefill_buckets.py): rows (padding rows store nothing), sequences (padding sequences are
 empty), a block table of the widest shape and a fixed-size work list for the prefill kernel;
 the decode rows of a mixed step become sequences of one new token in the same prefill launch,
 because a graph's grid cannot depend on how many rows decode (they lose the decode kernel's
@@ -56,12 +56,10 @@ from zipage.engine.compressor import Compressor
 from zipage.engine.context import ForwardContext, forward_context
 from zipage.engine.sampler import sample
 from zipage.kernels.attention import PrefillWork, prefill_tile_tokens, prefill_work, prefill_work_capacity
+from zipage.prefill_buckets import bucket_of, buckets_up_to
 from zipage.presets import ModelShape
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
-# Token buckets of padded prefill / mixed steps (one CUDA graph each); larger steps run eagerly,
-# where the launches' host time is small next to the kernels'.
-PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 @dataclass
@@ -244,7 +242,7 @@ class ModelRunner:
         kernel, the decode rows through the split-K decode kernel, in each layer. Returns the
         logits of the rows that sample (None when every chunk is partial)."""
         inputs = self.step_inputs(plan, tokens)
-        bucket = next((size for size in self.prefill_buckets if size >= len(inputs.input_ids)), None)
+        bucket = bucket_of(len(inputs.input_ids), self.prefill_buckets)
         if bucket is not None:
             return self._prefill_padded(inputs, bucket)
         device = self._to_device
@@ -394,8 +392,7 @@ class ModelRunner:
         on a GPU (with `capture`) replay a CUDA graph per bucket. Elsewhere (the CPU, tests) the
         padded layout runs eagerly: exactly the captured forward, so what a graph computes is
         what the CPU tests check."""
-        limit = self.config.max_num_batched_tokens
-        self.prefill_buckets = tuple(size for size in PREFILL_GRAPH_TOKENS if size <= limit)
+        self.prefill_buckets = buckets_up_to(self.config.max_num_batched_tokens)
         if not self.prefill_buckets:
             return
         self.allocate_padded_inputs(self.prefill_buckets[-1])

@@ -27,7 +27,7 @@ class Setup:
     settings: ReplaySettings
     device: str  # "cuda" or "cpu"
     cuda_graphs: bool
-    prefill_graphs: bool
+    prefill_graphs: bool | None  # None: build_engine's default (on where graphs are captured)
     threads: int | None  # CPU: torch threads (`zipage.engine.threads`); None: its default
 
 
