@@ -28,6 +28,7 @@ import numpy as np
 
 from zipage.core.config import REDUNDANCY_MODES, ZipageConfig
 from zipage.decode_grid import decode_num_partitions
+from zipage.prefill_buckets import padded_rows
 from zipage.core.memory import DTYPE_BYTES, heads_per_gpu
 from zipage.core.step import causal_pairs
 from zipage.errors import ConfigError
@@ -454,8 +455,11 @@ class MixedFit(LinearFit):
     host_fitted: bool = False
 
     def step_time(self, batch: float, context_tokens: float, new_tokens: float,
-                  attention_pairs: float, requests: float) -> float:
-        device = self.predict(batch, context_tokens, new_tokens, attention_pairs)
+                  attention_pairs: float, requests: float, longest_decode: float = 0.0) -> float:
+        features = (batch, context_tokens, new_tokens, attention_pairs)
+        if len(self.coefficients) > 5:  # padded steps: the longest decode row's serial walk
+            features += (longest_decode,)
+        device = self.predict(*features)
         return self.per_sequence_s * requests + max(self.host_s, device)
 
     def describe(self) -> str:
@@ -475,6 +479,9 @@ class CalibratedCostModel(CostModel):
     mixed:    s * requests + max(h_m, m + decode's b, c terms + prefill's b, c terms)
               (m and, version 3, h_m fitted to the mixed points; h_m = h when they cannot
               determine it)
+    A profile with `prefill_buckets` measured an engine that pads prefill and mixed steps of
+    up to its largest bucket to the next bucket (its prefill graphs): there new_tokens is the
+    padded row count less the decode rows, in the fits and in the predictions alike.
     compress: a + b * blocks [+ c * blocks_squared with the flash redundancy score]
     """
 
@@ -486,6 +493,7 @@ class CalibratedCostModel(CostModel):
         self.contention_factor = contention_factor
         self.header, self.source = header, source
         self.measured_graphs = header.get("graphs")
+        self.prefill_buckets = tuple(header.get("prefill_buckets") or ())
         self._decode_a, self._decode_b, self._decode_c = decode.coefficients[:3]
         # Per KV entry the longest request holds beyond the mean (0 when not fitted).
         self._decode_excess = decode.coefficients[3] if len(decode.coefficients) > 3 else 0.0
@@ -502,12 +510,13 @@ class CalibratedCostModel(CostModel):
                               {"max_context": None})
         decode = _decode_fit(source, decode_rows)
         prefill_rows = _points(source, data, "prefill", ("new_tokens",), PREFILL_DEFAULTS)
-        prefill = _prefill_fit(source, data["version"], prefill_rows)
+        buckets = tuple(header.get("prefill_buckets") or ())
+        prefill = _prefill_fit(source, data["version"], prefill_rows, buckets)
         mixed_rows = []
         if "mixed" in data:
             mixed_rows = _points(source, data, "mixed", ("batch", "context_tokens", "new_tokens"),
                                  PREFILL_DEFAULTS)
-        mixed = _mixed_fit(source, data["version"], decode, prefill, mixed_rows)
+        mixed = _mixed_fit(source, data["version"], decode, prefill, mixed_rows, buckets)
         compress = None
         if "compress" in data:
             compress_rows = _points(source, data, "compress", ("requests", "blocks"),
@@ -541,13 +550,16 @@ class CalibratedCostModel(CostModel):
                 value += self._decode_excess * longest_excess(work.decode_max_context, context,
                                                               batch)
             return value if value > self._decode_floor else self._decode_floor
+        tokens = work.prefill_tokens
+        if self.prefill_buckets:
+            tokens = padded_tokens(tokens, batch, self.prefill_buckets)
         if not batch:
-            return self.prefill_fit.predict(work.prefill_tokens, work.attention_pairs,
-                                            work.num_prefill)
-        # A mixed step runs the eager prefill path: a host bound (its own, or the prefill's)
-        # and the prefill's per-chunk cost.
-        return self.mixed_fit.step_time(batch, work.decode_context_tokens, work.prefill_tokens,
-                                        work.attention_pairs, work.num_prefill)
+            return self.prefill_fit.predict(tokens, work.attention_pairs, work.num_prefill)
+        # A mixed step runs the prefill path: a host bound (its own, or the prefill's) and the
+        # prefill's per-chunk cost.
+        return self.mixed_fit.step_time(batch, work.decode_context_tokens, tokens,
+                                        work.attention_pairs, work.num_prefill,
+                                        work.decode_max_context or work.decode_context_tokens / batch)
 
     def compress_time_for(self, blocks: Sequence[int],
                           kept_blocks: Sequence[int] | None = None) -> float:
@@ -570,11 +582,20 @@ MIXED_UNKNOWNS = 2
 MIN_REGIME_POINTS = 2
 
 
-def _prefill_fit(source: str, version: int, rows: list[dict[str, Any]]) -> PrefillFit:
+def padded_tokens(new_tokens: int, decodes: int, buckets: tuple[int, ...]) -> int:
+    """The prompt rows a padded step computes: its bucket's rows less its decode rows (a padding
+    row costs what a prompt row does in the GEMMs; it adds no attention pairs)."""
+    return padded_rows(new_tokens + decodes, buckets) - decodes
+
+
+def _prefill_fit(source: str, version: int, rows: list[dict[str, Any]],
+                 buckets: tuple[int, ...] = ()) -> PrefillFit:
     """Version 3: host- or device-bound with a per-sequence term, non-negative
     (sim/prefill_fit.py). Before it: one unconstrained line in tokens and pairs, exactly as those
-    profiles were always read (their predictions must not change)."""
-    tokens = [row["requests"] * row["new_tokens"] for row in rows]
+    profiles were always read (their predictions must not change). With `buckets`, each point's
+    tokens are its padded rows."""
+    tokens = [padded_tokens(row["requests"] * row["new_tokens"], 0, buckets) if buckets
+              else row["requests"] * row["new_tokens"] for row in rows]
     pairs = [_prefill_pairs(row) for row in rows]
     times = [row["time_s"] for row in rows]
     if version < 3:
@@ -622,7 +643,7 @@ def _decode_fit(source: str, rows: list[dict[str, Any]]) -> LinearFit:
 
 
 def _mixed_fit(source: str, version: int, decode: LinearFit, prefill: PrefillFit,
-               rows: list[dict[str, Any]]) -> MixedFit:
+               rows: list[dict[str, Any]], buckets: tuple[int, ...] = ()) -> MixedFit:
     """A mixed step costs the decode fit's per-request and per-context-token terms plus the
     prefill fit's per-token and per-pair terms, and one constant m: a single forward reads the
     weights and pays the host's step overhead once, not once per part. It runs the eager
@@ -644,8 +665,18 @@ def _mixed_fit(source: str, version: int, decode: LinearFit, prefill: PrefillFit
                         relative_rms_error=float("nan"), num_points=0,
                         floor_s=max(decode.floor_s, prefill.floor_s), **bounds)
     features = np.array([[row["batch"], row["context_tokens"],
-                          row["requests"] * row["new_tokens"], _prefill_pairs(row)]
+                          padded_tokens(row["requests"] * row["new_tokens"], row["batch"], buckets)
+                          if buckets else row["requests"] * row["new_tokens"],
+                          _prefill_pairs(row)]
                          for row in rows], dtype=float)
+    # A padded step's decode rows are one-token sequences of the prefill launch, each walked by
+    # one program per KV head (no split-K): the longest one is a serial walk the chunk's tiles
+    # may not hide (Full KV, one decode of 8k entries beside a 128-token chunk: 15.1 against
+    # 8.1 ms at 513 entries, Qwen3-8B on an H200). Fitted as one more device term.
+    longest = np.array([row.get("max_context") or row["context_tokens"] / row["batch"]
+                        for row in rows], dtype=float)
+    # Only where the points vary it: otherwise the constant already holds it.
+    extra = ("longest_decode",) if buckets and np.ptp(longest) > 0 else ()
     time = np.array([row["time_s"] for row in rows], dtype=float)
     chunks = np.array([row["requests"] for row in rows], dtype=float)
     slope_part = features @ np.asarray(slopes)  # v: what the pure fits' slopes charge
@@ -655,7 +686,8 @@ def _mixed_fit(source: str, version: int, decode: LinearFit, prefill: PrefillFit
     if version >= 3 and len(rows) >= MIXED_UNKNOWNS + 1:
         # Known: v inside the max, s * chunks outside it; fitted: h_m and m. A point's device
         # time grows with v, so the regimes split the points by v.
-        fit = fit_host_or_device(time, inner=np.ones((len(rows), 1)),
+        inner = np.column_stack([np.ones(len(rows))] + ([longest] if extra else []))
+        fit = fit_host_or_device(time, inner=inner,
                                  outer=np.empty((len(rows), 0)), sizes=slope_part,
                                  inner_offset=slope_part,
                                  outer_offset=prefill.per_sequence_s * chunks)
@@ -668,13 +700,16 @@ def _mixed_fit(source: str, version: int, decode: LinearFit, prefill: PrefillFit
                 constant = one_forward
             # The fitted host bound is the floor: the device line may fall below it (the
             # decode's slopes are not constrained), never the step.
-            mixed = MixedFit(("constant",) + names, (constant,) + slopes, 0.0, len(rows),
+            mixed = MixedFit(("constant",) + names + extra,
+                             (constant,) + slopes + tuple(fit.inner[1:]), 0.0, len(rows),
                              fit.host_s, host_s=fit.host_s,
                              per_sequence_s=prefill.per_sequence_s, host_fitted=True)
             return replace(mixed, relative_rms_error=_mixed_error(mixed, features, chunks,
-                                                                  time))
-    constant = _fit(source, "mixed", (), [[] for _ in rows], time.tolist(), offsets=offsets)
-    mixed = MixedFit(("constant",) + names, constant.coefficients + slopes,
+                                                                  time, longest))
+    constant = _fit(source, "mixed", extra, [[value] for value in longest] if extra
+                    else [[] for _ in rows], time.tolist(), offsets=offsets)
+    mixed = MixedFit(("constant",) + names + extra,
+                     constant.coefficients[:1] + slopes + constant.coefficients[1:],
                      constant.relative_rms_error, constant.num_points, constant.floor_s,
                      **bounds)
     if version < 3:
@@ -684,12 +719,13 @@ def _mixed_fit(source: str, version: int, decode: LinearFit, prefill: PrefillFit
     # kept above the fastest decode step measured. The error is the model's as it predicts,
     # with the host bound, which the constant was fitted without.
     mixed = replace(mixed, floor_s=decode.floor_s)
-    return replace(mixed, relative_rms_error=_mixed_error(mixed, features, chunks, time))
+    return replace(mixed, relative_rms_error=_mixed_error(mixed, features, chunks, time, longest))
 
 
 def _mixed_error(fit: MixedFit, features: np.ndarray, chunks: np.ndarray,
-                 time: np.ndarray) -> float:
-    predicted = np.array([fit.step_time(*point, count) for point, count in zip(features, chunks)])
+                 time: np.ndarray, longest: np.ndarray) -> float:
+    predicted = np.array([fit.step_time(*point, count, length)
+                          for point, count, length in zip(features, chunks, longest)])
     return float(np.sqrt(np.mean((predicted / time - 1.0) ** 2)))
 
 
@@ -749,6 +785,15 @@ def _check_header(source: str, data: dict, shape: ModelShape | None, gpu: GPUSpe
     if "dtype" in header and header["dtype"] not in DTYPE_BYTES:
         raise ConfigError(f"{source}: dtype: got {header['dtype']!r}, expected one of "
                           f"{', '.join(DTYPE_BYTES)}")
+    buckets = header.get("prefill_buckets")
+    if buckets is not None and not (
+            isinstance(buckets, list) and buckets
+            and all(isinstance(size, int) and not isinstance(size, bool) and size > 0
+                    for size in buckets)
+            and all(a < b for a, b in zip(buckets, buckets[1:]))):
+        raise ConfigError(f"{source}: prefill_buckets: got {buckets!r}, expected increasing "
+                          "positive token counts: the buckets the measured engine padded prefill "
+                          "and mixed steps to (or leave the field out: steps were not padded)")
     graphs = header.get("graphs")
     if graphs is not None and not (isinstance(graphs, dict) and set(graphs) == {"decode", "prefill"}
                                    and all(isinstance(value, bool) for value in graphs.values())):

@@ -141,6 +141,7 @@ def test_simulator_accepts_the_profile_for_the_same_setup_only(profile, tiny_mod
     # Nothing is graphed on the CPU; the simulation says what its profile timed.
     assert profile["graphs"] == {"decode": False, "prefill": False}
     assert summary["graphs"] == profile["graphs"]
+    assert "prefill_buckets" not in profile  # unpadded steps: the CPU's default
 
 
 def test_prefill_graphs_calibrate_the_padded_path(tiny_model, monkeypatch):  # noqa: F811
@@ -158,7 +159,15 @@ def test_prefill_graphs_calibrate_the_padded_path(tiny_model, monkeypatch):  # n
     profile = calibrate(settings, "cpu", hardware="h200", repeats=1, prefill_graphs=True)
     points = len(profile["prefill"]) + len(profile["mixed"])
     assert len(padded) >= 2 * points  # a warm-up and a timed run per point
-    assert CalibratedCostModel.from_profile(profile).mixed_fit.num_points == 24
+    # The profile names the buckets its steps were padded to; its fits read the padded rows.
+    from zipage.prefill_buckets import buckets_up_to
+
+    buckets = buckets_up_to(ZipageConfig(**KNOBS).max_num_batched_tokens)
+    assert set(padded) <= set(buckets)
+    assert profile["prefill_buckets"] == list(buckets)
+    model = CalibratedCostModel.from_profile(profile)
+    assert model.prefill_buckets == buckets
+    assert model.mixed_fit.num_points == 24
 
 
 def test_cli_writes_a_profile_and_refuses_what_it_cannot_do(tiny_model, tmp_path):  # noqa: F811

@@ -664,9 +664,11 @@ def test_every_shipped_profile_loads_and_times_mixed_steps():
     """A mixed step reads the weights and pays a step's fixed host cost once, so it usually
     costs less than its decode and prefill parts run as two steps. A shipped profile must say so
     where its own measurements of the same shapes do, and must not invent the saving where
-    they do not: on the 0.6B Full-KV profile (H200, 2026-11-23) every measured mixed step costs
-    1-10 % more than its parts measured apart (host-bound: its decode rows run eagerly, a
-    decode step replays a CUDA graph)."""
+    they do not. The shipped H200 profiles (2026-11-23) measured an engine with prefill graphs,
+    which pads a step to its token bucket: calibrate's chunks of 512 and 2,048 tokens fill a
+    bucket exactly, so a decode row beside one pushes the step into the next bucket (1.5x the
+    rows) and most of those mixed steps cost more than their parts apart; only the 0.6B Zipage
+    profile, whose steps are mostly launch-bound, saves on most of its points."""
     specs = sorted(path.stem for path in (ROOT / "sim/profiles").glob("*.json"))
     assert {entry["spec"] for entry in GOLDEN["models"]} >= set(specs)
     without_saving = set()
@@ -692,7 +694,8 @@ def test_every_shipped_profile_loads_and_times_mixed_steps():
             assert mixed < decode + prefill, spec
         else:
             without_saving.add(spec)
-    assert without_saving == {"qwen3-0.6b-h200-b64-k512-fullkv"}
+    assert without_saving == {"qwen3-0.6b-h200-b64-k512-fullkv", "qwen3-8b-h200-b64-k512-fullkv",
+                              "qwen3-8b-h200-b64-k512-zipage"}
 
 
 def test_compression_batches_of_one_size_fit_a_cost_per_block():

@@ -9,15 +9,19 @@ constant through every point, as before; profiles before version 3 keep that fit
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from zipage.cli import _write_profile
 from zipage.core.step import causal_pairs
+from zipage.prefill_buckets import PREFILL_GRAPH_TOKENS, padded_rows
 from zipage.presets import get_preset
 from zipage.sim.cost_model import CalibratedCostModel, StepWork, load_cost_model
 from zipage.sim.hardware import get_hardware
 
+ROOT = Path(__file__).resolve().parent.parent
 DECODE = (5e-3, 5e-6, 3.5e-8)  # constant, per request, per context token
 # Prefill: per prompt, host-bound time, device line (constant, per new token, per pair).
 PER_SEQUENCE, HOST, DEVICE = 2e-4, 15e-3, (1e-3, 2e-5, 2e-9)
@@ -190,14 +194,14 @@ def test_calibrate_prints_the_mixed_host_bound(tmp_path, capsys):
     assert "host bound: the prefill's (the points do not determine one)" in printed
 
 
-def test_the_shipped_8b_full_kv_profile_prices_small_mixed_steps_at_their_host_bound():
-    """Measured by `zipage calibrate --gpu` on an H200 (docs/BENCHMARKS.md section 17): small
-    mixed steps of Qwen3-8B are host-bound at 19-20 ms, above the prefill's 15.4 ms. One fitted
-    constant under the prefill's host bound left a relative RMS error of 22.5 % and priced 32
-    decodes beside a 512-token chunk at 23.7 ms, above a decode step and a prefill step apart
-    (6.5 + 15.4 ms)."""
-    cost = load_cost_model("qwen3-8b-h200-b64-k512-fullkv", get_preset("qwen3-8b"),
-                           get_hardware("h200"))
+def test_an_eager_8b_full_kv_profile_prices_small_mixed_steps_at_their_host_bound():
+    """Measured by `zipage calibrate --gpu` on an H200 with eager prefill steps (docs/BENCHMARKS.md
+    section 17; shipped until prefill graphs became the default): small mixed steps of Qwen3-8B
+    are host-bound at 19-20 ms, above the prefill's 15.4 ms. One fitted constant under the
+    prefill's host bound left a relative RMS error of 22.5 % and priced 32 decodes beside a
+    512-token chunk at 23.7 ms, above a decode step and a prefill step apart (6.5 + 15.4 ms)."""
+    cost = load_cost_model(str(ROOT / "tests/golden/profiles/eager-prefill/qwen3-8b-h200-b64-k512-fullkv.json"),
+                           get_preset("qwen3-8b"), get_hardware("h200"))
     fit = cost.mixed_fit
     assert fit.host_fitted and fit.num_points == 24
     assert 19e-3 < fit.host_s < 21e-3
@@ -208,3 +212,81 @@ def test_the_shipped_8b_full_kv_profile_prices_small_mixed_steps_at_their_host_b
     decode = cost.forward_time_for(mixed_work(32, 1024))
     prefill = cost.forward_time_for(mixed_work(0, 0, (512, 0)))
     assert max(decode, prefill) < mixed < decode + prefill
+
+
+# An engine with prefill graphs pads a step of up to 4,096 rows to its token bucket, and a padded
+# step's decode rows are one-token sequences of the prefill launch: the longest one's context is
+# walked by one program (no split-K), a cost of its own (per KV entry).
+BUCKETS = list(PREFILL_GRAPH_TOKENS)
+LONGEST = 5e-7
+
+
+def padded_profile() -> dict:
+    """`profile(GRID)` as an engine with prefill graphs measures it: every prefill and mixed time
+    from the truth above at the padded rows, mixed steps with the longest decode's walk."""
+    data = profile(GRID)
+    for point in data["prefill"]:
+        tokens = point["requests"] * point["new_tokens"]
+        pairs = point["requests"] * causal_pairs(point["new_tokens"], point["cached_tokens"])
+        point["time_s"] = prefill_truth(padded_rows(tokens, BUCKETS), pairs, point["requests"])
+    for point in data["mixed"]:
+        batch, tokens = point["batch"], point["requests"] * point["new_tokens"]
+        pairs = point["requests"] * causal_pairs(point["new_tokens"], point["cached_tokens"])
+        device = (mixed_device(batch, point["context_tokens"],
+                               padded_rows(batch + tokens, BUCKETS) - batch, pairs)
+                  + LONGEST * point["context_tokens"] / batch)
+        point["time_s"] = PER_SEQUENCE * point["requests"] + max(MIXED_HOST, device)
+    return data | {"prefill_buckets": BUCKETS}
+
+
+def test_a_padded_profile_is_fitted_and_priced_at_the_padded_rows():
+    """With `prefill_buckets` the fits read each point's tokens as its bucket's rows less its
+    decode rows and fit the longest decode's walk: the truth comes back exactly; read unpadded,
+    the same points leave a large error (the shipped H200 profiles: 26-31 %, docs/cost_model.md)."""
+    data = padded_profile()
+    model = CalibratedCostModel.from_profile(data)
+    fit = model.mixed_fit
+    assert fit.feature_names[-1] == "longest_decode"
+    assert fit.coefficients[-1] == pytest.approx(LONGEST, rel=1e-6)
+    assert fit.host_s == pytest.approx(MIXED_HOST, rel=1e-6)
+    assert fit.coefficients[0] == pytest.approx(MIXED_CONSTANT, rel=1e-6)
+    assert fit.relative_rms_error < 1e-6
+    assert model.prefill_fit.relative_rms_error < 1e-6
+    unpadded = CalibratedCostModel.from_profile({k: v for k, v in data.items()
+                                                 if k != "prefill_buckets"})
+    assert unpadded.mixed_fit.feature_names[-1] != "longest_decode"
+    assert unpadded.mixed_fit.relative_rms_error > 0.05
+    # A 513-token prompt computes 768 rows (its pairs are its own); 8,192 tokens run unpadded.
+    work = mixed_work(0, 0, (513, 0))
+    assert model.forward_time_for(work) == pytest.approx(
+        prefill_truth(768, work.attention_pairs, 1), rel=1e-9)
+    work = mixed_work(0, 0, (8192, 0))
+    assert model.forward_time_for(work) == pytest.approx(
+        prefill_truth(8192, work.attention_pairs, 1), rel=1e-9)
+    # Two decodes at 4,000 and 100 entries beside a 700-token chunk: 702 rows run as 768, and
+    # the longer decode's walk is priced by its own length, not the mean.
+    work = mixed_work(2, 0, (700, 0))
+    work.decode_context_tokens, work.decode_max_context = 4100, 4000
+    device = (mixed_device(2, 4100, 766, work.attention_pairs) + LONGEST * 4000)
+    assert model.forward_time_for(work) == pytest.approx(
+        PER_SEQUENCE + max(MIXED_HOST, device), rel=1e-9)
+
+
+def test_prefill_buckets_are_checked():
+    data = profile(GRID)
+    for bad in ([], [512, 256], [16, "32"], [0, 16], {"16": 1}, [True]):
+        with pytest.raises(Exception, match="prefill_buckets"):
+            CalibratedCostModel.from_profile(data | {"prefill_buckets": bad})
+
+
+def test_the_shipped_profiles_measured_padded_steps_and_fit_them():
+    """The four shipped H200 profiles (`zipage calibrate --gpu`, prefill graphs on, 2026-11-23):
+    each names its buckets, and its mixed and prefill fits stay within 6 %."""
+    for stem in ("qwen3-0.6b-h200-b64-k512-fullkv", "qwen3-0.6b-h200-b64-k512-zipage",
+                 "qwen3-8b-h200-b64-k512-fullkv", "qwen3-8b-h200-b64-k512-zipage"):
+        model = load_cost_model(stem, get_preset(stem.split("-h200")[0]), get_hardware("h200"))
+        assert model.measured_graphs == {"decode": True, "prefill": True}, stem
+        assert model.prefill_buckets == PREFILL_GRAPH_TOKENS, stem
+        assert model.mixed_fit.feature_names[-1] == "longest_decode", stem
+        assert model.mixed_fit.relative_rms_error < 0.06, stem
+        assert model.prefill_fit.relative_rms_error < 0.06, stem

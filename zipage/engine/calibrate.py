@@ -326,7 +326,7 @@ def hardware_name(hardware: str | None, device: torch.device) -> str:
 
 def calibrate(settings: ReplaySettings, device: str | None = None, *, hardware: str | None = None,
               repeats: int = 5, progress: bool = False, cuda_graphs: bool = True,
-              prefill_graphs: bool = False) -> dict:
+              prefill_graphs: bool | None = None) -> dict:
     """Measure the engine built from `settings` (graphs as `build_engine` takes them) and return
     a profile (docs/cost_model.md)."""
     if repeats < 1:
@@ -367,6 +367,9 @@ def _measure(engine: Engine, bench: Bench, settings: ReplaySettings, gpu: str, r
         "tensor_parallel": settings.tensor_parallel,
         "graphs": engine.runner.graphed_steps,  # a graphed step costs less host time
     }
+    if engine.runner.prefill_buckets:
+        # Steps up to the largest bucket computed their bucket's rows: the fits price them so.
+        profile["prefill_buckets"] = list(engine.runner.prefill_buckets)
     for name, measure in sections:
         started = time.perf_counter()
         profile[name] = measure(bench)

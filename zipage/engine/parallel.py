@@ -491,6 +491,10 @@ class TensorParallelExecutor:
     def graphed_steps(self) -> dict[str, bool]:
         return self.runner.graphed_steps
 
+    @property
+    def prefill_buckets(self) -> tuple[int, ...]:
+        return self.runner.prefill_buckets
+
     def gather_caches(self) -> list[dict[str, torch.Tensor | None]]:
         """Every rank's caches on the CPU, by rank (tests compare them with a one-rank run)."""
         self._send(("caches",))
