@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--simulate", action=argparse.BooleanOptionalAction, default=True,
                         help="also replay each variant in the simulator (needs simpy)")
     parser.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
-                        help="the engine replays prefill and mixed steps as CUDA graphs too")
+                        help="prefill and mixed steps as CUDA graphs too (default: the engine's, on)")
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "."))
     if args.trace is not None:

@@ -5,9 +5,9 @@ that samples (`StepPlan.sampled`) with each request's own `SamplingParams` (`seq
 allocates the caches (`engine/caches.py`) and gives each attention layer views of them; the
 compressor gets the caches, not the runner.
 Decode steps replay CUDA graphs captured for a ladder of batch sizes (eager above the largest);
-prefill and mixed steps run eagerly, or, with prefill graphs on (`prefill_graphs=True`, the
-CLI's `--prefill-graphs`; off by default: the shipped simulator profiles timed the eager path),
-through a padded layout and a graph per token bucket (below). On the CPU the same code runs the
+prefill and mixed steps run through a padded layout and a graph per token bucket (below) when
+prefill graphs are on (`prefill_graphs=True`; `build_engine` turns them on wherever decode
+graphs are captured, the CLI's `--no-prefill-graphs` off), eagerly otherwise. On the CPU the same code runs the
 torch reference kernels.
 
 Mixed steps (chunked prefill: decodes and prompt chunks in one plan) run as ONE forward. The
