@@ -354,60 +354,16 @@ def _prefill_tile(
         masked_start = tl.minimum((cached_prefix + first_token + 1) // KV_TILE * KV_TILE, kv_end)
         for tile_start in range(0, masked_start, KV_TILE):
             running_max, running_sum, accumulator = _attend_kv_tile(
-                queries,
-                running_max,
-                running_sum,
-                accumulator,
-                k_cache_ptr,
-                v_cache_ptr,
-                block_table_row_ptr,
-                kv_head,
-                tile_start,
-                kv_end,
-                visible_until,
-                qk_scale,
-                cache_block_stride,
-                cache_slot_stride,
-                cache_head_stride,
-                BLOCK_SIZE,
-                HEAD_DIM,
-                HEAD_DIM_PADDED,
-                KV_TILE,
-                DOT_PRECISION,
-                KV_LOAD,
-                False,
-                FOLD_SCALE,
-                k_desc,
-                v_desc,
-            )
+                queries, running_max, running_sum, accumulator, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
+                kv_head, tile_start, kv_end, visible_until, qk_scale, cache_block_stride, cache_slot_stride,
+                cache_head_stride, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, KV_TILE, DOT_PRECISION, KV_LOAD,
+                False, FOLD_SCALE, k_desc, v_desc)
     for tile_start in range(masked_start, kv_end, KV_TILE):
         running_max, running_sum, accumulator = _attend_kv_tile(
-            queries,
-            running_max,
-            running_sum,
-            accumulator,
-            k_cache_ptr,
-            v_cache_ptr,
-            block_table_row_ptr,
-            kv_head,
-            tile_start,
-            kv_end,
-            visible_until,
-            qk_scale,
-            cache_block_stride,
-            cache_slot_stride,
-            cache_head_stride,
-            BLOCK_SIZE,
-            HEAD_DIM,
-            HEAD_DIM_PADDED,
-            KV_TILE,
-            DOT_PRECISION,
-            KV_LOAD,
-            True,
-            FOLD_SCALE,
-            k_desc,
-            v_desc,
-        )
+            queries, running_max, running_sum, accumulator, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
+            kv_head, tile_start, kv_end, visible_until, qk_scale, cache_block_stride, cache_slot_stride,
+            cache_head_stride, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, KV_TILE, DOT_PRECISION, KV_LOAD,
+            True, FOLD_SCALE, k_desc, v_desc)
 
     out = accumulator / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
     out_offsets = (q_start + row_tokens).to(tl.int64)[:, None] * out_token_stride
