@@ -646,16 +646,18 @@ def _mixed_fit(source: str, version: int, decode: LinearFit, prefill: PrefillFit
                rows: list[dict[str, Any]], buckets: tuple[int, ...] = ()) -> MixedFit:
     """A mixed step costs the decode fit's per-request and per-context-token terms plus the
     prefill fit's per-token and per-pair terms, and one constant m: a single forward reads the
-    weights and pays the host's step overhead once, not once per part. It runs the eager
-    prefill path, so it is host-bound or device-bound like a prefill step, and pays the
+    weights and pays the host's step overhead once, not once per part. It runs the prefill
+    path, so it is host-bound or device-bound like a prefill step, and pays the
     prefill's per-chunk cost s. Version 3 fits its host bound h_m and m to the mixed points
     (host-or-device, non-negative, relative error: sim/prefill_fit.py), falling back to the
     prefill's h with m fitted alone when the points do not determine h_m; before version 3, and
     in that fallback, m is fitted as one constant through every point (in relative error, like
     every fit), as it always was. A profile without mixed points (version 1) gets the larger of
-    the two constants, the one-forward assumption, and the prefill's h (docs/cost_model.md)."""
-    # The decode's batch and context slopes; not its longest-request term: a mixed step's
-    # prompt chunk, not one long decode, sets its length (host-bound or prefill-bound).
+    the two constants, the one-forward assumption, and the prefill's h (docs/cost_model.md).
+    With `buckets` (a padded engine) the tokens are padded rows and the longest decode's walk is
+    fitted too (below)."""
+    # The decode's batch and context slopes; not its longest-request term: in an eager mixed
+    # step the prompt chunk, not one long decode, sets its length (host-bound or prefill-bound).
     names = decode.feature_names[1:3] + PREFILL_FEATURES
     slopes = decode.coefficients[1:3] + prefill.device_coefficients[1:]
     bounds = {"host_s": prefill.host_s, "per_sequence_s": prefill.per_sequence_s}
