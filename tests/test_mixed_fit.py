@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from zipage.cli import _write_profile
+from zipage.errors import ConfigError
 from zipage.core.step import causal_pairs
 from zipage.prefill_buckets import PREFILL_GRAPH_TOKENS, padded_rows
 from zipage.presets import get_preset
@@ -275,7 +276,7 @@ def test_a_padded_profile_is_fitted_and_priced_at_the_padded_rows():
 def test_prefill_buckets_are_checked():
     data = profile(GRID)
     for bad in ([], [512, 256], [16, "32"], [0, 16], {"16": 1}, [True]):
-        with pytest.raises(Exception, match="prefill_buckets"):
+        with pytest.raises(ConfigError, match="prefill_buckets"):
             CalibratedCostModel.from_profile(data | {"prefill_buckets": bad})
 
 

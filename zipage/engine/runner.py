@@ -7,8 +7,8 @@ compressor gets the caches, not the runner.
 Decode steps replay CUDA graphs captured for a ladder of batch sizes (eager above the largest);
 prefill and mixed steps run through a padded layout and a graph per token bucket (below) when
 prefill graphs are on (`prefill_graphs=True`; `build_engine` turns them on wherever decode
-graphs are captured, the CLI's `--no-prefill-graphs` off), eagerly otherwise. On the CPU the same code runs the
-torch reference kernels.
+graphs are captured, the CLI's `--no-prefill-graphs` off), eagerly otherwise. On the CPU the
+same code runs the torch reference kernels.
 
 Mixed steps (chunked prefill: decodes and prompt chunks in one plan) run as ONE forward. The
 rows are every chunk's new tokens, sequence after sequence, then one row per decode request;
@@ -29,8 +29,8 @@ every decode row (a partial chunk computes KV only), in `StepPlan.sampled` order
 Prefill graphs. An eager prefill step is host-bound (~400 launches at ~60-70 us of Python and
 launcher time each on an H200, against 5-11 ms of kernels for 128-512 tokens). A step of at most
 `PREFILL_GRAPH_TOKENS[-1]` rows is therefore staged into static tensors padded to its bucket (the
-next size of the ladder in zipage/prefill_buckets.py): rows (padding rows store nothing), sequences (padding sequences are
-empty), a block table of the widest shape and a fixed-size work list for the prefill kernel;
+next size of the ladder in zipage/prefill_buckets.py): rows (padding rows store nothing),
+sequences (padding sequences are empty), a block table of the widest shape and a fixed-size work list for the prefill kernel;
 the decode rows of a mixed step become sequences of one new token in the same prefill launch,
 because a graph's grid cannot depend on how many rows decode (they lose the decode kernel's
 split-K inside graphed steps; the bucket's size bounds them). Each bucket's graph replays that
