@@ -43,6 +43,7 @@ import pandas as pd
 
 from zipage.core.metrics import STEP_COLUMN_DEFAULTS
 from zipage.errors import ConfigError
+from zipage.presets import model_label
 
 from .cost_model import DEFAULT_CONTENTION, PROFILE_VERSION, CalibratedCostModel, StepWork
 
@@ -187,7 +188,7 @@ def _header(runs: list[tuple[dict, pd.DataFrame]], gpu: str | None) -> dict:
         settings = summary["settings"]
         config = ZipageConfig.from_dict(settings["config"])
         headers.append({
-            "model": settings["model"].removeprefix("random:"),
+            "model": model_label(settings["model"]),
             "gpu": gpu or settings["hardware"],
             "dtype": settings["dtype"],
             **config.cost_knobs(),

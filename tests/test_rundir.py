@@ -263,3 +263,38 @@ def test_every_run_records_its_kind(tmp_path, simulated):
     engine = write_simulated(tmp_path / "engine", simulated, driver="engine-cpu")
     assert [json.loads((run / "summary.json").read_text())["kind"] for run in (sim, engine)] == [
         "simulated", "engine"]
+
+
+# ---------------------------------------------------------------- 5. model identity
+
+@pytest.mark.parametrize("profile_model, run_model", [
+    ("/models/SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    ("SmolLM2-135M-Instruct.Q4_1", "/elsewhere/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    ("/models/Qwen3-0.6B/", "Qwen3-0.6B"),
+    ("random:qwen3-0.6b", "Qwen3_0.6B"),
+])
+def test_profiles_and_runs_name_a_model_alike(profile_model, run_model):
+    from zipage.presets import get_preset
+    from zipage.sim.cost_model import CalibratedCostModel, synthesize_profile, AnalyticCostModel
+    from zipage.sim.hardware import get_hardware
+
+    shape = get_preset("qwen3-0.6b")
+    profile = synthesize_profile(AnalyticCostModel(shape, get_hardware("h200")))
+    profile["model"] = profile_model
+    # The shape a run builds from its --model: a .gguf file's stem, a directory's name.
+    run_shape = replace(shape, name=Path(run_model).stem if run_model.endswith(".gguf")
+                        else Path(run_model).name)
+    CalibratedCostModel.from_profile(profile, shape=run_shape)
+    with pytest.raises(ConfigError, match="model: measured on"):
+        CalibratedCostModel.from_profile(profile, shape=replace(shape, name="qwen3-8b"))
+
+
+def test_a_profile_fitted_from_a_gguf_run_names_the_model_by_its_stem(tmp_path):
+    from test_profile_from_runs import synthetic_run
+    from zipage.sim.profile_from_runs import profile_from_runs
+
+    run = synthetic_run(tmp_path / "run", False)
+    summary = json.loads((run / "summary.json").read_text())
+    summary["settings"]["model"] = str(tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert profile_from_runs([run])["model"] == "SmolLM2-135M-Instruct.Q4_1"
