@@ -7,6 +7,7 @@ profiles and runs name a model alike; two plans into one --out never mix their r
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -298,3 +299,41 @@ def test_a_profile_fitted_from_a_gguf_run_names_the_model_by_its_stem(tmp_path):
     summary["settings"]["model"] = str(tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf")
     (run / "summary.json").write_text(json.dumps(summary))
     assert profile_from_runs([run])["model"] == "SmolLM2-135M-Instruct.Q4_1"
+
+
+# ---------------------------------------------------------------- 6. concurrent plans
+
+def _write_grid(out: str, rows: int, label: str, start) -> None:
+    from zipage.sim.planning import RESULT_COLUMNS
+    from zipage import plan_cli
+
+    plan_cli.plot_pareto = lambda result, spec, path: Path(path).write_bytes(label.encode())
+    table = [{column: f"{label}{index}" for column in RESULT_COLUMNS} for index in range(rows)]
+    result = plan_cli.PlanResult(rows=table, evaluated=rows, cached=0, wall_s=0.0)
+    start.wait()
+    plan_cli.write_outputs(result, None, Path(out))
+
+
+def test_two_plans_into_one_out_leave_one_whole_grid(tmp_path):
+    """Two processes write grids of different sizes into one --out at once, many times over:
+    results.csv always holds exactly one grid, and pareto.png is that grid's."""
+    import pandas as pd
+
+    context = multiprocessing.get_context("fork")
+    grids = {"a": 20000, "b": 7000}
+    for attempt in range(6):
+        out = tmp_path / f"plan{attempt}"
+        start = context.Barrier(2)
+        workers = [context.Process(target=_write_grid, args=(str(out), rows, label, start))
+                   for label, rows in grids.items()]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(60)
+            assert worker.exitcode == 0
+        frame = pd.read_csv(out / "results.csv", dtype=str)
+        winner = frame["rank"].iloc[0][0]
+        assert len(frame) == grids[winner]
+        assert frame["rank"].tolist() == [f"{winner}{index}" for index in range(grids[winner])]
+        assert (out / "pareto.png").read_text() == winner
+        assert [path.name for path in out.iterdir() if path.name.startswith(".")] == []
