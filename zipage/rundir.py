@@ -168,7 +168,7 @@ def _write_files(directory: Path, summary: dict, kind: str, steps: list, request
                 handle.write(text)
         else:
             (directory / name).write_text(text)
-        rows[name] = len(decision_log)
+        rows[name] = text.count("\n")  # what a reader can count whatever the lines hold
     record = {**summary, "kind": kind, "decision_log": decisions, "rows": rows}
     (directory / SUMMARY_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
@@ -373,31 +373,29 @@ def read_decisions(directory: str | Path, summary: dict | None = None,
         return None
     plain, packed = directory / DECISIONS_FILE, directory / DECISION_FORMATS["gzip"]
     if plain.is_file():
-        lines = _read_plain_log(plain, flag)
-        path = plain
+        path, text = plain, _read_plain_log(plain, flag)
     elif packed.is_file():
-        lines = _read_packed_log(packed, flag)
-        path = packed
+        path, text = packed, _read_packed_log(packed, flag)
     elif summary.get("decision_log") in ("plain", "gzip"):
         name = DECISION_FORMATS[summary["decision_log"]]
         raise ConfigError(f"{_prefix(flag)}{directory / name}: file not found, but summary.json "
                           f"says the run wrote it: the directory is incomplete; {WRITE_HINT}")
     else:
         return None  # a run of before "decision_log": --decisions none left no file
-    _check_rows(path, len(lines), summary, flag)
-    return lines
+    _check_rows(path, text.count("\n"), summary, flag)
+    return text.splitlines()
 
 
-def _read_plain_log(path: Path, flag: str | None) -> list[str]:
+def _read_plain_log(path: Path, flag: str | None) -> str:
     _check_complete_last_line(path, flag)
     try:
-        return path.read_text().splitlines()
+        return path.read_text()
     except UnicodeDecodeError:
         raise ConfigError(f"{_prefix(flag)}{path}: not text: the file is damaged; "
                           f"{WRITE_HINT}") from None
 
 
-def _read_packed_log(path: Path, flag: str | None) -> list[str]:
+def _read_packed_log(path: Path, flag: str | None) -> str:
     try:
         with gzip.open(path, "rt") as handle:
             text = handle.read()
@@ -407,4 +405,4 @@ def _read_packed_log(path: Path, flag: str | None) -> list[str]:
     if text and not text.endswith("\n"):
         raise ConfigError(f"{_prefix(flag)}{path}: the last line is cut off: the file is "
                           f"truncated; {WRITE_HINT}")
-    return text.splitlines()
+    return text
