@@ -48,6 +48,8 @@ from zipage.presets import model_label
 from .cost_model import DEFAULT_CONTENTION, PROFILE_VERSION, CalibratedCostModel, StepWork
 
 FLAG = "--from-run"  # the option naming the run directories, in every error
+# What a profile's header is made of (`_header`), from a run's summary.json "settings".
+SETTINGS_KEYS = ("config", "model", "hardware", "dtype", "tensor_parallel")
 
 # Contention assumed when no batch outlasted a step of runs that launched batches before the
 # step's forward: such a batch delayed its step by about its whole duration (`zipage calibrate
@@ -175,8 +177,11 @@ def _require_engine_run(directory: Path, summary: dict) -> None:
         raise ConfigError(f"{FLAG} {directory}: a {summary.get('driver', kind)} run; fit "
                           "profiles from real engine runs (`zipage replay --gpu --out DIR`)")
     settings = summary.get("settings")
-    if not isinstance(settings, dict) or not isinstance(settings.get("config"), dict):
-        raise ConfigError(f"{FLAG} {directory}: summary.json has no settings.config; rerun with "
+    settings = settings if isinstance(settings, dict) else {}
+    missing = [f"settings.{key}" for key in SETTINGS_KEYS if key not in settings]
+    if missing or not isinstance(settings.get("config"), dict):
+        raise ConfigError(f"{FLAG} {directory}: summary.json lacks "
+                          f"{', '.join(missing) or 'settings.config as an object'}; rerun with "
                           "this version's `zipage replay --gpu --out DIR`")
 
 

@@ -240,6 +240,16 @@ def test_calibrate_from_a_served_run_says_what_it_lacks(tmp_path, simulated, cap
     assert "bench serve" not in err
 
 
+def test_calibrate_names_what_an_engine_run_summary_lacks(tmp_path, simulated, capsys):
+    run = write_simulated(tmp_path / "engine", simulated, driver="engine-cuda")
+    summary = json.loads((run / "summary.json").read_text())
+    del summary["settings"]["dtype"]
+    (run / "summary.json").write_text(json.dumps(summary))
+    err = one_line_error(capsys, "calibrate", "--from-run", str(run),
+                         "--out", str(tmp_path / "profile.json"))
+    assert "summary.json lacks settings.dtype" in err
+
+
 def test_compare_against_a_served_run_compares_requests_only(tmp_path, simulated):
     sim = write_simulated(tmp_path / "sim", simulated)
     served = write_served(tmp_path / "served", simulated)
