@@ -151,13 +151,17 @@ def plot_ablation(table: pd.DataFrame, path: str | Path) -> Path:
 
 def write_ablation_report(df: pd.DataFrame, out_dir: str | Path) -> Path:
     """Write `ablation.csv`, `ablation.md` and `ablation.png` into `out_dir` (created if needed);
-    returns `out_dir`."""
+    returns `out_dir`. Each file is renamed into place under a lock on `out_dir`, so two reports
+    into one directory leave one report's three files, never a mix (as `zipage plan --out`)."""
+    from zipage.rundir import directory_lock, write_file_atomically
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    df.to_csv(out_dir / "ablation.csv", index=False)
-    (out_dir / "ablation.md").write_text(
-        "# Ablation: output tokens per second (ratio to Full KV)\n\n" + markdown_table(df))
-    plot_ablation(df, out_dir / "ablation.png")
+    text = "# Ablation: output tokens per second (ratio to Full KV)\n\n" + markdown_table(df)
+    with directory_lock(out_dir):
+        write_file_atomically(out_dir / "ablation.csv", lambda path: df.to_csv(path, index=False))
+        write_file_atomically(out_dir / "ablation.md", lambda path: path.write_text(text))
+        write_file_atomically(out_dir / "ablation.png", lambda path: plot_ablation(df, path))
     return out_dir
 
 

@@ -16,7 +16,6 @@ is slow. `format_report` turns the result into the text the CLI prints.
 
 from __future__ import annotations
 
-import gzip
 import math
 import re
 from pathlib import Path
@@ -24,8 +23,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from zipage.analysis.timeline import DECISIONS_FILE, load_run
 from zipage.errors import ZipageError
+from zipage.rundir import (  # noqa: F401 - read_decisions: callers import it from here
+    SERVED, decisions_absent_reason, load_run, read_decisions, run_kind,
+)
 
 SUMMARY_KEYS = ("tps", "makespan_s", "mean_tpot_ms", "steps", "preemptions", "compressions")
 # Capacity the run was planned with: when these differ, the schedules cannot agree.
@@ -35,19 +36,6 @@ _STEP_ID = re.compile(r"step (\d+)\b")
 # The first difference of two decision lines is shown this many characters either side of the
 # first character that differs: a line of a big step lists hundreds of requests.
 DIFFERENCE_CONTEXT = 60
-
-
-def read_decisions(directory: str | Path) -> list[str] | None:
-    """The lines of a run directory's decisions.log (or decisions.log.gz); None when the run
-    was written without one (`--decisions none`)."""
-    plain = Path(directory) / DECISIONS_FILE
-    if plain.is_file():
-        return plain.read_text().splitlines()
-    packed = plain.with_name(DECISIONS_FILE + ".gz")
-    if packed.is_file():
-        with gzip.open(packed, "rt") as handle:
-            return handle.read().splitlines()
-    return None
 
 
 def run_labels(sim_summary: dict, real_summary: dict) -> tuple[str, str]:
@@ -278,11 +266,14 @@ def exceeded(errors: dict, limits: dict[str, float]) -> list[str]:
     return lines
 
 
-def compare_summaries(sim_summary: dict, real_summary: dict) -> dict:
-    """Each headline number of both runs and their ratio sim / real (None where undefined)."""
+def compare_summaries(sim_summary: dict, real_summary: dict, both_only: bool = False) -> dict:
+    """Each headline number of both runs and their ratio sim / real (None where undefined);
+    `both_only`: only the numbers both runs recorded (a served run has no step count)."""
     side_by_side = {}
     for key in SUMMARY_KEYS:
         sim, real = sim_summary.get(key), real_summary.get(key)
+        if both_only and (sim is None or real is None):
+            continue
         ratio = sim / real if sim is not None and real else None
         side_by_side[key] = {"sim": sim, "real": real, "ratio": ratio}
     return side_by_side
@@ -315,25 +306,40 @@ def setup_differences(sim_summary: dict, real_summary: dict) -> dict:
 
 
 def compare_runs(sim_dir: str | Path, real_dir: str | Path) -> dict:
-    """Every comparison of two run directories; a ZipageError names any missing file. The
-    decision check is None when either run has no decision log."""
+    """Every comparison of two run directories that both runs can support; a ZipageError names
+    any missing or damaged file. A served run has requests only (no steps, no decisions, no
+    config): against one, the setup, decision and step sections are None. The decision check
+    is also None when either run has no decision log."""
     sim, real = load_run(sim_dir), load_run(real_dir)
-    sim_lines, real_lines = read_decisions(sim_dir), read_decisions(real_dir)
+    kinds = {"sim": run_kind(sim.summary), "real": run_kind(real.summary)}
+    steps_known = SERVED not in kinds.values()
+    sim_lines = read_decisions(sim_dir, sim.summary)
+    real_lines = read_decisions(real_dir, real.summary)
     decisions = (compare_decisions(sim_lines, real_lines)
                  if sim_lines is not None and real_lines is not None else None)
     comparison = {
         "runs": {"sim": str(sim_dir), "real": str(real_dir)},
         "labels": dict(zip(("sim", "real"), run_labels(sim.summary, real.summary))),
-        "setup_differences": setup_differences(sim.summary, real.summary),
+        "kinds": kinds,
+        "no_decisions": {"sim": _no_decisions_reason(sim.summary, sim_lines),
+                         "real": _no_decisions_reason(real.summary, real_lines)},
+        "setup_differences": (setup_differences(sim.summary, real.summary)
+                              if steps_known else None),
         "decisions": decisions,
-        "step_time": compare_step_times(sim.steps, real.steps),
-        "time_by_kind": compare_time_by_kind(sim.steps, real.steps),
+        "step_time": compare_step_times(sim.steps, real.steps) if steps_known else None,
+        "time_by_kind": compare_time_by_kind(sim.steps, real.steps) if steps_known else None,
         "request_time": compare_request_times(sim.requests, real.requests),
-        "summary": compare_summaries(sim.summary, real.summary),
+        "summary": compare_summaries(sim.summary, real.summary, both_only=not steps_known),
         "finish_order_correlation": finish_order_correlation(sim.requests, real.requests),
     }
     comparison["errors"] = latency_errors(comparison, sim.summary, real.summary)
     return comparison
+
+
+def _no_decisions_reason(summary: dict, lines: list[str] | None) -> str | None:
+    if lines is not None:
+        return None
+    return decisions_absent_reason(summary) or "written with --decisions none"
 
 
 def format_report(comparison: dict) -> str:
@@ -342,6 +348,12 @@ def format_report(comparison: dict) -> str:
     a, b = comparison.get("labels", {"sim": "sim", "real": "real"}).values()
     width = max(len(a), len(b)) + 1
     lines = [f"{a + ':':<{width}} {runs['sim']}", f"{b + ':':<{width}} {runs['real']}"]
+    served = [label for label, role in ((a, "sim"), (b, "real"))
+              if comparison.get("kinds", {}).get(role) == SERVED]
+    if served:
+        lines += ["", f"{' and '.join(served)}: a served run (`zipage bench serve`): request-level "
+                      "metrics only (no engine steps, no decisions, no config); compared: "
+                      "(c), (d) and (e)"]
     if comparison["setup_differences"]:
         lines += ["", f"setup differences ({a} | {b}):"]
         lines += [f"  {key}: {_number(values['sim'])} | {_number(values['real'])}"
@@ -349,8 +361,8 @@ def format_report(comparison: dict) -> str:
 
     decisions = comparison["decisions"]
     if decisions is None:
-        lines += ["", "(a) scheduling decisions: not compared (a run was written with "
-                      "--decisions none)"]
+        lines += ["", "(a) scheduling decisions: not compared (" + _why_no_decisions(comparison,
+                                                                                    a, b) + ")"]
     else:
         lines += ["", "(a) scheduling decisions: "
                   + ("identical" if decisions["identical"] else "DIFFERENT")
@@ -366,6 +378,23 @@ def format_report(comparison: dict) -> str:
                       f"    {b + ':':<{width}} {excerpt(second, first)}"]
 
     step_time = comparison["step_time"]
+    if step_time is None:
+        lines += ["", "(b) step duration error: not compared (no steps in a served run)"]
+    else:
+        lines += _format_step_time(step_time, a, b)
+    lines += _format_requests_and_summary(comparison, a, b)
+    return "\n".join(lines) + "\n"
+
+
+def _why_no_decisions(comparison: dict, a: str, b: str) -> str:
+    reasons = comparison.get("no_decisions") or {}
+    named = [f"{label}: {reasons[role]}" for label, role in ((a, "sim"), (b, "real"))
+             if reasons.get(role)]
+    return "; ".join(named) or "a run was written with --decisions none"
+
+
+def _format_step_time(step_time: dict, a: str, b: str) -> list[str]:
+    lines = []
     lines += ["", f"(b) step duration error, {a} against {b} ({step_time['matched_steps']} steps"
               f" matched, {step_time['sim_only_steps']} {a}-only, {step_time['real_only_steps']}"
               f" {b}-only, {step_time['kind_mismatches']} of another kind):"]
@@ -374,7 +403,11 @@ def format_report(comparison: dict) -> str:
     total = step_time["total_time"]
     lines.append(f"  total time: {a} {_number(total['sim'])} s, {b} {_number(total['real'])} s,"
                  f" error {_percent(total['relative_error'])}")
+    return lines
 
+
+def _format_requests_and_summary(comparison: dict, a: str, b: str) -> list[str]:
+    lines = []
     request_time = comparison["request_time"]
     lines += ["", f"(c) per-request error, {a} against {b} ({request_time['finished_in_both']}"
               f" finished in both; {request_time['sim_only_requests']} {a}-only,"
@@ -400,11 +433,11 @@ def format_report(comparison: dict) -> str:
         ratio = f"{values['ratio']:9.3f}" if values["ratio"] is not None else f"{'-':>9}"
         lines.append(f"    {key:<14} {_number(values['sim']):>{column}}"
                      f" {_number(values['real']):>{column}} {ratio}")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _format_time_by_kind(by_kind: dict | None, a: str, b: str) -> list[str]:
-    if by_kind is None:  # a comparison made before this section existed
+    if by_kind is None:  # a served run, or a comparison made before this section existed
         return []
     lines = ["", f"(f) time by step kind, {a} | {b}: steps, seconds, mean ms; {a} - {b} in % of "
                  f"{b}'s total time"]

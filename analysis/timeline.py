@@ -1,18 +1,17 @@
 """Loading a run directory and drawing its timeline, like the paper's appendix figures.
 
 A run directory (written by `zipage replay TRACE --out DIR`, by the simulator and the real engine
-alike) holds `summary.json`, `steps.csv`, `requests.csv` and `decisions.log`. `load_run` reads the
-first three into a `RunData`; `plot_timeline` draws three stacked panels over time: (a) real-time
-decode throughput (decode and mixed steps) with the time of prefill steps shaded (decoding waits)
-and, with chunked prefill, that of mixed steps, (b) running and waiting requests, (c) block
-occupancy and query slots used. Every curve is a time-weighted aggregate over fixed-width time
-bins, computed exactly from the piecewise-constant step records, so a 100k-step run draws as fast
-as a 5-step one.
+alike) holds `summary.json`, `steps.csv`, `requests.csv` and `decisions.log`. `load_run`
+(`zipage.rundir`, re-exported here) reads the first three into a `RunData`; `plot_timeline`
+draws three stacked panels over time: (a) real-time decode throughput (decode and mixed steps)
+with the time of prefill steps shaded (decoding waits) and, with chunked prefill, that of mixed
+steps, (b) running and waiting requests, (c) block occupancy and query slots used. Every curve
+is a time-weighted aggregate over fixed-width time bins, computed exactly from the
+piecewise-constant step records, so a 100k-step run draws as fast as a 5-step one.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,65 +21,14 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from zipage.core.metrics import (REQUEST_COLUMN_DEFAULTS, REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS,
-                                  STEP_COLUMNS)
-from zipage.errors import ZipageError
-from zipage.rundir import DECISIONS_FILE
-
-SUMMARY_FILE = "summary.json"
-STEPS_FILE = "steps.csv"
-REQUESTS_FILE = "requests.csv"
+from zipage.rundir import (  # noqa: F401 - load_run, RunData and the file names live here too
+    DECISIONS_FILE, REQUESTS_FILE, STEPS_FILE, SUMMARY_FILE, RunData, load_run, run_file,
+)
 
 DEFAULT_BINS = 1000
 # The throughput curve is smoothed over this share of the run's duration: enough to hide the
 # step-to-step jitter of async compression, short enough to keep the preemption waves visible.
 SMOOTHING_FRACTION = 0.02
-
-
-@dataclass
-class RunData:
-    """The records of one run directory."""
-
-    directory: Path
-    summary: dict
-    steps: pd.DataFrame
-    requests: pd.DataFrame
-
-
-def run_file(directory: str | Path, name: str) -> Path:
-    """Path of one file of a run directory; a clear error when it is not there."""
-    path = Path(directory) / name
-    if not path.is_file():
-        raise ZipageError(
-            f"{path}: file not found. A run directory written by `zipage replay TRACE --out DIR` "
-            f"holds {SUMMARY_FILE}, {STEPS_FILE}, {REQUESTS_FILE} and {DECISIONS_FILE}; "
-            f"check the directory or re-run the replay.")
-    return path
-
-
-def load_run(directory: str | Path) -> RunData:
-    """Read `summary.json`, `steps.csv` and `requests.csv` of a run directory."""
-    summary = json.loads(run_file(directory, SUMMARY_FILE).read_text())
-    steps = pd.read_csv(run_file(directory, STEPS_FILE))
-    # Request ids are names ("amc23-q0-s0", but also "7"): never let pandas turn them into numbers.
-    requests = pd.read_csv(run_file(directory, REQUESTS_FILE),
-                           dtype={"id": str, "status": str, "error": str})
-    for column, default in STEP_COLUMN_DEFAULTS.items():
-        if column not in steps.columns:
-            steps[column] = default
-    for column, default in REQUEST_COLUMN_DEFAULTS.items():  # runs written before the column
-        if column not in requests.columns:
-            requests[column] = default
-    _require_columns(steps, STEP_COLUMNS, Path(directory) / STEPS_FILE)
-    _require_columns(requests, REQUEST_COLUMNS, Path(directory) / REQUESTS_FILE)
-    return RunData(directory=Path(directory), summary=summary, steps=steps, requests=requests)
-
-
-def _require_columns(frame: pd.DataFrame, columns: list[str], path: Path) -> None:
-    missing = [column for column in columns if column not in frame.columns]
-    if missing:
-        raise ZipageError(f"{path}: missing column(s) {', '.join(missing)}; the file must have "
-                          f"the header {','.join(columns)}")
 
 
 @dataclass

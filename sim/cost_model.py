@@ -32,7 +32,7 @@ from zipage.prefill_buckets import padded_rows
 from zipage.core.memory import DTYPE_BYTES, heads_per_gpu
 from zipage.core.step import causal_pairs
 from zipage.errors import ConfigError
-from zipage.presets import ModelShape
+from zipage.presets import ModelShape, model_identity
 
 from .hardware import GPUSpec, get_hardware
 from .prefill_fit import PrefillFit, fit_host_or_device, fit_prefill
@@ -803,7 +803,7 @@ def _check_header(source: str, data: dict, shape: ModelShape | None, gpu: GPUSpe
                           "\"prefill\": true|false}: which engine steps replayed CUDA graphs "
                           "when it was measured")
     fix = "measure a profile for this setup, or use --cost-model analytic"
-    if shape is not None and _plain(data["model"]) != _plain(shape.name):
+    if shape is not None and model_identity(data["model"]) != model_identity(shape.name):
         raise ConfigError(f"{source}: model: measured on {data['model']!r}, but this run uses "
                           f"{shape.name!r}; {fix}")
     if gpu is not None and _gpu_name(data["gpu"]) != gpu.name:

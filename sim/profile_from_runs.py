@@ -1,9 +1,10 @@
 """A calibrated cost profile fitted from real runs: `zipage calibrate --from-run RUN_DIR...`.
 
 `zipage calibrate --gpu` times synthetic steps; users have production traffic instead. Every run
-directory an engine replay or a served run writes (`--out`) holds each step's kind, batch,
+directory an engine replay writes (`zipage replay --gpu --out`) holds each step's kind, batch,
 context, prefill tokens, prompts and attention pairs, compressed blocks and measured start and
-end. This module turns those steps into the profile format of `CalibratedCostModel`
+end (a served run, `zipage bench serve --out`, has none of them: its client sees requests
+only). This module turns those steps into the profile format of `CalibratedCostModel`
 (docs/cost_model.md):
 
 - decode, prefill and mixed points (a mixed step: decodes and prompt chunks in one forward, with
@@ -34,7 +35,6 @@ profile's header names the model, GPU, dtype and knobs the runs had; the runs mu
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,8 +43,13 @@ import pandas as pd
 
 from zipage.core.metrics import STEP_COLUMN_DEFAULTS
 from zipage.errors import ConfigError
+from zipage.presets import model_label
 
 from .cost_model import DEFAULT_CONTENTION, PROFILE_VERSION, CalibratedCostModel, StepWork
+
+FLAG = "--from-run"  # the option naming the run directories, in every error
+# What a profile's header is made of (`_header`), from a run's summary.json "settings".
+SETTINGS_KEYS = ("config", "model", "hardware", "dtype", "tensor_parallel")
 
 # Contention assumed when no batch outlasted a step of runs that launched batches before the
 # step's forward: such a batch delayed its step by about its whole duration (`zipage calibrate
@@ -139,26 +144,45 @@ def _launch_order(runs: list[tuple[dict, pd.DataFrame]]) -> str:
 
 
 def _read(directory: Path) -> tuple[dict, pd.DataFrame]:
-    try:
-        summary = json.loads((directory / "summary.json").read_text())
-        steps = pd.read_csv(directory / "steps.csv")
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"--from-run {directory}: cannot read the run directory ({error}); "
-                          "give a directory written by `zipage replay --gpu --out DIR`") from None
+    from zipage.rundir import read_summary, read_table
+
+    summary = read_summary(directory, FLAG)
+    _require_engine_run(directory, summary)
+    steps = read_table(directory, "steps.csv", summary, FLAG)
     needed = {"kind", "n_prefill", "n_decode", "n_compress", "decode_context_tokens",
               "prefill_tokens", "attention_pairs", "compress_blocks", "batches_done", "t_start",
               "t_end"}
     missing = sorted(needed - set(steps.columns))
-    if missing or "settings" not in summary:
-        raise ConfigError(f"--from-run {directory}: steps.csv lacks {', '.join(missing) or '-'}"
+    if missing:
+        raise ConfigError(f"{FLAG} {directory}: steps.csv lacks {', '.join(missing)}"
                           "; rerun with this version's `zipage replay --out`")
-    if summary.get("driver") in ("simulator", "step-replay"):
-        raise ConfigError(f"--from-run {directory}: a {summary['driver']} run; fit profiles from "
-                          "real engine runs (zipage replay --gpu --out, or zipage bench serve)")
     for column, default in STEP_COLUMN_DEFAULTS.items():  # optional to a fit: the rest are needed
         if column not in needed and column not in steps:
             steps[column] = default
     return summary, steps
+
+
+def _require_engine_run(directory: Path, summary: dict) -> None:
+    """Only the real engine's step log times steps: refuse a simulated or a served run, and a
+    summary without the settings a profile's header comes from."""
+    from zipage.rundir import ENGINE, SERVED, run_kind
+
+    kind = run_kind(summary)
+    if kind == SERVED:
+        raise ConfigError(f"{FLAG} {directory}: a served run (`zipage bench serve`) has no engine "
+                          "step log and no config, only request-level metrics; fit from an "
+                          "engine run (`zipage replay --gpu --out DIR` on the same trace) or "
+                          "measure with `zipage calibrate --gpu`")
+    if kind != ENGINE:
+        raise ConfigError(f"{FLAG} {directory}: a {summary.get('driver', kind)} run; fit "
+                          "profiles from real engine runs (`zipage replay --gpu --out DIR`)")
+    settings = summary.get("settings")
+    settings = settings if isinstance(settings, dict) else {}
+    missing = [f"settings.{key}" for key in SETTINGS_KEYS if key not in settings]
+    if missing or not isinstance(settings.get("config"), dict):
+        raise ConfigError(f"{FLAG} {directory}: summary.json lacks "
+                          f"{', '.join(missing) or 'settings.config as an object'}; rerun with "
+                          "this version's `zipage replay --gpu --out DIR`")
 
 
 def _header(runs: list[tuple[dict, pd.DataFrame]], gpu: str | None) -> dict:
@@ -169,7 +193,7 @@ def _header(runs: list[tuple[dict, pd.DataFrame]], gpu: str | None) -> dict:
         settings = summary["settings"]
         config = ZipageConfig.from_dict(settings["config"])
         headers.append({
-            "model": settings["model"].removeprefix("random:"),
+            "model": model_label(settings["model"]),
             "gpu": gpu or settings["hardware"],
             "dtype": settings["dtype"],
             **config.cost_knobs(),

@@ -15,10 +15,8 @@ whether the decision logs agree step for step (`decisions_match`) and where they
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import pandas as pd
 
 from zipage.core.arrivals import ArrivalQueue
 from zipage.core.recorder import Run, StepRecorder
@@ -78,25 +76,23 @@ def replay_step_times(trace: Trace, run_dir: str | Path, *, check: bool = False,
 
 
 def _read_run(run_dir: Path):
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-        steps = pd.read_csv(run_dir / "steps.csv")
-        requests = pd.read_csv(run_dir / "requests.csv", dtype={"id": str, "status": str})
-    except (OSError, ValueError) as error:
-        raise ZipageError(f"--step-times {run_dir}: cannot read the run directory ({error}); "
-                          "give a directory written by `zipage replay --gpu --out DIR`") from None
-    if summary.get("driver") in ("served", "simulator", "step-replay"):
-        raise ZipageError(f"--step-times {run_dir}: a {summary['driver']} run has no engine "
-                          "steps to replay; give an engine run (`zipage replay --gpu --out DIR`)")
+    from zipage.rundir import ENGINE, load_run, read_decisions, read_summary, run_kind
+
+    flag = "--step-times"
+    summary = read_summary(run_dir, flag)
+    if run_kind(summary) != ENGINE:
+        raise ZipageError(f"{flag} {run_dir}: a {summary.get('driver', run_kind(summary))} run "
+                          "has no engine steps to replay; give an engine run (`zipage replay "
+                          "--gpu --out DIR`)")
+    run = load_run(run_dir, flag, summary)
+    steps, requests = run.steps, run.requests
     missing = [column for column in STEP_TIME_COLUMNS if column not in steps.columns]
     if missing or "config" not in summary.get("settings", {}) or "num_blocks" not in summary:
-        raise ZipageError(f"--step-times {run_dir}: not a run directory of this version (missing "
+        raise ZipageError(f"{flag} {run_dir}: not a run directory of this version (missing "
                           f"{', '.join(missing) or 'settings'}); rerun the engine with --out")
     done = requests[requests["status"] == "finished"]
     produced = dict(zip(done["id"], done["output_len"].astype(int)))
-    from zipage.analysis.compare import read_decisions
-
-    return summary, steps, produced, read_decisions(run_dir) or []
+    return summary, steps, produced, read_decisions(run_dir, summary, flag) or []
 
 
 def _first_difference(engine: list[str], replayed: list[str]) -> dict | None:

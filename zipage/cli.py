@@ -51,9 +51,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
     settings = settings_from_args(args)
     if args.out is not None:
-        from zipage.rundir import check_out_dir
+        from zipage.rundir import check_run_out_dir
 
-        check_out_dir(args.out)
+        check_run_out_dir(args.out)
     # On stderr, only at a terminal: never mixed into --json's stdout.
     show_progress = _progress_wanted(args)
     engine = "gpu" if args.gpu else args.engine
@@ -73,8 +73,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         from zipage.analysis.timeline import plot_run
         from zipage.rundir import DECISION_FORMATS, write_run
 
-        plot_run(write_run(args.out, summary, run.steps, run.requests, run.decision_log,
-                           decisions=args.decisions))
+        write_run(args.out, summary, run.steps, run.requests, run.decision_log,
+                  decisions=args.decisions, finish=plot_run)
     if args.json:
         print(json.dumps(summary))
     else:

@@ -348,29 +348,40 @@ def _is_numeric(text: str) -> bool:
 
 def write_outputs(result: PlanResult, spec: PlanSpec, out: Path) -> list[str]:
     """results.csv, results.parquet (if pandas can write Parquet) and pareto.png; returns what
-    was written, one line each."""
+    was written, one line each. Each file replaces its predecessor by rename, under a lock on
+    `out`: grids planned into one directory at once leave the three files of one grid, whole
+    (the last to finish), never rows of both."""
+    from zipage.rundir import directory_lock, write_file_atomically
+
     out.mkdir(parents=True, exist_ok=True)
-    written = []
-    with (out / "results.csv").open("w", newline="") as handle:
+    with directory_lock(out):
+        write_file_atomically(out / "results.csv", lambda path: _write_csv(result, path))
+        written = [f"wrote {out / 'results.csv'} ({len(result.rows)} rows)",
+                   _write_parquet(result, out / "results.parquet")]
+        write_file_atomically(out / "pareto.png", lambda path: plot_pareto(result, spec, path))
+    written.append(f"wrote {out / 'pareto.png'}")
+    return written
+
+
+def _write_csv(result: PlanResult, path: Path) -> None:
+    with path.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(RESULT_COLUMNS)
         for row in result.rows:
             writer.writerow(["" if row[column] is None else row[column]
                              for column in RESULT_COLUMNS])
-    written.append(f"wrote {out / 'results.csv'} ({len(result.rows)} rows)")
-    written.append(_write_parquet(result, out / "results.parquet"))
-    plot_pareto(result, spec, out / "pareto.png")
-    written.append(f"wrote {out / 'pareto.png'}")
-    return written
 
 
 def _write_parquet(result: PlanResult, path: Path) -> str:
     import pandas
 
+    from zipage.rundir import write_file_atomically
+
     frame = pandas.DataFrame(result.rows, columns=RESULT_COLUMNS)
     try:
-        frame.to_parquet(path, index=False)
+        write_file_atomically(path, lambda temporary: frame.to_parquet(temporary, index=False))
     except ImportError:
+        path.unlink(missing_ok=True)  # an earlier grid's rows would contradict results.csv
         return (f"skipped {path}: pandas has no Parquet engine here (pip install pyarrow); "
                 "results.csv holds the same rows")
     return f"wrote {path}"

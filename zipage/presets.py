@@ -282,6 +282,21 @@ def shape_from_gguf(path: Path, reader=None) -> ModelShape:
     return check_shape(shape, source)
 
 
+def model_label(spec: str) -> str:
+    """What a model is called wherever it was named: the last part of a path (a HF directory's
+    name, a .gguf file's stem: the name its shape carries), without `random:`. So a profile
+    written from `--model path/THE.gguf` and a run of `--model THE.gguf` name the same model."""
+    name = spec.strip().replace("\\", "/").rstrip("/").split("/")[-1]
+    name = name.removeprefix("random:").removeprefix("RANDOM:")
+    return name[:-len(".gguf")] if name.lower().endswith(".gguf") else name
+
+
+def model_identity(spec: str) -> str:
+    """`model_label`, folded for comparison (case, `_` against `-`): two names of one model give
+    the same identity."""
+    return model_label(spec).lower().replace("_", "-")
+
+
 def resolve_shape(spec: str) -> ModelShape:
     """The shape behind any `--model` value: a preset (optionally `random:`), a HF model
     directory, or a .gguf file. The simulator needs nothing else of a model."""

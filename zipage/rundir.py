@@ -1,28 +1,61 @@
 """A finished run, on disk and as the `--json` object: the files every run directory has
-(summary.json, steps.csv, requests.csv, and decisions.log unless skipped) for either twin.
+(summary.json, steps.csv, requests.csv, and decisions.log unless skipped) for either twin, how
+they are written (`write_run`) and read back (`load_run`, `read_decisions`).
 Plotting lives in `zipage.analysis`; the CLI adds timeline.png.
 
 The decision log has one line per step (the scheduler's plan in words, what `zipage compare`
 diffs): 140 MB for the AMC23 trace. `decisions="gzip"` writes decisions.log.gz instead (about
-a tenth), `"none"` skips it."""
+a tenth), `"none"` skips it; summary.json's "decision_log" says which.
+
+A run is written whole or not at all: every file goes into a hidden sibling directory
+(`.NAME.writing-*`), summary.json last, and that directory then takes the run's name by rename
+(an existing run is renamed away first and deleted after). A writer killed at any point leaves
+either the old run or the new one under NAME, never a mix; a kill between the two renames leaves
+NAME absent and the old run in `.NAME.old-*`. summary.json's "kind" says what wrote the run and
+its "rows" how many records each file holds, so readers refuse a file cut short."""
 
 from __future__ import annotations
 
 import csv
+import fcntl
 import gzip
 import json
-from dataclasses import asdict
+import os
+import shutil
+import uuid
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from zipage.core.config import ZipageConfig
 from zipage.core.memory import MemoryPlan
-from zipage.core.metrics import REQUEST_COLUMNS, STEP_COLUMNS
+from zipage.core.metrics import (REQUEST_COLUMN_DEFAULTS, REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS,
+                                  STEP_COLUMNS)
 from zipage.deployment import ReplaySettings
 from zipage.errors import ConfigError
 
+if TYPE_CHECKING:
+    import pandas as pd
 
+SUMMARY_FILE = "summary.json"
+STEPS_FILE = "steps.csv"
+REQUESTS_FILE = "requests.csv"
 DECISIONS_FILE = "decisions.log"
+TIMELINE_FILE = "timeline.png"
 DECISION_FORMATS = {"plain": DECISIONS_FILE, "gzip": DECISIONS_FILE + ".gz", "none": None}
+# Everything a run directory may hold: replacing a directory with anything else in it would
+# delete the user's files.
+RUN_FILES = frozenset({SUMMARY_FILE, STEPS_FILE, REQUESTS_FILE, TIMELINE_FILE,
+                       *filter(None, DECISION_FORMATS.values())})
+
+# What wrote a run (summary.json "kind"): the simulator (also the step-time replay), the real
+# engine, or `zipage bench serve`, whose client sees requests only: no steps, no decisions, no
+# config.
+SIMULATED, ENGINE, SERVED = "simulated", "engine", "served"
+RUN_KINDS = (SIMULATED, ENGINE, SERVED)
+
+WRITE_HINT = "re-run the command that wrote it (`zipage replay ... --out DIR`)"
 
 
 def run_summary(summary: dict, capacity: MemoryPlan, config: ZipageConfig,
@@ -54,6 +87,20 @@ def run_device(settings: ReplaySettings, driver: str) -> str:
     return get_hardware(settings.hardware).name
 
 
+def run_kind(summary: dict) -> str:
+    """SIMULATED, ENGINE or SERVED: the summary's "kind", else (runs written before it was
+    recorded) read from its driver."""
+    kind = summary.get("kind")
+    if kind in RUN_KINDS:
+        return kind
+    driver = str(summary.get("driver", ""))
+    if driver == "served":
+        return SERVED
+    return ENGINE if driver.startswith("engine-") else SIMULATED
+
+
+# ---------------------------------------------------------------- writing
+
 def check_out_dir(out_dir: str | Path, flag: str = "--out") -> Path:
     """Refuse an output directory that cannot be one before the run starts (a long run should
     not end in a traceback): it must be a directory or not exist yet."""
@@ -65,28 +112,65 @@ def check_out_dir(out_dir: str | Path, flag: str = "--out") -> Path:
     return out
 
 
+def check_run_out_dir(out_dir: str | Path, flag: str = "--out") -> Path:
+    """`check_out_dir` for a run, which replaces the whole directory: it must not exist yet, or
+    be empty, or hold only a run's files."""
+    out = check_out_dir(out_dir, flag)
+    if out.is_dir():
+        foreign = sorted(entry.name for entry in out.iterdir() if entry.name not in RUN_FILES)
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise ConfigError(f"{flag}: {out} holds files that are not a run's ({shown}); the "
+                              "new run replaces the whole directory, so give a new or empty "
+                              "directory, or a run directory to overwrite")
+    return out
+
+
 def write_run(out_dir: str | Path, summary: dict, steps: list, requests: list,
-              decision_log: list[str], decisions: str = "plain") -> Path:
-    """Write the run's files into `out_dir` (created if missing); `decisions` is a key of
-    DECISION_FORMATS. Returns the directory."""
+              decision_log: list[str], decisions: str = "plain",
+              finish: Callable[[Path], object] | None = None) -> Path:
+    """Write the run's files and make them `out_dir` in one rename (an earlier run there is
+    replaced); `decisions` is a key of DECISION_FORMATS (a served run never has a log).
+    `finish(directory)` adds derived files (the timeline) before the run takes its name.
+    Returns the directory."""
     if decisions not in DECISION_FORMATS:
         raise ConfigError(f"decisions: got {decisions!r}, expected one of "
                           f"{', '.join(DECISION_FORMATS)}")
-    out = check_out_dir(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _write_csv(out / "steps.csv", STEP_COLUMNS, steps)
-    _write_csv(out / "requests.csv", REQUEST_COLUMNS, requests)
-    for name in DECISION_FORMATS.values():  # no stale log of an earlier run in another format
-        if name is not None:
-            (out / name).unlink(missing_ok=True)
-    text = "\n".join(decision_log) + ("\n" if decision_log else "")
-    if decisions == "plain":
-        (out / DECISIONS_FILE).write_text(text)
-    elif decisions == "gzip":
-        with gzip.open(out / DECISION_FORMATS["gzip"], "wt") as handle:
-            handle.write(text)
+    out = check_run_out_dir(out_dir)
+    kind = run_kind(summary)
+    if kind == SERVED:  # a client sees no scheduler: an empty log would read as "no steps"
+        decisions = "none"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = _sibling(out, "writing")
+    staging.mkdir()  # mode from the umask, like any directory the user makes
+    try:
+        _write_files(staging, summary, kind, steps, requests, decision_log, decisions)
+        if finish is not None:
+            finish(staging)
+        _replace_dir(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return out
+
+
+def _write_files(directory: Path, summary: dict, kind: str, steps: list, requests: list,
+                 decision_log: list[str], decisions: str) -> None:
+    """Every file of the run; summary.json last, so a directory with it is complete."""
+    _write_csv(directory / STEPS_FILE, STEP_COLUMNS, steps)
+    _write_csv(directory / REQUESTS_FILE, REQUEST_COLUMNS, requests)
+    rows = {STEPS_FILE: len(steps), REQUESTS_FILE: len(requests)}
+    name = DECISION_FORMATS[decisions]
+    if name is not None:
+        text = "\n".join(decision_log) + ("\n" if decision_log else "")
+        if decisions == "gzip":
+            with gzip.open(directory / name, "wt") as handle:
+                handle.write(text)
+        else:
+            (directory / name).write_text(text)
+        rows[name] = text.count("\n")  # what a reader can count whatever the lines hold
+    record = {**summary, "kind": kind, "decision_log": decisions, "rows": rows}
+    (directory / SUMMARY_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
 
 def _write_csv(path: Path, columns: list[str], records: list) -> None:
@@ -96,3 +180,229 @@ def _write_csv(path: Path, columns: list[str], records: list) -> None:
         for record in records:
             row = asdict(record)
             writer.writerow([row[column] for column in columns])
+
+
+def _replace_dir(staging: Path, out: Path) -> None:
+    """Give `staging` the name `out`. Linux cannot swap two directories by rename, so an existing
+    run is renamed away first and deleted after; the lock keeps two writers of one name from
+    interleaving those renames."""
+    with directory_lock(out.parent):
+        if not out.exists():
+            os.rename(staging, out)
+            return
+        old = _sibling(out, "old")
+        os.rename(out, old)
+        os.rename(staging, out)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _sibling(path: Path, role: str) -> Path:
+    """A hidden name beside `path` no other writer picks: `.NAME.ROLE-XXXXXXXX`."""
+    return path.parent / f".{path.resolve().name}.{role}-{uuid.uuid4().hex[:8]}"
+
+
+@contextmanager
+def directory_lock(directory: Path) -> Iterator[None]:
+    """An exclusive lock (flock) on a directory itself: writers of files in it take turns, and no
+    lock file is left behind. Released when the block ends, or when the process dies."""
+    handle = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)
+
+
+def write_file_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """`write(temporary)` writes the file beside `path` (same suffix, for writers that read the
+    format from it), which then takes `path`'s name by rename: a reader sees the old file or the
+    new one, whole, never a mix of two writers."""
+    temporary = _sibling(path, "writing")
+    temporary = temporary.with_name(temporary.name + path.suffix)
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+# ---------------------------------------------------------------- reading
+
+@dataclass
+class RunData:
+    """The records of one run directory."""
+
+    directory: Path
+    summary: dict
+    steps: pd.DataFrame
+    requests: pd.DataFrame
+
+    @property
+    def kind(self) -> str:
+        return run_kind(self.summary)
+
+
+def load_run(directory: str | Path, flag: str | None = None,
+             summary: dict | None = None) -> RunData:
+    """Read `summary.json` (unless given), `steps.csv` and `requests.csv` of a run directory; a
+    ConfigError (prefixed with `flag`, the option that named the directory) names a missing,
+    damaged or truncated file."""
+    directory = Path(directory)
+    summary = summary if summary is not None else read_summary(directory, flag)
+    steps = read_table(directory, STEPS_FILE, summary, flag)
+    # Request ids are names ("amc23-q0-s0", but also "7"): never let pandas turn them into numbers.
+    requests = read_table(directory, REQUESTS_FILE, summary, flag,
+                          dtype={"id": str, "status": str, "error": str})
+    for column, default in STEP_COLUMN_DEFAULTS.items():  # runs written before the column
+        if column not in steps.columns:
+            steps[column] = default
+    for column, default in REQUEST_COLUMN_DEFAULTS.items():
+        if column not in requests.columns:
+            requests[column] = default
+    _require_columns(steps, STEP_COLUMNS, directory / STEPS_FILE, flag)
+    _require_columns(requests, REQUEST_COLUMNS, directory / REQUESTS_FILE, flag)
+    return RunData(directory=directory, summary=summary, steps=steps, requests=requests)
+
+
+def _prefix(flag: str | None) -> str:
+    return f"{flag} " if flag else ""
+
+
+def run_file(directory: str | Path, name: str, flag: str | None = None) -> Path:
+    """Path of one file of a run directory; a clear error when it is not there."""
+    path = Path(directory) / name
+    if path.is_file():
+        return path
+    if not Path(directory).is_dir():
+        left = sorted(Path(directory).parent.glob(f".{Path(directory).name}.old-*"))
+        where = (f"; an interrupted write left the previous run in {left[0]}" if left else
+                 "; give a directory written with --out")
+        raise ConfigError(f"{_prefix(flag)}{directory}: no such run directory{where}")
+    raise ConfigError(
+        f"{_prefix(flag)}{path}: file not found. A run directory written by `zipage replay TRACE "
+        f"--out DIR` holds {SUMMARY_FILE}, {STEPS_FILE}, {REQUESTS_FILE} and {DECISIONS_FILE}; "
+        f"check the directory or re-run the replay.")
+
+
+def read_summary(directory: str | Path, flag: str | None = None) -> dict:
+    """summary.json as a dict; a one-line error when it is missing, cut short or not an
+    object."""
+    path = run_file(directory, SUMMARY_FILE, flag)
+    try:
+        summary = json.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise ConfigError(f"{_prefix(flag)}{path}: not text: the file is damaged; "
+                          f"{WRITE_HINT}") from None
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{_prefix(flag)}{path}: not valid JSON ({error.msg}: line "
+                          f"{error.lineno}, column {error.colno}): the file is truncated or "
+                          f"damaged; {WRITE_HINT}") from None
+    if not isinstance(summary, dict):
+        raise ConfigError(f"{_prefix(flag)}{path}: expected a JSON object, got "
+                          f"{type(summary).__name__}: not a run's summary; {WRITE_HINT}")
+    return summary
+
+
+def read_table(directory: str | Path, name: str, summary: dict, flag: str | None = None,
+               dtype: dict | None = None) -> pd.DataFrame:
+    """One CSV of a run, checked whole: its last line complete and, where summary.json records
+    it, as many rows as the run wrote."""
+    import pandas as pd
+
+    path = run_file(directory, name, flag)
+    _check_complete_last_line(path, flag)
+    try:
+        frame = pd.read_csv(path, dtype=dtype)
+    except pd.errors.EmptyDataError:
+        raise ConfigError(f"{_prefix(flag)}{path}: empty (not even the header): the file is "
+                          f"truncated; {WRITE_HINT}") from None
+    except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as error:
+        reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"{_prefix(flag)}{path}: not a readable CSV ({reason}): the file is "
+                          f"damaged; {WRITE_HINT}") from None
+    _check_rows(path, len(frame), summary, flag)
+    return frame
+
+
+def _check_complete_last_line(path: Path, flag: str | None) -> None:
+    # Every writer ends a line before the next; a file cut mid-line would parse with NaNs.
+    with path.open("rb") as handle:
+        handle.seek(0, os.SEEK_END)
+        if handle.tell() == 0:
+            return
+        handle.seek(-1, os.SEEK_END)
+        if handle.read(1) != b"\n":
+            raise ConfigError(f"{_prefix(flag)}{path}: the last line is cut off: the file is "
+                              f"truncated; {WRITE_HINT}")
+
+
+def _check_rows(path: Path, found: int, summary: dict, flag: str | None) -> None:
+    expected = (summary.get("rows") or {}).get(path.name)
+    if isinstance(expected, int) and found != expected:
+        raise ConfigError(f"{_prefix(flag)}{path}: {found} rows, but summary.json says the run "
+                          f"wrote {expected}: the file is truncated or from another run; "
+                          f"{WRITE_HINT}")
+
+
+def _require_columns(frame: pd.DataFrame, columns: list[str], path: Path,
+                     flag: str | None) -> None:
+    missing = [column for column in columns if column not in frame.columns]
+    if missing:
+        raise ConfigError(f"{_prefix(flag)}{path}: missing column(s) {', '.join(missing)}; the "
+                          f"file must have the header {','.join(columns)}")
+
+
+def decisions_absent_reason(summary: dict) -> str | None:
+    """Why a run has no decision log by design (None when it should have one)."""
+    if run_kind(summary) == SERVED:
+        return "a served run: its client sees no scheduler decisions"
+    if summary.get("decision_log") == "none":
+        return "written with --decisions none"
+    return None
+
+
+def read_decisions(directory: str | Path, summary: dict | None = None,
+                   flag: str | None = None) -> list[str] | None:
+    """The lines of a run directory's decisions.log (or decisions.log.gz); None when the run has
+    none by design (`decisions_absent_reason`; runs that do not record it: when no log is
+    there). A log the summary says was written but is missing or cut short is an error."""
+    directory = Path(directory)
+    summary = summary if summary is not None else read_summary(directory, flag)
+    if decisions_absent_reason(summary) is not None:
+        return None
+    plain, packed = directory / DECISIONS_FILE, directory / DECISION_FORMATS["gzip"]
+    if plain.is_file():
+        path, text = plain, _read_plain_log(plain, flag)
+    elif packed.is_file():
+        path, text = packed, _read_packed_log(packed, flag)
+    elif summary.get("decision_log") in ("plain", "gzip"):
+        name = DECISION_FORMATS[summary["decision_log"]]
+        raise ConfigError(f"{_prefix(flag)}{directory / name}: file not found, but summary.json "
+                          f"says the run wrote it: the directory is incomplete; {WRITE_HINT}")
+    else:
+        return None  # a run of before "decision_log": --decisions none left no file
+    _check_rows(path, text.count("\n"), summary, flag)
+    return text.splitlines()
+
+
+def _read_plain_log(path: Path, flag: str | None) -> str:
+    _check_complete_last_line(path, flag)
+    try:
+        return path.read_text()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{_prefix(flag)}{path}: not text: the file is damaged; "
+                          f"{WRITE_HINT}") from None
+
+
+def _read_packed_log(path: Path, flag: str | None) -> str:
+    try:
+        with gzip.open(path, "rt") as handle:
+            text = handle.read()
+    except (OSError, EOFError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{_prefix(flag)}{path}: not a complete gzip file ({error}): the file "
+                          f"is truncated or damaged; {WRITE_HINT}") from None
+    if text and not text.endswith("\n"):
+        raise ConfigError(f"{_prefix(flag)}{path}: the last line is cut off: the file is "
+                          f"truncated; {WRITE_HINT}")
+    return text

@@ -28,6 +28,7 @@ from zipage.engine.llm import Engine, build_engine
 from zipage.engine.sampler import SamplingParams
 from zipage.errors import ConfigError
 from zipage.deployment import ReplaySettings
+from zipage.presets import model_label
 from zipage.sim.cost_model import PROFILE_VERSION
 
 DECODE_BATCHES = (1, 4, 16, 32, 64, 128, 256)
@@ -360,7 +361,7 @@ def _measure(engine: Engine, bench: Bench, settings: ReplaySettings, gpu: str, r
         "version": PROFILE_VERSION,
         "note": note,
         "source": "measured",
-        "model": engine.shape.name.removeprefix("random:"),
+        "model": model_label(engine.shape.name),
         "gpu": gpu,
         "dtype": settings.dtype,
         **config.cost_knobs(),

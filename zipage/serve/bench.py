@@ -6,8 +6,10 @@ prompt as token ids (`zipage.trace.prompt_token_ids`: the very ids `zipage repla
 finish time are measured from the stream on this side; the output length is the server's usage
 count. The result is a run like `zipage replay`'s: the same summary keys (`--json`) and the same
 `requests.csv` columns, so `zipage compare` sets a served run beside an offline replay or a
-simulation of the same trace. What only the server knows (steps, per-request compressions) is
-left empty; against `zipage serve`, the run's compressions and preemptions come from its /metrics.
+simulation of the same trace. What only the server knows (steps, decisions, the config,
+per-request compressions) is left out: the run's "kind" is "served", its steps.csv is empty and
+it has no decisions.log, and `zipage compare` compares its requests only. Against `zipage serve`,
+the run's compressions and preemptions come from its /metrics.
 
 The client is httpx with a hand-read event stream (not the openai package): at hundreds of
 concurrent streams the client's own per-chunk cost must stay far below the server's.
@@ -25,6 +27,7 @@ import httpx
 
 from zipage.core.metrics import RequestRecord, summarize
 from zipage.errors import ZipageError
+from zipage.rundir import SERVED
 from zipage.trace import DEFAULT_VOCAB_SIZE, Trace, TraceRequest, prompt_token_ids
 
 # What a client cannot see: per-step records and the server's per-request bookkeeping.
@@ -57,7 +60,8 @@ async def bench_serve(trace: Trace, url: str, model: str | None = None, *,
             bar.close()
         counters_after = await _server_counters(client)
     summary = _summary(list(records), counters_before, counters_after)
-    summary.update(wall_s=wall, driver="served", url=base, model=model, settings={})
+    summary.update(wall_s=wall, driver="served", kind=SERVED, url=base, model=model,
+                   settings={})
     return summary, list(records)
 
 
