@@ -20,7 +20,7 @@ every config, and its output compared with the default kernel's at the first con
 
 (the shipped kernel is descriptor+split+fold; gather+nosplit+nofold is the kernel before 2026-11-23's variants).
 
-Prints a table last and writes prefill_attention_gpu.json under $OUT (or the current directory).
+Prints a table last and writes prefill_attention_gpu.json under $OUT (or runs/<script>/ of the repository).
 """
 
 from __future__ import annotations
@@ -150,7 +150,10 @@ def main() -> None:
         variant_settings(variant)  # an unknown name fails here, before any GPU work
     rows = [measure(model, int(tokens), configs, variants)
             for model in args.models.split(",") for tokens in args.tokens.split(",")]
-    out = Path(os.environ.get("OUT", "."))
+    # $OUT when set (the GPU harness collects it), else the ignored runs/ of the repository.
+    out = Path(os.environ.get("OUT")
+               or Path(__file__).resolve().parents[1] / "runs" / "prefill_attention_gpu")
+    out.mkdir(parents=True, exist_ok=True)
     (out / "prefill_attention_gpu.json").write_text(json.dumps(
         {"device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
     print(f"\n{torch.cuda.get_device_name()}: ms (TFLOP/s) per rows/tile/warps/stages; sdpa = torch flash; "
