@@ -2,7 +2,7 @@
 
     python -m zipage.analysis.attribution RUN_A RUN_B [--labels fixed,elastic]
 
-Made for the elastic-vs-fixed budget comparison (docs/BENCHMARKS.md, section 14) and usable for
+Made for the elastic-vs-fixed budget comparison (docs/BENCHMARKS.md, 'Elastic budgets') and usable for
 any two run directories (engine or simulator). Each run's clock, up to the end of its last step,
 is split into terms that add up to it exactly:
 
@@ -14,9 +14,9 @@ is split into terms that add up to it exactly:
 - **compression**: what the decode steps of each compression cost beyond the plane: the price of
   the compressions as the run paid it. A compression's steps are the step that runs it (sync) or
   launches it (async) and, for an async batch, every step up to the one that reports it done.
-  On the H200 an async batch launched before its step's forward (the engine until 2026-11-23)
-  cost all of it on that step; launched behind the forward (now), it finishes in the next step
-  and costs little on either;
+  On the H200 an async batch launched before its step's forward cost all of it on that step;
+  launched behind the forward, as the engine does, it finishes in the next step and costs little
+  on either;
 - **prefill** (prefill and mixed steps: recomputation after preemption included), **idle** steps
   (waiting for an async batch) and **host gaps** between steps.
 

@@ -1,4 +1,4 @@
-"""Elastic vs fixed KV budgets in the simulator, at the same memory (docs/BENCHMARKS.md, section 14).
+"""Elastic vs fixed KV budgets in the simulator, at the same memory (docs/BENCHMARKS.md, 'Elastic budgets').
 
 Replays the AMC23-shaped headline trace, the online mixture and a few-requests case (the first
 `--few` requests of the headline trace, arriving together: memory to spare) with the flags of the

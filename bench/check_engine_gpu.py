@@ -109,7 +109,10 @@ def main() -> int:
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--min-agreement", type=float, default=0.9)
     args = parser.parse_args()
-    out = Path(os.environ.get("OUT", "."))
+    # $OUT when set (the GPU harness collects it), else the ignored runs/ of the repository.
+    out = Path(os.environ.get("OUT")
+               or Path(__file__).resolve().parents[1] / "runs" / "check_engine_gpu")
+    out.mkdir(parents=True, exist_ok=True)
     trace = make_trace("amc23", 0, num_questions=4, samples_per_question=8, max_output_len=600)
     variants = {
         "full-kv": ZipageConfig(compress=False, block_size=64),

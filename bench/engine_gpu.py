@@ -10,7 +10,7 @@ output tokens per second of each, in one run.
 
     python bench/engine_gpu.py [--models qwen3-0.6b,qwen3-8b] [--requests 256] [--parts A,B]
 
-Prints a table last and writes engine_gpu.json under $OUT (or the current directory).
+Prints a table last and writes engine_gpu.json under $OUT (or runs/<script>/ of the repository).
 """
 
 from __future__ import annotations
@@ -204,7 +204,10 @@ def main() -> None:
     parser.add_argument("--parts", default="A,B")
     parser.add_argument("--hf-models", default="qwen3-0.6b")
     args = parser.parse_args()
-    out = Path(os.environ.get("OUT", "."))
+    # $OUT when set (the GPU harness collects it), else the ignored runs/ of the repository.
+    out = Path(os.environ.get("OUT")
+               or Path(__file__).resolve().parents[1] / "runs" / "engine_gpu")
+    out.mkdir(parents=True, exist_ok=True)
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     report["copy_bandwidth"] = bandwidth = copy_bandwidth()
     print(f"device {report['device']}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)

@@ -1,5 +1,5 @@
-"""Where the twin's remaining misses come from, step by step (issue #15; docs/BENCHMARKS.md
-section 18, "What is left, and why"): 0.6B online TPOT p50 (Zipage, Full KV), 0.6B LongBench
+"""Where the twin's remaining misses come from, step by step (issue #15; docs/BENCHMARKS.md,
+'Twin fidelity', "What is left, and why"): 0.6B online TPOT p50 (Zipage, Full KV), 0.6B LongBench
 (Zipage, Full KV), 8B Zipage LongBench. Each engine step (steps.csv) is priced with the matrix's
 cross-trace profile (fitted on the other two traces), the simulator's rules replayed on the
 engine's own step sequence (`price`). It prints:
@@ -13,10 +13,10 @@ engine's own step sequence (`price`). It prints:
    `decode_context_tokens`), from each run's step-time replay: steps.csv lacks them. Then the
    Full-KV decode plane refitted with context summed or distinct.
 
-    python bench/fidelity_attribution.py --runs RUNS [--profiles DIR]
+    python bench/fidelity_attribution.py --runs RUNS [--profiles runs/fidelity_matrix/profiles]
 
-RUNS is laid out as for bench/fidelity_matrix.py; its docstring rebuilds it from the packed runs in
-bench/results. About 20 s on two cores.
+RUNS is laid out as for bench/fidelity_matrix.py, whose docstring says how to make the runs on a
+GPU; the profiles are those it writes under its --out. About 20 s on two cores.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from zipage.sim.cost_model import CalibratedCostModel, StepWork, _fit
 from zipage.sim.simulate import simulate
 from zipage.trace import load_trace
 
-PROFILES = Path(__file__).resolve().parent / "results/fidelity_matrix_2026-11-23/profiles"
+PROFILES = Path("runs/fidelity_matrix/profiles")  # bench/fidelity_matrix.py's default --out
 CASES = [("qwen3-0.6b", "zipage", "online"), ("qwen3-0.6b", "zipage", "longbench200"),
          ("qwen3-0.6b", "full-kv", "online"), ("qwen3-0.6b", "full-kv", "longbench200"),
          ("qwen3-8b", "zipage", "longbench200")]

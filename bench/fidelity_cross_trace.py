@@ -1,4 +1,6 @@
-"""Twin fidelity across traces (issue #15; docs/BENCHMARKS.md section 16, docs/cost_model.md).
+"""Twin fidelity across traces, one model and mode (issue #15; docs/cost_model.md, 'Twin fidelity
+across traces: what the error is made of'). bench/fidelity_matrix.py, which extends it to two
+models and both modes, builds on its `Study`.
 
 For each of three traces — the AMC23 headline, the online mixture and the first 200 requests of
 the LongBench-shaped trace — fit a profile on the H200 engine runs of the *other* two traces
@@ -10,14 +12,20 @@ steps.csv because the runs were written without decision logs); Full KV on LongB
 attribution of the error, by replacing one part of the cross-trace profile (prefill, decode or
 compression points) with the part fitted on the evaluated run itself.
 
-    python bench/fidelity_cross_trace.py --runs RUNS_DIR --out bench/results/fidelity_cross_trace_2026-11-23
+    python bench/fidelity_cross_trace.py --runs RUNS_DIR [--out runs/fidelity_cross_trace]
 
-RUNS_DIR holds the engine run directories of docs/BENCHMARKS.md section 16 (made with
-`bench/headline_gpu.py --runs-dir`; the layout is RUNS below). Every command the script runs is
-written to OUT/commands.txt; OUT gets the cross-trace profiles (gzipped, times to six
-significant digits), the compare reports, results.json and table.md. The simulated run
-directories, the attribution's profiles and reports go to --work. `before_after.sh` in the results folder
-then compares the fit before these changes (zipage at d1bb791) on the same runs.
+RUNS_DIR holds engine run directories of random Qwen3-8B on an H200 (6 GB KV, block 64, budget
+512, async compression), made with `bench/headline_gpu.py --no-simulate --runs-dir DIR`; the
+layout is RUNS and FULL_KV below (a folder per device call and --runs-dir, then the variant):
+
+    gpu6/el/zipage, gpu5/el/zipage      the AMC23 headline (the script's default trace)
+    gpu7/a/zipage, gpu7/b/zipage        --trace traces/online-mixture.json
+    gpu4/lb/zipage, gpu4/lb/full-kv     --trace traces/longbench.json --head 200
+    gpu1/runs/full-kv-chunked           --trace traces/online-mixture.json
+
+Every command the script runs is written to OUT/commands.txt; OUT gets the cross-trace profiles
+(gzipped, times to six significant digits), the compare reports, results.json and table.md. The
+simulated run directories, the attribution's profiles and reports go to --work.
 """
 
 from __future__ import annotations
@@ -330,7 +338,7 @@ def sensitivity(study: Study, trace: Path, name: str, profile: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", required=True, type=Path, help="the engine runs (RUNS)")
-    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--out", type=Path, default=Path("runs/fidelity_cross_trace"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/zipage-fidelity"))
     args = parser.parse_args()
     study = Study(args.runs, args.out, args.work)

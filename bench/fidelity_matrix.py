@@ -1,32 +1,29 @@
-"""Twin fidelity over traces x models x modes (issue #15; docs/BENCHMARKS.md section 18).
+"""Twin fidelity over traces x models x modes (issue #15; docs/BENCHMARKS.md, 'Twin fidelity').
 
 Three traces (the AMC23 headline: offline reasoning; the online mixture: arrivals, long and short
 prompts; the first 200 requests of the LongBench-shaped trace: long prompts sharing prefixes),
-Qwen3-8B and Qwen3-0.6B, Zipage and Full KV, two engine runs each (H200; made with
-bench/fidelity_runs.sh and, for the headline, bench/headline_gpu.py in section 17's calls).
+Qwen3-8B and Qwen3-0.6B, Zipage and Full KV, two engine runs each (H200, bench/fidelity_runs.sh).
 For every (model, mode, trace) a profile is fitted on the runs of the *other two* traces of the
 same model and mode (`zipage calibrate --from-run`), the trace is simulated with it and with the
 analytic model, and both are compared with each engine run (`zipage compare`); the second engine
 run is compared with the first, the same way (the engine's spread).
 
-Runs written before steps.csv had `decode_max_context` (the headline runs of section 17) get the
-column from their step-time replay: `zipage replay TRACE --step-times RUN` makes the engine's
+Runs written before steps.csv had `decode_max_context` get the column from their step-time replay: `zipage replay TRACE --step-times RUN` makes the engine's
 decisions step for step (checked here, column by column, for every run), so its plans hold the
 engine's decode requests. The completed copies go to --work/runs; the originals are not touched.
 
-    python bench/fidelity_matrix.py --runs RUNS --out bench/results/fidelity_matrix_2026-11-23
+    python bench/fidelity_matrix.py --runs RUNS [--out runs/fidelity_matrix]
 
-RUNS from the packed runs in bench/results (the layout of RUNS below):
+RUNS are engine runs, made on an H200 (one device call per part, each under 10 minutes) and
+unpacked into one folder; the layout is `model_runs` below:
 
-    mkdir -p RUNS/2026-11-23_launch/call2 RUNS/2026-11-23_fidelity
-    tar -xzf bench/results/launch_behind_h200_2026-11-23/runs_call1.tar.gz -C RUNS/2026-11-23_launch
-    tar -xzf bench/results/launch_behind_h200_2026-11-23/runs_call2.tar.gz \
-        -C RUNS/2026-11-23_launch/call2
-    for f in bench/results/fidelity_runs_h200_2026-11-23/*.tar.gz; do
-        tar -xzf $f -C RUNS/2026-11-23_fidelity; done
+    . bench/env.sh && bash bench/fidelity_runs.sh PART $OUT    # PART: 8b-headline, 8b-online,
+                                                               # 8b-longbench, 06-headline, 06
+    for f in OUT/*.tar.gz; do tar -xzf $f -C RUNS; done
 
-Every `zipage` command it runs is written to OUT/commands.txt; OUT gets the cross-trace profiles,
-the compare reports, results.json and table.md.
+Every `zipage` command it runs is written to OUT/commands.txt; OUT gets the cross-trace profiles
+(which bench/fidelity_attribution.py reads), the compare reports, results.json and table.md.
+The results.json of the documented table is docs/results/bench/fidelity-matrix.json.
 """
 
 from __future__ import annotations
@@ -40,17 +37,14 @@ import pandas as pd
 
 from fidelity_cross_trace import DECISION_COLUMNS, Study, check_trace, row, traces
 
-# Relative to --runs. a, b: two runs of the same call (the headline's Zipage pair: two calls).
-LAUNCH, FIDELITY = "2026-11-23_launch", "2026-11-23_fidelity"
-
-
 def model_runs(tag: str) -> dict:
-    """One model's runs; `tag` names its folders (8b, 06)."""
+    """One model's runs, relative to --runs, as bench/fidelity_runs.sh names them; `tag` names
+    the model (8b, 06). a, b: two runs of one trace (the engine's spread)."""
     return {
-        "headline": {"zipage": [f"{LAUNCH}/runs{tag}/zipage", f"{LAUNCH}/call2/runs{tag}/zipage"],
-                     "full-kv": [f"{LAUNCH}/call2/runs{tag}/full-kv",
-                                 f"{FIDELITY}/{tag}-headline-fullkv/runs/full-kv"]},
-        **{trace: {mode: [f"{FIDELITY}/{tag}-{short}-{run}/runs/{mode}" for run in "ab"]
+        "headline": {"zipage": [f"{tag}-headline-{run}/runs/zipage" for run in "ab"],
+                     "full-kv": [f"{tag}-headline-a/runs/full-kv",
+                                 f"{tag}-headline-fullkv/runs/full-kv"]},
+        **{trace: {mode: [f"{tag}-{short}-{run}/runs/{mode}" for run in "ab"]
                    for mode in ("zipage", "full-kv")}
            for trace, short in (("online", "online"), ("longbench200", "lb"))},
     }
@@ -102,7 +96,7 @@ def complete_run(study: Study, trace: Path, source: Path, name: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", required=True, type=Path, help="the engine runs (RUNS)")
-    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--out", type=Path, default=Path("runs/fidelity_matrix"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/zipage-fidelity-matrix"))
     parser.add_argument("--models", default=",".join(RUNS))
     args = parser.parse_args()

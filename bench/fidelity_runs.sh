@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # Engine runs for the twin-fidelity study across traces, models and modes (issue #15;
-# docs/BENCHMARKS.md section 18): the inputs of bench/fidelity_cross_trace.py. Random Qwen3
-# weights, block 64, budget 512, async compression (launched behind the forward), decode CUDA
-# graphs; Qwen3-8B with 6 GB of KV, Qwen3-0.6B with 3 GB (as the headline runs of section 17).
-# Each trace and model is replayed twice in the same call (a, b: the engine's run-to-run spread),
-# Zipage and Full KV. One part per device call (each fits the 10-minute limit on an H200):
+# docs/BENCHMARKS.md, 'Twin fidelity'): the inputs of bench/fidelity_matrix.py. Random Qwen3
+# weights, block 64, budget 512, async compression, decode CUDA graphs; Qwen3-8B with 6 GB of
+# KV, Qwen3-0.6B with 3 GB (the headline's settings). Each trace and model is replayed twice
+# (a, b: the engine's run-to-run spread), Zipage and Full KV. One part per device call (each fits
+# the 10-minute limit on an H200):
 #
+#   . bench/env.sh && bash bench/fidelity_runs.sh 8b-headline $OUT
 #   . bench/env.sh && bash bench/fidelity_runs.sh 8b-online $OUT
 #   . bench/env.sh && bash bench/fidelity_runs.sh 8b-longbench $OUT
+#   . bench/env.sh && bash bench/fidelity_runs.sh 06-headline $OUT
 #   . bench/env.sh && bash bench/fidelity_runs.sh 06 $OUT
 #
 # Every finished replay is packed at once into OUT/<name>.tar.gz (its run directories, the
 # script's JSON report and log), so a call cut short still returns what it finished.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-part=${1:?part: 8b-online, 8b-longbench or 06}
+part=${1:?part: 8b-headline, 8b-online, 8b-longbench, 06-headline or 06}
 out=${2:?output folder}
 mkdir -p "$out"
 
@@ -33,6 +35,12 @@ longbench=(--trace "$root/traces/longbench.json" --head 200)
 b8=(--model qwen3-8b --kv-memory-gb 6)
 b06=(--model qwen3-0.6b --kv-memory-gb 3)
 case $part in
+    8b-headline)
+        replay 8b-headline-a "${b8[@]}" --variants zipage,full-kv
+        replay 8b-headline-b "${b8[@]}" --variants zipage ;;
+    06-headline)
+        replay 06-headline-a "${b06[@]}" --variants zipage,full-kv
+        replay 06-headline-b "${b06[@]}" --variants zipage ;;
     8b-online)
         for run in a b; do replay "8b-online-$run" "${b8[@]}" "${online[@]}" --variants zipage,full-kv; done ;;
     8b-longbench)
@@ -42,5 +50,5 @@ case $part in
         for run in a b; do replay "06-online-$run" "${b06[@]}" "${online[@]}" --variants zipage,full-kv; done
         for run in a b; do replay "06-lb-$run" "${b06[@]}" "${longbench[@]}" --variants zipage,full-kv; done
         replay 06-headline-fullkv "${b06[@]}" --variants full-kv ;;
-    *) echo "unknown part $part: 8b-online, 8b-longbench or 06" >&2; exit 2 ;;
+    *) echo "unknown part $part: 8b-headline, 8b-online, 8b-longbench, 06-headline or 06" >&2; exit 2 ;;
 esac

@@ -27,9 +27,6 @@ of issue #13:
     python bench/headline_gpu.py --trace traces/online-mixture.json --no-simulate \
         --variants zipage,zipage-chunked,full-kv,full-kv-chunked --runs-dir $OUT/runs
 
-`zipage-launch-first` is Zipage with each async batch launched before its step's forward, as the
-engine did until 2026-11-23 (now behind it: docs/cost_model.md, 'Async compression on the GPU').
-
 `--runs-dir` writes each variant's run directory (summary, steps, requests: what `zipage
 compare` and the twin-fidelity study read). The script only uses what every version of the
 package has, so it also times an older checkout (`. OLD/bench/env.sh` before running it).
@@ -87,7 +84,10 @@ def main() -> None:
     parser.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="prefill and mixed steps as CUDA graphs too (default: the engine's, on)")
     args = parser.parse_args()
-    out = Path(os.environ.get("OUT", "."))
+    # $OUT when set (the GPU harness collects it), else the ignored runs/ of the repository.
+    out = Path(os.environ.get("OUT")
+               or Path(__file__).resolve().parents[1] / "runs" / "headline_gpu")
+    out.mkdir(parents=True, exist_ok=True)
     if args.trace is not None:
         trace = load_trace(args.trace)
     else:
@@ -104,10 +104,6 @@ def main() -> None:
         "full-kv-chunked": dict(compress=False, chunked_prefill=True,
                                 max_num_batched_tokens=args.max_num_batched_tokens),
     }
-    # Variants that differ in an engine setting read from the environment when it is built.
-    # (The name, not zipage.engine.compressor.ASYNC_LAUNCH_ENV: older checkouts lack it.)
-    environment = {"zipage-launch-first": {"ZIPAGE_ASYNC_LAUNCH": "before-forward"}}
-    variants["zipage-launch-first"] = dict()
     if args.head is not None:
         trace = Trace(trace.name, trace.requests[:args.head])
     report = {"model": args.model, "requests": len(trace.requests),
@@ -119,13 +115,8 @@ def main() -> None:
         settings = ReplaySettings(model=f"random:{args.model}", hardware=args.hardware,
                                   kv_memory_gb=args.kv_memory_gb, config=config)
         started = time.perf_counter()
-        os.environ.update(environment.get(name, {}))
-        try:
-            summary, run = replay_on_engine(trace, settings, args.device,
-                                            prefill_graphs=args.prefill_graphs)
-        finally:
-            for key in environment.get(name, {}):
-                os.environ.pop(key)
+        summary, run = replay_on_engine(trace, settings, args.device,
+                                        prefill_graphs=args.prefill_graphs)
         # Older checkouts lack some keys; the steps still say how many prompt tokens were computed.
         summary.setdefault("prefill_tokens", sum(step.prefill_tokens for step in run.steps))
         report[name] = {key: summary.get(key) for key in KEYS}

@@ -1,5 +1,5 @@
 """The paged prefill attention kernel at the shapes of Qwen3-0.6B and Qwen3-8B, against torch's
-flash attention (run on a GPU; results go to docs/BENCHMARKS.md, section 12).
+flash attention (run on a GPU; results go to docs/BENCHMARKS.md, 'Prefill').
 
 One prompt of 128 / 512 / 2k / 8k tokens, block 64, bfloat16: the Triton kernel with each launch
 configuration of `--configs` (rows per program, KV tile, warps, pipeline stages; the first is the
@@ -18,9 +18,10 @@ every config, and its output compared with the default kernel's at the first con
     python bench/prefill_attention_gpu.py --tokens 512,2048,8192 --configs 64/64/4/3,128/64/4/3 \
         --variants default,gather+nosplit+nofold,block+nosplit+nofold,descriptor+nosplit+nofold,descriptor+split+nofold
 
-(the shipped kernel is descriptor+split+fold; gather+nosplit+nofold is the kernel before 2026-11-23's variants).
+(the shipped kernel is descriptor+split+fold; gather+nosplit+nofold is the kernel without the load, split and fold
+choices, the baseline they are measured against).
 
-Prints a table last and writes prefill_attention_gpu.json under $OUT (or the current directory).
+Prints a table last and writes prefill_attention_gpu.json under $OUT (or runs/<script>/ of the repository).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from zipage.kernels.attention_triton import paged_prefill_attention_triton
 
 from check_attention_gpu import random_paged_cache, with_settings  # noqa: E402 (bench/ is the script's path)
 
-# (query heads, KV heads, head_dim) of the models whose prefill steps section 12 times.
+# (query heads, KV heads, head_dim) of the models whose prefill steps bench/prefill_gpu.py times.
 SHAPES = {"qwen3-0.6b": (16, 8, 128), "qwen3-8b": (32, 8, 128)}
 SETTINGS = ("_PREFILL_ROWS", "_KV_TILE", "_PREFILL_NUM_WARPS", "_PREFILL_NUM_STAGES")
 CONFIGS = "64/64/4/3,64/64/4/2,128/64/8/2,128/64/8/3,128/64/4/3,64/128/4/2,128/128/8/2"
@@ -62,7 +63,7 @@ VARIANTS = {
 BLOCK_SIZE = 64
 # The padded step of a CUDA graph: a work list sized for `tokens` rows in up to this many sequences.
 GRAPH_SEQUENCES = 512
-# Work-list walks timed: programs per SM (a huge count gives one program per item, the old launch).
+# Work-list walks timed: programs per SM (a huge count gives one program per item, the baseline).
 PROGRAMS_PER_SM = (1, 2, 3, 4, 1 << 20)
 
 
@@ -150,7 +151,10 @@ def main() -> None:
         variant_settings(variant)  # an unknown name fails here, before any GPU work
     rows = [measure(model, int(tokens), configs, variants)
             for model in args.models.split(",") for tokens in args.tokens.split(",")]
-    out = Path(os.environ.get("OUT", "."))
+    # $OUT when set (the GPU harness collects it), else the ignored runs/ of the repository.
+    out = Path(os.environ.get("OUT")
+               or Path(__file__).resolve().parents[1] / "runs" / "prefill_attention_gpu")
+    out.mkdir(parents=True, exist_ok=True)
     (out / "prefill_attention_gpu.json").write_text(json.dumps(
         {"device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
     print(f"\n{torch.cuda.get_device_name()}: ms (TFLOP/s) per rows/tile/warps/stages; sdpa = torch flash; "

@@ -20,7 +20,7 @@ prefill graphs (`ModelRunner.enable_prefill_graphs`: one CUDA graph per token bu
 eager above), on the same engine, one row each. `--decodes N` makes every step a mixed one: the
 prompt plus N requests decoding one token each over C cached entries (chunked prefill's shape).
 
-Prints a table last and writes prefill_gpu.json under $OUT (or the current directory).
+Prints a table last and writes prefill_gpu.json under $OUT (or runs/<script>/ of the repository).
 """
 
 from __future__ import annotations
@@ -191,7 +191,10 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true",
                         help="also print each step's costliest kernels (they are always in the json)")
     args = parser.parse_args()
-    out = Path(os.environ.get("OUT", "."))
+    # $OUT when set (the GPU harness collects it), else the ignored runs/ of the repository.
+    out = Path(os.environ.get("OUT")
+               or Path(__file__).resolve().parents[1] / "runs" / "prefill_gpu")
+    out.mkdir(parents=True, exist_ok=True)
     bandwidth, flops = copy_bandwidth(), matmul_flops()
     report = {"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth,
               "matmul_flops": flops, "rows": []}

@@ -21,7 +21,7 @@ $OUT/runs/; runs, logs and per-job results are packed as $OUT/tp_runs.tar.gz.
 
     . bench/env.sh && python bench/tp_gpu.py [--parts A,B,C] [--questions 8 --samples 8 ...]
 
-Prints a table last and writes tp_gpu.json under $OUT (or the current directory).
+Prints a table last and writes tp_gpu.json under $OUT (or runs/<script>/ of the repository).
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ import torch
 
 from zipage.core.config import ZipageConfig
 from zipage.deployment import ReplaySettings
-from zipage.engine.compressor import ASYNC_LAUNCH_ENV
 from zipage.engine.replay import replay_on_engine
 from zipage.rundir import write_run
 from zipage.trace import Trace, load_trace, save_trace
@@ -106,8 +105,7 @@ def headline_variant(args, out: Path, trace_kind: str, label: str, name: str) ->
 
 JOBS = {"A1": "part A, TP=1 decode steps", "A2": "part A, TP=2 decode steps",
         "B-full-kv": "part B, Full KV", "B-zipage": "part B, Zipage",
-        "C-full-kv": "part C, Full KV", "C-zipage": "part C, Zipage",
-        "B-zipage-launch-first": "part B, Zipage, async batches launched before the forward"}
+        "C-full-kv": "part C, Full KV", "C-zipage": "part C, Zipage"}
 
 
 def run_job(job: str, args, out: Path) -> dict:
@@ -119,8 +117,6 @@ def run_job(job: str, args, out: Path) -> dict:
                                         [int(b) for b in args.batches.split(",")],
                                         bandwidth, tensor_parallel=world, eager=False)}
     part, name = job.split("-", 1)
-    if name.startswith("zipage-launch-first"):  # the engine's launch order before 2026-11-23
-        os.environ[ASYNC_LAUNCH_ENV] = "before-forward"  # its TP workers inherit it
     return headline_variant(args, out, "amc23" if part == "B" else "gsm8k",
                             "headline" if part == "B" else "fit", name)
 
@@ -179,7 +175,10 @@ def main() -> None:
                         help="seconds for all jobs; a job that would not fit is skipped")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    out = Path(os.environ.get("OUT", "."))
+    # $OUT when set (the GPU harness collects it), else the ignored runs/ of the repository.
+    out = Path(os.environ.get("OUT")
+               or Path(__file__).resolve().parents[1] / "runs" / "tp_gpu")
+    out.mkdir(parents=True, exist_ok=True)
     if args.job:  # a child: one job, its result as JSON
         result = run_job(args.job, args, out)
         (out / "jobs").mkdir(parents=True, exist_ok=True)

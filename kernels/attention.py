@@ -1,6 +1,6 @@
 """The engine's entry points for paged attention: each call goes to the Triton kernel or to the torch reference.
 
-The rule of ``dispatch.py`` decides (Triton on CUDA tensors or when forced/interpreted, else the pure-torch
+The rule of ``dispatch.py`` decides (Triton on CUDA tensors or under the Triton interpreter, else the pure-torch
 reference of ``attention_ref.py``). The Triton module is imported only when
 first needed, so CPU-only use never pays for (or depends on) importing Triton.
 """

@@ -48,7 +48,7 @@ def prefill_work(query_lens: torch.Tensor, tile_tokens: int, capacity: int | Non
 
     Built with numpy, not torch: every padded (graphed) prefill step builds one on the host, and torch's CPU
     ``repeat_interleave`` splits even a few elements across its whole thread pool (grain size 1), which cost
-    0.2-1.6 ms of host time a step on a 16-core H200 host (docs/BENCHMARKS.md, section 12)."""
+    0.2-1.6 ms of host time a step on a 16-core H200 host."""
     lens = query_lens.numpy().astype(np.int64)
     tiles = -(-lens // tile_tokens)
     total = int(tiles.sum())

@@ -43,7 +43,7 @@ _PREFILL_NUM_STAGES = 3
 # (tl.make_block_ptr is no option: Triton 3.7+ removed block pointers in favour of tensor descriptors.)
 # "block" and "descriptor" fall back to "gather" when BLOCK_SIZE % KV_TILE != 0, and "descriptor" to
 # "block" when the cache cannot be described (padded head_dim, strided blocks). Shipped: "descriptor" with the
-# split and the fold below, 1.27-1.47x faster than "gather" from 2k tokens on an H200 (BENCHMARKS.md section 12).
+# split and the fold below, 1.27-1.47x faster than "gather" from 2k tokens on an H200 (docs/BENCHMARKS.md, 'Prefill').
 _PREFILL_KV_LOAD = "descriptor"
 # Split the causal KV loop: the tiles that every row of a program sees whole run without the causal and
 # token masks, only the last (diagonal) tiles apply them.
@@ -429,8 +429,8 @@ def _prefill_kernel(
                                   HEAD_DIM, HEAD_DIM_PADDED, KV_TILE, DOT_PRECISION, KV_LOAD, SPLIT_CAUSAL,
                                   FOLD_SCALE)
     else:
-        # The eager grid: one program per (query tile, sequence), no loop around it (the launch
-        # measured in BENCHMARKS.md section 12).
+        # The eager grid: one program per (query tile, sequence), no loop around it: a step's rows
+        # are known at launch, so no work list is needed.
         _prefill_tile(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_seqlens_q_ptr, context_lens_ptr,
                       block_tables_ptr, tl.program_id(1), tl.program_id(0), qk_scale,
                       q_token_stride, q_head_stride, out_token_stride, out_head_stride,

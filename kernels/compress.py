@@ -1,10 +1,10 @@
 """The compression pipeline's entry point (docs/architecture.md, 'Compression pipeline').
 
 `compress(...)` compresses a batch of requests over a group of layers; see `kernels/compress_ref.py` for the
-exact arguments and semantics. It follows paged attention's dispatch rule (`kernels/attention.py`, one copy of
-it): the Triton kernels of `compress_triton.py` on CUDA tensors, or on the CPU when `ZIPAGE_FORCE_TRITON=1` or
-`TRITON_INTERPRET=1` is set (the Triton interpreter); the pure-torch reference otherwise, including on a machine
-without Triton. The Triton module is imported only when first needed.
+exact arguments and semantics. It follows the one dispatch rule (`kernels/dispatch.py`): the Triton kernels of
+`compress_triton.py` on CUDA tensors, or on the CPU when `TRITON_INTERPRET=1` is set (the Triton interpreter);
+the pure-torch reference otherwise, including on a machine without Triton. The Triton module is imported only
+when first needed.
 """
 
 from __future__ import annotations

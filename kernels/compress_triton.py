@@ -56,7 +56,7 @@ _BATCH_SHAPE_ARGUMENTS = ["num_requests", "max_blocks"]
 _TABLE_ARGUMENTS = [*_BATCH_SHAPE_ARGUMENTS, "source_table_stride"]
 # The compaction's width is the batch's widest target count: one value under a fixed budget, a new one for almost
 # every batch with per-request or elastic budgets. As a constexpr (with the table widths padded to powers of two)
-# it cost a compilation of up to 2.2 s, 19 times in one H200 run (BENCHMARKS section 14); so the compaction
+# it cost a compilation of up to 2.2 s, 19 times in one H200 run with elastic budgets; so the compaction
 # kernels take the width, and walk the block tables in tiles, with runtime bounds. (The table strides are not
 # specialised either: a width of 16 or 32 blocks compiled every kernel anew, 1.8 s.)
 _COMPACTION_TABLE_TILE = 16

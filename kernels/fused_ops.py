@@ -2,10 +2,10 @@
 SiLU-and-mul, and RoPE of queries and keys (optionally after Qwen3's per-head RMSNorm).
 
 Each call goes to the Triton kernel of ``fused_ops_triton.py`` or to the pure-torch reference of
-``fused_ops_ref.py``, by paged attention's dispatch rule (``kernels/attention.py``, one copy of it): Triton on CUDA
-tensors, or on the CPU when ``ZIPAGE_FORCE_TRITON=1`` or ``TRITON_INTERPRET=1`` is set (the Triton interpreter);
-the reference otherwise, including on a machine without Triton. The Triton module is imported only when first
-needed. Both return new tensors and leave their inputs untouched; see the references for the exact semantics.
+``fused_ops_ref.py``, by the one dispatch rule (``kernels/dispatch.py``): Triton on CUDA tensors, or on the CPU
+when ``TRITON_INTERPRET=1`` is set (the Triton interpreter); the reference otherwise, including on a machine
+without Triton. The Triton module is imported only when first needed. Both return new tensors and leave their
+inputs untouched; see the references for the exact semantics.
 """
 
 from __future__ import annotations

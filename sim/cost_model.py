@@ -103,7 +103,7 @@ SCORE_ELEMENT_PASSES = 10
 # latency per all-reduce (NCCL inside a CUDA graph). 25 us is what two H200s measured: with it,
 # Qwen3-8B TP=2 decode steps (batch 32/128/256, 2k contexts) sit 1.10/1.05/1.11x above this
 # model, as TP=1 steps do (1.18/1.05/0.99x); the first guess, 10 us, left TP=2 1.37/1.18/1.19x
-# above (docs/BENCHMARKS.md, 'Tensor parallelism on two H200s').
+# above (docs/BENCHMARKS.md, 'Tensor parallelism').
 INTERCONNECT_EFFICIENCY = 0.80
 ALLREDUCE_LATENCY_S = 25e-6
 # A decode step overlapping an async compression batch shares the SMs and HBM bandwidth with it.
@@ -111,8 +111,8 @@ ALLREDUCE_LATENCY_S = 25e-6
 # step's forward, so it runs in the gap before the next step and beside it: in H200 runs of the
 # headline trace the steps of a batch cost 0.15 (Qwen3-8B), 0.20 (0.6B) and 0.17 (Qwen3-32B,
 # TP=2) times this model's duration of the batch more than the decode plane (docs/cost_model.md,
-# 'Async compression on the GPU'). Launched before the forward, as until 2026-11-23, the same
-# batches cost 1.28-1.36 times it, hence the 2.1 of that time. Flash (not measured) keeps the
+# 'Async compression on the GPU'); launched before the forward, the same batches cost
+# 1.28-1.36 times it, which is why the engine launches behind. Flash (not measured) keeps the
 # paper's extra 0.2 for its compute-heavy similarity kernels; off runs the lightning pipeline
 # minus its redundancy launches, so it takes lightning's factor.
 DEFAULT_CONTENTION = {"off": 1.15, "lightning": 1.15, "flash": 1.35}

@@ -82,17 +82,13 @@ def test_shared_prefix_blocks_survive_another_requests_compression(tiny_model, a
     assert long_record.n_compressions > 0 and snapshots and max(checked) > 0
 
 
-@pytest.mark.parametrize("order", ["after-forward", "before-forward"])
-def test_async_launch_order(tiny_model, monkeypatch, order):  # noqa: F811
-    """An async batch goes in behind its step's forward (or before it, the order of old), and
-    the order changes no token: the batch's requests are not in that forward."""
-    from zipage.engine.compressor import ASYNC_LAUNCH_ENV
-
+def test_async_launch_goes_behind_the_forward(tiny_model, monkeypatch):  # noqa: F811
+    """An async batch goes in behind its step's forward, and changes no token: the batch's
+    requests are not in that forward."""
     directory, _ = tiny_model
     sync = LLM(str(directory), async_compress=False, **SMALL)
     expected = [o.token_ids for o in sync.generate(prompts_with_shared_prefix(), GREEDY,
                                                    progress=False)]
-    monkeypatch.setenv(ASYNC_LAUNCH_ENV, order)
     llm = LLM(str(directory), **SMALL)
     runner, events = llm.engine.runner, []
     for name in ("execute", "_decode", "_prefill"):
@@ -106,21 +102,5 @@ def test_async_launch_order(tiny_model, monkeypatch, order):  # noqa: F811
     assert [o.token_ids for o in outputs] == expected
     launches = [index for index, event in enumerate(events) if event == "launch"]
     assert launches and llm.last_run.summary["compressions"] > 0
-    # Within its step ("execute" opens one), a launch comes right after or right before the
-    # step's forward.
-    before = [events[i - 1] for i in launches]
-    after = [events[i + 1] for i in launches]
-    forwards = {"_decode", "_prefill"}
-    if order == "after-forward":
-        assert set(before) <= forwards
-    else:
-        assert set(before) == {"execute"} and set(after) <= forwards
-
-
-def test_async_launch_order_refuses_a_bad_value(tiny_model, monkeypatch):  # noqa: F811
-    from zipage.engine.compressor import ASYNC_LAUNCH_ENV
-    from zipage.errors import ConfigError
-
-    monkeypatch.setenv(ASYNC_LAUNCH_ENV, "sideways")
-    with pytest.raises(ConfigError, match="ZIPAGE_ASYNC_LAUNCH: got 'sideways'"):
-        LLM(str(tiny_model[0]), **SMALL)
+    # Within its step ("execute" opens one), a launch comes right after the step's forward.
+    assert {events[i - 1] for i in launches} <= {"_decode", "_prefill"}

@@ -437,9 +437,8 @@ def test_decode_with_a_wide_padded_block_table(triton_kernels, dtype, monkeypatc
 
 
 @under_interpreter
-def test_dispatch_uses_reference_for_cpu_tensors_unless_forced(triton_kernels, monkeypatch):
+def test_dispatch_uses_reference_for_cpu_tensors_unless_interpreted(triton_kernels, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv("ZIPAGE_FORCE_TRITON", raising=False)
     generator = torch.Generator().manual_seed(3)
     batch = make_paged_batch([5], 16, torch.float32, generator)
     q = torch.randn((1, NUM_KV_HEADS, HEAD_DIM), generator=generator)
@@ -452,7 +451,7 @@ def test_dispatch_uses_reference_for_cpu_tensors_unless_forced(triton_kernels, m
     arguments = (q, batch.k_cache, batch.v_cache, batch.context_lens, batch.block_tables, 0.125)
     torch.testing.assert_close(attention.paged_decode_attention(*arguments), paged_decode_attention_ref(*arguments))
     assert not calls
-    monkeypatch.setenv("ZIPAGE_FORCE_TRITON", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # forces Triton on CPU tensors
     attention.paged_decode_attention(*arguments)
     assert len(calls) == 1
 

@@ -329,7 +329,6 @@ class ChildProcesses:
 
     def start(self) -> None:
         interpreted = {**os.environ, "TRITON_INTERPRET": "1"}
-        interpreted.pop("ZIPAGE_FORCE_TRITON", None)
         commands = {
             "interpreter": ([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"], interpreted),
             "hopper": ([sys.executable, __file__, HOPPER_COMMAND], compiler_environment()),
@@ -644,9 +643,8 @@ def test_compaction_in_place_and_staged(triton_kernels, dtype):
 
 
 @under_interpreter
-def test_dispatch_uses_reference_for_cpu_tensors_unless_forced(triton_kernels, monkeypatch):
+def test_dispatch_uses_reference_for_cpu_tensors_unless_interpreted(triton_kernels, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv("ZIPAGE_FORCE_TRITON", raising=False)
     calls = []
     monkeypatch.setattr(triton_kernels, "compress_triton",
                         lambda *arguments, **keywords: calls.append(arguments))
@@ -657,7 +655,7 @@ def test_dispatch_uses_reference_for_cpu_tensors_unless_forced(triton_kernels, m
     compress_module.compress(*dispatched_batch.arguments(params, SCALE))
     assert not calls
     assert torch.equal(dispatched_batch.k_cache, reference_batch.k_cache)
-    monkeypatch.setenv("ZIPAGE_FORCE_TRITON", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # forces Triton on CPU tensors
     compress_module.compress(*dispatched_batch.arguments(params, SCALE))
     assert len(calls) == 1
 

@@ -196,8 +196,8 @@ def test_calibrate_prints_the_mixed_host_bound(tmp_path, capsys):
 
 
 def test_an_eager_8b_full_kv_profile_prices_small_mixed_steps_at_their_host_bound():
-    """Measured by `zipage calibrate --gpu` on an H200 with eager prefill steps (docs/BENCHMARKS.md
-    section 17; shipped until prefill graphs became the default): small mixed steps of Qwen3-8B
+    """Measured by `zipage calibrate --gpu` on an H200 with eager prefill steps (the profiles kept
+    for `--no-prefill-graphs` runs, docs/cost_model.md): small mixed steps of Qwen3-8B
     are host-bound at 19-20 ms, above the prefill's 15.4 ms. One fitted constant under the
     prefill's host bound left a relative RMS error of 22.5 % and priced 32 decodes beside a
     512-token chunk at 23.7 ms, above a decode step and a prefill step apart (6.5 + 15.4 ms)."""
@@ -281,7 +281,7 @@ def test_prefill_buckets_are_checked():
 
 
 def test_the_shipped_profiles_measured_padded_steps_and_fit_them():
-    """The four shipped H200 profiles (`zipage calibrate --gpu`, prefill graphs on, 2026-11-23):
+    """The four shipped H200 profiles (`zipage calibrate --gpu`, prefill graphs on):
     each names its buckets, and its mixed and prefill fits stay within 6 %."""
     for stem in ("qwen3-0.6b-h200-b64-k512-fullkv", "qwen3-0.6b-h200-b64-k512-zipage",
                  "qwen3-8b-h200-b64-k512-fullkv", "qwen3-8b-h200-b64-k512-zipage"):

@@ -278,7 +278,7 @@ def test_the_graphed_steps_of_the_runs_go_into_the_profile(tmp_path):
     """Runs that say which steps replayed CUDA graphs pass it on; runs that differ in it are
     refused (a graphed prefill costs less host time); a run that does not say agrees with any."""
     first, second = synthetic_run(tmp_path / "a", False), synthetic_run(tmp_path / "b", False)
-    assert "graphs" not in profile_from_runs([first, second])  # runs of before 2026-11-23
+    assert "graphs" not in profile_from_runs([first, second])  # runs that do not say
     summary = json.loads((first / "summary.json").read_text())
     summary["graphs"] = {"decode": True, "prefill": True}
     (first / "summary.json").write_text(json.dumps(summary))

@@ -282,7 +282,13 @@ def test_engine_tp2_makes_the_simulators_decisions(tiny_models, tmp_path):
 @pytest.mark.parametrize("action,message", [("raise", "rank 1 failed: RuntimeError: injected"),
                                             ("exit", "rank 1 exited with code 7")])
 def test_a_failing_rank_stops_the_run_naming_it(tiny_models, monkeypatch, action, message):
-    monkeypatch.setenv("ZIPAGE_TP_FAULT", f"1:3:{action}")
+    """Rank 1 runs tests/tp_failing_worker.py, the worker with its step 3 failing."""
+    from zipage.engine import parallel
+
+    worker_command = parallel.worker_command
+    monkeypatch.setattr(parallel, "worker_command", lambda rank: (
+        [sys.executable, str(ROOT / "tests" / "tp_failing_worker.py"), "3", action]
+        if rank == 1 else worker_command(rank)))
     llm = LLM(str(tiny_models["qwen3"]), tensor_parallel=2, compress=False, block_size=16,
               kv_memory_gb=0.002, device="cpu")
     started = time.monotonic()

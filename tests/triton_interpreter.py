@@ -26,7 +26,6 @@ under_interpreter = pytest.mark.skipif(
 def run_test_file_under_interpreter(test_file: str) -> None:
     """Run `test_file` in a child pytest with TRITON_INTERPRET=1; fail with its output."""
     environment = {**os.environ, "TRITON_INTERPRET": "1"}
-    environment.pop("ZIPAGE_FORCE_TRITON", None)
     child = subprocess.run(
         [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider"],
         env=environment, capture_output=True, text=True, timeout=600)

@@ -19,7 +19,7 @@ from zipage.workloads import WORKLOADS, make_trace  # noqa: E402
 
 SHIPPED_SEED = 0
 # Scaled variants: file stem -> (kind, generator arguments). `amc23-headline` is the GPU headline's
-# trace (docs/BENCHMARKS.md section 5): the paper's AMC23 with lengths / 4, 16 questions x 8 samples.
+# trace (docs/BENCHMARKS.md, 'Headline'): the paper's AMC23 with lengths / 4, 16 questions x 8 samples.
 SCALED = {
     "amc23-headline": ("amc23", dict(num_questions=16, samples_per_question=8, max_output_len=4096)),
 }

@@ -14,7 +14,6 @@ fewer, larger launches.
 
 from __future__ import annotations
 
-import os
 import torch
 
 from zipage.core.config import ZipageConfig
@@ -23,11 +22,12 @@ from zipage.engine.caches import KVCaches
 from zipage.errors import ConfigError
 from zipage.kernels.compress import CompressionInputs, CompressionParams, compress
 
-ASYNC_LAUNCH_ENV = "ZIPAGE_ASYNC_LAUNCH"
-ASYNC_LAUNCH_ORDERS = ("after-forward", "before-forward")
-
-
 class Compressor:
+    # The runner launches an async batch behind the step's forward, never before it
+    # (docs/cost_model.md, 'Async compression on the GPU', says why). Calibration still reads
+    # this to know which steps a batch can overlap.
+    launch_first = False
+
     def __init__(self, caches: KVCaches, config: ZipageConfig, head_dim: int,
                  device: torch.device) -> None:
         self.caches = caches
@@ -44,25 +44,14 @@ class Compressor:
         self.stream = torch.cuda.Stream(device) if self.on_gpu else None
         self.green_context = None
         self.in_flight: tuple[int, torch.cuda.Event | None] | None = None
-        # Where the runner launches an async batch: behind the step's forward (the default), or
-        # before it, as until 2026-11-23 (kept to measure the two against each other).
-        order = os.environ.get(ASYNC_LAUNCH_ENV, "after-forward")
-        if order not in ASYNC_LAUNCH_ORDERS:
-            raise ConfigError(f"{ASYNC_LAUNCH_ENV}: got {order!r}, expected one of "
-                              f"{', '.join(ASYNC_LAUNCH_ORDERS)} (unset it for after-forward)")
-        self.launch_first = order == "before-forward"
-        sms = os.environ.get("ZIPAGE_COMPRESSOR_SMS")
-        if sms:
-            if not sms.isdigit() or int(sms) < 1:
-                raise ConfigError(f"ZIPAGE_COMPRESSOR_SMS: got {sms!r}, expected a positive "
-                                  "number of SMs (unset it to use all of them)")
-            self.limit_sms(int(sms))
 
     def limit_sms(self, num_sms: int | None) -> None:
         """Run async batches on `num_sms` SMs only (a CUDA green context), or on all (None).
 
         Stream priority alone does not stop a compression batch from filling every SM between two
-        decode kernels; a partition leaves the rest of the GPU to the decode.
+        decode kernels; a partition leaves the rest of the GPU to the decode. Measured, it does
+        not pay (docs/results/compression-kernels.md), so nothing in the engine calls it: it is
+        an API for measurements (`bench/compress_gpu.py`), not a setting.
         """
         if not self.on_gpu:
             return
@@ -76,15 +65,15 @@ class Compressor:
         device_id = device.index if device.index is not None else torch.cuda.current_device()
         available = torch.cuda.get_device_properties(device_id).multi_processor_count
         if not 1 <= num_sms < available:
-            raise ConfigError(f"ZIPAGE_COMPRESSOR_SMS: got {num_sms}, expected 1 to "
+            raise ConfigError(f"limit_sms: got {num_sms}, expected 1 to "
                               f"{available - 1} (this GPU has {available} SMs)")
         from torch.cuda.green_contexts import GreenContext
 
         try:
             self.green_context = GreenContext.create(num_sms=num_sms, device_id=device_id)
         except (RuntimeError, AttributeError) as error:
-            raise ConfigError(f"ZIPAGE_COMPRESSOR_SMS: this CUDA build or driver cannot make a "
-                              f"green context ({error}); unset it") from error
+            raise ConfigError(f"limit_sms: this CUDA build or driver cannot make a "
+                              f"green context ({error})") from error
         self.stream = self.green_context.Stream()
 
     def run(self, jobs: list[CompressionJob]) -> None:

@@ -80,7 +80,7 @@ def resolve_device(device: str | None) -> torch.device:
 def default_prefill_graphs(prefill_graphs: bool | None, cuda_graphs: bool,
                            device: torch.device) -> bool:
     """Prefill graphs unless asked otherwise where graphs are captured: they are faster at every
-    step size measured (docs/BENCHMARKS.md section 12). Elsewhere the padded layout would only
+    step size measured (docs/BENCHMARKS.md, 'Prefill'). Elsewhere the padded layout would only
     compute padding rows eagerly, so it is off unless asked for (the CPU tests ask for it)."""
     if prefill_graphs is None:
         return cuda_graphs and device.type == "cuda"

@@ -269,15 +269,12 @@ def worker_main(fd: int) -> None:
         runner, _ = start_rank(rank, device, setup, store)
         set_shard_group(ShardGroup(rank, setup["world"], dist.group.WORLD))
         connection.send(("ready", rank))
-        fault = os.environ.get("ZIPAGE_TP_FAULT")  # tests: "RANK:STEP:raise|exit"
         while True:
             try:
                 kind, *payload = connection.recv()
             except EOFError:
                 break  # rank 0 is gone
             if kind == "step":
-                if fault and _fault_now(fault, rank, payload[0][0]):
-                    continue
                 run_step(runner, payload[0])
             elif kind == "compress":
                 runner.compressor.run(decode_jobs(payload[0]))
@@ -343,16 +340,6 @@ def _leave_group(dist, timeout_s: float = LEAVE_TIMEOUT_S) -> None:
     print(f"zipage: tensor parallel: leaving the process group did not finish in "
           f"{time.monotonic() - started:.0f} s (destroy, then abort); left it behind",
           file=sys.stderr, flush=True)
-
-
-def _fault_now(fault: str, rank: int, step_id: int) -> bool:
-    """Fault injection for the failure tests: at step STEP, rank RANK raises or dies."""
-    fault_rank, fault_step, action = fault.split(":")
-    if (int(fault_rank), int(fault_step)) != (rank, step_id):
-        return False
-    if action == "exit":
-        os._exit(7)
-    raise RuntimeError(f"injected fault at step {step_id}")
 
 
 def _exit_with_parent() -> None:
@@ -564,7 +551,7 @@ class _CompressorProxy:
     def __init__(self, executor: TensorParallelExecutor) -> None:
         self.executor = executor
         self.local = executor.runner.compressor
-        self.launch_first = self.local.launch_first  # every rank reads the same environment
+        self.launch_first = self.local.launch_first
 
     def completed(self, wait: bool = False) -> list[int]:
         done = self.local.completed(wait)
@@ -578,10 +565,15 @@ class _CompressorProxy:
             self.local.run(jobs)
 
 
+def worker_command(rank: int) -> list[str]:
+    """The command line of worker `rank`, less the descriptor of its link to rank 0."""
+    return [sys.executable, "-m", "zipage.engine.parallel"]
+
+
 def _spawn(rank: int) -> _Worker:
     ours, theirs = socket.socketpair()
-    process = subprocess.Popen([sys.executable, "-m", "zipage.engine.parallel",
-                                str(theirs.fileno())], pass_fds=(theirs.fileno(),))
+    process = subprocess.Popen([*worker_command(rank), str(theirs.fileno())],
+                               pass_fds=(theirs.fileno(),))
     theirs.close()
     return _Worker(rank, process, Connection(ours.detach()))
 

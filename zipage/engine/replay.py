@@ -41,7 +41,7 @@ def replay_on_engine(trace: Trace, settings: ReplaySettings, device: str | None 
     summary["graphs"] = graphs
     compressor = engine.runner.compressor
     if compressor is not None and engine.config.async_compress:
-        # Where async batches started (`calibrate --from-run` reads it; absent before 2026-11-23,
-        # when every batch was launched before its step's forward).
-        summary["async_launch"] = "before-forward" if compressor.launch_first else "after-forward"
+        # Where async batches started: `calibrate --from-run` reads it, and takes a run without
+        # it for one whose batches were launched before their step's forward.
+        summary["async_launch"] = "after-forward"
     return summary, run

@@ -174,8 +174,6 @@ class ModelRunner:
         launch = compressor is not None and plan.compress_launch is not None
         if compressor is not None and plan.compress_sync:
             compressor.run(plan.compress_sync)  # its requests decode in this very forward
-        if launch and compressor.launch_first:
-            compressor.launch(plan.compress_launch)
         sequences, logits = [], None
         if plan.prefill:  # a prefill or mixed step: one forward over chunks and decode rows
             sequences = plan.sampled
@@ -188,7 +186,7 @@ class ModelRunner:
         # forward's start by their whole host time (3-7 ms a launching step on the H200;
         # docs/cost_model.md, 'Async compression on the GPU'). Its requests are not in this
         # forward, and its stream waits for it, so it starts on the GPU when the forward ends.
-        if launch and not compressor.launch_first:
+        if launch:
             compressor.launch(plan.compress_launch)
         self.last_logits = logits  # for analysis (teacher-forced fidelity); never copied
         return sequences, logits
