@@ -53,8 +53,9 @@ def simulate_cluster(trace: Trace, settings: ReplaySettings, replicas: int = 1,
     environment = simpy.Environment()
     engines = [Simulator(deployment.new_scheduler(), deployment.cost_model, env=environment)
                for _ in range(replicas)]
-    sequences = trace_sequences(trace, deployment.shape.vocab_size,
-                                need_tokens=config.prefix_cache, scheduler=engines[0].scheduler)
+    sequences = trace_sequences(trace, deployment.shape.vocab_size, need_tokens=False,
+                                scheduler=engines[0].scheduler,
+                                block_keys=config.block_size if config.prefix_cache else None)
     # A stable sort keeps the trace order among equal arrival times (FCFS), as `Simulator.run`.
     arrivals = sorted(sequences, key=lambda seq: seq.arrival_s)
     assignment: list[int] = []

@@ -10,11 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zipage.core.block_manager import prompt_block_hashes
 from zipage.errors import TraceError
 from zipage.trace import (
-    Trace, TraceRequest, load_trace, parse_trace, prompt_token_ids, save_trace,
+    Trace, TraceRequest, load_trace, parse_trace, prompt_block_keys, prompt_token_ids, save_trace,
 )
 from zipage.trace_import import (
     ImportOptions, detect_format, import_trace, load_trace_file, parse_window,
@@ -231,3 +233,38 @@ def test_trace_import_cli_refuses_bad_input_in_one_line(tmp_path):
 def test_a_request_made_in_python_keeps_working_without_hashes():
     request = TraceRequest(id="x", arrival_s=0.0, prompt_len=5, output_len=1)
     assert request.block_hashes is None and len(prompt_token_ids(request)) == 5
+
+
+def _equality_pattern(rows: list[list[int]]) -> list[list[int]]:
+    """Each key replaced by the index of its first occurrence across all rows."""
+    first: dict[int, int] = {}
+    return [[first.setdefault(key, len(first)) for key in row] for row in rows]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_block_keys_are_equal_exactly_where_the_tokens_are(data):
+    """The simulator's block keys (no tokens) share exactly the blocks the engine's token hashes
+    share, for prefix groups, hashed blocks of any alignment and plain prompts."""
+    block_size = data.draw(st.sampled_from([4, 8, 16]))
+    hash_block_size = data.draw(st.sampled_from([2, 4, 8, 16, 32, 6]))
+    requests = []
+    for index in range(data.draw(st.integers(1, 8))):
+        prompt_len = data.draw(st.integers(1, 70))
+        form = data.draw(st.sampled_from(["plain", "group", "hashed"]))
+        raw = {"id": f"r{index}", "arrival_s": 0, "prompt_len": prompt_len, "output_len": 1}
+        if form == "group":
+            raw["prefix_group"] = data.draw(st.sampled_from(["g", "h"]))
+            raw["prefix_len"] = data.draw(st.integers(1, prompt_len))
+        elif form == "hashed":
+            count = -(-prompt_len // hash_block_size)
+            raw["block_hashes"] = data.draw(st.lists(st.integers(0, 3), min_size=count,
+                                                     max_size=count))
+        requests.append(raw)
+    trace = parse_trace({"version": 1, "hash_block_size": hash_block_size, "requests": requests})
+    by_tokens = [prompt_block_hashes(prompt_token_ids(r), block_size) for r in trace.requests]
+    keys = [prompt_block_keys(r, block_size) for r in trace.requests]
+    if any(key is None for key in keys):  # unaligned hashed blocks: only the tokens tell
+        assert block_size % hash_block_size and hash_block_size % block_size
+        return
+    assert _equality_pattern(keys) == _equality_pattern(by_tokens)

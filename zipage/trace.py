@@ -462,6 +462,44 @@ def stable_hash(text: str) -> int:
     return xxhash.xxh64_intdigest(text.encode("utf-8"))
 
 
+def prompt_block_keys(request: TraceRequest, block_size: int) -> list[int] | None:
+    """Chained keys of the prompt's full blocks of `block_size` tokens, equal for two blocks
+    exactly when `prompt_token_ids` would make them equal (a block's tokens and everything before
+    it), without synthesising a token; None when only the tokens can tell (the request gives
+    its ids, or its hashed blocks do not align with `block_size`).
+
+    A block's identity is where its tokens are drawn from: inside a prefix group's shared tokens
+    (group, block), inside hashed blocks (their hashes, and the block's place in them), else the
+    request's own stream (request, block).
+    """
+    if request.prompt_token_ids is not None:
+        return None
+    hashed = request.block_hashes is not None
+    if hashed and request.hash_block_size % block_size and block_size % request.hash_block_size:
+        return None
+    keys = []
+    previous = 0
+    for index in range(request.prompt_len // block_size):
+        hasher = xxhash.xxh64(seed=1)
+        hasher.update(previous.to_bytes(8, "little"))
+        hasher.update(_block_identity(request, index, block_size).encode("utf-8"))
+        previous = hasher.intdigest()
+        keys.append(previous)
+    return keys
+
+
+def _block_identity(request: TraceRequest, index: int, block_size: int) -> str:
+    start, end = index * block_size, (index + 1) * block_size
+    if request.block_hashes is not None:
+        hashed = request.hash_block_size
+        if block_size <= hashed:
+            return f"h\0{request.block_hashes[start // hashed]}\0{start % hashed}"
+        return "h\0" + ",".join(map(str, request.block_hashes[start // hashed:end // hashed]))
+    if request.prefix_group is not None and end <= request.prefix_len:
+        return f"g\0{request.prefix_group}\0{index}"
+    return f"r\0{request.id}\0{index}"
+
+
 def _hashed_blocks(hashes: tuple[int, ...], block_size: int, prompt_len: int,
                    high: int) -> list[int]:
     # Each block's tokens come from a stream keyed by its hash alone; the prefix cache hashes a
