@@ -2,8 +2,10 @@
 
 `simulate_cluster` builds `replicas` independent engines (each its own scheduler, blocks and query
 slots, sized exactly as `zipage replay` sizes one) on one shared SimPy clock, and a router process
-that hands each trace request, at its arrival time, to one engine: round-robin, or the engine with
-the fewest requests queued or running (`Simulator.load`, ties to the lowest index). The merged
+that hands each trace request, at its arrival time, to one engine by a policy of
+`zipage.core.routing`: round-robin, the engine with the fewest requests queued or running
+(`Simulator.load`, ties to the lowest index), or prefix affinity (the engine whose earlier
+requests share the request's leading prompt blocks, within a load bound). The merged
 summary is `summarize` over the union of every engine's step and request records, so throughput,
 makespan and the TTFT/TPOT percentiles are the deployment's. Two keys are redefined because the
 engines' step records interleave in time: `peak_running` is the peak over time of the running
@@ -20,6 +22,9 @@ from collections import Counter
 import simpy
 
 from zipage.core.metrics import StepRecord, summarize
+from zipage.core.routing import (  # noqa: F401  (the policies' names, for plan)
+    LEAST_LOADED, PREFIX_AFFINITY, ROUND_ROBIN, ROUTING_POLICIES, RoundRobin, make_policy,
+)
 from zipage.core.sequence import Sequence
 from zipage.errors import ConfigError
 from zipage.deployment import ReplaySettings, trace_sequences
@@ -27,10 +32,6 @@ from zipage.trace import Trace
 
 from .simulate import plan_deployment
 from .simulator import Simulator
-
-ROUND_ROBIN = "round-robin"
-LEAST_LOADED = "least-loaded"
-ROUTING_POLICIES = (ROUND_ROBIN, LEAST_LOADED)
 
 
 def simulate_cluster(trace: Trace, settings: ReplaySettings, replicas: int = 1,
@@ -53,13 +54,15 @@ def simulate_cluster(trace: Trace, settings: ReplaySettings, replicas: int = 1,
     environment = simpy.Environment()
     engines = [Simulator(deployment.new_scheduler(), deployment.cost_model, env=environment)
                for _ in range(replicas)]
-    sequences = trace_sequences(trace, deployment.shape.vocab_size,
-                                need_tokens=config.prefix_cache, scheduler=engines[0].scheduler)
+    sequences = trace_sequences(trace, deployment.shape.vocab_size, need_tokens=False,
+                                scheduler=engines[0].scheduler,
+                                block_keys=config.block_size if config.prefix_cache else None)
     # A stable sort keeps the trace order among equal arrival times (FCFS), as `Simulator.run`.
     arrivals = sorted(sequences, key=lambda seq: seq.arrival_s)
     assignment: list[int] = []
     loops = [engine.start() for engine in engines]
-    environment.process(_route(environment, arrivals, engines, routing, assignment))
+    policy = make_policy(routing, replicas)
+    environment.process(_route(environment, arrivals, engines, policy, assignment))
     environment.run(until=simpy.AllOf(environment, loops))
 
     runs = [engine.result() for engine in engines]
@@ -98,15 +101,14 @@ def peak_concurrent_running(step_lists: list[list[StepRecord]]) -> int:
 
 
 def _route(environment: simpy.Environment, arrivals: list[Sequence], engines: list[Simulator],
-           routing: str, assignment: list[int]):
+           policy: RoundRobin, assignment: list[int]):
     """The router process: each request goes to one engine at its arrival time."""
-    for position, seq in enumerate(arrivals):
+    for seq in arrivals:
         if seq.arrival_s > environment.now:
             yield environment.timeout(seq.arrival_s - environment.now)
-        if routing == ROUND_ROBIN:
-            index = position % len(engines)
-        else:
-            index = min(range(len(engines)), key=lambda candidate: engines[candidate].load)
+        keys = seq.prompt_block_hashes
+        index = policy.choose(keys, [engine.load for engine in engines])
+        policy.routed(index, keys)
         assignment.append(index)
         engines[index].submit(seq)
     for engine in engines:

@@ -67,8 +67,9 @@ def simulate(trace: Trace, settings: ReplaySettings, *, progress: bool = False,
     deployment = plan_deployment(settings, contention_factor)
     config = deployment.config
     scheduler = deployment.new_scheduler()
-    sequences = trace_sequences(trace, deployment.shape.vocab_size,
-                                need_tokens=config.prefix_cache, scheduler=scheduler)
+    sequences = trace_sequences(trace, deployment.shape.vocab_size, need_tokens=False,
+                                scheduler=scheduler,
+                                block_keys=config.block_size if config.prefix_cache else None)
     simulator = Simulator(scheduler, deployment.cost_model, check=check,
                           log_decisions=log_decisions, progress=progress, total=len(sequences))
     run = simulator.run(sequences)

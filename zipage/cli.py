@@ -46,9 +46,9 @@ SUMMARY_ROWS = [
 # ---------------------------------------------------------------- zipage replay
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from zipage.trace import load_trace
+    from zipage.trace_import import load_trace_file
 
-    trace = load_trace(args.trace)
+    trace = load_trace_file(args.trace)
     settings = settings_from_args(args)
     if args.out is not None:
         from zipage.rundir import check_run_out_dir
@@ -317,6 +317,26 @@ def cmd_trace_make(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace_import(args: argparse.Namespace) -> int:
+    from zipage.trace import save_trace
+    from zipage.trace_import import ImportOptions, import_trace, parse_window
+
+    output = Path(args.output)
+    if output.is_dir():
+        raise ZipageError(f"-o: {output} is a directory; give the trace file to write, e.g. "
+                          f"{output / 'trace.jsonl.gz'}")
+    options = ImportOptions(
+        window=parse_window(args.window) if args.window is not None else None,
+        speedup=args.speedup, sample=args.sample, seed=args.seed,
+        max_model_len=args.max_model_len, name=args.name)
+    trace, report = import_trace(args.format, args.file, options)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    save_trace(trace, output)
+    print("\n".join(report.lines(trace)))
+    print(f"wrote {args.output}: {len(trace.requests):,} requests")
+    return 0
+
+
 # ---------------------------------------------------------------- zipage report / compare
 
 def cmd_report_ablation(args: argparse.Namespace) -> int:
@@ -541,6 +561,28 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--arrivals", choices=["poisson", "bursty"], default="poisson")
     make.add_argument("--burst-size", type=int, default=8)
     make.set_defaults(handler=cmd_trace_make)
+    from zipage.trace_import import FORMATS
+
+    imported = trace_commands.add_parser(
+        "import", help="turn a production trace (Azure, Mooncake, BurstGPT) into a Zipage trace",
+        description="Read a production trace and write a Zipage trace (docs/traces.md, "
+                    "'Production traces'). A .jsonl.gz output is the compact large-trace form.")
+    imported.add_argument("format", choices=FORMATS)
+    imported.add_argument("file", help="the production trace (CSV or JSON Lines, optionally .gz)")
+    imported.add_argument("-o", "--output", required=True,
+                          help="the trace to write: .json, .jsonl or .jsonl.gz")
+    imported.add_argument("--window", default=None, metavar="START:DURATION",
+                          help="only requests arriving in this span from the first one, e.g. "
+                               "0:3600 or 2h:30m")
+    imported.add_argument("--speedup", type=float, default=1.0, metavar="X",
+                          help="compress time: arrivals X times closer together (default 1)")
+    imported.add_argument("--sample", type=float, default=1.0, metavar="P",
+                          help="keep each request with probability P (default 1: all)")
+    imported.add_argument("--seed", type=int, default=0, help="seed of --sample")
+    imported.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                          help="drop requests whose prompt + output exceed N tokens (counted)")
+    imported.add_argument("--name", default=None, help="the trace's name (default: the file's)")
+    imported.set_defaults(handler=cmd_trace_import)
 
     report = commands.add_parser("report", help="reports over several simulated runs")
     report_commands = report.add_subparsers(dest="report_command", required=True)

@@ -17,7 +17,8 @@ from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.errors import ConfigError
 from zipage.presets import ModelShape
-from zipage.trace import Trace, prompt_token_ids
+from zipage.core.block_manager import prompt_block_hashes
+from zipage.trace import Trace, prompt_block_keys, prompt_token_ids
 
 
 @dataclass
@@ -113,16 +114,32 @@ def effective_config(settings: ReplaySettings, shape: ModelShape) -> ZipageConfi
 
 
 def trace_sequences(trace: Trace, vocab_size: int, need_tokens: bool,
-                    scheduler: Scheduler | None = None) -> list[Sequence]:
-    """One Sequence per trace request; prompt tokens are synthesised only when needed (prefix
-    caching hashes them; the engine feeds them to the model), and never for a request that
-    `scheduler` will reject: a prompt that can never fit (10^9 tokens) then fails alone at
-    admission with its reason, without O(prompt_len) time and memory spent on it first."""
+                    scheduler: Scheduler | None = None,
+                    block_keys: int | None = None) -> list[Sequence]:
+    """One Sequence per trace request; prompt tokens are synthesised only when needed (the
+    engine feeds them to the model), and never for a request that `scheduler` will reject: a
+    prompt that can never fit (10^9 tokens) then fails alone at admission with its reason,
+    without O(prompt_len) time and memory spent on it first.
+
+    `block_keys`: the block size of a prefix cache that needs only which blocks are equal (the
+    simulator): each request gets its blocks' keys instead of tokens (`prompt_block_keys`), equal
+    exactly where the tokens would be, so the core makes the same decisions as on the engine's
+    token hashes, without a token in memory."""
     sequences = []
     for request in trace.requests:
         seq = Sequence(request.id, None, request.output_len, arrival_s=request.arrival_s,
                        prompt_len=request.prompt_len, kv_budget=request.kv_budget)
-        if need_tokens and (scheduler is None or scheduler.rejection_reason(seq) is None):
-            seq.prompt_token_ids = prompt_token_ids(request, vocab_size=vocab_size)
+        if scheduler is None or scheduler.rejection_reason(seq) is None:
+            if need_tokens:
+                seq.prompt_token_ids = prompt_token_ids(request, vocab_size=vocab_size)
+            elif block_keys is not None:
+                seq.prompt_block_hashes = _block_keys(request, block_keys, vocab_size)
         sequences.append(seq)
     return sequences
+
+
+def _block_keys(request, block_size: int, vocab_size: int) -> list[int]:
+    keys = prompt_block_keys(request, block_size)
+    if keys is None:  # only the tokens tell
+        keys = prompt_block_hashes(prompt_token_ids(request, vocab_size=vocab_size), block_size)
+    return keys

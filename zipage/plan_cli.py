@@ -101,9 +101,9 @@ def add_plan_command(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from zipage.trace import load_trace
+    from zipage.trace_import import load_trace_file
 
-    trace = load_trace(args.trace)
+    trace = load_trace_file(args.trace)
     spec = spec_from_args(args)
     cache_dir = None if args.no_cache else Path(
         args.cache_dir or Path(args.out or ".") / CACHE_SUBDIR)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import gc
+import gzip
 import json
 import math
 import os
@@ -30,7 +31,7 @@ from zipage.errors import ConfigError, TraceError
 
 TRACE_VERSION = 1
 
-TRACE_FIELDS = ("version", "name", "requests")
+TRACE_FIELDS = ("version", "name", "hash_block_size", "requests")
 REQUEST_FIELDS = (
     "id",
     "arrival_s",
@@ -38,6 +39,7 @@ REQUEST_FIELDS = (
     "prompt_token_ids",
     "prefix_group",
     "prefix_len",
+    "block_hashes",
     "output_len",
     "kv_budget",
 )
@@ -56,6 +58,13 @@ DEFAULT_VOCAB_SIZE = 32000
 MAX_LENGTH = 2**31 - 1  # prompt_len, output_len, prefix_len, and every token id
 # Seconds from the trace start (about 31.7 years): an absolute Unix time is a mistake.
 MAX_ARRIVAL_S = 1e9
+# Tokens one block hash names. Production traces hash 512-token blocks (Mooncake); an engine whose
+# block size divides it shares exactly the blocks the trace says are identical.
+MAX_HASH_BLOCK_SIZE = 1 << 20
+MAX_BLOCK_HASH = 2**63 - 1
+
+# A gzip stream starts with these bytes; any trace file may be compressed.
+GZIP_MAGIC = b"\x1f\x8b"
 
 ARRIVAL_PATTERNS = ("poisson", "bursty")
 # Arrival times are rounded so stamped traces stay compact; a microsecond is far below a step.
@@ -68,6 +77,8 @@ class TraceRequest:
 
     `prompt_len` is always set (it is `len(prompt_token_ids)` when ids are given). Requests of the
     same `prefix_group` share their first `prefix_len` tokens; `prefix_len` is 0 without a group.
+    `block_hashes` names the prompt's blocks of `hash_block_size` tokens (the trace's, declared once
+    at its top level): requests whose leading hashes agree share those blocks' tokens.
     `kv_budget` is the request's own KV budget (None: the deployment's `--budget`).
     """
 
@@ -79,6 +90,8 @@ class TraceRequest:
     prefix_group: str | None = None
     prefix_len: int = 0
     kv_budget: int | None = None
+    block_hashes: tuple[int, ...] | None = None
+    hash_block_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,7 +103,8 @@ class Trace:
 
 
 def load_trace(path: str | os.PathLike[str]) -> Trace:
-    """Read and validate a trace file; a missing `name` defaults to the file's stem."""
+    """Read and validate a trace file (JSON or JSON Lines, either optionally gzipped); a missing
+    `name` defaults to the file's stem."""
     source = str(path)
     try:
         data = Path(path).read_bytes()
@@ -98,8 +112,17 @@ def load_trace(path: str | os.PathLike[str]) -> Trace:
         reason = error.strerror or error
         raise TraceError(f"{source}: cannot read the trace file: {reason}") from None
     # A file name that is not valid UTF-8 must not make a valid trace's default name invalid.
-    stem = Path(path).stem.encode("utf-8", "backslashreplace").decode("utf-8")
+    stem = trace_stem(path).encode("utf-8", "backslashreplace").decode("utf-8")
     return parse_trace_bytes(data, source=source, default_name=stem)
+
+
+def trace_stem(path: str | os.PathLike[str]) -> str:
+    """The file's name without its trace suffixes: day.jsonl.gz -> day, hour.csv -> hour."""
+    name = Path(path).name.removesuffix(".gz")
+    for suffix in (".jsonl", ".json", ".csv"):
+        if name.endswith(suffix):
+            return name.removesuffix(suffix) or Path(path).name
+    return Path(name).stem
 
 
 def parse_trace_bytes(data: bytes, source: str = "<trace>",
@@ -115,11 +138,54 @@ def parse_trace_bytes(data: bytes, source: str = "<trace>",
     collecting = gc.isenabled()
     gc.disable()
     try:
-        obj = _decode_json(_decode_text(data, source), source)
+        text = _decode_text(gunzipped(data, source), source)
+        header = jsonl_header(text)
+        if header is not None:
+            obj = _decode_jsonl(text, header, source)
+        else:
+            obj = _decode_json(text, source)
         return parse_trace(obj, source=source, default_name=default_name)
     finally:
         if collecting:
             gc.enable()
+
+
+def gunzipped(data: bytes, source: str) -> bytes:
+    """`data` itself, or its decompressed content when it is a gzip stream."""
+    if not data.startswith(GZIP_MAGIC):
+        return data
+    try:
+        return gzip.decompress(data)
+    except (OSError, EOFError, gzip.BadGzipFile) as error:
+        raise TraceError(f"{source}: a damaged gzip file: {error}") from None
+
+
+def jsonl_header(text: str) -> dict[str, Any] | None:
+    """The header object of a JSON Lines trace, or None when `text` is not one.
+
+    A JSON Lines trace's first line is a whole object with `version` and no `requests`; each
+    further non-blank line is one request. A JSON trace's first line is never a whole object with
+    `version` alone, since its requests follow inside it.
+    """
+    first = text.lstrip("\ufeff").split("\n", 1)[0].strip()
+    if not first.startswith("{"):
+        return None
+    try:
+        obj = json.loads(first)
+    except (ValueError, RecursionError):  # not a header; the JSON path reports what is wrong
+        return None
+    if isinstance(obj, dict) and "version" in obj and "requests" not in obj:
+        return obj
+    return None
+
+
+def _decode_jsonl(text: str, header: dict[str, Any], source: str) -> dict[str, Any]:
+    requests = []
+    lines = text.lstrip("\ufeff").split("\n")
+    for number, line in enumerate(lines[1:], start=2):
+        if line.strip():
+            requests.append(_decode_json(line, f"{source}: line {number}"))
+    return {**header, "requests": requests}
 
 
 def _decode_text(data: bytes, source: str) -> str:
@@ -220,7 +286,7 @@ def parse_trace(obj: Any, source: str = "<trace>", default_name: str | None = No
     """Validate a decoded trace object; `source` names it in error messages."""
     if not isinstance(obj, dict):
         raise TraceError(
-            f"{source}: a trace must be a JSON object with keys {', '.join(TRACE_FIELDS)}, "
+            f"{source}: a trace must be a JSON object with keys version, name, requests, "
             f"got {_json_type(obj)}"
         )
     unknown = [key for key in obj if key not in TRACE_FIELDS]
@@ -252,11 +318,17 @@ def parse_trace(obj: Any, source: str = "<trace>", default_name: str | None = No
         )
     if not requests:
         raise TraceError(f"{source}: requests is empty; a trace needs at least one request")
+    hash_block_size = obj.get("hash_block_size", 0)
+    if "hash_block_size" in obj and (
+            type(hash_block_size) is not int or not 1 <= hash_block_size <= MAX_HASH_BLOCK_SIZE):
+        raise TraceError(f"{source}: hash_block_size must be an integer between 1 and "
+                         f"{MAX_HASH_BLOCK_SIZE} (the tokens one block hash names), "
+                         f"got {_show(hash_block_size)}")
     parsed: list[TraceRequest] = []
     index_of_id: dict[str, int] = {}
     longest_member: dict[str, int] = {}
     for index, raw in enumerate(requests):
-        request = _parse_request(raw, index, source)
+        request = _parse_request(raw, index, source, hash_block_size)
         if request.id in index_of_id:
             raise _request_error(
                 source, index, request.id,
@@ -272,16 +344,36 @@ def parse_trace(obj: Any, source: str = "<trace>", default_name: str | None = No
 
 
 def save_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
-    """Write `trace` with one request per line; it is validated first, so no bad file is written."""
+    """Write `trace` with one request per line; it is validated first, so no bad file is written.
+
+    The file's name picks the layout: `.jsonl` is JSON Lines (a header line, then one request a
+    line: what large traces use), anything else one JSON object; a further `.gz` compresses it.
+    """
     request_objects = [_request_to_json(request) for request in trace.requests]
-    parse_trace(
-        {"version": TRACE_VERSION, "name": trace.name, "requests": request_objects},
-        source=str(path),
-    )
-    header = json.dumps({"version": TRACE_VERSION, "name": trace.name})[:-1]
+    header_fields: dict[str, Any] = {"version": TRACE_VERSION, "name": trace.name}
+    block_size = _hash_block_size_of(trace)
+    if block_size:
+        header_fields["hash_block_size"] = block_size
+    parse_trace({**header_fields, "requests": request_objects}, source=str(path))
     lines = [json.dumps(request, separators=(",", ":")) for request in request_objects]
-    text = header + ', "requests": [\n' + ",\n".join(lines) + "\n]}\n"
-    Path(path).write_text(text, encoding="utf-8")
+    name = Path(path).name.removesuffix(".gz")
+    if name.endswith(".jsonl"):
+        text = json.dumps(header_fields) + "\n" + "\n".join(lines) + "\n"
+    else:
+        header = json.dumps(header_fields)[:-1]
+        text = header + ', "requests": [\n' + ",\n".join(lines) + "\n]}\n"
+    data = text.encode("utf-8")
+    if Path(path).name.endswith(".gz"):
+        data = gzip.compress(data, mtime=0)
+    Path(path).write_bytes(data)
+
+
+def _hash_block_size_of(trace: Trace) -> int:
+    sizes = {request.hash_block_size for request in trace.requests if request.block_hashes}
+    if len(sizes) > 1:
+        raise ConfigError(f"trace {trace.name!r}: block_hashes of different hash_block_size "
+                          f"({sorted(sizes)}); one trace hashes blocks of one size")
+    return sizes.pop() if sizes else 0
 
 
 def prompt_token_ids(request: TraceRequest, vocab_size: int = DEFAULT_VOCAB_SIZE) -> list[int]:
@@ -302,6 +394,9 @@ def prompt_token_ids(request: TraceRequest, vocab_size: int = DEFAULT_VOCAB_SIZE
             f"vocab_size must be greater than {SYNTHETIC_TOKEN_LOW} to synthesise prompt tokens, "
             f"got {vocab_size}"
         )
+    if request.block_hashes is not None:
+        return _hashed_blocks(request.block_hashes, request.hash_block_size,
+                              request.prompt_len, high)
     shared = request.prefix_len if request.prefix_group is not None else 0
     tokens: list[int] = []
     if shared:
@@ -367,13 +462,61 @@ def stable_hash(text: str) -> int:
     return xxhash.xxh64_intdigest(text.encode("utf-8"))
 
 
+def prompt_block_keys(request: TraceRequest, block_size: int) -> list[int] | None:
+    """Chained keys of the prompt's full blocks of `block_size` tokens, equal for two blocks
+    exactly when `prompt_token_ids` would make them equal (a block's tokens and everything before
+    it), without synthesising a token; None when only the tokens can tell (the request gives
+    its ids, or its hashed blocks do not align with `block_size`).
+
+    A block's identity is where its tokens are drawn from: inside a prefix group's shared tokens
+    (group, block), inside hashed blocks (their hashes, and the block's place in them), else the
+    request's own stream (request, block).
+    """
+    if request.prompt_token_ids is not None:
+        return None
+    hashed = request.block_hashes is not None
+    if hashed and request.hash_block_size % block_size and block_size % request.hash_block_size:
+        return None
+    keys = []
+    previous = 0
+    for index in range(request.prompt_len // block_size):
+        hasher = xxhash.xxh64(seed=1)
+        hasher.update(previous.to_bytes(8, "little"))
+        hasher.update(_block_identity(request, index, block_size).encode("utf-8"))
+        previous = hasher.intdigest()
+        keys.append(previous)
+    return keys
+
+
+def _block_identity(request: TraceRequest, index: int, block_size: int) -> str:
+    start, end = index * block_size, (index + 1) * block_size
+    if request.block_hashes is not None:
+        hashed = request.hash_block_size
+        if block_size <= hashed:
+            return f"h\0{request.block_hashes[start // hashed]}\0{start % hashed}"
+        return "h\0" + ",".join(map(str, request.block_hashes[start // hashed:end // hashed]))
+    if request.prefix_group is not None and end <= request.prefix_len:
+        return f"g\0{request.prefix_group}\0{index}"
+    return f"r\0{request.id}\0{index}"
+
+
+def _hashed_blocks(hashes: tuple[int, ...], block_size: int, prompt_len: int,
+                   high: int) -> list[int]:
+    # Each block's tokens come from a stream keyed by its hash alone; the prefix cache hashes a
+    # block together with everything before it, so equal hashes after different ones never hit.
+    tokens: list[int] = []
+    for block_hash in hashes:
+        tokens += _token_stream("block", str(block_hash), block_size, high)
+    return tokens[:prompt_len]
+
+
 def _token_stream(namespace: str, key: str, count: int, high: int) -> list[int]:
     # The namespace keeps a group and a request that happen to share a name from sharing tokens.
     generator = np.random.default_rng(stable_hash(f"{namespace}\0{key}"))
     return generator.integers(SYNTHETIC_TOKEN_LOW, high, size=count).tolist()
 
 
-def _parse_request(raw: Any, index: int, source: str) -> TraceRequest:
+def _parse_request(raw: Any, index: int, source: str, hash_block_size: int = 0) -> TraceRequest:
     # This runs once per request (a million in a big trace), so the common case is kept to
     # C-level set and type tests; every failure still gets its own one-line message.
     if not isinstance(raw, dict):
@@ -453,6 +596,11 @@ def _parse_request(raw: Any, index: int, source: str) -> TraceRequest:
                 f"got {_show(prefix_len)}"
             )
 
+    block_hashes = None
+    if "block_hashes" in raw:
+        block_hashes = _parse_block_hashes(raw, token_ids is not None, group, prompt_len,
+                                           hash_block_size, fail)
+
     if "output_len" not in raw:
         raise fail("output_len is missing; give the exact number of tokens the request generates")
     output_len = raw["output_len"]
@@ -475,7 +623,29 @@ def _parse_request(raw: Any, index: int, source: str) -> TraceRequest:
         prefix_group=group,
         prefix_len=prefix_len,
         kv_budget=kv_budget,
+        block_hashes=block_hashes,
+        hash_block_size=hash_block_size if block_hashes is not None else 0,
     )
+
+
+def _parse_block_hashes(raw: dict, has_ids: bool, group: str | None, prompt_len: int,
+                        hash_block_size: int, fail) -> tuple[int, ...]:
+    if has_ids or group is not None:
+        raise fail("block_hashes names the prompt's blocks itself; give it with prompt_len "
+                   "alone (no prompt_token_ids, no prefix_group)")
+    if not hash_block_size:
+        raise fail('block_hashes needs the trace\'s hash_block_size: add "hash_block_size": '
+                   "512 (the tokens one hash names) at the top level of the trace")
+    hashes = raw["block_hashes"]
+    expected = -(-prompt_len // hash_block_size)
+    if not isinstance(hashes, list) or len(hashes) != expected:
+        raise fail(f"block_hashes must be a list of {expected} block hashes (prompt_len "
+                   f"{prompt_len} in blocks of {hash_block_size}), got {_show(hashes)}")
+    for position, value in enumerate(hashes):
+        if type(value) is not int or not 0 <= value <= MAX_BLOCK_HASH:
+            raise fail(f"block_hashes[{position}] must be an integer between 0 and "
+                       f"{MAX_BLOCK_HASH}, got {_show(value)}")
+    return tuple(hashes)
 
 
 def _validated_request(**fields: Any) -> TraceRequest:
@@ -531,6 +701,8 @@ def _request_to_json(request: TraceRequest) -> dict[str, Any]:
     if request.prefix_group is not None:
         obj["prefix_group"] = request.prefix_group
         obj["prefix_len"] = request.prefix_len
+    if request.block_hashes is not None:
+        obj["block_hashes"] = list(request.block_hashes)
     obj["output_len"] = request.output_len
     if request.kv_budget is not None:
         obj["kv_budget"] = request.kv_budget

@@ -118,7 +118,10 @@ class Scheduler:
             seq.error = reason
             self.rejected.append(seq)
             return False
-        if self.config.prefix_cache and not seq.prompt_block_hashes:
+        # A driver may give the blocks' hashes itself (the simulator's keys); a prompt shorter
+        # than a block has none to give.
+        if (self.config.prefix_cache and not seq.prompt_block_hashes
+                and seq.prompt_len >= self.block_size):
             if seq.prompt_token_ids is None:
                 raise ValueError(f"request {seq.seq_id}: prefix caching needs prompt_token_ids")
             seq.prompt_block_hashes = prompt_block_hashes(seq.prompt_token_ids, self.block_size)

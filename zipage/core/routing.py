@@ -1,0 +1,104 @@
+"""Routing requests over replicas: the policies a router in front of several engines follows.
+
+A router asks `policy.choose(block_keys, loads)` which replica takes a request, given the
+request's chained prompt-block keys (what the prefix cache hashes) and each replica's load
+(requests queued or running), then tells it `policy.routed(index, block_keys)`. Pure Python and
+deterministic, so the simulated cluster (`zipage plan --replicas N --routing P`) and any real
+router make the same choice from the same inputs.
+
+- round-robin: replica i takes the i-th request, whatever it is.
+- least-loaded: the replica with the fewest requests; ties to the lowest index.
+- prefix-affinity: the replica whose earlier requests share the longest run of leading blocks
+  with this one (its prefix cache most likely holds them), unless that replica carries more than
+  `load_slack` times the least load plus `load_margin` requests; then, and when no replica shares
+  a block, least-loaded. A replica remembers at most `memory_blocks` block keys (least recently
+  routed forgotten first), like a cache of that size.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+ROUND_ROBIN = "round-robin"
+LEAST_LOADED = "least-loaded"
+PREFIX_AFFINITY = "prefix-affinity"
+ROUTING_POLICIES = (ROUND_ROBIN, LEAST_LOADED, PREFIX_AFFINITY)
+
+# Prefix affinity yields to balance when the preferred replica has this much more load: a
+# shared system prompt must not pile every request on one replica.
+LOAD_SLACK = 1.5
+LOAD_MARGIN = 4
+MEMORY_BLOCKS = 1 << 16
+
+
+class RoundRobin:
+    name = ROUND_ROBIN
+
+    def __init__(self, replicas: int) -> None:
+        self.replicas = replicas
+        self._next = 0
+
+    def choose(self, block_keys: list[int], loads: list[int]) -> int:
+        index = self._next
+        self._next = (self._next + 1) % self.replicas
+        return index
+
+    def routed(self, index: int, block_keys: list[int]) -> None:
+        pass
+
+
+class LeastLoaded(RoundRobin):
+    name = LEAST_LOADED
+
+    def choose(self, block_keys: list[int], loads: list[int]) -> int:
+        return least_loaded(loads)
+
+
+class PrefixAffinity(RoundRobin):
+    name = PREFIX_AFFINITY
+
+    def __init__(self, replicas: int, load_slack: float = LOAD_SLACK,
+                 load_margin: int = LOAD_MARGIN, memory_blocks: int = MEMORY_BLOCKS) -> None:
+        super().__init__(replicas)
+        self.load_slack, self.load_margin = load_slack, load_margin
+        self.memory_blocks = memory_blocks
+        self._seen: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(replicas)]
+
+    def choose(self, block_keys: list[int], loads: list[int]) -> int:
+        fallback = least_loaded(loads)
+        bound = self.load_slack * loads[fallback] + self.load_margin
+        best, best_depth = fallback, 0
+        for index, seen in enumerate(self._seen):
+            depth = _shared_depth(block_keys, seen)
+            if depth > best_depth and loads[index] <= bound:
+                best, best_depth = index, depth
+        return best
+
+    def routed(self, index: int, block_keys: list[int]) -> None:
+        seen = self._seen[index]
+        for key in block_keys:
+            seen[key] = None
+            seen.move_to_end(key)
+        while len(seen) > self.memory_blocks:
+            seen.popitem(last=False)
+
+
+def make_policy(name: str, replicas: int) -> RoundRobin:
+    policies = {ROUND_ROBIN: RoundRobin, LEAST_LOADED: LeastLoaded,
+                PREFIX_AFFINITY: PrefixAffinity}
+    return policies[name](replicas)
+
+
+def least_loaded(loads: list[int]) -> int:
+    return min(range(len(loads)), key=loads.__getitem__)
+
+
+def _shared_depth(block_keys: list[int], seen: OrderedDict[int, None]) -> int:
+    # Keys are chained (each covers every block before it), so the shared run ends at the first
+    # key this replica has not seen.
+    depth = 0
+    for key in block_keys:
+        if key not in seen:
+            break
+        depth += 1
+    return depth
