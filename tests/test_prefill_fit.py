@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tolerance import assert_close
 from zipage.errors import ConfigError
 from zipage.cli import _write_profile
 from zipage.sim.cost_model import CalibratedCostModel, StepWork
@@ -172,3 +174,27 @@ def test_a_device_bound_profile_is_one_line():
     # No point is host-bound, so the host time is only known not to bind anywhere.
     assert fit.host_s <= min(fit.device_time(t, a) for t, a in zip(tokens, pairs)) * (1 + 1e-9)
     assert fit.relative_rms_error < 1e-9
+
+
+EAGER_PROFILE = (Path(__file__).parent
+                 / "golden/profiles/eager-prefill/qwen3-0.6b-h200-b64-k512-zipage.json")
+
+
+@pytest.mark.parametrize("ulps", [-3, -1, 1, 2, 5])
+def test_a_tie_between_supports_does_not_follow_the_last_bit(ulps, monkeypatch):
+    """Three device-bound points of that profile share one prompt length, so the constant and
+    the per-token cost fit them equally well, and two supports of the non-negative least squares
+    tie to the last bit. lstsq rounds differently on another CPU (its BLAS kernel); a last-bit
+    change must not pick the other support, whose model predicts steps up to 4 % apart."""
+    model = CalibratedCostModel.from_profile(EAGER_PROFILE)
+    steps_ = [[(512, 0)], [(2048, 0)], [(128, 3000)], [(64, 0)] * 8, [(4000, 0), (300, 100)]]
+    expected = [model.prefill_time_for(step) for step in steps_]
+    lstsq = np.linalg.lstsq
+
+    def shifted(*args, **kwargs):
+        solution, *rest = lstsq(*args, **kwargs)
+        return (solution * (1.0 + ulps * 2.0**-52), *rest)
+
+    monkeypatch.setattr(np.linalg, "lstsq", shifted)
+    shifted_model = CalibratedCostModel.from_profile(EAGER_PROFILE)
+    assert_close([shifted_model.prefill_time_for(step) for step in steps_], expected)
