@@ -13,6 +13,7 @@ strings and decisions stay exact.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any
@@ -54,8 +55,9 @@ def floats_close(actual: float, expected: float, rtol: float = PINNED_RTOL) -> b
 
 def mismatches(actual: Any, expected: Any, rtol: float = PINNED_RTOL,
                path: str = "value") -> list[str]:
-    """Where two nested structures (dicts, lists, tuples, numpy arrays) differ: floats beyond
-    `rtol` relative, anything else (keys, lengths, ints, bools, strings, None) at all."""
+    """Where two nested structures (dataclasses, dicts, lists, tuples, numpy arrays) differ:
+    floats beyond `rtol` relative, anything else (keys, lengths, ints, bools, strings, None)
+    at all."""
     actual, expected = _plain(actual), _plain(expected)
     if isinstance(actual, bool) or isinstance(expected, bool):
         same = type(actual) is type(expected) and actual == expected
@@ -66,6 +68,14 @@ def mismatches(actual: Any, expected: Any, rtol: float = PINNED_RTOL,
         if floats_close(float(actual), float(expected), rtol):
             return []
         return [f"{path}: {actual!r} != {expected!r} (rtol {rtol:g})"]
+    if dataclasses.is_dataclass(actual) and not isinstance(actual, type):
+        if type(actual) is not type(expected):
+            return [f"{path}: {type(actual).__name__} != {type(expected).__name__}"]
+        found = []
+        for field in dataclasses.fields(actual):
+            found += mismatches(getattr(actual, field.name), getattr(expected, field.name),
+                                rtol, f"{path}.{field.name}")
+        return found
     if isinstance(actual, dict) and isinstance(expected, dict):
         if actual.keys() != expected.keys():
             return [f"{path}: keys {sorted(map(str, actual))} != {sorted(map(str, expected))}"]
