@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tolerance import assert_close
+from tolerance import assert_close, close
 from zipage.errors import ConfigError
 from zipage.cli import _write_profile
 from zipage.sim.cost_model import CalibratedCostModel, StepWork
@@ -100,7 +100,7 @@ def test_old_profiles_keep_their_line_even_a_negative_one():
     tokens, pairs, prompts = steps(40, 600)
     points = points_of(tokens, pairs, prompts, truth(tokens, pairs, prompts))
     old = CalibratedCostModel.from_profile(profile(points, version=2)).prefill_fit
-    assert old.host_s == old.per_sequence_s == 0.0
+    assert old.host_s == close(0.0) and old.per_sequence_s == close(0.0)
     assert min(old.device_coefficients) < 0  # short prompts only: the line tilts
     new = CalibratedCostModel.from_profile(profile(points)).prefill_fit
     assert min(new.device_coefficients + (new.host_s, new.per_sequence_s)) >= 0
@@ -110,7 +110,7 @@ def test_one_prompt_per_step_fits_no_per_sequence_term():
     tokens, pairs, _ = steps(30, 8192)
     prompts = np.ones(30, dtype=int)
     fit = fit_prefill(tokens, pairs, prompts, truth(tokens, pairs, prompts))
-    assert fit.per_sequence_s == 0.0
+    assert fit.per_sequence_s == close(0.0)
     assert fit.host_s == pytest.approx(HOST + PER_SEQUENCE, rel=1e-6)
 
 
@@ -119,7 +119,7 @@ def test_two_prompt_counts_fit_no_per_sequence_term():
     (MIN_PROMPT_COUNTS); three counts can."""
     tokens, pairs, _ = steps(30, 8192)
     two = np.where(np.arange(30) % 6 == 0, 2, 1)
-    assert fit_prefill(tokens, pairs, two, truth(tokens, pairs, two)).per_sequence_s == 0.0
+    assert fit_prefill(tokens, pairs, two, truth(tokens, pairs, two)).per_sequence_s == close(0.0)
     three = np.where(np.arange(30) % 6 == 0, 2, np.where(np.arange(30) % 6 == 1, 4, 1))
     fit = fit_prefill(tokens, pairs, three, truth(tokens, pairs, three))
     assert fit.per_sequence_s == pytest.approx(PER_SEQUENCE, rel=1e-6)
