@@ -36,6 +36,14 @@ START_QUANTILES = (0.25, 0.5, 0.75)
 # and two prompts only (a Qwen3-32B TP=2 online run: 54 and 5) fitted 11.7 ms per prompt and
 # priced the headline's one step of 128 prompts at 1.76 s, 4.6x the 0.38 s measured.
 MIN_PROMPT_COUNTS = 3
+# A support of the non-negative least squares replaces the best one so far only when its squared
+# residual is smaller by more than this fraction. Supports that fit equally well (collinear
+# columns: three device-bound points of one prompt length cannot tell the constant from the
+# per-token cost) differ only in rounding, and lstsq rounds differently on different CPUs (BLAS
+# kernels chosen by CPU features); without the margin the last bit chose the model, and the
+# fitted coefficients, the predictions and every simulated decision after them followed the CPU.
+# With it the tie goes to the first support found, the one with the fewest columns.
+NNLS_TIE_RTOL = 1e-9
 
 
 @dataclass(frozen=True)
@@ -78,7 +86,8 @@ def nonnegative_least_squares(matrix: np.ndarray, target: np.ndarray) -> np.ndar
 
     Some optimum is the plain least-squares solution on its support (the columns whose
     coefficient is positive), so trying every subset of columns and keeping the best solution
-    that is non-negative is exact; with at most five columns that is 31 small solves.
+    that is non-negative is exact; with at most five columns that is 31 small solves. Subsets
+    within NNLS_TIE_RTOL of each other are a tie, which the smallest (first) subset wins.
     """
     columns = matrix.shape[1]
     best, best_residual = np.zeros(columns), float(target @ target)
@@ -89,7 +98,7 @@ def nonnegative_least_squares(matrix: np.ndarray, target: np.ndarray) -> np.ndar
             if (solution < 0).any():
                 continue
             residual = part @ solution - target
-            if residual @ residual < best_residual:
+            if residual @ residual < best_residual * (1.0 - NNLS_TIE_RTOL):
                 best_residual = float(residual @ residual)
                 best = np.zeros(columns)
                 best[list(support)] = solution

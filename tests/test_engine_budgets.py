@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from tiny_models import save_tiny_qwen3  # noqa: E402
+from tolerance import assert_close  # noqa: E402
 from zipage import LLM, SamplingParams  # noqa: E402
 from zipage.errors import ConfigError  # noqa: E402
 
@@ -52,7 +53,7 @@ def test_budgets_side_by_side_give_the_tokens_each_gives_alone(tiny_model, async
     budgets = [16, 48, None]
     together = llm.generate(prompts(), [greedy(budget) for budget in budgets], progress=False)
     kept = {record.id: record.kept_budget for record in llm.last_run.requests}
-    assert kept == {"0": 16, "1": 48, "2": 32}
+    assert_close(kept, {"0": 16, "1": 48, "2": 32})
     # Some batches compressed requests of different budgets together (1, 3 and 2 target blocks).
     assert any(len(set(counts)) == 3 for counts in target_counts)
     compressor.compress_fn = pipeline

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tolerance import close
 from zipage.cli import build_parser
 from zipage.core.config import ZipageConfig
 from zipage.deployment import ReplaySettings
@@ -38,7 +39,7 @@ def test_trace_budgets_reach_the_core_and_a_bad_one_fails_alone():
     assert summary["completed"] == 3 and summary["failed"] == 1
     assert "kv_budget 100 must be a positive multiple of block_size 64" in records["bad"].error
     for name, budget in (("small", 256), ("large", 1024), ("default", 512)):
-        assert records[name].kv_budget == budget and records[name].kept_budget == budget
+        assert records[name].kv_budget == budget and records[name].kept_budget == close(budget)
         assert records[name].max_blocks_held_after_first_compression == budget // 64 + 1
     assert summary["mean_kept_budget"] == pytest.approx((256 + 1024 + 512) / 3)
 
@@ -51,9 +52,9 @@ def test_elastic_keeps_full_kv_for_a_few_requests():
     fixed, _ = simulate(trace, settings(), check=True)
     elastic, _ = simulate(trace, settings(budget_policy="elastic"), check=True)
     full, _ = simulate(trace, settings(compress=False), check=True)
-    assert fixed["compressions"] > 100 and fixed["mean_kept_budget"] == 512
+    assert fixed["compressions"] > 100 and fixed["mean_kept_budget"] == close(512)
     assert elastic["compressions"] == 0 and elastic["preemptions"] == 0
-    assert elastic["mean_kept_budget"] == full["mean_kept_budget"] == 3199
+    assert elastic["mean_kept_budget"] == close(3199) and full["mean_kept_budget"] == close(3199)
     assert elastic["output_tokens"] == fixed["output_tokens"]
 
 
@@ -66,7 +67,7 @@ def test_elastic_under_load_keeps_more_and_breaks_no_invariant():
     fixed, _ = simulate(trace, replace(settings(), **small), check=True)
     elastic, _ = simulate(trace, replace(settings(budget_policy="elastic"), **small), check=True)
     assert fixed["completed"] == elastic["completed"] == 200
-    assert fixed["mean_kept_budget"] == 512
+    assert fixed["mean_kept_budget"] == close(512)
     assert elastic["mean_kept_budget"] > 512
     assert elastic["compressions"] < fixed["compressions"]
 

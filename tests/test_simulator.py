@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from strategies import MODES, cases, mode_seed
+from tolerance import close
 from zipage.core.config import ZipageConfig
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
@@ -142,7 +143,7 @@ def test_async_compression_starts_behind_its_step_and_stretches_the_next():
                 assert launches and not any(step.batches_done for step in launches
                                             if step.kind != IDLE)
     assert makespans[True, 3.0] > makespans[True, 1.0]
-    assert makespans[False, 3.0] == makespans[False, 1.0]
+    assert makespans[False, 3.0] == close(makespans[False, 1.0])
 
 
 CHUNKED_SHAPES = [(70, 12), (5, 30), (130, 8), (33, 20), (64, 1), (200, 15)]  # prompt, output

