@@ -108,9 +108,11 @@ def test_profile_fitted_from_the_run_simulates_it(tiny_model, tmp_path):
                                                   async_compress=False))
     simulated, _ = simulate(trace, settings)
     assert simulated["completed"] == summary["completed"]
-    # The same decisions with fitted step times: the makespan within a factor of two even on a
-    # busy CPU (a unit or feature mistake in the fit is off by orders of magnitude).
-    assert 0.5 < simulated["makespan_s"] / summary["makespan_s"] < 2.0
+    # The same decisions with fitted step times: the makespan within a factor of five. A unit or
+    # feature mistake in the fit is off by orders of magnitude; a CPU shared with other work
+    # stalls some measured steps, which a least-squares fit prices as noise (0.34 of the
+    # engine's makespan at load average 14 on 2 cores, 0.8-1.2 on a quiet machine).
+    assert 0.2 < simulated["makespan_s"] / summary["makespan_s"] < 5.0
 
 
 def test_cli_step_times_and_calibrate_from_run(tiny_model, tmp_path, capsys):
