@@ -2,8 +2,8 @@
 
 A prefill step runs eagerly (no CUDA graph): the host enqueues a chain of kernels while the GPU
 runs them, so the step lasts as long as the slower of the two. Short prompts are host-bound — a
-flat time whatever their length (25-33 ms for Qwen3-8B on the H200 runs of docs/BENCHMARKS.md
-section 16); long prompts are device-bound — the weights' FLOPs per token and the attention
+flat time whatever their length (25-33 ms for Qwen3-8B on eager H200 runs: docs/BENCHMARKS.md,
+'Changelog'); long prompts are device-bound — the weights' FLOPs per token and the attention
 work per causal (query, key) pair. Building the step's inputs happens before the first kernel
 can start, so its cost per prompt adds to either bound:
 

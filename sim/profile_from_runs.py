@@ -23,9 +23,9 @@ only). This module turns those steps into the profile format of `CalibratedCostM
   model's default for runs that launch behind it (measured on such runs, docs/cost_model.md),
   and a batch's duration is its steps' extra time over c - 1.
 
-The engine launches a batch behind its step's forward (since 2026-11-23; the run's summary says
-`async_launch`), so a batch overlaps the steps after the one that launched it; in older runs it
-overlapped that step too.
+The engine launches a batch behind its step's forward (the run's summary says `async_launch`), so
+a batch overlaps the steps after the one that launched it; in runs whose summary has no
+`async_launch` it was launched first and overlapped that step too.
 
 A step starts when the engine's loop iteration does, so admission and scheduling are inside it;
 the bookkeeping after a step's end until the next step starts (the run's median gap, tens of
@@ -130,7 +130,7 @@ def _sort_steps(runs: list[tuple[dict, pd.DataFrame]], stall_factor: float | Non
 
 
 def _run_launch_order(summary: dict) -> str:
-    # Runs before 2026-11-23 launched every batch before its step's forward, and say nothing.
+    # Runs without the field launched every batch before its step's forward.
     return summary.get("async_launch", "before-forward")
 
 
@@ -138,8 +138,8 @@ def _launch_order(runs: list[tuple[dict, pd.DataFrame]]) -> str:
     orders = sorted({_run_launch_order(summary) for summary, _ in runs})
     if len(orders) > 1:
         raise ConfigError("--from-run: the runs launched async batches in different orders "
-                          f"({' and '.join(orders)} the step's forward: engines of before and "
-                          "after 2026-11-23); fit one profile per engine")
+                          f"({' and '.join(orders)} the step's forward: two versions of the engine); "
+                          "fit one profile per engine")
     return orders[0]
 
 
@@ -200,7 +200,7 @@ def _header(runs: list[tuple[dict, pd.DataFrame]], gpu: str | None) -> dict:
             "tensor_parallel": settings["tensor_parallel"],
             "compress": config.compress, "async_compress": config.async_compress,
         })
-    # Which steps replayed CUDA graphs. Runs of before 2026-11-23 do not say: they agree with any.
+    # Which steps replayed CUDA graphs. Runs without the field do not say: they agree with any.
     known = [summary["graphs"] for summary, _ in runs if summary.get("graphs") is not None]
     for other in headers[1:]:
         differ = [key for key in headers[0] if other[key] != headers[0][key]]

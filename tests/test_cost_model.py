@@ -717,7 +717,7 @@ def test_every_shipped_profile_loads_and_times_mixed_steps():
     """A mixed step reads the weights and pays a step's fixed host cost once, so it usually
     costs less than its decode and prefill parts run as two steps. A shipped profile must say so
     where its own measurements of the same shapes do, and must not invent the saving where
-    they do not. The shipped H200 profiles (2026-11-23) measured an engine with prefill graphs,
+    they do not. The shipped H200 profiles measured an engine with prefill graphs,
     which pads a step to its token bucket: calibrate's chunks of 512 and 2,048 tokens fill a
     bucket exactly, so a decode row beside one pushes the step into the next bucket (1.5x the
     rows) and most of those mixed steps cost more than their parts apart; only the 0.6B Zipage

@@ -9,8 +9,8 @@ from bisect import bisect_left
 
 # Each bucket at most 1.5x the one before (x2 up to 256, where a step is launch-bound anyway): a
 # step pays for at most half as many padding rows again as it has, where doubling buckets made a
-# 513-row step cost a 1,024-row one (H200, Qwen3-8B: 22 ms against 13 ms at 512; BENCHMARKS.md
-# section 12). Larger steps run eagerly: their kernels dwarf the launches' host time.
+# 513-row step cost a 1,024-row one (H200, Qwen3-8B: 22 ms against 13 ms at 512; docs/BENCHMARKS.md,
+# 'Prefill'). Larger steps run eagerly: their kernels dwarf the launches' host time.
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 
 

@@ -300,7 +300,7 @@ def contention_factor(bench: Bench, compress: list[dict]) -> float | None:
             batch_id=attempt, jobs=jobs)), sequences)]
         while not compressor.completed():
             steps.append(bench.execute(decode, sequences))
-        behind = len(steps) > 1 and not compressor.launch_first
+        behind = len(steps) > 1
         overlapped = len(steps) - 1 if behind else len(steps)
         overlap = min(pair["time_s"], overlapped * alone)
         ratios.append(1.0 + max(0.0, sum(steps) - len(steps) * alone) / overlap)

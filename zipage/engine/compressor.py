@@ -23,11 +23,6 @@ from zipage.errors import ConfigError
 from zipage.kernels.compress import CompressionInputs, CompressionParams, compress
 
 class Compressor:
-    # The runner launches an async batch behind the step's forward, never before it
-    # (docs/cost_model.md, 'Async compression on the GPU', says why). Calibration still reads
-    # this to know which steps a batch can overlap.
-    launch_first = False
-
     def __init__(self, caches: KVCaches, config: ZipageConfig, head_dim: int,
                  device: torch.device) -> None:
         self.caches = caches

@@ -551,7 +551,6 @@ class _CompressorProxy:
     def __init__(self, executor: TensorParallelExecutor) -> None:
         self.executor = executor
         self.local = executor.runner.compressor
-        self.launch_first = self.local.launch_first
 
     def completed(self, wait: bool = False) -> list[int]:
         done = self.local.completed(wait)
