@@ -196,7 +196,7 @@ def test_kv_budget_per_request(llm, url):
     assert reply["choices"][0]["token_ids"] == expected.token_ids
     assert expected.token_ids != default.token_ids  # the budget really changed the cache
     for budget, message in ((40, "kv_budget: 40 must be a positive multiple of block_size 16"),
-                            (0, "kv_budget: 0 must be a positive integer"),
+                            (0, "kv_budget: Input should be greater than or equal to 1"),
                             ("64", "kv_budget: Input should be a valid integer")):
         bad = httpx.post(url + "/v1/completions", headers=headers, timeout=30,
                          json={"prompt": PROMPT, "max_tokens": 4, "kv_budget": budget})
