@@ -79,8 +79,8 @@ def server(tmp_path_factory):
              for name in KNOBS]
     command = [sys.executable, "-m", "zipage.cli", "serve", "--model", str(GGUF),
                "--engine", "cpu", "--dtype", "float32", "--kv-memory-gb", "0.25",
-               "--port", str(port), "--max-waiting", str(MAX_WAITING), "--api-key-file", str(key_file),
-               "--served-model-name", "smollm2"]
+               "--port", str(port), "--max-waiting", str(MAX_WAITING),
+               "--api-key-file", str(key_file), "--served-model-name", "smollm2"]
     for flag, value in zip(flags, KNOBS.values()):
         command += [flag, str(value)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -498,7 +498,7 @@ def _send_big_body(url: str, size: int, chunked: bool, headers: dict):
     host, port = url.removeprefix("http://").split(":")
     prefix = b'{"max_tokens": 1, "prompt": "'
     chunk = b"a" * 2**16
-    lines = [f"POST /v1/completions HTTP/1.1", f"Host: {host}",
+    lines = ["POST /v1/completions HTTP/1.1", f"Host: {host}",
              "Content-Type: application/json"]
     lines += [f"{name}: {value}" for name, value in headers.items()]
     lines.append("Transfer-Encoding: chunked" if chunked else f"Content-Length: {size}")

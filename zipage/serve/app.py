@@ -8,9 +8,10 @@ Each request: the API key and the body's size (`_Gate`, before a byte of the bod
 validate -> tokens (on a worker thread: a long prompt never holds the event loop) ->
 `SamplingParams` -> the core's own admission check (a prompt that can never fit is a 400 naming
 the limit) -> the waiting cap (429) -> the engine process (`engine_client`). Every error, whoever
-raises it (a route, FastAPI, Starlette's router, a bug), leaves as OpenAI's error body. Token ids come back after every step, are detokenized here and sent as they
-come (`stream: true`) or at the end. A client that disconnects aborts its request at once: the
-engine frees its blocks before its next step.
+raises it (a route, FastAPI, Starlette's router, a bug), leaves as OpenAI's error body. Token ids
+come back after every step, are detokenized here and sent as they come (`stream: true`) or at
+the end. A client that disconnects aborts its request at once: the engine frees its blocks
+before its next step.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from concurrent.futures import ThreadPoolExecutor
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 
 from fastapi import FastAPI, HTTPException, Request
