@@ -308,3 +308,39 @@ def test_engine_refuses_a_bad_request_alone():
     assert set(core.rejected) == {"bad", "outside"} and core.changed
     assert "top_k: 9223372036854775808 must be an integer" in core.rejected["bad"]
     assert "prompt: token ids must be in 0..99" in core.rejected["outside"]
+
+
+# ---------------------------------------------------------------- one error body for everything
+
+def test_an_unexpected_exception_is_a_500_in_openai_shape():
+    """The catch-all handler, in process (no engine: a stand-in with what `Server` reads). A bug
+    in a route answers OpenAI's body, not Starlette's plain text, and is still raised to the
+    server's log."""
+    pytest.importorskip("fastapi")
+    from types import SimpleNamespace
+
+    from starlette.testclient import TestClient
+
+    from zipage.serve.app import build_app
+
+    info = SimpleNamespace(capacity=SimpleNamespace(num_blocks=4), eos_token_ids=frozenset(),
+                           config=SimpleNamespace(max_model_len=64))
+    engine = SimpleNamespace(info=info, attach=lambda metrics: None, close=lambda: None,
+                             stop_process=lambda: None, alive=True)
+    app = build_app(engine, None, "m", api_key="k")
+
+    @app.get("/v1/boom")
+    async def boom():
+        raise RuntimeError("a bug")
+
+    with TestClient(app, raise_server_exceptions=False) as client:
+        reply = client.get("/v1/boom", headers={"Authorization": "bearer k"})
+        assert reply.status_code == 500
+        assert reply.json() == {"error": {
+            "message": "internal error: RuntimeError; the server's log has the traceback",
+            "type": "server_error", "param": None, "code": 500}}
+        reply = client.get("/v1/boom", headers={"Authorization": "Bearer wrong"})
+        assert reply.status_code == 401 and reply.json()["error"]["type"] == "authentication_error"
+        reply = client.post("/v1/nowhere", headers={"Authorization": "Bearer k"})
+        assert reply.status_code == 404 and reply.json()["error"]["message"].startswith(
+            "route: POST '/v1/nowhere' does not exist")
