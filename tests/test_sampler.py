@@ -98,3 +98,52 @@ def test_top_k_and_top_p_combine_per_row() -> None:
 def test_invalid_params_name_the_field(changes: dict, field: str) -> None:
     with pytest.raises(ConfigError, match=f"^{field}:"):
         SamplingParams(**changes)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("temperature", float("nan"), "temperature: nan must be a finite number in [0, 100]"),
+    ("temperature", float("inf"), "temperature: inf must be a finite number"),
+    ("temperature", -1.0, "temperature: -1.0 must be a finite number"),
+    ("temperature", 101.0, "temperature: 101.0 must be a finite number in [0, 100]"),
+    ("top_k", 2**63, "top_k: 9223372036854775808 must be an integer in [0, 2147483647]"),
+    ("top_k", -1, "top_k: -1 must be an integer"),
+    ("top_k", 2.0, "top_k: 2.0 must be an integer"),
+    ("top_p", float("nan"), "top_p: nan must be a finite number in (0, 1]"),
+    ("top_p", 0.0, "top_p: 0.0 must be"),
+    ("max_tokens", 2**31, "max_tokens: 2147483648 must be an integer in [1, 2147483647]"),
+    ("max_tokens", 0, "max_tokens: 0 must be"),
+    ("seed", 2**32, "seed: 4294967296 must be an integer in [0, 2**32)"),
+    ("seed", -1, "seed: -1 must be"),
+    ("kv_budget", 2**31, "kv_budget: 2147483648 must be a positive integer"),
+    ("ignore_eos", 1, "ignore_eos: 1 must be true or false"),
+])
+def test_every_setting_out_of_range_is_refused_by_name(field, value, message) -> None:
+    with pytest.raises(ConfigError) as caught:
+        SamplingParams(**{field: value})
+    assert str(caught.value).startswith(message)
+
+
+def test_huge_values_are_cut_in_the_message() -> None:
+    with pytest.raises(ConfigError) as caught:
+        SamplingParams(top_k=10**1000)
+    assert len(str(caught.value)) < 200
+
+
+def test_top_k_that_torch_cannot_hold_never_reaches_a_step() -> None:
+    """The reproduction of issue #30: top_k 2**63 raised 'Overflow' inside `sample`, in the
+    middle of an engine step. It is refused when the settings are made."""
+    with pytest.raises(ConfigError, match="^top_k:"):
+        SamplingParams(temperature=1.0, top_k=2**63)
+    # The largest accepted top_k samples like no filtering at all.
+    params = SamplingParams(temperature=1.0, top_k=2**31 - 1, seed=3)
+    assert _draws(_logits(1)[0], params, 5) == _draws(
+        _logits(1)[0], SamplingParams(temperature=1.0, seed=3), 5)
+
+
+def test_tiny_temperature_is_greedy_not_nan() -> None:
+    """Logits divided by 1e-40 or 1e-50 in float32 overflow to inf (NaN probabilities, a token
+    that is not even the likeliest): such a row is greedy."""
+    logits = _logits(2)
+    for temperature in (1e-40, 1e-50):
+        tokens = sample(logits, [SamplingParams(temperature=temperature)] * 2, [0, 0])
+        assert torch.equal(tokens, logits.argmax(dim=-1))

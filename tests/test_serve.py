@@ -9,6 +9,11 @@ concurrent streams complete; a disconnect mid-stream frees the request's blocks 
 request over --max-waiting each get their status and a message naming the field, while a
 concurrent request completes untouched; `zipage bench serve` of a small trace completes every
 request with its token count.
+Hostile input (issue #30): top_k 2**63 is a 400 and the engine lives on; a 50 MB body is a 413
+before it is read while /health stays fast; the key (read from --api-key-file) is checked
+before any body is parsed and its scheme is case-insensitive; unknown routes, malformed bodies
+and lone surrogates get OpenAI's error body; a hypothesis fuzz over request bodies never gets a
+500 or an error of another shape, and leaves the engine healthy.
 """
 
 from __future__ import annotations
@@ -66,13 +71,16 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     port = _free_port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
+    directory = tmp_path_factory.mktemp("serve")
+    log = directory / "server.log"
+    key_file = directory / "api-key"  # the key off the command line (ps shows arguments)
+    key_file.write_text(API_KEY + "\n")
     flags = [f"--{name.replace('_', '-')}" if name != "kv_budget" else "--budget"
              for name in KNOBS]
     command = [sys.executable, "-m", "zipage.cli", "serve", "--model", str(GGUF),
                "--engine", "cpu", "--dtype", "float32", "--kv-memory-gb", "0.25",
-               "--port", str(port), "--max-waiting", str(MAX_WAITING), "--api-key", API_KEY,
-               "--served-model-name", "smollm2"]
+               "--port", str(port), "--max-waiting", str(MAX_WAITING),
+               "--api-key-file", str(key_file), "--served-model-name", "smollm2"]
     for flag, value in zip(flags, KNOBS.values()):
         command += [flag, str(value)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -188,7 +196,7 @@ def test_kv_budget_per_request(llm, url):
     assert reply["choices"][0]["token_ids"] == expected.token_ids
     assert expected.token_ids != default.token_ids  # the budget really changed the cache
     for budget, message in ((40, "kv_budget: 40 must be a positive multiple of block_size 16"),
-                            (0, "kv_budget: 0 must be a positive integer"),
+                            (0, "kv_budget: Input should be greater than or equal to 1"),
                             ("64", "kv_budget: Input should be a valid integer")):
         bad = httpx.post(url + "/v1/completions", headers=headers, timeout=30,
                          json={"prompt": PROMPT, "max_tokens": 4, "kv_budget": budget})
@@ -397,3 +405,286 @@ def test_bench_serve_completes_every_request(url, tmp_path):
     assert list(frame["prompt_len"]) == [request.prompt_len for request in requests]
     # `zipage compare` reads a served run like any other.
     assert compare_runs(out, out)["request_time"]["finished_in_both"] == 5
+
+
+# ---------------------------------------------------------------- hostile input (issue #30)
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _assert_openai_error(reply, status: int, starts: str = "") -> dict:
+    assert reply.status_code == status, (reply.status_code, reply.text[:500])
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    assert isinstance(error["message"], str) and error["message"].startswith(starts), error
+    return error
+
+
+def _health_ok(url: str) -> None:
+    assert httpx.get(url + "/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_top_k_beyond_int64_is_a_400_and_the_engine_lives_on(url):
+    body = b'{"prompt":"hi","max_tokens":4,"top_k":9223372036854775808}'  # the user's bytes
+    reply = httpx.post(url + "/v1/completions", content=body, timeout=60,
+                       headers={**AUTH, "content-type": "application/json"})
+    error = _assert_openai_error(reply, 400, "top_k:")
+    assert error["param"] == "top_k"
+    _health_ok(url)
+    reply = httpx.post(url + "/v1/completions", headers=AUTH, timeout=60,
+                       json={"prompt": "hi", "max_tokens": 4, "top_k": 50, "seed": 1})
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+
+
+def test_nan_temperature_and_lone_surrogates_name_the_field(url):
+    post = lambda body: httpx.post(url + "/v1/completions", content=body, timeout=60,  # noqa
+                                   headers={**AUTH, "content-type": "application/json"})
+    _assert_openai_error(post(b'{"prompt":"hi","temperature":NaN}'), 400,
+                         "temperature: Input should be a finite number")
+    _assert_openai_error(post(b'{"prompt":"\\ud800","max_tokens":2}'), 400,
+                         "prompt: contains a lone UTF-16 surrogate")
+    reply = httpx.post(url + "/v1/chat/completions", timeout=60,
+                       headers={**AUTH, "content-type": "application/json"},
+                       content=b'{"messages":[{"role":"user","content":"\\udc00"}]}')
+    _assert_openai_error(reply, 400, "messages.0.content: contains a lone UTF-16 surrogate")
+    _health_ok(url)
+
+
+def test_unknown_routes_and_malformed_bodies_get_openai_errors(url):
+    post = lambda body, **headers: httpx.post(  # noqa: E731
+        url + "/v1/completions", content=body, timeout=60,
+        headers={**AUTH, "content-type": "application/json", **headers})
+    _assert_openai_error(httpx.get(url + "/v1/nothing", headers=AUTH), 404, "route: GET")
+    _assert_openai_error(httpx.get(url + "/nothing"), 404, "route: GET")
+    _assert_openai_error(httpx.delete(url + "/v1/models", headers=AUTH), 405, "route: DELETE")
+    _assert_openai_error(httpx.get(url + "/v1/completions", headers=AUTH), 405, "route: GET")
+    _assert_openai_error(post(b'{"prompt": "x",'), 400, "body: not valid JSON")
+    _assert_openai_error(post(b'{"prompt": "\xff"}'), 400, "body: could not be parsed")
+    _assert_openai_error(post(b"[" * 100_000 + b"]" * 100_000), 400, "body:")
+    _assert_openai_error(post(b'[1, 2]'), 400, "body:")
+    _assert_openai_error(post(b'{"prompt": [1, ' + b"9" * 5000 + b"]}"), 400, "body:")
+    _assert_openai_error(post(b'{"prompt": "x"}', **{"content-type": "text/plain"}), 400)
+    # The model's name is never echoed whole: 1 MB in, a short message out.
+    reply = post(json.dumps({"prompt": "x", "model": "m" * 2**20}).encode())
+    error = _assert_openai_error(reply, 404, "model: 'mmm")
+    assert len(reply.content) < 1000 and error["type"] == "model_not_found"
+    _health_ok(url)
+
+
+def test_the_key_comes_first_and_its_scheme_is_case_insensitive(url):
+    body = {"prompt": "hi", "max_tokens": 2}
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=60,
+                           headers={"Authorization": f"{scheme} {API_KEY}"})
+        assert reply.status_code == 200, (scheme, reply.text)
+    _assert_openai_error(httpx.get(url + "/v1/models"), 401, "api key: missing or wrong")
+    _assert_openai_error(httpx.get(url + "/v1/models", headers={"Authorization": API_KEY}),
+                         401)
+    # Without the key nothing is parsed: malformed and oversized bodies are 401, not 400 / 413.
+    reply = httpx.post(url + "/v1/completions", content=b'{"prompt": ',
+                       headers={"content-type": "application/json"})
+    _assert_openai_error(reply, 401)
+    status, _, _ = _send_big_body(url, 50 * 2**20, chunked=False, headers={})
+    assert status == 401
+
+
+def _send_big_body(url: str, size: int, chunked: bool, headers: dict):
+    """POST `size` bytes of JSON over a raw socket, the body sent on a thread while this one
+    waits for the answer (a server that answers before reading the body closes the connection:
+    a client that only reads after sending everything would see the reset, not the answer).
+    (status, seconds from the headers to the answer's status line, body bytes sent by then)."""
+    import threading
+
+    host, port = url.removeprefix("http://").split(":")
+    prefix = b'{"max_tokens": 1, "prompt": "'
+    chunk = b"a" * 2**16
+    lines = ["POST /v1/completions HTTP/1.1", f"Host: {host}",
+             "Content-Type: application/json"]
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    lines.append("Transfer-Encoding: chunked" if chunked else f"Content-Length: {size}")
+    sock = socket.create_connection((host, int(port)))
+    sent = [0]
+
+    def send():
+        try:
+            pieces = [prefix] + [chunk] * ((size - len(prefix) - 2) // len(chunk))
+            pieces.append(b"a" * (size - len(prefix) - 2 - sum(map(len, pieces[1:]))) + b'"}')
+            for piece in pieces:
+                sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+                sent[0] += len(piece)
+            if chunked:
+                sock.sendall(b"0\r\n\r\n")
+        except OSError:
+            pass  # the server answered and closed: the rest is never read
+
+    try:
+        started = time.perf_counter()
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        answer = b""
+        while b"\r\n" not in answer:
+            data = sock.recv(4096)
+            if not data:
+                break
+            answer += data
+        elapsed = time.perf_counter() - started
+        return int(answer.split()[1]), elapsed, sent[0]
+    finally:
+        sock.close()
+
+
+def test_a_50_mb_body_is_a_fast_413_while_health_stays_fast(url):
+    import threading
+
+    latencies, stop = [], threading.Event()
+
+    def poll():
+        with httpx.Client(timeout=30) as client:
+            while not stop.is_set():
+                started = time.perf_counter()
+                assert client.get(url + "/health").status_code == 200
+                latencies.append(time.perf_counter() - started)
+                time.sleep(0.005)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        time.sleep(0.2)
+        size = 50 * 2**20
+        status, seconds, sent = _send_big_body(url, size, chunked=False, headers=AUTH)
+        chunked_status, chunked_seconds, chunked_sent = _send_big_body(url, size, chunked=True,
+                                                                       headers=AUTH)
+        time.sleep(0.2)
+    finally:
+        stop.set()
+        poller.join()
+    print(f"\n50 MiB body, Content-Length: {status} in {seconds * 1000:.1f} ms "
+          f"({sent / 2**20:.1f} MiB sent by then); chunked: {chunked_status} in "
+          f"{chunked_seconds * 1000:.1f} ms ({chunked_sent / 2**20:.1f} MiB sent); /health "
+          f"under it: {len(latencies)} requests, median "
+          f"{sorted(latencies)[len(latencies) // 2] * 1000:.1f} ms, max "
+          f"{max(latencies) * 1000:.1f} ms")
+    assert status == 413 and seconds < 2.0 and sent < size // 2  # decided from the header
+    assert chunked_status == 413 and chunked_sent < size // 2  # refused past the limit
+    assert max(latencies) < 1.0
+    _health_ok(url)
+
+
+def test_fuzzed_bodies_never_500_and_the_engine_lives_on(url):
+    """Hostile request bodies against the real server: every answer is a success or OpenAI's
+    error body below 500, streams carry no error event, and the engine is healthy at the end."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    huge_ints = st.sampled_from([0, -1, 1, 2, 64, 2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63,
+                                 -2**63, 2**64, 10**30, -10**30])
+    odd_floats = st.sampled_from([float("nan"), float("inf"), float("-inf"), -0.0, 1e-300,
+                                  5e-324, 1e300, 0.5, 1.0, 2.5, -1.5])
+    texts = st.one_of(st.text(max_size=30),  # every code point, lone surrogates included
+                      st.sampled_from(["\ud800", "a\udfffb", "x" * 100_000, "", " "]))
+    scalars = st.one_of(huge_ints, odd_floats, st.booleans(), st.none(), texts)
+    garbage = st.recursive(scalars, lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(texts, inner, max_size=4)), max_leaves=12)
+    small = st.integers(1, 3)
+    limit = st.one_of(small, huge_ints, odd_floats, st.booleans(), texts)  # never None: chat
+    # without a limit generates up to the context
+    optional = {
+        "model": st.one_of(st.just("smollm2"), texts, garbage), "temperature": st.one_of(
+            odd_floats, huge_ints, garbage), "top_p": st.one_of(odd_floats, garbage),
+        "top_k": st.one_of(huge_ints, garbage), "seed": st.one_of(huge_ints, garbage),
+        "stop": st.one_of(texts, st.lists(texts, max_size=20), garbage),
+        "stream": st.one_of(st.booleans(), garbage), "n": st.one_of(huge_ints, garbage),
+        "stream_options": st.one_of(st.fixed_dictionaries(
+            {"include_usage": st.booleans()}), garbage),
+        "ignore_eos": st.one_of(st.booleans(), garbage),
+        "kv_budget": st.one_of(huge_ints, garbage), "logprobs": garbage,
+        "best_of": garbage, "echo": garbage, "return_token_ids": garbage,
+        "max_completion_tokens": limit, "unknown": garbage,
+    }
+    prompts = st.one_of(texts, st.lists(huge_ints, min_size=1, max_size=5),
+                        st.lists(st.integers(0, 49151), min_size=1, max_size=20), garbage)
+    messages = st.one_of(
+        st.lists(st.fixed_dictionaries({"role": st.one_of(st.sampled_from(
+            ["user", "system", "assistant"]), texts, garbage)}, optional={
+            "content": st.one_of(texts, garbage, st.lists(st.fixed_dictionaries({
+                "type": st.sampled_from(["text", "image_url"]), "text": texts}), max_size=3))}),
+            max_size=3), garbage)
+    completion = st.fixed_dictionaries({"max_tokens": limit}, optional={
+        "prompt": prompts, **optional})
+    chat = st.fixed_dictionaries({"max_tokens": limit}, optional={
+        "messages": messages, **optional})
+    raw = st.one_of(st.binary(max_size=64), st.sampled_from([
+        b"", b"null", b"[]", b"1", b'"x"', b"{", b'{"prompt": "x",}', b"\xff\xfe",
+        b'{"a":' * 5000 + b"1" + b"}" * 5000, b'{"prompt": "\\ud800"}', b"NaN"]))
+    # Valid bodies with up to two fields made hostile: most reach the engine, and a hostile
+    # value meets valid neighbours (a bad top_k beside a good stream, ...).
+    plain = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=30)
+    valid = {
+        "temperature": st.floats(0, 2), "top_p": st.floats(0.05, 1), "top_k": st.integers(-1, 80),
+        "seed": st.integers(0, 2**32 - 1), "stop": st.lists(plain, max_size=3),
+        "stream": st.booleans(), "stream_options": st.fixed_dictionaries(
+            {"include_usage": st.booleans()}), "ignore_eos": st.booleans(),
+        "model": st.just("smollm2"), "kv_budget": st.sampled_from([64, 128]),
+    }
+    patches = st.dictionaries(st.sampled_from(sorted({*valid, "max_tokens", "prompt",
+                                                      "messages", "n", "logprobs"})),
+                              garbage, max_size=2)
+
+    def patched(base: dict, patch: dict) -> dict:
+        body = {**base, **patch}
+        if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+            body["max_tokens"] = 2  # chat without a limit generates up to the context
+        return body
+
+    good_completion = st.builds(patched, st.fixed_dictionaries(
+        {"prompt": st.one_of(plain, st.lists(st.integers(0, 49151), min_size=1, max_size=20)),
+         "max_tokens": small}, optional=valid), patches)
+    good_chat = st.builds(patched, st.fixed_dictionaries(
+        {"messages": st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": plain}),
+                              min_size=1, max_size=2), "max_tokens": small},
+        optional=valid), patches)
+    requests = st.one_of(
+        st.tuples(st.just("/v1/completions"), good_completion),
+        st.tuples(st.just("/v1/chat/completions"), good_chat),
+        st.tuples(st.just("/v1/completions"), completion),
+        st.tuples(st.just("/v1/chat/completions"), chat),
+        st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]), raw))
+    seen = {"statuses": {}}
+    http = httpx.Client(base_url=url, timeout=120)
+
+    @settings(max_examples=200, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(requests)
+    def check(request):
+        path, body = request
+        content = body if isinstance(body, bytes) else json.dumps(body).encode(
+            "utf-8", "surrogatepass")  # json.dumps escapes surrogates as \ud800: valid bytes
+        with http.stream("POST", path, content=content,
+                         headers={**AUTH, "content-type": "application/json"}) as reply:
+            data = reply.read()
+        status = reply.status_code
+        seen["statuses"][status] = seen["statuses"].get(status, 0) + 1
+        assert status < 500, (status, data[:300], content[:300])
+        if status >= 400:
+            error = json.loads(data)["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+            assert isinstance(error["message"], str) and len(error["message"]) < 1000
+        elif reply.headers["content-type"].startswith("text/event-stream"):
+            events = [line[6:] for line in data.decode().split("\n") if line.startswith("data: ")]
+            assert events[-1] == "[DONE]" and not any('"error"' in event[:12]
+                                                      for event in events[:-1]), events
+        else:
+            assert json.loads(data)["usage"]["completion_tokens"] >= 1
+
+    try:
+        check()
+    finally:
+        http.close()
+    print(f"\nfuzzed statuses: {dict(sorted(seen['statuses'].items()))}")
+    assert seen["statuses"].get(200, 0) >= 5  # the fuzz reached the engine, not only the door
+    _health_ok(url)
+    reply = httpx.post(url + "/v1/completions", headers=AUTH, timeout=60,
+                       json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0})
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+    _wait_idle(url)

@@ -123,3 +123,224 @@ def test_malformed_json_message():
         CompletionRequest.model_validate_json('{"prompt": ')
     message, field = validation_message(caught.value.errors())
     assert message.startswith("body: not valid JSON") and field is None
+
+
+# ---------------------------------------------------------------- every field's range
+
+HUGE = 2**63  # issue #30: top_k 2**63 reached the sampler and killed the engine
+
+
+@pytest.mark.parametrize("field, good, bad", [
+    ("max_tokens", [1, 2**31 - 1, None], [0, -1, 2**31, HUGE, 1.5, True, "4"]),
+    ("temperature", [0, 0.0, 0.7, 2, 100.0], [-0.1, 100.5, float("nan"), float("inf"),
+                                               float("-inf"), "1", None]),
+    ("top_p", [1e-9, 0.5, 1, 1.0], [0, 0.0, -0.5, 1.01, float("nan"), float("inf"), None]),
+    ("top_k", [-1, 0, 1, 50, 2**31 - 1], [-2, 2**31, HUGE, -HUGE, 2.0, False, None]),
+    ("seed", [0, 2**32 - 1, None], [-1, 2**32, HUGE, 1.0, "7"]),
+    ("n", [1], [0, -1, HUGE, 1.0]),
+    ("best_of", [1, None], [0, HUGE]),
+    ("kv_budget", [16, 2**31 - 1, None], [0, -16, 2**31, HUGE, 16.0, True]),
+    ("stop", ["x", ["a", "b"], ["s"] * 16, "y" * 1000, None],
+     ["", [""], ["s"] * 17, "y" * 1001, [1], {"a": 1}]),
+    ("ignore_eos", [True, False], [1, "true", None]),
+    ("stream", [True, False], [0, "yes"]),
+])
+def test_every_sampling_field_has_its_range(field, good, bad):
+    for value in good:
+        CompletionRequest.model_validate({"prompt": "x", field: value})
+    for value in bad:
+        message = _message(CompletionRequest, {"prompt": "x", field: value})
+        assert message.startswith(f"{field}:"), (value, message)
+        assert len(message) < 200
+
+
+def test_chat_output_limit_has_its_range():
+    for value in (0, 2**31, HUGE, 1.0):
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": value}
+        assert _message(ChatRequest, body).startswith("max_completion_tokens:")
+
+
+def test_nan_temperature_says_finite_not_negative():
+    message = _message(CompletionRequest, {"prompt": "x", "temperature": float("nan")})
+    assert message == "temperature: Input should be a finite number"
+
+
+def test_prompt_token_ids_are_bounded():
+    assert _message(CompletionRequest, {"prompt": [1, 2**31]}).startswith("prompt: expected")
+    assert _message(CompletionRequest, {"prompt": [1, HUGE]}).startswith("prompt: expected")
+
+
+@pytest.mark.parametrize("body, path", [
+    ({"prompt": "a\ud800b"}, "prompt"),
+    ({"prompt": ["\udfff"]}, "prompt.0"),
+    ({"prompt": "x", "stop": ["ok", "\ud800"]}, "stop.1"),
+    ({"prompt": "x", "model": "\ud83d"}, "model"),
+    ({"prompt": "x", "unknown": {"deep": ["\ud800"]}}, "unknown.deep.0"),
+    ({"prompt": "x", "\ud800": 1}, "body (a key)"),
+    ({"prompt": "x", "a": [{"\ud800": 1}]}, "a.0 (a key)"),
+])
+def test_lone_surrogates_are_a_400_naming_where(body, path):
+    with pytest.raises(ValidationError) as caught:
+        CompletionRequest.model_validate(body)
+    message, field = validation_message(caught.value.errors())
+    assert message.startswith(f"{path}: contains a lone UTF-16 surrogate")
+    message.encode("utf-8")  # the message itself can be written back
+
+
+def test_chat_surrogates_are_a_400():
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}
+    assert _message(ChatRequest, body).startswith("messages.0.content.0.text: contains a lone")
+    # A surrogate pair (how JSON escapes a character outside the BMP) is valid text.
+    assert CompletionRequest.model_validate_json('{"prompt": "\\ud83d\\ude00"}').prompt == "😀"
+
+
+def test_error_body_is_cut_and_always_utf8():
+    from zipage.serve.protocol import MESSAGE_LIMIT, error_body
+
+    body = error_body("m: " + "x" * 10**6 + "\ud800", "invalid_request_error", "p\ud800", 400)
+    error = body["error"]
+    assert len(error["message"]) <= MESSAGE_LIMIT + 3 and error["code"] == 400
+    error["message"].encode("utf-8")
+    body = error_body("bad \ud800", "invalid_request_error", "p\ud800", 400)["error"]
+    assert body["message"] == "bad \\ud800" and body["param"] == "p\\ud800"
+
+
+def test_an_unknown_model_name_is_cut_in_its_message():
+    from types import SimpleNamespace
+
+    from zipage.serve.app import Server
+
+    server = SimpleNamespace(model_name="smollm2")
+    with pytest.raises(ServeError) as caught:
+        Server.check(server, CompletionRequest.model_validate({"prompt": "x",
+                                                               "model": "m" * 10**6}))
+    assert caught.value.status == 404 and len(caught.value.message) < 200
+    assert caught.value.message.startswith("model: 'mmm")
+
+
+# ---------------------------------------------------------------- the API key
+
+@pytest.mark.parametrize("header, key", [
+    ("Bearer k1", "k1"), ("bearer k1", "k1"), ("BEARER  k1 ", "k1"), ("Basic k1", None),
+    ("k1", None), ("", None), (None, None), ("Bearerk1", None),
+])
+def test_the_bearer_scheme_is_case_insensitive(header, key):
+    from zipage.serve.app import _bearer_key
+
+    assert _bearer_key(header) == key
+
+
+def _serve_args(*flags):
+    import argparse
+
+    from zipage.serve.cli import add_serve_commands
+
+    parser = argparse.ArgumentParser()
+    add_serve_commands(parser.add_subparsers())
+    return parser.parse_args(["serve", *flags])
+
+
+def test_api_key_from_flag_file_or_environment(tmp_path):
+    from zipage.errors import ZipageError
+    from zipage.serve.cli import api_key_from
+
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    environ = {"ZIPAGE_API_KEY": "from-env"}
+    assert api_key_from(_serve_args(), {}) is None
+    assert api_key_from(_serve_args(), environ) == "from-env"
+    assert api_key_from(_serve_args("--api-key", "flag"), environ) == "flag"
+    assert api_key_from(_serve_args("--api-key-file", str(key_file)), environ) == "from-file"
+    with pytest.raises(ZipageError, match="^--api-key and --api-key-file: give one"):
+        api_key_from(_serve_args("--api-key", "a", "--api-key-file", str(key_file)), {})
+    with pytest.raises(ZipageError, match="^--api-key-file: cannot read"):
+        api_key_from(_serve_args("--api-key-file", str(tmp_path / "none")), {})
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ZipageError, match="^--api-key-file: .* is empty"):
+        api_key_from(_serve_args("--api-key-file", str(tmp_path / "empty")), {})
+    with pytest.raises(ZipageError, match="^ZIPAGE_API_KEY: empty"):
+        api_key_from(_serve_args(), {"ZIPAGE_API_KEY": " "})
+
+
+def test_max_body_bytes_flag_and_its_one_default():
+    from zipage.serve import DEFAULT_MAX_BODY_BYTES
+
+    assert _serve_args().max_body_bytes == DEFAULT_MAX_BODY_BYTES
+    assert _serve_args("--max-body-bytes", "1000").max_body_bytes == 1000
+
+
+# ---------------------------------------------------------------- the engine's own check
+
+class _FakeLoop:
+    def __init__(self):
+        self.tokens, self.added = {}, []
+
+    def now(self):
+        return 0.0
+
+    def add(self, seq):
+        self.added.append(seq.seq_id)
+        return True
+
+
+def _core():
+    pytest.importorskip("torch")
+    from zipage.serve.engine_process import EngineCore
+
+    core = EngineCore.__new__(EngineCore)  # no engine: `_add` needs the loop and the vocabulary
+    core.loop, core.vocab_size, core.rejected, core.changed = _FakeLoop(), 100, {}, False
+    return core
+
+
+def test_engine_refuses_a_bad_request_alone():
+    """Defense in depth: settings that bypassed the HTTP checks (unpickling skips
+    `__post_init__`) or token ids outside the vocabulary fail their request, not the engine."""
+    from zipage.engine.sampler import SamplingParams
+    from zipage.serve.wire import Add
+
+    core = _core()
+    bad = SamplingParams(temperature=1.0, max_tokens=4)
+    object.__setattr__(bad, "top_k", HUGE)  # as if it arrived so over the socket
+    core._add(Add("bad", [1, 2], bad))
+    core._add(Add("outside", [1, 100], SamplingParams(max_tokens=4)))
+    core._add(Add("good", [1, 2], SamplingParams(max_tokens=4)))
+    assert core.loop.added == ["good"]
+    assert set(core.rejected) == {"bad", "outside"} and core.changed
+    assert "top_k: 9223372036854775808 must be an integer" in core.rejected["bad"]
+    assert "prompt: token ids must be in 0..99" in core.rejected["outside"]
+
+
+# ---------------------------------------------------------------- one error body for everything
+
+def test_an_unexpected_exception_is_a_500_in_openai_shape():
+    """The catch-all handler, in process (no engine: a stand-in with what `Server` reads). A bug
+    in a route answers OpenAI's body, not Starlette's plain text, and is still raised to the
+    server's log."""
+    pytest.importorskip("fastapi")
+    from types import SimpleNamespace
+
+    from starlette.testclient import TestClient
+
+    from zipage.serve.app import build_app
+
+    info = SimpleNamespace(capacity=SimpleNamespace(num_blocks=4), eos_token_ids=frozenset(),
+                           config=SimpleNamespace(max_model_len=64))
+    engine = SimpleNamespace(info=info, attach=lambda metrics: None, close=lambda: None,
+                             stop_process=lambda: None, alive=True)
+    app = build_app(engine, None, "m", api_key="k")
+
+    @app.get("/v1/boom")
+    async def boom():
+        raise RuntimeError("a bug")
+
+    with TestClient(app, raise_server_exceptions=False) as client:
+        reply = client.get("/v1/boom", headers={"Authorization": "bearer k"})
+        assert reply.status_code == 500
+        assert reply.json() == {"error": {
+            "message": "internal error: RuntimeError; the server's log has the traceback",
+            "type": "server_error", "param": None, "code": 500}}
+        reply = client.get("/v1/boom", headers={"Authorization": "Bearer wrong"})
+        assert reply.status_code == 401 and reply.json()["error"]["type"] == "authentication_error"
+        reply = client.post("/v1/nowhere", headers={"Authorization": "Bearer k"})
+        assert reply.status_code == 404 and reply.json()["error"]["message"].startswith(
+            "route: POST '/v1/nowhere' does not exist")

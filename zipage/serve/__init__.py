@@ -7,3 +7,8 @@ HTTP-side handle: requests in, tokens out), `wire` (the messages between them), 
 (Prometheus), `app` (the FastAPI routes), `bench` (the trace client), `cli` (both commands).
 The `serve` extra installs what they need: pip install 'zipage[serve]'.
 """
+
+# The largest request body `zipage serve` reads (--max-body-bytes): 8 MiB holds a prompt of a
+# million-token context as text or ~1M token ids, and bounds what one request can make the HTTP
+# process parse and hold.
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20

@@ -4,11 +4,14 @@ FastAPI on uvicorn, as vLLM and SGLang serve: an ASGI event loop holds thousands
 for the cost of a coroutine each, FastAPI's pydantic models validate the request bodies (a wrong
 type is a 400 naming the field), and the OpenAI clients already speak its server-sent events.
 
-Each request: validate -> tokens -> `SamplingParams` -> the core's own admission check (a prompt
-that can never fit is a 400 naming the limit) -> the waiting cap (429) -> the engine process
-(`engine_client`). Token ids come back after every step, are detokenized here and sent as they
-come (`stream: true`) or at the end. A client that disconnects aborts its request at once: the
-engine frees its blocks before its next step.
+Each request: the API key and the body's size (`_Gate`, before a byte of the body is parsed) ->
+validate -> tokens (on a worker thread: a long prompt never holds the event loop) ->
+`SamplingParams` -> the core's own admission check (a prompt that can never fit is a 400 naming
+the limit) -> the waiting cap (429) -> the engine process (`engine_client`). Every error, whoever
+raises it (a route, FastAPI, Starlette's router, a bug), leaves as OpenAI's error body. Token ids
+come back after every step, are detokenized here and sent as they come (`stream: true`) or at
+the end. A client that disconnects aborts its request at once: the engine frees its blocks
+before its next step.
 """
 
 from __future__ import annotations
@@ -19,19 +22,24 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from zipage.engine.sampler import SamplingParams
 from zipage.errors import ZipageError
+from zipage.serve import DEFAULT_MAX_BODY_BYTES
 from zipage.serve.detokenize import IncrementalText
 from zipage.serve.engine_client import Delta, EngineClient, EngineStopped, RequestHandle
 from zipage.serve.metrics import CONTENT_TYPE, ServerMetrics
 from zipage.serve.protocol import (
-    ChatRequest, CompletionRequest, SamplingFields, ServeError, error_body, validation_message,
+    ChatRequest, CompletionRequest, SamplingFields, ServeError, error_body, short,
+    validation_message,
 )
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -51,17 +59,27 @@ class Server:
         self.eos = engine.info.eos_token_ids
         self.max_model_len = engine.info.config.max_model_len
         self.created = int(time.time())
+        # One thread: tokenizers are not all safe to call from several threads at once, and
+        # what matters is that the event loop (streams, /health) never waits for one.
+        self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="zipage-tokenize")
 
     # ---------------------------------------------------------------- admission
+
+    def check(self, body: SamplingFields) -> None:
+        """What needs no tokens: refused fields and the model's name (cut in the message)."""
+        body.check_unsupported()
+        if body.model is not None and body.model != self.model_name:
+            raise ServeError(404, f"model: {short(body.model)} is not served here; use "
+                                  f"{self.model_name!r} (GET /v1/models)", "model",
+                             "model_not_found")
+
+    async def tokens(self, work, *args) -> list[int]:
+        """Run a tokenizing call on the tokenizer's thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, work, *args)
 
     def prepare(self, body: SamplingFields, prompt_ids: list[int],
                 default_max_tokens: int) -> RequestHandle:
         """Sampling settings, the core's admission check, the waiting cap; then submit."""
-        body.check_unsupported()
-        if body.model is not None and body.model != self.model_name:
-            raise ServeError(404, f"model: {body.model!r} is not served here; use "
-                                  f"{self.model_name!r} (GET /v1/models)", "model",
-                             "model_not_found")
         limit = body.output_limit if isinstance(body, ChatRequest) else body.max_tokens
         try:
             sampling = SamplingParams(
@@ -112,7 +130,11 @@ class Server:
         if self.tokenizer is None:
             raise ServeError(400, "prompt: this model has no tokenizer (random weights); send "
                                   "token ids", "prompt")
-        return list(self.tokenizer.encode(prompt))
+        try:
+            return list(self.tokenizer.encode(prompt))
+        except Exception as error:  # noqa: BLE001 - the text is what it refused
+            raise ServeError(400, f"prompt: the tokenizer refused it: {error}",
+                             "prompt") from None
 
     def chat_prompt(self, body: ChatRequest) -> list[int]:
         """The model's own chat template (GGUF files and HF directories both carry one)."""
@@ -212,7 +234,8 @@ async def _cancel_on_disconnect(request: Request, work):
 
 
 def build_app(engine: EngineClient, tokenizer, model_name: str, *,
-              max_waiting: int | None = None, api_key: str | None = None) -> FastAPI:
+              max_waiting: int | None = None, api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The routes over a started engine process (`EngineClient.start`); the app's shutdown stops
     that process."""
     server = Server(engine, tokenizer, model_name, max_waiting, api_key)
@@ -222,11 +245,15 @@ def build_app(engine: EngineClient, tokenizer, model_name: str, *,
         engine.attach(server.metrics)
         yield
         engine.close()
+        server.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(engine.stop_process)
 
     app = FastAPI(title="Zipage", lifespan=lifespan)
     app.state.server = server
+    app.add_middleware(_Gate, api_key=api_key, max_body_bytes=max_body_bytes)
 
+    # One error body for everything: OpenAI's clients read `error.message`, and docs/serve.md
+    # promises that shape for every status.
     @app.exception_handler(ServeError)
     async def serve_error(request: Request, error: ServeError):
         return JSONResponse(error.body(), status_code=error.status)
@@ -234,17 +261,30 @@ def build_app(engine: EngineClient, tokenizer, model_name: str, *,
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, error: RequestValidationError):
         message, field = validation_message(error.errors())
-        return JSONResponse(error_body(message, "invalid_request_error", field, 400), 400)
+        return _error(400, message, field)
 
-    def authorize(request: Request) -> None:
-        if server.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        expected = f"Bearer {server.api_key}"
-        if not secrets.compare_digest(given.encode(), expected.encode()):
-            raise ServeError(401, "api key: missing or wrong; send the header "
-                                  "'Authorization: Bearer KEY' with the server's --api-key",
-                             None, "authentication_error")
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        status = error.status_code
+        if status == 404:
+            message = (f"route: {request.method} {short(request.url.path)} does not exist; the "
+                       "routes are /v1/completions, /v1/chat/completions, /v1/models, /health, "
+                       "/metrics")
+        elif status == 405:
+            message = (f"route: {request.method} is not allowed on {short(request.url.path)} "
+                       f"(allowed: {error.headers.get('Allow', '?') if error.headers else '?'})")
+        elif error.detail == "There was an error parsing the body":  # FastAPI's, not JSON
+            message = ("body: could not be parsed (not UTF-8, or a number too long for JSON); "
+                       "send a JSON object")
+        else:
+            message = str(error.detail)
+        return _error(status, message, None, headers=error.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception):
+        # Starlette re-raises after this response is sent, so uvicorn logs the traceback.
+        return _error(500, f"internal error: {type(error).__name__}; the server's log has the "
+                           "traceback", None)
 
     @app.get("/health")
     async def health():
@@ -257,17 +297,18 @@ def build_app(engine: EngineClient, tokenizer, model_name: str, *,
     async def metrics():
         return Response(server.metrics.exposition(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": server.created,
             "owned_by": "zipage", "max_model_len": server.max_model_len}]}
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         if body.echo:
             raise ServeError(400, "echo: not supported; leave it out", "echo")
-        prompt_ids = server.encode(body.prompt)
+        server.check(body)
+        prompt_ids = await server.tokens(server.encode, body.prompt)
         handle = server.prepare(body, prompt_ids, DEFAULT_COMPLETION_TOKENS)
         rid = f"cmpl-{uuid.uuid4().hex}"
         want_ids = body.return_token_ids or server.tokenizer is None
@@ -284,9 +325,10 @@ def build_app(engine: EngineClient, tokenizer, model_name: str, *,
                              **({"token_ids": text.token_ids} if want_ids else {})}],
                 "usage": _usage(len(prompt_ids), text.generated)}))
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        prompt_ids = server.chat_prompt(body)
+        server.check(body)
+        prompt_ids = await server.tokens(server.chat_prompt, body)
         handle = server.prepare(body, prompt_ids, server.default_output_limit(len(prompt_ids)))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         text = IncrementalText(server.tokenizer, body.stop_strings)
@@ -302,6 +344,72 @@ def build_app(engine: EngineClient, tokenizer, model_name: str, *,
                 "usage": _usage(len(prompt_ids), text.generated)}))
 
     return app
+
+
+_KINDS = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}
+
+
+def _error(status: int, message: str, param: str | None, headers=None) -> JSONResponse:
+    kind = _KINDS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return JSONResponse(error_body(message, kind, param, status), status, headers=headers)
+
+
+def _bearer_key(header: str | None) -> str | None:
+    """The key of an 'Authorization: Bearer KEY' header; the scheme is case-insensitive
+    (RFC 7235), so 'bearer KEY' is the same header."""
+    scheme, _, key = (header or "").strip().partition(" ")
+    return key.strip() if scheme.lower() == "bearer" else None
+
+
+class _Gate:
+    """ASGI middleware in front of the routes, run before a byte of the body is read: the API key
+    (so a client without it cannot make the server read or parse anything), then the body's size.
+    A Content-Length over the limit is a 413 at once; a body without one (chunked) is counted as
+    it arrives and refused once it passes the limit, so no request makes the server hold more
+    than `max_body_bytes` of body."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+
+    def _too_large(self) -> str:
+        return (f"body: larger than this server's limit of {self.max_body_bytes} bytes "
+                "(zipage serve --max-body-bytes)")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        if self.api_key is not None and scope["path"].startswith("/v1/"):
+            key = _bearer_key(headers.get("authorization"))
+            if key is None or not secrets.compare_digest(key.encode(), self.api_key.encode()):
+                response = _error(401, "api key: missing or wrong; send the header "
+                                       "'Authorization: Bearer KEY' with the server's key",
+                                  None, headers={"Connection": "close"})
+                await response(scope, receive, send)
+                return
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            # The body is never read: the connection closes after the answer.
+            await _error(413, self._too_large(), None,
+                         headers={"Connection": "close"})(scope, receive, send)
+            return
+        received = 0
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    # FastAPI re-raises its own HTTPException from a body read: the handler
+                    # above answers it.
+                    raise HTTPException(413, self._too_large(), headers={"Connection": "close"})
+            return message
+
+        await self.app(scope, counted, send)
 
 
 async def _complete(server: Server, handle: RequestHandle, text: IncrementalText, respond):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from zipage.errors import ZipageError
 from zipage.flags import add_engine_flags, settings_from_args
+from zipage.serve import DEFAULT_MAX_BODY_BYTES
 
 
 def add_serve_commands(commands) -> None:
@@ -25,7 +26,13 @@ def add_serve_commands(commands) -> None:
                        help="refuse a request with 429 while N requests wait for their first "
                             "token (default: no limit)")
     serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1/ routes")
+                       help="require 'Authorization: Bearer KEY' on /v1/ routes (visible in "
+                            "ps: prefer --api-key-file or $ZIPAGE_API_KEY)")
+    serve.add_argument("--api-key-file", default=None, metavar="PATH",
+                       help="read the API key from the first line of this file")
+    serve.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                       metavar="N", help="refuse a request body larger than N bytes with 413 "
+                                         f"(default {DEFAULT_MAX_BODY_BYTES}, 8 MiB)")
     serve.add_argument("--served-model-name", default=None,
                        help="the name clients use (default: the last part of --model)")
     from zipage.cli import _add_threads_flag, add_graph_flags
@@ -66,12 +73,48 @@ def _require_extra() -> None:
                           "pip install 'zipage[serve]'") from error
 
 
+API_KEY_VARIABLE = "ZIPAGE_API_KEY"
+
+
+def api_key_from(args: argparse.Namespace, environ) -> str | None:
+    """The key from --api-key, --api-key-file or $ZIPAGE_API_KEY (one of them, in that order of
+    precedence for the flags; the variable only when neither flag is given)."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ZipageError("--api-key and --api-key-file: give one of them")
+    if args.api_key_file is not None:
+        try:
+            lines = Path(args.api_key_file).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ZipageError(f"--api-key-file: cannot read {args.api_key_file}: "
+                              f"{getattr(error, 'strerror', None) or error}") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ZipageError(f"--api-key-file: {args.api_key_file} is empty; put the key on "
+                              "its first line")
+        return key
+    if args.api_key is not None:
+        key = args.api_key
+    else:
+        key = environ.get(API_KEY_VARIABLE)
+        if key is None:
+            return None
+    if not key.strip():
+        raise ZipageError(f"{'--api-key' if args.api_key is not None else API_KEY_VARIABLE}: "
+                          "empty; give a key or leave it out")
+    return key.strip()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.model is None:
         raise ZipageError("--model: required; a HF model directory, a .gguf file or "
                           "random:<preset>")
     if args.max_waiting is not None and args.max_waiting < 1:
         raise ZipageError(f"--max-waiting: got {args.max_waiting}, expected >= 1")
+    if args.max_body_bytes < 1:
+        raise ZipageError(f"--max-body-bytes: got {args.max_body_bytes}, expected >= 1")
+    import os
+
+    api_key = api_key_from(args, os.environ)
     _require_extra()
     from zipage.cli import _require_torch
 
@@ -97,7 +140,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(settings.model)  # this process detokenizes
         name = args.served_model_name or Path(settings.model).name  # a path's last part
         app = build_app(engine, tokenizer, name, max_waiting=args.max_waiting,
-                        api_key=args.api_key)
+                        api_key=api_key, max_body_bytes=args.max_body_bytes)
         info, capacity = engine.info, engine.info.capacity
         threads = (f", {info.threads} torch thread{'s' * (info.threads != 1)}"
                    if info.threads is not None else "")

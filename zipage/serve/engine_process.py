@@ -56,7 +56,7 @@ def main(fd: int) -> int:
         _send_quietly(connection, StartupFailed(f"{type(error).__name__}: {error}",
                                                 user_error=False))
         return 1
-    core = EngineCore(engine, connection)
+    core = EngineCore(engine, connection, engine.shape.vocab_size)
     try:
         connection.send(Ready(str(engine.device), engine.config, engine.capacity,
                               engine.shape.vocab_size, core.loop.eos_token_ids, threads))
@@ -85,10 +85,11 @@ def build(setup: Setup):
 class EngineCore:
     """The step loop fed from the socket."""
 
-    def __init__(self, engine, connection: Connection) -> None:
+    def __init__(self, engine, connection: Connection, vocab_size: int) -> None:
         from zipage.engine.loop import EngineLoop
 
         self.connection = connection
+        self.vocab_size = vocab_size
         self.loop = EngineLoop(engine.new_scheduler(), engine.runner,
                                eos_token_ids=eos_token_ids(engine.tokenizer))
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -152,12 +153,25 @@ class EngineCore:
                 self._abort(command.seq_id)
 
     def _add(self, command: Add) -> None:
-        seq = Sequence(command.seq_id, command.prompt_token_ids, command.sampling.max_tokens,
-                       arrival_s=self.loop.now(), sampling=command.sampling,
-                       kv_budget=command.sampling.kv_budget)
-        if not self.loop.add(seq):  # the HTTP side asked the same rule first: rare
-            self.loop.tokens.pop(seq.seq_id, None)
-            self.rejected[seq.seq_id] = seq.error
+        """Queue the request, or refuse it alone. The HTTP side validated it already; this is
+        the engine's own check, because a value that reached a step (a token id outside the
+        vocabulary, a top_k torch cannot hold) would raise there and stop every request."""
+        try:
+            command.sampling.check()
+            ids = command.prompt_token_ids
+            if not ids or min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise ZipageError(f"prompt: token ids must be in 0..{self.vocab_size - 1} and "
+                                  "there must be at least one")
+            seq = Sequence(command.seq_id, ids, command.sampling.max_tokens,
+                           arrival_s=self.loop.now(), sampling=command.sampling,
+                           kv_budget=command.sampling.kv_budget)
+            added = self.loop.add(seq)
+            error = seq.error
+        except Exception as failure:  # noqa: BLE001 - whatever it is, it is this request's
+            added, error = False, f"the engine refused the request: {failure}"
+        if not added:  # the HTTP side asked the same rule first: rare
+            self.loop.tokens.pop(command.seq_id, None)
+            self.rejected[command.seq_id] = error
             self.changed = True
 
     def _abort(self, seq_id: str) -> None:

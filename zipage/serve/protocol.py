@@ -1,16 +1,33 @@
 """The OpenAI API's request bodies (the fields Zipage serves) and its error body.
 
 Types are strict: a string where a number belongs is a 400 naming the field, not a silent
-coercion. Fields the API has and Zipage does not implement are refused by name rather than
-ignored (`n` above 1, `logprobs`, `echo`, `best_of`); fields unknown to the API are ignored, as
+coercion. Every number has its range here (`Field` bounds, finite floats), the same ranges
+`SamplingParams.check` enforces in the engine: a value the sampler or torch cannot take is a 400
+at the door, never an error inside an engine step. Text anywhere in the body must be valid
+Unicode (a lone UTF-16 surrogate such as "\\ud800" cannot be tokenized or written back as UTF-8).
+Fields the API has and Zipage does not implement are refused by name rather than ignored (`n`
+above 1, `logprobs`, `echo`, `best_of`); fields unknown to the API are ignored, as
 OpenAI-compatible servers do.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from zipage.engine.sampler import _SEED_LIMIT, MAX_INT, MAX_TEMPERATURE
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 1000  # characters; each decoded piece is searched for every stop string
+MESSAGE_LIMIT = 500  # characters of an error message: user input in it is cut to fit
+
+
+def short(value: Any, limit: int = 60) -> str:
+    """`repr` of user input for a message, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class ServeError(Exception):
@@ -29,7 +46,44 @@ class ServeError(Exception):
 
 
 def error_body(message: str, kind: str, param: str | None, code: int) -> dict:
+    """OpenAI's error body. The message is cut and made valid UTF-8 whatever went into it (an
+    exception's text can quote the request), so writing the error can never fail too."""
+    message = str(message)
+    if len(message) > MESSAGE_LIMIT:
+        message = message[:MESSAGE_LIMIT] + "..."
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    if param is not None:
+        param = str(param)[:64].encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _unicode_problem(value: Any, path: str, depth: int = 0) -> str | None:
+    """The path of the first string (key or value) in a JSON value that is not valid Unicode."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        return None
+    if depth > 64:  # the JSON parser bounds nesting too; this bounds the walk on its own
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if _unicode_problem(key, path) is not None:
+                return f"{path or 'body'} (a key)"
+            found = _unicode_problem(item, f"{path}.{key}" if path else str(key), depth + 1)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _unicode_problem(item, f"{path}.{index}", depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+Float = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class StreamOptions(BaseModel):
@@ -43,19 +97,39 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # -1 (vLLM's "off") is accepted as 0
-    seed: int | None = None
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    temperature: Float = Field(1.0, ge=0, le=MAX_TEMPERATURE)
+    top_p: Float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1, le=MAX_INT)  # -1 (vLLM's "off") is accepted as 0
+    seed: int | None = Field(None, ge=0, lt=_SEED_LIMIT)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_INT)
     ignore_eos: bool = False  # vLLM's extension: generate through end-of-sequence tokens
-    kv_budget: int | None = None  # extension: this request's KV budget (default: --budget)
+    kv_budget: int | None = Field(None, ge=1, le=MAX_INT)  # extension: this request's KV budget
     logprobs: Any = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_INT)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        path = _unicode_problem(data, "") if isinstance(data, dict) else None
+        if path is not None:
+            raise PydanticCustomError(
+                "invalid_unicode", "{path}: contains a lone UTF-16 surrogate (such as \\ud800), "
+                "which is not valid Unicode; send valid UTF-8 text", {"path": path})
+        return data
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, stop):
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"got {len(strings)} stop strings, at most {MAX_STOP_STRINGS}")
+        if any(not text or len(text) > MAX_STOP_LENGTH for text in strings):
+            raise ValueError(f"each stop string must have 1 to {MAX_STOP_LENGTH} characters")
+        return stop
 
     def check_unsupported(self) -> None:
         if self.n != 1:
@@ -91,11 +165,11 @@ class CompletionRequest(SamplingFields):
         if isinstance(prompt, str) and prompt:
             return prompt
         if (isinstance(prompt, list) and prompt
-                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT
                         for t in prompt)):
             return prompt
-        raise ValueError("expected non-empty text or a non-empty list of token ids (one prompt "
-                         "per request)")
+        raise ValueError(f"expected non-empty text or a non-empty list of token ids in "
+                         f"0..{MAX_INT} (one prompt per request)")
 
 
 class ChatMessage(BaseModel):
@@ -118,7 +192,7 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None  # the newer name of max_tokens
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # max_tokens' newer name
 
     @field_validator("messages")
     @classmethod
@@ -142,6 +216,9 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     location = [part for part in error.get("loc", ()) if part != "body"]
     if error.get("type") == "json_invalid":
         return f"body: not valid JSON ({error.get('ctx', {}).get('error', 'parse error')})", None
+    if error.get("type") == "invalid_unicode":
+        path = error["ctx"]["path"]
+        return error["msg"], None if path.startswith("body") else path.split(".")[0]
     if not location:
         return f"body: {error.get('msg', 'invalid')}; send a JSON object", None
     field = str(location[0])
