@@ -15,7 +15,7 @@ from zipage.core.recorder import Run
 from zipage.core.scheduler import Scheduler
 from zipage.presets import ModelShape, resolve_shape
 from zipage.deployment import (
-    ReplaySettings, dtype_bytes, effective_config, plan_capacity, trace_sequences,
+    ReplaySettings, dtype_bytes, effective_config, iter_trace_sequences, plan_capacity,
 )
 from zipage.rundir import run_summary
 from zipage.trace import Trace
@@ -67,10 +67,11 @@ def simulate(trace: Trace, settings: ReplaySettings, *, progress: bool = False,
     deployment = plan_deployment(settings, contention_factor)
     config = deployment.config
     scheduler = deployment.new_scheduler()
-    sequences = trace_sequences(trace, deployment.shape.vocab_size, need_tokens=False,
-                                scheduler=scheduler,
-                                block_keys=config.block_size if config.prefix_cache else None)
+    sequences = iter_trace_sequences(
+        trace, deployment.shape.vocab_size, need_tokens=False, scheduler=scheduler,
+        block_keys=config.block_size if config.prefix_cache else None, in_arrival_order=True)
     simulator = Simulator(scheduler, deployment.cost_model, check=check,
-                          log_decisions=log_decisions, progress=progress, total=len(sequences))
-    run = simulator.run(sequences)
+                          log_decisions=log_decisions, progress=progress,
+                          total=len(trace.requests))
+    run = simulator.run(sequences, in_arrival_order=True)
     return deployment.summary(run.summary, settings), run

@@ -19,6 +19,8 @@ instant driver's and the real engine's, step for step.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import simpy
 
 from zipage.core.recorder import Run, StepRecorder
@@ -40,7 +42,7 @@ class Simulator:
         self.cost_model = cost_model
         # `total`: requests the progress bar expects (a router that shares one clock knows it).
         self.recorder = StepRecorder(scheduler, check=check, log_decisions=log_decisions,
-                                     progress=progress, total=total)
+                                     progress=progress, total=total, keep_sequences=False)
         self.env = env or simpy.Environment()
         self._completed_batches: list[int] = []
         self._compression_done: simpy.Event | None = None
@@ -48,8 +50,11 @@ class Simulator:
         self._request_arrived: simpy.Event | None = None
         self._closed = False  # no more requests will be submitted
 
-    def run(self, sequences: list[Sequence]) -> Run:
-        arrivals = sorted(sequences, key=lambda seq: seq.arrival_s)
+    def run(self, sequences: Iterable[Sequence], in_arrival_order: bool = False) -> Run:
+        """Replay `sequences`; an iterator already `in_arrival_order` is read lazily, one
+        request at its arrival, so requests not yet arrived take no memory."""
+        arrivals = sequences if in_arrival_order else sorted(sequences,
+                                                             key=lambda seq: seq.arrival_s)
         engine = self.start()
         self.env.process(self._arrivals(arrivals))
         self.env.run(until=engine)
@@ -77,7 +82,7 @@ class Simulator:
 
     # ---- processes ----
 
-    def _arrivals(self, arrivals: list[Sequence]):
+    def _arrivals(self, arrivals: Iterable[Sequence]):
         for seq in arrivals:
             if seq.arrival_s > self.env.now:
                 yield self.env.timeout(seq.arrival_s - self.env.now)

@@ -9,6 +9,7 @@ prompt tokens in the simulator and in the real engine. What a finished run write
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 from zipage.core.config import ZipageConfig, knob
@@ -116,6 +117,12 @@ def effective_config(settings: ReplaySettings, shape: ModelShape) -> ZipageConfi
 def trace_sequences(trace: Trace, vocab_size: int, need_tokens: bool,
                     scheduler: Scheduler | None = None,
                     block_keys: int | None = None) -> list[Sequence]:
+    return list(iter_trace_sequences(trace, vocab_size, need_tokens, scheduler, block_keys))
+
+
+def iter_trace_sequences(trace: Trace, vocab_size: int, need_tokens: bool,
+                         scheduler: Scheduler | None = None, block_keys: int | None = None,
+                         in_arrival_order: bool = False) -> Iterator[Sequence]:
     """One Sequence per trace request; prompt tokens are synthesised only when needed (the
     engine feeds them to the model), and never for a request that `scheduler` will reject: a
     prompt that can never fit (10^9 tokens) then fails alone at admission with its reason,
@@ -124,9 +131,14 @@ def trace_sequences(trace: Trace, vocab_size: int, need_tokens: bool,
     `block_keys`: the block size of a prefix cache that needs only which blocks are equal (the
     simulator): each request gets its blocks' keys instead of tokens (`prompt_block_keys`), equal
     exactly where the tokens would be, so the core makes the same decisions as on the engine's
-    token hashes, without a token in memory."""
-    sequences = []
-    for request in trace.requests:
+    token hashes, without a token in memory.
+
+    `in_arrival_order`: yield them by arrival time (the trace order among equal times), each
+    built only when asked for, so a lazy driver holds only the requests that have arrived."""
+    requests = trace.requests
+    if in_arrival_order:
+        requests = sorted(requests, key=lambda request: request.arrival_s)
+    for request in requests:
         seq = Sequence(request.id, None, request.output_len, arrival_s=request.arrival_s,
                        prompt_len=request.prompt_len, kv_budget=request.kv_budget)
         if scheduler is None or scheduler.rejection_reason(seq) is None:
@@ -134,8 +146,7 @@ def trace_sequences(trace: Trace, vocab_size: int, need_tokens: bool,
                 seq.prompt_token_ids = prompt_token_ids(request, vocab_size=vocab_size)
             elif block_keys is not None:
                 seq.prompt_block_hashes = _block_keys(request, block_keys, vocab_size)
-        sequences.append(seq)
-    return sequences
+        yield seq
 
 
 def _block_keys(request, block_size: int, vocab_size: int) -> list[int]:

@@ -14,7 +14,8 @@ from zipage.core.step import StepPlan, StepResult
 from zipage.core.sequence import Sequence, SequenceStatus
 
 
-@dataclass
+# Slots: a day of traffic keeps millions of these.
+@dataclass(slots=True)
 class StepRecord:
     step_id: int
     t_start: float
@@ -45,7 +46,7 @@ class StepRecord:
     decode_max_context: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestRecord:
     id: str
     arrival: float

@@ -39,8 +39,14 @@ class Run:
 
 class StepRecorder:
     def __init__(self, scheduler: Scheduler, *, check: bool = False, log_decisions: bool = False,
-                 progress: bool = False, total: int | None = None) -> None:
+                 progress: bool = False, total: int | None = None,
+                 keep_sequences: bool = True) -> None:
         self.scheduler = scheduler
+        # Without a checker (which reads every finished request at the end) and when the driver
+        # does not hand finished sequences to anybody, each becomes its record as it finishes
+        # and is dropped: memory follows the requests in flight, not the trace.
+        self.keep_sequences = keep_sequences or check
+        self._records: list[RequestRecord] = []
         self.checker = InvariantChecker(scheduler) if check else None
         self.log_decisions = log_decisions
         self.decision_log: list[str] = []
@@ -75,11 +81,15 @@ class StepRecorder:
         scheduler = self.scheduler
         finished_before = len(scheduler.finished)
         scheduler.finish(result)
+        newly_finished = len(scheduler.finished) - finished_before
+        if not self.keep_sequences:
+            self._records += request_records(scheduler.finished)
+            scheduler.finished.clear()
         self._stopped |= result.stopped
         self.metrics.record_step(plan, result)
         if self.checker:
             self.checker.after_finish()
-        self._advance(len(scheduler.finished) - finished_before)
+        self._advance(newly_finished)
 
     def result(self, tokens: dict[str, list[int]] | None = None) -> Run:
         """Close the run: final checks, per-request records and the summary."""
@@ -90,7 +100,8 @@ class StepRecorder:
         if self.checker:
             # Only requests the engine stopped at an EOS may end short of their output length.
             self.checker.at_end(self._stopped)
-        requests = request_records(scheduler.finished + scheduler.rejected + scheduler.aborted)
+        requests = self._records + request_records(
+            scheduler.finished + scheduler.rejected + scheduler.aborted)
         summary = summarize(self.metrics.steps, requests)
         summary["wall_s"] = time.perf_counter() - self._started
         return Run(summary, self.metrics.steps, requests, self.decision_log, tokens or {})
