@@ -61,3 +61,58 @@ def test_an_extra_positional_argument_is_named(capsys):
     status, _, err = run(capsys, "replay", TINY, TINY)
     assert status == 2
     assert "unexpected argument" in one_line(err)
+
+
+# ---------------------------------------------------------------- --kv-memory-gb
+
+@pytest.mark.parametrize("gigabytes", ["1e9", "5000", "64"])
+def test_the_simulator_refuses_more_cache_memory_than_the_gpu_has(capsys, gigabytes):
+    """64 GiB + Qwen3-8B's 15.3 GiB of weights exceed an H100's 79.1 GiB; 1e9 used to reach
+    the block manager's allocation (MemoryError), 5000 used to be simulated."""
+    status, out, err = run(capsys, "replay", TINY, "--hardware", "h100",
+                           "--kv-memory-gb", gigabytes)
+    line = one_line(err)
+    assert status == 2 and not out
+    assert line.startswith("zipage: error: --kv-memory-gb:") and "h100-80gb" in line, line
+    assert "give at most 63.9" in line
+
+
+def test_cache_memory_that_fits_next_to_the_weights_is_planned(capsys):
+    status, _, err = run(capsys, "replay", TINY, "--hardware", "h100", "--kv-memory-gb", "60",
+                         "--json")
+    assert status == 0, err
+
+
+def test_tensor_parallel_checks_the_weights_of_one_gpu():
+    shape = resolve_shape("qwen3-32b")  # 30.5 GiB of weights per GPU at TP=2
+    gpu = int(79.11 * 1024**3)
+    plan_capacity(ReplaySettings(model="qwen3-32b", tensor_parallel=2, kv_memory_gb=45), shape,
+                  gpu)
+    with pytest.raises(MemoryPlanError, match="30.5 GiB per GPU"):
+        plan_capacity(ReplaySettings(model="qwen3-32b", tensor_parallel=2, kv_memory_gb=50),
+                      shape, gpu)
+
+
+def test_the_engine_checks_cache_memory_against_the_devices_total(monkeypatch):
+    """The engine's planning path on a GPU, with torch's memory query mocked: an 80 GB device
+    refuses --kv-memory-gb 5000 before any cache is allocated."""
+    torch = pytest.importorskip("torch")
+    from zipage.engine import llm
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=int(79.11 * 1024**3)))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    settings = ReplaySettings(model="qwen3-8b", kv_memory_gb=5000)
+    settings, total, name = llm.device_memory(settings, torch.device("cuda"))
+    assert total == int(79.11 * 1024**3)
+    with pytest.raises(MemoryPlanError, match=r"--kv-memory-gb: got 5000, but the GPU "
+                                              r"\(NVIDIA H100 80GB HBM3\) has 79.1 GiB"):
+        plan_capacity(settings, resolve_shape("qwen3-8b"), total, name)
+
+
+def test_the_cpu_engine_checks_cache_memory_against_the_host(capsys):
+    pytest.importorskip("torch")
+    status, _, err = run(capsys, "replay", TINY, "--engine", "cpu", "--model",
+                         "random:smollm2-135m", "--kv-memory-gb", "1e9")
+    line = one_line(err)
+    assert status == 2 and "--kv-memory-gb: got 1e+09, but this host's memory has" in line
