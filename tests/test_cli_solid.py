@@ -116,3 +116,43 @@ def test_the_cpu_engine_checks_cache_memory_against_the_host(capsys):
                          "random:smollm2-135m", "--kv-memory-gb", "1e9")
     line = one_line(err)
     assert status == 2 and "--kv-memory-gb: got 1e+09, but this host's memory has" in line
+
+
+# ---------------------------------------------------------------- zipage plan
+
+def test_an_off_multiple_budget_is_an_infeasible_row_and_the_others_run(capsys, tmp_path):
+    status, out, err = run(capsys, "plan", TINY, "--hardware", "h200", "--budget", "1000,2048",
+                           "--workers", "1", "--no-cache", "--no-progress", "--out",
+                           str(tmp_path))
+    assert status == 0, err
+    assert "infeasible points: 1" in out
+    assert ("h200-141gb budget 1000, block 256, hybrid on, 1 replica: kv_budget: got 1000, "
+            "expected a positive multiple of block_size 256") in out
+    rows = list(csv.DictReader((tmp_path / "results.csv").open()))
+    assert [(row["budget"], row["status"]) for row in rows] == [("2048", "ok"),
+                                                                 ("1000", "infeasible")]
+
+
+def test_a_grid_without_one_valid_budget_is_refused(capsys):
+    status, _, err = run(capsys, "plan", TINY, "--hardware", "h200", "--budget", "1000",
+                         "--workers", "1", "--no-cache")
+    assert status == 2 and "kv_budget: got 1000" in one_line(err)
+
+
+def test_a_full_kv_plan_is_labelled_full_kv(capsys, tmp_path):
+    status, out, err = run(capsys, "plan", TINY, "--no-compress", "--hardware", "h100,a100",
+                           "--workers", "1", "--no-cache", "--no-progress", "--out",
+                           str(tmp_path))
+    assert status == 0, err
+    assert "2048" not in out and "hybrid on" not in out and "vs KV budget" not in out, out
+    assert "best per GPU" in out and "Full KV" in out
+    table = out[out.index("ranked by"):out.index("infeasible points")]
+    assert all("Full KV" in line for line in table.splitlines()[2:] if line.strip()), table
+    assert (tmp_path / "pareto.png").stat().st_size > 0
+
+
+def test_a_full_kv_plan_refuses_budget_axes(capsys):
+    status, _, err = run(capsys, "plan", TINY, "--no-compress", "--budget", "1024,2048",
+                         "--hybrid", "on,off", "--workers", "1", "--no-cache")
+    line = one_line(err)
+    assert status == 2 and line.startswith("zipage: error: --budget, --hybrid: --no-compress")
