@@ -5,8 +5,9 @@
 h100,h200`, `--budget 1024,2048`, `--budget-policy fixed,elastic`, `--hybrid on,off`, `--replicas
 1..4`, `--rate offline,5,10`).
 The handler prints the ranked table, the infeasible points with their reasons and the Pareto
-front of the objective against the budget per GPU; `--out DIR` writes results.csv,
-results.parquet (when pandas has a Parquet engine) and pareto.png.
+front of the objective against the budget per GPU (with `--no-compress`, Full KV, which has no
+budget: the best point per GPU); `--out DIR` writes results.csv, results.parquet (when pandas
+has a Parquet engine) and pareto.png.
 """
 
 from __future__ import annotations
