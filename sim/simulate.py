@@ -53,7 +53,7 @@ def plan_deployment(settings: ReplaySettings,
     shape = resolve_shape(settings.model)
     gpu = get_hardware(settings.hardware)
     config = effective_config(settings, shape)
-    capacity = plan_capacity(settings, shape, gpu.memory_bytes)
+    capacity = plan_capacity(settings, shape, gpu.memory_bytes, f"the {gpu.name}")
     knobs = {} if contention_factor is None else {"contention_factor": contention_factor}
     cost_model = load_cost_model(
         settings.cost_model, shape, gpu, dtype_bytes=dtype_bytes(settings.dtype),

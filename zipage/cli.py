@@ -633,7 +633,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        print(f"zipage: error: {unknown_arguments(parser, args, unknown)}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         return args.handler(args)
     except ZipageError as error:
@@ -655,6 +659,43 @@ def main(argv: list[str] | None = None) -> int:
         _close_progress_bars()
         print(f"zipage: error: {error.filename}: {error.strerror or error}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def unknown_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                      unknown: list[str]) -> str:
+    """One line naming the first argument the subcommand does not take and, for a mistyped flag,
+    the subcommand's closest flags: argparse would print the top-level usage, which names no
+    flag of the subcommand at all."""
+    import difflib
+
+    command = _subcommand_parser(parser, args)
+    flags = [item for item in unknown if item.startswith("-") and item != "-"]
+    first = (flags or unknown)[0]
+    others = len(flags) - 1
+    more = f" (and {others} more)" if others > 0 else ""
+    if first not in flags:
+        return (f"{command.prog}: unexpected argument {first!r}{more}; "
+                f"`{command.prog} --help` lists what it takes")
+    flag = first.split("=", 1)[0]
+    options = sorted({option for action in command._actions for option in action.option_strings
+                      if action.help != argparse.SUPPRESS})
+    close = difflib.get_close_matches(flag, options, n=2, cutoff=0.7)
+    hint = (f"did you mean {' or '.join(close)}?" if close
+            else f"`{command.prog} --help` lists its flags")
+    return f"{command.prog}: unknown flag {flag}{more}; {hint}"
+
+
+def _subcommand_parser(parser: argparse.ArgumentParser,
+                       args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost (sub)command parser the arguments selected: `zipage trace make`'s for
+    `zipage trace make ...`."""
+    while True:
+        subcommands = next((action for action in parser._actions
+                            if isinstance(action, argparse._SubParsersAction)), None)
+        chosen = getattr(args, subcommands.dest, None) if subcommands is not None else None
+        if chosen is None:
+            return parser
+        parser = subcommands.choices[chosen]
 
 
 if __name__ == "__main__":

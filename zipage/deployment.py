@@ -13,10 +13,12 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 from zipage.core.config import ZipageConfig, knob
-from zipage.core.memory import DTYPE_BYTES, GIB, MemoryPlan, available_kv_bytes, plan_memory
+from zipage.core.memory import (
+    DTYPE_BYTES, GIB, MemoryPlan, available_kv_bytes, plan_memory, weight_bytes,
+)
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
-from zipage.errors import ConfigError
+from zipage.errors import ConfigError, MemoryPlanError
 from zipage.presets import ModelShape
 from zipage.core.block_manager import prompt_block_hashes
 from zipage.trace import Trace, prompt_block_keys, prompt_token_ids
@@ -87,23 +89,45 @@ def dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES[dtype]
 
 
-def plan_capacity(settings: ReplaySettings, shape: ModelShape,
-                  gpu_memory_bytes: int | None) -> MemoryPlan:
+def plan_capacity(settings: ReplaySettings, shape: ModelShape, gpu_memory_bytes: int | None,
+                  device: str = "the GPU") -> MemoryPlan:
     """Blocks and query slots for these settings (docs/architecture.md, 'Memory planning').
 
     `--kv-memory-gb` fixes the cache memory exactly (what makes a simulated and a real run plan
     the same capacity); otherwise the caches get what the GPU has left after weights and
-    activations at the given utilisation.
+    activations at the given utilisation. `gpu_memory_bytes` is the memory of one GPU (the
+    hardware table's in the simulator, the device's in the engine; `--gpu-memory-gb` replaces
+    it) or None where there is none to check against; `device` names it in errors.
     """
     element = dtype_bytes(settings.dtype)
+    if settings.gpu_memory_gb is not None:
+        gpu_memory_bytes = int(settings.gpu_memory_gb * GIB)
     if settings.kv_memory_gb is not None:
         available = int(settings.kv_memory_gb * GIB)
+        if gpu_memory_bytes is not None:
+            check_kv_memory(settings, shape, gpu_memory_bytes, device)
     else:
-        if settings.gpu_memory_gb is not None:
-            gpu_memory_bytes = int(settings.gpu_memory_gb * GIB)
         available = available_kv_bytes(shape, gpu_memory_bytes, settings.gpu_memory_utilization,
                                        element, settings.tensor_parallel)
     return plan_memory(shape, settings.config, available, element, settings.tensor_parallel)
+
+
+def check_kv_memory(settings: ReplaySettings, shape: ModelShape, gpu_memory_bytes: int,
+                    device: str = "the GPU") -> None:
+    """Refuse a `--kv-memory-gb` that cannot exist next to the weights on one GPU, before the
+    planner turns it into a block count nothing could allocate (10^9 GiB would be 10^11 blocks).
+    Activations are not counted: the check refuses the impossible, the engine's own allocation
+    refuses the merely too tight."""
+    weights = weight_bytes(shape, dtype_bytes(settings.dtype), settings.tensor_parallel)
+    wanted = settings.kv_memory_gb * GIB
+    if wanted + weights > gpu_memory_bytes:
+        room = max(0, gpu_memory_bytes - weights) / GIB
+        per_gpu = " per GPU" if settings.tensor_parallel > 1 else ""
+        raise MemoryPlanError(
+            f"--kv-memory-gb: got {settings.kv_memory_gb:g}, but {device} has "
+            f"{gpu_memory_bytes / GIB:.1f} GiB and {shape.name}'s weights take "
+            f"{weights / GIB:.1f} GiB{per_gpu}; give at most {room:.1f} (less what activations "
+            "need), or leave it out for the default")
 
 
 def effective_config(settings: ReplaySettings, shape: ModelShape) -> ZipageConfig:

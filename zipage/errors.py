@@ -1,8 +1,12 @@
 """User-facing errors.
 
-Every mistake a user can make (bad trace, bad config, a prompt that can never fit, infeasible
-memory) raises a `ZipageError` subclass whose message names the field and the fix. The CLI prints
-the message without a traceback and exits with status 2; anything else is a bug in Zipage.
+Every mistake a user can make (bad trace, bad config, bad model, infeasible memory) raises a
+`ZipageError` subclass whose message names the field and the fix. The CLI prints the message
+without a traceback and exits with status 2; anything else is a bug in Zipage.
+
+A request that can never be served under the configuration (a prompt longer than
+--max-model-len, or needing more blocks than exist) is not an error of the run: it fails alone
+with its reason (`Sequence.error`, requests.csv) while the others run, and the CLI exits 3.
 """
 
 
@@ -20,10 +24,6 @@ class MemoryPlanError(ZipageError):
 
 class TraceError(ZipageError):
     """A trace file is malformed: the message names the request and the field."""
-
-
-class RequestRejected(ZipageError):
-    """One request can never be served under this configuration; the others still run."""
 
 
 class UnknownModelError(ZipageError):

@@ -5,8 +5,9 @@
 h100,h200`, `--budget 1024,2048`, `--budget-policy fixed,elastic`, `--hybrid on,off`, `--replicas
 1..4`, `--rate offline,5,10`).
 The handler prints the ranked table, the infeasible points with their reasons and the Pareto
-front of the objective against the budget per GPU; `--out DIR` writes results.csv,
-results.parquet (when pandas has a Parquet engine) and pareto.png.
+front of the objective against the budget per GPU (with `--no-compress`, Full KV, which has no
+budget: the best point per GPU); `--out DIR` writes results.csv, results.parquet (when pandas
+has a Parquet engine) and pareto.png.
 """
 
 from __future__ import annotations
@@ -144,10 +145,16 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
                           "memory replaces the utilisation axis)")
     # The base settings hold every knob that is not searched; axis values replace theirs per point.
     base = settings_from_args(args, axes=PLAN_AXES)
+    if not base.config.compress:
+        given = [flag for flag, values in (("--budget", budgets), ("--hybrid", hybrid),
+                                           ("--budget-policy", policies)) if values is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)}: --no-compress plans Full KV, which keeps "
+                              "every token (no budget, no query slots to schedule around); drop "
+                              f"{' and '.join(given)}, or drop --no-compress to search them")
     utilizations = utilizations or [base.gpu_memory_utilization]
-    base = replace(base, gpu_memory_utilization=utilizations[0], config=replace(
-        base.config, kv_budget=(budgets or [base.config.kv_budget])[0],
-        block_size=(block_sizes or [base.config.block_size])[0]))
+    base = replace(base, gpu_memory_utilization=utilizations[0], config=_base_config(
+        base.config, budgets or [base.config.kv_budget], block_sizes or [base.config.block_size]))
     rates = parse_rates(args.rate) if args.rate is not None else [None]
     slo = SLO(args.slo_ttft_p90, args.slo_tpot_p99)
     start = rates[0] if args.objective == MAX_RATE and len(rates) == 1 else None
@@ -161,6 +168,24 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
         arrivals=args.arrivals, arrival_seed=args.arrival_seed, burst_size=args.burst_size,
         objective=args.objective, slo=slo,
         search=replace(RateSearch(), start_qps=start, tolerance=args.rate_tolerance))
+
+
+def _base_config(config, budgets: list[int], block_sizes: list[int]):
+    """The fixed knobs with the first budget and block size they accept together: the other
+    knobs are checked against a real point (a --window needs its block size), while a
+    combination the config refuses (a budget off the block size's multiples) stays one
+    infeasible row of the search rather than aborting it. When none is accepted, the first
+    one's error says why."""
+    from zipage.errors import ZipageError
+
+    first_error = None
+    for budget in budgets:
+        for block_size in block_sizes:
+            try:
+                return replace(config, kv_budget=budget, block_size=block_size)
+            except ZipageError as error:
+                first_error = first_error or error
+    raise first_error
 
 
 # ---------------------------------------------------------------- parsing comma lists
@@ -216,6 +241,7 @@ def describe_grid(spec: PlanSpec) -> str:
 
 def format_report(result: PlanResult, spec: PlanSpec, top: int = 20) -> str:
     rows = result.rows
+    full_kv = not spec.base.config.compress
     ranked = [row for row in rows if row["status"] != "infeasible"]
     infeasible = [row for row in rows if row["status"] == "infeasible"]
     columns = _table_columns(spec)
@@ -230,18 +256,21 @@ def format_report(result: PlanResult, spec: PlanSpec, top: int = 20) -> str:
     lines.append("")
     lines.append(f"infeasible points: {len(infeasible)}")
     for row in infeasible:
-        lines.append(f"  {_describe_point(row)}: {row['reason']}")
+        lines.append(f"  {_describe_point(row, full_kv)}: {row['reason']}")
     lines.append("")
     front = result.pareto
-    lines.append(f"Pareto front, {OBJECTIVE_LABELS[spec.objective]} vs KV budget "
+    lines.append(f"best per GPU, {OBJECTIVE_LABELS[spec.objective]} (Full KV: no budget to "
+                 "trade against accuracy):" if full_kv else
+                 f"Pareto front, {OBJECTIVE_LABELS[spec.objective]} vs KV budget "
                  f"(higher budget = more accurate), per GPU:")
     if not front:
         lines.append("  (empty: no point meets the SLOs)" if spec.slo.active else
                      "  (empty: no feasible point)")
-    pareto_columns = [("gpu", lambda row: row["hardware"]), ("budget", lambda row: row["budget"]),
+    pareto_columns = [("gpu", lambda row: row["hardware"]),
+                      ("budget", lambda row: _budget(row, full_kv)),
                       (_objective_header(spec), lambda row: _number(row["objective_value"])),
                       ("rank", lambda row: row["rank"]),
-                      ("deployment", _describe_deployment)]
+                      ("deployment", lambda row: _describe_deployment(row, full_kv))]
     lines += format_table([header for header, _ in pareto_columns],
                           [[cell(row) for _, cell in pareto_columns] for row in front])
     return "\n".join(lines)
@@ -264,12 +293,13 @@ def format_table(headers: list[str], rows: list[list]) -> list[str]:
 
 
 def _table_columns(spec: PlanSpec) -> list[tuple[str, object]]:
+    full_kv = not spec.base.config.compress
     columns = [("#", lambda row: row["rank"]), ("gpu", lambda row: row["hardware"]),
-               ("budget", lambda row: row["budget"])]
+               ("budget", lambda row: _budget(row, full_kv))]
     if len(spec.budget_policies) > 1:
         columns.append(("policy", lambda row: row["budget_policy"]))
     columns += [("block", lambda row: row["block_size"]),
-               ("hybrid", lambda row: "on" if row["hybrid"] else "off"),
+               ("hybrid", lambda row: "-" if full_kv else "on" if row["hybrid"] else "off"),
                ("replicas", lambda row: row["replicas"])]
     if spec.kv_memory_gb is not None:
         columns.append(("kv GiB", lambda row: f"{row['kv_memory_gb']:g}"))
@@ -307,9 +337,16 @@ def _describe_slo(slo: SLO) -> str:
     return ", ".join(parts)
 
 
-def _describe_deployment(row: dict) -> str:
-    policy = ["elastic budget"] if row.get("budget_policy") == "elastic" else []
-    parts = [*policy, f"block {row['block_size']}", f"hybrid {'on' if row['hybrid'] else 'off'}",
+def _budget(row: dict, full_kv: bool) -> str | int:
+    return "Full KV" if full_kv else row["budget"]
+
+
+def _describe_deployment(row: dict, full_kv: bool = False) -> str:
+    """The point's settings besides the GPU and budget; Full KV has no hybrid mode (no query
+    slots) and no budget policy."""
+    policy = ["elastic budget"] if row.get("budget_policy") == "elastic" and not full_kv else []
+    mode = [] if full_kv else [f"hybrid {'on' if row['hybrid'] else 'off'}"]
+    parts = [*policy, f"block {row['block_size']}", *mode,
              f"{row['replicas']} replica{'s' if row['replicas'] > 1 else ''}"]
     if row["kv_memory_gb"] is not None:
         parts.append(f"{row['kv_memory_gb']:g} GiB kv")
@@ -318,8 +355,9 @@ def _describe_deployment(row: dict) -> str:
     return ", ".join(parts)
 
 
-def _describe_point(row: dict) -> str:
-    return f"{row['hardware']} budget {row['budget']}, {_describe_deployment(row)}"
+def _describe_point(row: dict, full_kv: bool = False) -> str:
+    budget = "Full KV" if full_kv else f"budget {row['budget']}"
+    return f"{row['hardware']} {budget}, {_describe_deployment(row, full_kv)}"
 
 
 def _number(value: float | None) -> str:
@@ -396,6 +434,12 @@ def plot_pareto(result: PlanResult, spec: PlanSpec, path: Path) -> None:
 
     figure, axes = plt.subplots(figsize=(7, 4.5), dpi=120)
     ok_rows = [row for row in result.rows if row["status"] == OK]
+    if not spec.base.config.compress:
+        _plot_per_gpu(axes, ok_rows, spec)
+        figure.tight_layout()
+        figure.savefig(path)
+        plt.close(figure)
+        return
     budgets = sorted({row["budget"] for row in result.rows})
     for index, hardware in enumerate(spec.hardware):
         color = f"C{index}"
@@ -422,3 +466,26 @@ def plot_pareto(result: PlanResult, spec: PlanSpec, path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
+
+
+def _plot_per_gpu(axes, ok_rows: list[dict], spec: PlanSpec) -> None:
+    """Full KV has no budget axis: every point meeting the SLOs over its GPU, the best one of
+    each GPU marked."""
+    for index, hardware in enumerate(spec.hardware):
+        values = [row["objective_value"] for row in ok_rows
+                  if row["hardware"] == hardware and math.isfinite(row["objective_value"])]
+        axes.scatter([index] * len(values), values, color=f"C{index}", alpha=0.35, s=18)
+        if values:
+            axes.scatter([index], [max(values)], color=f"C{index}", marker="o", s=40,
+                         label=f"{hardware} (best)")
+    axes.set_xticks(range(len(spec.hardware)), spec.hardware)
+    axes.set_xlim(-0.5, len(spec.hardware) - 0.5)
+    axes.set_xlabel("GPU")
+    axes.set_ylabel(OBJECTIVE_LABELS[spec.objective])
+    title = "Full KV (no compression): " + OBJECTIVE_LABELS[spec.objective] + " per GPU"
+    if spec.slo.active:
+        title += f"\nSLOs: {_describe_slo(spec.slo)}"
+    axes.set_title(title, fontsize=10)
+    axes.grid(True, alpha=0.3)
+    if ok_rows:
+        axes.legend(fontsize=8)

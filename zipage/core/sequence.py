@@ -128,11 +128,6 @@ class Sequence:
         return self.steady_epoch == epoch and self._steady_since is not None
 
     @property
-    def is_finished(self) -> bool:
-        return self.status in (SequenceStatus.FINISHED, SequenceStatus.REJECTED,
-                               SequenceStatus.ABORTED)
-
-    @property
     def remaining_output_tokens(self) -> int:
         return self.max_output_tokens - self.num_output_tokens
 

@@ -85,10 +85,6 @@ class CompressionBatch:
     batch_id: int
     jobs: list[CompressionJob]
 
-    @property
-    def total_blocks(self) -> int:
-        return sum(job.num_source_blocks for job in self.jobs)
-
 
 @dataclass
 class StepPlan:
@@ -130,10 +126,6 @@ class StepPlan:
     @property
     def num_prefill_tokens(self) -> int:
         return sum(item.num_new_tokens for item in self.prefill)
-
-    @property
-    def is_idle(self) -> bool:
-        return self.kind == IDLE
 
     @property
     def compressions(self) -> list[CompressionJob]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from difflib import get_close_matches
+import os
 
 import torch
 
@@ -105,13 +106,8 @@ def build_engine(settings: ReplaySettings, device: str | None = None,
         return build_parallel_engine(settings, device, dtype, cuda_graphs, prefill_graphs)
     model, shape, tokenizer = load_model(settings.model, dtype, device)
     config = effective_config(settings, shape)
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-    else:
-        total = None
-        if settings.kv_memory_gb is None:
-            settings = replace(settings, kv_memory_gb=CPU_KV_MEMORY_GB)
-    capacity = plan_capacity(settings, shape, total)
+    settings, total, name = device_memory(settings, device)
+    capacity = plan_capacity(settings, shape, total, name)
     if device.type == "cuda":
         _check_fits(capacity, device)
     # Fail fast on a capacity the core would refuse, before allocating caches for it.
@@ -122,6 +118,23 @@ def build_engine(settings: ReplaySettings, device: str | None = None,
         # Compile and allocate now, not inside the first requests' time to first token.
         warm_up(runner, capacity.num_blocks)
     return Engine(model, shape, tokenizer, config, capacity, runner, device)
+
+
+def device_memory(settings: ReplaySettings, device: torch.device
+                  ) -> tuple[ReplaySettings, int | None, str]:
+    """The memory `plan_capacity` plans and checks `--kv-memory-gb` against, and its name: the
+    GPU's total memory (what the simulator's hardware table holds), or on the CPU this host's
+    physical memory, with the CPU engine's default cache size where none was given."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return settings, total, f"the GPU ({torch.cuda.get_device_name(device)})"
+    if settings.kv_memory_gb is None:
+        settings = replace(settings, kv_memory_gb=CPU_KV_MEMORY_GB)
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):  # not a POSIX host: nothing to check against
+        total = None
+    return settings, total, "this host's memory"
 
 
 def _check_fits(capacity: MemoryPlan, device: torch.device) -> None:

@@ -64,23 +64,17 @@ class TensorParallelError(ZipageError):
 def build_parallel_engine(settings, device: torch.device, dtype: torch.dtype, cuda_graphs: bool,
                           prefill_graphs: bool = False):
     """The `Engine` of `build_engine` for `settings.tensor_parallel` > 1 ranks."""
-    from zipage.engine.llm import CPU_KV_MEMORY_GB, Engine, _check_fits
+    from zipage.engine.llm import Engine, _check_fits, device_memory
     from zipage.core.scheduler import Scheduler
     from zipage.deployment import effective_config, plan_capacity
-    from dataclasses import replace
 
     world = settings.tensor_parallel
     shape = full_shape(settings.model)
     check_tensor_parallel(shape, world)
     devices = rank_devices(device, world)
     config = effective_config(settings, shape)
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(devices[0]).total_memory
-    else:
-        total = None
-        if settings.kv_memory_gb is None:
-            settings = replace(settings, kv_memory_gb=CPU_KV_MEMORY_GB)
-    capacity = plan_capacity(settings, shape, total)  # per GPU: heads divided by the ranks
+    settings, total, name = device_memory(settings, devices[0])
+    capacity = plan_capacity(settings, shape, total, name)  # per GPU: heads divided by the ranks
     Scheduler(config, capacity.num_blocks, capacity.num_query_slots)
     if device.type == "cuda":
         _check_fits(capacity, devices[0])

@@ -2,8 +2,8 @@
 
 Why a process of its own: on a thread of the server process the engine loop shared the GIL with
 the HTTP event loop (request parsing, detokenization, SSE writes), and on an H200 every decode
-step took ~30 % longer than offline (TPOT p50 16.8 vs 13.0 ms, docs/BENCHMARKS.md section 9). Here
-the step loop runs alone on its interpreter, as `zipage replay --gpu` runs it.
+step took ~30 % longer than offline (TPOT p50 16.8 vs 13.0 ms, docs/BENCHMARKS.md,
+'Changelog'). Here the step loop runs alone on its interpreter, as `zipage replay --gpu` runs it.
 
 `EngineClient.start` runs `python -m zipage.serve.engine_process FD` (FD: this side of a socket
 pair). The process builds the engine from the `Setup` it receives and answers `Ready`, or
