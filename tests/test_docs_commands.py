@@ -237,6 +237,8 @@ class Workspace:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         shutil.copytree(ROOT / "traces", directory / "traces")
+        # The production-format samples the docs import and replay.
+        shutil.copytree(ROOT / "tests" / "fixtures", directory / "tests" / "fixtures")
         for name, content in FILES.items():
             (directory / name).write_text(content)
         self.env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
