@@ -31,7 +31,7 @@ import xxhash
 
 from zipage.errors import ConfigError, ZipageError
 from zipage.deployment import ReplaySettings
-from zipage.trace import ARRIVAL_PATTERNS, Trace, stamp_arrivals
+from zipage.trace import ARRIVAL_PATTERNS, Trace, scale_arrivals, stamp_arrivals
 
 TPS = "tps"
 TPS_PER_DOLLAR = "tps-per-dollar"
@@ -61,7 +61,7 @@ METRIC_KEYS = (
 RESULT_COLUMNS = [
     "rank", "status", "reason", "hardware", "budget", "budget_policy", "block_size", "hybrid",
     "replicas",
-    "routing", "kv_memory_gb", "gpu_memory_utilization", "rate_qps", "objective",
+    "routing", "kv_memory_gb", "gpu_memory_utilization", "rate_qps", "speedup", "objective",
     "objective_value", "pareto", "tps", "tps_per_dollar", "max_rate_qps", "gpus",
     "price_per_hour_usd", *[key for key in METRIC_KEYS if key != "tps"], "simulations", "key",
 ]
@@ -73,15 +73,21 @@ class SLO:
 
     ttft_p90_s: float | None = None
     tpot_p99_ms: float | None = None
+    ttft_p99_s: float | None = None
 
     @property
     def active(self) -> bool:
-        return self.ttft_p90_s is not None or self.tpot_p99_ms is not None
+        return any(value is not None for value in self.targets())
+
+    def targets(self) -> tuple[float | None, ...]:
+        return (self.ttft_p90_s, self.tpot_p99_ms, self.ttft_p99_s)
 
     def violations(self, metrics: dict) -> list[str]:
         found = []
         if self.ttft_p90_s is not None and metrics["ttft_p90_s"] > self.ttft_p90_s:
             found.append(f"TTFT p90 {metrics['ttft_p90_s']:.3g} s > {self.ttft_p90_s:g} s")
+        if self.ttft_p99_s is not None and metrics["ttft_p99_s"] > self.ttft_p99_s:
+            found.append(f"TTFT p99 {metrics['ttft_p99_s']:.3g} s > {self.ttft_p99_s:g} s")
         if self.tpot_p99_ms is not None and metrics["tpot_p99_ms"] > self.tpot_p99_ms:
             found.append(f"TPOT p99 {metrics['tpot_p99_ms']:.3g} ms > {self.tpot_p99_ms:g} ms")
         return found
@@ -101,7 +107,9 @@ class RateSearch:
 @dataclass(frozen=True)
 class PlanPoint:
     """One deployment: the axis values on top of the base settings, how many engines, and the
-    arrivals. `rate_qps` None replays the trace's own arrival times (all 0 for an offline trace).
+    arrivals. `rate_qps` None replays the trace's own arrival times (all 0 for an offline trace),
+    divided by `speedup` when it is set (a production trace played faster: its own burstiness,
+    more load).
     """
 
     base: ReplaySettings
@@ -118,6 +126,7 @@ class PlanPoint:
     arrival_seed: int = 0
     burst_size: int = 8
     budget_policy: str = "fixed"
+    speedup: float | None = None
 
     def settings(self) -> ReplaySettings:
         """The settings of one engine; raises `ConfigError` for an invalid combination (a
@@ -140,13 +149,15 @@ class PlanPoint:
             "kv_memory_gb": self.kv_memory_gb,
             "gpu_memory_utilization": (None if self.kv_memory_gb is not None
                                        else self.gpu_memory_utilization),
-            "rate_qps": self.rate_qps,
+            "rate_qps": self.rate_qps, "speedup": self.speedup,
         }
 
     def key_fields(self) -> dict:
         """Everything of the point an outcome depends on, for the cache key."""
         values = dataclasses.asdict(self)
         values["base"] = self.base.to_dict()
+        if values["speedup"] is None:  # points from before the axis keep their cache keys
+            del values["speedup"]
         return values
 
 
@@ -168,6 +179,7 @@ class PlanSpec:
     gpu_memory_utilization: list[float] = field(default_factory=lambda: [0.9])
     replicas: list[int] = field(default_factory=lambda: [1])
     rates: list[float | None] = field(default_factory=lambda: [None])
+    speedups: list[float | None] = field(default_factory=lambda: [None])
     routing: str = "least-loaded"
     arrivals: str = "poisson"
     arrival_seed: int = 0
@@ -196,6 +208,12 @@ class PlanSpec:
             if len(self.rates) > 1:
                 raise ConfigError("rate: the max-rate objective searches the rate itself; give "
                                   "at most one --rate, the starting guess")
+            if self.speedups != [None]:
+                raise ConfigError("speedup: the max-rate objective searches a Poisson rate; "
+                                  "drop --speedup, or rank the speed-ups with --objective tps")
+        if self.speedups != [None] and self.rates != [None]:
+            raise ConfigError("speedup and rate: --speedup plays the trace's own arrival times "
+                              "faster, --rate stamps new Poisson ones; give one of them")
         if self.routing not in ROUTING_POLICIES:
             raise ConfigError(f"routing: got {self.routing!r}, expected one of "
                               f"{', '.join(ROUTING_POLICIES)}")
@@ -207,10 +225,12 @@ class PlanSpec:
             if not values or any(not isinstance(value, int) or value < 1 for value in values):
                 raise ConfigError(f"{name}: got {values!r}, expected integers >= 1")
         for name, values in (("kv_memory_gb", self.kv_memory_gb or [1.0]),
-                             ("rate", [rate for rate in self.rates if rate is not None] or [1.0])):
+                             ("rate", [rate for rate in self.rates if rate is not None] or [1.0]),
+                             ("speedup", [factor for factor in self.speedups
+                                          if factor is not None] or [1.0])):
             if any(not value > 0 or not math.isfinite(value) for value in values):
                 raise ConfigError(f"{name}: got {values!r}, expected finite numbers > 0")
-        for slo_value in (self.slo.ttft_p90_s, self.slo.tpot_p99_ms):
+        for slo_value in self.slo.targets():
             if slo_value is not None and not slo_value > 0:
                 raise ConfigError(f"slo: got {slo_value!r}, expected a number > 0")
         from zipage.core.config import BUDGET_POLICIES
@@ -225,7 +245,7 @@ class PlanSpec:
 
     def points(self) -> list[PlanPoint]:
         """The grid in a fixed order (GPU, budget, budget policy, block size, hybrid, memory,
-        replicas, rate)."""
+        replicas, rate, speed-up)."""
         memories: list[tuple[float | None, float]] = (
             [(gigabytes, self.base.gpu_memory_utilization) for gigabytes in self.kv_memory_gb]
             if self.kv_memory_gb is not None
@@ -234,10 +254,12 @@ class PlanSpec:
         return [
             PlanPoint(self.base, hardware, budget, block_size, hybrid, kv_gb, utilization,
                       replicas, self.routing, rate, self.arrivals, self.arrival_seed,
-                      self.burst_size, policy)
-            for hardware, budget, policy, block_size, hybrid, (kv_gb, utilization), replicas, rate
+                      self.burst_size, policy, speedup)
+            for (hardware, budget, policy, block_size, hybrid, (kv_gb, utilization), replicas,
+                 rate, speedup)
             in itertools.product(self.hardware, self.budgets, self.budget_policies,
-                                 self.block_sizes, self.hybrid, memories, self.replicas, rates)
+                                 self.block_sizes, self.hybrid, memories, self.replicas, rates,
+                                 self.speedups)
         ]
 
 
@@ -298,7 +320,7 @@ def _simulate(trace: Trace, point: PlanPoint) -> dict:
 
 def _arrivals(trace: Trace, point: PlanPoint, rate_qps: float | None) -> Trace:
     if rate_qps is None:
-        return trace
+        return trace if point.speedup is None else scale_arrivals(trace, point.speedup)
     return stamp_arrivals(trace, rate_qps, pattern=point.arrivals, seed=point.arrival_seed,
                           burst_size=point.burst_size)
 

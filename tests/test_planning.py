@@ -285,3 +285,41 @@ def test_zipage_plan_prints_the_table_and_writes_the_results(tmp_path, capsys):
     args = plan_parser().parse_args(["plan", str(trace_path), "--hybrid", "maybe"])
     with pytest.raises(ConfigError, match="--hybrid"):
         args.handler(args)
+
+
+# ---------------------------------------------------------------- a production trace's load
+
+def test_speedup_plays_the_traces_own_arrivals_faster(small_trace):
+    online = stamp_arrivals(small_trace, 2.0)
+    spec = PlanSpec(hardware=["h100"], kv_memory_gb=[2.0], replicas=[1, 2], speedups=[1.0, 8.0])
+    result = run_plan(online, spec, executor=SERIAL)
+    by_point = {(row["replicas"], row["speedup"]): row for row in result.rows}
+    assert set(by_point) == {(1, 1.0), (1, 8.0), (2, 1.0), (2, 8.0)}
+    # The same requests in an eighth of the time: more load, a longer queue, sooner done.
+    slow, fast = by_point[(1, 1.0)], by_point[(1, 8.0)]
+    assert fast["makespan_s"] < slow["makespan_s"] and fast["ttft_p99_s"] > slow["ttft_p99_s"]
+    assert fast["completed"] == slow["completed"] == 60
+    with pytest.raises(ConfigError, match="give one of them"):
+        replace(spec, rates=[5.0]).validate()
+    with pytest.raises(ConfigError, match="speedup"):
+        replace(spec, speedups=[0.0]).validate()
+
+
+def test_plan_names_the_fewest_replicas_meeting_the_slos(tmp_path, capsys):
+    trace_path = ROOT / "tests" / "fixtures" / "traces" / "azure_conv_2023_excerpt.csv"
+    args = plan_parser().parse_args([
+        "plan", str(trace_path), "--model", "qwen3-8b", "--hardware", "h100,h200",
+        "--replicas", "1..3", "--speedup", "4,16", "--slo-ttft-p99", "1", "--slo-tpot-p99", "60",
+        "--routing", "prefix-affinity", "--workers", "1", "--no-progress", "--no-cache"])
+    assert args.handler(args) == 0
+    printed = capsys.readouterr().out
+    assert "12 points (2 GPUs x 3 replica counts x 2 speed-ups)" in printed
+    assert "TTFT p99" in printed
+    section = printed.split("fewest replicas meeting the SLOs")[1]
+    rows = [line.split() for line in section.splitlines()[2:] if line.strip()]
+    fewest = {(row[0], row[1]): row[2] for row in rows}
+    assert set(fewest) == {("h100-80gb", "4x"), ("h100-80gb", "16x"), ("h200-141gb", "4x"),
+                           ("h200-141gb", "16x")}
+    # 16x the load needs more replicas than 4x on either GPU.
+    for gpu in ("h100-80gb", "h200-141gb"):
+        assert int(fewest[(gpu, "16x")]) > int(fewest[(gpu, "4x")])

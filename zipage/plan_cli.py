@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import math
 import os
 import sys
@@ -60,6 +61,9 @@ def add_plan_command(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                       help="Poisson (or --arrivals bursty) request rates in req/s stamped on the "
                            "trace, e.g. offline,5,10; 'offline' keeps the trace's own arrival "
                            "times (the default). With --objective max-rate: the starting guess")
+    grid.add_argument("--speedup", default=None, metavar="X[,X...]",
+                      help="play the trace's own arrival times X times faster, e.g. 1,2,4: a "
+                           "production trace's load axis, its burstiness kept (not with --rate)")
     grid.add_argument("--arrivals", choices=ARRIVAL_PATTERNS, default="poisson")
     grid.add_argument("--burst-size", type=int, default=8,
                       help="requests per burst with --arrivals bursty (default 8)")
@@ -74,6 +78,8 @@ def add_plan_command(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                            "by bisection (default tps)")
     goal.add_argument("--slo-ttft-p90", type=float, default=None, metavar="SECONDS",
                       help="90th-percentile time to first token must not exceed this")
+    goal.add_argument("--slo-ttft-p99", type=float, default=None, metavar="SECONDS",
+                      help="99th-percentile time to first token must not exceed this")
     goal.add_argument("--slo-tpot-p99", type=float, default=None, metavar="MS",
                       help="99th-percentile time per output token must not exceed this")
     goal.add_argument("--rate-tolerance", type=float, default=0.05,
@@ -156,7 +162,8 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
     base = replace(base, gpu_memory_utilization=utilizations[0], config=_base_config(
         base.config, budgets or [base.config.kv_budget], block_sizes or [base.config.block_size]))
     rates = parse_rates(args.rate) if args.rate is not None else [None]
-    slo = SLO(args.slo_ttft_p90, args.slo_tpot_p99)
+    slo = SLO(args.slo_ttft_p90, args.slo_tpot_p99, args.slo_ttft_p99)
+    speedups = parse_speedups(args.speedup) if args.speedup is not None else [None]
     start = rates[0] if args.objective == MAX_RATE and len(rates) == 1 else None
     return PlanSpec(
         base=base, hardware=axis_values(args, "hardware") or list(HARDWARE),
@@ -164,7 +171,8 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
         budget_policies=policies or [base.config.budget_policy],
         block_sizes=block_sizes or [base.config.block_size], hybrid=hybrid or [True],
         kv_memory_gb=kv_memory, gpu_memory_utilization=utilizations,
-        replicas=parse_replicas(args.replicas), rates=rates, routing=args.routing,
+        replicas=parse_replicas(args.replicas), rates=rates, speedups=speedups,
+        routing=args.routing,
         arrivals=args.arrivals, arrival_seed=args.arrival_seed, burst_size=args.burst_size,
         objective=args.objective, slo=slo,
         search=replace(RateSearch(), start_qps=start, tolerance=args.rate_tolerance))
@@ -189,6 +197,25 @@ def _base_config(config, budgets: list[int], block_sizes: list[int]):
 
 
 # ---------------------------------------------------------------- parsing comma lists
+
+def parse_speedups(text: str) -> list[float]:
+    """'1,2,4' -> 1.0, 2.0, 4.0."""
+    values = []
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"--speedup: got {item.strip()!r} in {text!r}, expected numbers > 0 "
+                              "like 1,2,4")
+        values.append(value)
+    return _unique_values(values)
+
+
+def _unique_values(values: list) -> list:
+    return list(dict.fromkeys(values))
+
 
 def parse_replicas(text: str) -> list[int]:
     """'1..4' -> 1, 2, 3, 4; '1,2,8' and mixes like '1..3,8' work too."""
@@ -232,7 +259,8 @@ def describe_grid(spec: PlanSpec) -> str:
             (len(spec.block_sizes), "block sizes"), (len(spec.hybrid), "hybrid modes"),
             (len(spec.kv_memory_gb or spec.gpu_memory_utilization), "memory sizes"),
             (len(spec.replicas), "replica counts"),
-            (1 if spec.objective == MAX_RATE else len(spec.rates), "rates")]
+            (1 if spec.objective == MAX_RATE else len(spec.rates), "rates"),
+            (len(spec.speedups), "speed-ups")]
     varying = [f"{count} {name}" for count, name in axes if count > 1]
     return " x ".join(varying) or "one point"
 
@@ -273,7 +301,41 @@ def format_report(result: PlanResult, spec: PlanSpec, top: int = 20) -> str:
                       ("deployment", lambda row: _describe_deployment(row, full_kv))]
     lines += format_table([header for header, _ in pareto_columns],
                           [[cell(row) for _, cell in pareto_columns] for row in front])
+    if spec.slo.active and len(spec.replicas) > 1:
+        lines += ["", *format_fewest_replicas(rows, spec)]
     return "\n".join(lines)
+
+
+def format_fewest_replicas(rows: list[dict], spec: PlanSpec) -> list[str]:
+    """Per GPU and load, the fewest replicas of any point that meets the SLOs (the best of those
+    by the objective): how many GPUs this traffic needs."""
+    loads = [("speedup", lambda row: f"{row['speedup']:g}x")] if spec.speedups != [None] else (
+        [("rate req/s", lambda row: _rate(row["rate_qps"]))] if spec.rates != [None]
+        and spec.objective != MAX_RATE else [])
+    best: dict[tuple, dict] = {}
+    for row in rows:  # ranked: the first of a replica count is the best by the objective
+        if row["status"] != OK:
+            continue
+        group = (row["hardware"], *(cell(row) for _, cell in loads))
+        if group not in best or row["replicas"] < best[group]["replicas"]:
+            best[group] = row
+    full_kv = not spec.base.config.compress
+    lines = [f"fewest replicas meeting the SLOs ({_describe_slo(spec.slo)}), per GPU"
+             + (" and load" if loads else "") + ":"]
+    needed = [group for group in itertools.product(
+        spec.hardware, *([cell({"speedup": s, "rate_qps": s}) for s in
+                          (spec.speedups if loads[0][0] == "speedup" else spec.rates)]
+                         for _, cell in loads))]
+    table = []
+    for group in needed:
+        row = best.get(group)
+        table.append([*group, row["replicas"] if row else f"> {max(spec.replicas)}",
+                      _budget(row, full_kv) if row else "-",
+                      _describe_deployment(row, full_kv) if row else "none of the replicas "
+                      "searched meets them"])
+    lines += format_table(["gpu", *(header for header, _ in loads), "replicas", "budget",
+                           "deployment"], table)
+    return lines
 
 
 def format_table(headers: list[str], rows: list[list]) -> list[str]:
@@ -310,9 +372,13 @@ def _table_columns(spec: PlanSpec) -> list[tuple[str, object]]:
         columns.append(("max req/s", lambda row: _rate(row["max_rate_qps"])))
     elif spec.rates != [None]:
         columns.append(("rate req/s", lambda row: _rate(row["rate_qps"])))
+    if spec.speedups != [None]:
+        columns.append(("speedup", lambda row: f"{row['speedup']:g}x"))
     columns += [("tok/s", lambda row: _number(row["tps"])),
                 ("tok/s per $/h", lambda row: _number(row["tps_per_dollar"])),
                 ("TTFT p90 s", lambda row: f"{row['ttft_p90_s']:.2f}"),
+                *([("TTFT p99 s", lambda row: f"{row['ttft_p99_s']:.2f}")]
+                  if spec.slo.ttft_p99_s is not None else []),
                 ("TPOT p99 ms", lambda row: f"{row['tpot_p99_ms']:.1f}")]
     if len(spec.budget_policies) > 1:
         # What the requests kept on average: the budget under "fixed", more under "elastic".
@@ -332,6 +398,8 @@ def _describe_slo(slo: SLO) -> str:
     parts = []
     if slo.ttft_p90_s is not None:
         parts.append(f"TTFT p90 <= {slo.ttft_p90_s:g} s")
+    if slo.ttft_p99_s is not None:
+        parts.append(f"TTFT p99 <= {slo.ttft_p99_s:g} s")
     if slo.tpot_p99_ms is not None:
         parts.append(f"TPOT p99 <= {slo.tpot_p99_ms:g} ms")
     return ", ".join(parts)
@@ -352,6 +420,8 @@ def _describe_deployment(row: dict, full_kv: bool = False) -> str:
         parts.append(f"{row['kv_memory_gb']:g} GiB kv")
     if row["rate_qps"] is not None:
         parts.append(f"{_rate(row['rate_qps'])} req/s")
+    if row.get("speedup") is not None:
+        parts.append(f"{row['speedup']:g}x speed-up")
     return ", ".join(parts)
 
 
