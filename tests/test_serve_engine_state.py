@@ -2,9 +2,9 @@
 
 `EngineCore` (zipage/serve/engine_process.py) is driven here in this process, its socket replaced
 by a sink: requests that finish at their length, stop at an end-of-sequence token, are aborted
-while running or are rejected by the core. After 12 and after 40 such requests every container
-reachable from the engine loop (scheduler, block manager, step recorder, its metrics, the token
-table) must be no larger: anything that grows with the number of requests served is a leak.
+while running or are rejected by the core. After 12 and after 40 such requests no container of
+the engine loop, its scheduler, block manager, step recorder and its metrics, the model runner
+and its compressor may be larger: what grows with the requests served is a leak.
 """
 
 from __future__ import annotations
@@ -62,9 +62,12 @@ def _sizes(core) -> dict[str, int]:
     loop = core.loop
     owners = {"core": core, "loop": loop, "scheduler": loop.scheduler,
               "block_manager": loop.scheduler.block_manager, "recorder": loop.recorder,
-              "metrics": loop.recorder.metrics, "clock": loop.scheduler.clock}
+              "metrics": loop.recorder.metrics, "clock": loop.scheduler.clock,
+              "runner": loop.runner, "compressor": loop.runner.compressor}
     sizes = {}
     for owner_name, owner in owners.items():
+        if owner is None:
+            continue
         for name, value in _attributes(owner):
             if isinstance(value, (list, dict, set, frozenset, tuple)) or hasattr(value,
                                                                                  "maxlen"):

@@ -41,7 +41,8 @@ STOP_TIMEOUT_S = 30.0  # a step in flight finishes and tensor-parallel ranks lea
 
 
 class EngineStopped(RuntimeError):
-    """The engine process is gone (shut down, or it died); nothing more can be served."""
+    """No engine process can take the request now: the server is stopping, or its engine process
+    died (and a new one is starting, or none will)."""
 
 
 class EngineProcessError(RuntimeError):
@@ -255,36 +256,38 @@ class EngineClient:
                 code = "unknown"
             self.error = f"the engine process stopped (exit code {code})"
         self._died = self.error
-        if not self._closing and self.setup is not None and self._event_loop is not None:
-            self.error += "; the server is restarting it: retry the request"
-            if self._restart is None:
-                self._restart = self._event_loop.create_task(self._restart_engine())
+        if (self._closing or self.setup is None or self._restart is not None
+                or self._event_loop is None):
+            self._fail_all(self.error)
+            return
+        refused = self._count_restart()
+        if refused is not None:
+            self._fail_all(self.error)
+            self._give_up(refused)
+            return
+        self.error += "; the server is restarting it: retry the request"
         self._fail_all(self.error)
+        self._restart = self._event_loop.create_task(self._restart_engine())
 
     # ---------------------------------------------------------------- restarting
 
     async def _restart_engine(self) -> None:
+        print(f"zipage serve: {self._died}; starting a new one (restart {len(self._restarts)} "
+              f"of at most {self.max_restarts} within {RESTART_WINDOW_S:.0f} s: "
+              "--max-engine-restarts)", file=sys.stderr, flush=True)
         try:
-            reason = self._restart_refused()
-            if reason is None:
-                print(f"zipage serve: {self._died}; starting a new one (restart "
-                      f"{len(self._restarts)} of at most {self.max_restarts} within "
-                      f"{RESTART_WINDOW_S:.0f} s: --max-engine-restarts)",
-                      file=sys.stderr, flush=True)
-                try:
-                    started = await asyncio.to_thread(self._spawn_unless_closing)
-                except (ZipageError, EngineProcessError) as error:
-                    reason = f"a new engine process failed to start: {error}"
-                else:
-                    if started is not None:
-                        self._swap(*started)
-                    return
-            self._give_up(reason)
+            started = await asyncio.to_thread(self._spawn_unless_closing)
+        except (ZipageError, EngineProcessError) as error:
+            self._give_up(f"a new engine process failed to start: {error}")
+        else:
+            if started is not None:
+                self._swap(*started)
         finally:
             self._restart = None
 
-    def _restart_refused(self) -> str | None:
-        """Why no restart is allowed now (--max-engine-restarts within the window)."""
+    def _count_restart(self) -> str | None:
+        """Count a restart now; or why none is allowed (--max-engine-restarts within the
+        window)."""
         now = time.monotonic()
         while self._restarts and now - self._restarts[0] > RESTART_WINDOW_S:
             self._restarts.popleft()
