@@ -1,4 +1,4 @@
-"""`zipage serve`'s processes and sockets: startup, failure and shutdown, over real HTTP on localhost.
+"""`zipage serve`'s processes and sockets: startup, failure, shutdown, over HTTP on localhost.
 
 The engine runs in a child of the server process (zipage/serve/engine_process.py). Covered: a
 bad model file is the child's one-line error and exit 2 in the parent; a crash of the child while
