@@ -1,13 +1,16 @@
-"""`zipage serve`'s engine process: startup, failure and shutdown, over real HTTP on localhost.
+"""`zipage serve`'s processes and sockets: startup, failure, shutdown, over HTTP on localhost.
 
 The engine runs in a child of the server process (zipage/serve/engine_process.py). Covered: a
 bad model file is the child's one-line error and exit 2 in the parent; a crash of the child while
 it starts is reported, not hung on; `--threads` sets the child's torch threads; SIGTERM stops the
-child with the server; a server killed outright (SIGKILL) leaves no engine process behind; an
-engine process that dies fails the requests in flight (a stream gets an error event, a plain
-request a 503), refuses new ones and turns /health unhealthy, and the server still shuts down;
-with `--tensor-parallel 3` the engine process starts the other ranks, serves the one-rank
-tokens, and SIGTERM stops every rank.
+child with the server, exit 0; a server killed outright (SIGKILL) leaves no engine process behind;
+an engine process that dies fails the requests in flight (a stream gets an error event, a plain
+request a 503), is replaced by a new one (/health recovers, requests succeed), and past
+--max-engine-restarts the server exits 1; with `--tensor-parallel 3` the engine process starts
+the other ranks, serves the one-rank tokens, and SIGTERM stops every rank. Flags checked before
+the model loads (--port out of range or taken, no CUDA for the default --engine gpu); `zipage
+bench serve --out` end to end; slow request heads closed after --header-timeout; SIGTERM drains,
+fails what outlives --drain-timeout, exits 0.
 The servers here serve random weights (`random:smollm2-135m`, prompts as token ids): they start
 in seconds and need no model file.
 """
@@ -39,8 +42,6 @@ MODEL = "random:smollm2-135m"
 FLAGS = ["--engine", "cpu", "--dtype", "float32", "--kv-memory-gb", "0.1", "--block-size", "16",
          "--budget", "64", "--window", "4"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-# After its graceful shutdown uvicorn (>= 0.29) re-raises the signal it caught; older ones exit 0.
-_STOPPED = (0, -signal.SIGTERM)
 
 
 def _free_port() -> int:
@@ -140,7 +141,7 @@ def test_sigterm_stops_the_engine_process_and_threads_flag(tmp_path):
     with _server(tmp_path, "--threads", "2") as (process, url, engine, log):
         assert "2 torch threads" in log.read_text()  # the engine process's count, not the env's
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) in _STOPPED
+        assert process.wait(timeout=60) == 0
         _wait_for(lambda: not _alive(engine), 5, "the engine process to exit")
         assert "the engine process exited with code" not in log.read_text()  # it exited 0
 
@@ -162,8 +163,11 @@ def test_killed_server_leaves_no_engine_process(tmp_path, busy):
         _wait_for(lambda: not _alive(engine), 20, "the orphaned engine process to exit")
 
 
-def test_dead_engine_fails_requests_in_flight_and_health(tmp_path):
-    with _server(tmp_path) as (process, url, engine, log):
+def test_dead_engine_fails_its_requests_is_restarted_and_the_bound_exits_1(tmp_path):
+    """A killed engine process: its requests in flight get a clean error, /health is 503 until
+    a new engine process is ready, then requests succeed; past --max-engine-restarts the server
+    exits 1 for its supervisor."""
+    with _server(tmp_path, "--max-engine-restarts", "1") as (process, url, engine, log):
         async def main():
             async with httpx.AsyncClient(base_url=url, timeout=60) as http:
                 body = {"prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": True}
@@ -176,21 +180,30 @@ def test_dead_engine_fails_requests_in_flight_and_health(tmp_path):
                         await asyncio.sleep(0.05)
                     os.kill(engine, signal.SIGKILL)
                     rest = [line async for line in lines if line]
-                return first, rest, await plain, await http.get("/health"), await http.post(
-                    "/v1/completions", json=body)
+                return first, rest, await plain, await http.get("/health")
 
-        first, rest, plain, health, after = asyncio.run(main())
+        first, rest, plain, health = asyncio.run(main())
         assert first.startswith("data: {")
         assert rest[-1] == "data: [DONE]"
         error = json.loads(rest[-2].removeprefix("data: "))["error"]
         assert "engine process stopped" in error["message"] and error["code"] == 503
+        assert "restarting" in error["message"]
         assert plain.status_code == 503
+        assert plain.json()["error"]["type"] == "server_error"
         assert "engine process stopped" in plain.json()["error"]["message"]
         assert health.status_code == 503 and "engine process stopped" in health.json()["error"]
-        assert after.status_code == 503
-        assert process.poll() is None  # the server itself is still up, and stops cleanly
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) in _STOPPED
+        _wait_for(lambda: httpx.get(url + "/health", timeout=5).status_code == 200, 120,
+                  "/health to recover")
+        again = httpx.post(url + "/v1/completions", timeout=60, json={
+            "prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True})
+        assert again.status_code == 200
+        assert len(again.json()["choices"][0]["token_ids"]) == 4
+        assert not _alive(engine)
+        (second,) = _children(process.pid)
+        assert second != engine and "restart 1 of at most 1" in log.read_text()
+        os.kill(second, signal.SIGKILL)  # the second death within the window: over the bound
+        assert process.wait(timeout=60) == 1
+        assert "--max-engine-restarts 1" in log.read_text().splitlines()[-1]
 
 
 async def _running(http) -> float:
@@ -212,7 +225,7 @@ def test_tensor_parallel_server_matches_one_rank_and_stops_every_rank(tmp_path):
             "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
         served = reply.json()["choices"][0]["token_ids"]
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) in _STOPPED
+        assert process.wait(timeout=60) == 0
         for pid in [engine, *ranks]:
             _wait_for(lambda: not _alive(pid), 10, f"process {pid} to exit")
         assert "the engine process exited with code" not in log.read_text()
@@ -221,3 +234,131 @@ def test_tensor_parallel_server_matches_one_rank_and_stops_every_rank(tmp_path):
     expected = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8,
                                                      ignore_eos=True), progress=False)[0]
     assert served == expected.token_ids
+
+
+# ---------------------------------------------------------------- flags checked before the model
+
+
+def _serve_fails_at_once(*flags: str) -> str:
+    """`zipage serve` with a model path that does not exist: an error about anything but the
+    model proves it came before the model was read. Its one line on stderr; exit 2."""
+    result = subprocess.run(
+        [sys.executable, "-m", "zipage.cli", "serve", "--model", "/nonexistent/model.gguf",
+         *flags], capture_output=True, text=True, timeout=120, env=ENV)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    return line
+
+
+def test_port_out_of_range_is_a_one_line_error_before_the_model_loads():
+    line = _serve_fails_at_once("--engine", "cpu", "--port", "70000")
+    assert line == "zipage: error: --port: got 70000, expected 1..65535"
+
+
+def test_port_in_use_is_a_one_line_error_before_the_model_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = _serve_fails_at_once("--engine", "cpu", "--port", str(port))
+    assert line == (f"zipage: error: --port: 127.0.0.1:{port} is already in use (another "
+                    "server?); stop it or choose another --port")
+
+
+def test_default_engine_without_cuda_names_the_default_not_gpu_flag():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    line = _serve_fails_at_once("--port", str(_free_port()))
+    assert line == ("zipage: error: --engine gpu (the default): no CUDA device is visible; use "
+                    "--engine cpu (small models)")
+
+
+# ---------------------------------------------------------------- bench serve, slow clients, drain
+
+
+def test_bench_serve_command_writes_its_run_and_prints_the_summary(tmp_path):
+    from zipage.trace import Trace, TraceRequest, save_trace
+
+    trace_path = tmp_path / "trace.json"
+    save_trace(Trace("small", [TraceRequest(id=f"r{index}", arrival_s=0.1 * index,
+                                            prompt_len=8 + index, output_len=3 + index)
+                               for index in range(4)]), trace_path)
+    out = tmp_path / "runs" / "served"
+    with _server(tmp_path) as (process, url, engine, log):
+        result = subprocess.run(
+            [sys.executable, "-m", "zipage.cli", "bench", "serve", str(trace_path), "--url", url,
+             "--out", str(out), "--no-progress"], capture_output=True, text=True, timeout=120,
+            env=ENV)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"small served by {MODEL} at {url}"
+    assert any(line.split() == ["completed", "4"] for line in lines)
+    assert lines[-1] == f"wrote {out}/summary.json, requests.csv"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed"] == 4 and summary["failed"] == 0
+
+
+async def _slow_clients(port: int, count: int) -> list:
+    """`count` connections that send half a request head and then nothing."""
+    clients = []
+    for _ in range(count):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: slow\r\n")
+        await writer.drain()
+        clients.append((reader, writer))
+    return clients
+
+
+def test_slow_request_heads_are_closed_after_the_header_timeout(tmp_path):
+    count = 300
+    with _server(tmp_path, "--header-timeout", "2") as (process, url, engine, log):
+        port = int(url.rsplit(":", 1)[1])
+
+        async def main():
+            clients = await _slow_clients(port, count)
+            opened = time.monotonic()
+            async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+                healthy = (await http.get("/health")).status_code  # served meanwhile
+            ends = await asyncio.wait_for(asyncio.gather(*(
+                reader.read() for reader, _ in clients)), timeout=30)
+            waited = time.monotonic() - opened
+            for _, writer in clients:
+                writer.close()
+            return healthy, ends, waited
+
+        healthy, ends, waited = asyncio.run(main())
+        assert healthy == 200
+        assert ends == [b""] * count  # closed by the server, no response written
+        assert waited < 15
+        reply = httpx.post(url + "/v1/completions", timeout=60,
+                           json={"prompt": [1, 2], "max_tokens": 2})
+        assert reply.status_code == 200
+
+
+def test_sigterm_drains_then_fails_what_outlives_the_drain_deadline_and_exits_0(tmp_path):
+    with _server(tmp_path, "--drain-timeout", "8") as (process, url, engine, log):
+        async def main():
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                short = {"prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True}
+                long = {**short, "max_tokens": 2000, "stream": True}
+                async with http.stream("POST", "/v1/completions", json=long) as reply:
+                    lines = reply.aiter_lines()
+                    await anext(lines)
+                    finishing = asyncio.create_task(http.post("/v1/completions", json=short))
+                    while await _running(http) < 2:
+                        await asyncio.sleep(0.05)
+                    process.send_signal(signal.SIGTERM)
+                    stopped = time.monotonic()
+                    rest = [line async for line in lines if line]
+                    return await finishing, rest, time.monotonic() - stopped
+
+        finished, rest, took = asyncio.run(main())
+        assert finished.status_code == 200  # drained: it ran to its end
+        assert len(finished.json()["choices"][0]["token_ids"]) == 3
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2].removeprefix("data: "))["error"]
+        assert "--drain-timeout 8" in error["message"] and error["code"] == 503
+        assert 7.5 < took < 30
+        assert process.wait(timeout=30) == 0
+        _wait_for(lambda: not _alive(engine), 10, "the engine process to exit")

@@ -104,7 +104,12 @@ def run_status(summary: dict) -> int:
     return EXIT_OK if summary["failed"] == 0 else EXIT_REQUESTS_FAILED
 
 
-def _require_torch(engine: str) -> None:
+NO_CUDA_FIX = "use --engine cpu for the CPU path (small models) or run the simulator (no flag)"
+
+
+def _require_torch(engine: str, given: str = "--gpu", fix: str = NO_CUDA_FIX) -> None:
+    """torch, and a CUDA device for `engine` "gpu"; `given` names how the user asked for the
+    GPU and `fix` what to do instead, in the error."""
     try:
         import torch
     except ImportError as error:
@@ -112,8 +117,15 @@ def _require_torch(engine: str) -> None:
                           "machine without a GPU first: pip install torch==2.13.0 --index-url "
                           "https://download.pytorch.org/whl/cpu; docs/engine.md)") from error
     if engine == "gpu" and not torch.cuda.is_available():
-        raise ZipageError("--gpu: no CUDA device is visible; use --engine cpu for the CPU path "
-                          "(small models) or run the simulator (no flag)")
+        raise ZipageError(f"{given}: no CUDA device is visible; {fix}")
+
+
+def _engine_given(args: argparse.Namespace) -> str:
+    """How --engine got its value, for an error: the user's flag, or the default."""
+    if args.engine is None:
+        args.engine = "gpu"
+        return "--engine gpu (the default)"
+    return f"--engine {args.engine}"
 
 
 def _replay_on_engine(trace, settings, engine: str, args, progress: bool):
@@ -164,8 +176,10 @@ def describe_run(summary: dict) -> str:
             f"{summary['driver']} on {summary['device']} · {mode}")
 
 
-def print_summary(summary: dict) -> None:
-    print(describe_run(summary))
+def print_summary(summary: dict, title: str | None = None) -> None:
+    """The summary's rows under `title` (default: `describe_run`, which needs the run's
+    settings; a served run has none)."""
+    print(title or describe_run(summary))
     width = max(len(label) for label, _, _ in SUMMARY_ROWS)
     for label, key, pattern in SUMMARY_ROWS:
         value = summary.get(key)
@@ -181,8 +195,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
         return _write_profile(profile_from_runs(args.from_run, gpu=args.hardware,
                                                 stall_factor=args.stall_factor), args.out)
+    given = "--gpu" if args.gpu else _engine_given(args)
     engine = "gpu" if args.gpu else args.engine
-    _require_torch(engine)
+    _require_torch(engine, given, "use --engine cpu for the CPU path (small models)")
     from zipage.engine.calibrate import calibrate
     from zipage.engine.threads import set_cpu_threads
 
@@ -479,7 +494,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.set_defaults(hardware=None)
     calibrate.add_argument("--gpu", action="store_true",
                            help="measure on the GPU (same as --engine gpu)")
-    calibrate.add_argument("--engine", choices=["gpu", "cpu"], default="gpu",
+    calibrate.add_argument("--engine", choices=["gpu", "cpu"], default=None,
                            help="gpu (default) or cpu (small models, to try the command out; "
                                 "--hardware then names the GPU entry the profile stands for)")
     add_graph_flags(calibrate)

@@ -106,6 +106,19 @@ class StepRecorder:
         summary["wall_s"] = time.perf_counter() - self._started
         return Run(summary, self.metrics.steps, requests, self.decision_log, tokens or {})
 
+    def forget(self) -> None:
+        """Drop everything kept per step and per finished request for `result` (step records,
+        the decision log, finished, aborted and rejected requests, EOS stops): a server's run
+        never ends, so nothing may grow with the requests it served."""
+        scheduler = self.scheduler
+        scheduler.finished.clear()
+        scheduler.aborted.clear()
+        scheduler.rejected.clear()
+        scheduler.admission_order.clear()
+        self.metrics.steps.clear()
+        self.decision_log.clear()
+        self._stopped.clear()
+
     def _advance(self, count: int) -> None:
         if count and self._bar is not None:
             self._bar.update(count)

@@ -17,7 +17,7 @@ def add_serve_commands(commands) -> None:
         "serve", help="an OpenAI-compatible HTTP server over the real engine (docs/serve.md)")
     add_engine_flags(serve)
     serve.set_defaults(model=None, handler=cmd_serve)
-    serve.add_argument("--engine", choices=["gpu", "cpu"], default="gpu",
+    serve.add_argument("--engine", choices=["gpu", "cpu"], default=None,
                        help="run on the GPU (default) or on the CPU (small models; "
                             "--kv-memory-gb defaults to 1)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -35,6 +35,18 @@ def add_serve_commands(commands) -> None:
                                          f"(default {DEFAULT_MAX_BODY_BYTES}, 8 MiB)")
     serve.add_argument("--served-model-name", default=None,
                        help="the name clients use (default: the last part of --model)")
+    serve.add_argument("--max-engine-restarts", type=int, default=3, metavar="N",
+                       help="restart an engine process that dies at most N times within 10 "
+                            "minutes, then exit 1 for a supervisor to restart the server "
+                            "(default 3; 0: exit at the first death)")
+    serve.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="on SIGTERM or SIGINT, wait at most this long for the requests in "
+                            "flight, then fail the rest and exit (default 30)")
+    serve.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                       help="close a connection that has not sent a request's headers this "
+                            "long after it opened or after its last response (default 10)")
+    serve.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
+                       help="close an idle keep-alive connection after this long (default 5)")
     from zipage.cli import _add_threads_flag, add_graph_flags
 
     add_graph_flags(serve)
@@ -104,7 +116,8 @@ def api_key_from(args: argparse.Namespace, environ) -> str | None:
     return key.strip()
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def _check_serve_flags(args: argparse.Namespace) -> str | None:
+    """Every serve flag checked before anything loads; returns the API key, if any."""
     if args.model is None:
         raise ZipageError("--model: required; a HF model directory, a .gguf file or "
                           "random:<preset>")
@@ -112,17 +125,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ZipageError(f"--max-waiting: got {args.max_waiting}, expected >= 1")
     if args.max_body_bytes < 1:
         raise ZipageError(f"--max-body-bytes: got {args.max_body_bytes}, expected >= 1")
+    if args.max_engine_restarts < 0:
+        raise ZipageError(f"--max-engine-restarts: got {args.max_engine_restarts}, "
+                          "expected >= 0")
+    for flag in ("drain_timeout", "header_timeout", "keep_alive_timeout"):
+        value = getattr(args, flag)
+        if not value > 0:
+            raise ZipageError(f"--{flag.replace('_', '-')}: got {value}, expected seconds > 0")
     import os
 
-    api_key = api_key_from(args, os.environ)
+    return api_key_from(args, os.environ)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    api_key = _check_serve_flags(args)
     _require_extra()
-    from zipage.cli import _require_torch
+    from zipage.cli import _engine_given, _require_torch
 
-    _require_torch(args.engine)
-    import uvicorn
+    given = _engine_given(args)
+    _require_torch(args.engine, given, "use --engine cpu (small models)")
+    from zipage.serve.listen import bind
 
+    try:  # before the model loads: a taken or impossible port is an error at once
+        sock = bind(args.host, args.port)
+    except ValueError as error:
+        raise ZipageError(str(error)) from None
+    with sock:
+        return _serve(args, sock, api_key)
+
+
+def _serve(args: argparse.Namespace, sock, api_key: str | None) -> int:
     from zipage.engine.loader import load_tokenizer
-    from zipage.serve.app import build_app
     from zipage.serve.engine_client import EngineClient, EngineProcessError
     from zipage.serve.wire import Setup
 
@@ -130,17 +163,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # The engine runs in a process of its own (docs/serve.md, 'How it works'); the server
     # listens only once it has loaded the model.
     try:
-        engine = EngineClient.start(Setup(settings, "cuda" if args.engine == "gpu" else "cpu",
-                                          not args.no_cuda_graphs, args.prefill_graphs,
-                                          args.threads))
+        engine = EngineClient.start(
+            Setup(settings, "cuda" if args.engine == "gpu" else "cpu",
+                  not args.no_cuda_graphs, args.prefill_graphs, args.threads),
+            max_restarts=args.max_engine_restarts)
     except EngineProcessError as error:
         print(f"zipage: error: {error}", file=sys.stderr)
         return 1
     try:
         tokenizer = load_tokenizer(settings.model)  # this process detokenizes
         name = args.served_model_name or Path(settings.model).name  # a path's last part
-        app = build_app(engine, tokenizer, name, max_waiting=args.max_waiting,
-                        api_key=api_key, max_body_bytes=args.max_body_bytes)
+        server = _http_server(args, engine, tokenizer, name, api_key)
         info, capacity = engine.info, engine.info.capacity
         threads = (f", {info.threads} torch thread{'s' * (info.threads != 1)}"
                    if info.threads is not None else "")
@@ -148,9 +181,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"{capacity.num_blocks} KV blocks of {info.config.block_size} tokens, "
               f"{capacity.num_query_slots} query slots, engine process {engine.pid}; "
               f"listening on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        server.run(sockets=[sock])
     finally:
         engine.stop_process()
+    return _serve_status(server, engine)
+
+
+def _http_server(args: argparse.Namespace, engine, tokenizer, name: str, api_key: str | None):
+    """uvicorn over the app, with the timeouts and the drain deadline (zipage/serve/listen.py)."""
+    import uvicorn
+
+    from zipage.serve.app import build_app
+    from zipage.serve.listen import DRAIN_GRACE_S, DrainingServer, protocol_with_header_timeout
+
+    app = build_app(engine, tokenizer, name, max_waiting=args.max_waiting,
+                    api_key=api_key, max_body_bytes=args.max_body_bytes)
+    config = uvicorn.Config(app, log_level="warning",
+                            http=protocol_with_header_timeout(args.header_timeout),
+                            timeout_keep_alive=args.keep_alive_timeout,
+                            timeout_graceful_shutdown=args.drain_timeout + DRAIN_GRACE_S)
+    server = DrainingServer(config, args.drain_timeout, lambda: engine.close(
+        f"the server is shutting down and the request was still running after "
+        f"--drain-timeout {args.drain_timeout:g} s"))
+    engine.on_fatal = lambda: setattr(server, "should_exit", True)
+    return server
+
+
+def _serve_status(server, engine) -> int:
+    """0 once stopped and drained; 1 when the engine could not be kept up."""
+    if engine.fatal is not None:
+        return 1
+    if server.deadline_passed:
+        print("zipage serve: stopped; requests still running at the drain deadline were "
+              "failed", file=sys.stderr, flush=True)
     return 0
 
 

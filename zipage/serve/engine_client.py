@@ -5,8 +5,10 @@ server listens; a bad model file raises the child's one-line `ZipageError` here.
 loop runs, `attach` watches the socket: each `StepUpdate` is read on the event loop (one message
 per engine step, however many requests it carries) and each request's tokens go to its own
 `asyncio.Queue`. Requests and aborts go out as they come (`submit`, `abort`). If the engine
-process dies, every request in flight gets an error, new ones are refused (`EngineStopped`) and
-/health turns unhealthy.
+process dies, every request in flight gets an error and a new engine process is started from the
+same `Setup` (new requests get 503 and /health is unhealthy until it is ready). More than
+`max_restarts` restarts within `RESTART_WINDOW_S` call `on_fatal`: the server exits, for a
+supervisor to restart it whole.
 
 Latency metrics are measured here, on receipt: arrival is when the request reached the server,
 so TTFT and TPOT include everything between the client and the engine.
@@ -15,11 +17,13 @@ so TTFT and TPOT include everything between the client and the engine.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
@@ -31,12 +35,14 @@ from zipage.serve.wire import (
     Abort, Add, EngineFailed, Ready, Setup, StartupFailed, StepUpdate, Stop,
 )
 
+RESTART_WINDOW_S = 600.0  # --max-engine-restarts counts the restarts within this many seconds
 STOP_TIMEOUT_S = 30.0  # a step in flight finishes and tensor-parallel ranks leave their group
 # (up to 15 s: zipage/engine/parallel.py) first; an engine process stuck longer is killed
 
 
 class EngineStopped(RuntimeError):
-    """The engine process is gone (shut down, or it died); nothing more can be served."""
+    """No engine process can take the request now: the server is stopping, or its engine process
+    died (and a new one is starting, or none will)."""
 
 
 class EngineProcessError(RuntimeError):
@@ -70,10 +76,19 @@ class RequestHandle:
 
 
 class EngineClient:
-    def __init__(self, process: subprocess.Popen, connection: Connection, info: Ready) -> None:
+    def __init__(self, process: subprocess.Popen, connection: Connection, info: Ready,
+                 setup: Setup | None = None, max_restarts: int = 0) -> None:
         self.process = process
         self.connection = connection
         self.info = info
+        self.setup = setup  # to start a new engine process if this one dies
+        self.max_restarts = max_restarts
+        self.on_fatal: Callable[[], None] | None = None  # the engine cannot be kept up
+        self.fatal: str | None = None  # why, once it could not
+        self._restarts: collections.deque[float] = collections.deque()  # when (monotonic)
+        self._restart: asyncio.Task | None = None
+        self._closing = False
+        self._died = ""  # why the latest engine process stopped
         # The core's admission rule, asked before a request is sent (pure: the configuration).
         self.admission = Scheduler(info.config, info.capacity.num_blocks,
                                    info.capacity.num_query_slots)
@@ -87,34 +102,10 @@ class EngineClient:
     # ---------------------------------------------------------------- starting and stopping
 
     @classmethod
-    def start(cls, setup: Setup) -> "EngineClient":
-        """Spawn the engine process and wait until it has built the engine."""
-        ours, theirs = socket.socketpair()
-        process = subprocess.Popen(
-            [sys.executable, "-m", "zipage.serve.engine_process", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),))
-        theirs.close()  # only the child holds it now: its exit reads as EOF here
-        connection = Connection(ours.detach())
-        try:
-            connection.send(setup)
-            reply = connection.recv()
-        except (EOFError, OSError):
-            reply = None
-        except BaseException:  # Ctrl-C while the model loads
-            connection.close()
-            _reap(process, timeout=0)
-            raise
-        if isinstance(reply, Ready):
-            return cls(process, connection, reply)
-        connection.close()
-        code = _reap(process, STOP_TIMEOUT_S)
-        if isinstance(reply, StartupFailed) and reply.user_error:
-            raise ZipageError(reply.message)
-        if isinstance(reply, StartupFailed):
-            raise EngineProcessError(f"the engine process failed while starting: "
-                                     f"{reply.message} (its traceback is above)")
-        raise EngineProcessError(f"the engine process exited with code {code} before it was "
-                                 "ready (its output is above)")
+    def start(cls, setup: Setup, max_restarts: int = 0) -> "EngineClient":
+        """Spawn the engine process and wait until it has built the engine; up to
+        `max_restarts` new ones within `RESTART_WINDOW_S` if it dies later."""
+        return cls(*_spawn(setup), setup, max_restarts)
 
     def attach(self, metrics: ServerMetrics | None = None) -> None:
         """Start reading the engine's updates on the running event loop."""
@@ -124,7 +115,9 @@ class EngineClient:
             self._event_loop.add_reader(self.connection.fileno(), self._read)
 
     def close(self, reason: str = "the server is shutting down") -> None:
-        """On the event loop: tell the engine to stop, stop reading, fail what is in flight."""
+        """On the event loop: tell the engine to stop, stop reading, fail what is in flight
+        (with `reason`, and a 503); no restart after this."""
+        self._closing = True
         self.error = self.error or reason
         self._send_stop()
         self._detach()
@@ -253,7 +246,8 @@ class EngineClient:
             self.num_waiting -= 1
 
     def _engine_gone(self) -> None:
-        """The socket closed: the engine process exited (or was killed)."""
+        """The socket closed: the engine process exited (or was killed). Fail what it had, and
+        start a new one unless the server is stopping."""
         self._detach()
         if self.error is None:
             try:  # the socket closes as the process exits: its code is due at once
@@ -261,7 +255,80 @@ class EngineClient:
             except subprocess.TimeoutExpired:  # never hold the event loop long; shutdown reaps
                 code = "unknown"
             self.error = f"the engine process stopped (exit code {code})"
+        self._died = self.error
+        if (self._closing or self.setup is None or self._restart is not None
+                or self._event_loop is None):
+            self._fail_all(self.error)
+            return
+        refused = self._count_restart()
+        if refused is not None:
+            self._fail_all(self.error)
+            self._give_up(refused)
+            return
+        self.error += "; the server is restarting it: retry the request"
         self._fail_all(self.error)
+        self._restart = self._event_loop.create_task(self._restart_engine())
+
+    # ---------------------------------------------------------------- restarting
+
+    async def _restart_engine(self) -> None:
+        print(f"zipage serve: {self._died}; starting a new one (restart {len(self._restarts)} "
+              f"of at most {self.max_restarts} within {RESTART_WINDOW_S:.0f} s: "
+              "--max-engine-restarts)", file=sys.stderr, flush=True)
+        try:
+            started = await asyncio.to_thread(self._spawn_unless_closing)
+        except (ZipageError, EngineProcessError) as error:
+            self._give_up(f"a new engine process failed to start: {error}")
+        else:
+            if started is not None:
+                self._swap(*started)
+        finally:
+            self._restart = None
+
+    def _count_restart(self) -> str | None:
+        """Count a restart now; or why none is allowed (--max-engine-restarts within the
+        window)."""
+        now = time.monotonic()
+        while self._restarts and now - self._restarts[0] > RESTART_WINDOW_S:
+            self._restarts.popleft()
+        if len(self._restarts) >= self.max_restarts:
+            return (f"{self._died}, after {len(self._restarts)} restart"
+                    f"{'s' * (len(self._restarts) != 1)} within {RESTART_WINDOW_S:.0f} s "
+                    f"(--max-engine-restarts {self.max_restarts}); the server exits so that "
+                    "its supervisor can restart it")
+        self._restarts.append(now)
+        return None
+
+    def _spawn_unless_closing(self):
+        """Thread: reap the dead process, start a new one; None (and it stopped) if the server
+        began shutting down meanwhile."""
+        _reap(self.process, timeout=0)
+        process, connection, info = _spawn(self.setup)
+        if not self._closing:
+            return process, connection, info
+        try:
+            connection.send(Stop())
+        except OSError:
+            pass
+        connection.close()
+        _reap(process, STOP_TIMEOUT_S)
+        return None
+
+    def _swap(self, process: subprocess.Popen, connection: Connection, info: Ready) -> None:
+        """On the event loop: serve from the new engine process."""
+        self.process, self.connection, self.info = process, connection, info
+        self.error = None
+        if self.metrics is not None:
+            self.metrics.engine_restarted()
+        self._event_loop.add_reader(connection.fileno(), self._read)
+        print(f"zipage serve: engine process {process.pid} is ready", file=sys.stderr,
+              flush=True)
+
+    def _give_up(self, reason: str) -> None:
+        self.error = self.fatal = reason
+        print(f"zipage serve: error: {reason}", file=sys.stderr, flush=True)
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     def _detach(self) -> None:
         if self._event_loop is not None and not self.connection.closed:
@@ -273,6 +340,36 @@ class EngineClient:
         for handle in list(self._handles.values()):
             self._end(handle)
             handle.deltas.put_nowait(Delta([], None, message, 503))
+
+
+def _spawn(setup: Setup) -> tuple[subprocess.Popen, Connection, Ready]:
+    """Start an engine process and wait until it has built the engine."""
+    ours, theirs = socket.socketpair()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "zipage.serve.engine_process", str(theirs.fileno())],
+        pass_fds=(theirs.fileno(),))
+    theirs.close()  # only the child holds it now: its exit reads as EOF here
+    connection = Connection(ours.detach())
+    try:
+        connection.send(setup)
+        reply = connection.recv()
+    except (EOFError, OSError):
+        reply = None
+    except BaseException:  # Ctrl-C while the model loads
+        connection.close()
+        _reap(process, timeout=0)
+        raise
+    if isinstance(reply, Ready):
+        return process, connection, reply
+    connection.close()
+    code = _reap(process, STOP_TIMEOUT_S)
+    if isinstance(reply, StartupFailed) and reply.user_error:
+        raise ZipageError(reply.message)
+    if isinstance(reply, StartupFailed):
+        raise EngineProcessError(f"the engine process failed while starting: "
+                                 f"{reply.message} (its traceback is above)")
+    raise EngineProcessError(f"the engine process exited with code {code} before it was "
+                             "ready (its output is above)")
 
 
 def _reap(process: subprocess.Popen, timeout: float) -> int:

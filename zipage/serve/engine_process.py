@@ -207,12 +207,7 @@ class EngineCore:
     def _forget_history(self) -> None:
         """A server runs for days: keep no per-step records or finished requests around (the
         offline loop keeps them for its `Run`; the server's /metrics has the aggregates)."""
-        scheduler = self.loop.scheduler
-        scheduler.finished.clear()
-        scheduler.aborted.clear()
-        scheduler.rejected.clear()
-        scheduler.admission_order.clear()
-        self.loop.recorder.metrics.steps.clear()
+        self.loop.recorder.forget()
 
 
 def eos_token_ids(tokenizer) -> frozenset[int]:

@@ -88,5 +88,13 @@ class ServerMetrics:
         self._compressions = stats.compressions_total
         self._preemptions = stats.preemptions_total
 
+    def engine_restarted(self) -> None:
+        """A new engine process: its totals start from zero, and it runs nothing yet."""
+        self._compressions = self._preemptions = 0
+        self.running.set(0)
+        self.waiting.set(0)
+        self.blocks_used.set(0)
+        self.blocks_free.set(self.num_blocks)
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
