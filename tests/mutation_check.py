@@ -104,13 +104,109 @@ MUTATIONS = [
     Mutation("window-query range off by one (one window query not written)", "zipage/core/window.py",
              "        first = max(start, last_block_start + b - self.window)",
              "        first = max(start, last_block_start + b - self.window + 1)"),
+    # ---- chunked prefill (docs/architecture.md, 'Chunked prefill')
+    Mutation("chunked: a step that preempted still admits", SCHEDULER,
+             "        if self.waiting and budget > 0 and not plan.preempted:",
+             "        if self.waiting and budget > 0:"),
+    Mutation("chunked: prompt chunks planned before the decodes", SCHEDULER,
+             "        self._schedule_decode(plan)\n"
+             "        budget = self.config.max_num_batched_tokens - len(plan.decode)\n",
+             "        budget = self.config.max_num_batched_tokens - len(self._steady)\n"
+             "        self._schedule_chunks_first(plan, budget)\n"
+             "        self._schedule_decode(plan)\n"
+             "        return\n"
+             "\n"
+             "    def _schedule_chunks_first(self, plan, budget):\n"),
+    Mutation("chunked: the token budget not reduced by the decode tokens", SCHEDULER,
+             "        budget = self.config.max_num_batched_tokens - len(plan.decode)\n",
+             "        budget = self.config.max_num_batched_tokens\n"),
+    Mutation("chunked: admissions before the running prompts continue", SCHEDULER,
+             "        budget = self.config.max_num_batched_tokens - len(plan.decode)\n"
+             "        for seq in list(self.prefilling):\n",
+             "        budget = self.config.max_num_batched_tokens - len(plan.decode)\n"
+             "        continuing = list(self.prefilling)\n"
+             "        if self.waiting and budget > 0 and not plan.preempted:\n"
+             "            self._schedule_prefill(plan, budget)\n"
+             "            budget -= sum(item.num_new_tokens for item in plan.prefill)\n"
+             "        for seq in continuing:\n"),
+    Mutation("chunked: a chunk one token short of the last samples", SCHEDULER,
+             "        samples = end == seq.num_tokens\n",
+             "        samples = end >= seq.num_tokens - 1\n"),
+    Mutation("chunked: a chunk indexes the prompt block it has not completed", SCHEDULER,
+             "        self.block_manager.register_prompt_blocks(seq, start // self.block_size,\n"
+             "                                                  end // self.block_size)",
+             "        self.block_manager.register_prompt_blocks(seq, start // self.block_size,\n"
+             "                                                  -(-end // self.block_size))"),
+    Mutation("chunked: a request decodes (may compress) before its prompt is whole", SCHEDULER,
+             "            seq.set_counters(item.num_tokens, seq.num_output_tokens)\n"
+             "            return\n",
+             "            seq.set_counters(item.num_tokens, seq.num_output_tokens)\n"
+             "            self._pending.append(seq)\n"
+             "            return\n"),
+    Mutation("chunked: a prompt longer than the step budget is rejected", SCHEDULER,
+             "        if not self.config.chunked_prefill and prompt > "
+             "self.config.max_num_batched_tokens:",
+             "        if prompt > self.config.max_num_batched_tokens:"),
+    Mutation("chunked: a request leaving running keeps its place among the running prompts",
+             SCHEDULER,
+             "        self.prefilling.pop(seq, None)\n        self._release_slot(seq)\n",
+             "        self._release_slot(seq)\n"),
+    # ---- per-request and elastic budgets (docs/architecture.md, 'Per-request and elastic
+    # budgets')
+    Mutation("budget: a request's own budget ignored in its N_max", SCHEDULER,
+             "        budget = self.config.kv_budget if seq.kv_budget is None else seq.kv_budget",
+             "        budget = self.config.kv_budget"),
+    Mutation("budget: a slot reserves the default N_max, not its holder's", SCHEDULER,
+             "        return min(seq.n_max, whole)",
+             "        return min(self.n_max, whole)"),
+    Mutation("budget: a later request overtakes the foremost the pool cannot back", SCHEDULER,
+             "                    return  # the foremost waits until enough holders finish",
+             "                    continue  # the foremost waits until enough holders finish"),
+    Mutation("elastic: borrowed blocks kept although somebody needs memory", SCHEDULER,
+             "        if not self.elastic or self._memory_demand():",
+             "        if not self.elastic:"),
+    Mutation("elastic: the head of waiting short of blocks is no demand", SCHEDULER,
+             "        return bool(self._starved) or self.head_short_of_blocks()",
+             "        return bool(self._starved)"),
+    Mutation("elastic: grows without a free block left per running request", SCHEDULER,
+             "        if manager.num_free_blocks - 1 >= len(self.running):",
+             "        if manager.num_free_blocks >= 1:"),
+    Mutation("elastic: a shrink without demand goes below the floor", SCHEDULER,
+             "            return held\n        return floor\n",
+             "            return held\n        return floor - 1\n"),
+    Mutation("elastic: preempts although a borrower could give blocks back", SCHEDULER,
+             "            if not (self.elastic and self._reclaimable_borrower(seq)):",
+             "            if True:"),
+    Mutation("elastic: holds although holding needs fresh blocks", SCHEDULER,
+             "        if held > floor and manager.fresh_blocks_for_compression(seq.block_table, "
+             "held) == 0:",
+             "        if held > floor:"),
+    # ---- aborts (Scheduler.abort)
+    Mutation("abort: a running request's blocks are not released", SCHEDULER,
+             "                else:\n"
+             "                    self._release(seq, SequenceStatus.ABORTED, self.aborted)\n",
+             "                else:\n"
+             "                    self._remove_from_running(seq)\n"
+             "                    seq.status = SequenceStatus.ABORTED\n"
+             "                    self.aborted.append(seq)\n"),
+    Mutation("abort: a request inside the in-flight batch is released at once", SCHEDULER,
+             "                if seq.compressing:  # only an async batch holds it between steps",
+             "                if False:  # only an async batch holds it between steps"),
+    Mutation("abort: a request aborted inside a batch resumes when the batch completes",
+             SCHEDULER,
+             "            if job.seq in self._abort_after_batch:",
+             "            if False:"),
+    Mutation("abort: an aborted waiting request stays in waiting (and is admitted)", SCHEDULER,
+             "                self.waiting.remove(seq)\n",
+             "                pass\n"),
 ]
 
 # The CI property tests of the core and the witness traces, run separately so the report says
 # what each catches (not the golden logs: a golden diff only says that some decision changed,
 # not that a rule broke).
 TESTS = {"property tests": "tests/test_core_properties.py",
-         "witness traces": "tests/test_preemption_witnesses.py"}
+         "witness traces": "tests/test_preemption_witnesses.py",
+         "rule witnesses": "tests/test_core_rules_witnesses.py"}
 TIMEOUT_S = 900
 
 
