@@ -209,7 +209,7 @@ MUTATIONS = [
              "            if False:", tests=RULE_WITNESSES),
     Mutation("abort: an aborted waiting request stays in waiting (and is admitted)", SCHEDULER,
              "                self.waiting.remove(seq)\n",
-             "                pass\n"),
+             "                pass\n", tests=RULE_WITNESSES),
 ]
 
 # The CI property tests of the core and the witness traces, run separately so the report says
