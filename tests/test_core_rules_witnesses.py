@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
+
 from zipage.core.config import ZipageConfig
 from zipage.core.recorder import StepRecorder
 from zipage.core.scheduler import Scheduler
@@ -148,7 +150,7 @@ def test_only_the_chunk_that_reaches_the_last_token_samples():
                             chunked_prefill=True, max_num_batched_tokens=16)
     assert [step.prefilled for step in steps[:3]] == [
         [("a", 0, 16, False)], [("a", 16, 32, False)], [("a", 32, 33, True)]]
-    assert seqs["a"].first_token_time == 3
+    assert seqs["a"].first_token_time == pytest.approx(3)  # the end of step 2
 
 
 def test_a_chunk_indexes_only_the_prompt_blocks_it_completes():
