@@ -9,8 +9,8 @@ Each mutation is one deliberate break of a rule of docs/architecture.md, written
 old snippet, new snippet) in MUTATIONS below. The tool copies the package and the tests to a
 temporary directory (never touching the working tree), checks that the unmutated copy passes,
 then for each mutation replaces the snippet in the copy, runs TESTS there (the core property
-tests and the witness traces, stopping at the first failure; a mutation may name the groups that
-can reach its rule) and prints one line per mutation:
+tests, the preemption witnesses and the rule witnesses, each stopping at its first failure; a
+mutation may name the groups that can reach its rule) and prints one line per mutation:
 "caught" (with the test that failed and why), "survived", or "not applicable: snippet not
 found". It exits 0 only if every mutation was caught.
 
