@@ -9,7 +9,8 @@ Each mutation is one deliberate break of a rule of docs/architecture.md, written
 old snippet, new snippet) in MUTATIONS below. The tool copies the package and the tests to a
 temporary directory (never touching the working tree), checks that the unmutated copy passes,
 then for each mutation replaces the snippet in the copy, runs TESTS there (the core property
-tests and the witness traces, stopping at the first failure) and prints one line per mutation:
+tests, the preemption witnesses and the rule witnesses, each stopping at its first failure; a
+mutation may name the groups that can reach its rule) and prints one line per mutation:
 "caught" (with the test that failed and why), "survived", or "not applicable: snippet not
 found". It exits 0 only if every mutation was caught.
 
@@ -47,10 +48,17 @@ class Mutation:
     path: str  # relative to the repository root
     old: str
     new: str
+    # The TESTS groups run against it; None: all of them. Only groups whose traces can reach the
+    # rule are worth the minutes (see RULE_WITNESSES).
+    tests: tuple[str, ...] | None = None
 
 
 SCHEDULER = "zipage/core/scheduler.py"
 BLOCKS = "zipage/core/block_manager.py"
+# The core property tests and the preemption witnesses run no chunked prefill, no per-request
+# budget, no elastic policy and no abort, so against a break of those rules they can only pass;
+# such a mutation runs the rule witnesses alone (a minute less each on a loaded 2-core machine).
+RULE_WITNESSES = ("rule witnesses",)
 
 MUTATIONS = [
     # ---- the four breaks of issue 11
@@ -104,13 +112,112 @@ MUTATIONS = [
     Mutation("window-query range off by one (one window query not written)", "zipage/core/window.py",
              "        first = max(start, last_block_start + b - self.window)",
              "        first = max(start, last_block_start + b - self.window + 1)"),
+    # ---- chunked prefill (docs/architecture.md, 'Chunked prefill')
+    Mutation("chunked: a step that preempted still admits", SCHEDULER,
+             "        if self.waiting and budget > 0 and not plan.preempted:",
+             "        if self.waiting and budget > 0:", tests=RULE_WITNESSES),
+    Mutation("chunked: prompt chunks planned before the decodes", SCHEDULER,
+             "        self._schedule_decode(plan)\n"
+             "        budget = self.config.max_num_batched_tokens - len(plan.decode)\n",
+             "        budget = self.config.max_num_batched_tokens - len(self._steady)\n"
+             "        self._schedule_chunks_first(plan, budget)\n"
+             "        self._schedule_decode(plan)\n"
+             "        return\n"
+             "\n"
+             "    def _schedule_chunks_first(self, plan, budget):\n", tests=RULE_WITNESSES),
+    Mutation("chunked: the token budget not reduced by the decode tokens", SCHEDULER,
+             "        budget = self.config.max_num_batched_tokens - len(plan.decode)\n",
+             "        budget = self.config.max_num_batched_tokens\n", tests=RULE_WITNESSES),
+    Mutation("chunked: admissions before the running prompts continue", SCHEDULER,
+             "        budget = self.config.max_num_batched_tokens - len(plan.decode)\n"
+             "        for seq in list(self.prefilling):\n",
+             "        budget = self.config.max_num_batched_tokens - len(plan.decode)\n"
+             "        continuing = list(self.prefilling)\n"
+             "        if self.waiting and budget > 0 and not plan.preempted:\n"
+             "            self._schedule_prefill(plan, budget)\n"
+             "            budget -= sum(item.num_new_tokens for item in plan.prefill)\n"
+             "        for seq in continuing:\n", tests=RULE_WITNESSES),
+    Mutation("chunked: a chunk one token short of the last samples", SCHEDULER,
+             "        samples = end == seq.num_tokens\n",
+             "        samples = end >= seq.num_tokens - 1\n", tests=RULE_WITNESSES),
+    Mutation("chunked: a chunk indexes the prompt block it has not completed", SCHEDULER,
+             "        self.block_manager.register_prompt_blocks(seq, start // self.block_size,\n"
+             "                                                  end // self.block_size)",
+             "        self.block_manager.register_prompt_blocks(seq, start // self.block_size,\n"
+             "                                                  -(-end // self.block_size))",
+             tests=RULE_WITNESSES),
+    Mutation("chunked: a request decodes (may compress) before its prompt is whole", SCHEDULER,
+             "            seq.set_counters(item.num_tokens, seq.num_output_tokens)\n"
+             "            return\n",
+             "            seq.set_counters(item.num_tokens, seq.num_output_tokens)\n"
+             "            self._pending.append(seq)\n"
+             "            return\n", tests=RULE_WITNESSES),
+    Mutation("chunked: a prompt longer than the step budget is rejected", SCHEDULER,
+             "        if not self.config.chunked_prefill and prompt > "
+             "self.config.max_num_batched_tokens:",
+             "        if prompt > self.config.max_num_batched_tokens:", tests=RULE_WITNESSES),
+    Mutation("chunked: a request leaving running keeps its place among the running prompts",
+             SCHEDULER,
+             "        self.prefilling.pop(seq, None)\n        self._release_slot(seq)\n",
+             "        self._release_slot(seq)\n", tests=RULE_WITNESSES),
+    # ---- per-request and elastic budgets (docs/architecture.md, 'Per-request and elastic
+    # budgets')
+    Mutation("budget: a request's own budget ignored in its N_max", SCHEDULER,
+             "        budget = self.config.kv_budget if seq.kv_budget is None else seq.kv_budget",
+             "        budget = self.config.kv_budget", tests=RULE_WITNESSES),
+    Mutation("budget: a slot reserves the default N_max, not its holder's", SCHEDULER,
+             "        return min(seq.n_max, whole)",
+             "        return min(self.n_max, whole)", tests=RULE_WITNESSES),
+    Mutation("budget: a later request overtakes the foremost the pool cannot back", SCHEDULER,
+             "                    return  # the foremost waits until enough holders finish",
+             "                    continue  # the foremost waits until enough holders finish",
+             tests=RULE_WITNESSES),
+    Mutation("elastic: borrowed blocks kept although somebody needs memory", SCHEDULER,
+             "        if not self.elastic or self._memory_demand():",
+             "        if not self.elastic:", tests=RULE_WITNESSES),
+    Mutation("elastic: the head of waiting short of blocks is no demand", SCHEDULER,
+             "        return bool(self._starved) or self.head_short_of_blocks()",
+             "        return bool(self._starved)", tests=RULE_WITNESSES),
+    Mutation("elastic: grows without a free block left per running request", SCHEDULER,
+             "        if manager.num_free_blocks - 1 >= len(self.running):",
+             "        if manager.num_free_blocks >= 1:", tests=RULE_WITNESSES),
+    Mutation("elastic: a shrink without demand goes below the floor", SCHEDULER,
+             "            return held\n        return floor\n",
+             "            return held\n        return floor - 1\n", tests=RULE_WITNESSES),
+    Mutation("elastic: preempts although a borrower could give blocks back", SCHEDULER,
+             "            if not (self.elastic and self._reclaimable_borrower(seq)):",
+             "            if True:", tests=RULE_WITNESSES),
+    Mutation("elastic: holds although holding needs fresh blocks", SCHEDULER,
+             "        if held > floor and manager.fresh_blocks_for_compression(seq.block_table, "
+             "held) == 0:",
+             "        if held > floor:", tests=RULE_WITNESSES),
+    # ---- aborts (Scheduler.abort)
+    Mutation("abort: a running request's blocks are not released", SCHEDULER,
+             "                else:\n"
+             "                    self._release(seq, SequenceStatus.ABORTED, self.aborted)\n",
+             "                else:\n"
+             "                    self._remove_from_running(seq)\n"
+             "                    seq.status = SequenceStatus.ABORTED\n"
+             "                    self.aborted.append(seq)\n", tests=RULE_WITNESSES),
+    Mutation("abort: a request inside the in-flight batch is released at once", SCHEDULER,
+             "                if seq.compressing:  # only an async batch holds it between steps",
+             "                if False:  # only an async batch holds it between steps",
+             tests=RULE_WITNESSES),
+    Mutation("abort: a request aborted inside a batch resumes when the batch completes",
+             SCHEDULER,
+             "            if job.seq in self._abort_after_batch:",
+             "            if False:", tests=RULE_WITNESSES),
+    Mutation("abort: an aborted waiting request stays in waiting (and is admitted)", SCHEDULER,
+             "                self.waiting.remove(seq)\n",
+             "                pass\n", tests=RULE_WITNESSES),
 ]
 
 # The CI property tests of the core and the witness traces, run separately so the report says
 # what each catches (not the golden logs: a golden diff only says that some decision changed,
 # not that a rule broke).
 TESTS = {"property tests": "tests/test_core_properties.py",
-         "witness traces": "tests/test_preemption_witnesses.py"}
+         "witness traces": "tests/test_preemption_witnesses.py",
+         "rule witnesses": "tests/test_core_rules_witnesses.py"}
 TIMEOUT_S = 900
 
 
@@ -228,15 +335,19 @@ def main(argv: list[str] | None = None) -> int:
             original = apply(mutation, view)
             assert original is not None, mutation.name
             try:
-                results = {label: run_tests(tmp, src, tests) for label, tests in TESTS.items()}
+                results = {label: run_tests(tmp, src, tests) for label, tests in TESTS.items()
+                           if mutation.tests is None or label in mutation.tests}
             finally:
                 (view / mutation.path).write_text(original)
             caught = not all(passed for passed, _ in results.values())
             caught_all &= caught
             print(f"{'caught  ' if caught else 'survived'} {mutation.name}  "
                   f"({time.perf_counter() - started:.0f} s)")
-            for label, (passed, failure) in results.items():
-                print(f"         {label}: {'pass' if passed else failure}", flush=True)
+            for label in TESTS:
+                passed, failure = results.get(label, (None, ""))
+                outcome = ("not run (its traces never reach this rule)" if passed is None
+                           else "pass" if passed else failure)
+                print(f"         {label}: {outcome}", flush=True)
     return 0 if caught_all else 1
 
 

@@ -264,6 +264,11 @@ class InvariantChecker:
         queue = plan.preempted[::-1] + before.waiting
         if admitted and admitted not in (before.waiting[:len(admitted)], queue[:len(admitted)]):
             self.fail(f"admitted {_ids(admitted)}, not the head of waiting {_ids(queue)}")
+        if admitted and plan.preempted:
+            # The victim heads waiting and could come straight back (chunked prefill's rule;
+            # without chunking a step that admits never decodes, so it never preempts).
+            self.fail(f"admitted {_ids(admitted)} in a step that preempted "
+                      f"{_ids(plan.preempted)}")
         taken = set(admitted)
         expected = [seq for seq in queue if seq not in taken]
         if list(self.scheduler.waiting) != expected:
