@@ -24,9 +24,7 @@ import numpy as np
 import pandas as pd
 
 from zipage.errors import ZipageError
-from zipage.rundir import (  # noqa: F401 - read_decisions: callers import it from here
-    SERVED, decisions_absent_reason, load_run, read_decisions, run_kind,
-)
+from zipage.rundir import SERVED, decisions_absent_reason, load_run, read_decisions, run_kind  # noqa: F401 - read_decisions: callers import it from here
 
 SUMMARY_KEYS = ("tps", "makespan_s", "mean_tpot_ms", "steps", "preemptions", "compressions")
 # Capacity the run was planned with: when these differ, the schedules cannot agree.

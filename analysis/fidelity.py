@@ -33,7 +33,8 @@ import dataclasses
 import importlib.util
 import json
 import time
-from collections.abc import Callable, Sequence as SequenceOf
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,8 +42,9 @@ import torch
 
 from zipage.core.config import ZipageConfig
 from zipage.core.memory import block_bytes, query_slot_bytes
-from zipage.core.step import StepPlan
 from zipage.core.sequence import Sequence
+from zipage.core.step import StepPlan
+from zipage.deployment import ReplaySettings, effective_config, plan_capacity
 from zipage.engine.llm import Engine
 from zipage.engine.loader import load_model
 from zipage.engine.loop import EngineLoop
@@ -51,7 +53,6 @@ from zipage.engine.sampler import SamplingParams
 from zipage.kernels.compress import compress
 from zipage.kernels.compress_ref import CompressionParams, kept_entries, write_kept_entries
 from zipage.presets import ModelShape
-from zipage.deployment import ReplaySettings, effective_config, plan_capacity
 
 GIB = 1024**3
 SINK_ENTRIES = 4  # StreamingLLM's attention sinks: the first four tokens

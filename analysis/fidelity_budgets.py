@@ -31,8 +31,16 @@ from pathlib import Path
 import torch
 
 from zipage.analysis.fidelity import (
-    DEFAULT_PROMPTS, GIB, Variant, VariantResult, build_cpu_engine, bundled_gguf, chat_prompts,
-    generate_reference, repeated_positions, teacher_force,
+    DEFAULT_PROMPTS,
+    GIB,
+    Variant,
+    VariantResult,
+    build_cpu_engine,
+    bundled_gguf,
+    chat_prompts,
+    generate_reference,
+    repeated_positions,
+    teacher_force,
 )
 from zipage.core.config import ZipageConfig
 from zipage.core.memory import block_bytes, query_slot_bytes

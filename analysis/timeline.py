@@ -21,9 +21,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from zipage.rundir import (  # noqa: F401 - load_run, RunData and the file names live here too
-    DECISIONS_FILE, REQUESTS_FILE, STEPS_FILE, SUMMARY_FILE, RunData, load_run, run_file,
-)
+from zipage.rundir import DECISIONS_FILE, REQUESTS_FILE, STEPS_FILE, SUMMARY_FILE, RunData, load_run, run_file  # noqa: F401 - load_run, RunData and the file names live here too
 
 DEFAULT_BINS = 1000
 # The throughput curve is smoothed over this share of the run's duration: enough to hide the

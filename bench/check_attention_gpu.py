@@ -28,12 +28,8 @@ import torch
 import triton
 import triton.testing
 
-from zipage.kernels.attention_ref import (
-    paged_decode_attention_ref,
-    paged_prefill_attention_ref,
-    store_kv_ref,
-)
 from zipage.kernels import attention_triton
+from zipage.kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref, store_kv_ref
 from zipage.kernels.attention_triton import (
     decode_num_partitions,
     paged_decode_attention_triton,
@@ -394,7 +390,8 @@ def sweep(seed: int, copy_gigabytes_per_second: float) -> dict:
                 config,
                 lambda: time_microseconds(lambda: paged_prefill_attention_triton(*prefill_arguments)),
             )
-            log(f"{str(config):>16} {entry['microseconds'] / 1e3:8.3f} ms  (max diff {entry['max_abs_difference']:.1e})")
+            log(f"{str(config):>16} {entry['microseconds'] / 1e3:8.3f} ms  "
+                f"(max diff {entry['max_abs_difference']:.1e})")
         except Exception as error:  # noqa: BLE001
             entry["error"] = repr(error)[:200]
             log(f"{str(config):>16} error {entry['error']}")

@@ -25,7 +25,8 @@ time the overlap hides.
 
 `--smoke` runs part A on tiny shapes in float16 on any device (on the CPU under TRITON_INTERPRET=1) to check the
 script.
-Prints the tables last; writes compress_gpu.json (and compress_gpu.log) under $OUT, or runs/compress_gpu/ of the repository.
+Prints the tables last; writes compress_gpu.json (and compress_gpu.log) under $OUT, or
+runs/compress_gpu/ of the repository.
 Exits 1 if a check fails or a part crashes.
 """
 
@@ -46,13 +47,7 @@ import torch
 
 from zipage.kernels import compress_triton
 from zipage.kernels.compress import CompressionInputs
-from zipage.kernels.compress_ref import (
-    CompressionParams,
-    compress_ref,
-    final_scores,
-    kept_entries,
-    write_kept_entries,
-)
+from zipage.kernels.compress_ref import CompressionParams, compress_ref, final_scores, kept_entries, write_kept_entries
 
 # $OUT when set (the GPU harness collects it), else the ignored runs/ of the repository.
 OUT = Path(os.environ.get("OUT")
@@ -241,8 +236,8 @@ def part_a(smoke: bool, device: str) -> list[dict]:
 
 def build_qwen3_engine():
     from zipage.core.config import ZipageConfig
-    from zipage.engine.llm import build_engine
     from zipage.deployment import ReplaySettings
+    from zipage.engine.llm import build_engine
 
     # 128 x 8 decode blocks + 33 compression blocks (and their query slots), with room to spare.
     settings = ReplaySettings(model="random:qwen3-8b", dtype="bfloat16", kv_memory_gb=46,
@@ -270,8 +265,8 @@ def compression_jobs(engine, manager, requests: int, blocks: int) -> list:
     """Jobs as the core hands them out for requests at their trigger: `blocks` full blocks of random K/V and
     window queries, targets = their own first N_max - 1 blocks (in place). A 9-block request was compressed
     before (the steady state); a longer one is at its first compression (a long prompt)."""
-    from zipage.core.step import CompressionJob
     from zipage.core.sequence import Sequence
+    from zipage.core.step import CompressionJob
 
     runner = engine.runner
     jobs = []
@@ -470,7 +465,8 @@ def part_c_rows(engine, steps: Steps, jobs_by_batch, num_sms) -> list[dict]:
                    inflation=sum(overlapped) / len(overlapped) / alone - 1, async_extra_s=extra_async,
                    sync_extra_s=extra_sync, hidden=1 - extra_async / extra_sync if extra_sync > 0 else None)
         rows.append(row)
-        log(f"C {requests} x {blocks} {redundancy} stride {stride} on {num_sms or 'all'} SMs: alone {alone * 1e3:.2f} ms, sync step "
+        log(f"C {requests} x {blocks} {redundancy} stride {stride} on {num_sms or 'all'} SMs: "
+            f"alone {alone * 1e3:.2f} ms, sync step "
             f"{synchronous * 1e3:.2f} ms, async {len(overlapped)} steps of {row['async_step_s'] * 1e3:.2f} ms "
             f"(+{100 * row['inflation']:.1f}%), hidden {row['hidden']}")
     set_compression(compressor, engine.config.layer_stride, engine.config.redundancy)
@@ -517,7 +513,8 @@ def print_tables(report: dict) -> None:
         log("")
         log(f"C. Engine steps ({DECODE_BATCH} x {CONTEXT} decode) with a compression batch: sync (in the step, "
             "before the decode) vs async (side stream)")
-        log(f"  {'batch':<10} {'redundancy':<10} {'stride':>6} {'SMs':>4} {'alone ms':>9} {'sync ms':>8} {'async steps':>11} "
+        log(f"  {'batch':<10} {'redundancy':<10} {'stride':>6} {'SMs':>4} {'alone ms':>9} "
+            f"{'sync ms':>8} {'async steps':>11} "
             f"{'async ms/step':>13} {'inflation':>9} {'hidden':>7}")
         for row in report["async"]:
             hidden = f"{100 * row['hidden']:.0f}%" if row["hidden"] is not None else "-"

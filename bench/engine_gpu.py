@@ -27,12 +27,12 @@ import torch
 
 from zipage.core.config import ZipageConfig
 from zipage.core.memory import GIB
-from zipage.core.step import DECODE, StepPlan
 from zipage.core.sequence import Sequence
+from zipage.core.step import DECODE, StepPlan
+from zipage.deployment import ReplaySettings
 from zipage.engine.llm import LLM, build_engine
 from zipage.engine.sampler import SamplingParams
 from zipage.presets import get_preset
-from zipage.deployment import ReplaySettings
 
 CONTEXT = 2048
 

@@ -30,9 +30,9 @@ from unittest import mock
 
 import numpy as np
 import pandas as pd
-
 from fidelity_cross_trace import DECISION_COLUMNS, traces
 from fidelity_matrix import RUNS, deployment
+
 from zipage.core.recorder import StepRecorder
 from zipage.flags import add_engine_flags, settings_from_args
 from zipage.sim import step_replay

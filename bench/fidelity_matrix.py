@@ -8,7 +8,8 @@ same model and mode (`zipage calibrate --from-run`), the trace is simulated with
 analytic model, and both are compared with each engine run (`zipage compare`); the second engine
 run is compared with the first, the same way (the engine's spread).
 
-Runs written before steps.csv had `decode_max_context` get the column from their step-time replay: `zipage replay TRACE --step-times RUN` makes the engine's
+Runs written before steps.csv had `decode_max_context` get the column from their step-time replay:
+`zipage replay TRACE --step-times RUN` makes the engine's
 decisions step for step (checked here, column by column, for every run), so its plans hold the
 engine's decode requests. The completed copies go to --work/runs; the originals are not touched.
 
@@ -34,8 +35,8 @@ import shutil
 from pathlib import Path
 
 import pandas as pd
+from fidelity_cross_trace import DECISION_COLUMNS, Study, check_trace, traces
 
-from fidelity_cross_trace import DECISION_COLUMNS, Study, check_trace, row, traces
 
 def model_runs(tag: str) -> dict:
     """One model's runs, relative to --runs, as bench/fidelity_runs.sh names them; `tag` names

@@ -22,11 +22,11 @@ import torch
 
 from zipage.core.config import ZipageConfig
 from zipage.core.scheduler import Scheduler
+from zipage.deployment import ReplaySettings, effective_config, plan_capacity, trace_sequences
 from zipage.engine.loop import EngineLoop
 from zipage.engine.runner import GRAPH_BATCH_SIZES, ModelRunner
 from zipage.engine.sampler import SamplingParams
 from zipage.presets import get_preset
-from zipage.deployment import ReplaySettings, effective_config, plan_capacity, trace_sequences
 from zipage.workloads import make_trace
 
 

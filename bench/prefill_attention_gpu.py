@@ -33,12 +33,10 @@ from pathlib import Path
 
 import torch
 import triton.testing
+from check_attention_gpu import random_paged_cache, with_settings  # noqa: E402 (bench/ is the script's path)
 
-from zipage.kernels import attention_triton
 from zipage.kernels.attention import prefill_tile_tokens, prefill_work, prefill_work_capacity
 from zipage.kernels.attention_triton import paged_prefill_attention_triton
-
-from check_attention_gpu import random_paged_cache, with_settings  # noqa: E402 (bench/ is the script's path)
 
 # (query heads, KV heads, head_dim) of the models whose prefill steps bench/prefill_gpu.py times.
 SHAPES = {"qwen3-0.6b": (16, 8, 128), "qwen3-8b": (32, 8, 128)}

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from engine_gpu import copy_bandwidth, weight_bytes_read  # noqa: E402 (bench/ is the script's path)
 
 from zipage.core.config import ZipageConfig
 from zipage.core.sequence import Sequence
@@ -42,8 +43,6 @@ from zipage.deployment import ReplaySettings
 from zipage.engine.llm import build_engine
 from zipage.engine.sampler import SamplingParams
 from zipage.presets import get_preset
-
-from engine_gpu import copy_bandwidth, weight_bytes_read  # noqa: E402 (bench/ is the script's path)
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 

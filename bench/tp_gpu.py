@@ -38,16 +38,16 @@ from pathlib import Path
 
 import torch
 
+# The single-GPU decode benchmark's bandwidth probe and decode-step timing (bench/ is the
+# script's path); here with tensor_parallel ranks.
+from engine_gpu import copy_bandwidth, decode_roofline  # noqa: E402
+
 from zipage.core.config import ZipageConfig
 from zipage.deployment import ReplaySettings
 from zipage.engine.replay import replay_on_engine
 from zipage.rundir import write_run
 from zipage.trace import Trace, load_trace, save_trace
 from zipage.workloads import make_trace
-
-# The single-GPU decode benchmark's bandwidth probe and decode-step timing (bench/ is the
-# script's path); here with tensor_parallel ranks.
-from engine_gpu import copy_bandwidth, decode_roofline  # noqa: E402
 
 DEVICE = os.environ.get("ZIPAGE_BENCH_DEVICE", "cuda")  # "cpu": a smoke run of parts B and C
 

@@ -465,7 +465,8 @@ def _prefill_kv_load(
             return "block", None, None
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        shape, strides, tile = [num_blocks * block_size, num_kv_heads * head_dim], [slot_stride, 1], [_KV_TILE, head_dim]
+        shape = [num_blocks * block_size, num_kv_heads * head_dim]
+        strides, tile = [slot_stride, 1], [_KV_TILE, head_dim]
         return (mode, TensorDescriptor(k_cache, shape, strides, tile), TensorDescriptor(v_cache, shape, strides, tile))
     return mode, None, None
 

@@ -13,8 +13,8 @@ import dataclasses
 
 import torch
 
-from zipage.kernels.dispatch import use_triton
 from zipage.kernels.compress_ref import CompressionParams, compress_ref
+from zipage.kernels.dispatch import use_triton
 
 
 @dataclasses.dataclass

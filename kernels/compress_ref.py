@@ -32,7 +32,6 @@ import torch
 
 from zipage.core.config import ZipageConfig, window_violation
 
-
 _KNOBS = ZipageConfig()  # the knobs' defaults are declared once, on ZipageConfig
 
 

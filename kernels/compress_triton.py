@@ -1,4 +1,5 @@
-"""Triton kernels of the compression pipeline (docs/architecture.md, 'Compression pipeline'), batched over a group of layers, the requests
+"""Triton kernels of the compression pipeline (docs/architecture.md, 'Compression pipeline'),
+batched over a group of layers, the requests
 of a compression batch and the KV heads.
 
 Same arguments and semantics as ``compress_ref.compress_ref`` (the oracle the tests compare against). One call

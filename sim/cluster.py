@@ -22,12 +22,10 @@ from collections import Counter
 import simpy
 
 from zipage.core.metrics import StepRecord, summarize
-from zipage.core.routing import (  # noqa: F401  (the policies' names, for plan)
-    LEAST_LOADED, PREFIX_AFFINITY, ROUND_ROBIN, ROUTING_POLICIES, RoundRobin, make_policy,
-)
+from zipage.core.routing import LEAST_LOADED, PREFIX_AFFINITY, ROUND_ROBIN, ROUTING_POLICIES, RoundRobin, make_policy  # noqa: F401  (the policies' names, for plan)
 from zipage.core.sequence import Sequence
-from zipage.errors import ConfigError
 from zipage.deployment import ReplaySettings, trace_sequences
+from zipage.errors import ConfigError
 from zipage.trace import Trace
 
 from .simulate import plan_deployment

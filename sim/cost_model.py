@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import numpy as np
 
 from zipage.core.config import REDUNDANCY_MODES, ZipageConfig
-from zipage.decode_grid import decode_num_partitions
-from zipage.prefill_buckets import padded_rows
 from zipage.core.memory import DTYPE_BYTES, heads_per_gpu
 from zipage.core.step import causal_pairs
+from zipage.decode_grid import decode_num_partitions
 from zipage.errors import ConfigError
+from zipage.prefill_buckets import padded_rows
 from zipage.presets import ModelShape, model_identity
 
 from .hardware import GPUSpec, get_hardware

@@ -29,8 +29,8 @@ from typing import Callable, Iterable
 
 import xxhash
 
-from zipage.errors import ConfigError, ZipageError
 from zipage.deployment import ReplaySettings
+from zipage.errors import ConfigError, ZipageError
 from zipage.trace import ARRIVAL_PATTERNS, Trace, scale_arrivals, stamp_arrivals
 
 TPS = "tps"
@@ -643,5 +643,3 @@ def _progress_bar(total: int, already: int, show: bool):
     from zipage.core.recorder import progress_bar
 
     return progress_bar(total, "points", "pt", initial=already)
-
-    return tqdm(total=total, initial=already, desc="points", unit="pt", mininterval=0.5)

@@ -13,10 +13,8 @@ from zipage.core.config import ZipageConfig
 from zipage.core.memory import MemoryPlan
 from zipage.core.recorder import Run
 from zipage.core.scheduler import Scheduler
+from zipage.deployment import ReplaySettings, dtype_bytes, effective_config, iter_trace_sequences, plan_capacity
 from zipage.presets import ModelShape, resolve_shape
-from zipage.deployment import (
-    ReplaySettings, dtype_bytes, effective_config, iter_trace_sequences, plan_capacity,
-)
 from zipage.rundir import run_summary
 from zipage.trace import Trace
 

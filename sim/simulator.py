@@ -30,6 +30,7 @@ from zipage.core.step import IDLE, StepPlan, StepResult
 
 from .cost_model import CostModel
 
+
 class Simulator:
     """One simulated engine. `run(sequences)` replays a trace on its own clock; a router
     (sim/cluster.py) instead shares one clock among several engines: it calls `start()`,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 from zipage.core.arrivals import ArrivalQueue
 from zipage.core.recorder import Run, StepRecorder
 from zipage.core.scheduler import Scheduler

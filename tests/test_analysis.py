@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-
 from tolerance import assert_close, close
+
 from zipage.analysis.ablation import (
     ABLATION_VARIANTS,
     check_paper_directions,
@@ -27,8 +27,7 @@ from zipage.analysis.ablation import (
 )
 from zipage.analysis.compare import DIFFERENCE_CONTEXT, compare_runs, excerpt, format_report
 from zipage.analysis.timeline import _bin_steps, load_run, plot_timeline, run_title
-from zipage.core.metrics import (REQUEST_COLUMN_DEFAULTS, REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS,
-                                  STEP_COLUMNS)
+from zipage.core.metrics import REQUEST_COLUMN_DEFAULTS, REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS, STEP_COLUMNS
 from zipage.errors import ZipageError
 
 ROOT = Path(__file__).resolve().parent.parent

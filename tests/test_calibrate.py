@@ -17,11 +17,12 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from test_engine import tiny_model  # noqa: E402,F401
+
 from zipage.core.config import ZipageConfig  # noqa: E402
+from zipage.deployment import ReplaySettings  # noqa: E402
 from zipage.engine.calibrate import calibrate  # noqa: E402
 from zipage.errors import ConfigError  # noqa: E402
 from zipage.presets import resolve_shape  # noqa: E402
-from zipage.deployment import ReplaySettings  # noqa: E402
 from zipage.sim.cost_model import CalibratedCostModel  # noqa: E402
 from zipage.sim.hardware import get_hardware  # noqa: E402
 

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import io
 import json
-from contextlib import redirect_stderr, redirect_stdout
 import struct
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from test_cli_errors import TINY_CONFIG, TINY_TRACE
+
 from zipage.cli import EXIT_REQUESTS_FAILED, main
 from zipage.errors import ZipageError
 

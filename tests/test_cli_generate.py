@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from tiny_models import save_tiny_qwen3  # noqa: E402
+
 from zipage.cli import EXIT_REQUESTS_FAILED, main  # noqa: E402
 from zipage.errors import ConfigError  # noqa: E402
 

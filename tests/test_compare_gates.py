@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import pytest
-
 from test_analysis import (  # the run-directory builders of the analysis tests
-    REAL_DECISIONS, REAL_DURATIONS, REAL_KINDS, REAL_SUMMARY, make_requests, make_steps,
-    real_requests, write_run_dir,
+    REAL_DECISIONS,
+    REAL_DURATIONS,
+    REAL_KINDS,
+    REAL_SUMMARY,
+    make_requests,
+    make_steps,
+    real_requests,
+    write_run_dir,
 )
 from tolerance import close
+
 from zipage.analysis.compare import compare_runs, exceeded, format_report, parse_max_errors
 from zipage.errors import ZipageError
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass, replace
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from strategies import MODES, Case, cases
 from tolerance import assert_close, close
+
 from zipage.core.config import ZipageConfig
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence

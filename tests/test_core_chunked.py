@@ -13,8 +13,8 @@ from dataclasses import replace
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from strategies import MODES, Case, cases, mode_seed
+
 from zipage.core.config import ZipageConfig
 from zipage.core.invariants import InvariantChecker
 from zipage.core.scheduler import Scheduler

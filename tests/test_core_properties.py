@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import event, given
-
 from rule_coverage import MIN_SHARE, TALLY, RuleObserver
 from strategies import MODES, cases, mode_seed
+
 from zipage.core.scheduler import Scheduler
 from zipage.sim.instant import InstantDriver
 

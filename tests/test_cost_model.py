@@ -21,12 +21,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tolerance import PINNED_RTOL, close
 
 from sim.cost_model import (
-    AnalyticCostModel,
-    CalibratedCostModel,
     KERNEL_LATENCY_S,
     KERNELS_PER_LAYER,
+    AnalyticCostModel,
+    CalibratedCostModel,
     CostModel,
     launch_groups,
     load_cost_model,
@@ -36,7 +37,6 @@ from sim.hardware import HARDWARE, get_hardware
 from sim.prefill_fit import PrefillFit
 from zipage.core.step import DECODE, MIXED, PREFILL, CompressionBatch, PrefillItem, StepPlan
 from zipage.errors import ConfigError
-from tolerance import PINNED_RTOL, close
 from zipage.presets import get_preset
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from tiny_models import save_tiny_qwen3  # noqa: E402
+
 from zipage import LLM, SamplingParams  # noqa: E402
 from zipage.trace import Trace, TraceRequest, save_trace  # noqa: E402
 

@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 
 from tiny_models import save_tiny_qwen3  # noqa: E402
 from tolerance import assert_close  # noqa: E402
+
 from zipage import LLM, SamplingParams  # noqa: E402
 from zipage.errors import ConfigError  # noqa: E402
 

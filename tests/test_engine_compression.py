@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from test_engine import GREEDY, prompts_with_shared_prefix, tiny_model  # noqa: E402,F401
+
 from zipage import LLM, SamplingParams  # noqa: E402
 from zipage.core.sequence import Sequence  # noqa: E402
 from zipage.engine.loop import EngineLoop  # noqa: E402

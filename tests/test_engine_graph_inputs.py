@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 
 from test_engine import GREEDY, prompts_with_shared_prefix, tiny_model  # noqa: E402,F401
 from test_engine_compression import SMALL  # noqa: E402
+
 from zipage import LLM  # noqa: E402
 from zipage.engine.context import forward_context  # noqa: E402
 

@@ -20,12 +20,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from test_models_hf_parity import _hf_greedy, _smollm2_gguf, _tiny_hf_model  # noqa: E402
-from triton_interpreter import (  # noqa: E402
-    TRITON_INSTALLED,
-    UNDER_INTERPRETER,
-    run_test_file_under_interpreter,
-    under_interpreter,
-)
+from triton_interpreter import TRITON_INSTALLED, UNDER_INTERPRETER, run_test_file_under_interpreter, under_interpreter  # noqa: E402
+
 from zipage.core.config import ZipageConfig  # noqa: E402
 from zipage.core.memory import MemoryPlan  # noqa: E402
 from zipage.core.sequence import Sequence  # noqa: E402
@@ -288,9 +284,10 @@ def test_triton_mixed_steps_equal_unchunked(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- through the core's chunked scheduler
 
-from test_engine import (  # noqa: E402,F401
-    GREEDY as ENGINE_GREEDY, prompts_with_shared_prefix, replay_sim_and_cpu, tiny_model)
+from test_engine import GREEDY as ENGINE_GREEDY  # noqa: E402,F401
+from test_engine import prompts_with_shared_prefix, replay_sim_and_cpu  # noqa: E402
 from test_engine_compression import SMALL  # noqa: E402
+
 from zipage import LLM  # noqa: E402
 
 CHUNKED = dict(chunked_prefill=True, max_num_batched_tokens=24)

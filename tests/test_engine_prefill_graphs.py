@@ -19,17 +19,12 @@ pytest.importorskip("transformers")
 
 from test_engine import GREEDY, hf_greedy, prompts_with_shared_prefix, tiny_model  # noqa: E402,F401
 from test_engine_compression import SMALL  # noqa: E402
-from test_engine_mixed import (  # noqa: E402
-    assert_same_caches,
-    random_prompts,
-    run_chunked,
-    run_unchunked,
-)
+from test_engine_mixed import assert_same_caches, random_prompts, run_chunked, run_unchunked  # noqa: E402
 from test_models_hf_parity import _tiny_hf_model  # noqa: E402
+
 from zipage import LLM  # noqa: E402
 from zipage.engine import loader  # noqa: E402
 from zipage.engine.runner import ModelRunner  # noqa: E402
-
 
 # Module-wide: torch on one thread (tests/conftest.py, `one_cpu_thread`).
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -117,6 +112,7 @@ def test_replay_with_prefill_graphs(tiny_model, tmp_path, monkeypatch):  # noqa:
     padded layout and records what it replayed from graphs (nothing, on the CPU); the CLI flag
     gives a run that makes the simulator's decisions, step for step."""
     from test_engine import replay_sim_and_cpu
+
     from zipage.core.config import ZipageConfig
     from zipage.deployment import ReplaySettings
     from zipage.engine.replay import replay_on_engine

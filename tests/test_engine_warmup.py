@@ -8,6 +8,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from tiny_models import save_tiny_qwen3  # noqa: E402
+
 from zipage import LLM, SamplingParams  # noqa: E402
 from zipage.engine.warmup import warm_up  # noqa: E402
 

@@ -29,6 +29,7 @@ from triton_interpreter import (  # noqa: E402
     run_test_file_under_interpreter,
     under_interpreter,
 )
+
 from zipage.kernels import attention  # noqa: E402
 from zipage.kernels.attention_ref import (  # noqa: E402
     paged_decode_attention_ref,

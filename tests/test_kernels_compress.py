@@ -1,4 +1,5 @@
-"""The compression pipeline (docs/architecture.md, 'Compression pipeline'): the torch reference's pieces against tiny hand-computed cases,
+"""The compression pipeline (docs/architecture.md, 'Compression pipeline'): the torch reference's
+pieces against tiny hand-computed cases,
 and the Triton kernels against the reference through the Triton interpreter (CPU, float32 and float16; the
 interpreter mis-computes bfloat16 dots, which bench/compress_gpu.py checks on a GPU).
 
@@ -37,6 +38,7 @@ from triton_interpreter import (  # noqa: E402
     compiler_environment,
     under_interpreter,
 )
+
 from zipage.core.config import ZipageConfig  # noqa: E402
 from zipage.errors import ConfigError  # noqa: E402
 from zipage.kernels import compress as compress_module  # noqa: E402

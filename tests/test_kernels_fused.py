@@ -26,13 +26,9 @@ from triton_interpreter import (  # noqa: E402
     run_test_file_under_interpreter,
     under_interpreter,
 )
+
 from zipage.kernels import fused_ops  # noqa: E402
-from zipage.kernels.fused_ops_ref import (  # noqa: E402
-    add_rms_norm_ref,
-    rms_norm_ref,
-    rotary_qk_ref,
-    silu_and_mul_ref,
-)
+from zipage.kernels.fused_ops_ref import add_rms_norm_ref, rms_norm_ref, rotary_qk_ref, silu_and_mul_ref  # noqa: E402
 
 EPS = 1e-6
 TOLERANCES = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=1e-3, rtol=1e-3)}

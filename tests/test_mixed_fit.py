@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from tolerance import close
+
 from zipage.cli import _write_profile
-from zipage.errors import ConfigError
 from zipage.core.step import causal_pairs
+from zipage.errors import ConfigError
 from zipage.prefill_buckets import PREFILL_GRAPH_TOKENS, padded_rows
 from zipage.presets import get_preset
 from zipage.sim.cost_model import CalibratedCostModel, StepWork, load_cost_model

@@ -10,16 +10,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-
 from tolerance import assert_close, close
+
 from zipage.core.metrics import StepRecord
+from zipage.deployment import ReplaySettings
 from zipage.errors import ConfigError
 from zipage.plan_cli import add_plan_command, parse_rates, parse_replicas
-from zipage.sim.planning import (
-    INFEASIBLE, LOCAL, MAX_RATE, OK, RAY, SERIAL, SLO, TPS_PER_DOLLAR, PlanSpec, run_plan,
-)
-from zipage.deployment import ReplaySettings
 from zipage.sim.cluster import peak_concurrent_running, simulate_cluster
+from zipage.sim.planning import INFEASIBLE, LOCAL, MAX_RATE, OK, RAY, SERIAL, SLO, TPS_PER_DOLLAR, PlanSpec, run_plan
 from zipage.sim.simulate import simulate
 from zipage.trace import Trace, TraceRequest, load_trace, stamp_arrivals
 

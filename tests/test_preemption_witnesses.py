@@ -14,7 +14,7 @@ import pytest
 
 from zipage.core.block_manager import BlockManager
 from zipage.core.config import ZipageConfig
-from zipage.core.scheduler import Scheduler, SchedulerStuck
+from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.core.step import StepPlan
 from zipage.sim.instant import InstantDriver

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from tolerance import assert_close, close
-from zipage.errors import ConfigError
+
 from zipage.cli import _write_profile
+from zipage.errors import ConfigError
 from zipage.sim.cost_model import CalibratedCostModel, StepWork
 from zipage.sim.prefill_fit import fit_prefill, nonnegative_least_squares
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from zipage.core.block_manager import BlockManager, prompt_block_hashes
 from zipage.core.config import ZipageConfig
+from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.sim.instant import InstantDriver
-from zipage.core.scheduler import Scheduler
 
 
 def _indexed_request(manager: BlockManager, tokens: int) -> Sequence:

@@ -11,8 +11,8 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
-
 from tolerance import close
+
 from zipage.core.config import ZipageConfig
 from zipage.core.metrics import STEP_COLUMN_DEFAULTS, STEP_COLUMNS
 from zipage.deployment import ReplaySettings
@@ -222,7 +222,7 @@ def test_batches_over_several_steps_measure_contention_whatever_their_kind(tmp_p
     for index, step in enumerate(steps):
         step["batches_done"] = 0
         if index and steps[index - 1]["compress_blocks"]:  # the step after a launch
-            launched, overlap = steps[index - 1], batches[-1] - durations[-1]
+            overlap = batches[-1] - durations[-1]
             step["batches_done"] = 1
             durations.append(step["forward"] + (contention - 1) * overlap)
         elif step["compress_blocks"]:

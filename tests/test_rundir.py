@@ -286,7 +286,7 @@ def test_every_run_records_its_kind(tmp_path, simulated):
 ])
 def test_profiles_and_runs_name_a_model_alike(profile_model, run_model):
     from zipage.presets import get_preset
-    from zipage.sim.cost_model import CalibratedCostModel, synthesize_profile, AnalyticCostModel
+    from zipage.sim.cost_model import AnalyticCostModel, CalibratedCostModel, synthesize_profile
     from zipage.sim.hardware import get_hardware
 
     shape = get_preset("qwen3-0.6b")
@@ -302,6 +302,7 @@ def test_profiles_and_runs_name_a_model_alike(profile_model, run_model):
 
 def test_a_profile_fitted_from_a_gguf_run_names_the_model_by_its_stem(tmp_path):
     from test_profile_from_runs import synthetic_run
+
     from zipage.sim.profile_from_runs import profile_from_runs
 
     run = synthetic_run(tmp_path / "run", False)
@@ -314,8 +315,8 @@ def test_a_profile_fitted_from_a_gguf_run_names_the_model_by_its_stem(tmp_path):
 # ---------------------------------------------------------------- 6. concurrent plans
 
 def _write_grid(out: str, rows: int, label: str, start) -> None:
-    from zipage.sim.planning import RESULT_COLUMNS
     from zipage import plan_cli
+    from zipage.sim.planning import RESULT_COLUMNS
 
     plan_cli.plot_pareto = lambda result, spec, path: Path(path).write_bytes(label.encode())
     table = [{column: f"{label}{index}" for column in RESULT_COLUMNS} for index in range(rows)]

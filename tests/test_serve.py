@@ -2,7 +2,8 @@
 openai client (and httpx where a test needs the raw stream).
 
 One server for the module (`zipage serve` in a subprocess, its engine in a process of its own,
-loading the model once) and one in-process `LLM` for the reference outputs. Covered: completion and chat, streamed and not, equal to
+loading the model once) and one in-process `LLM` for the reference outputs. Covered: completion and
+chat, streamed and not, equal to
 each other and to `LLM.generate` under greedy sampling; the same seed gives the same tokens; 16
 concurrent streams complete; a disconnect mid-stream frees the request's blocks (seen in
 /metrics); malformed JSON, a wrong type, a prompt that can never fit, a wrong API key and one

@@ -10,9 +10,7 @@ pytest.importorskip("pydantic")
 from pydantic import ValidationError  # noqa: E402
 
 from zipage.serve.detokenize import IncrementalText  # noqa: E402
-from zipage.serve.protocol import (  # noqa: E402
-    ChatRequest, CompletionRequest, ServeError, validation_message,
-)
+from zipage.serve.protocol import ChatRequest, CompletionRequest, ServeError, validation_message  # noqa: E402
 
 
 class ByteTokenizer:

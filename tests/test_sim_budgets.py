@@ -11,8 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-
 from tolerance import close
+
 from zipage.cli import build_parser
 from zipage.core.config import ZipageConfig
 from zipage.deployment import ReplaySettings

@@ -19,15 +19,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from zipage import LLM, SamplingParams  # noqa: E402
+from zipage.core.config import ZipageConfig  # noqa: E402
+from zipage.deployment import ReplaySettings  # noqa: E402
 from zipage.engine.distributed import ShardGroup  # noqa: E402
 from zipage.engine.layers import RMSNorm  # noqa: E402
 from zipage.engine.loader import build_model, initialise_random  # noqa: E402
 from zipage.engine.parallel import TensorParallelError, rank_devices  # noqa: E402
-from zipage.engine.sharding import (  # noqa: E402
-    ShardLayout, _random_full_tensors, check_tensor_parallel, valid_sizes)
-from zipage.core.config import ZipageConfig  # noqa: E402
-from zipage.deployment import ReplaySettings  # noqa: E402
 from zipage.engine.replay import replay_on_engine  # noqa: E402
+from zipage.engine.sharding import ShardLayout, _random_full_tensors, check_tensor_parallel, valid_sizes  # noqa: E402
 from zipage.errors import ConfigError  # noqa: E402
 from zipage.kernels.compress_ref import CompressionParams, compress_ref  # noqa: E402
 from zipage.presets import get_preset  # noqa: E402

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-
 from tolerance import PINNED_RTOL, assert_close, assert_text_close, close, mismatches
 
 ULP = 2.0**-52

@@ -19,18 +19,10 @@ from typing import Any, Callable
 
 import numpy as np
 import pytest
-
 from tolerance import assert_close, assert_text_close, close
+
 from zipage.errors import ConfigError, TraceError, ZipageError
-from zipage.trace import (
-    Trace,
-    TraceRequest,
-    load_trace,
-    parse_trace,
-    prompt_token_ids,
-    save_trace,
-    stamp_arrivals,
-)
+from zipage.trace import Trace, TraceRequest, load_trace, parse_trace, prompt_token_ids, save_trace, stamp_arrivals
 from zipage.workloads import WORKLOADS, make_trace
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -16,9 +16,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from zipage.errors import TraceError
-from zipage.trace import (
-    MAX_ARRIVAL_S, MAX_LENGTH, REQUEST_FIELDS, Trace, parse_trace, parse_trace_bytes,
-)
+from zipage.trace import MAX_ARRIVAL_S, MAX_LENGTH, REQUEST_FIELDS, Trace, parse_trace, parse_trace_bytes
 
 SOURCE = "fuzz.json"
 

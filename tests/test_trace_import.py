@@ -15,12 +15,8 @@ from hypothesis import strategies as st
 
 from zipage.core.block_manager import prompt_block_hashes
 from zipage.errors import TraceError
-from zipage.trace import (
-    Trace, TraceRequest, load_trace, parse_trace, prompt_block_keys, prompt_token_ids, save_trace,
-)
-from zipage.trace_import import (
-    ImportOptions, detect_format, import_trace, load_trace_file, parse_window,
-)
+from zipage.trace import Trace, TraceRequest, load_trace, parse_trace, prompt_block_keys, prompt_token_ids, save_trace
+from zipage.trace_import import ImportOptions, detect_format, import_trace, load_trace_file, parse_window
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 AZURE_2023 = FIXTURES / "azure_conv_2023_excerpt.csv"

@@ -12,6 +12,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from test_step_replay import engine_run, tiny_model  # noqa: E402,F401  (the fixture)
+
 from zipage.sim.step_replay import replay_step_times  # noqa: E402
 from zipage.trace import parse_trace  # noqa: E402
 from zipage.trace_import import ImportOptions, import_trace  # noqa: E402

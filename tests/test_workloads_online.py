@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from tolerance import assert_close, close
+
 from zipage.errors import ConfigError
 from zipage.workloads import make_trace
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import replace
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from zipage.errors import ZipageError
@@ -356,8 +356,12 @@ def cmd_trace_import(args: argparse.Namespace) -> int:
 
 def cmd_report_ablation(args: argparse.Namespace) -> int:
     from zipage.analysis.ablation import (
-        ABLATION_VARIANTS, PAPER_WORKLOADS, check_paper_directions, run_ablation,
-        unjudged_workloads, write_ablation_report,
+        ABLATION_VARIANTS,
+        PAPER_WORKLOADS,
+        check_paper_directions,
+        run_ablation,
+        unjudged_workloads,
+        write_ablation_report,
     )
     from zipage.rundir import check_out_dir
     from zipage.sim.simulate import simulate
@@ -641,9 +645,10 @@ def build_parser() -> argparse.ArgumentParser:
     compare.set_defaults(handler=cmd_compare)
 
     from zipage.plan_cli import add_plan_command
+    from zipage.serve.cli import add_serve_commands
 
     add_plan_command(commands)
-    from zipage.serve.cli import add_serve_commands; add_serve_commands(commands)  # noqa: E702
+    add_serve_commands(commands)
     return parser
 
 

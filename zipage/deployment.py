@@ -12,15 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
+from zipage.core.block_manager import prompt_block_hashes
 from zipage.core.config import ZipageConfig, knob
-from zipage.core.memory import (
-    DTYPE_BYTES, GIB, MemoryPlan, available_kv_bytes, plan_memory, weight_bytes,
-)
+from zipage.core.memory import DTYPE_BYTES, GIB, MemoryPlan, available_kv_bytes, plan_memory, weight_bytes
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.errors import ConfigError, MemoryPlanError
 from zipage.presets import ModelShape
-from zipage.core.block_manager import prompt_block_hashes
 from zipage.trace import Trace, prompt_block_keys, prompt_token_ids
 
 

@@ -23,8 +23,21 @@ from pathlib import Path
 
 from zipage.errors import ConfigError
 from zipage.sim.planning import (
-    CACHE_SUBDIR, LOCAL, MAX_RATE, OBJECTIVES, OK, RAY, RESULT_COLUMNS, SERIAL, SLO, TPS,
-    TPS_PER_DOLLAR, PlanResult, PlanSpec, RateSearch, run_plan,
+    CACHE_SUBDIR,
+    LOCAL,
+    MAX_RATE,
+    OBJECTIVES,
+    OK,
+    RAY,
+    RESULT_COLUMNS,
+    SERIAL,
+    SLO,
+    TPS,
+    TPS_PER_DOLLAR,
+    PlanResult,
+    PlanSpec,
+    RateSearch,
+    run_plan,
 )
 
 OFFLINE = "offline"

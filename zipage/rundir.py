@@ -30,8 +30,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from zipage.core.config import ZipageConfig
 from zipage.core.memory import MemoryPlan
-from zipage.core.metrics import (REQUEST_COLUMN_DEFAULTS, REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS,
-                                  STEP_COLUMNS)
+from zipage.core.metrics import REQUEST_COLUMN_DEFAULTS, REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS, STEP_COLUMNS
 from zipage.deployment import ReplaySettings
 from zipage.errors import ConfigError
 

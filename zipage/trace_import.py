@@ -31,8 +31,15 @@ import numpy as np
 
 from zipage.errors import TraceError
 from zipage.trace import (
-    ARRIVAL_DECIMALS, MAX_LENGTH, Trace, TraceRequest, gunzipped, jsonl_header, load_trace,
-    stable_hash, trace_stem,
+    ARRIVAL_DECIMALS,
+    MAX_LENGTH,
+    Trace,
+    TraceRequest,
+    gunzipped,
+    jsonl_header,
+    load_trace,
+    stable_hash,
+    trace_stem,
 )
 
 FORMATS = ("azure", "mooncake", "burstgpt")

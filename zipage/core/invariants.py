@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from zipage.core.budget_invariants import BudgetInvariants, slot_blocks
-from zipage.core.step import StepPlan
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence, SequenceStatus
+from zipage.core.step import StepPlan
 
 
 class InvariantViolation(AssertionError):

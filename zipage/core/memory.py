@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zipage.core.config import ZipageConfig
-from zipage.errors import MemoryPlanError
 from zipage.core.shape import ModelShape
+from zipage.errors import MemoryPlanError
 
 GIB = 1024**3
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}

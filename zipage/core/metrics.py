@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, fields
 
-from zipage.core.step import StepPlan, StepResult
 from zipage.core.sequence import Sequence, SequenceStatus
+from zipage.core.step import StepPlan, StepResult
 
 
 # Slots: a day of traffic keeps millions of these.

@@ -24,11 +24,18 @@ from collections import defaultdict, deque
 
 from zipage.core.block_manager import BlockManager, prompt_block_hashes
 from zipage.core.config import ZipageConfig, budget_violation
+from zipage.core.sequence import DecodeClock, Sequence, SequenceStatus
 from zipage.core.step import (
-    DECODE, IDLE, MIXED, PREFILL, CompressionBatch, CompressionJob, PrefillItem, StepPlan,
+    DECODE,
+    IDLE,
+    MIXED,
+    PREFILL,
+    CompressionBatch,
+    CompressionJob,
+    PrefillItem,
+    StepPlan,
     StepResult,
 )
-from zipage.core.sequence import DecodeClock, Sequence, SequenceStatus
 from zipage.core.window import WindowLayout
 from zipage.errors import ConfigError
 

@@ -20,14 +20,12 @@ from collections.abc import Callable
 
 import torch
 
-from zipage.core.step import (
-    DECODE, MIXED, PREFILL, CompressionBatch, CompressionJob, PrefillItem, StepPlan,
-)
 from zipage.core.sequence import Sequence
+from zipage.core.step import DECODE, MIXED, PREFILL, CompressionBatch, CompressionJob, PrefillItem, StepPlan
+from zipage.deployment import ReplaySettings
 from zipage.engine.llm import Engine, build_engine
 from zipage.engine.sampler import SamplingParams
 from zipage.errors import ConfigError
-from zipage.deployment import ReplaySettings
 from zipage.presets import model_label
 from zipage.sim.cost_model import PROFILE_VERSION
 

@@ -22,6 +22,7 @@ from zipage.engine.caches import KVCaches
 from zipage.errors import ConfigError
 from zipage.kernels.compress import CompressionInputs, CompressionParams, compress
 
+
 class Compressor:
     def __init__(self, caches: KVCaches, config: ZipageConfig, head_dim: int,
                  device: torch.device) -> None:

@@ -21,6 +21,7 @@ from torch import nn
 from zipage.engine.context import get_context
 from zipage.engine.distributed import all_reduce, get_shard_group
 from zipage.kernels.attention import paged_decode_attention, paged_prefill_attention, store_kv
+
 # rotary_qk and silu_and_mul are used by the models, which take all their building blocks from this module.
 from zipage.kernels.fused_ops import add_rms_norm, rms_norm, rotary_qk, silu_and_mul  # noqa: F401
 from zipage.presets import ROPE_TYPES

@@ -8,26 +8,26 @@ slots), and put a scheduler and a model runner around it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields, replace
 from difflib import get_close_matches
-import os
 
 import torch
 
 from zipage.core.config import ZipageConfig
 from zipage.core.memory import GIB, MemoryPlan
+from zipage.core.recorder import Run
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
+from zipage.deployment import ReplaySettings, effective_config, plan_capacity
 from zipage.engine.loader import load_model
-from zipage.core.recorder import Run
 from zipage.engine.loop import EngineLoop
 from zipage.engine.runner import ModelRunner
 from zipage.engine.sampler import SamplingParams
-from zipage.engine.warmup import warm_up
 from zipage.engine.threads import set_cpu_threads
+from zipage.engine.warmup import warm_up
 from zipage.errors import ConfigError, MemoryPlanError
 from zipage.presets import ModelShape
-from zipage.deployment import ReplaySettings, effective_config, plan_capacity
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 CPU_KV_MEMORY_GB = 1.0  # cache size on the CPU when none is given (small models only)

@@ -28,7 +28,13 @@ from zipage.engine.models import MODEL_CLASSES
 from zipage.engine.models.llama import LlamaForCausalLM
 from zipage.errors import UnknownModelError
 from zipage.presets import (
-    ARCHITECTURES, PRESETS, ModelShape, get_preset, open_gguf, read_config_json, shape_from_gguf,
+    ARCHITECTURES,
+    PRESETS,
+    ModelShape,
+    get_preset,
+    open_gguf,
+    read_config_json,
+    shape_from_gguf,
     shape_from_hf_config,
 )
 

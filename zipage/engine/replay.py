@@ -8,11 +8,11 @@ two side by side.
 
 from __future__ import annotations
 
-from zipage.engine.llm import build_engine
 from zipage.core.recorder import Run
+from zipage.deployment import ReplaySettings, trace_sequences
+from zipage.engine.llm import build_engine
 from zipage.engine.loop import EngineLoop
 from zipage.engine.sampler import SamplingParams
-from zipage.deployment import ReplaySettings, trace_sequences
 from zipage.rundir import run_summary
 from zipage.trace import Trace
 

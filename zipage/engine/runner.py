@@ -30,9 +30,9 @@ Prefill graphs. An eager prefill step is host-bound (~400 launches at ~60-70 us 
 launcher time each on an H200, against 5-11 ms of kernels for 128-512 tokens). A step of at most
 `PREFILL_GRAPH_TOKENS[-1]` rows is therefore staged into static tensors padded to its bucket (the
 next size of the ladder in zipage/prefill_buckets.py): rows (padding rows store nothing),
-sequences (padding sequences are empty), a block table of the widest shape and a fixed-size work list for the prefill kernel;
-the decode rows of a mixed step become sequences of one new token in the same prefill launch,
-because a graph's grid cannot depend on how many rows decode (they lose the decode kernel's
+sequences (padding sequences are empty), a block table of the widest shape and a fixed-size work
+list for the prefill kernel; the decode rows of a mixed step become sequences of one new token in
+the same prefill launch, because a graph's grid cannot depend on how many rows decode (they lose the decode kernel's
 split-K inside graphed steps; the bucket's size bounds them). Each bucket's graph replays that
 padded forward up to the last hidden states; the logits of the rows that sample follow eagerly
 (one gather and one matmul of the right size). The same forward runs eagerly where no graph was

@@ -7,7 +7,8 @@ replicated on N / Hkv consecutive ranks, each holding part of its query heads.
 
 Valid sizes: N divides the query heads and the MLP width, and either divides the KV heads or is
 a multiple of them (SmolLM2-135M, 9 query / 3 KV heads, MLP width 1536: 1 or 3; Qwen3-32B, 64
-query / 8 KV heads: 1, 2, 4, 8, and 16, 32, 64 with replicated KV heads). Anything else is a `ConfigError` naming the field and the valid sizes.
+query / 8 KV heads: 1, 2, 4, 8, and 16, 32, 64 with replicated KV heads). Anything else is a
+`ConfigError` naming the field and the valid sizes.
 
 A rank loads its shard by building the full model's weights tensor by tensor and keeping its
 slice: random presets generate each full tensor on the rank's device with the loader's seeded

@@ -38,7 +38,12 @@ from zipage.serve.detokenize import IncrementalText
 from zipage.serve.engine_client import Delta, EngineClient, EngineStopped, RequestHandle
 from zipage.serve.metrics import CONTENT_TYPE, ServerMetrics
 from zipage.serve.protocol import (
-    ChatRequest, CompletionRequest, SamplingFields, ServeError, error_body, short,
+    ChatRequest,
+    CompletionRequest,
+    SamplingFields,
+    ServeError,
+    error_body,
+    short,
     validation_message,
 )
 

@@ -31,9 +31,7 @@ from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.errors import ZipageError
 from zipage.serve.metrics import ServerMetrics
-from zipage.serve.wire import (
-    Abort, Add, EngineFailed, Ready, Setup, StartupFailed, StepUpdate, Stop,
-)
+from zipage.serve.wire import Abort, Add, EngineFailed, Ready, Setup, StartupFailed, StepUpdate, Stop
 
 RESTART_WINDOW_S = 600.0  # --max-engine-restarts counts the restarts within this many seconds
 STOP_TIMEOUT_S = 30.0  # a step in flight finishes and tensor-parallel ranks leave their group

@@ -28,9 +28,7 @@ from multiprocessing.connection import Connection
 
 from zipage.core.sequence import Sequence
 from zipage.errors import ZipageError
-from zipage.serve.wire import (
-    Abort, Add, EngineFailed, EngineStats, Ready, Setup, StartupFailed, StepUpdate, Stop,
-)
+from zipage.serve.wire import Abort, Add, EngineFailed, EngineStats, Ready, Setup, StartupFailed, StepUpdate, Stop
 
 
 class ServerGone(Exception):

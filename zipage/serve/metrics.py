@@ -9,9 +9,7 @@ registry, so several can live in one process (tests).
 
 from __future__ import annotations
 
-from prometheus_client import (
-    CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 # Seconds; vLLM's buckets, which cover CPU runs of small models and GPU runs alike.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
