@@ -115,8 +115,10 @@ def main() -> None:
         settings = ReplaySettings(model=f"random:{args.model}", hardware=args.hardware,
                                   kv_memory_gb=args.kv_memory_gb, config=config)
         started = time.perf_counter()
+        # A run directory carries the decision log, which step-time replay compares against.
         summary, run = replay_on_engine(trace, settings, args.device,
-                                        prefill_graphs=args.prefill_graphs)
+                                        prefill_graphs=args.prefill_graphs,
+                                        log_decisions=args.runs_dir is not None)
         # Older checkouts lack some keys; the steps still say how many prompt tokens were computed.
         summary.setdefault("prefill_tokens", sum(step.prefill_tokens for step in run.steps))
         report[name] = {key: summary.get(key) for key in KEYS}

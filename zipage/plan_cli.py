@@ -314,7 +314,8 @@ def format_report(result: PlanResult, spec: PlanSpec, top: int = 20) -> str:
                       ("deployment", lambda row: _describe_deployment(row, full_kv))]
     lines += format_table([header for header, _ in pareto_columns],
                           [[cell(row) for _, cell in pareto_columns] for row in front])
-    if spec.slo.active and len(spec.replicas) > 1:
+    # With max-rate every point meets the SLOs at the rate it found: there is no count to name.
+    if spec.slo.active and len(spec.replicas) > 1 and spec.objective != MAX_RATE:
         lines += ["", *format_fewest_replicas(rows, spec)]
     return "\n".join(lines)
 
@@ -322,33 +323,31 @@ def format_report(result: PlanResult, spec: PlanSpec, top: int = 20) -> str:
 def format_fewest_replicas(rows: list[dict], spec: PlanSpec) -> list[str]:
     """Per GPU and load, the fewest replicas of any point that meets the SLOs (the best of those
     by the objective): how many GPUs this traffic needs."""
-    loads = [("speedup", lambda row: f"{row['speedup']:g}x")] if spec.speedups != [None] else (
-        [("rate req/s", lambda row: _rate(row["rate_qps"]))] if spec.rates != [None]
-        and spec.objective != MAX_RATE else [])
+    if spec.speedups != [None]:
+        load = ("speedup", "speedup", spec.speedups, lambda value: f"{value:g}x")
+    elif spec.rates != [None]:
+        load = ("rate req/s", "rate_qps", spec.rates, _rate)
+    else:
+        load = None
     best: dict[tuple, dict] = {}
     for row in rows:  # ranked: the first of a replica count is the best by the objective
-        if row["status"] != OK:
-            continue
-        group = (row["hardware"], *(cell(row) for _, cell in loads))
-        if group not in best or row["replicas"] < best[group]["replicas"]:
+        group = (row["hardware"], *((row[load[1]],) if load else ()))
+        if row["status"] == OK and (group not in best or row["replicas"] < best[group]["replicas"]):
             best[group] = row
     full_kv = not spec.base.config.compress
-    lines = [f"fewest replicas meeting the SLOs ({_describe_slo(spec.slo)}), per GPU"
-             + (" and load" if loads else "") + ":"]
-    needed = [group for group in itertools.product(
-        spec.hardware, *([cell({"speedup": s, "rate_qps": s}) for s in
-                          (spec.speedups if loads[0][0] == "speedup" else spec.rates)]
-                         for _, cell in loads))]
     table = []
-    for group in needed:
+    for group in itertools.product(spec.hardware, *((load[2],) if load else ())):
         row = best.get(group)
-        table.append([*group, row["replicas"] if row else f"> {max(spec.replicas)}",
-                      _budget(row, full_kv) if row else "-",
-                      _describe_deployment(row, full_kv) if row else "none of the replicas "
-                      "searched meets them"])
-    lines += format_table(["gpu", *(header for header, _ in loads), "replicas", "budget",
-                           "deployment"], table)
-    return lines
+        cells = [group[0], *((load[3](group[1]),) if load else ())]
+        if row is None:
+            table.append([*cells, f"> {max(spec.replicas)}", "-",
+                          "no replica count searched meets them"])
+        else:
+            table.append([*cells, row["replicas"], _budget(row, full_kv),
+                          _describe_deployment(row, full_kv)])
+    headers = ["gpu", *((load[0],) if load else ()), "replicas", "budget", "deployment"]
+    return [f"fewest replicas meeting the SLOs ({_describe_slo(spec.slo)}), per GPU"
+            + (" and load" if load else "") + ":", *format_table(headers, table)]
 
 
 def format_table(headers: list[str], rows: list[list]) -> list[str]:
