@@ -53,3 +53,34 @@ def test_an_azure_excerpt_runs_on_the_engine_as_simulated(tiny_model, tmp_path):
     assert summary["completed"] == len(trace.requests)
     replayed, replay_run = replay_step_times(trace, out, check=True)
     assert replayed["decisions_match"], replayed["first_decision_difference"]
+
+
+# The longest requests of each fixture are left out (--max-model-len): a CPU step of 4k tokens or
+# a thousand decode steps would dominate the suite's time without testing more.
+@pytest.mark.parametrize("fmt, name, max_model_len", [("azure", "azure_code_2024.csv", 2100),
+                                                      ("burstgpt", "burstgpt.csv", 1000),
+                                                      ("mooncake", "mooncake.jsonl", None)])
+def test_every_format_runs_on_the_cpu_engine_as_simulated(tmp_path, fmt, name, max_model_len):
+    """Each production format's fixture through the CPU engine (random SmolLM2 weights, its
+    8k context) and the simulator on the engine's clock: the same decisions; Mooncake's hashed
+    blocks are prefix-cache hits in both."""
+    import torch
+
+    from zipage.core.config import ZipageConfig
+    from zipage.deployment import ReplaySettings
+    from zipage.engine.replay import replay_on_engine
+    from zipage.rundir import write_run
+
+    torch.set_num_threads(1)
+    trace, _ = import_trace(fmt, AZURE_2023.parent / name,
+                            ImportOptions(speedup=50.0, max_model_len=max_model_len))
+    settings = ReplaySettings(model="random:smollm2-135m", dtype="float32", kv_memory_gb=0.5,
+                              config=ZipageConfig(block_size=64, window=8, kv_budget=256))
+    summary, run = replay_on_engine(trace, settings, "cpu", log_decisions=True)
+    assert summary["completed"] == len(trace.requests)
+    out = write_run(tmp_path / "engine", summary, run.steps, run.requests, run.decision_log)
+    replayed, _ = replay_step_times(trace, out, check=True)
+    assert replayed["decisions_match"], replayed["first_decision_difference"]
+    assert replayed["prefix_hit_tokens"] == summary["prefix_hit_tokens"]
+    if fmt == "mooncake":  # requests 1 and 3 reuse request 0's two leading hashed blocks
+        assert summary["prefix_hit_tokens"] >= 2 * 1024 - 64
