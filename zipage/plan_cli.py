@@ -538,13 +538,8 @@ def plot_pareto(result: PlanResult, spec: PlanSpec, path: Path) -> None:
     axes.minorticks_off()
     axes.set_xlabel("KV budget k (tokens kept per request; higher = more accurate)")
     axes.set_ylabel(OBJECTIVE_LABELS[spec.objective])
-    title = "Pareto front: " + OBJECTIVE_LABELS[spec.objective] + " vs budget"
-    if spec.slo.active:
-        title += f"\nSLOs: {_describe_slo(spec.slo)}"
-    axes.set_title(title, fontsize=10)
-    axes.grid(True, alpha=0.3)
-    if ok_rows:
-        axes.legend(fontsize=8)
+    _finish_axes(axes, "Pareto front: " + OBJECTIVE_LABELS[spec.objective] + " vs budget", spec,
+                 ok_rows)
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
@@ -564,7 +559,11 @@ def _plot_per_gpu(axes, ok_rows: list[dict], spec: PlanSpec) -> None:
     axes.set_xlim(-0.5, len(spec.hardware) - 0.5)
     axes.set_xlabel("GPU")
     axes.set_ylabel(OBJECTIVE_LABELS[spec.objective])
-    title = "Full KV (no compression): " + OBJECTIVE_LABELS[spec.objective] + " per GPU"
+    _finish_axes(axes, "Full KV (no compression): " + OBJECTIVE_LABELS[spec.objective]
+                 + " per GPU", spec, ok_rows)
+
+
+def _finish_axes(axes, title: str, spec: PlanSpec, ok_rows: list[dict]) -> None:
     if spec.slo.active:
         title += f"\nSLOs: {_describe_slo(spec.slo)}"
     axes.set_title(title, fontsize=10)
