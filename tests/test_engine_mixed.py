@@ -285,7 +285,11 @@ def test_triton_mixed_steps_equal_unchunked(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- through the core's chunked scheduler
 
 from test_engine import GREEDY as ENGINE_GREEDY  # noqa: E402,F401
-from test_engine import prompts_with_shared_prefix, replay_sim_and_cpu  # noqa: E402
+from test_engine import (  # noqa: E402
+    prompts_with_shared_prefix,
+    replay_sim_and_cpu,
+    tiny_model,  # noqa: E402,F401  (a fixture the tests below take)
+)
 from test_engine_compression import SMALL  # noqa: E402
 
 from zipage import LLM  # noqa: E402
