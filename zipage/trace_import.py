@@ -126,6 +126,8 @@ def import_trace(fmt: str, path: str | os.PathLike[str],
 def detect_format(path: str | os.PathLike[str]) -> str:
     """`zipage` for a Zipage trace (JSON or JSON Lines), else the production format's name."""
     text = _read_text(path, limit=64 * 1024)
+    if not text.strip() or "\x00" in text:
+        return "zipage"  # empty, UTF-16/32 or binary: the Zipage loader says exactly what is wrong
     first = text.lstrip("\ufeff").lstrip().split("\n", 1)[0].strip()
     if first.startswith("{") or first.startswith("["):
         if jsonl_header(text) is not None:
