@@ -264,3 +264,13 @@ def test_block_keys_are_equal_exactly_where_the_tokens_are(data):
         assert block_size % hash_block_size and hash_block_size % block_size
         return
     assert _equality_pattern(keys) == _equality_pattern(by_tokens)
+
+
+def test_trace_make_restamps_a_trace_of_any_layout(tmp_path):
+    out = tmp_path / "stamped.jsonl.gz"
+    subprocess.run([sys.executable, "-m", "zipage.cli", "trace", "make", str(MOONCAKE), "--rate",
+                    "5", "-o", str(out)], capture_output=True, text=True, check=True)
+    stamped = load_trace(out)
+    assert [r.block_hashes for r in stamped.requests] == [
+        r.block_hashes for r in import_trace("mooncake", MOONCAKE)[0].requests]
+    assert stamped.requests[-1].arrival_s > 0

@@ -314,11 +314,16 @@ def _parse_prompt(prompt: str) -> str | list[int]:
 # ---------------------------------------------------------------- zipage trace
 
 def cmd_trace_make(args: argparse.Namespace) -> int:
-    from zipage.trace import load_trace, save_trace, stamp_arrivals
-    from zipage.workloads import make_trace
+    from zipage.trace import save_trace, stamp_arrivals
+    from zipage.trace_import import load_trace_file
+    from zipage.workloads import WORKLOADS, make_trace
 
     source = Path(args.kind)
-    trace = load_trace(source) if source.suffix == ".json" else make_trace(args.kind, args.seed)
+    # A workload's name makes it; an existing file is a trace to re-stamp (any layout).
+    if args.kind in WORKLOADS or not source.is_file():
+        trace = make_trace(args.kind, args.seed)
+    else:
+        trace = load_trace_file(source)
     if args.rate is not None:
         trace = stamp_arrivals(trace, args.rate, pattern=args.arrivals, seed=args.seed,
                                burst_size=args.burst_size)
