@@ -33,7 +33,7 @@ def core():
 
     llm = LLM(MODEL, device="cpu", dtype="float32", kv_memory_gb=0.05, threads=1, block_size=16,
               kv_budget=64, window=4)
-    core = EngineCore(llm.engine, _Sink())
+    core = EngineCore(llm.engine, _Sink(), llm.engine.shape.vocab_size)
     core.loop.start()
     # Every token ends a request that heeds end-of-sequence tokens.
     core.loop.eos_token_ids = frozenset(range(llm.engine.shape.vocab_size))
