@@ -22,7 +22,7 @@ from collections import Counter
 import simpy
 
 from zipage.core.metrics import StepRecord, summarize
-from zipage.core.routing import LEAST_LOADED, PREFIX_AFFINITY, ROUND_ROBIN, ROUTING_POLICIES, RoundRobin, make_policy  # noqa: F401  (the policies' names, for plan)
+from zipage.core.routing import ROUND_ROBIN, ROUTING_POLICIES, RoundRobin, make_policy
 from zipage.core.sequence import Sequence
 from zipage.deployment import ReplaySettings, trace_sequences
 from zipage.errors import ConfigError
@@ -48,13 +48,11 @@ def simulate_cluster(trace: Trace, settings: ReplaySettings, replicas: int = 1,
                           f"{', '.join(ROUTING_POLICIES)}")
     started = time.perf_counter()
     deployment = plan_deployment(settings)
-    config = deployment.config
     environment = simpy.Environment()
     engines = [Simulator(deployment.new_scheduler(), deployment.cost_model, env=environment)
                for _ in range(replicas)]
     sequences = trace_sequences(trace, deployment.shape.vocab_size, need_tokens=False,
-                                scheduler=engines[0].scheduler,
-                                block_keys=config.block_size if config.prefix_cache else None)
+                                scheduler=engines[0].scheduler, block_keys=True)
     # A stable sort keeps the trace order among equal arrival times (FCFS), as `Simulator.run`.
     arrivals = sorted(sequences, key=lambda seq: seq.arrival_s)
     assignment: list[int] = []

@@ -192,8 +192,8 @@ class PlanSpec:
         """Mistakes in the search itself fail before anything runs (and GPU names are
         normalised); a bad combination of otherwise valid values (a budget that is not a
         multiple of the block size) is one infeasible point instead."""
+        from zipage.core.routing import ROUTING_POLICIES
         from zipage.presets import resolve_shape
-        from zipage.sim.cluster import ROUTING_POLICIES
         from zipage.sim.hardware import get_hardware
 
         resolve_shape(self.base.model)

@@ -63,11 +63,10 @@ def simulate(trace: Trace, settings: ReplaySettings, *, progress: bool = False,
              log_decisions: bool = False, check: bool = False,
              contention_factor: float | None = None) -> tuple[dict, Run]:
     deployment = plan_deployment(settings, contention_factor)
-    config = deployment.config
     scheduler = deployment.new_scheduler()
     sequences = iter_trace_sequences(
         trace, deployment.shape.vocab_size, need_tokens=False, scheduler=scheduler,
-        block_keys=config.block_size if config.prefix_cache else None, in_arrival_order=True)
+        block_keys=True, in_arrival_order=True)
     simulator = Simulator(scheduler, deployment.cost_model, check=check,
                           log_decisions=log_decisions, progress=progress,
                           total=len(trace.requests))

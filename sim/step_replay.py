@@ -39,7 +39,7 @@ def replay_step_times(trace: Trace, run_dir: str | Path, *, check: bool = False,
     # The engine's own capacity: it may have planned from the GPU it ran on, not a table entry.
     scheduler = Scheduler(config, summary["num_blocks"], summary.get("max_concurrency") or 0)
     sequences = trace_sequences(trace, shape.vocab_size, need_tokens=False, scheduler=scheduler,
-                                block_keys=config.block_size if config.prefix_cache else None)
+                                block_keys=True)
     for seq in sequences:
         # Requests the engine stopped early (EOS) end at the same token here.
         seq.max_output_tokens = produced.get(seq.seq_id, seq.max_output_tokens)

@@ -138,25 +138,27 @@ def effective_config(settings: ReplaySettings, shape: ModelShape) -> ZipageConfi
 
 def trace_sequences(trace: Trace, vocab_size: int, need_tokens: bool,
                     scheduler: Scheduler | None = None,
-                    block_keys: int | None = None) -> list[Sequence]:
+                    block_keys: bool = False) -> list[Sequence]:
     return list(iter_trace_sequences(trace, vocab_size, need_tokens, scheduler, block_keys))
 
 
 def iter_trace_sequences(trace: Trace, vocab_size: int, need_tokens: bool,
-                         scheduler: Scheduler | None = None, block_keys: int | None = None,
+                         scheduler: Scheduler | None = None, block_keys: bool = False,
                          in_arrival_order: bool = False) -> Iterator[Sequence]:
     """One Sequence per trace request; prompt tokens are synthesised only when needed (the
     engine feeds them to the model), and never for a request that `scheduler` will reject: a
     prompt that can never fit (10^9 tokens) then fails alone at admission with its reason,
     without O(prompt_len) time and memory spent on it first.
 
-    `block_keys`: the block size of a prefix cache that needs only which blocks are equal (the
-    simulator): each request gets its blocks' keys instead of tokens (`prompt_block_keys`), equal
-    exactly where the tokens would be, so the core makes the same decisions as on the engine's
-    token hashes, without a token in memory.
+    `block_keys`: a driver that needs only which prompt blocks are equal (the simulator) gives
+    each request, when `scheduler`'s prefix cache is on, its blocks' keys instead of tokens
+    (`prompt_block_keys`), equal exactly where the tokens would be, so the core makes the same
+    decisions as on the engine's token hashes, without a token in memory.
 
     `in_arrival_order`: yield them by arrival time (the trace order among equal times), each
     built only when asked for, so a lazy driver holds only the requests that have arrived."""
+    key_block_size = (scheduler.block_size if block_keys and scheduler is not None
+                      and scheduler.config.prefix_cache else None)
     requests = trace.requests
     if in_arrival_order:
         requests = sorted(requests, key=lambda request: request.arrival_s)
@@ -166,8 +168,8 @@ def iter_trace_sequences(trace: Trace, vocab_size: int, need_tokens: bool,
         if scheduler is None or scheduler.rejection_reason(seq) is None:
             if need_tokens:
                 seq.prompt_token_ids = prompt_token_ids(request, vocab_size=vocab_size)
-            elif block_keys is not None:
-                seq.prompt_block_hashes = _block_keys(request, block_keys, vocab_size)
+            elif key_block_size is not None:
+                seq.prompt_block_hashes = _block_keys(request, key_block_size, vocab_size)
         yield seq
 
 

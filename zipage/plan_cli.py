@@ -50,8 +50,8 @@ OBJECTIVE_LABELS = {TPS: "throughput (tok/s)", TPS_PER_DOLLAR: "tok/s per $/h",
 
 def add_plan_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `zipage plan` on the `zipage` command's subparsers."""
+    from zipage.core.routing import LEAST_LOADED, ROUTING_POLICIES
     from zipage.flags import add_engine_flags
-    from zipage.sim.cluster import LEAST_LOADED, ROUTING_POLICIES
     from zipage.trace import ARRIVAL_PATTERNS
 
     plan = subparsers.add_parser(
@@ -223,10 +223,6 @@ def parse_speedups(text: str) -> list[float]:
             raise ConfigError(f"--speedup: got {item.strip()!r} in {text!r}, expected numbers > 0 "
                               "like 1,2,4")
         values.append(value)
-    return _unique_values(values)
-
-
-def _unique_values(values: list) -> list:
     return list(dict.fromkeys(values))
 
 

@@ -582,10 +582,7 @@ def _parse_request(raw: Any, index: int, source: str, hash_block_size: int = 0) 
         if not isinstance(token_ids, list) or not token_ids:
             raise fail(f"prompt_token_ids must be a non-empty list of token ids, "
                        f"got {_show(token_ids)}")
-        for position, token in enumerate(token_ids):
-            if type(token) is not int or not 0 <= token <= MAX_LENGTH:
-                raise fail(f"prompt_token_ids[{position}] must be an integer between 0 and "
-                           f"{MAX_LENGTH}, got {_show(token)}")
+        _check_integers(token_ids, "prompt_token_ids", MAX_LENGTH, fail)
         prompt_len = len(token_ids)
 
     group = raw.get("prefix_group")
@@ -651,11 +648,15 @@ def _parse_block_hashes(raw: dict, has_ids: bool, group: str | None, prompt_len:
     if not isinstance(hashes, list) or len(hashes) != expected:
         raise fail(f"block_hashes must be a list of {expected} block hashes (prompt_len "
                    f"{prompt_len} in blocks of {hash_block_size}), got {_show(hashes)}")
-    for position, value in enumerate(hashes):
-        if type(value) is not int or not 0 <= value <= MAX_BLOCK_HASH:
-            raise fail(f"block_hashes[{position}] must be an integer between 0 and "
-                       f"{MAX_BLOCK_HASH}, got {_show(value)}")
+    _check_integers(hashes, "block_hashes", MAX_BLOCK_HASH, fail)
     return tuple(hashes)
+
+
+def _check_integers(values: list, field: str, high: int, fail) -> None:
+    for position, value in enumerate(values):
+        if type(value) is not int or not 0 <= value <= high:
+            raise fail(f"{field}[{position}] must be an integer between 0 and {high}, "
+                       f"got {_show(value)}")
 
 
 def _validated_request(**fields: Any) -> TraceRequest:

@@ -17,6 +17,7 @@ The formats are described in docs/traces.md, "Production traces".
 from __future__ import annotations
 
 import csv
+import gzip
 import io
 import json
 import math
@@ -32,6 +33,7 @@ import numpy as np
 from zipage.errors import TraceError
 from zipage.trace import (
     ARRIVAL_DECIMALS,
+    GZIP_MAGIC,
     MAX_LENGTH,
     Trace,
     TraceRequest,
@@ -195,14 +197,19 @@ def _check_options(options: ImportOptions) -> None:
 
 
 def _read_text(path: str | os.PathLike[str], limit: int | None = None) -> str:
+    """The file's text, or its first `limit` bytes (telling a format apart reads no further,
+    compressed or not: a day of traffic is read once, by its loader)."""
     try:
-        data = Path(path).read_bytes()
+        if limit is None:
+            return gunzipped(Path(path).read_bytes(), str(path)).decode("utf-8")
+        with open(path, "rb") as handle:
+            compressed = handle.read(len(GZIP_MAGIC)) == GZIP_MAGIC
+        with (gzip.open(path, "rb") if compressed else open(path, "rb")) as handle:
+            return handle.read(limit).decode("utf-8", errors="replace")
     except OSError as error:
         raise TraceError(f"{path}: cannot read the trace file: {error.strerror or error}") from None
-    data = gunzipped(data, str(path))
-    if limit is not None:
-        data = data[:limit]
-    return data.decode("utf-8", errors="replace" if limit is not None else "strict")
+    except EOFError as error:
+        raise TraceError(f"{path}: a damaged gzip file: {error}") from None
 
 
 def _requests(rows: list[_Row], fmt: str, options: ImportOptions,

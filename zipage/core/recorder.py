@@ -118,6 +118,7 @@ class StepRecorder:
         self.metrics.steps.clear()
         self.decision_log.clear()
         self._stopped.clear()
+        self._records.clear()
 
     def _advance(self, count: int) -> None:
         if count and self._bar is not None:
