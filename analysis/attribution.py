@@ -43,7 +43,7 @@ import pandas as pd
 
 from zipage.analysis.compare import read_decisions
 from zipage.analysis.timeline import load_run
-from zipage.deployment import ReplaySettings
+from zipage.core.deployment import ReplaySettings
 from zipage.errors import ZipageError
 
 TERMS = ("decode steps", "decode requests", "decode context", "decode residual", "compression",

@@ -40,16 +40,16 @@ from pathlib import Path
 
 import torch
 
-from zipage.core.config import ZipageConfig
+from zipage.config import ZipageConfig
+from zipage.core.deployment import ReplaySettings, effective_config, plan_capacity
 from zipage.core.memory import block_bytes, query_slot_bytes
+from zipage.core.sampling import SamplingParams
 from zipage.core.sequence import Sequence
 from zipage.core.step import StepPlan
-from zipage.deployment import ReplaySettings, effective_config, plan_capacity
 from zipage.engine.llm import Engine
 from zipage.engine.loader import load_model
 from zipage.engine.loop import EngineLoop
 from zipage.engine.runner import ModelRunner
-from zipage.engine.sampler import SamplingParams
 from zipage.kernels.compress import compress
 from zipage.kernels.compress_ref import CompressionParams, kept_entries, write_kept_entries
 from zipage.presets import ModelShape

@@ -42,9 +42,9 @@ from zipage.analysis.fidelity import (
     repeated_positions,
     teacher_force,
 )
-from zipage.core.config import ZipageConfig
+from zipage.config import ZipageConfig
+from zipage.core.deployment import ReplaySettings, effective_config, plan_capacity
 from zipage.core.memory import block_bytes, query_slot_bytes
-from zipage.deployment import ReplaySettings, effective_config, plan_capacity
 from zipage.engine.llm import Engine
 from zipage.engine.loader import load_model
 from zipage.engine.runner import ModelRunner

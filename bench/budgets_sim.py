@@ -23,8 +23,8 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
-from zipage.core.config import ZipageConfig
-from zipage.deployment import ReplaySettings
+from zipage.config import ZipageConfig
+from zipage.core.deployment import ReplaySettings
 from zipage.rundir import write_run
 from zipage.sim.simulate import simulate
 from zipage.trace import Trace, load_trace

@@ -31,13 +31,13 @@ from pathlib import Path
 
 import torch
 
-from zipage.core.config import ZipageConfig
+from zipage.config import ZipageConfig
+from zipage.core.deployment import ReplaySettings
+from zipage.core.sampling import SamplingParams
 from zipage.core.sequence import Sequence
 from zipage.core.step import MIXED, PREFILL, PrefillItem, StepPlan
-from zipage.deployment import ReplaySettings
 from zipage.engine.llm import build_engine
 from zipage.engine.replay import replay_on_engine
-from zipage.engine.sampler import SamplingParams
 from zipage.workloads import make_trace
 
 

@@ -235,8 +235,8 @@ def part_a(smoke: bool, device: str) -> list[dict]:
 
 
 def build_qwen3_engine():
-    from zipage.core.config import ZipageConfig
-    from zipage.deployment import ReplaySettings
+    from zipage.config import ZipageConfig
+    from zipage.core.deployment import ReplaySettings
     from zipage.engine.llm import build_engine
 
     # 128 x 8 decode blocks + 33 compression blocks (and their query slots), with room to spare.
@@ -322,7 +322,7 @@ class Steps:
     host) of the 128-request decode batch."""
 
     def __init__(self, engine, sequences, tokens) -> None:
-        from zipage.engine.sampler import SamplingParams
+        from zipage.core.sampling import SamplingParams
 
         self.runner = engine.runner
         self.sequences = sequences

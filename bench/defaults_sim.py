@@ -19,8 +19,8 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from zipage.core.config import ZipageConfig
-from zipage.deployment import ReplaySettings
+from zipage.config import ZipageConfig
+from zipage.core.deployment import ReplaySettings
 from zipage.sim.simulate import simulate
 from zipage.trace_import import load_trace_file
 

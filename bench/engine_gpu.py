@@ -25,13 +25,13 @@ from pathlib import Path
 
 import torch
 
-from zipage.core.config import ZipageConfig
+from zipage.config import ZipageConfig
+from zipage.core.deployment import ReplaySettings
 from zipage.core.memory import GIB
+from zipage.core.sampling import SamplingParams
 from zipage.core.sequence import Sequence
 from zipage.core.step import DECODE, StepPlan
-from zipage.deployment import ReplaySettings
 from zipage.engine.llm import LLM, build_engine
-from zipage.engine.sampler import SamplingParams
 from zipage.presets import get_preset
 
 CONTEXT = 2048

@@ -43,8 +43,8 @@ from pathlib import Path
 
 import torch
 
-from zipage.core.config import ZipageConfig
-from zipage.deployment import ReplaySettings
+from zipage.config import ZipageConfig
+from zipage.core.deployment import ReplaySettings
 from zipage.engine.replay import replay_on_engine
 from zipage.trace import Trace, load_trace
 from zipage.workloads import make_trace

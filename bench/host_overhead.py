@@ -20,12 +20,12 @@ import time
 
 import torch
 
-from zipage.core.config import ZipageConfig
+from zipage.config import ZipageConfig
+from zipage.core.deployment import ReplaySettings, effective_config, plan_capacity, trace_sequences
+from zipage.core.sampling import SamplingParams
 from zipage.core.scheduler import Scheduler
-from zipage.deployment import ReplaySettings, effective_config, plan_capacity, trace_sequences
 from zipage.engine.loop import EngineLoop
 from zipage.engine.runner import GRAPH_BATCH_SIZES, ModelRunner
-from zipage.engine.sampler import SamplingParams
 from zipage.presets import get_preset
 from zipage.workloads import make_trace
 

@@ -27,8 +27,8 @@ import json
 import os
 from pathlib import Path
 
-from zipage.core.config import ZipageConfig
-from zipage.deployment import ReplaySettings
+from zipage.config import ZipageConfig
+from zipage.core.deployment import ReplaySettings
 from zipage.trace import load_trace
 from zipage.workloads import make_trace
 

@@ -36,12 +36,12 @@ from pathlib import Path
 import torch
 from engine_gpu import copy_bandwidth, weight_bytes_read  # noqa: E402 (bench/ is the script's path)
 
-from zipage.core.config import ZipageConfig
+from zipage.config import ZipageConfig
+from zipage.core.deployment import ReplaySettings
+from zipage.core.sampling import SamplingParams
 from zipage.core.sequence import Sequence
 from zipage.core.step import MIXED, PREFILL, PrefillItem, StepPlan
-from zipage.deployment import ReplaySettings
 from zipage.engine.llm import build_engine
-from zipage.engine.sampler import SamplingParams
 from zipage.presets import get_preset
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)

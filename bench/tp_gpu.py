@@ -42,8 +42,8 @@ import torch
 # script's path); here with tensor_parallel ranks.
 from engine_gpu import copy_bandwidth, decode_roofline  # noqa: E402
 
-from zipage.core.config import ZipageConfig
-from zipage.deployment import ReplaySettings
+from zipage.config import ZipageConfig
+from zipage.core.deployment import ReplaySettings
 from zipage.engine.replay import replay_on_engine
 from zipage.rundir import write_run
 from zipage.trace import Trace, load_trace, save_trace

@@ -14,8 +14,8 @@ for graphs in "" "--no-cuda-graphs"; do
     echo "== TP=2 $model ${graphs:-with CUDA graphs}"
     python3 - "$root/traces/tiny.json" "$model" "$graphs" <<'PY' &
 import json, sys
-from zipage.core.config import ZipageConfig
-from zipage.deployment import ReplaySettings
+from zipage.config import ZipageConfig
+from zipage.core.deployment import ReplaySettings
 from zipage.engine.replay import replay_on_engine
 from zipage.trace import load_trace
 settings = ReplaySettings(model=sys.argv[2], kv_memory_gb=1.0, tensor_parallel=2,

@@ -47,7 +47,7 @@ def time_cli(path: Path) -> tuple[float, str]:
 
 
 def time_stages(path: Path) -> list[tuple[str, str]]:
-    from zipage.deployment import ReplaySettings, trace_sequences
+    from zipage.core.deployment import ReplaySettings, trace_sequences
     from zipage.sim.simulate import plan_deployment
     from zipage.sim.simulator import Simulator
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from zipage.core.config import ZipageConfig, window_violation
+from zipage.config import ZipageConfig, window_violation
 
 _KNOBS = ZipageConfig()  # the knobs' defaults are declared once, on ZipageConfig
 

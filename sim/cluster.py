@@ -21,15 +21,14 @@ from collections import Counter
 
 import simpy
 
+from zipage.core.deployment import ReplaySettings, trace_sequences
 from zipage.core.metrics import StepRecord, summarize
 from zipage.core.routing import ROUND_ROBIN, ROUTING_POLICIES, RoundRobin, make_policy
 from zipage.core.sequence import Sequence
-from zipage.deployment import ReplaySettings, trace_sequences
 from zipage.errors import ConfigError
+from zipage.sim.simulate import plan_deployment
+from zipage.sim.simulator import Simulator
 from zipage.trace import Trace
-
-from .simulate import plan_deployment
-from .simulator import Simulator
 
 
 def simulate_cluster(trace: Trace, settings: ReplaySettings, replicas: int = 1,

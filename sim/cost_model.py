@@ -26,16 +26,15 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 
-from zipage.core.config import REDUNDANCY_MODES, ZipageConfig
+from zipage.config import REDUNDANCY_MODES, ZipageConfig
 from zipage.core.memory import DTYPE_BYTES, heads_per_gpu
 from zipage.core.step import causal_pairs
 from zipage.decode_grid import decode_num_partitions
 from zipage.errors import ConfigError
+from zipage.hardware import GPUSpec, get_hardware
 from zipage.prefill_buckets import padded_rows
 from zipage.presets import ModelShape, model_identity
-
-from .hardware import GPUSpec, get_hardware
-from .prefill_fit import PrefillFit, fit_host_or_device, fit_prefill
+from zipage.sim.prefill_fit import PrefillFit, fit_host_or_device, fit_prefill
 
 if TYPE_CHECKING:
     from zipage.core.step import CompressionBatch, CompressionJob, StepPlan

@@ -29,7 +29,7 @@ from typing import Callable, Iterable
 
 import xxhash
 
-from zipage.deployment import ReplaySettings
+from zipage.core.deployment import ReplaySettings
 from zipage.errors import ConfigError, ZipageError
 from zipage.trace import ARRIVAL_PATTERNS, Trace, scale_arrivals, stamp_arrivals
 
@@ -131,7 +131,7 @@ class PlanPoint:
     def settings(self) -> ReplaySettings:
         """The settings of one engine; raises `ConfigError` for an invalid combination (a
         budget that is not a multiple of the block size), which makes the point infeasible."""
-        from zipage.core.config import ZipageConfig
+        from zipage.config import ZipageConfig
 
         config = ZipageConfig.from_dict({**self.base.config.to_dict(), "kv_budget": self.budget,
                                          "block_size": self.block_size, "hybrid": self.hybrid,
@@ -193,8 +193,8 @@ class PlanSpec:
         normalised); a bad combination of otherwise valid values (a budget that is not a
         multiple of the block size) is one infeasible point instead."""
         from zipage.core.routing import ROUTING_POLICIES
+        from zipage.hardware import get_hardware
         from zipage.presets import resolve_shape
-        from zipage.sim.hardware import get_hardware
 
         resolve_shape(self.base.model)
         self.hardware = _unique([get_hardware(name).name for name in self.hardware])
@@ -233,7 +233,7 @@ class PlanSpec:
         for slo_value in self.slo.targets():
             if slo_value is not None and not slo_value > 0:
                 raise ConfigError(f"slo: got {slo_value!r}, expected a number > 0")
-        from zipage.core.config import BUDGET_POLICIES
+        from zipage.config import BUDGET_POLICIES
 
         if not self.budget_policies or any(policy not in BUDGET_POLICIES
                                            for policy in self.budget_policies):
@@ -485,7 +485,7 @@ _EXECUTE = {SERIAL: _run_serial, LOCAL: _run_local, RAY: _run_ray}
 # ---------------------------------------------------------------- rows, ranking, Pareto front
 
 def _row(point: PlanPoint, outcome: dict, key: str, spec: PlanSpec) -> dict:
-    from zipage.sim.hardware import get_hardware
+    from zipage.hardware import get_hardware
 
     row = dict.fromkeys(RESULT_COLUMNS)
     row.update(point.labels())
@@ -588,12 +588,11 @@ def _code_digest() -> str:
     """A hash of the sources a simulated outcome depends on, computed once per process."""
     global _CODE_DIGEST
     if _CODE_DIGEST is None:
-        import zipage
-        import zipage.sim
+        from zipage import errors
 
-        package = Path(zipage.__file__).parent
-        simulator = Path(zipage.sim.__file__).parent
-        files = [*(package / name for name in ("deployment.py", "presets.py", "trace.py")),
+        package = Path(errors.__file__).parent  # the foundation modules beside errors.py
+        simulator = Path(__file__).parent
+        files = [*(package / name for name in ("config.py", "shape.py", "hardware.py", "presets.py", "trace.py")),
                  *sorted((package / "core").glob("*.py")), *sorted(simulator.rglob("*.py")),
                  *sorted(simulator.rglob("*.json"))]
         digest = xxhash.xxh3_128()

@@ -44,8 +44,7 @@ import pandas as pd
 from zipage.core.metrics import STEP_COLUMN_DEFAULTS
 from zipage.errors import ConfigError
 from zipage.presets import model_label
-
-from .cost_model import DEFAULT_CONTENTION, PROFILE_VERSION, CalibratedCostModel, StepWork
+from zipage.sim.cost_model import DEFAULT_CONTENTION, PROFILE_VERSION, CalibratedCostModel, StepWork
 
 FLAG = "--from-run"  # the option naming the run directories, in every error
 # What a profile's header is made of (`_header`), from a run's summary.json "settings".
@@ -186,7 +185,7 @@ def _require_engine_run(directory: Path, summary: dict) -> None:
 
 
 def _header(runs: list[tuple[dict, pd.DataFrame]], gpu: str | None) -> dict:
-    from zipage.core.config import ZipageConfig
+    from zipage.config import ZipageConfig
 
     headers = []
     for summary, _ in runs:

@@ -27,8 +27,7 @@ from zipage.core.recorder import Run, StepRecorder
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.core.step import IDLE, StepPlan, StepResult
-
-from .cost_model import CostModel
+from zipage.sim.cost_model import CostModel
 
 
 class Simulator:

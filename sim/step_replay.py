@@ -18,10 +18,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from zipage.core.arrivals import ArrivalQueue
+from zipage.core.deployment import ReplaySettings, effective_config, trace_sequences
 from zipage.core.recorder import Run, StepRecorder
 from zipage.core.scheduler import Scheduler
 from zipage.core.step import StepResult
-from zipage.deployment import ReplaySettings, effective_config, trace_sequences
 from zipage.errors import ZipageError
 from zipage.presets import resolve_shape
 from zipage.trace import Trace

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from hypothesis import seed, settings
 from hypothesis import strategies as st
 
-from zipage.core.config import ZipageConfig
+from zipage.config import ZipageConfig
 from zipage.core.sequence import Sequence
 
 MODES = {

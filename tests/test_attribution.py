@@ -9,9 +9,9 @@ import pandas as pd
 import pytest
 
 from zipage.analysis.attribution import TERMS, attribute, attribute_runs, batch_blocks, main
-from zipage.core.config import ZipageConfig
+from zipage.config import ZipageConfig
+from zipage.core.deployment import ReplaySettings
 from zipage.core.metrics import REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS, STEP_COLUMNS
-from zipage.deployment import ReplaySettings
 from zipage.errors import ZipageError
 from zipage.sim.simulate import plan_deployment
 

@@ -18,13 +18,13 @@ pytest.importorskip("transformers")
 
 from test_engine import tiny_model  # noqa: E402,F401
 
-from zipage.core.config import ZipageConfig  # noqa: E402
-from zipage.deployment import ReplaySettings  # noqa: E402
+from zipage.config import ZipageConfig  # noqa: E402
+from zipage.core.deployment import ReplaySettings  # noqa: E402
 from zipage.engine.calibrate import calibrate  # noqa: E402
 from zipage.errors import ConfigError  # noqa: E402
+from zipage.hardware import get_hardware  # noqa: E402
 from zipage.presets import resolve_shape  # noqa: E402
 from zipage.sim.cost_model import CalibratedCostModel  # noqa: E402
-from zipage.sim.hardware import get_hardware  # noqa: E402
 
 KNOBS = dict(block_size=16, window=4, kv_budget=64)
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from zipage.cli import main
-from zipage.deployment import ReplaySettings, plan_capacity
+from zipage.core.deployment import ReplaySettings, plan_capacity
 from zipage.errors import MemoryPlanError
 from zipage.presets import resolve_shape
 

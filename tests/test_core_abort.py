@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import MODES, cases, mode_seed
 
-from zipage.core.config import ZipageConfig
+from zipage.config import ZipageConfig
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence, SequenceStatus
 from zipage.core.step import StepResult

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from strategies import MODES, Case, cases
 from tolerance import assert_close, close
 
-from zipage.core.config import ZipageConfig
+from zipage.config import ZipageConfig
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.errors import ConfigError

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import MODES, Case, cases, mode_seed
 
-from zipage.core.config import ZipageConfig
+from zipage.config import ZipageConfig
 from zipage.core.invariants import InvariantChecker
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence

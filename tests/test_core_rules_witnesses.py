@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from zipage.core.config import ZipageConfig
+from zipage.config import ZipageConfig
 from zipage.core.recorder import StepRecorder
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence, SequenceStatus

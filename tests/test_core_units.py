@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from zipage.config import ZipageConfig
 from zipage.core.block_manager import BlockManager, prompt_block_hashes
-from zipage.core.config import ZipageConfig
 from zipage.core.memory import plan_memory
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence

@@ -1,4 +1,4 @@
-"""Tests of the simulator's cost models (sim/cost_model.py) and GPU table (sim/hardware.py).
+"""Tests of the simulator's cost models (sim/cost_model.py) and GPU table (zipage/hardware.py).
 
 They pin the shape of the analytic roofline (monotone in batch, context, blocks; memory-bound
 small-batch decode equal to a hand computation; flash above lightning above off; smaller layer
@@ -23,7 +23,11 @@ import numpy as np
 import pytest
 from tolerance import PINNED_RTOL, close
 
-from sim.cost_model import (
+from zipage.core.step import DECODE, MIXED, PREFILL, CompressionBatch, PrefillItem, StepPlan
+from zipage.errors import ConfigError
+from zipage.hardware import HARDWARE, get_hardware
+from zipage.presets import get_preset
+from zipage.sim.cost_model import (
     KERNEL_LATENCY_S,
     KERNELS_PER_LAYER,
     AnalyticCostModel,
@@ -33,11 +37,7 @@ from sim.cost_model import (
     load_cost_model,
     synthesize_profile,
 )
-from sim.hardware import HARDWARE, get_hardware
-from sim.prefill_fit import PrefillFit
-from zipage.core.step import DECODE, MIXED, PREFILL, CompressionBatch, PrefillItem, StepPlan
-from zipage.errors import ConfigError
-from zipage.presets import get_preset
+from zipage.sim.prefill_fit import PrefillFit
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_PROFILE = ROOT / "sim/profiles/example-synthetic.json"
@@ -651,7 +651,7 @@ def test_mixed_predictions_are_pinned(entry):
 def shifted_float_sources(monkeypatch, factor: float) -> None:
     """Multiply what differs between CPUs by `factor`: the roofline's pow (the analytic model)
     and the lstsq solutions the calibrated models are fitted with."""
-    import sim.cost_model as cost_model
+    import zipage.sim.cost_model as cost_model
 
     roofline, lstsq = cost_model._roofline, np.linalg.lstsq
     monkeypatch.setattr(cost_model, "_roofline",

@@ -22,15 +22,15 @@ transformers = pytest.importorskip("transformers")
 from test_models_hf_parity import _hf_greedy, _smollm2_gguf, _tiny_hf_model  # noqa: E402
 from triton_interpreter import TRITON_INSTALLED, UNDER_INTERPRETER, run_test_file_under_interpreter, under_interpreter  # noqa: E402
 
-from zipage.core.config import ZipageConfig  # noqa: E402
+from zipage.config import ZipageConfig  # noqa: E402
 from zipage.core.memory import MemoryPlan  # noqa: E402
+from zipage.core.sampling import SamplingParams  # noqa: E402
 from zipage.core.sequence import Sequence  # noqa: E402
 from zipage.core.step import DECODE, MIXED, PREFILL, PrefillItem, StepPlan  # noqa: E402
 from zipage.core.window import WindowLayout  # noqa: E402
 from zipage.engine import loader  # noqa: E402
 from zipage.engine.parallel import decode_step, encode_step  # noqa: E402
 from zipage.engine.runner import ModelRunner  # noqa: E402
-from zipage.engine.sampler import SamplingParams  # noqa: E402
 
 BLOCK_SIZE, WINDOW = 16, 4
 NEW_TOKENS = 12

@@ -113,8 +113,8 @@ def test_replay_with_prefill_graphs(tiny_model, tmp_path, monkeypatch):  # noqa:
     gives a run that makes the simulator's decisions, step for step."""
     from test_engine import replay_sim_and_cpu
 
-    from zipage.core.config import ZipageConfig
-    from zipage.deployment import ReplaySettings
+    from zipage.config import ZipageConfig
+    from zipage.core.deployment import ReplaySettings
     from zipage.engine.replay import replay_on_engine
     from zipage.workloads import make_trace
 

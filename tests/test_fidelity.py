@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 from tiny_models import save_tiny_qwen3  # noqa: E402
 
 from zipage.analysis import fidelity  # noqa: E402
-from zipage.core.config import ZipageConfig  # noqa: E402
+from zipage.config import ZipageConfig  # noqa: E402
 from zipage.engine.loader import load_model  # noqa: E402
 from zipage.kernels.compress_ref import CompressionParams  # noqa: E402
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from zipage.core.config import ZipageConfig
+from zipage.config import ZipageConfig
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.sim.instant import InstantDriver

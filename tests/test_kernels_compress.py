@@ -39,7 +39,7 @@ from triton_interpreter import (  # noqa: E402
     under_interpreter,
 )
 
-from zipage.core.config import ZipageConfig  # noqa: E402
+from zipage.config import ZipageConfig  # noqa: E402
 from zipage.errors import ConfigError  # noqa: E402
 from zipage.kernels import compress as compress_module  # noqa: E402
 from zipage.kernels.compress import CompressionInputs  # noqa: E402

@@ -18,10 +18,10 @@ from tolerance import close
 from zipage.cli import _write_profile
 from zipage.core.step import causal_pairs
 from zipage.errors import ConfigError
+from zipage.hardware import get_hardware
 from zipage.prefill_buckets import PREFILL_GRAPH_TOKENS, padded_rows
 from zipage.presets import get_preset
 from zipage.sim.cost_model import CalibratedCostModel, StepWork, load_cost_model
-from zipage.sim.hardware import get_hardware
 
 ROOT = Path(__file__).resolve().parent.parent
 DECODE = (5e-3, 5e-6, 3.5e-8)  # constant, per request, per context token

@@ -18,10 +18,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from zipage.core.sampling import SamplingParams  # noqa: E402
 from zipage.engine import loader  # noqa: E402
 from zipage.engine.context import ForwardContext, forward_context  # noqa: E402
 from zipage.engine.layers import rope_inverse_frequencies, store_queries  # noqa: E402
-from zipage.engine.sampler import SamplingParams, sample  # noqa: E402
+from zipage.engine.sampler import sample  # noqa: E402
 from zipage.errors import UnknownModelError  # noqa: E402
 
 BLOCK_SIZE = 16

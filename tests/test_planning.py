@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from tolerance import assert_close, close
 
+from zipage.core.deployment import ReplaySettings
 from zipage.core.metrics import StepRecord
-from zipage.deployment import ReplaySettings
 from zipage.errors import ConfigError
 from zipage.plan_cli import add_plan_command, parse_rates, parse_replicas
 from zipage.sim.cluster import peak_concurrent_running, simulate_cluster

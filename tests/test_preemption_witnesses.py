@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from zipage.config import ZipageConfig
 from zipage.core.block_manager import BlockManager
-from zipage.core.config import ZipageConfig
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.core.step import StepPlan

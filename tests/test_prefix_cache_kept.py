@@ -4,8 +4,8 @@ hash, so the next request with that document hits it (issue: RAG-like traffic lo
 
 from __future__ import annotations
 
+from zipage.config import ZipageConfig
 from zipage.core.block_manager import BlockManager, prompt_block_hashes
-from zipage.core.config import ZipageConfig
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.sim.instant import InstantDriver

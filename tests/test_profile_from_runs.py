@@ -13,9 +13,9 @@ import pandas as pd
 import pytest
 from tolerance import close
 
-from zipage.core.config import ZipageConfig
+from zipage.config import ZipageConfig
+from zipage.core.deployment import ReplaySettings
 from zipage.core.metrics import STEP_COLUMN_DEFAULTS, STEP_COLUMNS
-from zipage.deployment import ReplaySettings
 from zipage.errors import ConfigError
 from zipage.sim.cost_model import CalibratedCostModel
 from zipage.sim.profile_from_runs import forward_points, profile_from_runs

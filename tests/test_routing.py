@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from zipage.core.deployment import ReplaySettings
 from zipage.core.routing import ROUTING_POLICIES, LeastLoaded, PrefixAffinity, RoundRobin, make_policy
-from zipage.deployment import ReplaySettings
 from zipage.sim.cluster import simulate_cluster
 from zipage.trace import parse_trace
 

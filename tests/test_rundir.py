@@ -30,7 +30,7 @@ TINY_TRACE = str(Path(__file__).resolve().parents[1] / "traces" / "tiny.json")
 @pytest.fixture(scope="module")
 def simulated():
     """The summary and records of one simulated replay of the tiny trace."""
-    from zipage.deployment import ReplaySettings
+    from zipage.core.deployment import ReplaySettings
     from zipage.sim.simulate import simulate
 
     trace = load_trace(TINY_TRACE)
@@ -95,7 +95,7 @@ def test_a_killed_writer_leaves_the_old_run_or_the_new_one(tmp_path, simulated, 
     script = f"""
 import os, signal
 from zipage import rundir
-from zipage.deployment import ReplaySettings
+from zipage.core.deployment import ReplaySettings
 from zipage.sim.simulate import simulate
 from zipage.trace import load_trace
 
@@ -285,9 +285,9 @@ def test_every_run_records_its_kind(tmp_path, simulated):
     ("random:qwen3-0.6b", "Qwen3_0.6B"),
 ])
 def test_profiles_and_runs_name_a_model_alike(profile_model, run_model):
+    from zipage.hardware import get_hardware
     from zipage.presets import get_preset
     from zipage.sim.cost_model import AnalyticCostModel, CalibratedCostModel, synthesize_profile
-    from zipage.sim.hardware import get_hardware
 
     shape = get_preset("qwen3-0.6b")
     profile = synthesize_profile(AnalyticCostModel(shape, get_hardware("h200")))

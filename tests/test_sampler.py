@@ -6,7 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from zipage.engine.sampler import SamplingParams, sample  # noqa: E402
+from zipage.core.sampling import SamplingParams  # noqa: E402
+from zipage.engine.sampler import sample  # noqa: E402
 from zipage.errors import ConfigError  # noqa: E402
 
 VOCAB = 50

@@ -150,7 +150,7 @@ def _wait_idle(url: str, timeout: float = 30) -> dict[str, float]:
 
 
 def test_completion_streamed_equals_non_streamed_equals_generate(client, llm):
-    from zipage.engine.sampler import SamplingParams
+    from zipage.core.sampling import SamplingParams
 
     reply = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=16,
                                       temperature=0)
@@ -181,7 +181,7 @@ def test_completion_streamed_equals_non_streamed_equals_generate(client, llm):
 def test_kv_budget_per_request(llm, url):
     """A request's own kv_budget (an extension field) is its budget, as SamplingParams.kv_budget
     is LLM.generate's; a bad one is a 400 naming kv_budget."""
-    from zipage.engine.sampler import SamplingParams
+    from zipage.core.sampling import SamplingParams
 
     # 60 greedy tokens: compressed many times at a budget of 16 (N_max 2), differently from the
     # server's default 64.
@@ -207,7 +207,7 @@ def test_kv_budget_per_request(llm, url):
 
 
 def test_chat_streamed_equals_non_streamed_equals_generate(client, llm):
-    from zipage.engine.sampler import SamplingParams
+    from zipage.core.sampling import SamplingParams
 
     reply = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=40,
                                            temperature=0)

@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from zipage.engine.sampler import SamplingParams  # noqa: E402
+from zipage.core.sampling import SamplingParams  # noqa: E402
 from zipage.serve.wire import Add  # noqa: E402
 
 MODEL = "random:smollm2-135m"

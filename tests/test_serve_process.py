@@ -214,8 +214,8 @@ async def _running(http) -> float:
 
 
 def test_tensor_parallel_server_matches_one_rank_and_stops_every_rank(tmp_path):
+    from zipage.core.sampling import SamplingParams
     from zipage.engine.llm import LLM
-    from zipage.engine.sampler import SamplingParams
 
     prompt = [1, 2, 3, 4, 5]
     with _server(tmp_path, "--tensor-parallel", "3") as (process, url, engine, log):

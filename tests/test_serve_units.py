@@ -293,7 +293,7 @@ def _core():
 def test_engine_refuses_a_bad_request_alone():
     """Defense in depth: settings that bypassed the HTTP checks (unpickling skips
     `__post_init__`) or token ids outside the vocabulary fail their request, not the engine."""
-    from zipage.engine.sampler import SamplingParams
+    from zipage.core.sampling import SamplingParams
     from zipage.serve.wire import Add
 
     core = _core()

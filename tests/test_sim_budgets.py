@@ -14,8 +14,8 @@ import pytest
 from tolerance import close
 
 from zipage.cli import build_parser
-from zipage.core.config import ZipageConfig
-from zipage.deployment import ReplaySettings
+from zipage.config import ZipageConfig
+from zipage.core.deployment import ReplaySettings
 from zipage.errors import ConfigError
 from zipage.sim.simulate import simulate
 from zipage.trace import Trace, TraceRequest, load_trace, stamp_arrivals

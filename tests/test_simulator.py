@@ -17,14 +17,14 @@ from hypothesis import strategies as st
 from strategies import MODES, cases, mode_seed
 from tolerance import close
 
-from zipage.core.config import ZipageConfig
+from zipage.config import ZipageConfig
+from zipage.core.deployment import ReplaySettings
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.core.step import DECODE, IDLE, MIXED, PREFILL
-from zipage.deployment import ReplaySettings
+from zipage.hardware import get_hardware
 from zipage.presets import get_preset
 from zipage.sim.cost_model import AnalyticCostModel, CostModel
-from zipage.sim.hardware import get_hardware
 from zipage.sim.instant import InstantDriver
 from zipage.sim.simulate import simulate
 from zipage.sim.simulator import Simulator
@@ -102,7 +102,7 @@ def check_random_timing(case, seed: int) -> None:
 def simulate_tiny_beside_instant(config: ZipageConfig):
     """traces/tiny.json simulated with the analytic cost model (sync compression) and run by the
     instant driver at the same capacity: (summary, simulated run, instant run)."""
-    from zipage.deployment import trace_sequences
+    from zipage.core.deployment import trace_sequences
     from zipage.presets import resolve_shape
 
     trace = load_trace(ROOT / "traces" / "tiny.json")

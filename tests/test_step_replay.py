@@ -14,9 +14,9 @@ pytest.importorskip("transformers")
 from tiny_models import save_tiny_qwen3  # noqa: E402
 from tolerance import assert_close  # noqa: E402
 
-from zipage.core.config import ZipageConfig  # noqa: E402
+from zipage.config import ZipageConfig  # noqa: E402
+from zipage.core.deployment import ReplaySettings  # noqa: E402
 from zipage.core.metrics import STEP_COLUMNS  # noqa: E402
-from zipage.deployment import ReplaySettings  # noqa: E402
 from zipage.engine.replay import replay_on_engine  # noqa: E402
 from zipage.errors import ZipageError  # noqa: E402
 from zipage.rundir import write_run  # noqa: E402

@@ -19,8 +19,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from zipage import LLM, SamplingParams  # noqa: E402
-from zipage.core.config import ZipageConfig  # noqa: E402
-from zipage.deployment import ReplaySettings  # noqa: E402
+from zipage.config import ZipageConfig  # noqa: E402
+from zipage.core.deployment import ReplaySettings  # noqa: E402
 from zipage.engine.distributed import ShardGroup  # noqa: E402
 from zipage.engine.layers import RMSNorm  # noqa: E402
 from zipage.engine.loader import build_model, initialise_random  # noqa: E402

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from zipage.cli import main
-from zipage.deployment import ReplaySettings, trace_sequences
+from zipage.core.deployment import ReplaySettings, trace_sequences
 from zipage.errors import TraceError
 from zipage.sim.simulate import plan_deployment, simulate
 from zipage.trace import load_trace

@@ -66,8 +66,8 @@ def test_every_format_runs_on_the_cpu_engine_as_simulated(tmp_path, fmt, name, m
     blocks are prefix-cache hits in both."""
     import torch
 
-    from zipage.core.config import ZipageConfig
-    from zipage.deployment import ReplaySettings
+    from zipage.config import ZipageConfig
+    from zipage.core.deployment import ReplaySettings
     from zipage.engine.replay import replay_on_engine
     from zipage.rundir import write_run
 

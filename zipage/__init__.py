@@ -1,6 +1,6 @@
 """Zipage: Compressed PagedAttention inference and its simulator twin.
 
-`import zipage` stays light (no torch): `LLM` and `SamplingParams` load the engine on first use.
+`import zipage` stays light (no torch): `LLM` loads the engine on first use.
 """
 
 __version__ = "0.1.0"
@@ -13,7 +13,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from zipage.engine.sampler import SamplingParams
+        from zipage.core.sampling import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'zipage' has no attribute {name!r}")

@@ -249,8 +249,8 @@ def _profile_json(profile: dict) -> str:
 def cmd_generate(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args)
     try:
+        from zipage.core.sampling import SamplingParams
         from zipage.engine.llm import LLM
-        from zipage.engine.sampler import SamplingParams
     except ImportError as error:
         raise ZipageError("zipage generate needs the engine: pip install 'zipage[engine]'"
                           ) from error

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields, replace
 
-from zipage.core.config import ZipageConfig
-from zipage.deployment import ReplaySettings
+from zipage.config import ZipageConfig
+from zipage.core.deployment import ReplaySettings
 from zipage.errors import ConfigError
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}

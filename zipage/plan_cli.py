@@ -151,7 +151,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def spec_from_args(args: argparse.Namespace) -> PlanSpec:
     from zipage.flags import axis_values, settings_from_args
-    from zipage.sim.hardware import HARDWARE
+    from zipage.hardware import HARDWARE
 
     budgets = axis_values(args, "kv_budget")
     block_sizes = axis_values(args, "block_size")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from zipage.core.shape import ModelShape  # noqa: F401  (re-exported: the shape type)
 from zipage.errors import UnknownModelError
+from zipage.shape import ModelShape  # noqa: F401  (re-exported: the shape type)
 
 
 def _qwen3(name, layers, hidden, heads, intermediate, tie) -> ModelShape:

@@ -28,10 +28,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from zipage.core.config import ZipageConfig
+from zipage.config import ZipageConfig
+from zipage.core.deployment import ReplaySettings
 from zipage.core.memory import MemoryPlan
 from zipage.core.metrics import REQUEST_COLUMN_DEFAULTS, REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS, STEP_COLUMNS
-from zipage.deployment import ReplaySettings
 from zipage.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ def run_device(settings: ReplaySettings, driver: str) -> str:
     "h100-80gb"), or "cpu" / "cuda" for the real engine (which ignores --hardware)."""
     if driver.startswith("engine-"):
         return driver.removeprefix("engine-")
-    from zipage.sim.hardware import get_hardware
+    from zipage.hardware import get_hardware
 
     return get_hardware(settings.hardware).name
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zipage.core.config import ZipageConfig
-from zipage.core.shape import ModelShape
+from zipage.config import ZipageConfig
 from zipage.errors import MemoryPlanError
+from zipage.shape import ModelShape
 
 GIB = 1024**3
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}

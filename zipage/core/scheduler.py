@@ -22,8 +22,8 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict, deque
 
+from zipage.config import ZipageConfig, budget_violation
 from zipage.core.block_manager import BlockManager, prompt_block_hashes
-from zipage.core.config import ZipageConfig, budget_violation
 from zipage.core.sequence import DecodeClock, Sequence, SequenceStatus
 from zipage.core.step import (
     DECODE,

@@ -15,6 +15,10 @@ requests in seconds: per step, the core only touches requests that have an event
 from __future__ import annotations
 
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zipage.core.sampling import SamplingParams
 
 
 class SequenceStatus(Enum):
@@ -52,7 +56,7 @@ class Sequence:
         max_output_tokens: int,
         arrival_s: float = 0.0,
         prompt_len: int | None = None,
-        sampling: object = None,
+        sampling: SamplingParams | None = None,
         kv_budget: int | None = None,
     ) -> None:
         if prompt_token_ids is None and prompt_len is None:
@@ -80,8 +84,8 @@ class Sequence:
         self.finish_time: float | None = None
         self.num_preemptions = 0
         self.max_blocks_after_first_compression = 0
-        # The request's sampling settings (the engine's `SamplingParams`); the core never reads
-        # them, the driver that computes tokens does.
+        # The request's sampling settings; the core never reads them, the driver that computes
+        # tokens does.
         self.sampling = sampling
         # Its own KV budget (None: the configured default, filled in when the scheduler adds
         # the request) and the N_max it gives, the floor of its cap (docs/architecture.md,

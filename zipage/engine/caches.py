@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zipage.core.config import ZipageConfig
+from zipage.config import ZipageConfig
 from zipage.core.memory import MemoryPlan
 from zipage.presets import ModelShape
 

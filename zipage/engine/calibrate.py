@@ -20,11 +20,11 @@ from collections.abc import Callable
 
 import torch
 
+from zipage.core.deployment import ReplaySettings
+from zipage.core.sampling import SamplingParams
 from zipage.core.sequence import Sequence
 from zipage.core.step import DECODE, MIXED, PREFILL, CompressionBatch, CompressionJob, PrefillItem, StepPlan
-from zipage.deployment import ReplaySettings
 from zipage.engine.llm import Engine, build_engine
-from zipage.engine.sampler import SamplingParams
 from zipage.errors import ConfigError
 from zipage.presets import model_label
 from zipage.sim.cost_model import PROFILE_VERSION
@@ -309,7 +309,7 @@ def contention_factor(bench: Bench, compress: list[dict]) -> float | None:
 def hardware_name(hardware: str | None, device: torch.device) -> str:
     """The hardware-table entry the profile is for: `hardware` if given, else the CUDA device's."""
     if hardware:
-        from zipage.sim.hardware import get_hardware
+        from zipage.hardware import get_hardware
 
         return get_hardware(hardware).name  # refuses an unknown name, listing the known ones
     if device.type == "cuda":

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from zipage.core.config import ZipageConfig
+from zipage.config import ZipageConfig
 from zipage.core.step import CompressionBatch, CompressionJob
 from zipage.engine.caches import KVCaches
 from zipage.errors import ConfigError

@@ -14,16 +14,16 @@ from difflib import get_close_matches
 
 import torch
 
-from zipage.core.config import ZipageConfig
+from zipage.config import ZipageConfig
+from zipage.core.deployment import ReplaySettings, effective_config, plan_capacity
 from zipage.core.memory import GIB, MemoryPlan
 from zipage.core.recorder import Run
+from zipage.core.sampling import SamplingParams
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
-from zipage.deployment import ReplaySettings, effective_config, plan_capacity
 from zipage.engine.loader import load_model
 from zipage.engine.loop import EngineLoop
 from zipage.engine.runner import ModelRunner
-from zipage.engine.sampler import SamplingParams
 from zipage.engine.threads import set_cpu_threads
 from zipage.engine.warmup import warm_up
 from zipage.errors import ConfigError, MemoryPlanError

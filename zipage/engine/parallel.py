@@ -64,8 +64,8 @@ class TensorParallelError(ZipageError):
 def build_parallel_engine(settings, device: torch.device, dtype: torch.dtype, cuda_graphs: bool,
                           prefill_graphs: bool = False):
     """The `Engine` of `build_engine` for `settings.tensor_parallel` > 1 ranks."""
+    from zipage.core.deployment import effective_config, plan_capacity
     from zipage.core.scheduler import Scheduler
-    from zipage.deployment import effective_config, plan_capacity
     from zipage.engine.llm import Engine, _check_fits, device_memory
 
     world = settings.tensor_parallel

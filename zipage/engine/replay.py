@@ -1,6 +1,6 @@
 """`zipage replay TRACE --gpu` (or `--engine cpu`): a trace through the real engine.
 
-Same settings, same capacity planning and same prompt tokens as the simulator (`zipage.deployment`),
+Same settings, same capacity planning and same prompt tokens as the simulator (`zipage.core.deployment`),
 greedy decoding with EOS ignored so every request produces exactly its trace `output_len`; the
 result has the simulator's summary keys and run-directory files, so `zipage compare` can put the
 two side by side.
@@ -8,11 +8,11 @@ two side by side.
 
 from __future__ import annotations
 
+from zipage.core.deployment import ReplaySettings, trace_sequences
 from zipage.core.recorder import Run
-from zipage.deployment import ReplaySettings, trace_sequences
+from zipage.core.sampling import SamplingParams
 from zipage.engine.llm import build_engine
 from zipage.engine.loop import EngineLoop
-from zipage.engine.sampler import SamplingParams
 from zipage.rundir import run_summary
 from zipage.trace import Trace
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zipage.core.config import ZipageConfig
+from zipage.config import ZipageConfig
 from zipage.core.memory import MemoryPlan
 from zipage.core.sequence import Sequence
 from zipage.core.step import StepPlan

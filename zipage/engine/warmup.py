@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from zipage.core.sampling import SamplingParams
 from zipage.core.sequence import Sequence
 from zipage.core.step import DECODE, PREFILL, CompressionJob, PrefillItem, StepPlan
 from zipage.engine.runner import ModelRunner
-from zipage.engine.sampler import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 

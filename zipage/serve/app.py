@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from zipage.engine.sampler import SamplingParams
+from zipage.core.sampling import SamplingParams
 from zipage.errors import ZipageError
 from zipage.serve import DEFAULT_MAX_BODY_BYTES
 from zipage.serve.detokenize import IncrementalText

@@ -17,7 +17,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from zipage.engine.sampler import _SEED_LIMIT, MAX_INT, MAX_TEMPERATURE
+from zipage.core.sampling import MAX_INT, MAX_TEMPERATURE, SEED_LIMIT
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1000  # characters; each decoded piece is searched for every stop string
@@ -101,7 +101,7 @@ class SamplingFields(BaseModel):
     temperature: Float = Field(1.0, ge=0, le=MAX_TEMPERATURE)
     top_p: Float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1, le=MAX_INT)  # -1 (vLLM's "off") is accepted as 0
-    seed: int | None = Field(None, ge=0, lt=_SEED_LIMIT)
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from zipage.core.config import ZipageConfig
+    from zipage.config import ZipageConfig
+    from zipage.core.deployment import ReplaySettings
     from zipage.core.memory import MemoryPlan
-    from zipage.deployment import ReplaySettings
-    from zipage.engine.sampler import SamplingParams
+    from zipage.core.sampling import SamplingParams
 
 
 @dataclass

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
+from zipage.config import ZipageConfig, knob
 from zipage.core.block_manager import prompt_block_hashes
-from zipage.core.config import ZipageConfig, knob
 from zipage.core.memory import DTYPE_BYTES, GIB, MemoryPlan, available_kv_bytes, plan_memory, weight_bytes
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence

@@ -1,0 +1,96 @@
+"""A request's sampling settings, checked on arrival: greedy, or temperature / top-k / top-p.
+
+The core carries them on each `Sequence` without reading them (the engine's sampler does, in
+`zipage/engine/sampler.py`); they live here, torch-free, so the simulator, the server's protocol
+and the core can name the type without importing the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from zipage.errors import ConfigError
+
+SEED_LIMIT = 2**32  # seed and token index are packed into one 64-bit generator seed
+# Integer settings become int64 tensors or index math: anything past int32 is no real request and
+# past int64 torch raises (top_k 2**63 was "Overflow" inside a step, which killed the engine).
+MAX_INT = 2**31 - 1
+# Logits are divided by the temperature in float32: a tiny one overflows them to inf (NaN
+# probabilities), so below this a row is greedy, as vLLM treats it; above MAX_TEMPERATURE the
+# distribution is uniform for any logits in float32 anyway.
+GREEDY_BELOW = 1e-5
+MAX_TEMPERATURE = 100.0
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings. temperature 0 = greedy; top_k 0 and top_p 1.0 = no filtering.
+
+    `max_tokens` output tokens at most; `ignore_eos` keeps generating through end-of-sequence
+    tokens (trace replays and benchmarks use it to get fixed output lengths);
+    `skip_special_tokens` leaves special tokens (<|im_start|>, ...) out of the output text.
+    `kv_budget` is the request's own KV budget (None: the engine's `kv_budget`); the core reads
+    it from the request (`Sequence.kv_budget`), and refuses one that is not a multiple of the
+    block size with the request's error.
+    Defaults are vLLM's sampling defaults except max_tokens; `zipage generate` uses its own
+    (greedy, 128 tokens: see `zipage generate -h`).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 256
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    kv_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raise `ConfigError` naming the first setting out of range. The engine process calls it
+        again on what arrives over its socket (unpickling skips `__post_init__`), so a bad
+        request fails alone instead of inside a step."""
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ConfigError(f"temperature: {_short(self.temperature)} must be a finite number in "
+                              f"[0, {MAX_TEMPERATURE:g}]; use 0 for greedy decoding")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_INT:
+            raise ConfigError(f"top_k: {_short(self.top_k)} must be an integer in [0, {MAX_INT}]; "
+                              "use 0 to keep every token")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p: {_short(self.top_p)} must be a finite number in (0, 1]; use "
+                              "1.0 to keep every token")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT:
+            raise ConfigError(f"max_tokens: {_short(self.max_tokens)} must be an integer in "
+                              f"[1, {MAX_INT}]")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
+            raise ConfigError(f"seed: {_short(self.seed)} must be an integer in [0, 2**32) or None")
+        if self.kv_budget is not None and (not _is_int(self.kv_budget)
+                                           or not 1 <= self.kv_budget <= MAX_INT):
+            raise ConfigError(f"kv_budget: {_short(self.kv_budget)} must be a positive integer (KV "
+                              "entries the request keeps, a multiple of the block size) or None "
+                              "for the engine's default")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: {_short(getattr(self, name))} must be true or false")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _short(value, limit: int = 40) -> str:
+    """A value for an error message, cut: a message never carries unbounded input back."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
