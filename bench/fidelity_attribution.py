@@ -33,8 +33,8 @@ import pandas as pd
 from fidelity_cross_trace import DECISION_COLUMNS, traces
 from fidelity_matrix import RUNS, deployment
 
+from zipage.cli.flags import add_engine_flags, settings_from_args
 from zipage.core.recorder import StepRecorder
-from zipage.flags import add_engine_flags, settings_from_args
 from zipage.sim import step_replay
 from zipage.sim.cost_model import CalibratedCostModel, StepWork, _fit
 from zipage.sim.simulate import simulate

@@ -43,7 +43,7 @@ import numpy as np
 import pandas as pd
 
 from zipage.analysis.compare import compare_runs, format_report
-from zipage.cli import _profile_json
+from zipage.cli.calibrate import profile_json
 from zipage.sim.profile_from_runs import forward_points
 from zipage.trace import Trace, load_trace, save_trace
 from zipage.workloads import make_trace
@@ -110,7 +110,7 @@ class Study:
                 # barely outlasted its steps (behind-the-forward launches) a zero duration.
                 point["time_s"] = float(f"{point['time_s']:.6g}")
         path = (self.out / "profiles" if keep else self.work) / f"{name}.json.gz"
-        path.write_bytes(gzip.compress(_profile_json(profile).encode(), mtime=0))
+        path.write_bytes(gzip.compress(profile_json(profile).encode(), mtime=0))
         return path
 
     def compose_full_kv(self, zipage_profile: Path, run_names: list[str]) -> Path:

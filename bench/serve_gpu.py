@@ -168,7 +168,7 @@ def _table(out: Path) -> None:
 
 
 def _install_wheels(directory: str) -> None:
-    try:  # what `zipage serve` and `zipage bench serve` import (zipage/serve/cli.py)
+    try:  # what `zipage serve` and `zipage bench serve` import (zipage/cli/serve.py, zipage/cli/bench.py)
         import fastapi  # noqa: F401
         import httpx  # noqa: F401
         import prometheus_client  # noqa: F401

@@ -10,13 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zipage.config import ZipageConfig
-from zipage.core.deployment import ReplaySettings, dtype_bytes, effective_config, iter_trace_sequences, plan_capacity
+from zipage.core.deployment import (
+    ReplaySettings,
+    dtype_bytes,
+    effective_config,
+    iter_trace_sequences,
+    plan_capacity,
+    run_summary,
+)
 from zipage.core.memory import MemoryPlan
 from zipage.core.recorder import Run
 from zipage.core.scheduler import Scheduler
 from zipage.hardware import get_hardware
 from zipage.presets import ModelShape, resolve_shape
-from zipage.rundir import run_summary
 from zipage.sim.cost_model import CostModel, load_cost_model
 from zipage.sim.simulator import Simulator
 from zipage.trace import Trace

@@ -495,7 +495,7 @@ def test_run_title_names_trace_device_and_knobs():
 
 
 def test_compare_on_a_replayed_run_directory(tmp_path):
-    from zipage.cli import main
+    from zipage.cli.parser import main
 
     run = tmp_path / "tiny"
     assert main(["replay", str(ROOT / "traces" / "tiny.json"), "--out", str(run),

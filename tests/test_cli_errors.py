@@ -1,6 +1,6 @@
 """Every class of user mistake through the CLI: exit status 2, one line on stderr, no traceback.
 
-Each test runs `zipage.cli.main` in-process on a bad model file, a bad path or a bad flag value,
+Each test runs `zipage.cli.parser.main` in-process on a bad model file, a bad path or a bad flag value,
 through the simulator, the CPU engine and `zipage generate` where the mistake reaches them.
 `test_cli_fuzz.py` feeds random bytes and random JSON through the same paths.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from zipage.cli import main
+from zipage.cli.parser import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TRACE = str(ROOT / "traces" / "tiny.json")

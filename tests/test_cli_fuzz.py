@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cli_errors import TINY_CONFIG, TINY_TRACE
 
-from zipage.cli import EXIT_REQUESTS_FAILED, main
+from zipage.cli.output import EXIT_REQUESTS_FAILED
+from zipage.cli.parser import main
 from zipage.errors import ZipageError
 
 JSON_VALUES = st.recursive(

@@ -17,7 +17,8 @@ pytest.importorskip("transformers")
 
 from tiny_models import save_tiny_qwen3  # noqa: E402
 
-from zipage.cli import EXIT_REQUESTS_FAILED, main  # noqa: E402
+from zipage.cli.output import EXIT_REQUESTS_FAILED  # noqa: E402
+from zipage.cli.parser import main  # noqa: E402
 from zipage.errors import ConfigError  # noqa: E402
 
 pytestmark = pytest.mark.engine

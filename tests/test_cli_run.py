@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from zipage.cli import EXIT_REQUESTS_FAILED, main
+from zipage.cli.output import EXIT_REQUESTS_FAILED
+from zipage.cli.parser import main
 from zipage.trace import load_trace
 
 ROOT = Path(__file__).resolve().parents[1]

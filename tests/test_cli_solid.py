@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from zipage.cli import main
+from zipage.cli.parser import main
 from zipage.core.deployment import ReplaySettings, plan_capacity
 from zipage.errors import MemoryPlanError
 from zipage.presets import resolve_shape

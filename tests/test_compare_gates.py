@@ -59,7 +59,7 @@ def test_bad_gate_names_the_fix(item):
 
 
 def test_cli_gates_exit_status(tmp_path, capsys):
-    from zipage.cli import main
+    from zipage.cli.parser import main
 
     runs(tmp_path, sim_finish=[8.0, 13.1, 4.0], sim_summary={"tps": 90.0, "makespan_s": 12.1})
     sim, real = str(tmp_path / "sim"), str(tmp_path / "real")

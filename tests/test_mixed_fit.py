@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from tolerance import close
 
-from zipage.cli import _write_profile
+from zipage.cli.calibrate import write_profile
 from zipage.core.step import causal_pairs
 from zipage.errors import ConfigError
 from zipage.hardware import get_hardware
@@ -185,12 +185,12 @@ def test_profiles_before_version_3_keep_the_one_constant_fit():
 
 
 def test_calibrate_prints_the_mixed_host_bound(tmp_path, capsys):
-    assert _write_profile(profile(GRID), str(tmp_path / "p.json")) == 0
+    assert write_profile(profile(GRID), str(tmp_path / "p.json")) == 0
     printed = capsys.readouterr().out
     assert "mixed    0.0002 * requests + max(0.02, 0.003 + 5e-06 * batch" in printed
     assert "host bound: the prefill's" not in printed
     device_bound = [point for point in GRID if not is_host_bound(point)]
-    assert _write_profile(profile(device_bound), str(tmp_path / "q.json")) == 0
+    assert write_profile(profile(device_bound), str(tmp_path / "q.json")) == 0
     printed = capsys.readouterr().out
     assert "mixed    0.0002 * requests + max(0.015, 0.003 + 5e-06 * batch" in printed
     assert "host bound: the prefill's (the points do not determine one)" in printed

@@ -50,7 +50,7 @@ def test_prefill_graphs_default_on_only_where_graphs_are_captured():
 @pytest.mark.parametrize("argv, expected", [([], None), (["--prefill-graphs"], True),
                                             (["--no-prefill-graphs"], False)])
 def test_the_flag_leaves_the_default_to_the_engine(argv, expected):
-    from zipage.cli import build_parser
+    from zipage.cli.parser import build_parser
 
     for command in (["replay", "trace.json"], ["calibrate", "--out", "p.json"]):
         assert build_parser().parse_args(command + argv).prefill_graphs is expected

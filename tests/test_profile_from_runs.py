@@ -297,7 +297,7 @@ def test_the_graphed_steps_of_the_runs_go_into_the_profile(tmp_path):
 
 
 def test_command_line_stall_factor(tmp_path, capsys):
-    from zipage.cli import main
+    from zipage.cli.parser import main
 
     run, out = synthetic_run(tmp_path / "a", True), tmp_path / "profile.json"
     assert main(["calibrate", "--from-run", str(run), "--stall-factor", "10", "--hardware",

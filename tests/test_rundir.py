@@ -19,7 +19,7 @@ import pytest
 
 from zipage import rundir
 from zipage.analysis.compare import compare_runs, format_report
-from zipage.cli import main
+from zipage.cli.parser import main
 from zipage.errors import ConfigError
 from zipage.rundir import load_run, read_decisions, write_run
 from zipage.trace import load_trace
@@ -315,14 +315,14 @@ def test_a_profile_fitted_from_a_gguf_run_names_the_model_by_its_stem(tmp_path):
 # ---------------------------------------------------------------- 6. concurrent plans
 
 def _write_grid(out: str, rows: int, label: str, start) -> None:
-    from zipage import plan_cli
+    from zipage.cli import plan_report
     from zipage.sim.planning import RESULT_COLUMNS
 
-    plan_cli.plot_pareto = lambda result, spec, path: Path(path).write_bytes(label.encode())
+    plan_report.plot_pareto = lambda result, spec, path: Path(path).write_bytes(label.encode())
     table = [{column: f"{label}{index}" for column in RESULT_COLUMNS} for index in range(rows)]
-    result = plan_cli.PlanResult(rows=table, evaluated=rows, cached=0, wall_s=0.0)
+    result = plan_report.PlanResult(rows=table, evaluated=rows, cached=0, wall_s=0.0)
     start.wait()
-    plan_cli.write_outputs(result, None, Path(out))
+    plan_report.write_outputs(result, None, Path(out))
 
 
 def test_two_plans_into_one_out_leave_one_whole_grid(tmp_path):

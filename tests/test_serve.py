@@ -382,7 +382,7 @@ def test_bad_input_gets_its_status_while_others_complete(url, llm):
 
 def test_bench_serve_completes_every_request(url, tmp_path):
     from zipage.analysis.compare import compare_runs
-    from zipage.cli import main
+    from zipage.cli.parser import main
     from zipage.trace import Trace, TraceRequest, save_trace
 
     requests = [TraceRequest(id=f"r{index}", arrival_s=0.15 * index, prompt_len=20 + 7 * index,

@@ -231,7 +231,7 @@ def test_the_bearer_scheme_is_case_insensitive(header, key):
 def _serve_args(*flags):
     import argparse
 
-    from zipage.serve.cli import add_serve_commands
+    from zipage.cli.serve import add_parser as add_serve_commands
 
     parser = argparse.ArgumentParser()
     add_serve_commands(parser.add_subparsers())
@@ -239,8 +239,8 @@ def _serve_args(*flags):
 
 
 def test_api_key_from_flag_file_or_environment(tmp_path):
+    from zipage.cli.serve import api_key_from
     from zipage.errors import ZipageError
-    from zipage.serve.cli import api_key_from
 
     key_file = tmp_path / "key"
     key_file.write_text("from-file\n")

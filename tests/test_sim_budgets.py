@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from tolerance import close
 
-from zipage.cli import build_parser
+from zipage.cli.parser import build_parser
 from zipage.config import ZipageConfig
 from zipage.core.deployment import ReplaySettings
 from zipage.errors import ConfigError

@@ -117,7 +117,7 @@ def test_profile_fitted_from_the_run_simulates_it(tiny_model, tmp_path):
 
 
 def test_cli_step_times_and_calibrate_from_run(tiny_model, tmp_path, capsys):
-    from zipage.cli import main
+    from zipage.cli.parser import main
 
     trace = online_trace(WIDE["spacing"])
     out, _, _ = engine_run(tiny_model, tmp_path / "engine", trace, asynchronous=True,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from zipage.cli import main
+from zipage.cli.parser import main
 from zipage.core.deployment import ReplaySettings, trace_sequences
 from zipage.errors import TraceError
 from zipage.sim.simulate import plan_deployment, simulate

@@ -20,7 +20,7 @@ BUDGET_POLICIES = ("fixed", "elastic")
 
 def knob(default, flag: str, help: str, *, cost: bool = False, choices: tuple | None = None):
     """A `ZipageConfig` field with its command-line flag and help: the one place a knob is
-    declared. The CLI (`zipage.flags`), `zipage plan`'s grid axes, the cost models' and
+    declared. The CLI (`zipage.cli.flags`), `zipage plan`'s grid axes, the cost models' and
     calibration profiles' knob lists (`cost=True`: the knob changes how long a step takes) and the
     kernels' `CompressionParams` are all derived from these declarations. A boolean knob that is
     on by default gets a `--no-...` flag; one that is off by default a `--knob/--no-knob` pair."""

@@ -28,9 +28,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from zipage.config import ZipageConfig
-from zipage.core.deployment import ReplaySettings
-from zipage.core.memory import MemoryPlan
 from zipage.core.metrics import REQUEST_COLUMN_DEFAULTS, REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS, STEP_COLUMNS
 from zipage.errors import ConfigError
 
@@ -57,33 +54,6 @@ RUN_KINDS = (SIMULATED, ENGINE, SERVED)
 WRITE_HINT = "re-run the command that wrote it (`zipage replay ... --out DIR`)"
 
 
-def run_summary(summary: dict, capacity: MemoryPlan, config: ZipageConfig,
-                settings: ReplaySettings, driver: str) -> dict:
-    """The `--json` object: the metrics summary plus the capacity the run was planned with and
-    the device it ran on (the simulated GPU's table name, or the engine's device type)."""
-    return {
-        **summary,
-        # A maximum over the requests that compressed: none under Full KV, or when no
-        # request grew long enough to compress.
-        "max_blocks_after_compress": (summary["max_blocks_after_compress"]
-                                      if config.compress and summary["compressions"] else None),
-        "device": run_device(settings, driver),
-        "n_max": config.n_max if config.compress else None,
-        "max_concurrency": capacity.num_query_slots if config.compress else None,
-        "num_blocks": capacity.num_blocks,
-        "driver": driver,
-        "settings": settings.to_dict(),
-    }
-
-
-def run_device(settings: ReplaySettings, driver: str) -> str:
-    """What the run ran on: the hardware table's name of the simulated GPU ("h100" ->
-    "h100-80gb"), or "cpu" / "cuda" for the real engine (which ignores --hardware)."""
-    if driver.startswith("engine-"):
-        return driver.removeprefix("engine-")
-    from zipage.hardware import get_hardware
-
-    return get_hardware(settings.hardware).name
 
 
 def run_kind(summary: dict) -> str:

@@ -25,7 +25,7 @@ from zipage.trace import Trace, prompt_block_keys, prompt_token_ids
 @dataclass
 class ReplaySettings:
     """A deployment: model, GPU, memory and cost model, plus the knobs (`config`). Each field is
-    declared once with its flag (`knob`, as `ZipageConfig`'s are); `zipage.flags` derives the
+    declared once with its flag (`knob`, as `ZipageConfig`'s are); `zipage.cli.flags` derives the
     command line from these declarations."""
 
     model: str = knob("qwen3-8b", "--model", "preset name (e.g. qwen3-8b, random:qwen3-0.6b), HF "
@@ -178,3 +178,33 @@ def _block_keys(request, block_size: int, vocab_size: int) -> list[int]:
     if keys is None:  # only the tokens tell
         keys = prompt_block_hashes(prompt_token_ids(request, vocab_size=vocab_size), block_size)
     return keys
+
+
+def run_summary(summary: dict, capacity: MemoryPlan, config: ZipageConfig,
+                settings: ReplaySettings, driver: str) -> dict:
+    """The `--json` object: the metrics summary plus the capacity the run was planned with and
+    the device it ran on (the simulated GPU's table name, or the engine's device type)."""
+    return {
+        **summary,
+        # A maximum over the requests that compressed: none under Full KV, or when no
+        # request grew long enough to compress.
+        "max_blocks_after_compress": (summary["max_blocks_after_compress"]
+                                      if config.compress and summary["compressions"] else None),
+        "device": run_device(settings, driver),
+        "n_max": config.n_max if config.compress else None,
+        "max_concurrency": capacity.num_query_slots if config.compress else None,
+        "num_blocks": capacity.num_blocks,
+        "driver": driver,
+        "settings": settings.to_dict(),
+    }
+
+
+def run_device(settings: ReplaySettings, driver: str) -> str:
+    """What the run ran on: the hardware table's name of the simulated GPU ("h100" ->
+    "h100-80gb"), or "cpu" / "cuda" for the real engine (which ignores --hardware)."""
+    if driver.startswith("engine-"):
+        return driver.removeprefix("engine-")
+    from zipage.hardware import get_hardware
+
+    return get_hardware(settings.hardware).name
+

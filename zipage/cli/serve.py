@@ -1,18 +1,25 @@
-"""`zipage serve` and `zipage bench serve`: their flags and handlers (`add_serve_commands`)."""
+"""`zipage serve`: an OpenAI-compatible HTTP server over the real engine (docs/serve.md)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
+from zipage.cli.flags import (
+    add_engine_flags,
+    add_graph_flags,
+    add_threads_flag,
+    engine_given,
+    require_serve_extra,
+    require_torch,
+    settings_from_args,
+)
 from zipage.errors import ZipageError
-from zipage.flags import add_engine_flags, settings_from_args
 from zipage.serve import DEFAULT_MAX_BODY_BYTES
 
 
-def add_serve_commands(commands) -> None:
+def add_parser(commands) -> None:
     serve = commands.add_parser(
         "serve", help="an OpenAI-compatible HTTP server over the real engine (docs/serve.md)")
     add_engine_flags(serve)
@@ -47,42 +54,8 @@ def add_serve_commands(commands) -> None:
                             "long after it opened or after its last response (default 10)")
     serve.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
                        help="close an idle keep-alive connection after this long (default 5)")
-    from zipage.cli import _add_threads_flag, add_graph_flags
-
     add_graph_flags(serve)
-    _add_threads_flag(serve)
-
-    bench = commands.add_parser("bench", help="benchmarks against a running server")
-    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
-    bench_serve = bench_commands.add_parser(
-        "serve", help="replay a trace against an OpenAI-compatible server in real time")
-    bench_serve.add_argument("trace", help="trace JSON (see docs/traces.md)")
-    bench_serve.add_argument("--url", required=True, help="server, e.g. http://127.0.0.1:8000")
-    bench_serve.add_argument("--model", default=None,
-                             help="model name to send (default: the server's first model)")
-    bench_serve.add_argument("--api-key", default=None)
-    bench_serve.add_argument("--vocab-size", type=int, default=None, metavar="N",
-                             help="vocabulary the synthetic prompt ids are drawn for (default "
-                                  "32000: the same ids as `zipage replay` for any vocabulary "
-                                  "of 32000 or more)")
-    bench_serve.add_argument("--out", default=None,
-                             help="directory for summary.json, requests.csv (steps.csv and "
-                                  "decisions.log stay empty: only the server knows them)")
-    bench_serve.add_argument("--json", action="store_true",
-                             help="print exactly one JSON object (the summary) on stdout")
-    bench_serve.add_argument("--no-progress", action="store_true")
-    bench_serve.set_defaults(handler=cmd_bench_serve)
-
-
-def _require_extra() -> None:
-    try:
-        import fastapi  # noqa: F401
-        import httpx  # noqa: F401
-        import prometheus_client  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as error:
-        raise ZipageError(f"serving needs the serve extra ({error.name} is missing): "
-                          "pip install 'zipage[serve]'") from error
+    add_threads_flag(serve)
 
 
 API_KEY_VARIABLE = "ZIPAGE_API_KEY"
@@ -139,11 +112,9 @@ def _check_serve_flags(args: argparse.Namespace) -> str | None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     api_key = _check_serve_flags(args)
-    _require_extra()
-    from zipage.cli import _engine_given, _require_torch
-
-    given = _engine_given(args)
-    _require_torch(args.engine, given, "use --engine cpu (small models)")
+    require_serve_extra()
+    given = engine_given(args)
+    require_torch(args.engine, given, "use --engine cpu (small models)")
     from zipage.serve.listen import bind
 
     try:  # before the model loads: a taken or impossible port is an error at once
@@ -214,33 +185,4 @@ def _serve_status(server, engine) -> int:
     if server.deadline_passed:
         print("zipage serve: stopped; requests still running at the drain deadline were "
               "failed", file=sys.stderr, flush=True)
-    return 0
-
-
-def cmd_bench_serve(args: argparse.Namespace) -> int:
-    _require_extra()
-    import asyncio
-
-    from zipage.serve.bench import bench_serve
-    from zipage.trace import DEFAULT_VOCAB_SIZE, load_trace
-
-    trace = load_trace(args.trace)
-    summary, records = asyncio.run(bench_serve(
-        trace, args.url, args.model, api_key=args.api_key,
-        vocab_size=args.vocab_size or DEFAULT_VOCAB_SIZE,
-        progress=not args.no_progress and not args.json))
-    if args.out is not None:
-        from zipage.rundir import write_run
-
-        write_run(args.out, summary, [], records, [])
-    if args.json:
-        print(json.dumps(summary))
-        return 0
-    from zipage.cli import print_summary
-
-    print_summary(summary, title=f"{trace.name} served by {summary['model']} at {args.url}")
-    for record in [record for record in records if record.error][:5]:
-        print(f"  failed: {record.id}: {record.error}")
-    if args.out is not None:
-        print(f"wrote {args.out}/summary.json, requests.csv")
     return 0

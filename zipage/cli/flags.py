@@ -15,7 +15,7 @@ from dataclasses import fields, replace
 
 from zipage.config import ZipageConfig
 from zipage.core.deployment import ReplaySettings
-from zipage.errors import ConfigError
+from zipage.errors import ConfigError, ZipageError
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 _BOOL_WORDS = {"on": True, "off": False}
@@ -118,3 +118,56 @@ def _add(group, cls, axes: frozenset[str]) -> None:
             group.add_argument(meta["flag"], dest=declared.name, type=kind, default=default,
                                choices=meta["choices"], metavar=_METAVARS.get(kind),
                                help=meta["help"] + shown)
+
+
+def add_graph_flags(parser: argparse.ArgumentParser) -> None:
+    """The real engine's CUDA graph flags (replay, calibrate, serve)."""
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="real engine: capture no CUDA graphs (every step eager)")
+    parser.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=None,
+                        help="real engine: replay prefill and mixed steps of up to 4,096 tokens "
+                             "as CUDA graphs too, padded to a token bucket (default: on where "
+                             "CUDA graphs are captured; docs/engine.md, 'CUDA graphs')")
+
+
+def add_threads_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU engine: torch threads (default: $ZIPAGE_CPU_THREADS, else "
+                             "$OMP_NUM_THREADS, else half the cores; see docs/engine.md)")
+
+
+NO_CUDA_FIX = "use --engine cpu for the CPU path (small models) or run the simulator (no flag)"
+
+
+def require_torch(engine: str, given: str = "--gpu", fix: str = NO_CUDA_FIX) -> None:
+    """torch, and a CUDA device for `engine` "gpu"; `given` names how the user asked for the
+    GPU and `fix` what to do instead, in the error."""
+    try:
+        import torch
+    except ImportError as error:
+        raise ZipageError("the real engine needs torch: pip install 'zipage[engine]' (on a "
+                          "machine without a GPU first: pip install torch==2.13.0 --index-url "
+                          "https://download.pytorch.org/whl/cpu; docs/engine.md)") from error
+    if engine == "gpu" and not torch.cuda.is_available():
+        raise ZipageError(f"{given}: no CUDA device is visible; {fix}")
+
+
+def engine_given(args: argparse.Namespace) -> str:
+    """How --engine got its value, for an error: the user's flag, or the default."""
+    if args.engine is None:
+        args.engine = "gpu"
+        return "--engine gpu (the default)"
+    return f"--engine {args.engine}"
+
+
+def require_serve_extra() -> None:
+    """The `serve` extra: `zipage serve` and `zipage bench serve` need it."""
+    try:
+        import fastapi  # noqa: F401
+        import httpx  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as error:
+        raise ZipageError(f"serving needs the serve extra ({error.name} is missing): "
+                          "pip install 'zipage[serve]'") from error
+

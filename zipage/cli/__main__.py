@@ -1,0 +1,5 @@
+import sys
+
+from zipage.cli.parser import main
+
+sys.exit(main())

@@ -1,0 +1,60 @@
+"""`zipage bench serve`: replay a trace against a running OpenAI-compatible server in real time."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from zipage.cli.flags import require_serve_extra
+from zipage.cli.output import print_summary
+
+
+def add_parser(commands) -> None:
+    bench = commands.add_parser("bench", help="benchmarks against a running server")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench_commands.add_parser(
+        "serve", help="replay a trace against an OpenAI-compatible server in real time")
+    bench_serve.add_argument("trace", help="trace JSON (see docs/traces.md)")
+    bench_serve.add_argument("--url", required=True, help="server, e.g. http://127.0.0.1:8000")
+    bench_serve.add_argument("--model", default=None,
+                             help="model name to send (default: the server's first model)")
+    bench_serve.add_argument("--api-key", default=None)
+    bench_serve.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                             help="vocabulary the synthetic prompt ids are drawn for (default "
+                                  "32000: the same ids as `zipage replay` for any vocabulary "
+                                  "of 32000 or more)")
+    bench_serve.add_argument("--out", default=None,
+                             help="directory for summary.json, requests.csv (steps.csv and "
+                                  "decisions.log stay empty: only the server knows them)")
+    bench_serve.add_argument("--json", action="store_true",
+                             help="print exactly one JSON object (the summary) on stdout")
+    bench_serve.add_argument("--no-progress", action="store_true")
+    bench_serve.set_defaults(handler=cmd_bench_serve)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    require_serve_extra()
+    import asyncio
+
+    from zipage.serve.bench import bench_serve
+    from zipage.trace import DEFAULT_VOCAB_SIZE
+    from zipage.trace_import import load_trace_file
+
+    trace = load_trace_file(args.trace)
+    summary, records = asyncio.run(bench_serve(
+        trace, args.url, args.model, api_key=args.api_key,
+        vocab_size=args.vocab_size or DEFAULT_VOCAB_SIZE,
+        progress=not args.no_progress and not args.json))
+    if args.out is not None:
+        from zipage.rundir import write_run
+
+        write_run(args.out, summary, [], records, [])
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print_summary(summary, title=f"{trace.name} served by {summary['model']} at {args.url}")
+    for record in [record for record in records if record.error][:5]:
+        print(f"  failed: {record.id}: {record.error}")
+    if args.out is not None:
+        print(f"wrote {args.out}/summary.json, requests.csv")
+    return 0

@@ -1,0 +1,99 @@
+"""`zipage calibrate`: time the real engine's steps (or fit engine runs) into a simulator cost profile."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from zipage.cli.flags import (
+    add_engine_flags,
+    add_graph_flags,
+    add_threads_flag,
+    engine_given,
+    require_torch,
+    settings_from_args,
+)
+from zipage.cli.output import progress_wanted
+
+
+def add_parser(commands) -> None:
+    calibrate = commands.add_parser(
+        "calibrate", help="time the real engine's steps and write a simulator cost profile")
+    add_engine_flags(calibrate)
+    calibrate.set_defaults(hardware=None)
+    calibrate.add_argument("--gpu", action="store_true",
+                           help="measure on the GPU (same as --engine gpu)")
+    calibrate.add_argument("--engine", choices=["gpu", "cpu"], default=None,
+                           help="gpu (default) or cpu (small models, to try the command out; "
+                                "--hardware then names the GPU entry the profile stands for)")
+    add_graph_flags(calibrate)
+    add_threads_flag(calibrate)
+    calibrate.add_argument("--from-run", nargs="+", default=None, metavar="RUN_DIR",
+                           help="fit the profile from engine runs' steps.csv (their --out "
+                                "directories) instead of measuring; --hardware labels it")
+    calibrate.add_argument("--stall-factor", type=float, default=None, metavar="X",
+                           help="with --from-run: leave out decode steps slower than X times "
+                                "their run's median decode step (mid-run kernel compilation) "
+                                "and the compressions they launched (default: keep every step)")
+    calibrate.add_argument("--repeats", type=int, default=5,
+                           help="timed repeats per point; the median is kept (default 5)")
+    calibrate.add_argument("--out", required=True,
+                           help="profile JSON to write (e.g. sim/profiles/qwen3-8b-h200.json)")
+    calibrate.set_defaults(handler=cmd_calibrate)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.from_run:
+        from zipage.sim.profile_from_runs import profile_from_runs
+
+        return write_profile(profile_from_runs(args.from_run, gpu=args.hardware,
+                                                stall_factor=args.stall_factor), args.out)
+    given = "--gpu" if args.gpu else engine_given(args)
+    engine = "gpu" if args.gpu else args.engine
+    require_torch(engine, given, "use --engine cpu for the CPU path (small models)")
+    from zipage.engine.calibrate import calibrate
+    from zipage.engine.threads import set_cpu_threads
+
+    if engine == "cpu":
+        set_cpu_threads(args.threads)
+
+    # The hardware table entry is only the profile's label here (None: named after the GPU);
+    # the engine plans its caches from the device it runs on.
+    settings = replace(settings_from_args(args), hardware=args.hardware or "a100-80gb")
+    profile = calibrate(settings, "cuda" if engine == "gpu" else "cpu", hardware=args.hardware,
+                        repeats=args.repeats, progress=progress_wanted(args),
+                        cuda_graphs=not args.no_cuda_graphs, prefill_graphs=args.prefill_graphs)
+    return write_profile(profile, args.out)
+
+
+def write_profile(profile: dict, path: str) -> int:
+    from zipage.sim.cost_model import CalibratedCostModel
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(profile_json(profile))
+    model = CalibratedCostModel.from_profile(out)
+    for name, fit in (("decode", model.decode_fit), ("prefill", model.prefill_fit),
+                      ("mixed", model.mixed_fit), ("compress", model.compress_fit)):
+        if fit is not None:
+            quality = (f"relative RMS error {fit.relative_rms_error:.1%} over {fit.num_points} "
+                       "points" if fit.num_points else "no points: the larger constant assumed")
+            if name == "mixed" and fit.num_points and fit.host_s and not fit.host_fitted:
+                quality += "; host bound: the prefill's (the points do not determine one)"
+            print(f"{name:<8} {fit.describe()} s  ({quality})")
+    print(f"wrote {out}; simulate with --cost-model {out}")
+    return 0
+
+
+def profile_json(profile: dict) -> str:
+    """The profile with one measured point per line (diffs stay readable)."""
+    lines = []
+    for key, value in profile.items():
+        if isinstance(value, list):
+            rows = ",\n".join(f"  {json.dumps(row)}" for row in value)
+            lines.append(f' {json.dumps(key)}: [\n{rows}\n ]')
+        else:
+            lines.append(f" {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"

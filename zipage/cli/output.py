@@ -1,0 +1,76 @@
+"""What a command prints and the status it exits with: the run summary, progress bars, exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+# Exit statuses (docs/engine.md): 0 every request completed; 1 a `zipage compare --max-error`
+# gate failed; 2 a mistake in the input, nothing ran; 3 the run finished and wrote its results,
+# but some requests failed (e.g. too long for --max-model-len); 130 interrupted; 141 stdout
+# closed early.
+EXIT_OK = 0
+EXIT_GATE = 1  # zipage compare: a --max-error gate was exceeded
+EXIT_USAGE = 2
+EXIT_REQUESTS_FAILED = 3
+
+SUMMARY_ROWS = [
+    ("requests", "requests", "{}"), ("completed", "completed", "{}"), ("failed", "failed", "{}"),
+    ("output tokens", "output_tokens", "{:,}"), ("makespan (s)", "makespan_s", "{:,.1f}"),
+    ("throughput (tok/s)", "tps", "{:,.1f}"), ("mean TTFT (s)", "mean_ttft_s", "{:,.3f}"),
+    ("p90 TTFT (s)", "ttft_p90_s", "{:,.3f}"), ("mean TPOT (ms)", "mean_tpot_ms", "{:.2f}"),
+    ("peak running", "peak_running", "{}"), ("mean running", "mean_running", "{:.1f}"),
+    ("preemptions", "preemptions", "{:,}"), ("compressions", "compressions", "{:,}"),
+    ("max blocks after compression", "max_blocks_after_compress", "{}"),
+    ("mean kept budget (tokens)", "mean_kept_budget", "{:,.0f}"),
+    ("N_max (blocks per request)", "n_max", "{}"),
+    # M bounds the requests that hold a query slot; hybrid scheduling runs more without one.
+    ("query slots M", "max_concurrency", "{}"),
+    ("KV blocks", "num_blocks", "{:,}"), ("steps", "steps", "{:,}"),
+    ("wall time (s)", "wall_s", "{:.2f}"),
+]
+
+
+def run_status(summary: dict) -> int:
+    """0 when every request completed, EXIT_REQUESTS_FAILED when any failed."""
+    return EXIT_OK if summary["failed"] == 0 else EXIT_REQUESTS_FAILED
+
+
+def describe_run(summary: dict) -> str:
+    """One line naming the run: trace, model, driver, device and the knobs that shape it."""
+    config = summary["settings"]["config"]
+    if config["compress"]:
+        mode = (f"budget {config['kv_budget']}, block {config['block_size']}, "
+                f"{'hybrid' if config['hybrid'] else 'constrained'} scheduling")
+    else:
+        mode = f"Full KV (no compression), block {config['block_size']}"
+    graphs = summary.get("graphs")
+    if graphs is not None and summary["driver"] == "engine-cuda":
+        graphed = [steps for steps in ("decode", "prefill") if graphs[steps]]
+        mode += f", {' and '.join(graphed) if graphed else 'no'} CUDA graphs"
+    return (f"{summary.get('trace', 'run')} on {summary['settings']['model']} · "
+            f"{summary['driver']} on {summary['device']} · {mode}")
+
+
+def print_summary(summary: dict, title: str | None = None) -> None:
+    """The summary's rows under `title` (default: `describe_run`, which needs the run's
+    settings; a served run has none)."""
+    print(title or describe_run(summary))
+    width = max(len(label) for label, _, _ in SUMMARY_ROWS)
+    for label, key, pattern in SUMMARY_ROWS:
+        value = summary.get(key)
+        text = "-" if value is None else pattern.format(value)
+        print(f"  {label:<{width}}  {text}")
+
+
+def progress_wanted(args: argparse.Namespace) -> bool:
+    """Progress bars only on a terminal: in a log file or a pipe their carriage returns and
+    erasing spaces become lines of noise."""
+    return not getattr(args, "no_progress", False) and sys.stderr.isatty()
+
+
+def close_progress_bars() -> None:
+    """Close any bar an error interrupted, so the error starts on a line of its own."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", None) or []):
+        bar.close()

@@ -1,0 +1,123 @@
+"""`zipage replay`: a trace through the simulator (default) or the real engine, its summary and run directory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from zipage.cli.flags import add_engine_flags, add_graph_flags, add_threads_flag, require_torch, settings_from_args
+from zipage.cli.output import print_summary, progress_wanted, run_status
+
+
+def add_parser(commands) -> None:
+    replay = commands.add_parser(
+        "replay", help="replay a trace (simulator by default)",
+        description="Replay a trace through the simulator (default) or the real engine and print "
+                    "the summary; --out writes the run directory.",
+        epilog="examples:\n"
+               "  zipage replay traces/amc23.json --budget 1024 --hardware h100\n"
+               "  zipage replay traces/mixture.json --no-hybrid --json\n"
+               "  zipage replay traces/longbench.json --out runs/lb --decisions gzip\n"
+               "  zipage replay traces/tiny.json --engine cpu --model random:smollm2-135m "
+               "--threads 1\n"
+               "\n"
+               "Exit status: 0 every request completed; 2 a mistake in the input; 3 some "
+               "requests failed\n(their reasons are printed and in requests.csv).",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    replay.add_argument("trace", help="trace JSON (see docs/traces.md)")
+    add_engine_flags(replay)
+    replay.add_argument("--gpu", action="store_true",
+                        help="run the real engine on the GPU (same as --engine gpu)")
+    replay.add_argument("--engine", choices=["sim", "gpu", "cpu"], default="sim",
+                        help="sim (default), the real engine on the GPU, or on the CPU (small "
+                             "models; --kv-memory-gb defaults to 1)")
+    add_graph_flags(replay)
+    add_threads_flag(replay)
+    replay.add_argument("--json", action="store_true",
+                        help="print exactly one JSON object (the summary) on stdout")
+    replay.add_argument("--out", default=None, help="directory for summary.json, steps.csv, "
+                        "requests.csv, decisions.log and timeline.png")
+    replay.add_argument("--decisions", choices=["plain", "gzip", "none"], default="plain",
+                        help="with --out: the per-step decision log as decisions.log (plain, "
+                             "default), decisions.log.gz (gzip: a tenth of the size; 140 MB "
+                             "plain for amc23.json) or not at all (none: zipage compare then "
+                             "skips the decision check)")
+    replay.add_argument("--step-times", default=None, metavar="RUN_DIR",
+                        help="drive the simulator with an engine run's measured step times "
+                             "(its --out directory): it must make the engine's decisions step "
+                             "for step (docs/cost_model.md)")
+    replay.add_argument("--no-progress", action="store_true")
+    replay.set_defaults(handler=cmd_replay)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from zipage.trace_import import load_trace_file
+
+    trace = load_trace_file(args.trace)
+    settings = settings_from_args(args)
+    if args.out is not None:
+        from zipage.rundir import check_run_out_dir
+
+        check_run_out_dir(args.out)
+    # On stderr, only at a terminal: never mixed into --json's stdout.
+    show_progress = progress_wanted(args)
+    engine = "gpu" if args.gpu else args.engine
+    if args.step_times is not None:
+        from zipage.sim.step_replay import replay_step_times
+
+        summary, run = replay_step_times(trace, args.step_times, progress=show_progress)
+    elif engine == "sim":
+        from zipage.sim.simulate import simulate
+
+        summary, run = simulate(trace, settings, progress=show_progress,
+                                log_decisions=_log_decisions(args))
+    else:
+        summary, run = _replay_on_engine(trace, settings, engine, args, show_progress)
+    summary = {"trace": trace.name, **summary}
+    if args.out is not None:
+        from zipage.analysis.timeline import plot_run
+        from zipage.rundir import DECISION_FORMATS, write_run
+
+        write_run(args.out, summary, run.steps, run.requests, run.decision_log,
+                  decisions=args.decisions, finish=plot_run)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print_summary(summary)
+        if "decisions_match" in summary:
+            difference = summary["first_decision_difference"]
+            print("  decisions: " + ("identical to the engine's, step for step"
+                                     if summary["decisions_match"] else
+                                     "not compared (the run has no decision log)"
+                                     if not summary["decisions_compared"] else
+                                     f"DIFFER from step {difference['step']}" if difference
+                                     else "DIFFER: the engine ran steps the replay did not"))
+        failed = [request for request in run.requests if request.error]
+        for request in failed[:5]:
+            print(f"  failed: {request.error}")
+        if len(failed) > 5:
+            print(f"  ... and {len(failed) - 5} more" + (" (requests.csv)" if args.out else ""))
+        if args.out is not None:
+            log = DECISION_FORMATS[args.decisions]
+            print(f"wrote {args.out}/summary.json, steps.csv, requests.csv, "
+                  + (f"{log}, " if log else "") + "timeline.png")
+    return run_status(summary)
+
+
+def _replay_on_engine(trace, settings, engine: str, args, progress: bool):
+    require_torch(engine)
+    from zipage.engine.replay import replay_on_engine
+
+    if engine == "cpu":
+        from zipage.engine.threads import set_cpu_threads
+
+        set_cpu_threads(args.threads)
+
+    return replay_on_engine(trace, settings, "cuda" if engine == "gpu" else "cpu",
+                            cuda_graphs=not args.no_cuda_graphs,
+                            prefill_graphs=args.prefill_graphs, progress=progress,
+                            log_decisions=_log_decisions(args))
+
+
+def _log_decisions(args: argparse.Namespace) -> bool:
+    return args.out is not None and args.decisions != "none"

@@ -1,0 +1,91 @@
+"""`zipage trace make` and `zipage trace import`: workload traces, generated or converted from production formats."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from zipage.errors import ZipageError
+
+
+def add_parser(commands) -> None:
+    trace = commands.add_parser("trace", help="make workload traces")
+    trace_commands = trace.add_subparsers(dest="trace_command", required=True)
+    make = trace_commands.add_parser("make", help="generate a workload trace")
+    from zipage.workloads import WORKLOADS
+
+    make.add_argument("kind", help=f"{', '.join(WORKLOADS)} - or a trace .json to re-stamp "
+                                   "with arrivals (docs/traces.md)")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("-o", "--output", required=True)
+    make.add_argument("--rate", type=float, default=None,
+                      help="stamp online arrivals at this many requests per second")
+    make.add_argument("--arrivals", choices=["poisson", "bursty"], default="poisson")
+    make.add_argument("--burst-size", type=int, default=8)
+    make.set_defaults(handler=cmd_trace_make)
+    from zipage.trace_import import FORMATS
+
+    imported = trace_commands.add_parser(
+        "import", help="turn a production trace (Azure, Mooncake, BurstGPT) into a Zipage trace",
+        description="Read a production trace and write a Zipage trace (docs/traces.md, "
+                    "'Production traces'). A .jsonl.gz output is the compact large-trace form.")
+    imported.add_argument("format", choices=FORMATS)
+    imported.add_argument("file", help="the production trace (CSV or JSON Lines, optionally .gz)")
+    imported.add_argument("-o", "--output", required=True,
+                          help="the trace to write: .json, .jsonl or .jsonl.gz")
+    imported.add_argument("--window", default=None, metavar="START:DURATION",
+                          help="only requests arriving in this span from the first one, e.g. "
+                               "0:3600 or 2h:30m")
+    imported.add_argument("--speedup", type=float, default=1.0, metavar="X",
+                          help="compress time: arrivals X times closer together (default 1)")
+    imported.add_argument("--sample", type=float, default=1.0, metavar="P",
+                          help="keep each request with probability P (default 1: all)")
+    imported.add_argument("--seed", type=int, default=0, help="seed of --sample")
+    imported.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                          help="drop requests whose prompt + output exceed N tokens (counted)")
+    imported.add_argument("--name", default=None, help="the trace's name (default: the file's)")
+    imported.set_defaults(handler=cmd_trace_import)
+
+
+def cmd_trace_make(args: argparse.Namespace) -> int:
+    from zipage.trace import save_trace, stamp_arrivals
+    from zipage.trace_import import load_trace_file
+    from zipage.workloads import WORKLOADS, make_trace
+
+    source = Path(args.kind)
+    # A workload's name makes it; an existing file is a trace to re-stamp (any layout).
+    if args.kind in WORKLOADS or not source.is_file():
+        trace = make_trace(args.kind, args.seed)
+    else:
+        trace = load_trace_file(source)
+    if args.rate is not None:
+        trace = stamp_arrivals(trace, args.rate, pattern=args.arrivals, seed=args.seed,
+                               burst_size=args.burst_size)
+    output = Path(args.output)
+    if output.is_dir():
+        raise ZipageError(f"-o: {output} is a directory; give the trace file to write, e.g. "
+                          f"{output / 'trace.json'}")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    save_trace(trace, output)
+    print(f"wrote {args.output}: {len(trace.requests)} requests")
+    return 0
+
+
+def cmd_trace_import(args: argparse.Namespace) -> int:
+    from zipage.trace import save_trace
+    from zipage.trace_import import ImportOptions, import_trace, parse_window
+
+    output = Path(args.output)
+    if output.is_dir():
+        raise ZipageError(f"-o: {output} is a directory; give the trace file to write, e.g. "
+                          f"{output / 'trace.jsonl.gz'}")
+    options = ImportOptions(
+        window=parse_window(args.window) if args.window is not None else None,
+        speedup=args.speedup, sample=args.sample, seed=args.seed,
+        max_model_len=args.max_model_len, name=args.name)
+    trace, report = import_trace(args.format, args.file, options)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    save_trace(trace, output)
+    print("\n".join(report.lines(trace)))
+    print(f"wrote {args.output}: {len(trace.requests):,} requests")
+    return 0
