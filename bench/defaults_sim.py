@@ -4,7 +4,8 @@
 
 Replays each trace (production windows made with `zipage trace import`, and the shipped
 reasoning and serving traces by default) under the defaults and one alternative at a time:
-chunked prefill at three token budgets, hybrid scheduling off, budgets 1024 and 4096. Qwen3-8B on
+whole-prompt (unchunked) prefill, chunked prefill at larger token budgets, hybrid scheduling
+off, budgets 1024 and 4096. Qwen3-8B on
 an H200 with 40 GiB of KV cache (the GPU runs of docs/BENCHMARKS.md, 'Defaults on real shapes'),
 the analytic cost model. Prints, per trace, each variant's throughput and latency tails as
 ratios to the defaults' (a ratio above 1 is worse for a latency, better for throughput), and
@@ -29,7 +30,7 @@ SHIPPED = {"amc23": "traces/amc23.json", "online-mixture": "traces/online-mixtur
            "longbench": "traces/longbench.json"}
 VARIANTS = {
     "defaults": {},
-    "chunked 2048": {"chunked_prefill": True, "max_num_batched_tokens": 2048},
+    "unchunked": {"chunked_prefill": False},
     "chunked 4096": {"chunked_prefill": True, "max_num_batched_tokens": 4096},
     "chunked 8192": {"chunked_prefill": True, "max_num_batched_tokens": 8192},
     "hybrid off": {"hybrid": False},

@@ -21,15 +21,16 @@ the elastic-vs-fixed comparison of docs/BENCHMARKS.md:
     python bench/headline_gpu.py --trace traces/online-mixture.json \
         --variants zipage,zipage-elastic --tag _elastic_online
 
-The `-chunked` variants run chunked prefill (`--max-num-batched-tokens` per step), the comparison
-of issue #13:
+Every variant runs chunked prefill, the default (`--max-num-batched-tokens` per step, default
+2048); the `-unchunked` variants prefill whole prompts in steps of their own, the comparison of
+issue #13:
 
     python bench/headline_gpu.py --trace traces/online-mixture.json --no-simulate \
-        --variants zipage,zipage-chunked,full-kv,full-kv-chunked --runs-dir $OUT/runs
+        --variants zipage,zipage-unchunked,full-kv,full-kv-unchunked --runs-dir $OUT/runs
 
 `--runs-dir` writes each variant's run directory (summary, steps, requests: what `zipage
-compare` and the twin-fidelity study read). The script only uses what every version of the
-package has, so it also times an older checkout (`. OLD/bench/env.sh` before running it).
+compare` and the twin-fidelity study read). To time an older checkout, run that checkout's own
+copy of this script (`. OLD/bench/env.sh` first).
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script")
     parser.add_argument("--head", type=int, default=None,
                         help="replay only the trace's first N requests")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                        help="step token budget of the -chunked variants")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="step token budget (default: the engine's for the prefill mode)")
     parser.add_argument("--runs-dir", default=None,
                         help="write each variant's run directory under this folder")
     parser.add_argument("--simulate", action=argparse.BooleanOptionalAction, default=True,
@@ -99,10 +100,9 @@ def main() -> None:
         "zipage-sync": dict(async_compress=False),
         "zipage-elastic": dict(budget_policy="elastic"),
         "zipage-elastic-sync": dict(budget_policy="elastic", async_compress=False),
-        "zipage-chunked": dict(chunked_prefill=True,
-                               max_num_batched_tokens=args.max_num_batched_tokens),
-        "full-kv-chunked": dict(compress=False, chunked_prefill=True,
-                                max_num_batched_tokens=args.max_num_batched_tokens),
+        # Whole prompts in prefill-only steps (the default until chunked prefill took over).
+        "zipage-unchunked": dict(chunked_prefill=False),
+        "full-kv-unchunked": dict(compress=False, chunked_prefill=False),
     }
     if args.head is not None:
         trace = Trace(trace.name, trace.requests[:args.head])
@@ -111,7 +111,7 @@ def main() -> None:
     for name in args.variants.split(","):
         config = ZipageConfig(block_size=args.block_size, window=args.window,
                               kv_budget=args.budget, layer_stride=args.layer_stride,
-                              **variants[name])
+                              max_num_batched_tokens=args.max_num_batched_tokens, **variants[name])
         settings = ReplaySettings(model=f"random:{args.model}", hardware=args.hardware,
                                   kv_memory_gb=args.kv_memory_gb, config=config)
         started = time.perf_counter()

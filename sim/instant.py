@@ -42,7 +42,7 @@ def step_bound(sequences: list[Sequence], scheduler: Scheduler, max_delay: int) 
     config = scheduler.config
     if config.chunked_prefill:
         longest = max((seq.prompt_len + seq.max_output_tokens for seq in sequences), default=0)
-        prefill_steps += -(-admissions * longest // config.max_num_batched_tokens)
+        prefill_steps += -(-admissions * longest // config.step_tokens)
     return prefill_steps + tokens + compressions * (max_delay + 1)
 
 

@@ -163,7 +163,7 @@ def test_prefill_graphs_calibrate_the_padded_path(tiny_model, monkeypatch):  # n
     # The profile names the buckets its steps were padded to; its fits read the padded rows.
     from zipage.prefill_buckets import buckets_up_to
 
-    buckets = buckets_up_to(ZipageConfig(**KNOBS).max_num_batched_tokens)
+    buckets = buckets_up_to(ZipageConfig(**KNOBS).step_tokens)
     assert set(padded) <= set(buckets)
     assert profile["prefill_buckets"] == list(buckets)
     model = CalibratedCostModel.from_profile(profile)

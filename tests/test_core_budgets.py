@@ -164,7 +164,9 @@ def test_elastic_never_compresses_when_memory_is_plentiful(mode):
 
 
 def config(**knobs) -> ZipageConfig:
-    return ZipageConfig(**{**dict(block_size=16, window=4, kv_budget=32, async_compress=False),
+    # The witnesses are written step by step for whole-prompt prefill (chunked ones say so).
+    return ZipageConfig(**{**dict(block_size=16, window=4, kv_budget=32, async_compress=False,
+                                  chunked_prefill=False),
                            **knobs})
 
 

@@ -31,7 +31,9 @@ def own(name: str, length: int) -> list[int]:
 
 
 def config(**knobs) -> ZipageConfig:
-    return ZipageConfig(**{**dict(block_size=B, window=4, kv_budget=2 * B, async_compress=False),
+    # The witnesses are written step by step for whole-prompt prefill (chunked ones say so).
+    return ZipageConfig(**{**dict(block_size=B, window=4, kv_budget=2 * B, async_compress=False,
+                                  chunked_prefill=False),
                            **knobs})
 
 

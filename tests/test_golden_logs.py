@@ -18,10 +18,12 @@ from zipage.core.sequence import Sequence
 from zipage.sim.instant import InstantDriver
 
 GOLDEN = Path(__file__).parent / "golden"
+# The modes without "chunked" in their name prefill whole prompts in steps of their own.
+WHOLE = dict(chunked_prefill=False)
 MODES = {
-    "constrained": dict(hybrid=False, prefix_cache=False),
-    "hybrid": dict(hybrid=True, prefix_cache=False),
-    "hybrid_prefix": dict(hybrid=True, prefix_cache=True),
+    "constrained": dict(hybrid=False, prefix_cache=False, **WHOLE),
+    "hybrid": dict(hybrid=True, prefix_cache=False, **WHOLE),
+    "hybrid_prefix": dict(hybrid=True, prefix_cache=True, **WHOLE),
     # Chunked prefill with a 24-token step budget: prompts split, decodes and chunks share steps.
     "constrained_chunked": dict(hybrid=False, prefix_cache=False, chunked_prefill=True,
                                 max_num_batched_tokens=24),
@@ -29,9 +31,9 @@ MODES = {
                                   max_num_batched_tokens=24),
     # Per-request budgets (MIXED_BUDGETS), and the elastic policy on a pool with room to spare
     # (docs/architecture.md, 'Per-request and elastic budgets').
-    "hybrid_prefix_mixed": dict(hybrid=True, prefix_cache=True, budgets=True),
+    "hybrid_prefix_mixed": dict(hybrid=True, prefix_cache=True, budgets=True, **WHOLE),
     "hybrid_prefix_elastic": dict(hybrid=True, prefix_cache=True, budgets=True,
-                                  budget_policy="elastic", num_blocks=20),
+                                  budget_policy="elastic", num_blocks=20, **WHOLE),
 }
 # Budgets of 1 to 3 blocks (N_max 2 to 4) around the default 32 (N_max 3); None keeps the default.
 MIXED_BUDGETS = {"a": 48, "b": 16, "c": None, "d": 16, "e": 48, "f": None}

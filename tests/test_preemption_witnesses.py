@@ -59,7 +59,7 @@ def run_trace(requests, *, budget: int, num_blocks: int, num_slots: int, compres
     """Run (id, prompt tokens, output_len, arrival) requests with every invariant checked."""
     config = ZipageConfig(block_size=B, window=4, kv_budget=budget, compress=compress,
                           hybrid=hybrid, prefix_cache=prefix_cache,
-                          async_compress=async_compress)
+                          async_compress=async_compress, chunked_prefill=False)
     scheduler = Scheduler(config, num_blocks, num_slots)
     driver = InstantDriver(scheduler, compress_delay=1, check=True)
     steps: list[Step] = []

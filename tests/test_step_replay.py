@@ -97,8 +97,9 @@ def test_profile_fitted_from_the_run_simulates_it(tiny_model, tmp_path):
     from zipage.sim.simulate import simulate
 
     trace = online_trace(WIDE["spacing"])
+    # Whole-prompt prefill: a fit needs prefill-only steps, which chunked prefill mixes away.
     out, summary, _ = engine_run(tiny_model, tmp_path / "engine", trace, asynchronous=False,
-                                 kv_memory_gb=WIDE["kv_memory_gb"])
+                                 kv_memory_gb=WIDE["kv_memory_gb"], chunked_prefill=False)
     profile = profile_from_runs([out], gpu="h100")
     assert profile["decode"] and profile["prefill"] and profile["compress"]
     path = tmp_path / "profile.json"
@@ -106,7 +107,7 @@ def test_profile_fitted_from_the_run_simulates_it(tiny_model, tmp_path):
     settings = ReplaySettings(model=str(tiny_model), hardware="h100", dtype="float32",
                               kv_memory_gb=WIDE["kv_memory_gb"], cost_model=str(path),
                               config=ZipageConfig(block_size=16, window=4, kv_budget=32,
-                                                  async_compress=False))
+                                                  async_compress=False, chunked_prefill=False))
     simulated, _ = simulate(trace, settings)
     assert simulated["completed"] == summary["completed"]
     # The same decisions with fitted step times: the makespan within a factor of five. A unit or
@@ -121,7 +122,7 @@ def test_cli_step_times_and_calibrate_from_run(tiny_model, tmp_path, capsys):
 
     trace = online_trace(WIDE["spacing"])
     out, _, _ = engine_run(tiny_model, tmp_path / "engine", trace, asynchronous=True,
-                           kv_memory_gb=WIDE["kv_memory_gb"])
+                           kv_memory_gb=WIDE["kv_memory_gb"], chunked_prefill=False)
     trace_path = tmp_path / "trace.json"
     from zipage.trace import save_trace
 

@@ -109,10 +109,10 @@ def _add(group, cls, axes: frozenset[str]) -> None:
             group.add_argument(meta["flag"], dest=declared.name, action="store_false",
                                help=meta["help"])
         elif kind is bool:
-            # A knob that is off by default: --knob turns it on, --no-knob off again.
+            # A --knob/--no-knob pair (a knob whose default may change keeps both spellings).
             group.add_argument(meta["flag"], dest=declared.name, default=default,
                                action=argparse.BooleanOptionalAction,
-                               help=meta["help"] + " (default: off)")
+                               help=meta["help"] + f" (default: {'on' if default else 'off'})")
         else:
             shown = "" if default is None else f" (default: {default})"
             group.add_argument(meta["flag"], dest=declared.name, type=kind, default=default,

@@ -314,13 +314,13 @@ class InvariantChecker:
                 self.fail(f"{seq.seq_id} prefills while decoding or compressed")
         tokens = sum(item.num_new_tokens for item in plan.prefill)
         if config.chunked_prefill:
-            if plan.prefill and tokens + len(plan.decode) > config.max_num_batched_tokens:
+            if plan.prefill and tokens + len(plan.decode) > config.step_tokens:
                 self.fail(f"{tokens} prompt + {len(plan.decode)} decode tokens exceed "
-                          f"max_num_batched_tokens {config.max_num_batched_tokens}")
+                          f"max_num_batched_tokens {config.step_tokens}")
         else:
             if plan.prefill and plan.decode:
                 self.fail("a step both prefills and decodes without chunked prefill")
-            if len(plan.prefill) > 1 and tokens > config.max_num_batched_tokens:
+            if len(plan.prefill) > 1 and tokens > config.step_tokens:
                 self.fail(f"{tokens} prompt tokens exceed max_num_batched_tokens")
             if any(not item.samples for item in plan.prefill):
                 self.fail("a partial prompt chunk without chunked prefill")

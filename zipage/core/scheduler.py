@@ -155,9 +155,10 @@ class Scheduler:
         if limit is not None and prompt + output > limit:
             return (f"{where}: prompt_len + output_len = {prompt + output} exceeds max_model_len "
                     f"{limit}; shorten the request or raise --max-model-len")
-        if not self.config.chunked_prefill and prompt > self.config.max_num_batched_tokens:
+        if not self.config.chunked_prefill and prompt > self.config.step_tokens:
             return (f"{where}: prompt_len {prompt} exceeds max_num_batched_tokens "
-                    f"{self.config.max_num_batched_tokens}; raise --max-num-batched-tokens")
+                    f"{self.config.step_tokens}; raise --max-num-batched-tokens or turn chunked "
+                    "prefill back on (--chunked-prefill)")
         peak = self.peak_blocks(prompt, output, self._n_max_of(seq))
         if peak > self.block_manager.num_blocks:
             return (f"{where}: needs {peak} KV blocks at its peak but only "
@@ -265,7 +266,7 @@ class Scheduler:
             cached = self.block_manager.cached_prefix_blocks(seq, num_tokens)
             start = len(cached) * self.block_size
             if budget is None and plan.prefill and (
-                    batched_tokens + num_tokens - start > config.max_num_batched_tokens):
+                    batched_tokens + num_tokens - start > config.step_tokens):
                 break  # the tokens of this step, not a resource: the next step may admit it
             self._admission_failed_at = (seq, self._resource_version)
             if len(self.running) >= config.max_num_seqs:
@@ -297,7 +298,7 @@ class Scheduler:
         part-way through their prompt before new admissions. A step that preempted admits
         nobody (the victim would come straight back)."""
         self._schedule_decode(plan)
-        budget = self.config.max_num_batched_tokens - len(plan.decode)
+        budget = self.config.step_tokens - len(plan.decode)
         for seq in list(self.prefilling):
             if budget <= 0:
                 return

@@ -136,7 +136,7 @@ def decode_points(bench: Bench) -> list[dict]:
 
 def prefill_points(bench: Bench) -> list[dict]:
     config = bench.config
-    limit = min(config.max_num_batched_tokens, config.max_model_len - 1)
+    limit = min(config.step_tokens, config.max_model_len - 1)
     new_counts = sorted({n for n in PREFILL_TOKENS + (limit // 2,) if 16 <= n <= limit})
     if not new_counts:
         raise ConfigError(f"max_num_batched_tokens / max_model_len: a prefill of at least 16 tokens "
@@ -149,7 +149,7 @@ def prefill_points(bench: Bench) -> list[dict]:
               for new in sorted({new_counts[0], new_counts[len(new_counts) // 2]})]
     points = []
     for requests, new, cached in cases:
-        if (requests * new > config.max_num_batched_tokens
+        if (requests * new > config.step_tokens
                 or not bench.fits((requests, new + cached + 1))):
             continue
 
@@ -204,13 +204,13 @@ def mixed_points(bench: Bench) -> list[dict]:
     prompt of two chunks."""
     config = bench.config
     contexts = decode_contexts(config)
-    limit = min(config.max_num_batched_tokens, (config.max_model_len - 1) // 2)
+    limit = min(config.step_tokens, (config.max_model_len - 1) // 2)
     chunk_tokens = sorted({min(new, limit) for new in MIXED_CHUNK_TOKENS})
     points = []
     for context in sorted({contexts[0], contexts[-1]}):
         for batch in MIXED_BATCHES:
             for new in chunk_tokens:
-                if (batch > config.max_num_seqs or batch + new > config.max_num_batched_tokens
+                if (batch > config.max_num_seqs or batch + new > config.step_tokens
                         or not bench.fits((batch, context + 1), (1, 2 * new + 1))):
                     continue
                 for cached in (0, new):

@@ -390,7 +390,7 @@ class ModelRunner:
         on a GPU (with `capture`) replay a CUDA graph per bucket. Elsewhere (the CPU, tests) the
         padded layout runs eagerly: exactly the captured forward, so what a graph computes is
         what the CPU tests check."""
-        self.prefill_buckets = buckets_up_to(self.config.max_num_batched_tokens)
+        self.prefill_buckets = buckets_up_to(self.config.step_tokens)
         if not self.prefill_buckets:
             return
         self.allocate_padded_inputs(self.prefill_buckets[-1])
