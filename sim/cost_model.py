@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import numpy as np
 
 from zipage.config import REDUNDANCY_MODES, ZipageConfig
-from zipage.core.memory import DTYPE_BYTES, heads_per_gpu
+from zipage.core.memory import heads_per_gpu
 from zipage.core.step import causal_pairs
 from zipage.decode_grid import decode_num_partitions
+from zipage.dtypes import DTYPE_BYTES
 from zipage.errors import ConfigError
 from zipage.hardware import GPUSpec, get_hardware
 from zipage.prefill_buckets import padded_rows
