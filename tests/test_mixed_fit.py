@@ -1,4 +1,4 @@
-"""The calibrated mixed step's own host bound (profile version 3, sim/cost_model.py `_mixed_fit`).
+"""The calibrated mixed step's own host bound (profile version 3, sim/mixed_fit.py).
 
 A mixed step (decodes and prompt chunks in one eager forward) costs
 s * chunks + max(h_m, m + the decode fit's and the prefill fit's slopes): h_m and m are fitted
@@ -21,7 +21,8 @@ from zipage.errors import ConfigError
 from zipage.hardware import get_hardware
 from zipage.prefill_buckets import PREFILL_GRAPH_TOKENS, padded_rows
 from zipage.presets import get_preset
-from zipage.sim.cost_model import CalibratedCostModel, StepWork, load_cost_model
+from zipage.sim.calibrated import CalibratedCostModel
+from zipage.sim.cost_model import StepWork, load_cost_model
 
 ROOT = Path(__file__).resolve().parent.parent
 DECODE = (5e-3, 5e-6, 3.5e-8)  # constant, per request, per context token

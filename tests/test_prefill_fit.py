@@ -13,7 +13,8 @@ from tolerance import assert_close, close
 
 from zipage.cli import _write_profile
 from zipage.errors import ConfigError
-from zipage.sim.cost_model import CalibratedCostModel, StepWork
+from zipage.sim.calibrated import CalibratedCostModel
+from zipage.sim.cost_model import StepWork
 from zipage.sim.prefill_fit import fit_prefill, nonnegative_least_squares
 
 PER_SEQUENCE, HOST, DEVICE = 2e-4, 26e-3, (9e-3, 2.1e-5, 2.2e-9)

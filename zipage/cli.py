@@ -214,11 +214,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _write_profile(profile: dict, path: str) -> int:
-    from zipage.sim.cost_model import CalibratedCostModel
+    from zipage.profile import write_profile
+    from zipage.sim.calibrated import CalibratedCostModel
 
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(_profile_json(profile))
+    out = write_profile(profile, path)
     model = CalibratedCostModel.from_profile(out)
     for name, fit in (("decode", model.decode_fit), ("prefill", model.prefill_fit),
                       ("mixed", model.mixed_fit), ("compress", model.compress_fit)):
@@ -230,18 +229,6 @@ def _write_profile(profile: dict, path: str) -> int:
             print(f"{name:<8} {fit.describe()} s  ({quality})")
     print(f"wrote {out}; simulate with --cost-model {out}")
     return 0
-
-
-def _profile_json(profile: dict) -> str:
-    """The profile with one measured point per line (diffs stay readable)."""
-    lines = []
-    for key, value in profile.items():
-        if isinstance(value, list):
-            rows = ",\n".join(f"  {json.dumps(row)}" for row in value)
-            lines.append(f' {json.dumps(key)}: [\n{rows}\n ]')
-        else:
-            lines.append(f" {json.dumps(key)}: {json.dumps(value)}")
-    return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
 # ---------------------------------------------------------------- zipage generate
