@@ -36,7 +36,9 @@ from fidelity_matrix import RUNS, deployment
 from zipage.cli.flags import add_engine_flags, settings_from_args
 from zipage.core.recorder import StepRecorder
 from zipage.sim import step_replay
-from zipage.sim.cost_model import CalibratedCostModel, StepWork, _fit
+from zipage.sim.calibrated import CalibratedCostModel
+from zipage.sim.cost_model import StepWork
+from zipage.sim.linear_fit import fit_linear
 from zipage.sim.simulate import simulate
 from zipage.trace import load_trace
 
@@ -205,8 +207,8 @@ def refit_error(fit_on: pd.DataFrame, target: pd.DataFrame, context: str) -> flo
     """Decode-sum error on `target` of a + b batch + c context + d excess fitted on `fit_on`, in
     relative least squares as the profiles are."""
     columns = ["n_decode", context, "excess"]
-    fit = _fit("refit", "decode", ("batch", "context", "excess"), fit_on[columns].values.tolist(),
-               fit_on.time_s.tolist())
+    fit = fit_linear("refit", "decode", ("batch", "context", "excess"), fit_on[columns].values.tolist(),
+                     fit_on.time_s.tolist())
     predicted = fit.coefficients[0] + target[columns].values @ np.array(fit.coefficients[1:])
     return 100 * (predicted.sum() / target.time_s.sum() - 1)
 

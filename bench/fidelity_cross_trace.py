@@ -43,7 +43,7 @@ import numpy as np
 import pandas as pd
 
 from zipage.analysis.compare import compare_runs, format_report
-from zipage.cli.calibrate import profile_json
+from zipage.profile import write_profile
 from zipage.sim.profile_from_runs import forward_points
 from zipage.trace import Trace, load_trace, save_trace
 from zipage.workloads import make_trace
@@ -110,8 +110,7 @@ class Study:
                 # barely outlasted its steps (behind-the-forward launches) a zero duration.
                 point["time_s"] = float(f"{point['time_s']:.6g}")
         path = (self.out / "profiles" if keep else self.work) / f"{name}.json.gz"
-        path.write_bytes(gzip.compress(profile_json(profile).encode(), mtime=0))
-        return path
+        return write_profile(profile, path)
 
     def compose_full_kv(self, zipage_profile: Path, run_names: list[str]) -> Path:
         """Decode and mixed points of Full-KV runs, prefill points of a Zipage profile."""
@@ -295,7 +294,7 @@ def online_decode_ms(run: Path) -> float:
 def first_step_ms(study: Study, profiles: Path) -> dict:
     """The headline's first step (all 128 prompts), measured and priced by the profile of the
     other traces and by the headline run's own prefill points."""
-    from zipage.sim.cost_model import CalibratedCostModel
+    from zipage.sim.calibrated import CalibratedCostModel
 
     step = pd.read_csv(study.run("gpu6/el/zipage") / "steps.csv").iloc[0]
     work = (int(step["prefill_tokens"]), int(step["attention_pairs"]), int(step["n_prefill"]))

@@ -592,7 +592,9 @@ def _code_digest() -> str:
 
         package = Path(errors.__file__).parent  # the foundation modules beside errors.py
         simulator = Path(__file__).parent
-        files = [*(package / name for name in ("config.py", "shape.py", "hardware.py", "presets.py", "trace.py")),
+        foundation = ("config.py", "shape.py", "dtypes.py", "hardware.py", "presets.py", "trace.py",
+                      "profile.py", "decode_grid.py", "prefill_buckets.py")
+        files = [*(package / name for name in foundation),
                  *sorted((package / "core").glob("*.py")), *sorted(simulator.rglob("*.py")),
                  *sorted(simulator.rglob("*.json"))]
         digest = xxhash.xxh3_128()

@@ -14,15 +14,22 @@ A single line through both regimes (the version-2 fit) is flat where the profile
 short and extrapolates far too low for long prompts (docs/cost_model.md). Every coefficient is
 a cost, so none may be negative: the fit is non-negative least squares in relative error.
 `fit_host_or_device` is that fit for any such max; the mixed step's host bound
-(sim/cost_model.py) is fitted with it too.
+(sim/mixed_fit.py) is fitted with it too. `fit_prefill_points` fits a profile's prefill points
+(docs/cost_model.md), those of profiles before version 3 as the one line they always were.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+from zipage.core.step import causal_pairs
+from zipage.errors import ConfigError
+from zipage.prefill_buckets import padded_rows
+from zipage.sim.linear_fit import fit_linear
 
 # The alternating fit (assign each point to a regime, refit, reassign) stops when an assignment
 # comes back (a fixed point or a cycle) or after this many rounds; it keeps the best model seen.
@@ -140,7 +147,7 @@ def fit_host_or_device(time: np.ndarray, inner: np.ndarray, outer: np.ndarray,
     """Fit time = outer_offset + outer . x + max(host, inner_offset + inner . y) (x, y, host
     >= 0; the offsets are parts of each point's time that other fits already explain) in
     relative error, predictions clamped at `floor`; shared by the prefill fit and the mixed
-    step's (sim/cost_model.py).
+    step's (sim/mixed_fit.py).
 
     The max is fitted by alternating: each point is assigned to the bound its current prediction
     says, the coefficients are refitted with the assignment fixed, until an assignment comes
@@ -207,3 +214,47 @@ def _combine(offset: np.ndarray | None, columns: np.ndarray,
         rest = term if rest is None else rest + term
     total = first if rest is None else first + rest
     return total if offset is None else np.asarray(offset, float) + total
+
+
+# Optional fields of a prefill or mixed point: the prompt chunks of the step.
+PREFILL_DEFAULTS = {"cached_tokens": 0, "requests": 1, "attention_pairs": None}
+PREFILL_FEATURES = ("new_tokens", "attention_pairs")
+
+
+def padded_tokens(new_tokens: int, decodes: int, buckets: tuple[int, ...]) -> int:
+    """The prompt rows a padded step computes: its bucket's rows less its decode rows (a padding
+    row costs what a prompt row does in the GEMMs; it adds no attention pairs)."""
+    return padded_rows(new_tokens + decodes, buckets) - decodes
+
+
+def fit_prefill_points(source: str, version: int, rows: list[dict[str, Any]],
+                       buckets: tuple[int, ...] = ()) -> PrefillFit:
+    """The model of a profile's prefill points. Version 3: host- or device-bound with a
+    per-sequence term, non-negative (`fit_prefill`). Before it: one unconstrained line in tokens
+    and pairs, exactly as those profiles were always read (their predictions must not change).
+    With `buckets`, each point's tokens are its padded rows."""
+    tokens = [padded_tokens(row["requests"] * row["new_tokens"], 0, buckets) if buckets
+              else row["requests"] * row["new_tokens"] for row in rows]
+    pairs = [prefill_pairs(row) for row in rows]
+    times = [row["time_s"] for row in rows]
+    if version < 3:
+        line = fit_linear(source, "prefill", PREFILL_FEATURES, list(map(list, zip(tokens, pairs))),
+                          times)
+        return PrefillFit(line.coefficients, 0.0, 0.0, line.relative_rms_error,
+                          line.num_points, line.floor_s)
+    requests = [row["requests"] for row in rows]
+    unknowns = 5 if len(set(requests)) > 1 else 4
+    if len(rows) < unknowns + 1:
+        raise ConfigError(f"{source}: prefill: {len(rows)} point(s) cannot fit "
+                          f"{unknowns} coefficients; measure at least {unknowns + 1}")
+    return fit_prefill(tokens, pairs, requests, times)
+
+
+def prefill_pairs(row: dict) -> float:
+    """The attention pairs of a prefill or mixed point. A point measured on one request shape
+    gives (new, cached, requests); a point taken from a run's step (mixed prompt lengths) gives
+    its attention pairs directly."""
+    if row["attention_pairs"] is not None:
+        return row["attention_pairs"]
+    return row["requests"] * causal_pairs(row["new_tokens"], row["cached_tokens"])
+

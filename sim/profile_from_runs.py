@@ -44,7 +44,10 @@ import pandas as pd
 from zipage.core.metrics import STEP_COLUMN_DEFAULTS
 from zipage.errors import ConfigError
 from zipage.presets import model_label
-from zipage.sim.cost_model import DEFAULT_CONTENTION, PROFILE_VERSION, CalibratedCostModel, StepWork
+from zipage.profile import PROFILE_VERSION
+from zipage.sim.analytic import DEFAULT_CONTENTION
+from zipage.sim.calibrated import CalibratedCostModel
+from zipage.sim.cost_model import StepWork
 
 FLAG = "--from-run"  # the option naming the run directories, in every error
 # What a profile's header is made of (`_header`), from a run's summary.json "settings".

@@ -1,4 +1,5 @@
-"""Tests of the simulator's cost models (sim/cost_model.py) and GPU table (zipage/hardware.py).
+"""Tests of the simulator's cost models (sim/cost_model.py, sim/analytic.py, sim/calibrated.py and
+its fits), the profile file (zipage/profile.py) and the GPU table (zipage/hardware.py).
 
 They pin the shape of the analytic roofline (monotone in batch, context, blocks; memory-bound
 small-batch decode equal to a hand computation; flash above lightning above off; smaller layer
@@ -27,16 +28,15 @@ from zipage.core.step import DECODE, MIXED, PREFILL, CompressionBatch, PrefillIt
 from zipage.errors import ConfigError
 from zipage.hardware import HARDWARE, get_hardware
 from zipage.presets import get_preset
-from zipage.sim.cost_model import (
+from zipage.sim.analytic import (
     KERNEL_LATENCY_S,
     KERNELS_PER_LAYER,
     AnalyticCostModel,
-    CalibratedCostModel,
-    CostModel,
     launch_groups,
-    load_cost_model,
     synthesize_profile,
 )
+from zipage.sim.calibrated import CalibratedCostModel
+from zipage.sim.cost_model import CostModel, load_cost_model
 from zipage.sim.prefill_fit import PrefillFit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -651,10 +651,10 @@ def test_mixed_predictions_are_pinned(entry):
 def shifted_float_sources(monkeypatch, factor: float) -> None:
     """Multiply what differs between CPUs by `factor`: the roofline's pow (the analytic model)
     and the lstsq solutions the calibrated models are fitted with."""
-    import zipage.sim.cost_model as cost_model
+    import zipage.sim.analytic as analytic
 
-    roofline, lstsq = cost_model._roofline, np.linalg.lstsq
-    monkeypatch.setattr(cost_model, "_roofline",
+    roofline, lstsq = analytic._roofline, np.linalg.lstsq
+    monkeypatch.setattr(analytic, "_roofline",
                         lambda memory_s, compute_s: roofline(memory_s, compute_s) * factor)
 
     def shifted_lstsq(*args, **kwargs):

@@ -1,4 +1,4 @@
-"""The calibrated mixed step's own host bound (profile version 3, sim/cost_model.py `_mixed_fit`).
+"""The calibrated mixed step's own host bound (profile version 3, sim/mixed_fit.py).
 
 A mixed step (decodes and prompt chunks in one eager forward) costs
 s * chunks + max(h_m, m + the decode fit's and the prefill fit's slopes): h_m and m are fitted
@@ -15,13 +15,14 @@ import numpy as np
 import pytest
 from tolerance import close
 
-from zipage.cli.calibrate import write_profile
+from zipage.cli.calibrate import save_profile
 from zipage.core.step import causal_pairs
 from zipage.errors import ConfigError
 from zipage.hardware import get_hardware
 from zipage.prefill_buckets import PREFILL_GRAPH_TOKENS, padded_rows
 from zipage.presets import get_preset
-from zipage.sim.cost_model import CalibratedCostModel, StepWork, load_cost_model
+from zipage.sim.calibrated import CalibratedCostModel
+from zipage.sim.cost_model import StepWork, load_cost_model
 
 ROOT = Path(__file__).resolve().parent.parent
 DECODE = (5e-3, 5e-6, 3.5e-8)  # constant, per request, per context token
@@ -185,12 +186,12 @@ def test_profiles_before_version_3_keep_the_one_constant_fit():
 
 
 def test_calibrate_prints_the_mixed_host_bound(tmp_path, capsys):
-    assert write_profile(profile(GRID), str(tmp_path / "p.json")) == 0
+    assert save_profile(profile(GRID), str(tmp_path / "p.json")) == 0
     printed = capsys.readouterr().out
     assert "mixed    0.0002 * requests + max(0.02, 0.003 + 5e-06 * batch" in printed
     assert "host bound: the prefill's" not in printed
     device_bound = [point for point in GRID if not is_host_bound(point)]
-    assert write_profile(profile(device_bound), str(tmp_path / "q.json")) == 0
+    assert save_profile(profile(device_bound), str(tmp_path / "q.json")) == 0
     printed = capsys.readouterr().out
     assert "mixed    0.0002 * requests + max(0.015, 0.003 + 5e-06 * batch" in printed
     assert "host bound: the prefill's (the points do not determine one)" in printed

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from tolerance import assert_close, close
 
-from zipage.cli.calibrate import write_profile
+from zipage.cli.calibrate import save_profile
 from zipage.errors import ConfigError
-from zipage.sim.cost_model import CalibratedCostModel, StepWork
+from zipage.sim.calibrated import CalibratedCostModel
+from zipage.sim.cost_model import StepWork
 from zipage.sim.prefill_fit import fit_prefill, nonnegative_least_squares
 
 PER_SEQUENCE, HOST, DEVICE = 2e-4, 26e-3, (9e-3, 2.1e-5, 2.2e-9)
@@ -158,7 +159,7 @@ def test_a_gzipped_profile_loads(tmp_path):
 def test_calibrate_prints_the_prefill_model(tmp_path, capsys):
     tokens, pairs, prompts = steps(40, 8192)
     data = profile(points_of(tokens, pairs, prompts, truth(tokens, pairs, prompts)))
-    assert write_profile(data, str(tmp_path / "p.json")) == 0  # what `zipage calibrate` runs
+    assert save_profile(data, str(tmp_path / "p.json")) == 0  # what `zipage calibrate` runs
     printed = capsys.readouterr().out
     assert "prefill  0.0002 * requests + max(0.026, 0.009 + 2.1e-05 * new_tokens" in printed
 

@@ -17,7 +17,7 @@ from zipage.config import ZipageConfig
 from zipage.core.deployment import ReplaySettings
 from zipage.core.metrics import STEP_COLUMN_DEFAULTS, STEP_COLUMNS
 from zipage.errors import ConfigError
-from zipage.sim.cost_model import CalibratedCostModel
+from zipage.sim.calibrated import CalibratedCostModel
 from zipage.sim.profile_from_runs import forward_points, profile_from_runs
 
 DECODE = (2e-3, 1e-5, 2e-8)  # seconds: constant, per request, per context token
@@ -186,7 +186,7 @@ def test_batches_launched_behind_the_forward_overlap_the_next_step(tmp_path):
     """The engine of now: a batch starts when its launching step's forward ends and is reported
     by the next step, which it stretches by (c - 1) x its duration; with no step overlapped whole
     c is the analytic default, and every batch's known duration comes back."""
-    from zipage.sim.cost_model import DEFAULT_CONTENTION
+    from zipage.sim.analytic import DEFAULT_CONTENTION
 
     contention = DEFAULT_CONTENTION["lightning"]
     steps = synthetic_steps()

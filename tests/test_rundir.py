@@ -287,7 +287,8 @@ def test_every_run_records_its_kind(tmp_path, simulated):
 def test_profiles_and_runs_name_a_model_alike(profile_model, run_model):
     from zipage.hardware import get_hardware
     from zipage.presets import get_preset
-    from zipage.sim.cost_model import AnalyticCostModel, CalibratedCostModel, synthesize_profile
+    from zipage.sim.analytic import AnalyticCostModel, synthesize_profile
+    from zipage.sim.calibrated import CalibratedCostModel
 
     shape = get_preset("qwen3-0.6b")
     profile = synthesize_profile(AnalyticCostModel(shape, get_hardware("h200")))

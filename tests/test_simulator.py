@@ -24,7 +24,8 @@ from zipage.core.sequence import Sequence
 from zipage.core.step import DECODE, IDLE, MIXED, PREFILL
 from zipage.hardware import get_hardware
 from zipage.presets import get_preset
-from zipage.sim.cost_model import AnalyticCostModel, CostModel
+from zipage.sim.analytic import AnalyticCostModel
+from zipage.sim.cost_model import CostModel
 from zipage.sim.instant import InstantDriver
 from zipage.sim.simulate import simulate
 from zipage.sim.simulator import Simulator

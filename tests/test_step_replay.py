@@ -151,7 +151,7 @@ def test_step_replay_of_a_chunked_prefill_run(tiny_model, tmp_path, asynchronous
     assert_close([(r.kind, r.t_start, r.t_end) for r in replay_run.steps],
                  [(r.kind, r.t_start, r.t_end) for r in run.steps])
     if not asynchronous:
-        from zipage.sim.cost_model import CalibratedCostModel
+        from zipage.sim.calibrated import CalibratedCostModel
         from zipage.sim.profile_from_runs import profile_from_runs
 
         profile = profile_from_runs([out], gpu="h100")

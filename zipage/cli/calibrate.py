@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import replace
-from pathlib import Path
 
 from zipage.cli.flags import (
     add_engine_flags,
@@ -48,7 +46,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.from_run:
         from zipage.sim.profile_from_runs import profile_from_runs
 
-        return write_profile(profile_from_runs(args.from_run, gpu=args.hardware,
+        return save_profile(profile_from_runs(args.from_run, gpu=args.hardware,
                                                 stall_factor=args.stall_factor), args.out)
     given = "--gpu" if args.gpu else engine_given(args)
     engine = "gpu" if args.gpu else args.engine
@@ -65,15 +63,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     profile = calibrate(settings, "cuda" if engine == "gpu" else "cpu", hardware=args.hardware,
                         repeats=args.repeats, progress=progress_wanted(args),
                         cuda_graphs=not args.no_cuda_graphs, prefill_graphs=args.prefill_graphs)
-    return write_profile(profile, args.out)
+    return save_profile(profile, args.out)
 
 
-def write_profile(profile: dict, path: str) -> int:
-    from zipage.sim.cost_model import CalibratedCostModel
+def save_profile(profile: dict, path: str) -> int:
+    """Write the profile (through its format's owner) and print how well each section fits."""
+    from zipage.profile import write_profile
+    from zipage.sim.calibrated import CalibratedCostModel
 
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(profile_json(profile))
+    out = write_profile(profile, path)
     model = CalibratedCostModel.from_profile(out)
     for name, fit in (("decode", model.decode_fit), ("prefill", model.prefill_fit),
                       ("mixed", model.mixed_fit), ("compress", model.compress_fit)):
@@ -85,15 +83,3 @@ def write_profile(profile: dict, path: str) -> int:
             print(f"{name:<8} {fit.describe()} s  ({quality})")
     print(f"wrote {out}; simulate with --cost-model {out}")
     return 0
-
-
-def profile_json(profile: dict) -> str:
-    """The profile with one measured point per line (diffs stay readable)."""
-    lines = []
-    for key, value in profile.items():
-        if isinstance(value, list):
-            rows = ",\n".join(f"  {json.dumps(row)}" for row in value)
-            lines.append(f' {json.dumps(key)}: [\n{rows}\n ]')
-        else:
-            lines.append(f" {json.dumps(key)}: {json.dumps(value)}")
-    return "{\n" + ",\n".join(lines) + "\n}\n"

@@ -14,9 +14,10 @@ from dataclasses import asdict, dataclass, field
 
 from zipage.config import ZipageConfig, knob
 from zipage.core.block_manager import prompt_block_hashes
-from zipage.core.memory import DTYPE_BYTES, GIB, MemoryPlan, available_kv_bytes, plan_memory, weight_bytes
+from zipage.core.memory import GIB, MemoryPlan, available_kv_bytes, plan_memory, weight_bytes
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
+from zipage.dtypes import DTYPE_BYTES
 from zipage.errors import ConfigError, MemoryPlanError
 from zipage.presets import ModelShape
 from zipage.trace import Trace, prompt_block_keys, prompt_token_ids

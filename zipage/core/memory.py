@@ -19,7 +19,6 @@ from zipage.errors import MemoryPlanError
 from zipage.shape import ModelShape
 
 GIB = 1024**3
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 @dataclass(frozen=True)

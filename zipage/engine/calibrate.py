@@ -1,6 +1,6 @@
 """`zipage calibrate --gpu`: time the real engine's steps and write a profile for the simulator.
 
-The simulator's calibrated cost model (`sim/cost_model.py`, docs/cost_model.md) fits models to
+The simulator's calibrated cost model (`sim/calibrated.py`, docs/cost_model.md) fits models to
 measured step times: decode by (batch, context tokens), prefill by (prompts, new tokens, attention
 pairs: host- or device-bound, `sim/prefill_fit.py`), mixed steps (chunked prefill: decodes and a
 prompt chunk in one forward) by both, compression by source blocks, plus the slowdown of a decode
@@ -27,7 +27,7 @@ from zipage.core.step import DECODE, MIXED, PREFILL, CompressionBatch, Compressi
 from zipage.engine.llm import Engine, build_engine
 from zipage.errors import ConfigError
 from zipage.presets import model_label
-from zipage.sim.cost_model import PROFILE_VERSION
+from zipage.profile import PROFILE_VERSION
 
 DECODE_BATCHES = (1, 4, 16, 32, 64, 128, 256)
 FULL_KV_CONTEXTS = (512, 2048, 8192)

@@ -1,0 +1,338 @@
+"""The analytic cost model: a roofline over the model's shape and a `GPUSpec`.
+
+Every operation costs max-ish(bytes / achievable bandwidth, FLOPs / achievable compute) plus
+launch and host overheads, with the compression pipeline (docs/architecture.md, 'Compression
+pipeline') costed kernel by kernel. It needs no GPU and covers any model, GPU and knob setting;
+its constants are assumptions, each written out with where it comes from in docs/cost_model.md.
+`synthesize_profile` times a profile with it, to exercise the calibrated model without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from zipage.core.memory import heads_per_gpu
+from zipage.decode_grid import decode_num_partitions
+from zipage.dtypes import DTYPE_BYTES
+from zipage.errors import ConfigError
+from zipage.hardware import GPUSpec
+from zipage.profile import COST_KNOBS, PROFILE_VERSION
+from zipage.shape import ModelShape
+from zipage.sim.cost_model import CostModel, StepWork
+
+FLOAT32_BYTES = 4
+
+# Real kernels do not switch abruptly from memory- to compute-bound at the ridge point: measured
+# on the H200, Qwen3-8B's decode GEMMs at batch 176 (where both limits are ~4.0 ms) took 5.0 ms.
+# A cube-norm of the two times fits that (5.0 ms) and equals the max away from the ridge.
+ROOFLINE_SHARPNESS = 3.0
+# Shares of the GPU's achievable rates (a copy, a large square GEMM) that each kernel class reaches,
+# measured on the H200 with Qwen3-8B's shapes under CUDA graphs: the decode GEMV chain streamed
+# weights at 3.79 TB/s (0.89 of the 4.27 a copy gets); the projection GEMMs at 512..8192 rows ran
+# at 667..680 TFLOP/s (0.85 of 791); torch's flash SDPA streamed a batch-176 decode KV cache at
+# 4.19 TB/s (a copy's rate, so no factor) and ran causal prefill at 0.70 (8k tokens) and 0.51 (2k)
+# of 791 TFLOP/s.
+LINEAR_BANDWIDTH_EFFICIENCY = 0.89
+LINEAR_COMPUTE_EFFICIENCY = 0.85
+ATTENTION_COMPUTE_EFFICIENCY = 0.70
+# The similarity kernels of the redundancy score work on small tiles (16x64) with fp32 norms and a
+# per-column threshold scan, so they run far below dense-matmul throughput; the paper's kernel
+# profile shows (flash) redundancy 1-2 orders of magnitude slower than the other operations.
+REDUNDANCY_EFFICIENCY = 0.25
+# A forward is a chain of kernels, about 12 per layer (norms, projections, rope, cache store,
+# attention, activation), and each adds a fixed latency to its roofline time (ramp-up, tail, the
+# gap to the next one), even inside a CUDA graph. 4.0 us is what our engine's decode steps
+# measured on the H200 (fitted with DECODE_PROGRAM_BANDWIDTH below on ~18k decode steps of twelve
+# runs, Qwen3-8B and 0.6B, three traces, Zipage and Full KV: relative RMS 10.4 %; the floor
+# it replaces, max(roofline, 3 us per kernel), left those steps 28-69 % short;
+# docs/cost_model.md, 'Decode step'). Part of it is host time of the
+# step loop that grows with the layer count: a forward replayed alone sits closer to the roofline.
+KERNELS_PER_LAYER = 12
+KERNEL_LATENCY_S = 4.0e-6
+# The split-K decode kernel gives each sequence a fixed number of partitions from the batch size
+# alone (zipage/decode_grid.py): one per sequence once the batch fills the GPU. One program
+# streams its partition's K and V at this rate, so a step holding one long sequence beside many
+# short ones lasts as long as that sequence's program (LongBench: a 6k-token prompt not yet
+# compressed doubles a Qwen3-8B decode step). Fitted with KERNEL_LATENCY_S above.
+DECODE_PROGRAM_BANDWIDTH = 15.8e9
+# Host work that grows with the batch: building block tables, positions and slot mappings, and
+# appending each sampled token, in Python.
+PER_SEQUENCE_OVERHEAD_S = 5e-6
+# Compression runs eagerly (no CUDA graph: shapes change every batch). One launch costs about the
+# 9.4 us measured for an eager op on the H200 host; torch.topk keeping 2048 of 2304 scores took
+# 0.42 ms per call there (64 rows), once per launch group.
+KERNEL_LAUNCH_S = 10e-6
+TOPK_CALL_S = 0.4e-3
+# Per batch: gathering block tables, slots and flags into device tensors, and the event that
+# reports completion.
+COMPRESS_BATCH_OVERHEAD_S = 0.5e-3
+# Fp32 passes over the (padded) attention logits w x q_heads x N*b: the score kernel writes them,
+# softmax reads and writes them, the max over each group's query heads reads them.
+SCORE_LOGIT_PASSES = 4
+# Fp32 passes over the per-kv-head scores N*b: mean over the window, pooling, window fill,
+# redundancy normalisation and softmax, the lambda combination, top-k input and keep-mask output.
+SCORE_ELEMENT_PASSES = 10
+# Tensor parallelism: ring all-reduce over NVLink at this share of the link rate, plus a fixed
+# latency per all-reduce (NCCL inside a CUDA graph). 25 us is what two H200s measured: with it,
+# Qwen3-8B TP=2 decode steps (batch 32/128/256, 2k contexts) sit 1.10/1.05/1.11x above this
+# model, as TP=1 steps do (1.18/1.05/0.99x); the first guess, 10 us, left TP=2 1.37/1.18/1.19x
+# above (docs/BENCHMARKS.md, 'Tensor parallelism').
+INTERCONNECT_EFFICIENCY = 0.80
+ALLREDUCE_LATENCY_S = 25e-6
+# A decode step overlapping an async compression batch shares the SMs and HBM bandwidth with it.
+# These are the multipliers for a fully overlapped step. The engine launches a batch behind its
+# step's forward, so it runs in the gap before the next step and beside it: in H200 runs of the
+# headline trace the steps of a batch cost 0.15 (Qwen3-8B), 0.20 (0.6B) and 0.17 (Qwen3-32B,
+# TP=2) times this model's duration of the batch more than the decode plane (docs/cost_model.md,
+# 'Async compression on the GPU'); launched before the forward, the same batches cost
+# 1.28-1.36 times it, which is why the engine launches behind. Flash (not measured) keeps the
+# paper's extra 0.2 for its compute-heavy similarity kernels; off runs the lightning pipeline
+# minus its redundancy launches, so it takes lightning's factor.
+DEFAULT_CONTENTION = {"off": 1.15, "lightning": 1.15, "flash": 1.35}
+
+
+def _roofline(memory_s: float, compute_s: float) -> float:
+    power = ROOFLINE_SHARPNESS
+    return (memory_s**power + compute_s**power) ** (1.0 / power)
+
+
+def launch_groups(num_layers: int, layer_stride: int) -> int:
+    """Launch groups of cross-layer compression: `layer_stride` layers per group."""
+    if layer_stride <= 0 or layer_stride >= num_layers:
+        return 1
+    return math.ceil(num_layers / layer_stride)
+
+
+def compression_launches_per_group(redundancy: str, global_score: bool) -> int:
+    """Kernel launches (besides top-k) that one launch group of the section-7 pipeline issues."""
+    # score kernel, softmax, group max, window mean, pooling, window fill, keep mask, K/V compaction
+    launches = 8
+    if global_score:
+        launches += 2  # global-score update, F compaction
+    if redundancy != "off":
+        launches += 4  # similarity kernel, row-sum normalisation, softmax, lambda combination
+    if redundancy == "flash":
+        launches += 1  # reduction of the N x N x b accumulator R'
+    return launches
+
+
+class AnalyticCostModel(CostModel):
+    """Roofline durations from a model shape and a GPU spec (formulas: docs/cost_model.md)."""
+
+    def __init__(self, shape: ModelShape, gpu: GPUSpec, *, dtype_bytes: int = 2,
+                 block_size: int = 256, window: int = 16, kv_budget: int = 2048,
+                 redundancy: str = "lightning", layer_stride: int = 8, global_score: bool = True,
+                 tensor_parallel: int = 1, contention_factor: float | None = None) -> None:
+        _check_knobs(shape, dtype_bytes, block_size, window, kv_budget, redundancy, layer_stride,
+                     tensor_parallel, contention_factor)
+        self.shape, self.gpu = shape, gpu
+        self.dtype_bytes, self.block_size, self.window = dtype_bytes, block_size, window
+        self.kv_budget, self.redundancy, self.layer_stride = kv_budget, redundancy, layer_stride
+        self.global_score, self.tensor_parallel = global_score, tensor_parallel
+        self.contention_factor = (DEFAULT_CONTENTION[redundancy] if contention_factor is None
+                                  else contention_factor)
+
+        layers, head_dim = shape.num_layers, shape.head_dim
+        self.q_heads = heads_per_gpu(shape.num_heads, tensor_parallel)
+        self.kv_heads = heads_per_gpu(shape.num_kv_heads, tensor_parallel)
+        lm_head_params = shape.vocab_size * shape.hidden_size
+        # The input embedding is a gather of a few rows; every other weight streams each step (a
+        # tied embedding streams once, as the LM head).
+        streamed_params = shape.num_params - (0 if shape.tie_embeddings else lm_head_params)
+        body_params = (streamed_params - lm_head_params) / tensor_parallel
+        lm_head_params /= tensor_parallel
+        self.weight_bytes = (body_params + lm_head_params) * dtype_bytes
+        self.kv_bytes_per_token = 2 * layers * self.kv_heads * head_dim * dtype_bytes
+
+        linear_bandwidth = gpu.achievable_bandwidth * LINEAR_BANDWIDTH_EFFICIENCY
+        linear_flops = gpu.achievable_flops * LINEAR_COMPUTE_EFFICIENCY
+        self._weight_s = self.weight_bytes / linear_bandwidth
+        self._decode_token_flop_s = 2 * (body_params + lm_head_params) / linear_flops
+        # A prompt chunk computes logits for its last token only, and only if it samples.
+        self._prefill_token_flop_s = 2 * body_params / linear_flops
+        self._sampled_chunk_flop_s = 2 * lm_head_params / linear_flops
+        self._kv_token_s = self.kv_bytes_per_token / gpu.achievable_bandwidth
+        # One query-key pair costs a multiply-add in QK^T and one in PV, per query head and layer.
+        self._attention_pair_s = (4 * layers * self.q_heads * head_dim
+                                  / (gpu.achievable_flops * ATTENTION_COMPUTE_EFFICIENCY))
+        self._kernel_chain_s = layers * KERNELS_PER_LAYER * KERNEL_LATENCY_S
+        # One program's time per KV entry of its partition, over all layers.
+        self._program_entry_s = layers * 2 * head_dim * dtype_bytes / DECODE_PROGRAM_BANDWIDTH
+        self._step_overhead_s = gpu.step_overhead_s
+        self._allreduce_token_s, self._allreduce_fixed_s = 0.0, 0.0
+        if tensor_parallel > 1:
+            # Two all-reduces of the hidden state per layer plus the logits gather; a ring moves
+            # 2 (tp - 1) / tp of the message over each link.
+            link = gpu.interconnect_bytes_per_s * INTERCONNECT_EFFICIENCY
+            ring = 2 * (tensor_parallel - 1) / tensor_parallel
+            self._allreduce_token_s = 2 * layers * shape.hidden_size * dtype_bytes * ring / link
+            self._allreduce_fixed_s = (2 * layers + 1) * ALLREDUCE_LATENCY_S
+
+        self.num_launch_groups = launch_groups(layers, layer_stride)
+        self.compress_fixed_s = COMPRESS_BATCH_OVERHEAD_S + self.num_launch_groups * (
+            compression_launches_per_group(redundancy, global_score) * KERNEL_LAUNCH_S
+            + TOPK_CALL_S
+        )
+
+    def forward_time_for(self, work: StepWork) -> float:
+        batch, tokens = work.num_decode, work.prefill_tokens
+        if not batch and not work.num_prefill:
+            return 0.0
+        # Weights stream once for every row of the step; each decode row and each chunk that
+        # samples goes through the LM head (a chunk computes logits for its last token only).
+        linear = _roofline(self._weight_s, batch * self._decode_token_flop_s
+                           + tokens * self._prefill_token_flop_s
+                           + work.num_sampled_prefill * self._sampled_chunk_flop_s)
+        # Decode rows and chunks attend in two kernels (split-K decode, varlen prefill), so two
+        # rooflines: each decode row reads its own KV entries; a chunk reads the entries before
+        # it, writes its new ones and reads them back.
+        attention = 0.0
+        if batch:
+            context = work.decode_context_tokens
+            attention = _roofline(context * self._kv_token_s, context * self._attention_pair_s)
+            if work.decode_max_context:
+                partitions = decode_num_partitions(batch, self.kv_heads,
+                                                   self.gpu.streaming_multiprocessors)
+                longest = -(-work.decode_max_context // partitions) * self._program_entry_s
+                if longest > attention:
+                    attention = longest
+        if work.num_prefill:
+            attention += _roofline((work.cached_tokens + 2 * tokens) * self._kv_token_s,
+                                   work.attention_pairs * self._attention_pair_s)
+        gpu = (linear + attention + self._allreduce_fixed_s
+               + (batch + tokens) * self._allreduce_token_s)
+        return (gpu + self._kernel_chain_s + self._step_overhead_s
+                + (batch + work.num_prefill) * PER_SEQUENCE_OVERHEAD_S)
+
+    def compress_time_for(self, blocks: Sequence[int],
+                          kept_blocks: Sequence[int] | None = None) -> float:
+        block_size = self.block_size
+        tokens = sum(blocks) * block_size
+        # Torch ops between the kernels run on the batch padded to its longest request.
+        padded_tokens = len(blocks) * max(blocks) * block_size
+        if kept_blocks is None:
+            kept_tokens = sum(min(self.kv_budget, count * block_size) for count in blocks)
+        else:
+            kept_tokens = sum(kept_blocks) * block_size
+        return (self.compress_fixed_s
+                + self._attention_score_s(tokens, padded_tokens, len(blocks))
+                + self._score_elementwise_s(tokens, padded_tokens)
+                + self._redundancy_s(blocks)
+                + self._compaction_s(tokens, kept_tokens))
+
+    def _attention_score_s(self, tokens: int, padded_tokens: int, requests: int) -> float:
+        """Step 1: w window queries per query head against every cached key, all layers."""
+        shape, size = self.shape, self.dtype_bytes
+        group_queries = self.window * self.q_heads
+        read_keys = tokens * self.kv_heads * shape.head_dim * size
+        read_queries = requests * group_queries * shape.head_dim * size
+        logits = SCORE_LOGIT_PASSES * padded_tokens * group_queries * FLOAT32_BYTES
+        memory = shape.num_layers * (read_keys + read_queries + logits)
+        flops = shape.num_layers * 2 * group_queries * tokens * shape.head_dim
+        return _roofline(memory / self.gpu.achievable_bandwidth, flops / self.gpu.achievable_flops)
+
+    def _score_elementwise_s(self, tokens: int, padded_tokens: int) -> float:
+        """Steps 2-6 outside the kernels: global score, pooling, window, softmaxes, top-k input."""
+        per_layer = SCORE_ELEMENT_PASSES * padded_tokens * self.kv_heads * FLOAT32_BYTES
+        if self.global_score:
+            per_layer += 2 * tokens * self.kv_heads * self.dtype_bytes  # read and write F
+        return self.shape.num_layers * per_layer / self.gpu.achievable_bandwidth
+
+    def _redundancy_s(self, blocks: Sequence[int]) -> float:
+        """Step 4: cosine similarity of keys, within each block (lightning) or all pairs (flash)."""
+        if self.redundancy == "off":
+            return 0.0
+        shape, block_size = self.shape, self.block_size
+        key_bytes = block_size * shape.head_dim * self.dtype_bytes
+        if self.redundancy == "lightning":
+            block_pairs = sum(blocks)  # each block against itself
+            # Keys read once; one fp32 row sum per key written.
+            per_head = sum(blocks) * (key_bytes + block_size * FLOAT32_BYTES)
+        else:
+            block_pairs = sum(count * count for count in blocks)
+            # The program of block m streams every block i and writes R'[i, m] (b fp32 sums),
+            # which the reduction then reads back.
+            per_head = block_pairs * (key_bytes + 2 * block_size * FLOAT32_BYTES)
+        layers_heads = shape.num_layers * self.kv_heads
+        flops = layers_heads * block_pairs * 2 * block_size * block_size * shape.head_dim
+        return _roofline(layers_heads * per_head / self.gpu.achievable_bandwidth,
+                         flops / (self.gpu.achievable_flops * REDUNDANCY_EFFICIENCY))
+
+    def _compaction_s(self, tokens: int, kept_tokens: int) -> float:
+        """Step 7: two-pointer move of the kept K, V (and F) entries into the target blocks."""
+        shape, size = self.shape, self.dtype_bytes
+        per_entry = 2 * 2 * shape.head_dim * size  # K and V, read and written
+        if self.global_score:
+            per_entry += 2 * size
+        per_layer = self.kv_heads * (kept_tokens * per_entry + tokens)  # + the one-byte keep mask
+        return shape.num_layers * per_layer / self.gpu.achievable_bandwidth
+
+
+def _check_knobs(shape: ModelShape, dtype_bytes: int, block_size: int, window: int,
+                 kv_budget: int, redundancy: str, layer_stride: int, tensor_parallel: int,
+                 contention_factor: float | None) -> None:
+    if dtype_bytes not in DTYPE_BYTES.values():
+        raise ConfigError(f"dtype_bytes: got {dtype_bytes!r}, expected one of "
+                          f"{sorted(set(DTYPE_BYTES.values()))}")
+    # block_size, window, kv_budget and redundancy arrive validated by ZipageConfig (the one
+    # place those rules live); the window is only meaningful when compressing.
+    if not isinstance(layer_stride, int):
+        raise ConfigError(f"layer_stride: got {layer_stride!r}, expected an integer "
+                          "(<= 0 or >= layers: all layers in one launch group)")
+    if not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise ConfigError(f"tensor_parallel: got {tensor_parallel!r}, expected an integer >= 1")
+    if shape.num_heads % tensor_parallel or (shape.num_kv_heads % tensor_parallel
+                                             and tensor_parallel % shape.num_kv_heads):
+        raise ConfigError(
+            f"tensor_parallel: {tensor_parallel} GPUs cannot split {shape.name}'s "
+            f"{shape.num_heads} query / {shape.num_kv_heads} kv heads evenly; pick a divisor "
+            f"of {shape.num_heads}"
+        )
+    if contention_factor is not None and not contention_factor >= 1.0:
+        raise ConfigError(f"contention_factor: got {contention_factor!r}, expected a number >= 1")
+
+
+def synthesize_profile(model: AnalyticCostModel, *, noise: float = 0.03,
+                       seed: int = 0) -> dict[str, Any]:
+    """A profile in the measured format, timed by `model` with multiplicative Gaussian noise.
+
+    It exercises the calibrated path without a GPU; real profiles come from the engine.
+    """
+    rng = np.random.default_rng(seed)
+
+    def jitter(seconds: float) -> float:
+        return round(seconds * (1.0 + noise * rng.standard_normal()), 9)
+
+    decode = [{"batch": batch, "context_tokens": batch * context,
+               "time_s": jitter(model.decode_time_for(batch, batch * context))}
+              for batch in (1, 8, 32, 64, 128, 176, 256) for context in (512, 2048, 4096)]
+    prefill = [{"new_tokens": new, "cached_tokens": cached, "requests": 1,
+                "time_s": jitter(model.prefill_time_for([(new, cached)]))}
+               for new in (128, 512, 2048, 8192) for cached in (0, 2048)]
+    compress = [{"requests": requests, "blocks": requests * each,
+                 "time_s": jitter(model.compress_time_for([each] * requests))}
+                for requests in (1, 2, 4, 8) for each in (9, 12, 16)]
+    # Drawn last, so the sections above are what they were before mixed points existed.
+    mixed = [{"batch": batch, "context_tokens": batch * context, "new_tokens": new,
+              "cached_tokens": 0, "requests": 1, "time_s": jitter(model.forward_time_for(
+                  StepWork.from_counts(batch, batch * context, [(new, 0)])))}
+             for batch in (1, 32, 128) for context in (512, 4096) for new in (128, 512, 2048)]
+    return {
+        "version": PROFILE_VERSION,
+        "note": (f"SYNTHETIC: generated by sim.analytic.synthesize_profile from the analytic "
+                 f"model with {noise:.0%} Gaussian noise (seed {seed}); not a measurement"),
+        "source": "synthetic",
+        "model": model.shape.name,
+        "gpu": model.gpu.name,
+        "dtype": "bfloat16" if model.dtype_bytes == 2 else "float32",
+        **{name: getattr(model, name) for name in COST_KNOBS},
+        "tensor_parallel": model.tensor_parallel,
+        "contention_factor": model.contention_factor,
+        "decode": decode,
+        "prefill": prefill,
+        "mixed": mixed,
+        "compress": compress,
+    }

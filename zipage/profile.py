@@ -1,0 +1,193 @@
+"""The profile file: the measured step times a calibrated cost model is fitted to.
+
+Its one owner: `zipage calibrate --gpu` (zipage/engine/calibrate.py) and `--from-run`
+(sim/profile_from_runs.py) write profiles in this format, the simulator's calibrated model
+(sim/calibrated.py) reads them through it. A profile is a JSON object (optionally gzipped): a
+header naming the setup it was measured on (model, GPU, dtype, the knobs that change a step's
+cost, tensor parallelism) and lists of measured points per section. Every field is described in
+docs/cost_model.md. Reading refuses, with one `ConfigError` naming the field, a malformed
+profile and a profile measured for another setup than the run's.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from zipage.config import REDUNDANCY_MODES, ZipageConfig
+from zipage.dtypes import DTYPE_BYTES
+from zipage.errors import ConfigError
+from zipage.hardware import GPUSpec, get_hardware
+from zipage.presets import model_identity
+from zipage.shape import ModelShape
+
+# Version 2 added the "mixed" section; version 3 fits prefill steps as host- or device-bound with
+# a per-sequence term, every coefficient >= 0 (sim/prefill_fit.py). Older profiles still load and
+# predict what they did.
+PROFILE_VERSION = 3
+READABLE_PROFILE_VERSIONS = (1, 2, 3)
+PROFILE_SECTIONS = ("decode", "prefill", "mixed", "compress")
+# What a cost model is built for: the knobs that change a step's duration (declared with
+# `cost=True` on ZipageConfig), the element size, the sharding and the contention factor. A
+# profile's header records the knobs it was measured with.
+COST_KNOBS = tuple(ZipageConfig().cost_knobs())
+COST_MODEL_KNOBS = ("dtype_bytes", *COST_KNOBS, "tensor_parallel", "contention_factor")
+
+
+def read_profile(profile: str | Path | dict) -> tuple[str, dict]:
+    """The profile's data and the name its errors give it ("profile PATH")."""
+    if isinstance(profile, dict):
+        return "profile", profile
+    path = Path(profile)
+    source = f"profile {path}"
+    try:
+        # A profile fitted from long runs holds thousands of points: it may be kept gzipped.
+        text = (gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz"
+                else path.read_text())
+        data = json.loads(text)
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: no such file") from None
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"{source}: not a readable JSON file ({error})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a JSON object at the top level")
+    return source, data
+
+
+def check_header(source: str, data: dict, shape: ModelShape | None, gpu: GPUSpec | None,
+                 knobs: dict[str, Any]) -> dict[str, Any]:
+    """The profile's header (every field but the sections), validated; a profile measured for
+    another model, GPU, dtype or knob than the run's (`shape`, `gpu`, `knobs`, where given) is
+    refused."""
+    check_knob_names(knobs)
+    version = data.get("version")
+    if isinstance(version, bool) or version not in READABLE_PROFILE_VERSIONS:
+        raise ConfigError(f"{source}: version: got {version!r}, expected one of "
+                          f"{', '.join(map(str, READABLE_PROFILE_VERSIONS))}")
+    if version < 2 and "mixed" in data:
+        raise ConfigError(f"{source}: mixed: a version-2 section; set \"version\" to 2")
+    for name in ("model", "gpu"):
+        if not isinstance(data.get(name), str):
+            raise ConfigError(f"{source}: {name}: expected a string naming the "
+                              f"{'model preset' if name == 'model' else 'GPU'} it was measured on")
+    header = {key: value for key, value in data.items()
+              if key not in PROFILE_SECTIONS}
+    if header.get("redundancy", "lightning") not in REDUNDANCY_MODES:
+        raise ConfigError(f"{source}: redundancy: got {header['redundancy']!r}, expected one of "
+                          f"{', '.join(REDUNDANCY_MODES)}")
+    if "dtype" in header and header["dtype"] not in DTYPE_BYTES:
+        raise ConfigError(f"{source}: dtype: got {header['dtype']!r}, expected one of "
+                          f"{', '.join(DTYPE_BYTES)}")
+    buckets = header.get("prefill_buckets")
+    if buckets is not None and not (
+            isinstance(buckets, list) and buckets
+            and all(isinstance(size, int) and not isinstance(size, bool) and size > 0
+                    for size in buckets)
+            and all(a < b for a, b in zip(buckets, buckets[1:]))):
+        raise ConfigError(f"{source}: prefill_buckets: got {buckets!r}, expected increasing "
+                          "positive token counts: the buckets the measured engine padded prefill "
+                          "and mixed steps to (or leave the field out: steps were not padded)")
+    graphs = header.get("graphs")
+    if graphs is not None and not (isinstance(graphs, dict) and set(graphs) == {"decode", "prefill"}
+                                   and all(isinstance(value, bool) for value in graphs.values())):
+        raise ConfigError(f"{source}: graphs: got {graphs!r}, expected {{\"decode\": true|false, "
+                          "\"prefill\": true|false}: which engine steps replayed CUDA graphs "
+                          "when it was measured")
+    fix = "measure a profile for this setup, or use --cost-model analytic"
+    if shape is not None and model_identity(data["model"]) != model_identity(shape.name):
+        raise ConfigError(f"{source}: model: measured on {data['model']!r}, but this run uses "
+                          f"{shape.name!r}; {fix}")
+    if gpu is not None and _gpu_name(data["gpu"]) != gpu.name:
+        raise ConfigError(f"{source}: gpu: measured on {data['gpu']!r}, but this run uses "
+                          f"{gpu.name!r}; {fix}")
+    if "dtype_bytes" in knobs and "dtype" in header \
+            and DTYPE_BYTES[header["dtype"]] != knobs["dtype_bytes"]:
+        raise ConfigError(f"{source}: dtype: measured in {header['dtype']}, but this run uses "
+                          f"{knobs['dtype_bytes']}-byte values; {fix}")
+    for name in (*COST_KNOBS, "tensor_parallel"):
+        if name in knobs and name in header and knobs[name] != header[name]:
+            raise ConfigError(f"{source}: {name}: measured with {header[name]!r}, but this run "
+                              f"uses {knobs[name]!r}; {fix}")
+    return header
+
+
+def check_knob_names(knobs: dict[str, Any]) -> None:
+    """Refuse a keyword no cost model is built with (a misspelt knob would be ignored)."""
+    unknown = sorted(set(knobs) - set(COST_MODEL_KNOBS))
+    if unknown:
+        raise ConfigError(f"cost model: unknown knob(s) {', '.join(unknown)}; known: "
+                          f"{', '.join(COST_MODEL_KNOBS)}")
+
+
+def _plain(name: str) -> str:
+    return name.strip().lower().replace("_", "-").split("/")[-1].removeprefix("random:")
+
+
+def _gpu_name(name: str) -> str:
+    try:
+        return get_hardware(name).name
+    except ConfigError:
+        return _plain(name)
+
+
+def read_points(source: str, data: dict, section: str, required: tuple[str, ...],
+                optional: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of one profile section, every field checked to be a non-negative number;
+    `optional` fields a row leaves out take their default."""
+    rows = data.get(section)
+    if not isinstance(rows, list):
+        raise ConfigError(f"{source}: {section}: expected a list of measured points "
+                          f"({', '.join(required + ('time_s',))}), got {type(rows).__name__}")
+    points = []
+    for index, row in enumerate(rows):
+        where = f"{source}: {section}[{index}]"
+        if not isinstance(row, dict):
+            raise ConfigError(f"{where}: expected an object, got {row!r}")
+        point = {}
+        for name in required + ("time_s",) + tuple(optional):
+            if name not in row:
+                if name in optional:
+                    point[name] = optional[name]
+                    continue
+                raise ConfigError(f"{where}.{name}: missing")
+            value = row[name]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{where}.{name}: expected a non-negative number, got {value!r}")
+            point[name] = value
+        if not point["time_s"] > 0:
+            raise ConfigError(f"{where}.time_s: expected a positive duration, got "
+                              f"{point['time_s']!r}")
+        if "requests" in point and not point["requests"] >= 1:
+            raise ConfigError(f"{where}.requests: expected at least 1, got {point['requests']!r}")
+        points.append(point)
+    return points
+
+
+def profile_text(profile: dict) -> str:
+    """The profile as JSON with one measured point per line, so that its diffs stay readable."""
+    lines = []
+    for key, value in profile.items():
+        if isinstance(value, list):
+            rows = ",\n".join(f"  {json.dumps(row)}" for row in value)
+            lines.append(f' {json.dumps(key)}: [\n{rows}\n ]')
+        else:
+            lines.append(f" {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
+def write_profile(profile: dict, path: str | Path) -> Path:
+    """Write `profile` to `path` (its folder made if missing), gzipped where the name ends in
+    .gz as `read_profile` reads it; no timestamp in the gzip header, so a profile gives the same
+    bytes whenever it is written."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = profile_text(profile)
+    if out.suffix == ".gz":
+        out.write_bytes(gzip.compress(text.encode(), mtime=0))
+    else:
+        out.write_text(text)
+    return out
