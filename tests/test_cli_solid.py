@@ -12,7 +12,7 @@ import pytest
 from zipage.cli import main
 from zipage.core.deployment import ReplaySettings, plan_capacity
 from zipage.errors import MemoryPlanError
-from zipage.presets import resolve_shape
+from zipage.model_spec import resolve_shape
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "traces" / "tiny.json")

@@ -98,19 +98,9 @@ def build_parallel_engine(settings, device: torch.device, dtype: torch.dtype, cu
 
 
 def full_shape(spec: str):
-    """The whole model's shape, read the way the loader reads it (without the weights)."""
-    from pathlib import Path
+    """The whole model's shape, as the loader and the simulator read it (without the weights)."""
+    from zipage.model_spec import resolve_shape
 
-    from zipage.engine.loader import RANDOM_PREFIX
-    from zipage.presets import get_preset, resolve_shape, shape_from_hf_config
-
-    if spec.lower().startswith(RANDOM_PREFIX):
-        return get_preset(spec)
-    path = Path(spec).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
-        from transformers import AutoConfig
-
-        return shape_from_hf_config(AutoConfig.from_pretrained(path).to_dict(), path.name)
     return resolve_shape(spec)
 
 
