@@ -55,7 +55,7 @@ def test_shape_without_head_dim_has_transformers_head_width(tmp_path, architectu
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_both_twins_plan_the_same_blocks_without_head_dim(tmp_path, architecture):
     pytest.importorskip("torch")
-    from zipage.engine.llm import build_engine
+    from zipage.engine.builder import build_engine
 
     directory, hf_head_dim = _directory_without_head_dim(tmp_path, architecture)
     settings = ReplaySettings(model=str(directory), dtype="float32", kv_memory_gb=0.004,
