@@ -46,7 +46,7 @@ from zipage.core.memory import block_bytes, query_slot_bytes
 from zipage.core.sampling import SamplingParams
 from zipage.core.sequence import Sequence
 from zipage.core.step import StepPlan
-from zipage.engine.llm import Engine
+from zipage.engine.builder import Engine
 from zipage.engine.loader import load_model
 from zipage.engine.loop import EngineLoop
 from zipage.engine.runner import ModelRunner

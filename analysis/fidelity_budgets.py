@@ -45,7 +45,7 @@ from zipage.analysis.fidelity import (
 from zipage.config import ZipageConfig
 from zipage.core.deployment import ReplaySettings, effective_config, plan_capacity
 from zipage.core.memory import block_bytes, query_slot_bytes
-from zipage.engine.llm import Engine
+from zipage.engine.builder import Engine
 from zipage.engine.loader import load_model
 from zipage.engine.runner import ModelRunner
 

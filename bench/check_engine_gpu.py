@@ -36,7 +36,7 @@ from zipage.core.deployment import ReplaySettings
 from zipage.core.sampling import SamplingParams
 from zipage.core.sequence import Sequence
 from zipage.core.step import MIXED, PREFILL, PrefillItem, StepPlan
-from zipage.engine.llm import build_engine
+from zipage.engine.builder import build_engine
 from zipage.engine.replay import replay_on_engine
 from zipage.workloads import make_trace
 

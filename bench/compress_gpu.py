@@ -237,7 +237,7 @@ def part_a(smoke: bool, device: str) -> list[dict]:
 def build_qwen3_engine():
     from zipage.config import ZipageConfig
     from zipage.core.deployment import ReplaySettings
-    from zipage.engine.llm import build_engine
+    from zipage.engine.builder import build_engine
 
     # 128 x 8 decode blocks + 33 compression blocks (and their query slots), with room to spare.
     settings = ReplaySettings(model="random:qwen3-8b", dtype="bfloat16", kv_memory_gb=46,

@@ -31,7 +31,8 @@ from zipage.core.memory import GIB
 from zipage.core.sampling import SamplingParams
 from zipage.core.sequence import Sequence
 from zipage.core.step import DECODE, StepPlan
-from zipage.engine.llm import LLM, build_engine
+from zipage.engine.builder import build_engine
+from zipage.engine.llm import LLM
 from zipage.presets import get_preset
 
 CONTEXT = 2048

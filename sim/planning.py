@@ -194,7 +194,7 @@ class PlanSpec:
         multiple of the block size) is one infeasible point instead."""
         from zipage.core.routing import ROUTING_POLICIES
         from zipage.hardware import get_hardware
-        from zipage.presets import resolve_shape
+        from zipage.model_spec import resolve_shape
 
         resolve_shape(self.base.model)
         self.hardware = _unique([get_hardware(name).name for name in self.hardware])
@@ -552,7 +552,7 @@ def plan_context(trace: Trace, base: ReplaySettings) -> dict:
     """What every point's outcome depends on besides its own settings: the trace's content, the
     model's shape, the cost-model profile and the simulator's source code (so a changed
     simulator never serves stale rows)."""
-    from zipage.presets import resolve_shape
+    from zipage.model_spec import resolve_shape
 
     requests = json.dumps([dataclasses.asdict(request) for request in trace.requests])
     return {

@@ -22,7 +22,8 @@ from zipage.core.memory import MemoryPlan
 from zipage.core.recorder import Run
 from zipage.core.scheduler import Scheduler
 from zipage.hardware import get_hardware
-from zipage.presets import ModelShape, resolve_shape
+from zipage.model_spec import resolve_shape
+from zipage.presets import ModelShape
 from zipage.sim.cost_model import CostModel, load_cost_model
 from zipage.sim.simulator import Simulator
 from zipage.trace import Trace

@@ -23,7 +23,7 @@ from zipage.core.recorder import Run, StepRecorder
 from zipage.core.scheduler import Scheduler
 from zipage.core.step import StepResult
 from zipage.errors import ZipageError
-from zipage.presets import resolve_shape
+from zipage.model_spec import resolve_shape
 from zipage.trace import Trace
 
 STEP_TIME_COLUMNS = ("step_id", "t_start", "t_end", "batches_done")

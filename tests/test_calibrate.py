@@ -23,7 +23,7 @@ from zipage.core.deployment import ReplaySettings  # noqa: E402
 from zipage.engine.calibrate import calibrate  # noqa: E402
 from zipage.errors import ConfigError  # noqa: E402
 from zipage.hardware import get_hardware  # noqa: E402
-from zipage.presets import resolve_shape  # noqa: E402
+from zipage.model_spec import resolve_shape  # noqa: E402
 from zipage.sim.calibrated import CalibratedCostModel  # noqa: E402
 
 KNOBS = dict(block_size=16, window=4, kv_budget=64)

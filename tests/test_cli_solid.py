@@ -12,7 +12,7 @@ import pytest
 from zipage.cli.parser import main
 from zipage.core.deployment import ReplaySettings, plan_capacity
 from zipage.errors import MemoryPlanError
-from zipage.presets import resolve_shape
+from zipage.model_spec import resolve_shape
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "traces" / "tiny.json")
@@ -97,13 +97,13 @@ def test_the_engine_checks_cache_memory_against_the_devices_total(monkeypatch):
     """The engine's planning path on a GPU, with torch's memory query mocked: an 80 GB device
     refuses --kv-memory-gb 5000 before any cache is allocated."""
     torch = pytest.importorskip("torch")
-    from zipage.engine import llm
+    from zipage.engine import builder
 
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: SimpleNamespace(total_memory=int(79.11 * 1024**3)))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
     settings = ReplaySettings(model="qwen3-8b", kv_memory_gb=5000)
-    settings, total, name = llm.device_memory(settings, torch.device("cuda"))
+    settings, total, name = builder.device_memory(settings, torch.device("cuda"))
     assert total == int(79.11 * 1024**3)
     with pytest.raises(MemoryPlanError, match=r"--kv-memory-gb: got 5000, but the GPU "
                                               r"\(NVIDIA H100 80GB HBM3\) has 79.1 GiB"):

@@ -24,6 +24,7 @@ from zipage.engine.context import ForwardContext, forward_context  # noqa: E402
 from zipage.engine.layers import rope_inverse_frequencies, store_queries  # noqa: E402
 from zipage.engine.sampler import sample  # noqa: E402
 from zipage.errors import UnknownModelError  # noqa: E402
+from zipage.model_spec import shape_from_hf_config  # noqa: E402
 
 BLOCK_SIZE = 16
 NEW_TOKENS = 64
@@ -328,6 +329,9 @@ def test_unknown_specs_name_the_fix(tmp_path: Path) -> None:
     with pytest.raises(UnknownModelError, match="is not a HF model directory"):
         loader.load_model(str(tmp_path), device="cpu")
     (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
+    with pytest.raises(UnknownModelError, match="config.json lacks num_attention_heads"):
+        loader.load_model(str(tmp_path), device="cpu")
+    TINY_CONFIGS["qwen3"]().save_pretrained(tmp_path)
     with pytest.raises(UnknownModelError, match="no \\*.safetensors"):
         loader.load_model(str(tmp_path), device="cpu")
 
@@ -348,8 +352,8 @@ def test_checkpoint_mismatches_are_refused(tmp_path: Path) -> None:
 def test_unsupported_configs_are_refused() -> None:
     config = TINY_CONFIGS["llama"]().to_dict()
     with pytest.raises(UnknownModelError, match="supported model types are llama, qwen2, qwen3"):
-        loader.shape_from_hf_config({**config, "model_type": "mistral"}, "m")
+        shape_from_hf_config({**config, "model_type": "mistral"}, "m")
     with pytest.raises(UnknownModelError, match="attention_bias"):
-        loader.shape_from_hf_config({**config, "attention_bias": True}, "m")
+        shape_from_hf_config({**config, "attention_bias": True}, "m")
     with pytest.raises(UnknownModelError, match="rope_type"):
-        loader.shape_from_hf_config({**config, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "m")
+        shape_from_hf_config({**config, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "m")

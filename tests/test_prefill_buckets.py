@@ -1,5 +1,5 @@
 """The token buckets of padded prefill steps (zipage/prefill_buckets.py) and where prefill graphs
-are on by default (zipage.engine.llm.default_prefill_graphs, the CLI's --[no-]prefill-graphs)."""
+are on by default (zipage.engine.builder.default_prefill_graphs, the CLI's --[no-]prefill-graphs)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def test_buckets_stop_at_the_step_token_budget():
 
 def test_prefill_graphs_default_on_only_where_graphs_are_captured():
     torch = pytest.importorskip("torch")
-    from zipage.engine.llm import default_prefill_graphs
+    from zipage.engine.builder import default_prefill_graphs
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert default_prefill_graphs(None, True, cuda) is True

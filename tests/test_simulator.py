@@ -104,7 +104,7 @@ def simulate_tiny_beside_instant(config: ZipageConfig):
     """traces/tiny.json simulated with the analytic cost model (sync compression) and run by the
     instant driver at the same capacity: (summary, simulated run, instant run)."""
     from zipage.core.deployment import trace_sequences
-    from zipage.presets import resolve_shape
+    from zipage.model_spec import resolve_shape
 
     trace = load_trace(ROOT / "traces" / "tiny.json")
     settings_ = ReplaySettings(model="qwen3-0.6b", kv_memory_gb=0.05, config=config)

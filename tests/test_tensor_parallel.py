@@ -306,9 +306,9 @@ def _first(name: str, tensor, blocks: int):
 
 
 def _shape(model: str):
-    from zipage.engine.parallel import full_shape
+    from zipage.model_spec import resolve_shape
 
-    return full_shape(model)
+    return resolve_shape(model)
 
 
 def test_replay_and_llm_close_their_ranks(tiny_models):

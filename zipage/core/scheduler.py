@@ -40,23 +40,29 @@ from zipage.core.window import WindowLayout
 from zipage.errors import ConfigError
 
 
+def check_pool(config: ZipageConfig, num_blocks: int, num_query_slots: int) -> None:
+    """Refuse blocks and query slots a scheduler cannot run with: every slot holder must be
+    backable by N_max blocks (docs/architecture.md, 'Memory planning')."""
+    if num_blocks < 1:
+        raise ConfigError(f"num_blocks: got {num_blocks}, expected at least 1")
+    if config.compress:
+        if num_query_slots < 1:
+            raise ConfigError(
+                f"num_query_slots: got {num_query_slots}, compression needs at least 1")
+        if num_blocks < num_query_slots * config.n_max:
+            raise ConfigError(
+                f"num_blocks: {num_blocks} blocks cannot back {num_query_slots} query slots "
+                f"of N_max = {config.n_max} blocks each; use the memory planner, fewer slots "
+                "or more blocks")
+
+
 class SchedulerStuck(RuntimeError):
     """No request can make progress and nothing is in flight: a deadlock, i.e. a bug."""
 
 
 class Scheduler:
     def __init__(self, config: ZipageConfig, num_blocks: int, num_query_slots: int) -> None:
-        if num_blocks < 1:
-            raise ConfigError(f"num_blocks: got {num_blocks}, expected at least 1")
-        if config.compress:
-            if num_query_slots < 1:
-                raise ConfigError(
-                    f"num_query_slots: got {num_query_slots}, compression needs at least 1")
-            if num_blocks < num_query_slots * config.n_max:
-                raise ConfigError(
-                    f"num_blocks: {num_blocks} blocks cannot back {num_query_slots} query slots "
-                    f"of N_max = {config.n_max} blocks each; use the memory planner, fewer slots "
-                    "or more blocks")
+        check_pool(config, num_blocks, num_query_slots)
         self.config = config
         self.block_size = config.block_size
         self.window = config.window

@@ -24,7 +24,7 @@ from zipage.core.deployment import ReplaySettings
 from zipage.core.sampling import SamplingParams
 from zipage.core.sequence import Sequence
 from zipage.core.step import DECODE, MIXED, PREFILL, CompressionBatch, CompressionJob, PrefillItem, StepPlan
-from zipage.engine.llm import Engine, build_engine
+from zipage.engine.builder import Engine, build_engine
 from zipage.errors import ConfigError
 from zipage.presets import model_label
 from zipage.profile import PROFILE_VERSION

@@ -24,7 +24,7 @@ from zipage.kernels.attention import paged_decode_attention, paged_prefill_atten
 
 # rotary_qk and silu_and_mul are used by the models, which take all their building blocks from this module.
 from zipage.kernels.fused_ops import add_rms_norm, rms_norm, rotary_qk, silu_and_mul  # noqa: F401
-from zipage.presets import ROPE_TYPES
+from zipage.model_spec import ROPE_TYPES
 
 # RoPE variants we implement (HF's `rope_type`); "default" is plain RoPE. Dynamic NTK and LongRoPE change
 # the frequencies with the sequence length, which cached (already rotated) keys cannot follow.

@@ -1,152 +1,21 @@
 """`LLM(model, **knobs).generate(prompts, sampling_params)` and `.chat(messages)`: the vLLM-style
-public API.
-
-Also `build_engine`, shared with `zipage replay --gpu`: load the model, size the caches with the
-core's memory planner (the same function the simulator calls, so equal flags give equal blocks and
-slots), and put a scheduler and a model runner around it.
+public API, around the engine `zipage.engine.builder` builds.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from difflib import get_close_matches
 
-import torch
-
 from zipage.config import ZipageConfig
-from zipage.core.deployment import ReplaySettings, effective_config, plan_capacity
-from zipage.core.memory import GIB, MemoryPlan
+from zipage.core.deployment import ReplaySettings
 from zipage.core.recorder import Run
 from zipage.core.sampling import SamplingParams
-from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
-from zipage.engine.loader import load_model
+from zipage.engine.builder import build_engine, resolve_device
 from zipage.engine.loop import EngineLoop
-from zipage.engine.runner import ModelRunner
 from zipage.engine.threads import set_cpu_threads
-from zipage.engine.warmup import warm_up
-from zipage.errors import ConfigError, MemoryPlanError
-from zipage.presets import ModelShape
-
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-CPU_KV_MEMORY_GB = 1.0  # cache size on the CPU when none is given (small models only)
-
-
-@dataclass
-class Engine:
-    model: torch.nn.Module
-    shape: ModelShape
-    tokenizer: object | None
-    config: ZipageConfig
-    capacity: MemoryPlan
-    runner: ModelRunner
-    device: torch.device
-
-    def new_scheduler(self) -> Scheduler:
-        """A fresh scheduler over the same caches (one per run: the caches hold no state a run
-        leaves behind that a new run could read)."""
-        return Scheduler(self.config, self.capacity.num_blocks, self.capacity.num_query_slots)
-
-    def close(self) -> None:
-        """Stop the tensor-parallel workers and leave the process group, now. Left to the
-        garbage collector, an NCCL teardown runs at an arbitrary moment or at interpreter exit,
-        where it can wait forever on a peer; a one-GPU engine has nothing to stop."""
-        shutdown = getattr(self.runner, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
-
-
-def resolve_device(device: str | None) -> torch.device:
-    """`device` as a torch device: None / "auto" pick CUDA when present; a device this machine
-    lacks is refused here, before torch asserts on it deep in the first allocation."""
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        resolved = None
-    if resolved is None or resolved.type not in ("cuda", "cpu"):
-        raise ConfigError(f"device: got {device!r}, expected cuda, cuda:N or cpu")
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device: {device!r} asked for, but torch {torch.__version__} sees no "
-                              "CUDA device; use --device cpu (small models) or a CUDA machine")
-        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
-            raise ConfigError(f"device: {device!r} asked for, but only "
-                              f"{torch.cuda.device_count()} CUDA device(s) are visible")
-    return resolved
-
-
-def default_prefill_graphs(prefill_graphs: bool | None, cuda_graphs: bool,
-                           device: torch.device) -> bool:
-    """Prefill graphs unless asked otherwise where graphs are captured: they are faster at every
-    step size measured (docs/BENCHMARKS.md, 'Prefill'). Elsewhere the padded layout would only
-    compute padding rows eagerly, so it is off unless asked for (the CPU tests ask for it)."""
-    if prefill_graphs is None:
-        return cuda_graphs and device.type == "cuda"
-    return prefill_graphs
-
-
-def build_engine(settings: ReplaySettings, device: str | None = None,
-                 cuda_graphs: bool = True, prefill_graphs: bool | None = None) -> Engine:
-    """The engine of `settings` on `device`. `cuda_graphs`: capture CUDA graphs on a GPU (off:
-    every step eager). `prefill_graphs`: run prefill and mixed steps of up to 4,096 tokens through
-    the padded layout, graphed where `cuda_graphs` captures (`zipage.engine.runner`); None (the
-    default) turns them on exactly where they are captured: on a GPU with `cuda_graphs`."""
-    device = resolve_device(device)
-    prefill_graphs = default_prefill_graphs(prefill_graphs, cuda_graphs, device)
-    if settings.dtype not in TORCH_DTYPES:
-        raise ConfigError(f"dtype: got {settings.dtype!r}, expected one of "
-                          f"{', '.join(TORCH_DTYPES)}")
-    dtype = TORCH_DTYPES[settings.dtype]
-    if settings.tensor_parallel != 1:  # one process per rank (docs/tensor_parallel.md)
-        from zipage.engine.parallel import build_parallel_engine
-
-        return build_parallel_engine(settings, device, dtype, cuda_graphs, prefill_graphs)
-    model, shape, tokenizer = load_model(settings.model, dtype, device)
-    config = effective_config(settings, shape)
-    settings, total, name = device_memory(settings, device)
-    capacity = plan_capacity(settings, shape, total, name)
-    if device.type == "cuda":
-        _check_fits(capacity, device)
-    # Fail fast on a capacity the core would refuse, before allocating caches for it.
-    Scheduler(config, capacity.num_blocks, capacity.num_query_slots)
-    runner = ModelRunner(model, shape, config, capacity, dtype, device, cuda_graphs=cuda_graphs,
-                         prefill_graphs=prefill_graphs)
-    if device.type == "cuda":
-        # Compile and allocate now, not inside the first requests' time to first token.
-        warm_up(runner, capacity.num_blocks)
-    return Engine(model, shape, tokenizer, config, capacity, runner, device)
-
-
-def device_memory(settings: ReplaySettings, device: torch.device
-                  ) -> tuple[ReplaySettings, int | None, str]:
-    """The memory `plan_capacity` plans and checks `--kv-memory-gb` against, and its name: the
-    GPU's total memory (what the simulator's hardware table holds), or on the CPU this host's
-    physical memory, with the CPU engine's default cache size where none was given."""
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        return settings, total, f"the GPU ({torch.cuda.get_device_name(device)})"
-    if settings.kv_memory_gb is None:
-        settings = replace(settings, kv_memory_gb=CPU_KV_MEMORY_GB)
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, OSError, ValueError):  # not a POSIX host: nothing to check against
-        total = None
-    return settings, total, "this host's memory"
-
-
-def _check_fits(capacity: MemoryPlan, device: torch.device) -> None:
-    """The planner works from the GPU's total memory (so the simulator plans the same capacity
-    for the same flags); refuse clearly if other processes left less than that free."""
-    free, _ = torch.cuda.mem_get_info(device)
-    needed = capacity.kv_bytes + capacity.query_bytes
-    if needed > free:
-        raise MemoryPlanError(
-            f"gpu memory: the caches need {needed / GIB:.1f} GiB but only {free / GIB:.1f} GiB "
-            "are free on the GPU (another process?); lower --gpu-memory-utilization or set "
-            "--kv-memory-gb")
+from zipage.errors import ConfigError
 
 
 @dataclass

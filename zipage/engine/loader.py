@@ -1,8 +1,11 @@
 """Turns a model spec into one of our models with its weights: a HF directory, a GGUF file, or random weights.
 
-- A HF model directory (`config.json` plus `*.safetensors`, sharded or not): the config becomes a
-  `ModelShape`, and each checkpoint tensor is copied into our parameters; the separate q/k/v and
-  gate/up projections land in their rows of our fused ones.
+The model's shape is the one `zipage.model_spec` reads (the simulator's), so the model the engine
+builds is the model both twins planned for.
+
+- A HF model directory (`config.json` plus `*.safetensors`, sharded or not): each checkpoint
+  tensor is copied into our parameters; the separate q/k/v and gate/up projections land in their
+  rows of our fused ones.
 - A `.gguf` file: parsed once (`gguf_file`); its tensors are dequantised, renamed to HF names and
   copied in exactly like a checkpoint's; transformers builds the tokenizer from its tokenizer keys.
 - `random:<preset>` (e.g. `random:qwen3-8b`, from `zipage.presets`, the table the simulator uses too):
@@ -27,16 +30,9 @@ from zipage.engine.layers import FusedLinear, RMSNorm
 from zipage.engine.models import MODEL_CLASSES
 from zipage.engine.models.llama import LlamaForCausalLM
 from zipage.errors import UnknownModelError
-from zipage.presets import (
-    ARCHITECTURES,
-    PRESETS,
-    ModelShape,
-    get_preset,
-    open_gguf,
-    read_config_json,
-    shape_from_gguf,
-    shape_from_hf_config,
-)
+from zipage.model_spec import ModelSpec, resolve_model
+from zipage.presets import PRESETS, get_preset
+from zipage.shape import ModelShape
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -57,25 +53,50 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def load_model(
-    spec: str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None
+    spec: str | ModelSpec, dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None
 ) -> tuple[LlamaForCausalLM, ModelShape, PreTrainedTokenizerBase | None]:
     """Build the model named by `spec` on `device` (default: CUDA if present, else CPU) in `dtype`.
 
-    Returns the model (inference only: no gradients), its shape, and its tokenizer (a transformers
-    tokenizer), or None for random weights and for directories that ship no tokenizer files.
+    `spec`: a `--model` value, or the `ModelSpec` `loadable_model` made of one (its GGUF file is
+    not parsed again). Returns the model (inference only: no gradients), its shape, and its
+    tokenizer (a transformers tokenizer), or None for random weights and for directories that
+    ship no tokenizer files.
     """
+    check_loadable(spec if isinstance(spec, str) else spec.spec)
+    model = resolve_model(spec) if isinstance(spec, str) else spec
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if model.path is None:
+        built = build_model(model.shape, dtype, device)
+        initialise_random(built, RANDOM_SEED)
+        return built, model.shape, None
+    if model.gguf is not None:
+        return _load_gguf(model, dtype, device)
+    return _load_hf_directory(model, dtype, device)
+
+
+def loadable_model(spec: str) -> ModelSpec:
+    """`spec` resolved as the simulator resolves it (`zipage.model_spec`), refused first, with
+    the fix, when the engine cannot get weights for it."""
+    check_loadable(spec)
+    return resolve_model(spec)
+
+
+def check_loadable(spec: str) -> None:
+    """Refuse a spec that names no weights: a preset without `random:`, a path that does not
+    exist or holds no model."""
     if spec.lower().startswith(RANDOM_PREFIX):
-        shape = get_preset(spec)
-        model = build_model(shape, dtype, device)
-        initialise_random(model, RANDOM_SEED)
-        return model, shape, None
+        return
     path = Path(spec).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, dtype, device)
-    if path.is_dir() and (path / "config.json").is_file():
-        return _load_hf_directory(path, dtype, device)
-    raise UnknownModelError(_unresolved_message(spec, path))
+    if not _is_gguf(path) and not _is_hf_directory(path):
+        raise UnknownModelError(_unresolved_message(spec, path))
+
+
+def _is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix == ".gguf"
+
+
+def _is_hf_directory(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file()
 
 
 def load_tokenizer(spec: str) -> PreTrainedTokenizerBase | None:
@@ -84,14 +105,13 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase | None:
     accepted `spec`: a path it refuses is refused here with the same message."""
     if spec.lower().startswith(RANDOM_PREFIX):
         return None
+    check_loadable(spec)
     path = Path(spec).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
+    if _is_gguf(path):
         from zipage.engine.gguf_file import gguf_tokenizer
 
         return gguf_tokenizer(path)
-    if path.is_dir() and (path / "config.json").is_file():
-        return _hf_tokenizer(path)
-    raise UnknownModelError(_unresolved_message(spec, path))
+    return _hf_tokenizer(path)
 
 
 def build_model(shape: ModelShape, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
@@ -179,27 +199,12 @@ def _expected_checkpoint_names(
 
 
 def _load_hf_directory(
-    directory: Path, dtype: torch.dtype, device: torch.device
+    model: ModelSpec, dtype: torch.dtype, device: torch.device
 ) -> tuple[LlamaForCausalLM, ModelShape, PreTrainedTokenizerBase | None]:
     from safetensors import safe_open
-    from transformers import AutoConfig
 
-    # AutoConfig rather than the raw json: it fills each architecture's defaults (Qwen3's head_dim is 128,
-    # not hidden/heads) and brings older rope_theta/rope_scaling keys into today's form. When it refuses
-    # the file, our own reading of the raw json names the field in one line; failing that, its reason.
-    raw = read_config_json(directory)
-    if raw.get("model_type") not in ARCHITECTURES:
-        shape_from_hf_config(raw, directory.name)  # refuses it in one line, before transformers warns
-    try:
-        config = AutoConfig.from_pretrained(directory).to_dict()
-    except Exception as error:  # noqa: BLE001 - transformers refusing a user's config.json
-        shape_from_hf_config(raw, directory.name)
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise UnknownModelError(f"model: {directory / 'config.json'}: transformers cannot read it "
-                                f"({reason})") from None
-    shape = shape_from_hf_config(config, directory.name)
-    files = _safetensors_files(directory)
-    model = build_model(shape, dtype, device)
+    files = _safetensors_files(model.path)
+    built = build_model(model.shape, dtype, device)
 
     def checkpoint_tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
@@ -208,8 +213,8 @@ def _load_hf_directory(
                     for name in reader.keys():
                         yield name, reader.get_tensor(name)
 
-    load_weights(model, checkpoint_tensors())
-    return model, shape, _hf_tokenizer(directory)
+    load_weights(built, checkpoint_tensors())
+    return built, model.shape, _hf_tokenizer(model.path)
 
 
 def _hf_tokenizer(directory: Path) -> PreTrainedTokenizerBase | None:
@@ -251,17 +256,15 @@ def _safetensors_files(directory: Path) -> list[Path]:
 
 
 def _load_gguf(
-    path: Path, dtype: torch.dtype, device: torch.device
+    model: ModelSpec, dtype: torch.dtype, device: torch.device
 ) -> tuple[LlamaForCausalLM, ModelShape, PreTrainedTokenizerBase]:
-    """One parse of the file gives the shape and the weights (`gguf_file`); the tokenizer reads
-    only its own keys."""
+    """The reader that gave the shape gives the weights (`gguf_file`); the tokenizer reads only
+    its own keys."""
     from zipage.engine.gguf_file import gguf_tensors, gguf_tokenizer
 
-    reader = open_gguf(path)
-    shape = shape_from_gguf(path, reader)
-    model = build_model(shape, dtype, device)
-    load_weights(model, gguf_tensors(reader, shape, path))
-    return model, shape, gguf_tokenizer(path)
+    built = build_model(model.shape, dtype, device)
+    load_weights(built, gguf_tensors(model.gguf, model.shape, model.path))
+    return built, model.shape, gguf_tokenizer(model.path)
 
 
 def _unresolved_message(spec: str, path: Path) -> str:

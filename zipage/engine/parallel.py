@@ -41,11 +41,14 @@ from multiprocessing.connection import Connection, wait
 
 import torch
 
+from zipage.config import ZipageConfig
+from zipage.core.memory import MemoryPlan
 from zipage.core.step import CompressionBatch, CompressionJob, PrefillItem, StepPlan
 from zipage.engine.distributed import ShardGroup, set_shard_group, shard_group
 from zipage.engine.runner import ModelRunner
-from zipage.engine.sharding import ShardLayout, check_tensor_parallel, load_shard
+from zipage.engine.sharding import ShardLayout, load_shard
 from zipage.errors import ConfigError, ZipageError
+from zipage.shape import ModelShape
 
 TIMEOUT_ENV = "ZIPAGE_TP_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
@@ -58,64 +61,24 @@ class TensorParallelError(ZipageError):
     """A rank failed; the message names it."""
 
 
-# ---------------------------------------------------------------------- building (rank 0)
+# ---------------------------------------------------------------------- starting (rank 0)
 
 
-def build_parallel_engine(settings, device: torch.device, dtype: torch.dtype, cuda_graphs: bool,
-                          prefill_graphs: bool = False):
-    """The `Engine` of `build_engine` for `settings.tensor_parallel` > 1 ranks."""
-    from zipage.core.deployment import effective_config, plan_capacity
-    from zipage.core.scheduler import Scheduler
-    from zipage.engine.llm import Engine, _check_fits, device_memory
-
-    world = settings.tensor_parallel
-    shape = full_shape(settings.model)
-    check_tensor_parallel(shape, world)
-    devices = rank_devices(device, world)
-    config = effective_config(settings, shape)
-    settings, total, name = device_memory(settings, devices[0])
-    capacity = plan_capacity(settings, shape, total, name)  # per GPU: heads divided by the ranks
-    Scheduler(config, capacity.num_blocks, capacity.num_query_slots)
-    if device.type == "cuda":
-        _check_fits(capacity, devices[0])
-    setup = dict(world=world, model=settings.model, shape=shape, config=config,
+def start_ranks(model: str, shape: ModelShape, config: ZipageConfig, capacity: MemoryPlan,
+                dtype: torch.dtype, devices: list[torch.device], cuda_graphs: bool,
+                prefill_graphs: bool) -> "TensorParallelExecutor":
+    """Rank 0's executor over one rank per device: a worker process for each further rank, every
+    rank loading its shard of `model` (`shape`: the whole model's; `capacity`: per GPU)."""
+    setup = dict(world=len(devices), model=model, shape=shape, config=config,
                  capacity=capacity, dtype=dtype, cuda_graphs=cuda_graphs,
                  prefill_graphs=prefill_graphs,
                  timeout_s=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
-    executor = TensorParallelExecutor.start(setup, devices)
-    if device.type == "cuda":
-        # As on one GPU (zipage.engine.warmup): compile and allocate now, on every rank, not in
-        # the first compression of a run (3.9 s on Qwen3-32B at TP=2 before this).
-        from zipage.engine.warmup import warm_up
-
-        try:
-            warm_up(executor, capacity.num_blocks)
-        except BaseException:
-            executor.shutdown()  # the workers go with the failed build
-            raise
-    return Engine(executor.runner.model, shape, executor.tokenizer, config, capacity, executor,
-                  devices[0])
-
-
-def full_shape(spec: str):
-    """The whole model's shape, read the way the loader reads it (without the weights)."""
-    from pathlib import Path
-
-    from zipage.engine.loader import RANDOM_PREFIX
-    from zipage.presets import get_preset, resolve_shape, shape_from_hf_config
-
-    if spec.lower().startswith(RANDOM_PREFIX):
-        return get_preset(spec)
-    path = Path(spec).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
-        from transformers import AutoConfig
-
-        return shape_from_hf_config(AutoConfig.from_pretrained(path).to_dict(), path.name)
-    return resolve_shape(spec)
+    return TensorParallelExecutor.start(setup, devices)
 
 
 def rank_devices(device: torch.device, world: int) -> list[torch.device]:
-    if device.type != "cuda":
+    """The device of each rank: `device` and the GPUs after it (on the CPU, `device` for all)."""
+    if device.type != "cuda" or world == 1:
         return [device] * world
     first = device.index or 0
     visible = torch.cuda.device_count()

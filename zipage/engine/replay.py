@@ -11,7 +11,7 @@ from __future__ import annotations
 from zipage.core.deployment import ReplaySettings, run_summary, trace_sequences
 from zipage.core.recorder import Run
 from zipage.core.sampling import SamplingParams
-from zipage.engine.llm import build_engine
+from zipage.engine.builder import build_engine
 from zipage.engine.loop import EngineLoop
 from zipage.trace import Trace
 

@@ -69,7 +69,7 @@ def main(fd: int) -> int:
 
 def build(setup: Setup):
     """The engine, and the torch thread count on the CPU (set before any torch work)."""
-    from zipage.engine.llm import build_engine
+    from zipage.engine.builder import build_engine
 
     threads = None
     if setup.device == "cpu":

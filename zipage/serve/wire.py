@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Setup:
-    """How to build the engine (`zipage.engine.llm.build_engine`'s arguments)."""
+    """How to build the engine (`zipage.engine.builder.build_engine`'s arguments)."""
 
     settings: ReplaySettings
     device: str  # "cuda" or "cpu"
