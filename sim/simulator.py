@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import simpy
 
-from zipage.core.recorder import Run, StepRecorder
+from zipage.core.recorder import RecordSink, Run, StepRecorder
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.core.step import IDLE, StepPlan, StepResult
@@ -38,12 +38,14 @@ class Simulator:
 
     def __init__(self, scheduler: Scheduler, cost_model: CostModel, *, check: bool = False,
                  log_decisions: bool = False, progress: bool = False,
-                 env: simpy.Environment | None = None, total: int | None = None) -> None:
+                 env: simpy.Environment | None = None, total: int | None = None,
+                 sink: RecordSink | None = None) -> None:
         self.scheduler = scheduler
         self.cost_model = cost_model
         # `total`: requests the progress bar expects (a router that shares one clock knows it).
         self.recorder = StepRecorder(scheduler, check=check, log_decisions=log_decisions,
-                                     progress=progress, total=total, keep_sequences=False)
+                                     progress=progress, total=total, keep_sequences=False,
+                                     sink=sink)
         self.env = env or simpy.Environment()
         self._completed_batches: list[int] = []
         self._compression_done: simpy.Event | None = None
