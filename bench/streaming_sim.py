@@ -100,8 +100,10 @@ def replay(path: Path, flags: list[str]) -> dict:
     import json
 
     summary = json.loads(child.stdout)
-    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return {"summary": summary, "wall_s": wall, "peak_rss_gb": peak_kib / 2**20}
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # CPU time (user + system) does not move with the load of a shared machine; wall time does.
+    return {"summary": summary, "wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime,
+            "peak_rss_gb": usage.ru_maxrss / 2**20, "load": os.getloadavg()[0]}
 
 
 def main() -> None:
@@ -111,6 +113,8 @@ def main() -> None:
     parser.add_argument("--speedup", type=float, default=4.0)
     parser.add_argument("--source", default=None, help="the Azure conversation CSV to tile")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep", default=None, metavar="PATH",
+                        help="also save the generated trace here (to profile or replay it again)")
     parser.add_argument("--flags", default="--model qwen3-8b --hardware h200",
                         help="zipage replay flags (default: %(default)s)")
     args = parser.parse_args()
@@ -121,6 +125,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / f"{args.shape}.jsonl.gz"
         save_trace(trace, path)
+        if args.keep:
+            save_trace(trace, args.keep)
         del trace
         result = replay(path, args.flags.split())
     summary = result["summary"]
@@ -129,6 +135,8 @@ def main() -> None:
             ("makespan (simulated)", f"{summary['makespan_s']:,.0f} s"),
             ("simulation wall", f"{summary['wall_s']:.1f} s"),
             ("process wall (load + simulate)", f"{result['wall_s']:.1f} s"),
+            ("process CPU (user + system)", f"{result['cpu_s']:.1f} s"),
+            ("load average (1 min, at the end)", f"{result['load']:.1f}"),
             ("peak RSS", f"{result['peak_rss_gb']:.2f} GB")]
     for name, value in rows:
         print(f"{name:32s} {value}")

@@ -19,7 +19,7 @@ from zipage.core.deployment import (
     run_summary,
 )
 from zipage.core.memory import MemoryPlan
-from zipage.core.recorder import Run
+from zipage.core.recorder import RecordSink, Run
 from zipage.core.scheduler import Scheduler
 from zipage.hardware import get_hardware
 from zipage.model_spec import resolve_shape
@@ -67,7 +67,11 @@ def plan_deployment(settings: ReplaySettings,
 
 def simulate(trace: Trace, settings: ReplaySettings, *, progress: bool = False,
              log_decisions: bool = False, check: bool = False,
-             contention_factor: float | None = None) -> tuple[dict, Run]:
+             contention_factor: float | None = None,
+             sink: RecordSink | None = None) -> tuple[dict, Run]:
+    """Simulate `trace`; with a `sink` the run is streamed: its records go to the sink as they
+    are made (`zipage.rundir.RunWriter`) and the returned `Run` keeps none but the failed
+    requests."""
     deployment = plan_deployment(settings, contention_factor)
     scheduler = deployment.new_scheduler()
     sequences = iter_trace_sequences(
@@ -75,6 +79,6 @@ def simulate(trace: Trace, settings: ReplaySettings, *, progress: bool = False,
         block_keys=True, in_arrival_order=True)
     simulator = Simulator(scheduler, deployment.cost_model, check=check,
                           log_decisions=log_decisions, progress=progress,
-                          total=len(trace.requests))
+                          total=len(trace.requests), sink=sink)
     run = simulator.run(sequences, in_arrival_order=True)
     return deployment.summary(run.summary, settings), run

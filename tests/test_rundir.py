@@ -71,16 +71,12 @@ class Killed(Exception):
 def test_a_write_failing_midway_leaves_the_old_run_whole(tmp_path, simulated, monkeypatch):
     out = write_simulated(tmp_path / "run", simulated, trace="old")
     before = {path.name: path.read_bytes() for path in out.iterdir()}
-    written = []
-    real_write_csv = rundir._write_csv
 
-    def write_csv_then_die(path, columns, records):
-        if written:
-            raise Killed  # after the first file of the new run
-        written.append(path)
-        real_write_csv(path, columns, records)
+    def die(writer, record):
+        assert writer.rows[rundir.STEPS_FILE] > 0  # after the whole first file of the new run
+        raise Killed
 
-    monkeypatch.setattr(rundir, "_write_csv", write_csv_then_die)
+    monkeypatch.setattr(rundir.RunWriter, "request", die)
     with pytest.raises(Killed):
         write_simulated(out, simulated, trace="new")
     assert {path.name: path.read_bytes() for path in out.iterdir()} == before
@@ -99,11 +95,9 @@ from zipage.core.deployment import ReplaySettings
 from zipage.sim.simulate import simulate
 from zipage.trace import load_trace
 
-real = rundir._write_csv
-def write_then_die(path, columns, records):
-    real(path, columns, records)
+def write_then_die(writer, record):  # after the new run's whole steps.csv
     os.kill(os.getpid(), signal.SIGKILL)
-rundir._write_csv = write_then_die
+rundir.RunWriter.request = write_then_die
 summary, run = simulate(load_trace({TINY_TRACE!r}), ReplaySettings(), log_decisions=True)
 rundir.write_run({str(out)!r}, {{**summary, "trace": "new"}}, run.steps, run.requests,
                  run.decision_log)

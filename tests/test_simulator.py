@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import simpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import MODES, cases, mode_seed
@@ -98,6 +99,33 @@ def check_random_timing(case, seed: int) -> None:
     accepted = [seq for seq in sequences if seq.error is None]
     assert run.summary["completed"] == len(accepted)
     assert all(seq.num_output_tokens == seq.max_output_tokens for seq in accepted)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_plain_clock_runs_exactly_the_simpy_processes(mode):
+    # `Simulator.run` on its own clock skips SimPy; on a SimPy environment it runs the processes.
+    # Random step and compression times (zero-length batches included: a batch ending with a
+    # step) and arrivals during steps: the same decisions, step times and request times.
+    @mode_seed(mode)
+    @settings(max_examples=60)
+    @given(case=cases(mode), seed=st.integers(0, 1000))
+    def check(case, seed):
+        runs = []
+        for env in (None, simpy.Environment()):
+            sequences = case.sequences()
+            for seq in sequences:  # arrivals in seconds, some of them during steps
+                seq.arrival_s = seq.arrival_s * 0.05
+            scheduler = Scheduler(case.config, case.num_blocks, case.num_slots)
+            runs.append(Simulator(scheduler, RandomCostModel(seed), log_decisions=True,
+                                  env=env).run(sequences))
+        plain, simulated = runs
+        assert plain.decision_log == simulated.decision_log
+        assert [(s.t_start, s.t_end) for s in plain.steps] == [
+            (close(s.t_start), close(s.t_end)) for s in simulated.steps]
+        assert [(r.id, r.first_token, r.finish) for r in plain.requests] == [
+            (r.id, close(r.first_token), close(r.finish)) for r in simulated.requests]
+
+    check()
 
 
 def simulate_tiny_beside_instant(config: ZipageConfig):

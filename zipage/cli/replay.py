@@ -62,21 +62,20 @@ def cmd_replay(args: argparse.Namespace) -> int:
     # On stderr, only at a terminal: never mixed into --json's stdout.
     show_progress = progress_wanted(args)
     engine = "gpu" if args.gpu else args.engine
+    # The simulator streams its run into --out itself (`_simulate_streamed`).
+    streamed = engine == "sim" and args.step_times is None
     if args.step_times is not None:
         from zipage.sim.step_replay import replay_step_times
 
         summary, run = replay_step_times(trace, args.step_times, progress=show_progress)
-    elif engine == "sim":
-        from zipage.sim.simulate import simulate
-
-        summary, run = simulate(trace, settings, progress=show_progress,
-                                log_decisions=_log_decisions(args))
+    elif streamed:
+        summary, run = _simulate_streamed(trace, settings, args, show_progress)
     else:
         summary, run = _replay_on_engine(trace, settings, engine, args, show_progress)
     summary = {"trace": trace.name, **summary}
-    if args.out is not None:
+    if args.out is not None and not streamed:
         from zipage.analysis.timeline import plot_run
-        from zipage.rundir import DECISION_FORMATS, write_run
+        from zipage.rundir import write_run
 
         write_run(args.out, summary, run.steps, run.requests, run.decision_log,
                   decisions=args.decisions, finish=plot_run)
@@ -98,10 +97,35 @@ def cmd_replay(args: argparse.Namespace) -> int:
         if len(failed) > 5:
             print(f"  ... and {len(failed) - 5} more" + (" (requests.csv)" if args.out else ""))
         if args.out is not None:
+            from zipage.rundir import DECISION_FORMATS
+
             log = DECISION_FORMATS[args.decisions]
             print(f"wrote {args.out}/summary.json, steps.csv, requests.csv, "
                   + (f"{log}, " if log else "") + "timeline.png")
     return run_status(summary)
+
+
+def _simulate_streamed(trace, settings, args: argparse.Namespace, progress: bool):
+    """The simulator's run, streamed: with --out its records are written to the run directory
+    as they are made (summary.json and the timeline at the end), without it only the summary is
+    gathered, so memory follows the requests in flight, not the trace's length."""
+    from zipage.core.recorder import RecordSink
+    from zipage.sim.simulate import simulate
+
+    if args.out is None:
+        return simulate(trace, settings, progress=progress, sink=RecordSink())
+    from zipage.analysis.timeline import plot_run
+    from zipage.rundir import RunWriter
+
+    writer = RunWriter(args.out, args.decisions)
+    try:
+        summary, run = simulate(trace, settings, progress=progress,
+                                log_decisions=_log_decisions(args), sink=writer)
+    except BaseException:
+        writer.discard()
+        raise
+    writer.close({"trace": trace.name, **summary}, finish=plot_run)
+    return summary, run
 
 
 def _replay_on_engine(trace, settings, engine: str, args, progress: bool):

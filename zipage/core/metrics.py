@@ -1,13 +1,17 @@
 """Per-step and per-request records, one schema for the simulator and the real engine.
 
 Every driver calls `MetricsRecorder.record_step(plan, result)` after `Scheduler.finish`, and
-`request_records(scheduler)` at the end. `summarize` turns both into the summary every report
+`request_records(scheduler)` at the end. `RunTotals` gathers the summary record by record, so a
+streamed run (records written out as they are made, docs/architecture.md, 'Simulator') needs
+none of them kept. `summarize` turns both into the summary every report
 prints (docs/architecture.md, 'Traces and metrics'): TPS = output tokens / (last finish - first
 arrival); TPOT of a request = (finish - first token) / (output_len - 1).
 """
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Callable, Iterable
 from dataclasses import MISSING, dataclass, fields
 
 from zipage.core.sequence import Sequence, SequenceStatus
@@ -75,27 +79,35 @@ REQUEST_COLUMN_DEFAULTS = {f.name: f.default for f in fields(RequestRecord)
 
 
 class MetricsRecorder:
-    def __init__(self, num_blocks: int) -> None:
+    """Turns each finished step into its `StepRecord`: kept in `steps`, or, with a `sink`
+    (`sink(record)`: a streamed run writes it out), handed on and dropped. Either way `totals`
+    keeps what the summary needs."""
+
+    def __init__(self, num_blocks: int, sink: Callable[[StepRecord], object] | None = None) -> None:
         self.num_blocks = num_blocks
         self.steps: list[StepRecord] = []
+        self.totals = RunTotals()
+        self._sink = sink
 
     def record_step(self, plan: StepPlan, result: StepResult) -> None:
-        self.steps.append(StepRecord(
-            step_id=plan.step_id, t_start=result.t_start, t_end=result.t_end, kind=plan.kind,
-            n_prefill=len(plan.prefill), n_decode=len(plan.decode),
-            n_compress=len(plan.compress_sync) + (
-                len(plan.compress_launch.jobs) if plan.compress_launch else 0),
-            n_running=plan.num_running, n_waiting=plan.num_waiting,
-            blocks_used=plan.blocks_used, blocks_total=self.num_blocks,
-            slots_used=plan.slots_used, preempted=len(plan.preempted),
-            prefill_tokens=plan.num_prefill_tokens,
-            decode_context_tokens=plan.decode_context_tokens,
-            batches_done=len(result.completed_batches),
-            attention_pairs=sum(item.attention_pairs for item in plan.prefill),
-            compress_blocks=sum(job.num_source_blocks for job in plan.compressions),
-            prefix_hit_tokens=plan.prefix_hit_tokens,
-            decode_max_context=plan.decode_max_context,
-        ))
+        # Positional, and no generator for the empty lists of a plain decode step: this runs
+        # once a step, millions of times on a day of traffic.
+        prefill, launch = plan.prefill, plan.compress_launch
+        compressions = plan.compress_sync + launch.jobs if launch else plan.compress_sync
+        record = StepRecord(
+            plan.step_id, result.t_start, result.t_end, plan.kind, len(prefill),
+            len(plan.decode), len(compressions), plan.num_running, plan.num_waiting,
+            plan.blocks_used, self.num_blocks, plan.slots_used, len(plan.preempted),
+            plan.num_prefill_tokens if prefill else 0, plan.decode_context_tokens,
+            len(result.completed_batches),
+            sum(item.attention_pairs for item in prefill) if prefill else 0,
+            sum(job.num_source_blocks for job in compressions) if compressions else 0,
+            plan.prefix_hit_tokens, plan.decode_max_context)
+        self.totals.add_step(record)
+        if self._sink is None:
+            self.steps.append(record)
+        else:
+            self._sink(record)
 
 
 def request_record(seq: Sequence) -> RequestRecord:
@@ -117,64 +129,127 @@ def request_records(sequences: list[Sequence]) -> list[RequestRecord]:
     return [request_record(seq) for seq in sequences]
 
 
-def summarize(steps: list[StepRecord], requests: list[RequestRecord]) -> dict:
+def summarize(steps: Iterable[StepRecord], requests: Iterable[RequestRecord]) -> dict:
     """The run's headline numbers (keys shared by every driver's `--json`)."""
-    done = [r for r in requests if r.status == SequenceStatus.FINISHED.value]
-    aborted = [r for r in requests if r.status == SequenceStatus.ABORTED.value]
-    output_tokens = sum(r.output_len for r in done)
-    if done:
-        start = min(r.arrival for r in requests)
-        makespan = max(r.finish for r in done) - start
-    else:
-        makespan = 0.0
-    tpots = [(r.finish - r.first_token) / (r.output_len - 1) for r in done if r.output_len > 1]
-    busy = [s for s in steps if s.kind != "idle"]
-    weighted_time = sum(s.t_end - s.t_start for s in steps)
-    if weighted_time > 0:
-        mean_running = sum(s.n_running * (s.t_end - s.t_start) for s in steps) / weighted_time
-    else:
-        mean_running = sum(s.n_running for s in steps) / len(steps) if steps else 0.0
-    compressed = [r.max_blocks_held_after_first_compression for r in done if r.n_compressions]
-    kept = [r.kept_budget for r in done if r.kept_budget is not None]
-    ttfts = [r.first_token - r.arrival for r in done]
-    latency = {}
-    for name, values, scale in (("ttft", ttfts, 1.0), ("tpot", tpots, 1000.0)):
-        unit = "s" if name == "ttft" else "ms"
-        for percent in (50, 90, 99):
-            latency[f"{name}_p{percent}_{unit}"] = scale * percentile(values, percent)
-    return {
-        "requests": len(requests),
-        "completed": len(done),
-        "failed": len(requests) - len(done) - len(aborted),
-        "aborted": len(aborted),  # their clients went away (a server's Scheduler.abort)
-        "output_tokens": output_tokens,
-        "makespan_s": makespan,
-        "tps": output_tokens / makespan if makespan > 0 else 0.0,
-        "mean_tpot_ms": 1000.0 * sum(tpots) / len(tpots) if tpots else 0.0,
-        "mean_ttft_s": sum(ttfts) / len(ttfts) if ttfts else 0.0,
-        **latency,
-        "peak_running": max((s.n_running for s in steps), default=0),
-        "mean_running": mean_running,
-        "preemptions": sum(s.preempted for s in steps),
-        "compressions": sum(r.n_compressions for r in requests),
-        # Prompt tokens computed (recomputation after preemption included) and taken from the
-        # prefix cache instead.
-        "prefill_tokens": sum(s.prefill_tokens for s in steps),
-        "prefix_hit_tokens": sum(s.prefix_hit_tokens for s in steps),
-        "max_blocks_after_compress": max(compressed, default=0),
-        # Mean over finished requests whose budget bound them of the KV budget they kept: the
-        # configured budget under the fixed policy, more under the elastic one (None: no
-        # request's budget bound it).
-        "mean_kept_budget": sum(kept) / len(kept) if kept else None,
-        "steps": len(busy),
-    }
+    totals = RunTotals()
+    for step in steps:
+        totals.add_step(step)
+    for request in requests:
+        totals.add_request(request)
+    return totals.summary()
 
 
-def percentile(values: list[float], percent: float) -> float:
+class RunTotals:
+    """What `summarize` needs of a run, gathered one record at a time, so that a streamed run
+    (its records written out as they are made) has its summary without keeping them: sums,
+    counts and extremes, plus each finished request's TTFT and TPOT (16 bytes a request) for
+    the percentiles. Sums are taken in record order, as `sum` over the lists did, so both give
+    the same floats."""
+
+    def __init__(self) -> None:
+        self.requests = self.done = self.aborted = self.output_tokens = 0
+        self.first_arrival: float | None = None
+        self.last_finish: float | None = None
+        self.ttfts, self.tpots = array("d"), array("d")
+        self.ttft_sum = self.tpot_sum = 0.0
+        self.compressions = self.max_blocks_after_compress = 0
+        self.kept_sum, self.kept_count = 0.0, 0
+        self.steps = self.busy_steps = self.peak_running = self.running_sum = 0
+        self.weighted_time = self.weighted_running = 0.0
+        self.preemptions = self.prefill_tokens = self.prefix_hit_tokens = 0
+
+    def add_step(self, s: StepRecord) -> None:
+        self.steps += 1
+        if s.kind != "idle":
+            self.busy_steps += 1
+        duration = s.t_end - s.t_start
+        self.weighted_time += duration
+        self.weighted_running += s.n_running * duration
+        self.running_sum += s.n_running
+        if s.n_running > self.peak_running:
+            self.peak_running = s.n_running
+        self.preemptions += s.preempted
+        self.prefill_tokens += s.prefill_tokens
+        self.prefix_hit_tokens += s.prefix_hit_tokens
+
+    def add_request(self, r: RequestRecord) -> None:
+        self.requests += 1
+        self.compressions += r.n_compressions
+        if self.first_arrival is None or r.arrival < self.first_arrival:
+            self.first_arrival = r.arrival
+        if r.status == FINISHED:
+            self._add_done(r)
+        elif r.status == ABORTED:
+            self.aborted += 1
+
+    def _add_done(self, r: RequestRecord) -> None:
+        self.done += 1
+        self.output_tokens += r.output_len
+        if self.last_finish is None or r.finish > self.last_finish:
+            self.last_finish = r.finish
+        ttft = r.first_token - r.arrival
+        self.ttfts.append(ttft)
+        self.ttft_sum += ttft
+        if r.output_len > 1:
+            tpot = (r.finish - r.first_token) / (r.output_len - 1)
+            self.tpots.append(tpot)
+            self.tpot_sum += tpot
+        if r.n_compressions and r.max_blocks_held_after_first_compression > \
+                self.max_blocks_after_compress:
+            self.max_blocks_after_compress = r.max_blocks_held_after_first_compression
+        if r.kept_budget is not None:
+            self.kept_sum += r.kept_budget
+            self.kept_count += 1
+
+    def summary(self) -> dict:
+        makespan = self.last_finish - self.first_arrival if self.done else 0.0
+        if self.weighted_time > 0:
+            mean_running = self.weighted_running / self.weighted_time
+        else:
+            mean_running = self.running_sum / self.steps if self.steps else 0.0
+        latency = {}
+        for name, values, scale in (("ttft", self.ttfts, 1.0), ("tpot", self.tpots, 1000.0)):
+            unit = "s" if name == "ttft" else "ms"
+            ordered = sorted(values)
+            for percent in (50, 90, 99):
+                latency[f"{name}_p{percent}_{unit}"] = scale * percentile(ordered, percent, True)
+        tpots, ttfts = len(self.tpots), len(self.ttfts)
+        return {
+            "requests": self.requests,
+            "completed": self.done,
+            "failed": self.requests - self.done - self.aborted,
+            "aborted": self.aborted,  # their clients went away (a server's Scheduler.abort)
+            "output_tokens": self.output_tokens,
+            "makespan_s": makespan,
+            "tps": self.output_tokens / makespan if makespan > 0 else 0.0,
+            "mean_tpot_ms": 1000.0 * self.tpot_sum / tpots if tpots else 0.0,
+            "mean_ttft_s": self.ttft_sum / ttfts if ttfts else 0.0,
+            **latency,
+            "peak_running": self.peak_running,
+            "mean_running": mean_running,
+            "preemptions": self.preemptions,
+            "compressions": self.compressions,
+            # Prompt tokens computed (recomputation after preemption included) and taken from
+            # the prefix cache instead.
+            "prefill_tokens": self.prefill_tokens,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "max_blocks_after_compress": self.max_blocks_after_compress,
+            # Mean over finished requests whose budget bound them of the KV budget they kept:
+            # the configured budget under the fixed policy, more under the elastic one (None: no
+            # request's budget bound it).
+            "mean_kept_budget": self.kept_sum / self.kept_count if self.kept_count else None,
+            "steps": self.busy_steps,
+        }
+
+
+FINISHED, ABORTED = SequenceStatus.FINISHED.value, SequenceStatus.ABORTED.value
+
+
+def percentile(values: list[float] | array, percent: float, sorted_already: bool = False) -> float:
     """Linear-interpolated percentile (numpy's default), 0.0 for no values."""
     if not values:
         return 0.0
-    ordered = sorted(values)
+    ordered = values if sorted_already else sorted(values)
     position = (len(ordered) - 1) * percent / 100
     lower = int(position)
     upper = min(lower + 1, len(ordered) - 1)

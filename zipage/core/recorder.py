@@ -11,6 +11,10 @@ A driver owns a clock and an executor; everything else about a step goes through
 
 The instant driver, the simulator and the real engine therefore log, check, measure and report a
 step identically; they differ only in how long a step takes and what it computes.
+
+A streamed run gives the recorder a `RecordSink`: each step record, decision line and finished
+request's record goes to it as it is made (`zipage.rundir.RunWriter` writes them to the run
+directory) and is not kept, so memory follows the requests in flight, not the run's length.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from zipage.core.invariants import InvariantChecker
-from zipage.core.metrics import MetricsRecorder, RequestRecord, StepRecord, request_records, summarize
+from zipage.core.metrics import MetricsRecorder, RequestRecord, RunTotals, StepRecord, request_records
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.core.step import StepPlan, StepResult
@@ -27,7 +31,9 @@ from zipage.core.step import StepPlan, StepResult
 
 @dataclass
 class Run:
-    """A finished run of any driver."""
+    """A finished run of any driver. A streamed run's records went to its sink: `steps` and
+    `decision_log` are then empty and `requests` holds only the failed ones (what a caller
+    reports)."""
 
     summary: dict
     steps: list[StepRecord]
@@ -37,10 +43,24 @@ class Run:
     tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
+class RecordSink:
+    """Where a streamed run's records go as they are made; this one drops them (a run whose
+    summary is all that is wanted)."""
+
+    def step(self, record: StepRecord) -> None:
+        pass
+
+    def request(self, record: RequestRecord) -> None:
+        pass
+
+    def decision(self, line: str) -> None:
+        pass
+
+
 class StepRecorder:
     def __init__(self, scheduler: Scheduler, *, check: bool = False, log_decisions: bool = False,
                  progress: bool = False, total: int | None = None,
-                 keep_sequences: bool = True) -> None:
+                 keep_sequences: bool = True, sink: RecordSink | None = None) -> None:
         self.scheduler = scheduler
         # Without a checker (which reads every finished request at the end) and when the driver
         # does not hand finished sequences to anybody, each becomes its record as it finishes
@@ -50,10 +70,14 @@ class StepRecorder:
         self.checker = InvariantChecker(scheduler) if check else None
         self.log_decisions = log_decisions
         self.decision_log: list[str] = []
-        self.metrics = MetricsRecorder(scheduler.block_manager.num_blocks)
+        self.sink = sink
+        self._log = sink.decision if sink is not None else self.decision_log.append
+        self.metrics = MetricsRecorder(scheduler.block_manager.num_blocks,
+                                       sink.step if sink is not None else None)
         self._bar = progress_bar(total, "requests", "req") if progress else None
         self._stopped: set = set()  # requests the engine stopped at an end-of-sequence token
         self._started = time.perf_counter()
+        self._run: Run | None = None
 
     def add(self, seq: Sequence) -> bool:
         """Queue a request; False if the core rejected it (it failed alone, with a reason)."""
@@ -71,7 +95,7 @@ class StepRecorder:
         if plan is None:
             return None
         if self.log_decisions:
-            self.decision_log.append(plan.describe())
+            self._log(plan.describe())
         if self.checker:
             self.checker.after_schedule(plan)
             self.checker.record_plan_writes(plan)
@@ -82,8 +106,8 @@ class StepRecorder:
         finished_before = len(scheduler.finished)
         scheduler.finish(result)
         newly_finished = len(scheduler.finished) - finished_before
-        if not self.keep_sequences:
-            self._records += request_records(scheduler.finished)
+        if not self.keep_sequences and scheduler.finished:
+            self._keep_records(request_records(scheduler.finished))
             scheduler.finished.clear()
         self._stopped |= result.stopped
         self.metrics.record_step(plan, result)
@@ -92,7 +116,10 @@ class StepRecorder:
         self._advance(newly_finished)
 
     def result(self, tokens: dict[str, list[int]] | None = None) -> Run:
-        """Close the run: final checks, per-request records and the summary."""
+        """Close the run: final checks, per-request records and the summary (once: a second
+        call returns the same run)."""
+        if self._run is not None:
+            return self._run
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -100,11 +127,27 @@ class StepRecorder:
         if self.checker:
             # Only requests the engine stopped at an EOS may end short of their output length.
             self.checker.at_end(self._stopped)
-        requests = self._records + request_records(
-            scheduler.finished + scheduler.rejected + scheduler.aborted)
-        summary = summarize(self.metrics.steps, requests)
+        self._keep_records(request_records(
+            scheduler.finished + scheduler.rejected + scheduler.aborted))
+        summary = self.metrics.totals.summary()
         summary["wall_s"] = time.perf_counter() - self._started
-        return Run(summary, self.metrics.steps, requests, self.decision_log, tokens or {})
+        self._run = Run(summary, self.metrics.steps, self._records, self.decision_log,
+                        tokens or {})
+        return self._run
+
+    def _keep_records(self, records: list[RequestRecord]) -> None:
+        """Count requests into the summary, in the order `Run.requests` lists them, and keep
+        them, or hand them to the sink (keeping the failed ones)."""
+        totals = self.metrics.totals
+        for record in records:
+            totals.add_request(record)
+        if self.sink is None:
+            self._records += records
+            return
+        for record in records:
+            self.sink.request(record)
+            if record.error is not None:
+                self._records.append(record)
 
     def forget(self) -> None:
         """Drop everything kept per step and per finished request for `result` (step records,
@@ -116,9 +159,11 @@ class StepRecorder:
         scheduler.rejected.clear()
         scheduler.admission_order.clear()
         self.metrics.steps.clear()
+        self.metrics.totals = RunTotals()
         self.decision_log.clear()
         self._stopped.clear()
         self._records.clear()
+        self._run = None
 
     def _advance(self, count: int) -> None:
         if count and self._bar is not None:
