@@ -52,7 +52,7 @@ from zipage.engine.loop import EngineLoop
 from zipage.engine.runner import ModelRunner
 from zipage.kernels.compress import compress
 from zipage.kernels.compress_ref import CompressionParams, kept_entries, write_kept_entries
-from zipage.presets import ModelShape
+from zipage.shape import ModelShape
 
 GIB = 1024**3
 SINK_ENTRIES = 4  # StreamingLLM's attention sinks: the first four tokens

@@ -27,7 +27,8 @@ import triton.testing
 
 from zipage.engine.layers import RotaryEmbedding
 from zipage.kernels import fused_ops_ref, fused_ops_triton
-from zipage.presets import ModelShape, get_preset
+from zipage.presets import get_preset
+from zipage.shape import ModelShape
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16

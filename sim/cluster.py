@@ -22,10 +22,11 @@ from collections import Counter
 import simpy
 
 from zipage.core.deployment import ReplaySettings, trace_sequences
-from zipage.core.metrics import StepRecord, summarize
+from zipage.core.metrics import summarize
 from zipage.core.routing import ROUND_ROBIN, ROUTING_POLICIES, RoundRobin, make_policy
 from zipage.core.sequence import Sequence
 from zipage.errors import ConfigError
+from zipage.records import StepRecord
 from zipage.sim.simulate import plan_deployment
 from zipage.sim.simulator import Simulator
 from zipage.trace import Trace

@@ -15,13 +15,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from zipage.core.step import causal_pairs
-from zipage.errors import ConfigError
-from zipage.hardware import GPUSpec
-from zipage.profile import check_knob_names
-from zipage.shape import ModelShape
 
 if TYPE_CHECKING:
     from zipage.core.step import CompressionBatch, CompressionJob, StepPlan
@@ -125,22 +121,3 @@ class CostModel(ABC):
                           kept_blocks: Sequence[int] | None = None) -> float:
         """A compression batch of requests holding `blocks[i]` source blocks each and keeping
         `kept_blocks[i]` (None: the configured budget, N_max - 1 blocks, each)."""
-
-
-def load_cost_model(spec: str, shape: ModelShape, gpu: GPUSpec, **knobs: Any) -> CostModel:
-    """"analytic", a profile JSON path, or the name of a profile shipped in sim/profiles/."""
-    # Imported here: both implement the interface this module defines.
-    from zipage.sim.analytic import AnalyticCostModel
-    from zipage.sim.calibrated import CalibratedCostModel
-
-    if spec == ANALYTIC:
-        check_knob_names(knobs)
-        return AnalyticCostModel(shape, gpu, **knobs)
-    path = Path(spec)
-    if not path.exists() and (PROFILES_DIR / f"{spec}.json").exists():
-        path = PROFILES_DIR / f"{spec}.json"
-    if not path.exists():
-        shipped = ", ".join(sorted(p.stem for p in PROFILES_DIR.glob("*.json")))
-        raise ConfigError(f"cost model: {spec!r} is neither \"analytic\" nor a profile file; "
-                          f"shipped profiles: {shipped or 'none'}")
-    return CalibratedCostModel.from_profile(path, shape=shape, gpu=gpu, **knobs)

@@ -41,10 +41,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from zipage.core.metrics import STEP_COLUMN_DEFAULTS
 from zipage.errors import ConfigError
 from zipage.presets import model_label
 from zipage.profile import PROFILE_VERSION
+from zipage.records import STEP_COLUMN_DEFAULTS
 from zipage.sim.analytic import DEFAULT_CONTENTION
 from zipage.sim.calibrated import CalibratedCostModel
 from zipage.sim.cost_model import StepWork

@@ -23,8 +23,9 @@ from zipage.core.recorder import RecordSink, Run
 from zipage.core.scheduler import Scheduler
 from zipage.hardware import get_hardware
 from zipage.model_spec import resolve_shape
-from zipage.presets import ModelShape
-from zipage.sim.cost_model import CostModel, load_cost_model
+from zipage.shape import ModelShape
+from zipage.sim.cost_loader import load_cost_model
+from zipage.sim.cost_model import CostModel
 from zipage.sim.simulator import Simulator
 from zipage.trace import Trace
 

@@ -27,8 +27,8 @@ from zipage.analysis.ablation import (
 )
 from zipage.analysis.compare import DIFFERENCE_CONTEXT, compare_runs, excerpt, format_report
 from zipage.analysis.timeline import _bin_steps, load_run, plot_timeline, run_title
-from zipage.core.metrics import REQUEST_COLUMN_DEFAULTS, REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS, STEP_COLUMNS
 from zipage.errors import ZipageError
+from zipage.records import REQUEST_COLUMN_DEFAULTS, REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS, STEP_COLUMNS
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

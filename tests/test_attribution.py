@@ -11,8 +11,8 @@ import pytest
 from zipage.analysis.attribution import TERMS, attribute, attribute_runs, batch_blocks, main
 from zipage.config import ZipageConfig
 from zipage.core.deployment import ReplaySettings
-from zipage.core.metrics import REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS, STEP_COLUMNS
 from zipage.errors import ZipageError
+from zipage.records import REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS, STEP_COLUMNS
 from zipage.sim.simulate import plan_deployment
 
 PLANE = (6e-3, 4e-6, 6e-8)  # seconds: per decode step, per request, per KV entry read

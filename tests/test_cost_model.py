@@ -36,7 +36,8 @@ from zipage.sim.analytic import (
     synthesize_profile,
 )
 from zipage.sim.calibrated import CalibratedCostModel
-from zipage.sim.cost_model import CostModel, load_cost_model
+from zipage.sim.cost_loader import load_cost_model
+from zipage.sim.cost_model import CostModel
 from zipage.sim.prefill_fit import PrefillFit
 
 ROOT = Path(__file__).resolve().parents[1]

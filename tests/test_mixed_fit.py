@@ -22,7 +22,8 @@ from zipage.hardware import get_hardware
 from zipage.prefill_buckets import PREFILL_GRAPH_TOKENS, padded_rows
 from zipage.presets import get_preset
 from zipage.sim.calibrated import CalibratedCostModel
-from zipage.sim.cost_model import StepWork, load_cost_model
+from zipage.sim.cost_loader import load_cost_model
+from zipage.sim.cost_model import StepWork
 
 ROOT = Path(__file__).resolve().parent.parent
 DECODE = (5e-3, 5e-6, 3.5e-8)  # constant, per request, per context token

@@ -15,8 +15,8 @@ from tolerance import assert_close, close
 from zipage.cli.plan import add_parser as add_plan_command
 from zipage.cli.plan import parse_rates, parse_replicas
 from zipage.core.deployment import ReplaySettings
-from zipage.core.metrics import StepRecord
 from zipage.errors import ConfigError
+from zipage.records import StepRecord
 from zipage.sim.cluster import peak_concurrent_running, simulate_cluster
 from zipage.sim.planning import INFEASIBLE, LOCAL, MAX_RATE, OK, RAY, SERIAL, SLO, TPS_PER_DOLLAR, PlanSpec, run_plan
 from zipage.sim.simulate import simulate

@@ -15,8 +15,8 @@ from tolerance import close
 
 from zipage.config import ZipageConfig
 from zipage.core.deployment import ReplaySettings
-from zipage.core.metrics import STEP_COLUMN_DEFAULTS, STEP_COLUMNS
 from zipage.errors import ConfigError
+from zipage.records import STEP_COLUMN_DEFAULTS, STEP_COLUMNS
 from zipage.sim.calibrated import CalibratedCostModel
 from zipage.sim.profile_from_runs import forward_points, profile_from_runs
 

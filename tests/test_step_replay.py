@@ -16,9 +16,9 @@ from tolerance import assert_close  # noqa: E402
 
 from zipage.config import ZipageConfig  # noqa: E402
 from zipage.core.deployment import ReplaySettings  # noqa: E402
-from zipage.core.metrics import STEP_COLUMNS  # noqa: E402
 from zipage.engine.replay import replay_on_engine  # noqa: E402
 from zipage.errors import ZipageError  # noqa: E402
+from zipage.records import STEP_COLUMNS  # noqa: E402
 from zipage.rundir import write_run  # noqa: E402
 from zipage.sim.step_replay import replay_step_times  # noqa: E402
 from zipage.trace import Trace, TraceRequest  # noqa: E402

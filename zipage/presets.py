@@ -9,7 +9,7 @@ any `--model` value (a preset, a HF directory, a .gguf file) into a shape.
 from __future__ import annotations
 
 from zipage.errors import UnknownModelError
-from zipage.shape import ModelShape  # noqa: F401  (re-exported: the shape type)
+from zipage.shape import ModelShape
 
 
 def _qwen3(name, layers, hidden, heads, intermediate, tie) -> ModelShape:

@@ -29,8 +29,8 @@ from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from zipage.core.metrics import REQUEST_COLUMN_DEFAULTS, REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS, STEP_COLUMNS
 from zipage.errors import ConfigError
+from zipage.records import REQUEST_COLUMN_DEFAULTS, REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS, STEP_COLUMNS
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -19,7 +19,7 @@ from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.dtypes import DTYPE_BYTES
 from zipage.errors import ConfigError, MemoryPlanError
-from zipage.presets import ModelShape
+from zipage.shape import ModelShape
 from zipage.trace import Trace, prompt_block_keys, prompt_token_ids
 
 

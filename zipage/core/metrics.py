@@ -1,4 +1,4 @@
-"""Per-step and per-request records, one schema for the simulator and the real engine.
+"""Per-step and per-request records (`zipage/records.py`), made the same way by every driver.
 
 Every driver calls `MetricsRecorder.record_step(plan, result)` after `Scheduler.finish`, and
 `request_records(scheduler)` at the end. `RunTotals` gathers the summary record by record, so a
@@ -12,70 +12,10 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Iterable
-from dataclasses import MISSING, dataclass, fields
 
 from zipage.core.sequence import Sequence, SequenceStatus
 from zipage.core.step import StepPlan, StepResult
-
-
-# Slots: a day of traffic keeps millions of these.
-@dataclass(slots=True)
-class StepRecord:
-    step_id: int
-    t_start: float
-    t_end: float
-    kind: str
-    n_prefill: int
-    n_decode: int
-    n_compress: int
-    n_running: int
-    n_waiting: int
-    blocks_used: int
-    blocks_total: int
-    slots_used: int
-    preempted: int
-    prefill_tokens: int
-    decode_context_tokens: int
-    # Async compression batches this step's result reported done (what a step-time replay
-    # needs to complete them in the same step).
-    batches_done: int = 0
-    # Cost features a profile can be fitted from (`zipage calibrate --from-run`): the prefill's
-    # causal attention pairs and the source blocks of the compressions planned in this step.
-    attention_pairs: int = 0
-    compress_blocks: int = 0
-    # Prompt tokens this step's admissions took from the prefix cache instead of computing.
-    prefix_hit_tokens: int = 0
-    # The longest KV context among this step's decode requests: a decode step's time follows it
-    # as well as the sum (a fitted decode term; 0 in runs written before it).
-    decode_max_context: int = 0
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    id: str
-    arrival: float
-    first_token: float | None
-    finish: float | None
-    prompt_len: int
-    output_len: int
-    n_preempted: int
-    n_compressions: int
-    max_blocks_held_after_first_compression: int
-    status: str
-    error: str | None
-    # The request's KV budget (its own or the default) and the budget it actually kept
-    # (`Scheduler._kept_budget`; empty if its budget never bound it).
-    kv_budget: int | None = None
-    kept_budget: float | None = None
-
-
-STEP_COLUMNS = [f.name for f in fields(StepRecord)]
-# Columns added after the first release have defaults: a run directory written before them still
-# loads (with those defaults).
-STEP_COLUMN_DEFAULTS = {f.name: f.default for f in fields(StepRecord) if f.default is not MISSING}
-REQUEST_COLUMNS = [f.name for f in fields(RequestRecord)]
-REQUEST_COLUMN_DEFAULTS = {f.name: f.default for f in fields(RequestRecord)
-                           if f.default is not MISSING}
+from zipage.records import RequestRecord, StepRecord
 
 
 class MetricsRecorder:

@@ -23,10 +23,11 @@ import time
 from dataclasses import dataclass, field
 
 from zipage.core.invariants import InvariantChecker
-from zipage.core.metrics import MetricsRecorder, RequestRecord, RunTotals, StepRecord, request_records
+from zipage.core.metrics import MetricsRecorder, RunTotals, request_records
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.core.step import StepPlan, StepResult
+from zipage.records import RequestRecord, StepRecord
 
 
 @dataclass

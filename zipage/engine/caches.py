@@ -15,7 +15,7 @@ import torch
 
 from zipage.config import ZipageConfig
 from zipage.core.memory import MemoryPlan
-from zipage.presets import ModelShape
+from zipage.shape import ModelShape
 
 
 @dataclass

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from zipage.errors import UnknownModelError
-from zipage.presets import ModelShape
+from zipage.shape import ModelShape
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
 _LAYER_TENSORS = {

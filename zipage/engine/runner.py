@@ -57,7 +57,7 @@ from zipage.engine.context import ForwardContext, forward_context
 from zipage.engine.sampler import sample
 from zipage.kernels.attention import PrefillWork, prefill_tile_tokens, prefill_work, prefill_work_capacity
 from zipage.prefill_buckets import bucket_of, buckets_up_to
-from zipage.presets import ModelShape
+from zipage.shape import ModelShape
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 

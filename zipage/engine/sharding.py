@@ -26,7 +26,7 @@ from zipage.engine.distributed import ShardGroup, shard_group
 from zipage.engine.layers import FusedLinear
 from zipage.engine.loader import RANDOM_PREFIX, RANDOM_SEED, build_model, fill_random, load_model
 from zipage.errors import ConfigError
-from zipage.presets import ModelShape
+from zipage.shape import ModelShape
 
 
 def valid_sizes(shape: ModelShape) -> list[int]:

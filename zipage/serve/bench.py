@@ -25,8 +25,9 @@ from dataclasses import replace
 
 import httpx
 
-from zipage.core.metrics import RequestRecord, summarize
+from zipage.core.metrics import summarize
 from zipage.errors import ZipageError
+from zipage.records import RequestRecord
 from zipage.rundir import SERVED
 from zipage.trace import DEFAULT_VOCAB_SIZE, Trace, TraceRequest, prompt_token_ids
 

@@ -33,7 +33,7 @@ from zipage.engine.layers import (
     rotary_qk,
     silu_and_mul,
 )
-from zipage.presets import ModelShape
+from zipage.shape import ModelShape
 
 
 class LlamaAttention(nn.Module):

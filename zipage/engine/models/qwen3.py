@@ -6,7 +6,7 @@ import torch
 
 from zipage.engine.layers import RMSNorm, rotary_qk
 from zipage.engine.models.llama import LlamaAttention, LlamaForCausalLM
-from zipage.presets import ModelShape
+from zipage.shape import ModelShape
 
 
 class Qwen3Attention(LlamaAttention):
