@@ -110,3 +110,49 @@ def test_sampling_params_bounds():
                        ("prompt_logprobs", True)):
         with pytest.raises(ConfigError, match=f"^{field}:"):
             SamplingParams(**{field: bad})
+
+
+def test_engine_and_simulator_fork_alike(tmp_path_factory, one_cpu_thread):
+    """The twins share the fork rule: groups of samples under compression and preemption make
+    the same decisions (forks included) on the real engine (a tiny random Qwen3, every invariant
+    checked) and in the simulator (random step times: sync compression does not depend on
+    them); and forked greedy samples equal the request run alone."""
+    from test_simulator import RandomCostModel
+    from tiny_models import save_tiny_qwen3
+
+    from zipage.core.scheduler import Scheduler
+    from zipage.engine.llm import LLM, sample_sequences
+    from zipage.engine.loop import EngineLoop
+    from zipage.sim.simulator import Simulator
+
+    directory = tmp_path_factory.mktemp("tiny-qwen3")
+    save_tiny_qwen3(directory)
+    # 14 blocks of 16 tokens, 2 slots (N_max 3): eight samples cannot all keep their KV.
+    block_bytes = 2 * 2 * 2 * 32 * 4 * 16
+    llm = LLM(str(directory), block_size=16, kv_budget=32, window=4, async_compress=False,
+              kv_memory_gb=16 * block_bytes / 1024**3, threads=1)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (21, 7, 32)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    def groups():
+        return [seq for index, (prompt, n) in enumerate(zip(prompts, (4, 3, 2)))
+                for seq in sample_sequences(str(index), prompt, SamplingParams(
+                    temperature=0.0, max_tokens=40, ignore_eos=True, n=n))]
+
+    loop = EngineLoop(llm.engine.new_scheduler(), llm.engine.runner, check=True,
+                      log_decisions=True)
+    engine_run = loop.run(groups())
+    capacity = llm.engine.capacity
+    simulated = Simulator(Scheduler(llm.engine.config, capacity.num_blocks,
+                                    capacity.num_query_slots), RandomCostModel(3), check=True,
+                          log_decisions=True).run(groups())
+    assert engine_run.decision_log == simulated.decision_log
+    log = "\n".join(engine_run.decision_log)
+    assert "fork=" in log and engine_run.summary["preemptions"] > 0
+    assert engine_run.summary["compressions"] > 0
+    for index, prompt in enumerate(prompts):
+        alone = llm.generate([prompt], greedy, progress=False)[0].token_ids
+        samples = [tokens[len(prompt):] for seq_id, tokens in engine_run.tokens.items()
+                   if seq_id.split("#")[0] == str(index)]
+        assert samples and all(sample == alone for sample in samples)
