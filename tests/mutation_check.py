@@ -59,6 +59,7 @@ BLOCKS = "zipage/core/block_manager.py"
 # budget, no elastic policy and no abort, so against a break of those rules they can only pass;
 # such a mutation runs the rule witnesses alone (a minute less each on a loaded 2-core machine).
 RULE_WITNESSES = ("rule witnesses",)
+FORK_WITNESSES = ("fork witnesses",)  # the samples rule: only its own witnesses reach it
 
 MUTATIONS = [
     # ---- the four breaks of issue 11
@@ -210,6 +211,38 @@ MUTATIONS = [
     Mutation("abort: an aborted waiting request stays in waiting (and is admitted)", SCHEDULER,
              "                self.waiting.remove(seq)\n",
              "                pass\n", tests=RULE_WITNESSES),
+    # ---- samples of one prompt (forks)
+    Mutation("fork: the leader's partial last block shared instead of copied", SCHEDULER,
+             "            table = leader.block_table[:full]\n"
+             "            manager.share(table)\n"
+             "            copy = None\n"
+             "            if partial:",
+             "            table = leader.block_table[:-(-prompt_len // b)]\n"
+             "            manager.share(table)\n"
+             "            copy = None\n"
+             "            if False:", tests=FORK_WITNESSES),
+    Mutation("fork: a prompt that wrote window queries is forked", SCHEDULER,
+             "        if self.compress and prompt_len > self._first_slot_token(0, leader.n_max):",
+             "        if False:", tests=FORK_WITNESSES),
+    Mutation("fork: forks overtake max_num_seqs", SCHEDULER,
+             "            if len(self.running) >= self.config.max_num_seqs:\n"
+             "                break\n"
+             "            takes_slot = self.compress and self._can_take_slot(seq)\n"
+             "            if self.compress and not takes_slot and (\n"
+             "                    not self.config.hybrid or self._needs_slot_to_start(seq, "
+             "prompt_len)):",
+             "            takes_slot = self.compress and self._can_take_slot(seq)\n"
+             "            if self.compress and not takes_slot and (\n"
+             "                    not self.config.hybrid or self._needs_slot_to_start(seq, "
+             "prompt_len)):", tests=FORK_WITNESSES),
+    Mutation("fork: constrained scheduling forks without a query slot", SCHEDULER,
+             "                    not self.config.hybrid or self._needs_slot_to_start(seq, "
+             "prompt_len)):",
+             "                    self._needs_slot_to_start(seq, prompt_len)):",
+             tests=FORK_WITNESSES),
+    Mutation("fork: a request that needs its prompt's logits maps prefix-cache blocks", BLOCKS,
+             "        if not self.prefix_cache or seq.prompt_logits:",
+             "        if not self.prefix_cache:", tests=FORK_WITNESSES),
 ]
 
 # The CI property tests of the core and the witness traces, run separately so the report says
@@ -217,7 +250,8 @@ MUTATIONS = [
 # not that a rule broke).
 TESTS = {"property tests": "tests/test_core_properties.py",
          "witness traces": "tests/test_preemption_witnesses.py",
-         "rule witnesses": "tests/test_core_rules_witnesses.py"}
+         "rule witnesses": "tests/test_core_rules_witnesses.py",
+         "fork witnesses": "tests/test_core_forks.py"}
 TIMEOUT_S = 900
 
 

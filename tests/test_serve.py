@@ -255,6 +255,111 @@ def test_stop_string_ends_the_text_before_it(client, llm):
     assert streamed == cut.choices[0].text
 
 
+# ---------------------------------------------------------------- n, logprobs, echo (#35)
+
+LOGPROB_ATOL = 1e-4  # the server and the in-process engine run the same float32 kernels; they
+# differ only in batch composition (and so in summation order), by ~1e-6
+
+
+def test_n_choices_streamed_and_not(client, llm):
+    """n = 8 samples: eight choices, indexed, one usage; a stream of n = 3 interleaves the
+    choices and each equals its non-streamed twin (same seed)."""
+    prompt_len = len(llm.tokenizer.encode(PROMPT))
+    reply = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=5, n=8,
+                                      temperature=0.9, seed=7,
+                                      extra_body={"ignore_eos": True})
+    assert [choice.index for choice in reply.choices] == list(range(8))
+    assert len({choice.text for choice in reply.choices}) > 1  # each sample its own draws
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (prompt_len, 40)
+    whole = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=5, n=3,
+                                      temperature=0.9, seed=11, extra_body={"ignore_eos": True})
+    pieces = {0: [], 1: [], 2: []}
+    for chunk in client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=5, n=3,
+                                           temperature=0.9, seed=11, stream=True,
+                                           extra_body={"ignore_eos": True}):
+        for choice in chunk.choices:
+            pieces[choice.index].append(choice.text)
+    assert ["".join(pieces[index]) for index in range(3)] == \
+        [choice.text for choice in whole.choices]
+    chat = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=4, n=2,
+                                          temperature=0)
+    assert [choice.index for choice in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy
+
+
+def test_completion_logprobs_and_echo_score_a_prompt(client, llm):
+    """lm-evaluation-harness's log-likelihood request: echo, max_tokens 0 (or 1), logprobs; the
+    prompt's log-probabilities are the engine's (checked against transformers in
+    tests/test_engine_samples.py)."""
+    from zipage.core.sampling import SamplingParams
+
+    ids = llm.tokenizer.encode(PROMPT)
+    expected = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1, logprobs=1,
+                                                     prompt_logprobs=1), progress=False)[0]
+    scored = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=0, echo=True,
+                                       logprobs=1, temperature=0)
+    choice = scored.choices[0]
+    assert choice.text == PROMPT and scored.usage.completion_tokens == 0
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(ids) and logprobs.token_logprobs[0] is None
+    assert logprobs.top_logprobs[0] is None
+    assert "".join(logprobs.tokens) == PROMPT and logprobs.text_offset[0] == 0
+    for got, entry in zip(logprobs.token_logprobs[1:], expected.prompt_logprobs[1:]):
+        assert abs(got - entry.logprob) < LOGPROB_ATOL
+    # max_tokens 1: the prompt, then the greedy token, each with its top alternative.
+    one = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=1, echo=True,
+                                    logprobs=1, temperature=0).choices[0]
+    assert one.text == PROMPT + expected.text and len(one.logprobs.tokens) == len(ids) + 1
+    top = one.logprobs.top_logprobs[-1]
+    assert list(top) == [one.logprobs.tokens[-1]]  # greedy: the token is its own top
+    assert abs(one.logprobs.token_logprobs[-1] - expected.logprobs[0].logprob) < LOGPROB_ATOL
+    assert one.logprobs.text_offset[-1] == len(PROMPT)
+    # Streamed: the echo leads the first chunk, the log-probabilities follow the tokens.
+    chunks = [chunk.choices[0] for chunk in client.completions.create(
+        model="smollm2", prompt=PROMPT, max_tokens=3, echo=True, logprobs=2, temperature=0,
+        stream=True) if chunk.choices]
+    assert "".join(c.text for c in chunks).startswith(PROMPT)
+    streamed = [value for c in chunks for value in c.logprobs.token_logprobs]
+    assert len(streamed) == len(ids) + 3 and streamed[0] is None
+    assert all(len(top) == 2 for c in chunks for top in c.logprobs.top_logprobs[1:]
+               if top is not None)
+
+
+def test_chat_logprobs(client):
+    reply = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=6,
+                                           temperature=0, logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens  # no EOS: six tokens of text
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token  # greedy
+        assert abs(entry.top_logprobs[0].logprob - entry.logprob) < 1e-6
+        assert entry.bytes == list(entry.token.encode())
+    assert "".join(entry.token for entry in content) == reply.choices[0].message.content
+    stream = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=6,
+                                            temperature=0, logprobs=True, stream=True)
+    streamed = [entry for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for entry in chunk.choices[0].logprobs.content]
+    assert [entry.token for entry in streamed] == [entry.token for entry in content]
+    assert all(entry.top_logprobs == [] for entry in streamed)  # top_logprobs not asked
+
+
+def test_bad_samples_and_logprobs_fields_fail_alone(url):
+    for body, field in (({"prompt": "hi", "n": 0}, "n"), ({"prompt": "hi", "n": 129}, "n"),
+                        ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+                        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+                        ({"prompt": "hi", "best_of": 3}, "best_of")):
+        reply = httpx.post(url + "/v1/completions", headers=AUTH, timeout=30, json=body)
+        error = _assert_openai_error(reply, 400, f"{field}:")
+        assert error["param"] == field, error
+    for body, field in (({"top_logprobs": 2}, "top_logprobs"),
+                        ({"logprobs": True, "top_logprobs": 99}, "top_logprobs")):
+        reply = httpx.post(url + "/v1/chat/completions", headers=AUTH, timeout=30,
+                           json={"messages": CHAT, **body})
+        _assert_openai_error(reply, 400, f"{field}:")
+    _health_ok(url)
+
+
 def test_sixteen_concurrent_streams_complete(url):
     async def main():
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)

@@ -110,10 +110,31 @@ def test_chat_bodies():
 
 
 def test_unsupported_fields_are_refused_by_name():
-    with pytest.raises(ServeError, match="^n: got 2"):
-        CompletionRequest.model_validate({"prompt": "x", "n": 2}).check_unsupported()
-    with pytest.raises(ServeError, match="^logprobs:"):
-        CompletionRequest.model_validate({"prompt": "x", "logprobs": 3}).check_unsupported()
+    with pytest.raises(ServeError, match="^best_of:"):
+        CompletionRequest.model_validate({"prompt": "x", "best_of": 2}).check_unsupported()
+
+
+def test_samples_logprobs_and_echo_fields():
+    body = CompletionRequest.model_validate({"prompt": "x", "n": 8, "logprobs": 3,
+                                             "echo": True, "max_tokens": 0})
+    body.check_unsupported()
+    assert (body.n, body.output_logprobs, body.prompt_logprobs) == (8, 3, 3)
+    assert CompletionRequest.model_validate({"prompt": "x", "logprobs": 0}).prompt_logprobs \
+        is None  # the prompt's only with echo
+    with pytest.raises(ServeError, match="^max_tokens: 0 is allowed only with echo"):
+        CompletionRequest.model_validate({"prompt": "x", "max_tokens": 0}).check_unsupported()
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert ChatRequest.model_validate({**chat, "logprobs": True, "top_logprobs": 5}) \
+        .output_logprobs == 5
+    assert ChatRequest.model_validate({**chat, "logprobs": True}).output_logprobs == 0
+    assert ChatRequest.model_validate(chat).output_logprobs is None
+    with pytest.raises(ServeError, match="^top_logprobs: needs logprobs=true"):
+        ChatRequest.model_validate({**chat, "top_logprobs": 2}).check_unsupported()
+    for value in (-1, 21, 2.0, True, "3"):
+        assert _message(ChatRequest, {**chat, "logprobs": True, "top_logprobs": value}) \
+            .startswith("top_logprobs:")
+    for value in (1, "yes", None):
+        assert _message(ChatRequest, {**chat, "logprobs": value}).startswith("logprobs:")
 
 
 def test_malformed_json_message():
@@ -129,13 +150,15 @@ HUGE = 2**63  # issue #30: top_k 2**63 reached the sampler and killed the engine
 
 
 @pytest.mark.parametrize("field, good, bad", [
-    ("max_tokens", [1, 2**31 - 1, None], [0, -1, 2**31, HUGE, 1.5, True, "4"]),
+    ("max_tokens", [0, 1, 2**31 - 1, None], [-1, 2**31, HUGE, 1.5, True, "4"]),
     ("temperature", [0, 0.0, 0.7, 2, 100.0], [-0.1, 100.5, float("nan"), float("inf"),
                                                float("-inf"), "1", None]),
     ("top_p", [1e-9, 0.5, 1, 1.0], [0, 0.0, -0.5, 1.01, float("nan"), float("inf"), None]),
     ("top_k", [-1, 0, 1, 50, 2**31 - 1], [-2, 2**31, HUGE, -HUGE, 2.0, False, None]),
     ("seed", [0, 2**32 - 1, None], [-1, 2**32, HUGE, 1.0, "7"]),
-    ("n", [1], [0, -1, HUGE, 1.0]),
+    ("n", [1, 8, 128], [0, -1, 129, HUGE, 1.0]),
+    ("logprobs", [0, 5, 20, None], [-1, 21, HUGE, 1.0, True, "2"]),
+    ("echo", [True, False], [1, "true", None]),
     ("best_of", [1, None], [0, HUGE]),
     ("kv_budget", [16, 2**31 - 1, None], [0, -16, 2**31, HUGE, 16.0, True]),
     ("stop", ["x", ["a", "b"], ["s"] * 16, "y" * 1000, None],

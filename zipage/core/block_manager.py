@@ -97,9 +97,10 @@ class BlockManager:
         """Leading blocks of `seq` already in the prefix index, for a prefill of num_tokens.
 
         The block holding the last token is always computed (its logits, and its window queries
-        for rule 7), so only blocks entirely before the last token are looked up.
+        for rule 7), so only blocks entirely before the last token are looked up. A request that
+        needs the logits of every prompt position (`Sequence.prompt_logits`) maps none.
         """
-        if not self.prefix_cache:
+        if not self.prefix_cache or seq.prompt_logits:
             return []
         limit = min(len(seq.prompt_block_hashes), (num_tokens - 1) // self.block_size)
         hits = []
@@ -126,6 +127,12 @@ class BlockManager:
         needed = -(-num_tokens // self.block_size) - len(cached)
         table.extend(self.allocate() for _ in range(needed))
         return table
+
+    def share(self, blocks: list[int]) -> None:
+        """One more holder of each of `blocks` (held already: a fork maps its leader's)."""
+        for block in blocks:
+            assert self.refcount[block] > 0, f"block {block} shared while free"
+            self.refcount[block] += 1
 
     def register_prompt_blocks(self, seq: Sequence, first: int, end: int) -> None:
         """Index the full prompt blocks [first, end) of `seq` that a prefill just computed."""

@@ -132,6 +132,7 @@ class InvariantChecker:
             for block in job.target_blocks + [job.new_block]:
                 self.block_content[block] = None  # about to be overwritten
         self._check_chunks(plan)
+        self._check_forks(plan)
         self._check_decode_context(plan)
         self._check_writes(plan)
         self._check_blocks()
@@ -152,6 +153,10 @@ class InvariantChecker:
         for seq in plan.decode:
             self.record_computed(seq, seq.kv_len, seq.kv_len + 1)
             self.block_content[seq.block_table[seq.kv_len // b]] = None
+        for fork in plan.forks:  # its KV is the leader's prompt: shared blocks and a copy
+            if fork.copy is not None:
+                self.block_content[fork.copy[1]] = None
+            self.computed[fork.seq] = fork.seq.prompt_len
 
     def record_computed(self, seq: Sequence, start: int, end: int) -> None:
         """A driver computed KV entries [start, end) of `seq` (and wrote their window queries)."""
@@ -258,8 +263,9 @@ class InvariantChecker:
         """FCFS admission from the head of `waiting`; preempted requests go to its front."""
         preempted = set(plan.preempted)
         was_running = set(before.running)
-        admitted = [item.seq for item in plan.prefill
-                    if item.seq not in was_running or item.seq in preempted]
+        admitted = sorted([item.seq for item in plan.prefill
+                           if item.seq not in was_running or item.seq in preempted]
+                          + [fork.seq for fork in plan.forks], key=lambda seq: seq.running_rank)
         # Each victim is put at the front as it is preempted: the last one heads the queue.
         queue = plan.preempted[::-1] + before.waiting
         if admitted and admitted not in (before.waiting[:len(admitted)], queue[:len(admitted)]):
@@ -312,6 +318,14 @@ class InvariantChecker:
                           f"{seq.num_tokens} tokens has samples={item.samples}")
             if seq in decoding or seq.compressing or seq.num_compressions:
                 self.fail(f"{seq.seq_id} prefills while decoding or compressed")
+            if seq.prompt_logits and item.num_cached_tokens != self.computed.get(seq, 0):
+                self.fail(f"{seq.seq_id} needs its prompt's logits but took "
+                          f"{item.num_cached_tokens - self.computed.get(seq, 0)} tokens from "
+                          "the prefix cache")
+            if item.prompt_logits != (seq.prompt_logits and seq.num_output_tokens == 0):
+                self.fail(f"{seq.seq_id}: prompt_logits={item.prompt_logits} on a range of a "
+                          f"request with prompt_logits={seq.prompt_logits} and "
+                          f"{seq.num_output_tokens} outputs")
         tokens = sum(item.num_new_tokens for item in plan.prefill)
         if config.chunked_prefill:
             if plan.prefill and tokens + len(plan.decode) > config.step_tokens:
@@ -324,6 +338,47 @@ class InvariantChecker:
                 self.fail(f"{tokens} prompt tokens exceed max_num_batched_tokens")
             if any(not item.samples for item in plan.prefill):
                 self.fail("a partial prompt chunk without chunked prefill")
+
+    def _check_forks(self, plan: StepPlan) -> None:
+        """A fork (docs/architecture.md, 'Samples of one prompt') maps exactly its leader's full
+        prompt blocks plus a fresh copy of its last partial one, in the step that computes the
+        leader's last prompt token for the first time; both prompts are equal; and the prompt
+        wrote no window queries (they would be in the leader's query slot alone: rule 7)."""
+        if not plan.forks:
+            return
+        scheduler = self.scheduler
+        manager = scheduler.block_manager
+        b = scheduler.block_size
+        sampling = {item.seq: item for item in plan.prefill if item.samples}
+        for fork in plan.forks:
+            seq, leader = fork.seq, fork.leader
+            prompt_len = leader.prompt_len
+            item = sampling.get(leader)
+            if item is None or item.num_tokens != prompt_len or leader.num_output_tokens:
+                self.fail(f"{seq.seq_id} is forked from {leader.seq_id}, which does not compute "
+                          "its last prompt token for its first sample in this step")
+            if (seq.prompt_len != prompt_len or seq.num_output_tokens
+                    or seq.prompt_block_hashes != leader.prompt_block_hashes
+                    or (seq.prompt_token_ids is not None and leader.prompt_token_ids is not None
+                        and list(seq.prompt_token_ids) != list(leader.prompt_token_ids))):
+                self.fail(f"{seq.seq_id} is forked from {leader.seq_id} with another prompt")
+            full = prompt_len // b
+            expected = leader.block_table[:full]
+            if prompt_len % b:
+                if fork.copy is None or fork.copy[0] != leader.block_table[full]:
+                    self.fail(f"{seq.seq_id}: the fork does not copy {leader.seq_id}'s last, "
+                              "partial prompt block")
+                expected = expected + [fork.copy[1]]
+                if manager.refcount[fork.copy[1]] != 1:
+                    self.fail(f"{seq.seq_id}: the fork's copy block {fork.copy[1]} is shared")
+            elif fork.copy is not None:
+                self.fail(f"{seq.seq_id}: a fork of a prompt of whole blocks copies a block")
+            if seq.block_table != expected:
+                self.fail(f"{seq.seq_id}: forked with blocks {seq.block_table}, expected "
+                          f"{expected} (the leader's prompt blocks)")
+            if scheduler.compress and any(scheduler.needs_slot(t, leader.n_max)
+                                          for t in range(prompt_len)):
+                self.fail(f"{seq.seq_id} is forked from a prompt that wrote window queries")
 
     def _check_decode_context(self, plan: StepPlan) -> None:
         # The scheduler keeps both counts incrementally (O(events) a step); here from scratch.
@@ -356,6 +411,12 @@ class InvariantChecker:
                 self.fail(f"{seq.seq_id} decodes KV entry {seq.kv_len} beyond its "
                           f"{len(seq.block_table)} blocks")
             writes.append((seq, seq.block_table[seq.kv_len // b]))
+        for fork in plan.forks:
+            if fork.copy is not None:
+                writes.append((fork.seq, fork.copy[1]))
+        forks_of: dict = {}
+        for fork in plan.forks:
+            forks_of.setdefault(fork.leader, set()).add(fork.seq)
         writers = Counter(block for _, block in writes)
         hits_now: dict[int, set] = {}  # block -> requests that map it from the index this step
         for item in plan.prefill:
@@ -376,6 +437,9 @@ class InvariantChecker:
                 continue
             holders = {other for other in self.scheduler.running
                        if block in other.block_table and other is not seq}
+            holders -= forks_of.get(seq, set())  # its forks read the KV it computes now
+            if not holders:
+                continue
             if block not in indexed_now or not holders <= hits_now.get(block, set()):
                 self.fail(f"{seq.seq_id} writes KV into block {block} with refcount "
                           f"{manager.refcount[block]} (shared blocks are never written, but "

@@ -8,7 +8,7 @@ and the core can name the type without importing the engine.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from zipage.errors import ConfigError
 
@@ -21,6 +21,26 @@ MAX_INT = 2**31 - 1
 # distribution is uniform for any logits in float32 anyway.
 GREEDY_BELOW = 1e-5
 MAX_TEMPERATURE = 100.0
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit for chat's top_logprobs)
+MAX_SAMPLES = 128  # n: samples of one prompt (each is a running request)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability under the model, and the most likely tokens at its place
+    (id, log-probability), most likely first (as many as the request asked for)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def of(cls, token_id: int, entry) -> "TokenLogprob | None":
+        """From the engine's (log-probability, top ids, top log-probabilities); None stays."""
+        if entry is None:
+            return None
+        logprob, ids, values = entry
+        return cls(token_id, logprob, tuple(zip(ids, values)))
 
 
 @dataclass(frozen=True)
@@ -30,6 +50,13 @@ class SamplingParams:
     `max_tokens` output tokens at most; `ignore_eos` keeps generating through end-of-sequence
     tokens (trace replays and benchmarks use it to get fixed output lengths);
     `skip_special_tokens` leaves special tokens (<|im_start|>, ...) out of the output text.
+    `n` samples of the prompt: the prompt is computed once, the other n - 1 fork from it
+    (docs/architecture.md, 'Samples of one prompt'); sample j > 0 draws with its own seed
+    derived from `seed` (`for_sample`). `logprobs`: report each output token's log-probability
+    and that many most likely alternatives (0: the token's alone; None: nothing);
+    `prompt_logprobs` the same for every prompt token after the first (the prompt is then
+    computed whole, without the prefix cache). Log-probabilities are the model's own
+    log-softmax, before temperature and top-k / top-p.
     `kv_budget` is the request's own KV budget (None: the engine's `kv_budget`); the core reads
     it from the request (`Sequence.kv_budget`), and refuses one that is not a multiple of the
     block size with the request's error.
@@ -45,6 +72,9 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     kv_budget: int | None = None
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.check()
@@ -72,9 +102,26 @@ class SamplingParams:
             raise ConfigError(f"kv_budget: {_short(self.kv_budget)} must be a positive integer (KV "
                               "entries the request keeps, a multiple of the block size) or None "
                               "for the engine's default")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_SAMPLES:
+            raise ConfigError(f"n: {_short(self.n)} must be an integer in [1, {MAX_SAMPLES}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ConfigError(f"{name}: {_short(value)} must be an integer in "
+                                  f"[0, {MAX_LOGPROBS}] or None")
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: {_short(getattr(self, name))} must be true or false")
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The settings of sample `index` of n: one sample each, no prompt log-probabilities
+        but on sample 0 (they are the prompt's), and with a seed its own, mixed from the
+        request's and the index (the sampler seeds by seed and token index, so seed + index
+        would repeat another request's draws)."""
+        if index == 0:
+            return replace(self, n=1)
+        seed = None if self.seed is None else _mix_seed(self.seed, index)
+        return replace(self, n=1, seed=seed, prompt_logprobs=None)
 
     @property
     def is_greedy(self) -> bool:
@@ -94,3 +141,13 @@ def _short(value, limit: int = 40) -> str:
     """A value for an error message, cut: a message never carries unbounded input back."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _mix_seed(seed: int, index: int) -> int:
+    """A seed in [0, 2**32) for sample `index` of a request seeded `seed` (SplitMix64's
+    finaliser over both)."""
+    mask = 2**64 - 1
+    value = (seed * 0x9E3779B97F4A7C15 + index) & mask
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & mask
+    return (value ^ (value >> 31)) % SEED_LIMIT

@@ -32,6 +32,7 @@ from zipage.core.step import (
     PREFILL,
     CompressionBatch,
     CompressionJob,
+    Fork,
     PrefillItem,
     StepPlan,
     StepResult,
@@ -241,6 +242,8 @@ class Scheduler:
         if plan.prefill:
             for item in plan.prefill:
                 self._finish_prefill(item, result)
+            for fork in plan.forks:
+                self._first_token(fork.seq, fork.seq.prompt_len, result)
             self._resource_version += 1  # a finished prefill may unblock the waiting head
         if plan.kind in (DECODE, MIXED):
             for job in plan.compress_sync:
@@ -327,11 +330,66 @@ class Scheduler:
         self.block_manager.register_prompt_blocks(seq, start // self.block_size,
                                                   end // self.block_size)
         samples = end == seq.num_tokens
-        plan.prefill.append(PrefillItem(seq, start, end, samples))
+        first = seq.num_output_tokens == 0
+        plan.prefill.append(PrefillItem(seq, start, end, samples, seq.prompt_logits and first))
         if samples:
             self.prefilling.pop(seq, None)
+            if first and self.waiting and self.waiting[0].fork_of is seq and not plan.preempted:
+                self._fork(plan, seq)
         else:
             self.prefilling.setdefault(seq, None)  # keeps its place in admission order
+
+    def _fork(self, plan: StepPlan, leader: Sequence) -> None:
+        """Admit the samples of `leader`'s prompt queued right behind it as forks: they map its
+        full prompt blocks, get a copy of its last partial one, and sample their first token
+        from its logits (docs/architecture.md, 'Samples of one prompt'). Each is admitted as a
+        prefill would be (FCFS from the head of waiting, max_num_seqs, a query slot under the
+        same rule); one that cannot be stays waiting, and later prefills as any request (its
+        prompt blocks from the prefix cache). Only a prompt that wrote no window queries is
+        forked: those would be in the leader's query slot alone (rule 7)."""
+        b = self.block_size
+        prompt_len = leader.prompt_len
+        if self.compress and prompt_len > self._first_slot_token(0, leader.n_max):
+            self._release_forks(leader)
+            return
+        full = prompt_len // b
+        manager = self.block_manager
+        while self.waiting and self.waiting[0].fork_of is leader:
+            seq = self.waiting[0]
+            if (seq.num_output_tokens or seq.prompt_len != prompt_len
+                    or seq.kv_budget != leader.kv_budget
+                    or seq.prompt_block_hashes != leader.prompt_block_hashes):
+                break
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            takes_slot = self.compress and self._can_take_slot(seq)
+            if self.compress and not takes_slot and (
+                    not self.config.hybrid or self._needs_slot_to_start(seq, prompt_len)):
+                break
+            partial = prompt_len % b != 0
+            if partial and manager.num_free_blocks < 1:
+                break
+            self.waiting.popleft()
+            table = leader.block_table[:full]
+            manager.share(table)
+            copy = None
+            if partial:
+                fresh = manager.allocate()
+                copy = (leader.block_table[full], fresh)
+                table = table + [fresh]
+            seq.block_table = table
+            seq.fork_of = None
+            self._note_table(seq)
+            self._admit(seq, self._take_slot(seq) if takes_slot else None)
+            plan.forks.append(Fork(seq, leader, copy))
+        self._release_forks(leader)
+
+    def _release_forks(self, leader: Sequence) -> None:
+        """The leader sampled: its samples still waiting prefill as any request from now on."""
+        for seq in self.waiting:  # they are queued together, right behind it
+            if seq.fork_of is not leader:
+                break
+            seq.fork_of = None
 
     def _admit(self, seq: Sequence, slot: int | None) -> None:
         seq.status = SequenceStatus.RUNNING
@@ -351,7 +409,11 @@ class Scheduler:
         if not item.samples:  # a partial chunk: the prompt continues next step
             seq.set_counters(item.num_tokens, seq.num_output_tokens)
             return
-        seq.set_counters(item.num_tokens, seq.num_output_tokens + 1)
+        self._first_token(seq, item.num_tokens, result)
+
+    def _first_token(self, seq: Sequence, num_tokens: int, result: StepResult) -> None:
+        """`seq` computed its `num_tokens` and sampled a token (a prefill's, or a fork's)."""
+        seq.set_counters(num_tokens, seq.num_output_tokens + 1)
         if seq.first_token_time is None:
             seq.first_token_time = result.t_end
         if seq.remaining_output_tokens <= 0 or seq.seq_id in result.stopped:

@@ -46,7 +46,7 @@ class Sequence:
         "_kv_len", "_num_output_tokens", "_clock", "_steady_since", "steady_epoch",
         "first_admitted_step", "first_token_time", "finish_time", "num_preemptions",
         "max_blocks_after_first_compression", "sampling", "kv_budget", "n_max",
-        "kept_tokens", "kept_budget",
+        "kept_tokens", "kept_budget", "fork_of", "prompt_logits",
     )
 
     def __init__(
@@ -96,6 +96,14 @@ class Sequence:
         # average (None if no budget ever bound it).
         self.kept_tokens = 0
         self.kept_budget: float | None = None
+        # Another sample of `fork_of`'s prompt (a request with n > 1): queued right behind it,
+        # it may be forked from it when it samples its first token, sharing its computed prompt
+        # instead of prefilling (docs/architecture.md, 'Samples of one prompt'). The driver
+        # sets it; the scheduler clears it once the chance has passed.
+        self.fork_of: Sequence | None = None
+        # The driver needs the logits of every prompt position (prompt log-probabilities): the
+        # prompt is computed whole, never taken from the prefix cache.
+        self.prompt_logits = False
 
     # ---- counters (derived from the decode clock while steady) ----
 

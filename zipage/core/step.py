@@ -38,6 +38,9 @@ class PrefillItem:
     num_cached_tokens: int
     num_tokens: int
     samples: bool = True
+    # The driver computes the logits of every row of the range, not only the sampling one (the
+    # request asked for its prompt's log-probabilities: `Sequence.prompt_logits`).
+    prompt_logits: bool = False
 
     @property
     def num_new_tokens(self) -> int:
@@ -53,6 +56,23 @@ def causal_pairs(new_tokens: int, cached_tokens: int) -> int:
     """Pairs of `new_tokens` queries attending causally over `cached_tokens` earlier keys and
     each other."""
     return new_tokens * cached_tokens + new_tokens * (new_tokens + 1) // 2
+
+
+@dataclass
+class Fork:
+    """Another sample of `leader`'s prompt, admitted without a prefill of its own
+    (docs/architecture.md, 'Samples of one prompt').
+
+    In the step that computes the leader's last prompt token, `seq` maps the leader's full prompt
+    blocks (shared, refcount + 1) and, if the prompt ends inside a block, gets a fresh block that
+    the driver fills with a copy of the leader's last block after the forward (`copy`: (source,
+    destination)). The driver samples `seq`'s first token from the leader's logits with `seq`'s
+    own sampling settings.
+    """
+
+    seq: Sequence
+    leader: Sequence
+    copy: tuple[int, int] | None
 
 
 @dataclass
@@ -98,6 +118,8 @@ class StepPlan:
     # Async compression: start this batch now; its requests are out of decode until it is done.
     compress_launch: CompressionBatch | None = None
     preempted: list[Sequence] = field(default_factory=list)
+    # Samples forked from a leader that samples its first token in this step.
+    forks: list[Fork] = field(default_factory=list)
     # Elastic budgets: requests that took a block beyond their N_max instead of compressing.
     grown: list[Sequence] = field(default_factory=list)
     # Sum over decode requests of the KV entries each one attends to this step (its cached
@@ -120,8 +142,16 @@ class StepPlan:
     @property
     def sampled(self) -> list[Sequence]:
         """The requests that get a token this step, in the order a driver returns them: the
-        prefill items that reach their last token, then the decode requests."""
-        return [item.seq for item in self.prefill if item.samples] + self.decode
+        prefill items that reach their last token, then the decode requests, then the forks."""
+        sampled = [item.seq for item in self.prefill if item.samples] + self.decode
+        if self.forks:
+            sampled += [fork.seq for fork in self.forks]
+        return sampled
+
+    @property
+    def block_copies(self) -> list[tuple[int, int]]:
+        """(source, destination) blocks the driver copies after the forward (forks)."""
+        return [fork.copy for fork in self.forks if fork.copy is not None]
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -147,6 +177,11 @@ class StepPlan:
         for job in self.compressions:
             parts.append(f"compress({mode})={job.seq.seq_id}:{job.source_table}->"
                          f"{job.target_blocks}+{job.new_block}")
+        if self.forks:
+            parts.append("fork=" + ",".join(
+                f"{fork.seq.seq_id}<{fork.leader.seq_id}"
+                + (f"({fork.copy[0]}->{fork.copy[1]})" if fork.copy else "")
+                for fork in self.forks))
         if self.preempted:
             parts.append("preempt=" + ",".join(str(seq.seq_id) for seq in self.preempted))
         if self.grown:

@@ -43,3 +43,15 @@ class KVCaches:
                 score = torch.zeros(shape.num_layers, capacity.num_blocks, config.block_size,
                                     shape.num_kv_heads, dtype=dtype, device=device)
         return cls(kv, query, score)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (K, V and scores of every layer), source -> destination: a fork's
+        copy of its leader's last, partial prompt block (`StepPlan.block_copies`)."""
+        if not copies:
+            return
+        device = self.kv.device
+        sources = torch.tensor([source for source, _ in copies], device=device)
+        targets = torch.tensor([target for _, target in copies], device=device)
+        self.kv[:, :, targets] = self.kv[:, :, sources]
+        if self.score is not None:
+            self.score[:, targets] = self.score[:, sources]

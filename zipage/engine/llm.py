@@ -4,13 +4,13 @@ public API, around the engine `zipage.engine.builder` builds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from difflib import get_close_matches
 
 from zipage.config import ZipageConfig
 from zipage.core.deployment import ReplaySettings
 from zipage.core.recorder import Run
-from zipage.core.sampling import SamplingParams
+from zipage.core.sampling import SamplingParams, TokenLogprob
 from zipage.core.sequence import Sequence
 from zipage.engine.builder import build_engine, resolve_device
 from zipage.engine.loop import EngineLoop
@@ -18,13 +18,49 @@ from zipage.engine.threads import set_cpu_threads
 from zipage.errors import ConfigError
 
 
+def sample_sequences(seq_id: str, prompt_token_ids: list[int],
+                     sampling: SamplingParams) -> list[Sequence]:
+    """The requests of one prompt with `sampling.n` samples: the first (`seq_id`), then the
+    others (`seq_id#j`), forked from it when it samples its first token (docs/architecture.md,
+    'Samples of one prompt'). Each has its own settings (`SamplingParams.for_sample`)."""
+    group = []
+    for index in range(sampling.n):
+        own = sampling.for_sample(index)
+        seq = Sequence(seq_id if index == 0 else f"{seq_id}#{index}", prompt_token_ids,
+                       own.max_tokens, sampling=own, kv_budget=own.kv_budget)
+        if index == 0:
+            seq.prompt_logits = own.prompt_logprobs is not None
+        else:
+            seq.fork_of = group[0]
+        group.append(seq)
+    return group
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a prompt (`SamplingParams.n` of them)."""
+
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    logprobs: list[TokenLogprob] | None = None  # one per output token, if asked for
+
+
 @dataclass
 class RequestOutput:
+    """A prompt's result. The top-level fields are its first sample's; `outputs` holds all n.
+    `prompt_logprobs`: one entry per prompt token (None for the first), if asked for."""
+
     prompt: str | list[int]
     token_ids: list[int]
     text: str | None
     finish_reason: str  # "length", "stop", or "error" (the request alone failed: see `error`)
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:
@@ -112,26 +148,42 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ConfigError(f"sampling_params: got {len(sampling_params)} for "
                               f"{len(prompts)} prompts; pass one or one per prompt")
-        sequences = [Sequence(str(index), tokens, sampling.max_tokens, sampling=sampling,
-                              kv_budget=sampling.kv_budget)
-                     for index, (tokens, sampling) in enumerate(zip(token_lists, sampling_params))]
+        groups = [sample_sequences(str(index), tokens, sampling)
+                  for index, (tokens, sampling) in enumerate(zip(token_lists, sampling_params))]
         eos_ids = self._eos_ids()
         loop = EngineLoop(self.engine.new_scheduler(), self.engine.runner,
                           eos_token_ids=eos_ids, progress=progress)
-        run = loop.run(sequences)
+        run = loop.run([seq for group in groups for seq in group])
         self.last_run = run
         outputs = []
-        for prompt, seq in zip(prompts, sequences):
-            if seq.error is not None:
-                outputs.append(RequestOutput(prompt, [], None, "error", seq.error))
+        for prompt, group in zip(prompts, groups):
+            leader = group[0]
+            if leader.error is not None:
+                outputs.append(RequestOutput(prompt, [], None, "error", leader.error,
+                                             prompt_token_ids=list(leader.prompt_token_ids)))
                 continue
-            generated = run.tokens[seq.seq_id][seq.prompt_len:]
-            stopped = (bool(generated) and generated[-1] in eos_ids
-                       and not seq.sampling.ignore_eos)
-            reason = "stop" if stopped or len(generated) < seq.max_output_tokens else "length"
-            outputs.append(RequestOutput(prompt, generated,
-                                         self._decode(generated, eos_ids, seq.sampling),
-                                         reason))
+            samples = []
+            for index, seq in enumerate(group):
+                generated = run.tokens[seq.seq_id][seq.prompt_len:]
+                stopped = (bool(generated) and generated[-1] in eos_ids
+                           and not seq.sampling.ignore_eos)
+                reason = "stop" if stopped or len(generated) < seq.max_output_tokens else "length"
+                logprobs = None
+                if seq.sampling.logprobs is not None:
+                    logprobs = [TokenLogprob.of(token, entry) for token, entry
+                                in zip(generated, loop.logprobs.get(seq.seq_id, []))]
+                samples.append(CompletionOutput(index, generated,
+                                                self._decode(generated, eos_ids, seq.sampling),
+                                                reason, logprobs))
+            prompt_logprobs = None
+            if leader.sampling.prompt_logprobs is not None:
+                prompt_logprobs = [TokenLogprob.of(token, entry) for token, entry in
+                                   zip(leader.prompt_token_ids,
+                                       loop.prompt_logprobs.get(leader.seq_id, []))]
+            first = samples[0]
+            outputs.append(RequestOutput(prompt, first.token_ids, first.text, first.finish_reason,
+                                         None, first.logprobs, samples,
+                                         list(leader.prompt_token_ids), prompt_logprobs))
         return outputs
 
     def _decode(self, generated: list[int], eos_ids: frozenset[int],

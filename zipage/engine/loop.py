@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from zipage.core.arrivals import ArrivalQueue
 from zipage.core.recorder import Run, StepRecorder
@@ -33,6 +33,12 @@ class StepOutput:
     plan: StepPlan
     tokens: list[tuple[Sequence, int]]
     finished: list[Sequence]  # reached max tokens or stopped at EOS (their blocks are free)
+    # For the requests that asked (`SamplingParams.logprobs` / `prompt_logprobs`): request id ->
+    # (the token's log-probability, top ids, top log-probabilities); request id -> (position of
+    # the first prompt token covered, one such entry per prompt token computed this step; None
+    # for the first prompt token: nothing predicts it).
+    logprobs: dict[str, tuple] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
 
 
 class EngineLoop:
@@ -51,6 +57,12 @@ class EngineLoop:
         self.recorder: StepRecorder | None = None
         # Prompt + output token ids of every request added (the runner reads them).
         self.tokens: dict[str, list[int]] = {}
+        # An offline run's log-probabilities, for the requests that asked: request id -> one
+        # entry per output token, and per prompt token (`StepOutput`). The server reads them
+        # from each step's output instead.
+        self.collect_logprobs = False
+        self.logprobs: dict[str, list] = {}
+        self.prompt_logprobs: dict[str, list] = {}
         self._started = time.perf_counter()
 
     def start(self, total: int | None = None) -> None:
@@ -104,11 +116,21 @@ class EngineLoop:
         finished_before = len(scheduler.finished)
         self.recorder.finish(plan, StepResult(step_id=plan.step_id, t_start=t_start, t_end=t_end,
                                               completed_batches=completed, stopped=stopped))
-        return StepOutput(plan, produced, scheduler.finished[finished_before:])
+        logprobs, prompt_logprobs = runner.last_logprobs, runner.last_prompt_logprobs
+        if self.collect_logprobs:
+            for seq_id, entry in logprobs.items():
+                self.logprobs.setdefault(seq_id, []).append(entry)
+            for seq_id, (position, entries) in prompt_logprobs.items():
+                add_prompt_logprobs(self.prompt_logprobs.setdefault(seq_id, []), position,
+                                    entries)
+        return StepOutput(plan, produced, scheduler.finished[finished_before:], logprobs,
+                          prompt_logprobs)
 
     def run(self, sequences: list[Sequence]) -> Run:
         """Run every request (each carries its prompt tokens and `SamplingParams`) to the end."""
         self.start(total=len(sequences))
+        self.collect_logprobs = True
+        self.logprobs, self.prompt_logprobs = {}, {}
         arrivals = ArrivalQueue(sequences)
         while arrivals.has_pending or self.scheduler.has_unfinished():
             now = self.now()
@@ -116,3 +138,10 @@ class EngineLoop:
             if self.step(started_at=now) is None and arrivals.has_pending:
                 time.sleep(max(0.0, arrivals.next_arrival_s - now))
         return self.recorder.result(self.tokens)
+
+
+def add_prompt_logprobs(stored: list, position: int, entries: list) -> None:
+    """Put a step's prompt log-probabilities (from prompt token `position` on) into a request's
+    list, replacing any reported before from there (a prompt chunk computed again)."""
+    del stored[position:]
+    stored.extend(entries)

@@ -43,7 +43,7 @@ import torch
 
 from zipage.config import ZipageConfig
 from zipage.core.memory import MemoryPlan
-from zipage.core.step import CompressionBatch, CompressionJob, PrefillItem, StepPlan
+from zipage.core.step import CompressionBatch, CompressionJob, Fork, PrefillItem, StepPlan
 from zipage.engine.distributed import ShardGroup, set_shard_group, shard_group
 from zipage.engine.runner import ModelRunner
 from zipage.engine.sharding import ShardLayout, load_shard
@@ -108,13 +108,15 @@ def encode_step(plan: StepPlan, tokens: dict[str, list[int]], completed: list[in
     decodes; a partial chunk its `samples=False`, so no rank computes logits for it)."""
     prefill = [(item.seq.seq_id, item.num_cached_tokens, item.num_tokens,
                 list(item.seq.block_table), item.seq.query_slot,
-                tokens[item.seq.seq_id][item.num_cached_tokens:item.num_tokens], item.samples)
+                tokens[item.seq.seq_id][item.num_cached_tokens:item.num_tokens], item.samples,
+                item.prompt_logits)
                for item in plan.prefill]
     decode = [(seq.seq_id, seq.kv_len, seq.position, list(seq.block_table), seq.query_slot,
                tokens[seq.seq_id][-1]) for seq in plan.decode]
     launch = plan.compress_launch
     return (plan.step_id, plan.kind, prefill, decode, encode_jobs(plan.compress_sync),
-            None if launch is None else (launch.batch_id, encode_jobs(launch.jobs)), completed)
+            None if launch is None else (launch.batch_id, encode_jobs(launch.jobs)), completed,
+            plan.block_copies)
 
 
 def encode_jobs(jobs: list[CompressionJob]) -> list[tuple]:
@@ -128,14 +130,15 @@ def decode_jobs(jobs: list[tuple]) -> list[CompressionJob]:
 
 
 def decode_step(message: tuple) -> tuple[StepPlan, dict[str, list[int]], list[int]]:
-    step_id, kind, prefill, decode, sync, launch, completed = message
-    plan = StepPlan(step_id=step_id, kind=kind, compress_sync=decode_jobs(sync))
+    step_id, kind, prefill, decode, sync, launch, completed, copies = message
+    plan = StepPlan(step_id=step_id, kind=kind, compress_sync=decode_jobs(sync),
+                    forks=[Fork(None, None, copy) for copy in copies])
     if launch is not None:
         plan.compress_launch = CompressionBatch(launch[0], decode_jobs(launch[1]))
     tokens: dict[str, list[int]] = {}
-    for seq_id, start, end, table, slot, ids, samples in prefill:
+    for seq_id, start, end, table, slot, ids, samples, prompt_logits in prefill:
         request = ShardRequest(seq_id, table, slot, start, end - 1)
-        plan.prefill.append(PrefillItem(request, start, end, samples))
+        plan.prefill.append(PrefillItem(request, start, end, samples, prompt_logits))
         tokens[seq_id] = [0] * start + ids  # the runner reads tokens [start, end)
     for seq_id, kv_len, position, table, slot, last in decode:
         plan.decode.append(ShardRequest(seq_id, table, slot, kv_len, position))
@@ -426,6 +429,14 @@ class TensorParallelExecutor:
     @property
     def last_logits(self) -> torch.Tensor | None:
         return self.runner.last_logits
+
+    @property
+    def last_logprobs(self) -> dict[str, tuple]:
+        return self.runner.last_logprobs
+
+    @property
+    def last_prompt_logprobs(self) -> dict[str, list]:
+        return self.runner.last_prompt_logprobs
 
     @property
     def kv_cache(self) -> torch.Tensor:

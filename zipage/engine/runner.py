@@ -54,7 +54,7 @@ from zipage.core.window import WindowLayout
 from zipage.engine.caches import KVCaches
 from zipage.engine.compressor import Compressor
 from zipage.engine.context import ForwardContext, forward_context
-from zipage.engine.sampler import sample
+from zipage.engine.sampler import sample, token_logprobs
 from zipage.kernels.attention import PrefillWork, prefill_tile_tokens, prefill_work, prefill_work_capacity
 from zipage.prefill_buckets import bucket_of, buckets_up_to
 from zipage.shape import ModelShape
@@ -81,8 +81,11 @@ class StepInputs:
     block_tables: torch.Tensor  # int32 [chunks, width]
     decode_context_lens: torch.Tensor | None  # int32 [decodes]
     decode_block_tables: torch.Tensor | None  # int32 [decodes, width]
-    logits_indices: torch.Tensor  # int64 [sampled]
+    logits_indices: torch.Tensor  # int64 [sampled + prompt rows]
     max_q_len: int
+    # Chunks that want their prompt's logits (`PrefillItem.prompt_logits`): (request id, first
+    # KV entry, rows), their rows at the end of `logits_indices`, after the sampling rows.
+    prompt_rows: list[tuple[str, int, int]] | None = None
 
 
 class ModelRunner:
@@ -114,6 +117,14 @@ class ModelRunner:
         # Widest block table a request can have: its whole context in blocks.
         self.max_blocks_per_seq = -(-(config.max_model_len or shape.max_position) // self.block_size)
         self.last_logits: torch.Tensor | None = None
+        # The latest step's log-probabilities, for the requests that asked (`SamplingParams`
+        # logprobs / prompt_logprobs): request id -> (token's, top ids, top log-probabilities),
+        # and request id -> one such entry per prompt token this step computed (the first
+        # prompt token has None: nothing predicts it), as (position of the first prompt token
+        # covered, entries).
+        self.last_logprobs: dict[str, tuple] = {}
+        self.last_prompt_logprobs: dict[str, list] = {}
+        self._prompt_rows: list[tuple[str, int, int]] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_inputs: dict[str, torch.Tensor] = {}
         self.staging: dict[str, torch.Tensor] = {}
@@ -148,12 +159,48 @@ class ModelRunner:
 
     def _execute(self, plan: StepPlan,
                  tokens: dict[str, list[int]]) -> list[tuple[Sequence, int]]:
+        self._prompt_rows = []
         sequences, logits = self._forward(plan, tokens)
+        self.last_logprobs, self.last_prompt_logprobs = {}, {}
         if not sequences:
             return []
-        sampled = sample(logits, [seq.sampling for seq in sequences],
-                         [seq.num_output_tokens for seq in sequences])
+        if self._prompt_rows:  # the rows after the sampling ones: prompt log-probabilities
+            self.last_prompt_logprobs = self._prompt_logprobs(
+                plan, logits[len(sequences):], tokens)
+            logits = logits[:len(sequences)]
+        if plan.forks:  # a fork samples from its leader's logits (docs/architecture.md)
+            row_of = {seq: row for row, seq in enumerate(sequences)}
+            rows = torch.tensor([row_of[fork.leader] for fork in plan.forks], device=logits.device)
+            logits = torch.cat([logits, logits.index_select(0, rows)])
+            sequences = sequences + [fork.seq for fork in plan.forks]
+        params = [seq.sampling for seq in sequences]
+        sampled = sample(logits, params, [seq.num_output_tokens for seq in sequences])
+        wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
+        if wanted:
+            rows = torch.tensor(wanted, device=logits.device)
+            found = token_logprobs(logits.index_select(0, rows), sampled.index_select(0, rows),
+                                   [params[row].logprobs for row in wanted])
+            self.last_logprobs = {sequences[row].seq_id: entry
+                                  for row, entry in zip(wanted, found)}
         return list(zip(sequences, sampled.tolist()))
+
+    def _prompt_logprobs(self, plan: StepPlan, logits: torch.Tensor,
+                         tokens: dict[str, list[int]]) -> dict[str, list]:
+        """Each prompt-logits chunk's entries: the log-probability of every prompt token given
+        those before it (row t predicts token t + 1), with its top alternatives."""
+        tops = {item.seq.seq_id: item.seq.sampling.prompt_logprobs for item in plan.prefill}
+        found: dict[str, list] = {}
+        offset = 0
+        for seq_id, first, rows in self._prompt_rows:
+            ids = tokens[seq_id]
+            targets = torch.tensor(ids[first + 1:first + 1 + rows], device=logits.device)
+            entries = token_logprobs(logits[offset:offset + rows], targets,
+                                     [tops[seq_id] or 0] * rows)
+            # Keyed by the position of the first prompt token covered: a chunk computed again
+            # (preempted mid-prompt) replaces what it reported before.
+            found[seq_id] = (0, [None] + entries) if first == 0 else (first + 1, entries)
+            offset += rows
+        return found
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan, tokens: dict[str, list[int]]) -> None:
@@ -176,8 +223,10 @@ class ModelRunner:
             compressor.run(plan.compress_sync)  # its requests decode in this very forward
         sequences, logits = [], None
         if plan.prefill:  # a prefill or mixed step: one forward over chunks and decode rows
-            sequences = plan.sampled
+            sequences = [item.seq for item in plan.prefill if item.samples] + plan.decode
             logits = self._prefill(plan, tokens)
+            if plan.forks:
+                self.caches.copy_blocks(plan.block_copies)  # after the forward wrote them
         elif plan.decode:
             sequences = plan.decode
             logits = self._decode(sequences, tokens)
@@ -224,6 +273,14 @@ class ModelRunner:
                 rows.append(column)
             logits_rows.extend(range(cu_seqlens[-1], cu_seqlens[-1] + len(plan.decode)))
             decode = (columns[3].int(), decode_tables)
+        prompt_rows = []
+        for index, item in enumerate(plan.prefill):
+            if item.prompt_logits:  # every row but the sampling one predicts a prompt token
+                rows = item.num_new_tokens - (1 if item.samples else 0)
+                if rows > 0:
+                    logits_rows.extend(range(cu_seqlens[index], cu_seqlens[index] + rows))
+                    prompt_rows.append((item.seq.seq_id, item.num_cached_tokens, rows))
+        self._prompt_rows = prompt_rows
         return StepInputs(
             input_ids=torch.cat(input_ids), positions=torch.cat(positions),
             slot_mapping=torch.cat(slots), query_slot_mapping=torch.cat(query_slots),
@@ -233,7 +290,8 @@ class ModelRunner:
             decode_context_lens=None if decode is None else decode[0],
             decode_block_tables=None if decode is None else decode[1],
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
-            max_q_len=max(item.num_new_tokens for item in plan.prefill))
+            max_q_len=max(item.num_new_tokens for item in plan.prefill),
+            prompt_rows=prompt_rows)
 
     def _prefill(self, plan: StepPlan, tokens: dict[str, list[int]]) -> torch.Tensor | None:
         """A prefill or mixed step, eagerly: the chunk rows attend through the varlen prefill

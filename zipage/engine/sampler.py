@@ -75,3 +75,18 @@ def _exponential_noise(
         noise[row].exponential_(generator=generator)
     # A zero draw would turn a filtered-out token's 0 / 0 into NaN, which argmax would pick.
     return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                   tops: list[int]) -> list[tuple[float, list[int], list[float]]]:
+    """Per row: the log-probability of `tokens[row]` under the log-softmax of the row's logits
+    (the model's own distribution, before temperature or top-k / top-p, as vLLM and OpenAI
+    report it), and the `tops[row]` most likely token ids with theirs, most likely first."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, tokens.view(-1, 1).long()).view(-1).tolist()
+    most = max(tops, default=0)
+    top_values, top_ids = (logprobs.topk(most, dim=-1) if most else (None, None))
+    top_values = top_values.tolist() if most else None
+    top_ids = top_ids.tolist() if most else None
+    return [(chosen[row], top_ids[row][:k] if k else [], top_values[row][:k] if k else [])
+            for row, k in enumerate(tops)]

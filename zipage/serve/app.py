@@ -36,6 +36,7 @@ from zipage.errors import ZipageError
 from zipage.serve import DEFAULT_MAX_BODY_BYTES
 from zipage.serve.detokenize import IncrementalText
 from zipage.serve.engine_client import Delta, EngineClient, EngineStopped, RequestHandle
+from zipage.serve.logprobs import TokenText, chat_logprobs, completion_logprobs, join_completion_logprobs
 from zipage.serve.metrics import CONTENT_TYPE, ServerMetrics
 from zipage.serve.protocol import (
     ChatRequest,
@@ -67,6 +68,7 @@ class Server:
         # One thread: tokenizers are not all safe to call from several threads at once, and
         # what matters is that the event loop (streams, /health) never waits for one.
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="zipage-tokenize")
+        self.token_text = TokenText(tokenizer)  # each token's text alone (log-probabilities)
 
     # ---------------------------------------------------------------- admission
 
@@ -83,15 +85,19 @@ class Server:
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, work, *args)
 
     def prepare(self, body: SamplingFields, prompt_ids: list[int],
-                default_max_tokens: int) -> RequestHandle:
-        """Sampling settings, the core's admission check, the waiting cap; then submit."""
+                default_max_tokens: int) -> list[RequestHandle]:
+        """Sampling settings, the core's admission check, the waiting cap; then submit. One
+        handle per sample (`n`)."""
         limit = body.output_limit if isinstance(body, ChatRequest) else body.max_tokens
+        if limit == 0:  # echo alone: one token is generated and left out of the answer
+            limit = 1
         try:
             sampling = SamplingParams(
                 temperature=body.temperature, top_p=body.top_p,
                 top_k=0 if body.top_k == -1 else body.top_k, seed=body.seed,
                 max_tokens=default_max_tokens if limit is None else limit,
-                ignore_eos=body.ignore_eos, kv_budget=body.kv_budget)
+                ignore_eos=body.ignore_eos, kv_budget=body.kv_budget, n=body.n,
+                logprobs=body.output_logprobs, prompt_logprobs=body.prompt_logprobs)
         except ZipageError as error:
             raise ServeError(400, str(error), str(error).split(":")[0]) from None
         budget_reason = self.engine.admission.budget_reason(body.kv_budget)
@@ -111,10 +117,9 @@ class Server:
                                   f"(--max-waiting {self.max_waiting}); retry later",
                              None, "rate_limit_exceeded")
         try:
-            handle = self.engine.submit(prompt_ids, sampling)
+            return self.engine.submit(prompt_ids, sampling)
         except EngineStopped as error:
             raise ServeError(503, str(error), None, "server_error") from None
-        return handle
 
     def default_output_limit(self, prompt_len: int) -> int:
         """Chat's default max_tokens: whatever the context and memory leave (vLLM's rule)."""
@@ -172,16 +177,23 @@ class Server:
         finally:
             self.engine.abort(handle)  # a no-op once the engine reported the end
 
-    def absorb(self, handle: RequestHandle, text: IncrementalText,
-               batch: list[Delta]) -> str | None:
-        """Feed a batch of deltas to the text; the finish reason, if the request ended (a stop
-        string ends it here: the engine drops it before its next step)."""
+    def absorb(self, choice: Choice, batch: list[Delta]) -> str | None:
+        """Feed a batch of deltas to the choice's text; the finish reason, if the request ended
+        (a stop string ends it here: the engine drops it before its next step)."""
+        handle, text = choice.handle, choice.text
         tokens = [token for delta in batch for token in delta.token_ids]
         last = batch[-1]
         if last.error is not None:
             raise ServeError(last.status, last.error, None,
                              "invalid_request_error" if last.status < 500 else "server_error")
         finish = last.finish_reason
+        if choice.echo_only:  # max_tokens 0 with echo: the one token generated is no answer
+            if finish is not None:
+                text.finish()
+            return None if finish is None else "length"
+        for delta in batch:
+            if delta.logprobs is not None:
+                choice.entries.extend(delta.logprobs)
         text_tokens = tokens
         if finish == "stop" and tokens and tokens[-1] in self.eos:
             text_tokens = tokens[:-1]  # the EOS that ended the request is not text
@@ -195,19 +207,81 @@ class Server:
         return finish
 
 
-def _completion_chunk(server: Server, rid: str, text: str, finish: str | None,
-                      token_ids: list[int] | None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return {"id": rid, "object": "text_completion", "created": int(time.time()),
-            "model": server.model_name, "choices": [choice]}
+class Choice:
+    """One sample of a request as the HTTP side builds it: its handle, text and the
+    log-probabilities of its tokens (one entry per generated token, if asked for)."""
+
+    def __init__(self, server: Server, handle: RequestHandle, index: int, stop: list[str],
+                 echo_only: bool = False) -> None:
+        self.handle = handle
+        self.index = index
+        self.text = IncrementalText(server.tokenizer, stop)
+        self.entries: list = []
+        self.finish: str | None = None
+        self.echo_only = echo_only
+        self.sent_tokens = 0  # tokens whose ids and log-probabilities a stream has sent
+        self.sent_chars = 0  # characters a stream has sent (text_offset)
+        self.started = False  # a stream sent this choice's first chunk
+
+    def new_tokens(self) -> tuple[list[int], list]:
+        """The text's tokens not sent yet, and their log-probability entries."""
+        end = len(self.text.token_ids)
+        ids = self.text.token_ids[self.sent_tokens:end]
+        entries = self.entries[self.sent_tokens:end]
+        self.sent_tokens = end
+        return ids, entries
 
 
-def _chat_chunk(server: Server, rid: str, delta: dict, finish: str | None) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": server.model_name,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+def _choices(server: Server, handles: list[RequestHandle], stop: list[str],
+             echo_only: bool = False) -> list[Choice]:
+    return [Choice(server, handle, index, stop, echo_only)
+            for index, handle in enumerate(handles)]
+
+
+async def _merged(server: Server, choices: list[Choice]) -> AsyncIterator[tuple[Choice, str]]:
+    """(choice, finish reason or None) as each choice's deltas arrive, the choices interleaved;
+    the first error of any choice is raised (and every choice aborted). However it ends, every
+    request still running is aborted."""
+    if len(choices) == 1:
+        choice = choices[0]
+        async with aclosing(server.deltas(choice.handle)) as deltas:
+            async for batch in deltas:
+                choice.finish = server.absorb(choice, batch)
+                yield choice, choice.finish
+                if choice.finish is not None:
+                    return
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            async with aclosing(server.deltas(choice.handle)) as deltas:
+                async for batch in deltas:
+                    choice.finish = server.absorb(choice, batch)
+                    queue.put_nowait((choice, None))
+                    if choice.finish is not None:
+                        break
+        except ServeError as error:
+            queue.put_nowait((choice, error))
+        queue.put_nowait(None)
+
+    tasks = [asyncio.ensure_future(pump(choice)) for choice in choices]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+                continue
+            choice, error = item
+            if error is not None:
+                raise error
+            yield choice, choice.finish
+    finally:
+        for task in tasks:
+            task.cancel()
+        for choice in choices:
+            server.engine.abort(choice.handle)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -310,43 +384,25 @@ def build_app(engine: EngineClient, tokenizer, model_name: str, *,
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        if body.echo:
-            raise ServeError(400, "echo: not supported; leave it out", "echo")
         server.check(body)
         prompt_ids = await server.tokens(server.encode, body.prompt)
-        handle = server.prepare(body, prompt_ids, DEFAULT_COMPLETION_TOKENS)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        want_ids = body.return_token_ids or server.tokenizer is None
-        text = IncrementalText(server.tokenizer, body.stop_strings)
+        handles = server.prepare(body, prompt_ids, DEFAULT_COMPLETION_TOKENS)
+        choices = _choices(server, handles, body.stop_strings, echo_only=body.max_tokens == 0)
+        answer = CompletionAnswer(server, body, f"cmpl-{uuid.uuid4().hex}", prompt_ids, choices)
         if body.stream:
-            return _stream(server, handle, _completion_stream(
-                server, handle, rid, text, len(prompt_ids), want_ids, body.include_usage))
-        return await _cancel_on_disconnect(request, _complete(
-            server, handle, text, lambda finish: {
-                "id": rid, "object": "text_completion", "created": int(time.time()),
-                "model": model_name,
-                "choices": [{"index": 0, "text": text.text, "logprobs": None,
-                             "finish_reason": finish,
-                             **({"token_ids": text.token_ids} if want_ids else {})}],
-                "usage": _usage(len(prompt_ids), text.generated)}))
+            return _stream(server, choices, answer.events())
+        return await _cancel_on_disconnect(request, answer.whole())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         server.check(body)
         prompt_ids = await server.tokens(server.chat_prompt, body)
-        handle = server.prepare(body, prompt_ids, server.default_output_limit(len(prompt_ids)))
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        text = IncrementalText(server.tokenizer, body.stop_strings)
+        handles = server.prepare(body, prompt_ids, server.default_output_limit(len(prompt_ids)))
+        choices = _choices(server, handles, body.stop_strings)
+        answer = ChatAnswer(server, body, f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, choices)
         if body.stream:
-            return _stream(server, handle, _chat_stream(
-                server, handle, rid, text, len(prompt_ids), body.include_usage))
-        return await _cancel_on_disconnect(request, _complete(
-            server, handle, text, lambda finish: {
-                "id": rid, "object": "chat.completion", "created": int(time.time()),
-                "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text.text},
-                             "logprobs": None, "finish_reason": finish}],
-                "usage": _usage(len(prompt_ids), text.generated)}))
+            return _stream(server, choices, answer.events())
+        return await _cancel_on_disconnect(request, answer.whole())
 
     return app
 
@@ -417,16 +473,6 @@ class _Gate:
         await self.app(scope, counted, send)
 
 
-async def _complete(server: Server, handle: RequestHandle, text: IncrementalText, respond):
-    finish = None
-    async with aclosing(server.deltas(handle)) as deltas:
-        async for batch in deltas:
-            finish = server.absorb(handle, text, batch)
-            if finish is not None:
-                break
-    return JSONResponse(respond(finish))
-
-
 class _EventStream(StreamingResponse):
     """Server-sent events that abort their request however the response ends, even when the
     client left before the first event (the event generator then never starts)."""
@@ -443,48 +489,129 @@ class _EventStream(StreamingResponse):
             self._on_close()
 
 
-def _stream(server: Server, handle: RequestHandle, events: AsyncIterator[str]) -> _EventStream:
-    return _EventStream(events, lambda: server.engine.abort(handle))
+def _stream(server: Server, choices: list[Choice], events: AsyncIterator[str]) -> _EventStream:
+    def abort_all() -> None:
+        for choice in choices:
+            server.engine.abort(choice.handle)
+
+    return _EventStream(events, abort_all)
 
 
-async def _completion_stream(server, handle, rid, text, prompt_len, want_ids, include_usage):
-    sent_ids = 0
-    try:
-        async with aclosing(server.deltas(handle)) as deltas:
-            async for batch in deltas:
-                finish = server.absorb(handle, text, batch)
-                piece = text.new_text(final=finish is not None)
-                ids = None
-                if want_ids:
-                    ids, sent_ids = text.token_ids[sent_ids:], len(text.token_ids)
-                yield _sse(_completion_chunk(server, rid, piece, finish, ids))
-                if finish is not None:
-                    break
-    except ServeError as error:
-        yield _sse(error.body())
-    if include_usage:
-        yield _sse({"id": rid, "object": "text_completion", "created": int(time.time()),
-                    "model": server.model_name, "choices": [],
-                    "usage": _usage(prompt_len, text.generated)})
-    yield _sse("[DONE]")
+class _Answer:
+    """One response to a request of n choices, whole or as server-sent events."""
+
+    object_whole = object_chunk = ""
+
+    def __init__(self, server: Server, body: SamplingFields, rid: str, prompt_ids: list[int],
+                 choices: list[Choice]) -> None:
+        self.server = server
+        self.body = body
+        self.rid = rid
+        self.prompt_ids = prompt_ids
+        self.choices = choices
+        self.text_of = server.token_text
+        self.logprobs = body.output_logprobs is not None
+
+    def envelope(self, kind: str, choices: list[dict]) -> dict:
+        return {"id": self.rid, "object": kind, "created": int(time.time()),
+                "model": self.server.model_name, "choices": choices}
+
+    def usage(self) -> dict:
+        return _usage(len(self.prompt_ids), sum(choice.text.generated for choice in self.choices))
+
+    async def whole(self) -> JSONResponse:
+        async with aclosing(_merged(self.server, self.choices)) as updates:
+            async for _ in updates:
+                pass
+        reply = self.envelope(self.object_whole, [self.whole_choice(choice)
+                                                  for choice in self.choices])
+        reply["usage"] = self.usage()
+        return JSONResponse(reply)
+
+    async def events(self) -> AsyncIterator[str]:
+        try:
+            async with aclosing(_merged(self.server, self.choices)) as updates:
+                async for choice, finish in updates:
+                    yield _sse(self.envelope(self.object_chunk, [self.chunk(choice, finish)]))
+        except ServeError as error:
+            yield _sse(error.body())
+        if self.body.include_usage:
+            reply = self.envelope(self.object_chunk, [])
+            reply["usage"] = self.usage()
+            yield _sse(reply)
+        yield _sse("[DONE]")
 
 
-async def _chat_stream(server, handle, rid, text, prompt_len, include_usage):
-    first = True
-    try:
-        async with aclosing(server.deltas(handle)) as deltas:
-            async for batch in deltas:
-                finish = server.absorb(handle, text, batch)
-                piece = text.new_text(final=finish is not None)
-                delta = {"role": "assistant", "content": piece} if first else {"content": piece}
-                first = False
-                yield _sse(_chat_chunk(server, rid, delta, finish))
-                if finish is not None:
-                    break
-    except ServeError as error:
-        yield _sse(error.body())
-    if include_usage:
-        yield _sse({"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-                    "model": server.model_name, "choices": [],
-                    "usage": _usage(prompt_len, text.generated)})
-    yield _sse("[DONE]")
+class CompletionAnswer(_Answer):
+    object_whole = object_chunk = "text_completion"
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        body, server = self.body, self.server
+        self.want_ids = body.return_token_ids or server.tokenizer is None
+        self.echo = ""
+        if body.echo:
+            self.echo = (body.prompt if isinstance(body.prompt, str)
+                         else server.tokenizer.decode(self.prompt_ids)
+                         if server.tokenizer is not None else "")
+
+    def prompt_logprobs(self) -> dict:
+        """The echoed prompt's log-probabilities (the first sample's request computed them)."""
+        entries = self.choices[0].handle.prompt_logprobs
+        entries = list(entries) + [None] * (len(self.prompt_ids) - len(entries))
+        return completion_logprobs(self.text_of, self.prompt_ids, entries)
+
+    def whole_choice(self, choice: Choice) -> dict:
+        logprobs = None
+        if self.logprobs:
+            logprobs = completion_logprobs(self.text_of, choice.text.token_ids, choice.entries,
+                                           len(self.echo))
+            if self.body.echo:
+                logprobs = join_completion_logprobs(self.prompt_logprobs(), logprobs)
+        reply = {"index": choice.index, "text": self.echo + choice.text.text,
+                 "logprobs": logprobs, "finish_reason": choice.finish}
+        if self.want_ids:
+            reply["token_ids"] = choice.text.token_ids
+        return reply
+
+    def chunk(self, choice: Choice, finish: str | None) -> dict:
+        piece = choice.text.new_text(final=finish is not None)
+        ids, entries = choice.new_tokens()
+        logprobs = None
+        if self.logprobs:
+            logprobs = completion_logprobs(self.text_of, ids, entries,
+                                           len(self.echo) + choice.sent_chars)
+        choice.sent_chars += len(piece)
+        if not choice.started:  # the echoed prompt leads the choice's first chunk
+            choice.started = True
+            if self.body.echo:
+                piece = self.echo + piece
+                if self.logprobs:
+                    logprobs = join_completion_logprobs(self.prompt_logprobs(), logprobs)
+        reply = {"index": choice.index, "text": piece, "logprobs": logprobs,
+                 "finish_reason": finish}
+        if self.want_ids:
+            reply["token_ids"] = ids
+        return reply
+
+
+class ChatAnswer(_Answer):
+    object_whole, object_chunk = "chat.completion", "chat.completion.chunk"
+
+    def whole_choice(self, choice: Choice) -> dict:
+        logprobs = (chat_logprobs(self.text_of, choice.text.token_ids, choice.entries)
+                    if self.logprobs else None)
+        return {"index": choice.index,
+                "message": {"role": "assistant", "content": choice.text.text},
+                "logprobs": logprobs, "finish_reason": choice.finish}
+
+    def chunk(self, choice: Choice, finish: str | None) -> dict:
+        piece = choice.text.new_text(final=finish is not None)
+        ids, entries = choice.new_tokens()
+        delta = {"content": piece}
+        if not choice.started:
+            choice.started = True
+            delta = {"role": "assistant", "content": piece}
+        logprobs = chat_logprobs(self.text_of, ids, entries) if self.logprobs else None
+        return {"index": choice.index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": finish}

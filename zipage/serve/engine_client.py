@@ -57,6 +57,7 @@ class Delta:
     finish_reason: str | None = None
     error: str | None = None
     status: int = 500
+    logprobs: list | None = None  # beside token_ids, if the request asked for them
 
 
 @dataclass
@@ -71,6 +72,9 @@ class RequestHandle:
     waiting: bool = True  # no token yet and not ended (counts against --max-waiting)
     first_token_s: float | None = None
     num_tokens: int = 0
+    # Prompt log-probabilities (`SamplingParams.prompt_logprobs`), complete before the first
+    # token arrives: one entry per prompt token, None for the first.
+    prompt_logprobs: list = field(default_factory=list)
 
 
 class EngineClient:
@@ -157,20 +161,26 @@ class EngineClient:
                                                         prompt_len=prompt_len,
                                                         kv_budget=kv_budget))
 
-    def submit(self, prompt_token_ids: list[int], sampling) -> RequestHandle:
-        """Send a request to the engine; it arrives now (its TTFT counts from here)."""
+    def submit(self, prompt_token_ids: list[int], sampling) -> list[RequestHandle]:
+        """Send a request to the engine; it arrives now (its TTFT counts from here). One handle
+        per sample (`sampling.n`): each is a request of its own to the engine, the others
+        forked from the first."""
         if not self.alive:
             raise EngineStopped(self.error or "the engine is not running")
-        handle = RequestHandle(f"req-{next(self._ids)}", len(prompt_token_ids),
-                               time.perf_counter())
+        now = time.perf_counter()
+        first = f"req-{next(self._ids)}"
+        handles = [RequestHandle(first if index == 0 else f"{first}#{index}",
+                                 len(prompt_token_ids), now) for index in range(sampling.n)]
         try:
-            self.connection.send(Add(handle.seq_id, prompt_token_ids, sampling))
+            self.connection.send(Add(first, prompt_token_ids, sampling,
+                                     [handle.seq_id for handle in handles[1:]]))
         except OSError:
             self._engine_gone()
             raise EngineStopped(self.error) from None
-        self._handles[handle.seq_id] = handle
-        self.num_waiting += 1
-        return handle
+        for handle in handles:
+            self._handles[handle.seq_id] = handle
+        self.num_waiting += len(handles)
+        return handles
 
     def abort(self, handle: RequestHandle, finish_reason: str | None = None) -> None:
         """Drop the request (the engine frees its blocks before its next step): its client went
@@ -209,7 +219,13 @@ class EngineClient:
         now = time.perf_counter()
         metrics = self.metrics
         handles = self._handles
-        for seq_id, token in zip(update.seq_ids, update.tokens):
+        for seq_id, (position, entries) in update.prompt_logprobs.items():
+            handle = handles.get(seq_id)
+            if handle is not None:
+                del handle.prompt_logprobs[position:]  # a prompt chunk computed again
+                handle.prompt_logprobs.extend(entries)
+        logprobs = update.logprobs
+        for index, (seq_id, token) in enumerate(zip(update.seq_ids, update.tokens)):
             handle = handles.get(seq_id)
             if handle is None:
                 continue  # aborted while the step ran
@@ -224,7 +240,8 @@ class EngineClient:
                 self._end(handle)
                 if metrics is not None:
                     metrics.finished_request(handle, reason, now)
-            handle.deltas.put_nowait(Delta([token], reason))
+            handle.deltas.put_nowait(Delta([token], reason, logprobs=None if logprobs is None
+                                           else [logprobs[index]]))
         for seq_id, message in update.rejected.items():
             handle = handles.get(seq_id)
             if handle is not None:

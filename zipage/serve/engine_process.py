@@ -154,22 +154,37 @@ class EngineCore:
         """Queue the request, or refuse it alone. The HTTP side validated it already; this is
         the engine's own check, because a value that reached a step (a token id outside the
         vocabulary, a top_k torch cannot hold) would raise there and stop every request."""
+        seq_ids = [command.seq_id, *command.sample_ids]
         try:
             command.sampling.check()
+            if len(seq_ids) != command.sampling.n:
+                raise ZipageError(f"n: {command.sampling.n} samples but {len(seq_ids)} ids")
             ids = command.prompt_token_ids
             if not ids or min(ids) < 0 or max(ids) >= self.vocab_size:
                 raise ZipageError(f"prompt: token ids must be in 0..{self.vocab_size - 1} and "
                                   "there must be at least one")
-            seq = Sequence(command.seq_id, ids, command.sampling.max_tokens,
-                           arrival_s=self.loop.now(), sampling=command.sampling,
-                           kv_budget=command.sampling.kv_budget)
-            added = self.loop.add(seq)
-            error = seq.error
+            now = self.loop.now()
+            group = []
+            for index, seq_id in enumerate(seq_ids):  # docs/architecture.md, 'Samples of ...'
+                own = command.sampling.for_sample(index)
+                seq = Sequence(seq_id, ids, own.max_tokens, arrival_s=now, sampling=own,
+                               kv_budget=own.kv_budget)
+                if index == 0:
+                    seq.prompt_logits = own.prompt_logprobs is not None
+                else:
+                    seq.fork_of = group[0]
+                group.append(seq)
+            added = self.loop.add(group[0])  # the samples share its lengths, and its fate
+            error = group[0].error
+            if added:
+                for seq in group[1:]:
+                    self.loop.add(seq)
         except Exception as failure:  # noqa: BLE001 - whatever it is, it is this request's
             added, error = False, f"the engine refused the request: {failure}"
         if not added:  # the HTTP side asked the same rule first: rare
-            self.loop.tokens.pop(command.seq_id, None)
-            self.rejected[command.seq_id] = error
+            for seq_id in seq_ids:
+                self.loop.tokens.pop(seq_id, None)
+                self.rejected[seq_id] = error
             self.changed = True
 
     def _abort(self, seq_id: str) -> None:
@@ -179,10 +194,14 @@ class EngineCore:
 
     def _publish(self, output) -> None:
         seq_ids, tokens, finished = [], [], {}
+        logprobs, prompt_logprobs = None, {}
         if output is not None:
             for seq, token in output.tokens:
                 seq_ids.append(seq.seq_id)
                 tokens.append(token)
+            if output.logprobs:
+                logprobs = [output.logprobs.get(seq_id) for seq_id in seq_ids]
+            prompt_logprobs = output.prompt_logprobs
             eos = self.loop.eos_token_ids
             for seq in output.finished:
                 last = self.loop.tokens.pop(seq.seq_id)[-1]
@@ -194,7 +213,8 @@ class EngineCore:
         stats = EngineStats(len(scheduler.running), len(scheduler.waiting),
                             scheduler.block_manager.num_used_blocks, self.compressions,
                             self.preemptions)
-        update = StepUpdate(seq_ids, tokens, finished, self.rejected, stats)
+        update = StepUpdate(seq_ids, tokens, finished, self.rejected, stats, logprobs,
+                            prompt_logprobs)
         self.rejected, self.changed = {}, False
         self._forget_history()
         try:

@@ -5,9 +5,10 @@ coercion. Every number has its range here (`Field` bounds, finite floats), the s
 `SamplingParams.check` enforces in the engine: a value the sampler or torch cannot take is a 400
 at the door, never an error inside an engine step. Text anywhere in the body must be valid
 Unicode (a lone UTF-16 surrogate such as "\\ud800" cannot be tokenized or written back as UTF-8).
-Fields the API has and Zipage does not implement are refused by name rather than ignored (`n`
-above 1, `logprobs`, `echo`, `best_of`); fields unknown to the API are ignored, as
-OpenAI-compatible servers do.
+Fields the API has and Zipage does not implement are refused by name rather than ignored
+(`best_of` above 1); fields unknown to the API are ignored, as OpenAI-compatible servers do.
+`n`, `logprobs` (completions: an integer, the alternatives per token; chat: a boolean with
+`top_logprobs`) and `echo` (completions) are served.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from zipage.core.sampling import MAX_INT, MAX_TEMPERATURE, SEED_LIMIT
+from zipage.core.sampling import MAX_INT, MAX_LOGPROBS, MAX_SAMPLES, MAX_TEMPERATURE, SEED_LIMIT
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1000  # characters; each decoded piece is searched for every stop string
@@ -105,10 +106,9 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=MAX_INT)
+    n: int = Field(1, ge=1, le=MAX_SAMPLES)
     ignore_eos: bool = False  # vLLM's extension: generate through end-of-sequence tokens
     kv_budget: int | None = Field(None, ge=1, le=MAX_INT)  # extension: this request's KV budget
-    logprobs: Any = None
     best_of: int | None = Field(None, ge=1, le=MAX_INT)
 
     @model_validator(mode="before")
@@ -132,13 +132,19 @@ class SamplingFields(BaseModel):
         return stop
 
     def check_unsupported(self) -> None:
-        if self.n != 1:
-            raise ServeError(400, f"n: got {self.n}; Zipage returns one choice per request, "
-                                  "send n = 1 (or several requests)", "n")
         if self.best_of not in (None, 1):
-            raise ServeError(400, "best_of: not supported; leave it out", "best_of")
-        if self.logprobs not in (None, False):
-            raise ServeError(400, "logprobs: not supported; leave it out", "logprobs")
+            raise ServeError(400, "best_of: not supported; leave it out (n samples: n)",
+                             "best_of")
+
+    # Per endpoint: alternatives per output token (None: no log-probabilities), and per prompt
+    # token (completions' echo).
+    @property
+    def output_logprobs(self) -> int | None:
+        return None
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        return None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -153,8 +159,25 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: Any
-    echo: bool = False
+    # 0 only with echo: the prompt scored, nothing generated (lm-evaluation-harness).
+    max_tokens: int | None = Field(None, ge=0, le=MAX_INT)
+    echo: bool = False  # the prompt before each choice's text (and its log-probabilities)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     return_token_ids: bool = False  # extension: each choice also carries its output token ids
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.max_tokens == 0 and not self.echo:
+            raise ServeError(400, "max_tokens: 0 is allowed only with echo=true (score the "
+                                  "prompt); send at least 1", "max_tokens")
+
+    @property
+    def output_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -193,6 +216,17 @@ class ChatMessage(BaseModel):
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # max_tokens' newer name
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ServeError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
+
+    @property
+    def output_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("messages")
     @classmethod

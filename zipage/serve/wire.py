@@ -10,7 +10,7 @@ pickling the message is host time every step of the engine pays.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -51,9 +51,14 @@ class StartupFailed:
 
 @dataclass
 class Add:
+    """A request; with `sampling.n` > 1, its other samples' ids (`sample_ids`, n - 1 of them):
+    the engine queues them behind it to fork from it (docs/architecture.md, 'Samples of one
+    prompt'), in one message so that no step runs between them."""
+
     seq_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    sample_ids: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -85,6 +90,11 @@ class StepUpdate:
     finished: dict[str, str]  # request -> "stop" (end-of-sequence token) or "length"
     rejected: dict[str, str]  # request -> why the core refused it (it never ran)
     stats: EngineStats
+    # Beside `tokens` when a request of the step asked for log-probabilities (else None): per
+    # token (log-probability, top ids, top log-probabilities) or None.
+    logprobs: list | None = None
+    # request -> (position of the first prompt token covered, entries): prompt log-probabilities.
+    prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
 
 
 @dataclass
