@@ -20,11 +20,7 @@ from zipage.config import ZipageConfig  # noqa: E402
 from zipage.core.deployment import ReplaySettings, plan_capacity  # noqa: E402
 from zipage.core.memory import GIB, block_bytes, plan_memory  # noqa: E402
 from zipage.errors import ConfigError  # noqa: E402
-from zipage.kernels.attention_ref import (  # noqa: E402
-    paged_decode_attention_ref,
-    paged_prefill_attention_ref,
-    store_kv_ref,
-)
+from zipage.kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref, store_kv_ref  # noqa: E402
 from zipage.kernels.compress import CompressionInputs  # noqa: E402
 from zipage.kernels.compress_ref import CompressionParams, compress_ref  # noqa: E402
 from zipage.kernels.kv_quant_ref import FP8_DTYPE, FP8_MAX, dequantize_kv, quantize_kv  # noqa: E402
