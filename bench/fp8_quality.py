@@ -99,7 +99,8 @@ def dequantized(x: torch.Tensor) -> torch.Tensor:
 
 def force(engine, reference: Reference, budgets: list[int | None]) -> dict:
     """Feed the reference tokens to `engine` once per (budget, prompt); per budget the agreement and
-    KL over every output position ({budget: (agreement [P, T] bool, kl [P, T] float64)})."""
+    KL at every output position and which positions come at or after the request's first compression
+    ({budget: (agreement [P, T] bool, kl [P, T] float64, compressed [P, T] bool)})."""
     prompts, outputs = reference.prompts, reference.outputs
     max_tokens = len(outputs[0])
     requests, owner = {}, {}
@@ -134,8 +135,12 @@ def force(engine, reference: Reference, budgets: list[int | None]) -> dict:
     sampling = {request_id: SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                            kv_budget=budgets[owner[request_id][0]])
                 for request_id in requests}
-    run_requests(engine, requests, max_tokens, sampling, record, next_token=forced)
-    return {budget: (agreement[index], kl[index]) for index, budget in enumerate(budgets)}
+    recorder = run_requests(engine, requests, max_tokens, sampling, record, next_token=forced)
+    compressed = torch.zeros(len(budgets), len(prompts), max_tokens, dtype=torch.bool)
+    for request_id, start in recorder.first_compression.items():
+        budget_index, prompt_index = owner[request_id]
+        compressed[budget_index, prompt_index, start:] = True
+    return {budget: (agreement[index], kl[index], compressed[index]) for index, budget in enumerate(budgets)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -202,7 +207,9 @@ def main(argv: list[str] | None = None) -> None:
         (args.out / "fp8_quality.json").write_text(json.dumps({
             "round_trip": errors,
             "quality": [{"variant": label, "budget": budget, "agreement": float(agree.double().mean()),
-                         "kl": float(kl.mean())} for label, budget, agree, kl in rows]}, indent=1))
+                         "kl": float(kl.mean()), "compressed_positions": int(compressed.sum()),
+                         "agreement_compressed": float(agree[compressed].double().mean()) if compressed.any()
+                         else None} for label, budget, agree, kl, compressed in rows]}, indent=1))
 
 
 def _prefill_known_tables(engine, sequences: list[list[int]], blocks_each: int) -> list[list[int]]:
@@ -235,17 +242,32 @@ def round_trip_table(errors: dict) -> str:
 
 
 def quality_table(rows: list) -> str:
-    base = {budget: float(agree.double().mean()) for label, budget, agree, _ in rows
-            if label.startswith("float32") and budget is not None}
-    lines = ["| KV cache | budget | greedy agreement | disagreement | FP8 adds | mean KL (nats) |",
-             "|---|---:|---:|---:|---:|---:|"]
-    for label, budget, agree, kl in rows:
-        agreement = float(agree.double().mean())
-        added = f"{(base[budget] - agreement) * 100:+.2f} pt" if label.startswith("FP8 +") else ""
+    """Agreement and KL over every output position, and over the positions at or after each request's
+    first compression (where compression can matter at all); "FP8 adds": the disagreement FP8 adds to
+    the same budget's compression with the float32 cache, in points."""
+    def mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+        return float(values[mask].double().mean()) if bool(mask.any()) else float("nan")
+
+    base = {}
+    for label, budget, agree, _, compressed in rows:
+        if label.startswith("float32"):
+            base[budget] = (mean(agree, torch.ones_like(agree)), mean(agree, compressed))
+    lines = ["| KV cache | budget | agreement, all positions | FP8 adds | KL, all (nats) | "
+             "compressed positions | agreement there | FP8 adds | KL there (nats) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for label, budget, agree, kl, compressed in rows:
+        everywhere = torch.ones_like(agree)
+        agreement, agreement_compressed = mean(agree, everywhere), mean(agree, compressed)
         if budget is None:
-            added = f"{(1 - agreement) * 100:+.2f} pt"
-        lines.append(f"| {label} | {budget or 'Full KV'} | {agreement:.4f} | {(1 - agreement) * 100:.2f} % | "
-                     f"{added} | {float(kl.mean()):.5f} |")
+            added = (f"{(1 - agreement) * 100:+.2f} pt", "")
+        elif label.startswith("FP8 +"):
+            added = (f"{(base[budget][0] - agreement) * 100:+.2f} pt",
+                     f"{(base[budget][1] - agreement_compressed) * 100:+.2f} pt")
+        else:
+            added = ("", "")
+        lines.append(f"| {label} | {budget or 'Full KV'} | {agreement:.4f} | {added[0]} | "
+                     f"{mean(kl, everywhere):.5f} | {int(compressed.sum())} | {agreement_compressed:.4f} | "
+                     f"{added[1]} | {mean(kl, compressed):.5f} |")
     return "\n".join(lines)
 
 
