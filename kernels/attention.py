@@ -38,14 +38,19 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into cache slots
-    ``block_id * block_size + offset`` given by ``slot_mapping`` (int64, -1 = skip), in place."""
+    ``block_id * block_size + offset`` given by ``slot_mapping`` (int64, -1 = skip), in place. A float8 cache
+    comes with ``k_scale``/``v_scale`` (float32 ``[num_blocks, block_size, num_kv_heads]``): each entry is
+    quantized with a scale of its own (``kv_quant_ref``)."""
     backend = _triton_backend(key)
     if backend is None:
-        store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+        store_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
     else:
-        backend.store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+        backend.store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_prefill_attention(
@@ -58,18 +63,23 @@ def paged_prefill_attention(
     scale: float,
     max_q_len: int | None = None,
     work: PrefillWork | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens ``q`` ``[total_q_tokens, num_heads, head_dim]`` of each sequence over
     its paged cache (cached prefix + the new tokens, already stored); see ``paged_prefill_attention_ref``.
     ``max_q_len``, the most new tokens of any sequence, lets the Triton kernel size its grid without reading
     ``cu_seqlens_q`` back from the device (a host sync per layer); ``work`` (``prefill_work``) replaces the
-    grid by a list of programs of fixed size, for CUDA graphs."""
+    grid by a list of programs of fixed size, for CUDA graphs. ``k_scale``/``v_scale``: a float8 cache's scales,
+    dequantized as read."""
     backend = _triton_backend(q)
     if backend is None:
         return paged_prefill_attention_ref(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
-                                           max_q_len, work)
+                                           max_q_len, work, k_scale=k_scale, v_scale=v_scale)
     return backend.paged_prefill_attention_triton(
-        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, max_q_len, work
+        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, max_q_len, work,
+        k_scale=k_scale, v_scale=v_scale,
     )
 
 
@@ -80,10 +90,15 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence, ``q`` ``[batch, num_heads, head_dim]``, over its ``context_lens[i]`` cached
     entries; see ``paged_decode_attention_ref``."""
     backend = _triton_backend(q)
     if backend is None:
-        return paged_decode_attention_ref(q, k_cache, v_cache, context_lens, block_tables, scale)
-    return backend.paged_decode_attention_triton(q, k_cache, v_cache, context_lens, block_tables, scale)
+        return paged_decode_attention_ref(q, k_cache, v_cache, context_lens, block_tables, scale,
+                                          k_scale=k_scale, v_scale=v_scale)
+    return backend.paged_decode_attention_triton(q, k_cache, v_cache, context_lens, block_tables, scale,
+                                                 k_scale=k_scale, v_scale=v_scale)

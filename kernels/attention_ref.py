@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from zipage.kernels.kv_quant_ref import dequantize_kv, quantize_kv
+
 # Query rows (new tokens x heads of a GQA group) per prefill program when the engine cuts a work list: the
 # Triton kernel's default tile (``attention_triton._PREFILL_ROWS``).
 PREFILL_WORK_ROWS = 64
@@ -67,25 +69,39 @@ def store_kv_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the cache slots named by
-    ``slot_mapping`` (``block_id * block_size + offset``); a slot of -1 means the token is not stored."""
+    ``slot_mapping`` (``block_id * block_size + offset``); a slot of -1 means the token is not stored.
+    With ``k_scale``/``v_scale`` (float32 ``[num_blocks, block_size, num_kv_heads]``) the caches are float8:
+    each (token, head) is quantized with its own scale (``kv_quant_ref.quantize_kv``)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[keep].to(v_cache.dtype)
+    for source, cache, scales in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        rows = source[keep]
+        if scales is not None:
+            rows, row_scales = quantize_kv(rows)
+            scales.view(-1, num_kv_heads)[slots] = row_scales
+        cache.view(-1, num_kv_heads, head_dim)[slots] = rows.to(cache.dtype)
 
 
 def gather_sequence_kv(
-    cache: torch.Tensor, block_table_row: torch.Tensor, context_len: int
+    cache: torch.Tensor, block_table_row: torch.Tensor, context_len: int,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The first ``context_len`` entries of one sequence, densely: ``[context_len, num_kv_heads, head_dim]``.
-    Only the blocks that hold those entries are read, so the table's padding (-1 or 0) is never dereferenced."""
+    """The first ``context_len`` entries of one sequence, densely: ``[context_len, num_kv_heads, head_dim]``
+    (float32, dequantized, when ``scales`` of a float8 cache are given). Only the blocks that hold those entries
+    are read, so the table's padding (-1 or 0) is never dereferenced."""
     block_size = cache.shape[1]
     num_used_blocks = -(-context_len // block_size)
     blocks = block_table_row[:num_used_blocks].long()
-    return cache[blocks].reshape(-1, cache.shape[2], cache.shape[3])[:context_len]
+    entries = cache[blocks].reshape(-1, cache.shape[2], cache.shape[3])[:context_len]
+    if scales is None:
+        return entries
+    return dequantize_kv(entries, scales[blocks].reshape(-1, cache.shape[2])[:context_len])
 
 
 def _attend_sequence(
@@ -95,14 +111,16 @@ def _attend_sequence(
     block_table_row: torch.Tensor,
     context_len: int,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q_len`` new queries that are the last ``q_len`` of a sequence's ``context_len``
     cached entries. Returns ``[q_len, num_heads, head_dim]`` in the query's dtype."""
     q_len, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    keys = gather_sequence_kv(k_cache, block_table_row, context_len).float()
-    values = gather_sequence_kv(v_cache, block_table_row, context_len).float()
+    keys = gather_sequence_kv(k_cache, block_table_row, context_len, k_scale).float()
+    values = gather_sequence_kv(v_cache, block_table_row, context_len, v_scale).float()
     # [num_kv_heads, group, q_len, head_dim] against [num_kv_heads, 1, context_len, head_dim]: one KV head
     # serves its whole group by broadcasting instead of being copied per query head.
     queries = q.float().reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
@@ -127,6 +145,9 @@ def paged_prefill_attention_ref(
     scale: float,
     max_q_len: int | None = None,
     work: PrefillWork | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of variable-length new tokens over the paged cache.
 
@@ -144,7 +165,8 @@ def paged_prefill_attention_ref(
         start, end = cu_seqlens[seq], cu_seqlens[seq + 1]
         if end == start:
             continue
-        out[start:end] = _attend_sequence(q[start:end], k_cache, v_cache, block_tables[seq], context_len, scale)
+        out[start:end] = _attend_sequence(q[start:end], k_cache, v_cache, block_tables[seq], context_len, scale,
+                                          k_scale, v_scale)
     return out
 
 
@@ -155,14 +177,18 @@ def paged_decode_attention_ref(
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence (``q`` is ``[batch, num_heads, head_dim]``) over its ``context_lens[i]`` cached
-    entries. A sequence with no entries (a padding slot of a captured batch) gets a zero output."""
+    entries. A sequence with no entries (a padding slot of a captured batch) gets a zero output. A float8 cache
+    comes with ``k_scale``/``v_scale`` (float32 ``[num_blocks, block_size, num_kv_heads]``), dequantized as read."""
     out = torch.zeros_like(q)
     for seq, context_len in enumerate(context_lens.tolist()):
         if context_len == 0:
             continue
         out[seq : seq + 1] = _attend_sequence(
-            q[seq : seq + 1], k_cache, v_cache, block_tables[seq], context_len, scale
+            q[seq : seq + 1], k_cache, v_cache, block_tables[seq], context_len, scale, k_scale, v_scale
         )
     return out

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from zipage import decode_grid
 from zipage.kernels.attention_ref import PrefillWork
+from zipage.kernels.kv_quant_ref import FP8_DTYPE
 
 _LOG2_E = 1.4426950408889634
 
@@ -93,6 +94,24 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         )
 
 
+def _check_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
+    """Whether the cache is float8 (then both scales must be given, float32 ``[num_blocks, block_size,
+    num_kv_heads]`` with one layout and a contiguous head axis); a cache in the compute dtype takes none."""
+    fp8 = k_cache.dtype == FP8_DTYPE
+    if fp8 != (k_scale is not None) or (k_scale is None) != (v_scale is None):
+        raise ValueError(f"a {k_cache.dtype} KV cache takes {'both' if fp8 else 'no'} k_scale and v_scale")
+    if fp8 and (k_scale.dtype != torch.float32 or k_scale.shape != k_cache.shape[:3]
+                or k_scale.stride() != v_scale.stride() or k_scale.stride(2) != 1):
+        raise ValueError("k_scale and v_scale must be float32 [num_blocks, block_size, num_kv_heads] with one "
+                         f"layout and a contiguous head axis; got {tuple(k_scale.shape)} {k_scale.dtype}")
+    return fp8
+
+
+def _scale_strides(k_scale: torch.Tensor | None) -> tuple[int, int]:
+    """The block and slot strides of a scale tensor (zeros where there is none: the kernel never reads it)."""
+    return (k_scale.stride(0), k_scale.stride(1)) if k_scale is not None else (0, 0)
+
+
 def _group_size(num_heads: int, num_kv_heads: int) -> int:
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -104,12 +123,48 @@ def _with_contiguous_head_dim(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _encode_e4m3(y):
+    """The float8 e4m3fn bytes (uint8) of float32 ``y`` with ``|y| <= 448``, rounded to nearest even: bit-identical
+    to torch's ``.to(torch.float8_e4m3fn)``. Spelled out in integer arithmetic because the Triton interpreter's
+    float32 -> float8e4nv conversion is wrong (it rounds ties away, drops the carry into the exponent, flushes
+    subnormals and wraps past 448; docs/kernels.md, 'FP8 KV cache'), and one code path must serve the tests and
+    the GPU."""
+    bits = y.to(tl.uint32, bitcast=True)
+    sign = (bits >> 31) << 7
+    magnitude_bits = bits & 0x7FFFFFFF
+    magnitude = magnitude_bits.to(tl.float32, bitcast=True)
+    # Normal range (>= 2^-6): keep 3 of float32's 23 mantissa bits, round to nearest even on the bits (a carry
+    # into the exponent is the right answer), rebias the exponent from 127 to 7.
+    rounded = magnitude_bits + 0x7FFFF + ((magnitude_bits >> 20) & 1)
+    normal = (((rounded >> 23) - 120) << 3) | ((rounded >> 20) & 7)
+    # Subnormal range: multiples of 2^-9; adding 2^23 to magnitude * 2^9 (exact) rounds it to an integer, to
+    # nearest even, in float32 (code 8 is the smallest normal, 2^-6, as it should be).
+    subnormal = ((magnitude * 512.0 + 8388608.0) - 8388608.0).to(tl.uint32)
+    code = tl.where(magnitude >= 0.015625, normal, subnormal)
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def _quantize_e4m3(x, mask, FP8_MAX: tl.constexpr):
+    """(bytes, scales) of rows ``x`` ``[heads, head_dim]`` (masked elements zero): one scale per row, amax / 448
+    (1 for a zero row), as ``kv_quant_ref.quantize_kv``; IEEE divisions so the bytes match torch's."""
+    x = tl.where(mask, x.to(tl.float32), 0.0)
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32)), 1.0)
+    scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    scaled = tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX)
+    return _encode_e4m3(scaled), scale
+
+
+@triton.jit
 def _store_kv_kernel(
     key_ptr,
     value_ptr,
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     key_token_stride,
     key_head_stride,
     value_token_stride,
@@ -117,11 +172,14 @@ def _store_kv_kernel(
     cache_block_stride,
     cache_slot_stride,
     cache_head_stride,
+    scale_block_stride,
+    scale_slot_stride,
     BLOCK_SIZE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEADS_PADDED: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -132,10 +190,23 @@ def _store_kv_kernel(
         cache_offsets = (slot // BLOCK_SIZE) * cache_block_stride + (slot % BLOCK_SIZE) * cache_slot_stride
         cache_offsets += heads * cache_head_stride + dims
         token_offset = token.to(tl.int64)
-        key = tl.load(key_ptr + token_offset * key_token_stride + heads * key_head_stride + dims, mask=mask)
-        value = tl.load(value_ptr + token_offset * value_token_stride + heads * value_head_stride + dims, mask=mask)
-        tl.store(k_cache_ptr + cache_offsets, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + cache_offsets, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        key = tl.load(key_ptr + token_offset * key_token_stride + heads * key_head_stride + dims, mask=mask,
+                      other=0.0)
+        value = tl.load(value_ptr + token_offset * value_token_stride + heads * value_head_stride + dims, mask=mask,
+                        other=0.0)
+        if FP8:
+            # The caches come as uint8 views: the bytes are encoded here, one scale per (token, head).
+            scale_heads = tl.arange(0, HEADS_PADDED)
+            scale_offsets = (slot // BLOCK_SIZE) * scale_block_stride + (slot % BLOCK_SIZE) * scale_slot_stride
+            key_bytes, key_scale = _quantize_e4m3(key, mask, 448.0)
+            value_bytes, value_scale = _quantize_e4m3(value, mask, 448.0)
+            tl.store(k_cache_ptr + cache_offsets, key_bytes, mask=mask)
+            tl.store(v_cache_ptr + cache_offsets, value_bytes, mask=mask)
+            tl.store(k_scale_ptr + scale_offsets + scale_heads, key_scale, mask=scale_heads < NUM_KV_HEADS)
+            tl.store(v_scale_ptr + scale_offsets + scale_heads, value_scale, mask=scale_heads < NUM_KV_HEADS)
+        else:
+            tl.store(k_cache_ptr + cache_offsets, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_cache_ptr + cache_offsets, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv_triton(
@@ -144,10 +215,15 @@ def store_kv_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the slots of ``slot_mapping``
-    (``block_id * block_size + offset``, -1 = skip). One program per token."""
+    (``block_id * block_size + offset``, -1 = skip). One program per token. A float8 cache comes with its scales
+    (float32 ``[num_blocks, block_size, num_kv_heads]``): each (token, head) is quantized with its own."""
     _check_cache(k_cache, v_cache)
+    fp8 = _check_scales(k_cache, k_scale, v_scale)
     key = _with_contiguous_head_dim(key)
     value = _with_contiguous_head_dim(value)
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -156,9 +232,11 @@ def store_kv_triton(
     _store_kv_kernel[(num_tokens,)](
         key,
         value,
-        k_cache,
-        v_cache,
+        k_cache.view(torch.uint8) if fp8 else k_cache,
+        v_cache.view(torch.uint8) if fp8 else v_cache,
         slot_mapping,
+        k_scale if fp8 else slot_mapping,
+        v_scale if fp8 else slot_mapping,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -166,11 +244,13 @@ def store_kv_triton(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        *_scale_strides(k_scale),
         BLOCK_SIZE=k_cache.shape[1],
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+        FP8=fp8,
     )
 
 
@@ -201,6 +281,11 @@ def _attend_kv_tile(
     FOLD_SCALE: tl.constexpr,
     k_desc,
     v_desc,
+    k_scale_ptr,
+    v_scale_ptr,
+    scale_block_stride,
+    scale_slot_stride,
+    FP8: tl.constexpr,
 ):
     """One online-softmax step: fold the KV entries ``tile_start .. tile_start + KV_TILE - 1`` (those below
     ``kv_end``) into the running state of every query row; row ``r`` sees entries ``<= visible_until[r]``.
@@ -209,7 +294,10 @@ def _attend_kv_tile(
     cache block, BLOCK_SIZE % KV_TILE == 0). Without ``MASKED`` the caller guarantees that every row sees every
     entry of the tile and that the tile ends at or before ``kv_end``: no causal or token mask is applied. With
     ``FOLD_SCALE`` the logits stay unscaled and ``qk_scale`` is applied inside the exponent's argument (one fused
-    multiply-add per entry instead of a multiply and a subtraction), as the scale is positive."""
+    multiply-add per entry instead of a multiply and a subtraction), as the scale is positive. With ``FP8`` the
+    tile's keys and values are float8 with a float32 scale per entry (this KV head's): they are widened to the
+    queries' dtype (exact) for the products, the key scales multiply the logits' columns and the value scales
+    the softmax weights' columns, which is the dot with the dequantized entries."""
     tokens = tile_start + tl.arange(0, KV_TILE)
     dims = tl.arange(0, HEAD_DIM_PADDED)
     if MASKED:
@@ -222,10 +310,15 @@ def _attend_kv_tile(
         token_offsets = block_ids * cache_block_stride + (tokens % BLOCK_SIZE) * cache_slot_stride
         token_offsets += kv_head * cache_head_stride
         kv_offsets = token_offsets[:, None] + dims[None, :]
+        if FP8:
+            scale_offsets = block_ids * scale_block_stride + (tokens % BLOCK_SIZE) * scale_slot_stride + kv_head
     else:
         # The tile lies inside one block: its first entry's block id is the whole tile's.
         block_id = tl.load(block_table_row_ptr + tile_start // BLOCK_SIZE).to(tl.int64)
         slot = tile_start % BLOCK_SIZE
+        if FP8:
+            scale_offsets = (block_id * scale_block_stride + (slot + tl.arange(0, KV_TILE)) * scale_slot_stride
+                             + kv_head)
         if KV_LOAD == "block":
             tile_base = block_id * cache_block_stride + slot * cache_slot_stride + kv_head * cache_head_stride
             kv_offsets = tile_base + (tl.arange(0, KV_TILE) * cache_slot_stride)[:, None] + dims[None, :]
@@ -240,7 +333,17 @@ def _attend_kv_tile(
             keys = tl.load(k_cache_ptr + kv_offsets)
         else:
             keys = tl.load(k_cache_ptr + kv_offsets, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+    if FP8:
+        if MASKED:
+            key_scales = tl.load(k_scale_ptr + scale_offsets, mask=token_mask, other=0.0)
+            value_scales = tl.load(v_scale_ptr + scale_offsets, mask=token_mask, other=0.0)
+        else:
+            key_scales = tl.load(k_scale_ptr + scale_offsets)
+            value_scales = tl.load(v_scale_ptr + scale_offsets)
+        keys = keys.to(queries.dtype)
     logits = tl.dot(queries, tl.trans(keys), input_precision=DOT_PRECISION)
+    if FP8:
+        logits = logits * key_scales[None, :]
     if not FOLD_SCALE:
         logits = logits * qk_scale
     if MASKED:
@@ -258,6 +361,8 @@ def _attend_kv_tile(
     running_sum = running_sum * rescale + tl.sum(weights, axis=1)
     if KV_LOAD == "descriptor":
         values = v_desc.load([(block_id * BLOCK_SIZE + slot).to(tl.int32), kv_head * HEAD_DIM])
+        if FP8:
+            values = values.to(queries.dtype)
         if MASKED:
             # The descriptor reads whole tiles: entries past kv_end hold whatever the block holds (zero weight,
             # but 0 * inf or 0 * nan would poison the sum).
@@ -269,6 +374,10 @@ def _attend_kv_tile(
             values = tl.load(v_cache_ptr + kv_offsets)
         else:
             values = tl.load(v_cache_ptr + kv_offsets, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+    if FP8:
+        values = values.to(queries.dtype)
+        # The running sum above took the plain weights; the value scales only weigh the values.
+        weights = weights * value_scales[None, :]
     accumulator = accumulator * rescale[:, None] + tl.dot(
         weights.to(values.dtype), values, input_precision=DOT_PRECISION
     )
@@ -305,6 +414,10 @@ def _prefill_tile(
     kv_head,
     k_desc,
     v_desc,
+    k_scale_ptr,
+    v_scale_ptr,
+    scale_block_stride,
+    scale_slot_stride,
     GROUP: tl.constexpr,
     GROUP_PADDED: tl.constexpr,
     QUERY_TOKENS: tl.constexpr,
@@ -316,6 +429,7 @@ def _prefill_tile(
     KV_LOAD: tl.constexpr,
     SPLIT_CAUSAL: tl.constexpr,
     FOLD_SCALE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Attention of query tile ``query_tile`` of sequence ``seq`` (``QUERY_TOKENS`` new tokens times the
     ``GROUP`` query heads of ``kv_head``) over the sequence's paged KV, up to each row's causal limit."""
@@ -357,13 +471,15 @@ def _prefill_tile(
                 queries, running_max, running_sum, accumulator, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
                 kv_head, tile_start, kv_end, visible_until, qk_scale, cache_block_stride, cache_slot_stride,
                 cache_head_stride, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, KV_TILE, DOT_PRECISION, KV_LOAD,
-                False, FOLD_SCALE, k_desc, v_desc)
+                False, FOLD_SCALE, k_desc, v_desc, k_scale_ptr, v_scale_ptr, scale_block_stride,
+                scale_slot_stride, FP8)
     for tile_start in range(masked_start, kv_end, KV_TILE):
         running_max, running_sum, accumulator = _attend_kv_tile(
             queries, running_max, running_sum, accumulator, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
             kv_head, tile_start, kv_end, visible_until, qk_scale, cache_block_stride, cache_slot_stride,
             cache_head_stride, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, KV_TILE, DOT_PRECISION, KV_LOAD,
-            True, FOLD_SCALE, k_desc, v_desc)
+            True, FOLD_SCALE, k_desc, v_desc, k_scale_ptr, v_scale_ptr, scale_block_stride, scale_slot_stride,
+            FP8)
 
     out = accumulator / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
     out_offsets = (q_start + row_tokens).to(tl.int64)[:, None] * out_token_stride
@@ -393,6 +509,10 @@ def _prefill_kernel(
     block_table_stride,
     k_desc,
     v_desc,
+    k_scale_ptr,
+    v_scale_ptr,
+    scale_block_stride,
+    scale_slot_stride,
     GROUP: tl.constexpr,
     GROUP_PADDED: tl.constexpr,
     QUERY_TOKENS: tl.constexpr,
@@ -405,6 +525,7 @@ def _prefill_kernel(
     KV_LOAD: tl.constexpr,
     SPLIT_CAUSAL: tl.constexpr,
     FOLD_SCALE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     kv_head = tl.program_id(2)
     if USE_WORK_ITEMS:
@@ -425,9 +546,10 @@ def _prefill_kernel(
                                   block_tables_ptr, work_seq, tl.load(work_items_ptr + 2 * item + 1), qk_scale,
                                   q_token_stride, q_head_stride, out_token_stride, out_head_stride,
                                   cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride,
-                                  kv_head, k_desc, v_desc, GROUP, GROUP_PADDED, QUERY_TOKENS, BLOCK_SIZE,
+                                  kv_head, k_desc, v_desc, k_scale_ptr, v_scale_ptr, scale_block_stride,
+                                  scale_slot_stride, GROUP, GROUP_PADDED, QUERY_TOKENS, BLOCK_SIZE,
                                   HEAD_DIM, HEAD_DIM_PADDED, KV_TILE, DOT_PRECISION, KV_LOAD, SPLIT_CAUSAL,
-                                  FOLD_SCALE)
+                                  FOLD_SCALE, FP8)
     else:
         # The eager grid: one program per (query tile, sequence), no loop around it: a step's rows
         # are known at launch, so no work list is needed.
@@ -435,8 +557,9 @@ def _prefill_kernel(
                       block_tables_ptr, tl.program_id(1), tl.program_id(0), qk_scale,
                       q_token_stride, q_head_stride, out_token_stride, out_head_stride,
                       cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride,
-                      kv_head, k_desc, v_desc, GROUP, GROUP_PADDED, QUERY_TOKENS, BLOCK_SIZE, HEAD_DIM,
-                      HEAD_DIM_PADDED, KV_TILE, DOT_PRECISION, KV_LOAD, SPLIT_CAUSAL, FOLD_SCALE)
+                      kv_head, k_desc, v_desc, k_scale_ptr, v_scale_ptr, scale_block_stride, scale_slot_stride,
+                      GROUP, GROUP_PADDED, QUERY_TOKENS, BLOCK_SIZE, HEAD_DIM,
+                      HEAD_DIM_PADDED, KV_TILE, DOT_PRECISION, KV_LOAD, SPLIT_CAUSAL, FOLD_SCALE, FP8)
 
 
 def _prefill_kv_load(
@@ -481,6 +604,9 @@ def paged_prefill_attention_triton(
     scale: float,
     max_q_len: int | None = None,
     work: PrefillWork | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged cache (prefix + new tokens, stored).
 
@@ -493,9 +619,11 @@ def paged_prefill_attention_triton(
     grid is (P, 1, num_kv_heads) instead, P programs per KV head (about ``_PREFILL_PROGRAMS_PER_SM`` per SM, at
     most one per item) walking the list; padding items (-1, -1) write nothing. Its size depends on the list's
     length only, whatever the batch, which is what lets a CUDA graph capture a padded step. Rows that no item
-    covers (padding rows of a padded step) are left unwritten."""
+    covers (padding rows of a padded step) are left unwritten. A float8 cache comes with its scales
+    ``k_scale``/``v_scale`` and is dequantized in registers (``_attend_kv_tile``)."""
     _check_cache(k_cache, v_cache)
-    if q.dtype != k_cache.dtype:
+    fp8 = _check_scales(k_cache, k_scale, v_scale)
+    if q.dtype != k_cache.dtype and not fp8:
         raise ValueError(f"q is {q.dtype} but the KV cache is {k_cache.dtype}; they must match")
     q = _with_contiguous_head_dim(q)
     total_q_tokens, num_heads, head_dim = q.shape
@@ -546,6 +674,9 @@ def paged_prefill_attention_triton(
         block_tables.stride(0),
         k_desc,
         v_desc,
+        k_scale if fp8 else q,
+        v_scale if fp8 else q,
+        *_scale_strides(k_scale),
         GROUP=group,
         GROUP_PADDED=group_padded,
         QUERY_TOKENS=query_tokens,
@@ -558,6 +689,7 @@ def paged_prefill_attention_triton(
         KV_LOAD=kv_load,
         SPLIT_CAUSAL=_PREFILL_SPLIT_CAUSAL,
         FOLD_SCALE=_PREFILL_FOLD_SCALE,
+        FP8=fp8,
         num_warps=_PREFILL_NUM_WARPS,
         num_stages=_PREFILL_NUM_STAGES,
     )
@@ -610,6 +742,11 @@ def _decode_partition_kernel(
     KV_TILE: tl.constexpr,
     MIN_TILES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    k_scale_ptr,
+    v_scale_ptr,
+    scale_block_stride,
+    scale_slot_stride,
+    FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -661,6 +798,11 @@ def _decode_partition_kernel(
             False,
             None,
             None,
+            k_scale_ptr,
+            v_scale_ptr,
+            scale_block_stride,
+            scale_slot_stride,
+            FP8,
         )
 
     # An empty sequence (a padding slot of a captured batch) has a zero sum and gets a zero output.
@@ -747,6 +889,8 @@ def paged_decode_attention_triton(
     scale: float,
     *,
     partition_size: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its ``context_lens[i]`` cached entries, split-K.
 
@@ -756,9 +900,11 @@ def paged_decode_attention_triton(
     (``decode_num_partitions``) and each sequence's partition length from its ``context_lens`` entry, read on the
     device, so nothing is read back and the call can be captured in a CUDA graph.
     ``partition_size`` (a multiple of ``_DECODE_KV_TILE``) instead fixes every partition's length, with enough
-    partitions for the block table's capacity; tests use it to force the merge."""
+    partitions for the block table's capacity; tests use it to force the merge. A float8 cache comes with its
+    scales ``k_scale``/``v_scale``, dequantized in registers."""
     _check_cache(k_cache, v_cache)
-    if q.dtype != k_cache.dtype:
+    fp8 = _check_scales(k_cache, k_scale, v_scale)
+    if q.dtype != k_cache.dtype and not fp8:
         raise ValueError(f"q is {q.dtype} but the KV cache is {k_cache.dtype}; they must match")
     q = _with_contiguous_head_dim(q)
     batch, num_heads, head_dim = q.shape
@@ -819,6 +965,11 @@ def paged_decode_attention_triton(
         KV_TILE=kv_tile,
         MIN_TILES=_MIN_TILES_PER_PARTITION,
         DOT_PRECISION=_dot_precision(q.dtype),
+        k_scale_ptr=k_scale if fp8 else q,
+        v_scale_ptr=v_scale if fp8 else q,
+        scale_block_stride=_scale_strides(k_scale)[0],
+        scale_slot_stride=_scale_strides(k_scale)[1],
+        FP8=fp8,
         num_warps=_DECODE_NUM_WARPS,
         num_stages=_DECODE_NUM_STAGES,
     )

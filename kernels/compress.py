@@ -36,39 +36,58 @@ class CompressionInputs:
     # int32 [R]: each request's own number of target blocks (None: all of target_tables' columns);
     # a keyword of `compress`, so not part of `arguments`.
     num_target_blocks: torch.Tensor | None = None
+    # float32 [L, num_blocks, b, Hkv]: an fp8 cache's scales (kernels/kv_quant_ref.py); keywords too.
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
     def arguments(self, params: CompressionParams, scale: float) -> tuple:
-        """The positional arguments of `compress`; `num_target_blocks` goes by keyword."""
+        """The positional arguments of `compress`; `num_target_blocks` and the scales go by keyword."""
         return (*(getattr(self, field.name) for field in dataclasses.fields(self)
-                  if field.name != "num_target_blocks"), params, scale)
+                  if field.name not in _KEYWORDS), params, scale)
+
+    def keywords(self) -> dict:
+        """The keyword arguments of `compress`; the fp8 scales only where the cache has them, so a
+        compress_fn of a baseline policy that knows no scales keeps working on other caches."""
+        values = {"num_target_blocks": self.num_target_blocks}
+        if self.k_scale is not None:
+            values.update(k_scale=self.k_scale, v_scale=self.v_scale)
+        return values
 
     def clone(self) -> "CompressionInputs":
         """A copy whose caches (what a compression writes) are separate tensors."""
         return dataclasses.replace(
             self, k_cache=self.k_cache.clone(), v_cache=self.v_cache.clone(),
-            score_cache=None if self.score_cache is None else self.score_cache.clone())
+            score_cache=None if self.score_cache is None else self.score_cache.clone(),
+            k_scale=None if self.k_scale is None else self.k_scale.clone(),
+            v_scale=None if self.v_scale is None else self.v_scale.clone())
+
+
+_KEYWORDS = ("num_target_blocks", "k_scale", "v_scale")
 
 
 def compress(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Tensor | None,
              query_cache: torch.Tensor, source_tables: torch.Tensor, num_source_blocks: torch.Tensor,
              target_tables: torch.Tensor, query_slots: torch.Tensor, is_compressed: torch.Tensor,
              params: CompressionParams, scale: float, reduce_group_max=None, *,
-             num_target_blocks: torch.Tensor | None = None) -> None:
+             num_target_blocks: torch.Tensor | None = None,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Compress the requests of `source_tables` into `target_tables` (request r into its first
-    `num_target_blocks[r]`, all of them when None), in place in the caches."""
+    `num_target_blocks[r]`, all of them when None), in place in the caches; an fp8 cache comes
+    with its scales `k_scale`/`v_scale`."""
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     arguments = (k_cache, v_cache, score_cache, query_cache, source_tables, num_source_blocks,
                  target_tables, query_slots, is_compressed, params, scale)
     if reduce_group_max is not None:
         # Tensor parallelism with replicated KV heads: the GQA max spans ranks. The Triton
         # kernels fuse it with the window mean, so only the reference takes the hook.
-        compress_ref(*arguments, reduce_group_max, num_target_blocks=num_target_blocks)
+        compress_ref(*arguments, reduce_group_max, num_target_blocks=num_target_blocks, **scales)
         return
     if not use_triton(k_cache):
-        compress_ref(*arguments, num_target_blocks=num_target_blocks)
+        compress_ref(*arguments, num_target_blocks=num_target_blocks, **scales)
         return
     from zipage.kernels.compress_triton import compress_triton
 
-    compress_triton(*arguments, num_target_blocks=num_target_blocks)
+    compress_triton(*arguments, num_target_blocks=num_target_blocks, **scales)
 
 
 __all__ = ["CompressionParams", "compress"]

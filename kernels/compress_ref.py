@@ -17,6 +17,10 @@ in the group, R requests, N source blocks at most, b the block size, w the windo
 - num_target_blocks int [R], keyword, optional   T_r <= T: request r's target blocks (its own
                                                  N_max - 1, or more under the elastic policy);
                                                  None: every request fills all T
+- k_scale, v_scale  [L, num_blocks, b, Hkv], keywords, optional: an fp8 cache's float32 scales
+                                                 (kernels/kv_quant_ref.py); the scores read the
+                                                 dequantized keys, the compaction moves the fp8
+                                                 bytes and their scales unchanged
 
 Every step is computed in float32 per (layer, request, kv head), then the top k_r = T_r * b
 entries are kept in their original order and written densely into the request's target blocks.
@@ -31,6 +35,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from zipage.config import ZipageConfig, window_violation
+from zipage.kernels.kv_quant_ref import dequantize_kv
 
 _KNOBS = ZipageConfig()  # the knobs' defaults are declared once, on ZipageConfig
 
@@ -187,11 +192,13 @@ def kept_entries(scores: torch.Tensor, keep: int | torch.Tensor,
 
 def write_kept_entries(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Tensor | None,
                        source: torch.Tensor, target: torch.Tensor, kept: torch.Tensor,
-                       stored: torch.Tensor | None) -> None:
+                       stored: torch.Tensor | None, *, k_scale: torch.Tensor | None = None,
+                       v_scale: torch.Tensor | None = None) -> None:
     """Compaction of one (layer, request): the entries `kept` [Hkv, keep] (sorted) of the blocks `source`
     move densely, in order, into the blocks `target` of one layer's caches (k_cache [num_blocks, b, Hkv, d]);
     the global scores `stored` [Hkv, length] of the kept entries go to `score_cache` when both are given.
-    Everything is gathered before anything is written, so a target block may also be a source block."""
+    Everything is gathered before anything is written, so a target block may also be a source block. An fp8
+    cache's scales `k_scale`/`v_scale` [num_blocks, b, Hkv] move with their entries (nothing is requantized)."""
     keys = k_cache[source].flatten(0, 1)  # [N*b, Hkv, d]
     values = v_cache[source].flatten(0, 1)
     block_size = k_cache.shape[1]
@@ -202,6 +209,10 @@ def write_kept_entries(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache
     shape = (keep // block_size, block_size) + keys.shape[1:]
     k_cache[target] = kept_keys.transpose(0, 1).reshape(shape)
     v_cache[target] = kept_values.transpose(0, 1).reshape(shape)
+    for scales in (k_scale, v_scale):
+        if scales is not None:
+            kept_scales = torch.gather(scales[source].flatten(0, 1).transpose(0, 1), 1, kept)
+            scales[target] = kept_scales.transpose(0, 1).reshape(keep // block_size, block_size, -1)
     if score_cache is not None and stored is not None:
         kept_scores = torch.gather(stored, 1, kept)  # [Hkv, keep]
         score_cache[target] = kept_scores.transpose(0, 1).reshape(
@@ -213,7 +224,8 @@ def compress_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torc
                  num_source_blocks: torch.Tensor, target_tables: torch.Tensor,
                  query_slots: torch.Tensor, is_compressed: torch.Tensor,
                  params: CompressionParams, scale: float, reduce_group_max=None, *,
-                 num_target_blocks: torch.Tensor | None = None) -> None:
+                 num_target_blocks: torch.Tensor | None = None,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     if params.global_score and score_cache is None:
         raise ValueError("the global score is on but score_cache is None")
     # Without the global score the score cache (if any) is neither read nor written.
@@ -233,10 +245,14 @@ def compress_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torc
         compressed = bool(is_compressed[request])
         for layer in range(k_cache.shape[0]):
             keys = k_cache[layer, source].flatten(0, 1)  # [N*b, Hkv, d]
+            if k_scale is not None:  # fp8: score the dequantized keys
+                keys = dequantize_kv(keys, k_scale[layer, source].flatten(0, 1))
             previous = (score_cache[layer, source].flatten(0, 1).transpose(0, 1)
                         if score_cache is not None else None)
             scores, stored = final_scores(keys, query_cache[layer, slot], previous, compressed,
                                           params, scale, reduce_group_max)
             write_kept_entries(k_cache[layer], v_cache[layer],
                                score_cache[layer] if score_cache is not None else None,
-                               source, target, kept_entries(scores, keep), stored)
+                               source, target, kept_entries(scores, keep), stored,
+                               k_scale=None if k_scale is None else k_scale[layer],
+                               v_scale=None if v_scale is None else v_scale[layer])

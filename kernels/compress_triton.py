@@ -113,19 +113,28 @@ def _block_tile_logits(
     is_final_block,
     qk_scale,
     cache_slot_stride,
+    k_scale_ptr,
+    scale_block_base,
+    scale_slot_stride,
     BLOCK_SIZE: tl.constexpr,
     WINDOW: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
     KEY_TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
-    """Base-2 logits ``[rows, KEY_TILE]`` of the window queries against keys ``tile_start ..`` of one block."""
+    """Base-2 logits ``[rows, KEY_TILE]`` of the window queries against keys ``tile_start ..`` of one block. An FP8
+    cache's keys are widened to the queries' dtype (exact) and their scales multiply the logits' columns."""
     offsets = tile_start + tl.arange(0, KEY_TILE)
     dims = tl.arange(0, HEAD_DIM_PADDED)
     key_offsets = block_base + offsets[:, None] * cache_slot_stride + dims[None, :]
     keys = tl.load(k_cache_ptr + key_offsets, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+    if FP8:
+        keys = keys.to(queries.dtype)
     logits = tl.dot(queries, tl.trans(keys), input_precision=DOT_PRECISION) * qk_scale
+    if FP8:
+        logits = logits * tl.load(k_scale_ptr + scale_block_base + offsets * scale_slot_stride)[None, :]
     # Window query u sits at in-block offset b - w + u of the final block and sees offsets <= it.
     last_visible = tl.where(is_final_block, BLOCK_SIZE - WINDOW + window_rows, BLOCK_SIZE)
     return tl.where(offsets[None, :] <= last_visible[:, None], logits, float("-inf"))
@@ -152,6 +161,10 @@ def _block_softmax_stats_kernel(
     cache_slot_stride,
     cache_head_stride,
     source_table_stride,
+    k_scale_ptr,
+    scale_layer_stride,
+    scale_block_stride,
+    scale_slot_stride,
     NUM_KV_HEADS: tl.constexpr,
     WINDOW: tl.constexpr,
     GROUP: tl.constexpr,
@@ -162,6 +175,7 @@ def _block_softmax_stats_kernel(
     HEAD_DIM_PADDED: tl.constexpr,
     KEY_TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Grid (max_blocks, L * R, Hkv): per source block, each query row's max logit and sum of 2^(logit - max)."""
     block_index = tl.program_id(0)
@@ -187,6 +201,7 @@ def _block_softmax_stats_kernel(
         )
         block_id = tl.load(source_tables_ptr + request * source_table_stride + block_index).to(tl.int64)
         block_base = layer * cache_layer_stride + block_id * cache_block_stride + kv_head * cache_head_stride
+        scale_block_base = layer * scale_layer_stride + block_id * scale_block_stride + kv_head
         is_final_block = block_index == num_blocks - 1
         running_max = tl.full([WINDOW_PADDED * GROUP_PADDED], float("-inf"), tl.float32)
         running_sum = tl.zeros([WINDOW_PADDED * GROUP_PADDED], tl.float32)
@@ -200,12 +215,16 @@ def _block_softmax_stats_kernel(
                 is_final_block,
                 qk_scale,
                 cache_slot_stride,
+                k_scale_ptr,
+                scale_block_base,
+                scale_slot_stride,
                 BLOCK_SIZE,
                 WINDOW,
                 HEAD_DIM,
                 HEAD_DIM_PADDED,
                 KEY_TILE,
                 DOT_PRECISION,
+                FP8,
             )
             new_max = tl.maximum(running_max, tl.max(logits, axis=1))
             # With a wide window a row may see nothing of a tile of the final block: its sum stays zero.
@@ -250,6 +269,10 @@ def _attention_score_kernel(
     score_slot_stride,
     score_head_stride,
     source_table_stride,
+    k_scale_ptr,
+    scale_layer_stride,
+    scale_block_stride,
+    scale_slot_stride,
     NUM_KV_HEADS: tl.constexpr,
     WINDOW: tl.constexpr,
     GROUP: tl.constexpr,
@@ -262,6 +285,7 @@ def _attention_score_kernel(
     STATS_CHUNK: tl.constexpr,
     GLOBAL_SCORE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Grid (max_blocks, L * R, Hkv): the attention score of one source block's entries, merged with the decayed
     global score for every block but the last of a compressed request."""
@@ -308,6 +332,7 @@ def _attention_score_kernel(
         row_weight = tl.where(row_valid, 1.0 / row_sum, 0.0)
         block_id = tl.load(source_tables_ptr + request * source_table_stride + block_index).to(tl.int64)
         block_base = layer * cache_layer_stride + block_id * cache_block_stride + kv_head * cache_head_stride
+        scale_block_base = layer * scale_layer_stride + block_id * scale_block_stride + kv_head
         is_final_block = block_index == num_blocks - 1
         # A compressed request's entries before its final block carry scores from earlier compressions.
         decays = (tl.load(is_compressed_ptr + request) != 0) & (block_index < num_blocks - 1)
@@ -324,12 +349,16 @@ def _attention_score_kernel(
                 is_final_block,
                 qk_scale,
                 cache_slot_stride,
+                k_scale_ptr,
+                scale_block_base,
+                scale_slot_stride,
                 BLOCK_SIZE,
                 WINDOW,
                 HEAD_DIM,
                 HEAD_DIM_PADDED,
                 KEY_TILE,
                 DOT_PRECISION,
+                FP8,
             )
             probabilities = tl.exp2(logits - row_max[:, None]) * row_weight[:, None]
             per_group = tl.reshape(probabilities, (WINDOW_PADDED, GROUP_PADDED, KEY_TILE))
@@ -365,6 +394,10 @@ def _sequence_key_tile(
     dims = tl.arange(0, HEAD_DIM_PADDED)
     key_offsets = head_base + block_id * cache_block_stride + offsets[:, None] * cache_slot_stride + dims[None, :]
     keys = tl.load(k_cache_ptr + key_offsets, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+    if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
+        # FP8 keys: a cosine similarity does not see a key's positive scale, so the raw values serve, widened
+        # (exactly) to float16 for the product.
+        keys = keys.to(tl.float16)
     upcast = keys.to(tl.float32)
     norms = tl.maximum(tl.sqrt(tl.sum(upcast * upcast, axis=1)), 1e-12)
     return keys, norms
@@ -654,6 +687,11 @@ def _compact_in_place_kernel(
     score_head_stride,
     source_table_stride,
     target_table_stride,
+    k_scale_ptr,
+    v_scale_ptr,
+    scale_layer_stride,
+    scale_block_stride,
+    scale_slot_stride,
     NUM_KV_HEADS: tl.constexpr,
     NUM_DIM_TILES: tl.constexpr,
     TABLE_TILE: tl.constexpr,
@@ -662,10 +700,13 @@ def _compact_in_place_kernel(
     DIM_TILE: tl.constexpr,
     ENTRY_TILE: tl.constexpr,
     GLOBAL_SCORE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Grid (L * R, Hkv, head-dim tiles): the two-pointer move of one (layer, request, KV head)'s kept K and V
     entries (one slice of the head dim) into the target blocks, chunk by chunk in order; the slice-0 program also
-    moves the kept global scores. A request whose targets make in-place unsafe is queued for the staged kernel.
+    moves the kept global scores and, for an FP8 cache, the kept K and V scales (in the same chunks as the values,
+    so the in-place argument covers them). A request whose targets make in-place unsafe is queued for the staged
+    kernel.
     ``keep_width`` is the widest request's count; request r moves its first ``num_target_blocks[r] * BLOCK_SIZE``."""
     layer_request = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -695,6 +736,14 @@ def _compact_in_place_kernel(
             mask = used[:, None] & (dims < HEAD_DIM)[None, :]
             keys = tl.load(k_cache_ptr + source[:, None] + dims[None, :], mask=mask)
             values = tl.load(v_cache_ptr + source[:, None] + dims[None, :], mask=mask)
+            if FP8:
+                # The slice-0 program moves the entries' scales along with its slice of their bytes.
+                scale_head_base = layer * scale_layer_stride + kv_head
+                scale_used = used & ((lanes * 0 + dim_tile) == 0)  # a vector mask (the interpreter wants one)
+                scale_source = _entry_offsets(source_row_ptr, kept, scale_used, scale_head_base, scale_block_stride,
+                                              scale_slot_stride, BLOCK_SIZE)
+                key_scales = tl.load(k_scale_ptr + scale_source, mask=scale_used)
+                value_scales = tl.load(v_scale_ptr + scale_source, mask=scale_used)
             # Slots this chunk reads may be the very slots it writes (a target block that is also a source
             # block), by other threads of this program: every load of the chunk lands before any store.
             tl.debug_barrier()
@@ -702,6 +751,11 @@ def _compact_in_place_kernel(
                                     BLOCK_SIZE)
             tl.store(k_cache_ptr + target[:, None] + dims[None, :], keys, mask=mask)
             tl.store(v_cache_ptr + target[:, None] + dims[None, :], values, mask=mask)
+            if FP8:
+                scale_target = _entry_offsets(target_row_ptr, entries, scale_used, scale_head_base,
+                                              scale_block_stride, scale_slot_stride, BLOCK_SIZE)
+                tl.store(k_scale_ptr + scale_target, key_scales, mask=scale_used)
+                tl.store(v_scale_ptr + scale_target, value_scales, mask=scale_used)
     if GLOBAL_SCORE:
         if dim_tile == 0:
             # The kept scores come from the dense scores of this call, never from the cache: no hazard here.
@@ -737,12 +791,20 @@ def _compact_staged_kernel(
     cache_head_stride,
     source_table_stride,
     target_table_stride,
+    k_scale_ptr,
+    v_scale_ptr,
+    k_scale_scratch_ptr,
+    v_scale_scratch_ptr,
+    scale_layer_stride,
+    scale_block_stride,
+    scale_slot_stride,
     NUM_KV_HEADS: tl.constexpr,
     NUM_DIM_TILES: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_TILE: tl.constexpr,
     ENTRY_TILE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Grid (programs,): each program takes queued items in turn and moves their kept K and V entries through its
     private scratch ``[keep_width, DIM_TILE]``: all gathered first, then all written. Costs one launch and one load when
@@ -765,6 +827,9 @@ def _compact_staged_kernel(
         kept_row_ptr = kept_ptr + item * keep_width
         keep = tl.load(num_target_blocks_ptr + request) * BLOCK_SIZE
         head_base = layer * cache_layer_stride + kv_head * cache_head_stride
+        scale_head_base = layer * scale_layer_stride + kv_head
+        # FP8: the slice-0 item moves the scales too (a vector mask: the interpreter wants one).
+        moves_scales = (lanes * 0 + staged % NUM_DIM_TILES) == 0
         for entry_start in range(0, keep_width, ENTRY_TILE):
             entries = entry_start + lanes
             used = entries < keep
@@ -777,6 +842,15 @@ def _compact_staged_kernel(
                      mask=mask)
             tl.store(v_scratch_ptr + scratch, tl.load(v_cache_ptr + source[:, None] + dims[None, :], mask=mask),
                      mask=mask)
+            if FP8:
+                scale_used = used & moves_scales
+                scale_source = _entry_offsets(source_row_ptr, kept, scale_used, scale_head_base, scale_block_stride,
+                                              scale_slot_stride, BLOCK_SIZE)
+                scale_scratch = program.to(tl.int64) * keep_width + entries
+                tl.store(k_scale_scratch_ptr + scale_scratch, tl.load(k_scale_ptr + scale_source, mask=scale_used),
+                         mask=scale_used)
+                tl.store(v_scale_scratch_ptr + scale_scratch, tl.load(v_scale_ptr + scale_source, mask=scale_used),
+                         mask=scale_used)
         # Every kept entry is in the scratch before any target slot (possibly a slot just read) is written.
         tl.debug_barrier()
         for entry_start in range(0, keep_width, ENTRY_TILE):
@@ -790,6 +864,15 @@ def _compact_staged_kernel(
                      mask=mask)
             tl.store(v_cache_ptr + target[:, None] + dims[None, :], tl.load(v_scratch_ptr + scratch, mask=mask),
                      mask=mask)
+            if FP8:
+                scale_used = used & moves_scales
+                scale_target = _entry_offsets(target_row_ptr, entries, scale_used, scale_head_base,
+                                              scale_block_stride, scale_slot_stride, BLOCK_SIZE)
+                scale_scratch = program.to(tl.int64) * keep_width + entries
+                tl.store(k_scale_ptr + scale_target, tl.load(k_scale_scratch_ptr + scale_scratch, mask=scale_used),
+                         mask=scale_used)
+                tl.store(v_scale_ptr + scale_target, tl.load(v_scale_scratch_ptr + scale_scratch, mask=scale_used),
+                         mask=scale_used)
         # The next item's gathers overwrite the scratch this item's writes are still reading.
         tl.debug_barrier()
 
@@ -801,7 +884,7 @@ def _check_inputs(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: tor
             "k_cache and v_cache must share one layout [layers, num_blocks, block_size, num_kv_heads, head_dim] "
             f"with a contiguous head_dim (got strides {tuple(k_cache.stride())} and {tuple(v_cache.stride())}), "
             "and query_cache needs a contiguous head_dim")
-    if query_cache.dtype != k_cache.dtype:
+    if query_cache.dtype != k_cache.dtype and k_cache.dtype != torch.float8_e4m3fn:
         raise ValueError(f"query_cache is {query_cache.dtype} but the KV cache is {k_cache.dtype}; they must match")
     if k_cache.shape[2] != params.block_size or query_cache.shape[2] != params.window:
         raise ValueError(
@@ -820,9 +903,10 @@ def _check_inputs(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: tor
 def attention_scores_triton(k_cache: torch.Tensor, score_cache: torch.Tensor | None, query_cache: torch.Tensor,
                             source_tables: torch.Tensor, num_source_blocks: torch.Tensor,
                             query_slots: torch.Tensor, is_compressed: torch.Tensor, params: CompressionParams,
-                            scale: float) -> torch.Tensor:
+                            scale: float, k_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Steps 1-2: S ``[L, R, Hkv, max_blocks * b]`` float32, the attention score merged with the global score when
-    it is on (the values the compaction stores into the score cache). Entries past a request's length are unset."""
+    it is on (the values the compaction stores into the score cache). Entries past a request's length are unset.
+    An FP8 cache's keys are read with their scales ``k_scale`` ``[L, num_blocks, b, Hkv]``."""
     layers, _, block_size, kv_heads, head_dim = k_cache.shape
     requests, max_blocks = source_tables.shape
     window, query_heads = query_cache.shape[2], query_cache.shape[3]
@@ -841,13 +925,15 @@ def attention_scores_triton(k_cache: torch.Tensor, score_cache: torch.Tensor | N
     shapes = dict(NUM_KV_HEADS=kv_heads, WINDOW=window, GROUP=group, WINDOW_PADDED=window_padded,
                   GROUP_PADDED=group_padded, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
                   HEAD_DIM_PADDED=_padded_dim(head_dim), KEY_TILE=key_tile,
-                  DOT_PRECISION=_dot_precision(k_cache.dtype), num_warps=4 if rows * key_tile <= 8192 else 8)
+                  DOT_PRECISION=_dot_precision(query_cache.dtype), FP8=k_scale is not None,
+                  num_warps=4 if rows * key_tile <= 8192 else 8)
+    scale_arguments = ((k_scale, *k_scale.stride()[:3]) if k_scale is not None else (scores, 0, 0, 0))
     query_strides = query_cache.stride()[:4]
     cache_strides = k_cache.stride()[:4]
     qk_scale = scale * _LOG2_E
     _block_softmax_stats_kernel[grid](
         query_cache, k_cache, source_tables, num_source_blocks, query_slots, statistics, block_sums, qk_scale,
-        requests, max_blocks, *query_strides, *cache_strides, source_tables.stride(0), **shapes)
+        requests, max_blocks, *query_strides, *cache_strides, source_tables.stride(0), *scale_arguments, **shapes)
     global_score = params.global_score
     # Without a global score the kernel never touches the score cache; any tensor fills the pointer argument.
     score_tensor = score_cache if global_score else scores
@@ -855,7 +941,7 @@ def attention_scores_triton(k_cache: torch.Tensor, score_cache: torch.Tensor | N
     _attention_score_kernel[grid](
         query_cache, k_cache, score_tensor, source_tables, num_source_blocks, query_slots, is_compressed,
         statistics, block_sums, scores, qk_scale, params.alpha, requests, max_blocks, *query_strides,
-        *cache_strides, *score_strides, source_tables.stride(0), STATS_CHUNK=_STATS_CHUNK,
+        *cache_strides, *score_strides, source_tables.stride(0), *scale_arguments, STATS_CHUNK=_STATS_CHUNK,
         GLOBAL_SCORE=global_score, **shapes)
     return scores
 
@@ -899,10 +985,10 @@ def final_scores_triton(scores: torch.Tensor, redundancy: torch.Tensor | None, n
 def compression_scores_triton(k_cache: torch.Tensor, score_cache: torch.Tensor | None, query_cache: torch.Tensor,
                               source_tables: torch.Tensor, num_source_blocks: torch.Tensor,
                               query_slots: torch.Tensor, is_compressed: torch.Tensor, params: CompressionParams,
-                              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                              scale: float, k_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(final scores, S): steps 1-5 for the whole batch, each ``[L, R, Hkv, max_blocks * b]`` float32."""
     scores = attention_scores_triton(k_cache, score_cache, query_cache, source_tables, num_source_blocks,
-                                     query_slots, is_compressed, params, scale)
+                                     query_slots, is_compressed, params, scale, k_scale)
     redundancy = (redundancy_triton(k_cache, source_tables, num_source_blocks, params)
                   if params.redundancy != "off" else None)
     return final_scores_triton(scores, redundancy, num_source_blocks, is_compressed, params), scores
@@ -911,7 +997,8 @@ def compression_scores_triton(k_cache: torch.Tensor, score_cache: torch.Tensor |
 def compact_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Tensor | None,
                    source_tables: torch.Tensor, num_source_blocks: torch.Tensor, target_tables: torch.Tensor,
                    kept: torch.Tensor, scores: torch.Tensor, global_score: bool,
-                   num_target_blocks: torch.Tensor | None = None) -> None:
+                   num_target_blocks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> None:
     """Step 7: write the kept entries ``kept`` (int64 ``[L, R, Hkv, keep]``, sorted) densely into the target blocks:
     K and V from the source blocks, global scores (when on) from ``scores``. Request r fills its first
     ``num_target_blocks[r]`` target blocks with its first ``num_target_blocks[r] * b`` kept entries (None: every
@@ -925,7 +1012,13 @@ def compact_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: to
     target (a shared block in the middle of its table makes its own blocks move up) is queued, per (layer, KV
     head, head-dim slice), to the staged kernel, which gathers all its kept entries into a scratch first.
     Requests never share a target (targets are fresh or the request's own unshared blocks).
+
+    An FP8 cache (with ``k_scale``/``v_scale`` ``[L, num_blocks, b, Hkv]``) is moved as bytes, and each kept
+    entry's scales move with it: nothing is requantized.
     """
+    fp8 = k_scale is not None
+    if fp8:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     layers, _, block_size, kv_heads, head_dim = k_cache.shape
     requests, max_blocks = source_tables.shape
     num_targets = target_tables.shape[1]
@@ -944,29 +1037,41 @@ def compact_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: to
     # No software pipelining: a load issued asynchronously ahead of its use could complete after the barrier
     # that must order it before the chunk's stores.
     shapes = dict(NUM_KV_HEADS=kv_heads, NUM_DIM_TILES=num_dim_tiles, BLOCK_SIZE=block_size,
-                  HEAD_DIM=head_dim, DIM_TILE=dim_tile, ENTRY_TILE=_COMPACTION_ENTRIES, num_stages=1)
+                  HEAD_DIM=head_dim, DIM_TILE=dim_tile, ENTRY_TILE=_COMPACTION_ENTRIES, FP8=fp8, num_stages=1)
+    # Without FP8 the scale arguments are never read; any tensor fills the pointers.
+    scale_tensors = (k_scale, v_scale) if fp8 else (staging_count, staging_count)
+    scale_strides = k_scale.stride()[:3] if fp8 else (0, 0, 0)
+    scale_arguments = (*scale_tensors, *scale_strides)
     _compact_in_place_kernel[(layers * requests, kv_heads, num_dim_tiles)](
         k_cache, v_cache, score_tensor, scores, kept, source_tables, num_source_blocks, target_tables,
         num_target_blocks, staging_queue, staging_count, requests, max_blocks, keep, *cache_strides, *score_strides,
-        source_tables.stride(0), target_tables.stride(0),
+        source_tables.stride(0), target_tables.stride(0), *scale_arguments,
         TABLE_TILE=_COMPACTION_TABLE_TILE, GLOBAL_SCORE=global_score, **shapes)
     programs = _STAGING_PROGRAMS if device.type == "cuda" else _INTERPRETER_STAGING_PROGRAMS
     k_scratch = torch.empty((programs, keep, dim_tile), dtype=k_cache.dtype, device=device)
     v_scratch = torch.empty_like(k_scratch)
+    scale_scratch = (torch.empty((2, programs, keep), dtype=torch.float32, device=device) if fp8
+                     else staging_count.expand(2, 1))
     _compact_staged_kernel[(programs,)](
         k_cache, v_cache, k_scratch, v_scratch, kept, source_tables, target_tables, num_target_blocks, staging_queue,
-        staging_count, requests, keep, *cache_strides, source_tables.stride(0), target_tables.stride(0), **shapes)
+        staging_count, requests, keep, *cache_strides, source_tables.stride(0), target_tables.stride(0),
+        *scale_tensors, scale_scratch[0], scale_scratch[1], *scale_strides, **shapes)
 
 
 def compress_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Tensor | None,
                     query_cache: torch.Tensor, source_tables: torch.Tensor, num_source_blocks: torch.Tensor,
                     target_tables: torch.Tensor, query_slots: torch.Tensor, is_compressed: torch.Tensor,
                     params: CompressionParams, scale: float, *,
-                    num_target_blocks: torch.Tensor | None = None) -> None:
-    """Compress a batch of requests over a group of layers; arguments and semantics of ``compress_ref``."""
+                    num_target_blocks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> None:
+    """Compress a batch of requests over a group of layers; arguments and semantics of ``compress_ref`` (an FP8
+    cache comes with its scales: the scores read the keys with theirs, the compaction moves both)."""
     _check_inputs(k_cache, v_cache, score_cache, query_cache, params)
+    if (k_cache.dtype == torch.float8_e4m3fn) != (k_scale is not None) or (k_scale is None) != (v_scale is None):
+        needed = "both" if k_cache.dtype == torch.float8_e4m3fn else "no"
+        raise ValueError(f"a {k_cache.dtype} KV cache takes {needed} k_scale and v_scale")
     final, scores = compression_scores_triton(k_cache, score_cache, query_cache, source_tables, num_source_blocks,
-                                              query_slots, is_compressed, params, scale)
+                                              query_slots, is_compressed, params, scale, k_scale)
     width = target_tables.shape[1] * params.block_size
     if num_target_blocks is None:
         kept = kept_entries(final, width)
@@ -975,4 +1080,4 @@ def compress_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: t
         counts = (num_target_blocks.to(torch.int64) * params.block_size).view(1, -1, 1, 1)
         kept = kept_entries(final, counts.expand(*final.shape[:-1], 1), width)
     compact_triton(k_cache, v_cache, score_cache, source_tables, num_source_blocks, target_tables, kept, scores,
-                   params.global_score, num_target_blocks)
+                   params.global_score, num_target_blocks, k_scale, v_scale)

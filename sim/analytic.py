@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from zipage.core.memory import heads_per_gpu
+from zipage.core.memory import heads_per_gpu, kv_entry_bytes
 from zipage.decode_grid import decode_num_partitions
 from zipage.dtypes import DTYPE_BYTES
 from zipage.errors import ConfigError
@@ -125,13 +125,18 @@ class AnalyticCostModel(CostModel):
     def __init__(self, shape: ModelShape, gpu: GPUSpec, *, dtype_bytes: int = 2,
                  block_size: int = 256, window: int = 16, kv_budget: int = 2048,
                  redundancy: str = "lightning", layer_stride: int = 8, global_score: bool = True,
-                 tensor_parallel: int = 1, contention_factor: float | None = None) -> None:
+                 tensor_parallel: int = 1, contention_factor: float | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         _check_knobs(shape, dtype_bytes, block_size, window, kv_budget, redundancy, layer_stride,
                      tensor_parallel, contention_factor)
         self.shape, self.gpu = shape, gpu
         self.dtype_bytes, self.block_size, self.window = dtype_bytes, block_size, window
         self.kv_budget, self.redundancy, self.layer_stride = kv_budget, redundancy, layer_stride
         self.global_score, self.tensor_parallel = global_score, tensor_parallel
+        # K (or V) bytes of one entry and KV head: an fp8 cache reads one byte per value plus
+        # its scale, so attention and compression read about half the bytes of bfloat16.
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_entry_bytes = kv_entry_bytes(shape.head_dim, kv_cache_dtype, dtype_bytes)
         self.contention_factor = (DEFAULT_CONTENTION[redundancy] if contention_factor is None
                                   else contention_factor)
 
@@ -145,7 +150,7 @@ class AnalyticCostModel(CostModel):
         body_params = (streamed_params - lm_head_params) / tensor_parallel
         lm_head_params /= tensor_parallel
         self.weight_bytes = (body_params + lm_head_params) * dtype_bytes
-        self.kv_bytes_per_token = 2 * layers * self.kv_heads * head_dim * dtype_bytes
+        self.kv_bytes_per_token = 2 * layers * self.kv_heads * self.kv_entry_bytes
 
         linear_bandwidth = gpu.achievable_bandwidth * LINEAR_BANDWIDTH_EFFICIENCY
         linear_flops = gpu.achievable_flops * LINEAR_COMPUTE_EFFICIENCY
@@ -160,7 +165,7 @@ class AnalyticCostModel(CostModel):
                                   / (gpu.achievable_flops * ATTENTION_COMPUTE_EFFICIENCY))
         self._kernel_chain_s = layers * KERNELS_PER_LAYER * KERNEL_LATENCY_S
         # One program's time per KV entry of its partition, over all layers.
-        self._program_entry_s = layers * 2 * head_dim * dtype_bytes / DECODE_PROGRAM_BANDWIDTH
+        self._program_entry_s = layers * 2 * self.kv_entry_bytes / DECODE_PROGRAM_BANDWIDTH
         self._step_overhead_s = gpu.step_overhead_s
         self._allreduce_token_s, self._allreduce_fixed_s = 0.0, 0.0
         if tensor_parallel > 1:
@@ -227,7 +232,7 @@ class AnalyticCostModel(CostModel):
         """Step 1: w window queries per query head against every cached key, all layers."""
         shape, size = self.shape, self.dtype_bytes
         group_queries = self.window * self.q_heads
-        read_keys = tokens * self.kv_heads * shape.head_dim * size
+        read_keys = tokens * self.kv_heads * self.kv_entry_bytes
         read_queries = requests * group_queries * shape.head_dim * size
         logits = SCORE_LOGIT_PASSES * padded_tokens * group_queries * FLOAT32_BYTES
         memory = shape.num_layers * (read_keys + read_queries + logits)
@@ -246,7 +251,7 @@ class AnalyticCostModel(CostModel):
         if self.redundancy == "off":
             return 0.0
         shape, block_size = self.shape, self.block_size
-        key_bytes = block_size * shape.head_dim * self.dtype_bytes
+        key_bytes = block_size * self.kv_entry_bytes
         if self.redundancy == "lightning":
             block_pairs = sum(blocks)  # each block against itself
             # Keys read once; one fp32 row sum per key written.
@@ -264,7 +269,7 @@ class AnalyticCostModel(CostModel):
     def _compaction_s(self, tokens: int, kept_tokens: int) -> float:
         """Step 7: two-pointer move of the kept K, V (and F) entries into the target blocks."""
         shape, size = self.shape, self.dtype_bytes
-        per_entry = 2 * 2 * shape.head_dim * size  # K and V, read and written
+        per_entry = 2 * 2 * self.kv_entry_bytes  # K and V (and their scales), read and written
         if self.global_score:
             per_entry += 2 * size
         per_layer = self.kv_heads * (kept_tokens * per_entry + tokens)  # + the one-byte keep mask

@@ -39,6 +39,7 @@ from zipage.kernels.attention_ref import (  # noqa: E402
     prefill_work_capacity,
     store_kv_ref,
 )
+from zipage.kernels.kv_quant_ref import FP8_DTYPE, dequantize_kv, quantize_kv  # noqa: E402
 
 HEAD_DIM = 64
 NUM_KV_HEADS = 2
@@ -75,20 +76,31 @@ def hopper_launches() -> list:
     descriptor = dict(attention_shape, GROUP_PADDED=8, QUERY_TOKENS=8, BLOCK_SIZE=64, KV_LOAD="descriptor")
     variants += [descriptor | dict(SPLIT_CAUSAL=split, FOLD_SCALE=split, USE_WORK_ITEMS=items)
                  for split, items in ((False, False), (True, True))]
+    decode = attention_shape | dict(NUM_HEADS=16, SINGLE_PARTITION=False, GROUP_PADDED=16, MIN_TILES=2)
     return [
-        (kernels._store_kv_kernel, shape | dict(NUM_KV_HEADS=2, HEADS_PADDED=2)),
-        (kernels._prefill_kernel, prefill | dict(USE_WORK_ITEMS=False)),
-        (kernels._prefill_kernel, prefill | dict(USE_WORK_ITEMS=True)),
-        *[(kernels._prefill_kernel, constants) for constants in variants],
-        (
-            kernels._decode_partition_kernel,
-            attention_shape | dict(NUM_HEADS=16, SINGLE_PARTITION=False, GROUP_PADDED=16, MIN_TILES=2),
-        ),
+        (kernels._store_kv_kernel, shape | dict(NUM_KV_HEADS=2, HEADS_PADDED=2, FP8=False)),
+        (kernels._prefill_kernel, prefill | dict(USE_WORK_ITEMS=False, FP8=False)),
+        (kernels._prefill_kernel, prefill | dict(USE_WORK_ITEMS=True, FP8=False)),
+        *[(kernels._prefill_kernel, constants | dict(FP8=False)) for constants in variants],
+        (kernels._decode_partition_kernel, decode | dict(FP8=False)),
         (
             kernels._decode_merge_kernel,
             dict(NUM_HEADS=16, HEAD_DIM=128, HEAD_DIM_PADDED=128, KV_TILE=64, MIN_TILES=2, MERGE_TILE=16),
         ),
     ]
+
+
+def hopper_fp8_launches() -> list:
+    """The kernels that read or write an FP8 KV cache, with FP8 on: the store (its caches as bytes), prefill by
+    the gather, block and descriptor loads, decode."""
+    from zipage.kernels import attention_triton as kernels
+
+    launches = hopper_launches()
+    store = [(kernel, constants | dict(FP8=True)) for kernel, constants in launches
+             if kernel is kernels._store_kv_kernel]
+    attention = [(kernel, constants | dict(FP8=True)) for kernel, constants in launches
+                 if kernel in (kernels._prefill_kernel, kernels._decode_partition_kernel)]
+    return store, attention
 
 
 POINTER_TYPES = {name: "*bf16" for name in ("key_ptr", "value_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
@@ -97,6 +109,14 @@ POINTER_TYPES |= {
     name: "*i32" for name in ("cu_seqlens_q_ptr", "context_lens_ptr", "block_tables_ptr", "work_items_ptr")
 }
 POINTER_TYPES |= {"slot_mapping_ptr": "*i64", "qk_scale": "fp32"}
+POINTER_TYPES |= {name: "*fp32" for name in ("k_scale_ptr", "v_scale_ptr")}
+
+
+def fp8_argument_type(cache_type: str):
+    """Argument types of an FP8 launch: the caches as `cache_type` (bytes for the store, fp8e4nv to read)."""
+    types = POINTER_TYPES | {"k_cache_ptr": cache_type, "v_cache_ptr": cache_type}
+    types |= {name: "tensordesc<fp8e4nv[64, 128]>" for name in ("k_desc", "v_desc")}
+    return lambda name: types.get(name, "i32")
 POINTER_TYPES |= {name: "tensordesc<bf16[64, 128]>" for name in ("k_desc", "v_desc")}
 
 
@@ -457,5 +477,126 @@ def test_dispatch_uses_reference_for_cpu_tensors_unless_interpreted(triton_kerne
     assert len(calls) == 1
 
 
+# ---------------------------------------------------------------- FP8 KV cache (docs/kernels.md, 'FP8 KV cache')
+
+# e4m3 rounding moves a normal value by at most half an ulp (2^-4 of it), a subnormal by half of 2^-9 scale units;
+# two correct roundings of the same value (Triton's and torch's) are within one such step of each other.
+E4M3_HALF_ULP = 2.0**-4
+E4M3_HALF_SUBNORMAL = 2.0**-10
+
+
+def fp8_paged_batch(context_lens: list[int], block_size: int, generator: torch.Generator) -> tuple:
+    """``make_paged_batch``'s float32 cache quantized whole: (batch with fp8 caches, k_scale, v_scale)."""
+    batch = make_paged_batch(context_lens, block_size, torch.float32, generator)
+    # Keys with outlier channels and values of very different sizes per entry, as a model's are.
+    k_values, k_scale = quantize_kv(batch.k_cache * (1 + 20 * (torch.arange(HEAD_DIM) == 5)))
+    v_values, v_scale = quantize_kv(batch.v_cache * torch.logspace(-3, 1, block_size)[None, :, None, None])
+    batch.k_cache, batch.v_cache = k_values, v_values
+    return batch, k_scale, v_scale
+
+
+@under_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_kv_fp8_quantizes_like_the_reference(triton_kernels, dtype):
+    generator = torch.Generator().manual_seed(11)
+    shape = (4, 16, NUM_KV_HEADS, HEAD_DIM)
+    fused = torch.randn((7, 3, NUM_KV_HEADS, HEAD_DIM), generator=generator) * torch.logspace(-4, 2, 7)[:, None,
+                                                                                                        None, None]
+    fused[:, :, :, 3] *= 40.0  # an outlier channel
+    fused[2] = 0.0  # a zero token: scale 1
+    fused = fused.to(dtype)
+    # Exact ties and the ends of e4m3's range: 1.0625 and 1.1875 lie halfway between two codes (to even: 1.0 and
+    # 1.25), 448 saturates, 2^-8 and 3 * 2^-10 (times the scale) are subnormal codes.
+    amax = 448.0
+    fused[6, 1, 0, :6] = torch.tensor([amax, 1.0625, -1.1875, 2.0**-8, 3 * 2.0**-10, -amax], dtype=dtype)
+    fused[6, 1, 0, 6:] = 0.0
+    key, value = fused[:, 1], fused[:, 2]
+    slot_mapping = torch.tensor([5, -1, 63, 16, -1, 40, 33], dtype=torch.int64)
+    caches = [torch.zeros(shape, dtype=FP8_DTYPE) for _ in range(2)] + [torch.ones(shape[:3]) for _ in range(2)]
+    expected = [cache.clone() for cache in caches]
+    store_kv_ref(key, value, expected[0], expected[1], slot_mapping, k_scale=expected[2], v_scale=expected[3])
+    triton_kernels.store_kv_triton(key, value, caches[0], caches[1], slot_mapping, k_scale=caches[2],
+                                   v_scale=caches[3])
+    torch.testing.assert_close(caches[2], expected[2], rtol=1e-7, atol=0.0)
+    torch.testing.assert_close(caches[3], expected[3], rtol=1e-7, atol=0.0)
+    for cache, scales, reference, source in ((caches[0], caches[2], expected[0], key),
+                                             (caches[1], caches[3], expected[1], value)):
+        stored = dequantize_kv(cache, scales)
+        step = torch.maximum(E4M3_HALF_ULP * stored.abs(), E4M3_HALF_SUBNORMAL * scales[..., None])
+        assert torch.all((stored - dequantize_kv(reference, scales)).abs() <= 2 * step)
+        # ... and each stored value is the input rounded once: within half a step of it.
+        kept = slot_mapping >= 0
+        original = source[kept].float()
+        restored = stored.view(-1, NUM_KV_HEADS, HEAD_DIM)[slot_mapping[kept]]
+        bound = torch.maximum(E4M3_HALF_ULP * original.abs(), E4M3_HALF_SUBNORMAL * scales.view(-1, NUM_KV_HEADS)[
+            slot_mapping[kept]][..., None])
+        assert torch.all((restored - original).abs() <= bound * (1 + 1e-6))
+    # The hand-picked values, in units of their row's scale (448 / 448 = 1): ties to even, saturation, subnormals.
+    row = dequantize_kv(caches[0], caches[2])[33 // 16, 33 % 16, 0, :6] / caches[2][33 // 16, 33 % 16, 0]
+    torch.testing.assert_close(row, torch.tensor([amax, 1.0, -1.25, 2.0**-8, 2.0**-9 * 2, -amax]).to(torch.float32),
+                               rtol=1e-6, atol=0.0)
+
+
+FP8_PREFILL_CASES = [
+    # (query dtype, group, block_size, load variant): the gather (16), "block" and "descriptor" (64)
+    (torch.float32, 1, 16, "gather"),
+    (torch.float16, 3, 16, "gather"),
+    (torch.float32, 8, 64, "block"),
+    (torch.float16, 1, 64, "block"),
+    (torch.float32, 3, 64, "descriptor"),
+]
+
+
+@under_interpreter
+@pytest.mark.parametrize("dtype,group,block_size,kv_load", FP8_PREFILL_CASES)
+def test_prefill_reads_fp8_like_the_reference(triton_kernels, monkeypatch, dtype, group, block_size, kv_load):
+    monkeypatch.setattr(triton_kernels, "_PREFILL_KV_LOAD", kv_load)
+    generator = torch.Generator().manual_seed(group * block_size + 5)
+    context_lens, q_lens = [150, 130, 70, 4], [23, 130, 1, 0]
+    batch, k_scale, v_scale = fp8_paged_batch(context_lens, block_size, generator)
+    q = torch.randn((sum(q_lens), NUM_KV_HEADS * group, HEAD_DIM), generator=generator).to(dtype)
+    arguments = (q, batch.k_cache, batch.v_cache, cumulative(q_lens), batch.context_lens, batch.block_tables, 0.125)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    out = triton_kernels.paged_prefill_attention_triton(*arguments, max(q_lens), **scales)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, paged_prefill_attention_ref(*arguments, **scales), **TOLERANCES[dtype])
+    tile = prefill_tile_tokens(NUM_KV_HEADS * group, NUM_KV_HEADS)
+    work = prefill_work(torch.tensor(q_lens), tile, capacity=prefill_work_capacity(sum(q_lens) + 16, 8, tile))
+    torch.testing.assert_close(triton_kernels.paged_prefill_attention_triton(*arguments, None, work, **scales), out,
+                               rtol=0.0, atol=0.0)
+
+
+@under_interpreter
+@pytest.mark.parametrize("dtype,group,partition_size", [(torch.float32, 1, None), (torch.float32, 8, 64),
+                                                        (torch.float16, 3, 64)])
+def test_decode_reads_fp8_like_the_reference(triton_kernels, dtype, group, partition_size):
+    generator = torch.Generator().manual_seed(group + 17)
+    context_lens = [200, 64, 1, 0]
+    batch, k_scale, v_scale = fp8_paged_batch([max(length, 1) for length in context_lens], 16, generator)
+    batch.context_lens = torch.tensor(context_lens, dtype=torch.int32)
+    q = torch.randn((len(context_lens), NUM_KV_HEADS * group, HEAD_DIM), generator=generator).to(dtype)
+    arguments = (q, batch.k_cache, batch.v_cache, batch.context_lens, batch.block_tables, 0.125)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    out = triton_kernels.paged_decode_attention_triton(*arguments, partition_size=partition_size, **scales)
+    torch.testing.assert_close(out, paged_decode_attention_ref(*arguments, **scales), **TOLERANCES[dtype])
+    assert torch.count_nonzero(out[3]) == 0
+
+
+@under_interpreter
+def test_fp8_cache_needs_both_scales(triton_kernels):
+    batch, k_scale, _ = fp8_paged_batch([20], 16, torch.Generator().manual_seed(0))
+    q = torch.randn((1, NUM_KV_HEADS, HEAD_DIM))
+    with pytest.raises(ValueError, match="k_scale and v_scale"):
+        triton_kernels.paged_decode_attention_triton(q, batch.k_cache, batch.v_cache, batch.context_lens,
+                                                     batch.block_tables, 0.125, k_scale=k_scale)
+
+
+def _compile_all_for_hopper() -> int:
+    store, attention = hopper_fp8_launches()
+    return (compile_for_hopper(hopper_launches, argument_type)
+            or compile_for_hopper(lambda: store, fp8_argument_type("*u8"))
+            or compile_for_hopper(lambda: attention, fp8_argument_type("*fp8e4nv")))
+
+
 if __name__ == "__main__" and sys.argv[1:] == [HOPPER_COMMAND]:
-    sys.exit(compile_for_hopper(hopper_launches, argument_type))
+    sys.exit(_compile_all_for_hopper())

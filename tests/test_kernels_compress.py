@@ -54,6 +54,7 @@ from zipage.kernels.compress_ref import (  # noqa: E402
     update_global_scores,
     write_kept_entries,
 )
+from zipage.kernels.kv_quant_ref import dequantize_kv, quantize_kv  # noqa: E402
 
 E = math.e
 
@@ -406,16 +407,37 @@ def hopper_launches() -> list:
     compaction = dict(NUM_KV_HEADS=8, NUM_DIM_TILES=2, BLOCK_SIZE=64, HEAD_DIM=128, DIM_TILE=64,
                       ENTRY_TILE=64)
     return [
-        (kernels._block_softmax_stats_kernel, score),
-        (kernels._attention_score_kernel, score | dict(STATS_CHUNK=16, GLOBAL_SCORE=True)),
+        (kernels._block_softmax_stats_kernel, score | dict(FP8=False)),
+        (kernels._attention_score_kernel, score | dict(STATS_CHUNK=16, GLOBAL_SCORE=True, FP8=False)),
         (kernels._newest_similar_row_kernel, redundancy | dict(LIGHTNING=False)),
         (kernels._redundancy_kernel, redundancy | dict(LIGHTNING=True)),
         (kernels._final_score_kernel, dict(NUM_KV_HEADS=8, BLOCK_SIZE=64, WINDOW=16, POOLING=1, POOL_RADIUS=2,
                                            REDUNDANCY=True, TILE=1024)),
         (kernels._compact_in_place_kernel,
-         compaction | dict(TABLE_TILE=16, GLOBAL_SCORE=True)),
-        (kernels._compact_staged_kernel, compaction),
+         compaction | dict(TABLE_TILE=16, GLOBAL_SCORE=True, FP8=False)),
+        (kernels._compact_staged_kernel, compaction | dict(FP8=False)),
     ]
+
+
+def hopper_fp8_launches() -> list:
+    """The kernels that read FP8 keys (scores, redundancy) or move FP8 entries and their scales (compaction,
+    whose caches are bytes), with FP8 on."""
+    from zipage.kernels import compress_triton as kernels
+
+    launches = hopper_launches()
+    fp8 = [(kernel, constants | dict(FP8=True)) if "FP8" in constants else (kernel, constants)
+           for kernel, constants in launches if kernel is not kernels._final_score_kernel]
+    reads = [launch for launch in fp8 if launch[0] not in (kernels._compact_in_place_kernel,
+                                                           kernels._compact_staged_kernel)]
+    moves = [launch for launch in fp8 if launch not in reads]
+    return reads, moves
+
+
+def fp8_argument_type(cache_type: str):
+    types = POINTER_TYPES | {"k_cache_ptr": cache_type, "v_cache_ptr": cache_type, "k_scratch_ptr": cache_type,
+                             "v_scratch_ptr": cache_type}
+    types |= {name: "*fp32" for name in ("k_scale_ptr", "v_scale_ptr", "k_scale_scratch_ptr", "v_scale_scratch_ptr")}
+    return lambda name: types.get(name, "fp32" if name in FLOAT_ARGUMENTS else "i32")
 
 
 POINTER_TYPES = {name: "*bf16" for name in ("query_cache_ptr", "k_cache_ptr", "v_cache_ptr", "score_cache_ptr",
@@ -426,6 +448,8 @@ POINTER_TYPES |= {name: "*i32" for name in ("source_tables_ptr", "num_source_blo
                                             "num_target_blocks_ptr", "newest_ptr", "staging_count_ptr")}
 POINTER_TYPES |= {name: "*i64" for name in ("query_slots_ptr", "kept_ptr", "staging_queue_ptr")}
 POINTER_TYPES |= {"is_compressed_ptr": "*i1"}
+POINTER_TYPES |= {name: "*fp32" for name in ("k_scale_ptr", "v_scale_ptr", "k_scale_scratch_ptr",
+                                             "v_scale_scratch_ptr")}
 FLOAT_ARGUMENTS = {"qk_scale", "alpha", "threshold", "tau", "lambda_weight"}
 
 
@@ -662,5 +686,91 @@ def test_dispatch_uses_reference_for_cpu_tensors_unless_interpreted(triton_kerne
     assert len(calls) == 1
 
 
+# ---------------------------------------------------------------- FP8 KV cache (docs/kernels.md, 'FP8 KV cache')
+
+
+def fp8_batch(batch: Batch) -> tuple[Batch, Batch]:
+    """(the batch with its K and V quantized to fp8 + scales, the same batch with those values dequantized, in
+    float32: the oracle's keys are exactly what the kernels read)."""
+    k_values, k_scale = quantize_kv(batch.k_cache.float() * (1 + 10 * (torch.arange(HEAD_DIM) == 2)))
+    v_values, v_scale = quantize_kv(batch.v_cache.float())
+    fp8 = replace(batch, k_cache=k_values, v_cache=v_values, k_scale=k_scale, v_scale=v_scale)
+    dense = replace(batch, k_cache=dequantize_kv(k_values, k_scale), v_cache=dequantize_kv(v_values, v_scale))
+    return fp8.clone(), dense.clone()
+
+
+@under_interpreter
+@pytest.mark.parametrize("dtype,group,block_size,redundancy,pooling", [
+    (torch.float32, 3, 16, "lightning", "first"),
+    (torch.float32, 1, 32, "flash", "always"),
+    (torch.float16, 8, 16, "lightning", "off"),
+])
+def test_pipeline_on_fp8_matches_reference(triton_kernels, monkeypatch, dtype, group, block_size, redundancy,
+                                           pooling):
+    """The scores read fp8 keys with their scales (the redundancy without: a cosine does not see them), the
+    compaction moves fp8 bytes and scales, in place and staged (make_batch's request 1)."""
+    params = CompressionParams(block_size=block_size, window=4, redundancy=redundancy, pooling=pooling)
+    fp8, dense = fp8_batch(make_batch(dtype, group, block_size, 4, seed=group + block_size))
+    keep = fp8.target_tables.shape[1] * block_size
+    recorded = {}
+    scores_function, compact_function = triton_kernels.compression_scores_triton, triton_kernels.compact_triton
+
+    def record_scores(*arguments):
+        recorded["final"], recorded["scores"] = scores_function(*arguments)
+        return recorded["final"], recorded["scores"]
+
+    def record_compaction(*arguments):
+        recorded["kept"] = arguments[6]
+        return compact_function(*arguments)
+
+    monkeypatch.setattr(triton_kernels, "compression_scores_triton", record_scores)
+    monkeypatch.setattr(triton_kernels, "compact_triton", record_compaction)
+    result = fp8.clone()
+    triton_kernels.compress_triton(*result.arguments(params, SCALE), **result.keywords())
+    # The reference's scores on the dequantized keys in float32 (float16 queries are exact in float32).
+    expected = reference_scores(replace(dense, query_cache=dense.query_cache.float()), params)
+    tolerance = SCORE_TOLERANCE
+    from_kept = fp8.clone()
+    all_agree = True
+    for (layer, request), (final, stored) in expected.items():
+        length = final.shape[1]
+        final_triton = recorded["final"][layer, request, :, :length]
+        finite = torch.isfinite(final)
+        assert torch.equal(torch.isinf(final_triton), torch.isinf(final))
+        torch.testing.assert_close(final_triton[finite], final[finite], **tolerance)
+        torch.testing.assert_close(recorded["scores"][layer, request, :, :length], stored, **tolerance)
+        kept = recorded["kept"][layer, request]
+        all_agree &= kept_sets_agree_up_to_ties(kept, final, keep, (layer, request))
+        source = fp8.source_tables[request, :fp8.num_source_blocks[request]].long()
+        write_kept_entries(from_kept.k_cache[layer], from_kept.v_cache[layer], from_kept.score_cache[layer], source,
+                           fp8.target_tables[request].long(), kept, recorded["scores"][layer, request, :, :length],
+                           k_scale=from_kept.k_scale[layer], v_scale=from_kept.v_scale[layer])
+    # Moves, not arithmetic: the bytes and the scales are the reference compaction's exactly.
+    assert torch.equal(result.k_cache.view(torch.uint8), from_kept.k_cache.view(torch.uint8))
+    assert torch.equal(result.v_cache.view(torch.uint8), from_kept.v_cache.view(torch.uint8))
+    assert torch.equal(result.k_scale.view(torch.int32), from_kept.k_scale.view(torch.int32))
+    assert torch.equal(result.v_scale.view(torch.int32), from_kept.v_scale.view(torch.int32))
+    if all_agree:
+        reference = fp8.clone()
+        compress_ref(*reference.arguments(params, SCALE), **reference.keywords())
+        assert torch.equal(result.k_cache.view(torch.uint8), reference.k_cache.view(torch.uint8))
+        assert torch.equal(result.k_scale.view(torch.int32), reference.k_scale.view(torch.int32))
+
+
+@under_interpreter
+def test_fp8_needs_both_scales(triton_kernels):
+    fp8, _ = fp8_batch(make_batch(torch.float32, 1, 16, 4, seed=0))
+    params = CompressionParams(block_size=16, window=4)
+    with pytest.raises(ValueError, match="k_scale and v_scale"):
+        triton_kernels.compress_triton(*fp8.arguments(params, SCALE), k_scale=fp8.k_scale)
+
+
+def _compile_all_for_hopper() -> int:
+    reads, moves = hopper_fp8_launches()
+    return (compile_for_hopper(hopper_launches, argument_type)
+            or compile_for_hopper(lambda: reads, fp8_argument_type("*fp8e4nv"))
+            or compile_for_hopper(lambda: moves, fp8_argument_type("*u8")))
+
+
 if __name__ == "__main__" and sys.argv[1:] == [HOPPER_COMMAND]:
-    sys.exit(compile_for_hopper(hopper_launches, argument_type))
+    sys.exit(_compile_all_for_hopper())

@@ -20,6 +20,9 @@ BUDGET_POLICIES = ("fixed", "elastic")
 # decodes smooth (vLLM's online default); whole prompts, one that admits long prompts in one step.
 CHUNKED_STEP_TOKENS = 2048
 WHOLE_PROMPT_STEP_TOKENS = 16384
+# Element type of the K and V cache (docs/architecture.md, 'FP8 KV cache'): "auto" stores K and V
+# in the compute dtype; "fp8" in float8 e4m3 with one float32 scale per (entry, KV head).
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 def knob(default, flag: str, help: str, *, cost: bool = False, choices: tuple | None = None):
@@ -81,6 +84,11 @@ class ZipageConfig:
     # Scratch memory and latency of one async batch grow with its source blocks.
     max_compress_batch_blocks: int = knob(4096, "--max-compress-batch-blocks", "most source "
                                           "blocks in one compression batch")
+    kv_cache_dtype: str = knob("auto", "--kv-cache-dtype", "K/V cache element type: auto (the "
+                               "compute dtype) or fp8 (float8 e4m3 with a float32 scale per "
+                               "entry and KV head: ~2x the blocks; weights, activations, window "
+                               "queries and scores stay in the compute dtype)", cost=True,
+                               choices=KV_CACHE_DTYPES)
     max_model_len: int | None = knob(None, "--max-model-len", "longest prompt + output of a "
                                      "request (default: the model's context length)")
 
@@ -112,6 +120,8 @@ class ZipageConfig:
             _bad("kv_budget", self.kv_budget, f"{expected} (e.g. --budget {max(b, 2048 // b * b)})")
         if self.budget_policy not in BUDGET_POLICIES:
             _bad("budget_policy", self.budget_policy, f"one of {', '.join(BUDGET_POLICIES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            _bad("kv_cache_dtype", self.kv_cache_dtype, f"one of {', '.join(KV_CACHE_DTYPES)}")
         if self.pooling not in POOLING_MODES:
             _bad("pooling", self.pooling, f"one of {', '.join(POOLING_MODES)}")
         if self.redundancy not in REDUNDANCY_MODES:

@@ -19,6 +19,19 @@ from zipage.errors import MemoryPlanError
 from zipage.shape import ModelShape
 
 GIB = 1024**3
+# FP8 KV cache (docs/architecture.md, 'FP8 KV cache'): one byte per element plus one float32 scale
+# per (entry, KV head) for K and one for V.
+FP8_ELEMENT_BYTES = 1
+KV_SCALE_BYTES = 4
+
+
+def kv_entry_bytes(head_dim: int, kv_cache_dtype: str, dtype_bytes: int) -> int:
+    """Bytes one KV entry of one KV head and one layer takes for K (or for V): `head_dim` values in
+    the KV element type plus, for fp8, its scale. The planner (m_kv) and the analytic cost model
+    (the bytes a step reads) both count with it."""
+    if kv_cache_dtype == "fp8":
+        return head_dim * FP8_ELEMENT_BYTES + KV_SCALE_BYTES
+    return head_dim * dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -40,11 +53,14 @@ class MemoryPlan:
 
 def block_bytes(shape: ModelShape, config: ZipageConfig, dtype_bytes: int,
                 tensor_parallel: int = 1) -> int:
-    """m_kv: K and V of one block over all layers (per GPU), plus its global scores."""
+    """m_kv: K and V of one block over all layers (per GPU), plus its global scores.
+    `dtype_bytes` is the compute dtype's; the K/V elements follow `config.kv_cache_dtype`."""
     kv_heads = heads_per_gpu(shape.num_kv_heads, tensor_parallel)
-    per_token = 2 * shape.num_layers * kv_heads * shape.head_dim * dtype_bytes
+    per_token = 2 * shape.num_layers * kv_heads * kv_entry_bytes(
+        shape.head_dim, config.kv_cache_dtype, dtype_bytes)
     if config.compress and config.global_score:
-        # One score per (layer, kv head, token), in the KV dtype: the paper's (1 + 1/(2d)).
+        # One score per (layer, kv head, token), in the compute dtype (also with an fp8 KV
+        # cache): the paper's (1 + 1/(2d)).
         per_token += shape.num_layers * kv_heads * dtype_bytes
     return per_token * config.block_size
 

@@ -84,9 +84,9 @@ class Compressor:
             inputs = CompressionInputs(
                 caches.kv[0, group], caches.kv[1, group],
                 caches.score[group] if caches.score is not None else None,
-                caches.query[group], **tables)
-            self.compress_fn(**vars(inputs),
-                             params=self.params, scale=self.scale, **extra)
+                caches.query[group], **tables, **caches.layer_scales(group))
+            self.compress_fn(*inputs.arguments(self.params, self.scale), **inputs.keywords(),
+                             **extra)
 
     def tables(self, jobs: list[CompressionJob]) -> dict[str, torch.Tensor]:
         """The batch's per-request tables on the device, uploaded without blocking the host.

@@ -270,16 +270,19 @@ class PagedAttention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.query_cache = torch.empty(0)
+        # An fp8 cache's scales (`KVCaches.layer_scales`): k_scale, v_scale; empty otherwise.
+        self.kv_scales: dict = {}
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query [num_tokens, num_heads, head_dim], key/value [num_tokens, num_kv_heads, head_dim] -> like query."""
         context = get_context()
-        store_kv(key, value, self.k_cache, self.v_cache, context.slot_mapping)
+        store_kv(key, value, self.k_cache, self.v_cache, context.slot_mapping, **self.kv_scales)
         if context.query_slot_mapping is not None:
             store_queries(query, self.query_cache, context.query_slot_mapping)
         if not context.is_prefill:
             return paged_decode_attention(
-                query, self.k_cache, self.v_cache, context.context_lens, context.block_tables, self.scale
+                query, self.k_cache, self.v_cache, context.context_lens, context.block_tables, self.scale,
+                **self.kv_scales,
             )
         if context.decode_context_lens is None:
             return self._prefill(query, context)
@@ -290,12 +293,12 @@ class PagedAttention(nn.Module):
         chunks = self._prefill(query[:rows], context)
         decoded = paged_decode_attention(
             query[rows:], self.k_cache, self.v_cache, context.decode_context_lens,
-            context.decode_block_tables, self.scale,
+            context.decode_block_tables, self.scale, **self.kv_scales,
         )
         return torch.cat((chunks, decoded))
 
     def _prefill(self, query: torch.Tensor, context) -> torch.Tensor:
         return paged_prefill_attention(
             query, self.k_cache, self.v_cache, context.cu_seqlens_q, context.context_lens,
-            context.block_tables, self.scale, context.max_q_len, context.prefill_work,
+            context.block_tables, self.scale, context.max_q_len, context.prefill_work, **self.kv_scales,
         )

