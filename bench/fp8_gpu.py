@@ -308,7 +308,8 @@ def main() -> None:
             row = report["headline"][name]
             simulated = row["simulated_tps"]
             simulated = f"{simulated:10.1f}" if isinstance(simulated, float) else "         -"
-            print(f"{name:<14} {row['tps']:>9.1f} {row['num_blocks']:>7} {row['max_concurrency']:>6} "
+            slots = row["max_concurrency"] if row["max_concurrency"] is not None else "-"  # Full KV
+            print(f"{name:<14} {row['tps']:>9.1f} {row['num_blocks']:>7} {slots:>6} "
                   f"{row['peak_running']:>9} {row['preemptions']:>8} {row['tpot_p50_ms'] or 0:>12.1f} {simulated}")
 
 
