@@ -151,13 +151,25 @@ def test_ray_tasks_return_the_local_results(small_trace):
                       "untested here")
     spec = small_spec()
     local = run_plan(small_trace, spec, executor=LOCAL, workers=2)
+    # A production trace read from its own format (Mooncake: block hashes shared as a tree) on
+    # its own arrival times, routed by shared leading blocks: what `zipage plan FILE --ray` runs.
+    from zipage.trace_import import load_trace_file
+
+    mooncake = load_trace_file(ROOT / "tests" / "fixtures" / "traces" / "mooncake.jsonl")
+    real_spec = small_spec(budgets=[1024], hybrid=[True], replicas=[1, 2], speedups=[1.0, 4.0],
+                           routing="prefix-affinity")
+    real_local = run_plan(mooncake, real_spec, executor=LOCAL, workers=2)
     ray.init(num_cpus=2, include_dashboard=False)
     try:
         on_ray = run_plan(small_trace, spec, executor=RAY)
+        real_on_ray = run_plan(mooncake, real_spec, executor=RAY)
     finally:
         ray.shutdown()
     assert on_ray.evaluated == 8
     assert_close(on_ray.rows, local.rows)
+    assert real_on_ray.evaluated == 8
+    assert_close(real_on_ray.rows, real_local.rows)
+    assert {row["routing"] for row in real_on_ray.rows} == {"prefix-affinity"}
 
 
 # ---------------------------------------------------------------- replicas and routing
