@@ -50,7 +50,7 @@ def store_kv(
     if backend is None:
         store_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
     else:
-        backend.store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        backend.store_kv_triton(key, value, k_cache, v_cache, slot_mapping, **_scales(k_scale, v_scale))
 
 
 def paged_prefill_attention(
@@ -79,7 +79,7 @@ def paged_prefill_attention(
                                            max_q_len, work, k_scale=k_scale, v_scale=v_scale)
     return backend.paged_prefill_attention_triton(
         q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale, max_q_len, work,
-        k_scale=k_scale, v_scale=v_scale,
+        **_scales(k_scale, v_scale),
     )
 
 
@@ -101,4 +101,10 @@ def paged_decode_attention(
         return paged_decode_attention_ref(q, k_cache, v_cache, context_lens, block_tables, scale,
                                           k_scale=k_scale, v_scale=v_scale)
     return backend.paged_decode_attention_triton(q, k_cache, v_cache, context_lens, block_tables, scale,
-                                                 k_scale=k_scale, v_scale=v_scale)
+                                                 **_scales(k_scale, v_scale))
+
+
+def _scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> dict:
+    """The scale keywords of a Triton call: only for an fp8 cache, so a cache in the compute dtype makes the
+    call it always made."""
+    return {} if k_scale is None and v_scale is None else {"k_scale": k_scale, "v_scale": v_scale}

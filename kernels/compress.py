@@ -74,7 +74,8 @@ def compress(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Te
     """Compress the requests of `source_tables` into `target_tables` (request r into its first
     `num_target_blocks[r]`, all of them when None), in place in the caches; an fp8 cache comes
     with its scales `k_scale`/`v_scale`."""
-    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    # Only for an fp8 cache: a cache in the compute dtype makes the call it always made.
+    scales = {} if k_scale is None and v_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
     arguments = (k_cache, v_cache, score_cache, query_cache, source_tables, num_source_blocks,
                  target_tables, query_slots, is_compressed, params, scale)
     if reduce_group_max is not None:

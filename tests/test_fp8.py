@@ -180,7 +180,8 @@ def test_fp8_plans_about_twice_the_blocks_of_bf16(compress):
     available = 6 * GIB
     bf16 = plan_memory(shape, ZipageConfig(compress=compress), available, 2)
     fp8 = plan_memory(shape, ZipageConfig(compress=compress, kv_cache_dtype="fp8"), available, 2)
-    # 132 against 256 bytes per K or V entry and head (+ the 2-byte score with compression).
+    # 132 against 256 bytes per K or V entry and head (+ the bf16 score and query slots with compression:
+    # 1.84x at block 64, budget 512; nearer 1.94x at the defaults).
     assert 1.9 <= fp8.num_blocks / bf16.num_blocks <= 2.0
     if compress:
         assert 1.9 <= fp8.num_query_slots / bf16.num_query_slots <= 2.0

@@ -379,7 +379,7 @@ def test_kernels_compile_for_hopper(child_processes):
 DEPLOYMENT_CONSTEXPRS = {"NUM_KV_HEADS", "WINDOW", "GROUP", "WINDOW_PADDED", "GROUP_PADDED", "BLOCK_SIZE",
                          "HEAD_DIM", "HEAD_DIM_PADDED", "KEY_TILE", "DOT_PRECISION", "STATS_CHUNK", "GLOBAL_SCORE",
                          "TILE", "LIGHTNING", "POOLING", "POOL_RADIUS", "REDUNDANCY", "NUM_DIM_TILES", "TABLE_TILE",
-                         "DIM_TILE", "ENTRY_TILE"}
+                         "DIM_TILE", "ENTRY_TILE", "FP8"}
 BATCH_SHAPE_ARGUMENTS = {"num_requests", "max_blocks", "keep_width", "source_table_stride",
                          "target_table_stride"}
 
