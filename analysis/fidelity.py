@@ -260,6 +260,14 @@ class RecordingRunner:
         self.dispatcher = dispatcher
         self.first_compression: dict[str, int] = {}
 
+    @property
+    def last_logprobs(self) -> dict:
+        return self.runner.last_logprobs
+
+    @property
+    def last_prompt_logprobs(self) -> dict:
+        return self.runner.last_prompt_logprobs
+
     def output_index(self, request_id: str, tokens: dict[str, list[int]]) -> int:
         """The output position the current step's logits of this request predict."""
         return len(tokens[request_id]) - self.prompt_lengths[request_id]

@@ -46,9 +46,9 @@ def test_budgets_side_by_side_give_the_tokens_each_gives_alone(tiny_model, async
     compressor = llm.engine.runner.compressor
     pipeline, target_counts = compressor.compress_fn, []
 
-    def recording(**arguments):
+    def recording(*positional, **arguments):
         target_counts.append(arguments["num_target_blocks"].tolist())
-        pipeline(**arguments)
+        pipeline(*positional, **arguments)
 
     compressor.compress_fn = recording
     budgets = [16, 48, None]
