@@ -85,8 +85,12 @@ class Compressor:
                 caches.kv[0, group], caches.kv[1, group],
                 caches.score[group] if caches.score is not None else None,
                 caches.query[group], **tables, **caches.layer_scales(group))
-            self.compress_fn(*inputs.arguments(self.params, self.scale), **inputs.keywords(),
-                             **extra)
+            # By keyword, the contract of a compress_fn; the fp8 scales only for an fp8 cache
+            # (`CompressionInputs.keywords`), so a policy that knows none still runs on others.
+            arguments = {name: value for name, value in vars(inputs).items()
+                         if name not in ("num_target_blocks", "k_scale", "v_scale")}
+            self.compress_fn(**arguments, **inputs.keywords(), params=self.params,
+                             scale=self.scale, **extra)
 
     def tables(self, jobs: list[CompressionJob]) -> dict[str, torch.Tensor]:
         """The batch's per-request tables on the device, uploaded without blocking the host.
