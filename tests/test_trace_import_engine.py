@@ -23,10 +23,13 @@ AZURE_2023 = Path(__file__).parent / "fixtures" / "traces" / "azure_conv_2023_ex
 def hashed_trace():
     """Mooncake's sharing as a tree, at a tiny model's scale: 32-token hashed blocks over 16-token
     engine blocks; a shared root, two branches, a request that repeats a block after another
-    root (no hit: the cache keys a block with its prefix), arrivals while others run."""
+    root (no hit: the cache keys a block with its prefix). Arrivals are a quarter second apart,
+    far longer than a tiny prompt's prefill, so each request's shared blocks are cached before
+    the next arrives on any machine (4 ms apart, a fast machine admitted several in one step and
+    the hits counted depended on its speed)."""
     chains = [[0, 1, 2], [0, 1, 3], [0, 1, 2, 4], [5, 1], [0, 6], [0, 1, 3, 7]]
     return parse_trace({"version": 1, "name": "hashed", "hash_block_size": 32, "requests": [
-        {"id": f"m{i}", "arrival_s": 0.004 * i, "prompt_len": 32 * len(chain) - 5,
+        {"id": f"m{i}", "arrival_s": 0.25 * i, "prompt_len": 32 * len(chain) - 5,
          "block_hashes": chain, "output_len": 40 + 7 * i}
         for i, chain in enumerate(chains)]})
 
