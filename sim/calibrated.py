@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+
 from zipage.errors import ConfigError
 from zipage.hardware import GPUSpec
 from zipage.profile import check_header, read_points, read_profile
@@ -27,6 +29,11 @@ class CalibratedCostModel(CostModel):
 
     decode:   a + b * batch + c * context_tokens [+ d * longest_excess, when the points carry
               max_context: the longest request's entries beyond the mean, max - sum / batch]
+              [+ e * shared_tokens, e < 0, when points share prefix blocks: an entry read by a
+              second request in the same step costs c + e, not c]
+    launch:   a decode step that launches an async compression batch lasts at least h_l (the
+              host enqueues the batch's kernels behind the forward), when the profile has
+              launch points that show it
     prefill:  s * requests + max(h, a + b * new_tokens + c * attention_pairs)   (version 3;
               before it s = h = 0; pairs: sum of T*C + T(T+1)/2)
     mixed:    s * requests + max(h_m, m + decode's b, c terms + prefill's b, c terms)
@@ -40,16 +47,20 @@ class CalibratedCostModel(CostModel):
 
     def __init__(self, decode: LinearFit, prefill: PrefillFit, mixed: MixedFit,
                  compress: LinearFit | None, contention_factor: float, header: dict[str, Any],
-                 source: str) -> None:
+                 source: str, launch_floor_s: float = 0.0) -> None:
         self.decode_fit, self.prefill_fit, self.mixed_fit = decode, prefill, mixed
         self.compress_fit = compress
         self.contention_factor = contention_factor
+        self.launch_floor_s = launch_floor_s
         self.header, self.source = header, source
         self.measured_graphs = header.get("graphs")
         self.prefill_buckets = tuple(header.get("prefill_buckets") or ())
         self._decode_a, self._decode_b, self._decode_c = decode.coefficients[:3]
-        # Per KV entry the longest request holds beyond the mean (0 when not fitted).
-        self._decode_excess = decode.coefficients[3] if len(decode.coefficients) > 3 else 0.0
+        terms = dict(zip(decode.feature_names, decode.coefficients))
+        # Per KV entry the longest request holds beyond the mean, and per entry a second holder
+        # reads of a shared block (0 when not fitted).
+        self._decode_excess = terms.get(LONGEST_EXCESS, 0.0)
+        self._decode_shared = terms.get(SHARED_TOKENS, 0.0)
         self._decode_floor = decode.floor_s
 
     @classmethod
@@ -60,7 +71,7 @@ class CalibratedCostModel(CostModel):
         header = check_header(source, data, shape, gpu, knobs)
         redundancy = header.get("redundancy", "lightning")
         decode_rows = read_points(source, data, "decode", ("batch", "context_tokens"),
-                                  {"max_context": None})
+                                  DECODE_DEFAULTS)
         decode = _decode_fit(source, decode_rows)
         prefill_rows = read_points(source, data, "prefill", ("new_tokens",), PREFILL_DEFAULTS)
         buckets = tuple(header.get("prefill_buckets") or ())
@@ -91,7 +102,20 @@ class CalibratedCostModel(CostModel):
                 or not contention >= 1.0:
             raise ConfigError(f"{source}: contention_factor: got {contention!r}, "
                               "expected a number >= 1")
-        return cls(decode, prefill, mixed, compress, float(contention), header, source)
+        model = cls(decode, prefill, mixed, compress, float(contention), header, source)
+        if "launch" in data:
+            launch_rows = read_points(source, data, "launch", ("batch", "context_tokens"),
+                                      DECODE_DEFAULTS)
+            model.launch_floor_s = fit_launch_floor(
+                [(model.forward_time_for(_decode_work(row)), row["time_s"])
+                 for row in launch_rows])
+        return model
+
+    def step_time(self, plan) -> float:
+        duration = super().step_time(plan)
+        if plan.compress_launch is not None and duration < self.launch_floor_s:
+            return self.launch_floor_s
+        return duration
 
     def forward_time_for(self, work: StepWork) -> float:
         batch = work.num_decode
@@ -103,6 +127,8 @@ class CalibratedCostModel(CostModel):
             if self._decode_excess and work.decode_max_context:
                 value += self._decode_excess * longest_excess(work.decode_max_context, context,
                                                               batch)
+            if self._decode_shared and work.shared_kv_tokens:
+                value += self._decode_shared * min(work.shared_kv_tokens, context)
             return value if value > self._decode_floor else self._decode_floor
         tokens = work.prefill_tokens
         if self.prefill_buckets:
@@ -137,24 +163,67 @@ def longest_excess(max_context: float, context_tokens: float, batch: float) -> f
 # A longest-request term is fitted only if some decode points hold one request this far (KV
 # entries) beyond the mean: balanced steps cannot separate it from the context slope.
 MIN_LONGEST_EXCESS = 1024
+# A shared-entries term is fitted only if this many decode points share at least this fraction
+# of their context: a few sharing steps cannot separate it from the context slope.
+MIN_SHARED_POINTS = 8
+MIN_SHARED_FRACTION = 0.1
+LONGEST_EXCESS, SHARED_TOKENS = "longest_excess", "shared_tokens"
+# Optional fields of a decode (or launch) point: the step's longest context and shared entries.
+DECODE_DEFAULTS = {"max_context": None, SHARED_TOKENS: 0}
+
+
+def _decode_work(row: dict[str, Any]) -> StepWork:
+    return StepWork(int(row["batch"]), int(row["context_tokens"]),
+                    decode_max_context=int(row["max_context"] or 0),
+                    shared_kv_tokens=int(row[SHARED_TOKENS]))
 
 
 def _decode_fit(source: str, rows: list[dict[str, Any]]) -> LinearFit:
-    """a + b * batch + c * context_tokens, plus d * longest_excess when every point says its
-    longest request (`max_context`: profiles fitted from runs whose steps.csv records it), some
-    are unbalanced and the fit finds d > 0; otherwise the three-term fit, as always."""
-    names = ("batch", "context_tokens")
+    """a + b * batch + c * context_tokens, plus the optional terms the points support:
+    d * longest_excess when every point says its longest request (`max_context`: profiles
+    fitted from runs whose steps.csv records it), some are unbalanced and the fit finds d > 0;
+    e * shared_tokens when enough points share prefix blocks and the fit finds a shared entry
+    cheaper than an unshared one but not free (-c <= e < 0). A term the fit rejects is dropped
+    and the rest refitted; with neither, the three-term fit, as always."""
     features = [[row["batch"], row["context_tokens"]] for row in rows]
     times = [row["time_s"] for row in rows]
+    extra: dict[str, list[float]] = {}
     if rows and all(row["max_context"] is not None for row in rows):
         excess = [longest_excess(row["max_context"], row["context_tokens"], row["batch"])
                   for row in rows]
         if max(excess) >= MIN_LONGEST_EXCESS:
-            fit = fit_linear(source, "decode", names + ("longest_excess",),
-                             [point + [value] for point, value in zip(features, excess)], times)
-            if fit.coefficients[3] > 0:
-                return fit
-    return fit_linear(source, "decode", names, features, times)
+            extra[LONGEST_EXCESS] = excess
+    shared = [min(row[SHARED_TOKENS], row["context_tokens"]) for row in rows]
+    sharing = sum(1 for value, row in zip(shared, rows)
+                  if value > 0 and value >= MIN_SHARED_FRACTION * row["context_tokens"])
+    if sharing >= MIN_SHARED_POINTS:
+        extra[SHARED_TOKENS] = shared
+    while True:
+        names = ("batch", "context_tokens", *extra)
+        fit = fit_linear(source, "decode", names,
+                         [point + [extra[name][index] for name in extra]
+                          for index, point in enumerate(features)], times)
+        terms = dict(zip(fit.feature_names, fit.coefficients))
+        rejected = [name for name in extra if not (
+            terms[name] > 0 if name == LONGEST_EXCESS
+            else -terms["context_tokens"] <= terms[name] < 0)]
+        if not rejected:
+            return fit
+        del extra[rejected[0]]
+
+
+def fit_launch_floor(points: list[tuple[float, float]]) -> float:
+    """The host floor h_l of a step that launches a compression batch: the value that best
+    predicts (relative error) each launching step as max(h_l, its forward's time), from
+    (forward, measured) pairs; 0 when no floor predicts them better than the forward alone.
+    Candidates are the percentiles of the measured times (a run launches thousands)."""
+    if not points:
+        return 0.0
+    forward, measured = np.asarray(points, dtype=float).T
+    candidates = np.concatenate(([0.0], np.percentile(measured, np.arange(101))))
+    predicted = np.maximum(forward[:, None], candidates[None, :])
+    errors = ((predicted / measured[:, None] - 1.0) ** 2).sum(axis=0)
+    return float(candidates[int(np.argmin(errors))])
 
 
 def _blocks_squared(row: dict) -> float:

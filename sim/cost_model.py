@@ -43,18 +43,21 @@ class StepWork:
     attention_pairs: int = 0  # (query, key) pairs of the chunks' causal attention
     # The most KV entries one decode request attends to (0: not known, priced as if balanced).
     decode_max_context: int = 0
+    # KV entries held by more than one holder, once per holder beyond the first.
+    shared_kv_tokens: int = 0
 
     @classmethod
     def of(cls, plan: StepPlan) -> "StepWork":
         if not plan.prefill:  # the common case, kept cheap: the simulator asks ~100k times a run
             return cls(len(plan.decode), plan.decode_context_tokens,
-                       decode_max_context=plan.decode_max_context)
+                       decode_max_context=plan.decode_max_context,
+                       shared_kv_tokens=plan.shared_kv_tokens)
         return cls(len(plan.decode), plan.decode_context_tokens, len(plan.prefill),
                    sum(1 for item in plan.prefill if item.samples),
                    sum(item.num_new_tokens for item in plan.prefill),
                    sum(item.num_cached_tokens for item in plan.prefill),
                    sum(item.attention_pairs for item in plan.prefill),
-                   plan.decode_max_context)
+                   plan.decode_max_context, plan.shared_kv_tokens)
 
     @classmethod
     def from_counts(cls, num_decode: int = 0, decode_context_tokens: int = 0,
@@ -78,6 +81,8 @@ class CostModel(ABC):
     # Which engine steps replayed CUDA graphs when the costs were measured ({"decode": bool,
     # "prefill": bool}), where a profile says so; None for the analytic model.
     measured_graphs: dict[str, bool] | None = None
+    # The token buckets the measured engine padded prefill and mixed steps to (none: unpadded).
+    prefill_buckets: tuple[int, ...] = ()
 
     def step_time(self, plan: StepPlan) -> float:
         """A step of any kind: its sync compressions run first, then one forward over its decode

@@ -16,6 +16,9 @@ only). This module turns those steps into the profile format of `CalibratedCostM
   the steps, and the simulator stretches the part of a step it overlaps by the contention
   factor c: its duration is the steps it overlapped whole plus, of the step that reported it
   done, the extra time over the forward divided by c - 1;
+- launch points: a decode step that launches an async batch behind its forward (and
+  overlaps no other) is a point of the `launch` section: the calibrated model fits from them
+  the host floor such a step cannot go below (the host enqueues the batch's kernels);
 - the contention factor: the median ratio of the steps a batch overlapped from start to end to
   the fitted model. When no batch outlasted a step (so no step was overlapped whole), the runs
   cannot tell a batch's duration from the slowdown it causes; c is then assumed: 2 for runs
@@ -90,6 +93,8 @@ def profile_from_runs(run_dirs: list[str | Path], *, gpu: str | None = None,
     header = _header(runs, gpu)
     points, sync, batches, stalls = _sort_steps(runs, stall_factor)
     profile = {**header, "decode": points["decode"], "prefill": points["prefill"]}
+    if points["launch"]:
+        profile["launch"] = points["launch"]
     if stalls:
         profile["note"] += f"; {stalls} decode step(s) over {stall_factor:g}x the median left out"
     if len(points["mixed"]) >= 2:  # what a fit of their constant needs; else one is assumed
@@ -112,7 +117,7 @@ def profile_from_runs(run_dirs: list[str | Path], *, gpu: str | None = None,
 
 def forward_points(run_dirs: list[str | Path], *, stall_factor: float | None = None
                    ) -> dict[str, list]:
-    """The decode, prefill and mixed points of runs, as `profile_from_runs` takes them, without
+    """The decode, prefill, mixed and launch points of runs, as `profile_from_runs` takes them, without
     a profile around them: to compose a profile from runs of several setups (a Full-KV decode,
     say, with the prefill of compressing runs: bench/fidelity_cross_trace.py)."""
     return _sort_steps([_read(Path(directory)) for directory in run_dirs], stall_factor)[0]
@@ -121,7 +126,7 @@ def forward_points(run_dirs: list[str | Path], *, stall_factor: float | None = N
 def _sort_steps(runs: list[tuple[dict, pd.DataFrame]], stall_factor: float | None):
     """Every run's steps sorted into clean points, sync compressions and async batches, and the
     number of stalled steps left out."""
-    points: dict[str, list] = {"decode": [], "prefill": [], "mixed": []}
+    points: dict[str, list] = {"decode": [], "prefill": [], "mixed": [], "launch": []}
     sync, batches, stalls = [], [], 0
     for summary, steps in runs:
         asynchronous = summary["settings"]["config"]["async_compress"]
@@ -204,10 +209,15 @@ def _header(runs: list[tuple[dict, pd.DataFrame]], gpu: str | None) -> dict:
         })
     # Which steps replayed CUDA graphs. Runs without the field do not say: they agree with any.
     known = [summary["graphs"] for summary, _ in runs if summary.get("graphs") is not None]
+    # The token buckets padded steps ran at (engine runs record them since they were added).
+    buckets = [summary["prefill_buckets"] for summary, _ in runs
+               if summary.get("prefill_buckets") is not None]
     for other in headers[1:]:
         differ = [key for key in headers[0] if other[key] != headers[0][key]]
         if any(graphs != known[0] for graphs in known[1:]):
             differ.append("graphs")
+        if any(value != buckets[0] for value in buckets[1:]):
+            differ.append("prefill_buckets")
         if differ:
             raise ConfigError(f"--from-run: the runs differ in {', '.join(differ)}; fit one "
                               "profile per setup")
@@ -215,6 +225,8 @@ def _header(runs: list[tuple[dict, pd.DataFrame]], gpu: str | None) -> dict:
     header.pop("compress"), header.pop("async_compress")
     if known:
         header["graphs"] = known[0]
+    if buckets and buckets[0]:
+        header["prefill_buckets"] = buckets[0]
     return {"version": PROFILE_VERSION, "source": "runs",
             "note": f"fitted by `zipage calibrate --from-run` from {len(runs)} run(s)", **header}
 
@@ -251,7 +263,8 @@ def _collect(steps: pd.DataFrame, asynchronous: bool, behind: bool, points: dict
                             num_prefill=int(step.n_prefill),
                             prefill_tokens=int(step.prefill_tokens),
                             attention_pairs=int(step.attention_pairs),
-                            decode_max_context=int(step.decode_max_context))
+                            decode_max_context=int(step.decode_max_context),
+                            shared_kv_tokens=int(step.shared_kv_tokens))
         before_batch = False  # a launching step the batch (launched behind it) did not overlap
         if step.n_compress and asynchronous and in_flight is None:
             in_flight = AsyncBatch(int(step.n_compress), int(step.compress_blocks))
@@ -259,6 +272,8 @@ def _collect(steps: pd.DataFrame, asynchronous: bool, behind: bool, points: dict
             before_batch = behind and work is not None and not step.batches_done
         if before_batch:
             tainted |= bool(step.stalled)
+            if step.kind == "decode" and not step.stalled:
+                points["launch"].append(_point("decode", work, duration))
         elif in_flight is not None:
             in_flight.steps.append((work, duration))
             in_flight.span_s += duration
@@ -315,6 +330,8 @@ def _point(kind: str, work: StepWork, duration: float) -> dict:
     decode = {"batch": work.num_decode, "context_tokens": work.decode_context_tokens}
     if work.decode_max_context:  # runs written before steps.csv had it give none
         decode["max_context"] = work.decode_max_context
+    if work.shared_kv_tokens and kind == "decode":
+        decode["shared_tokens"] = work.shared_kv_tokens
     prompts, tokens = max(work.num_prefill, 1), work.prefill_tokens
     mean = tokens // prompts if tokens % prompts == 0 else tokens / prompts
     prefill = {"new_tokens": mean, "requests": prompts,

@@ -48,6 +48,7 @@ class SimulatedDeployment:
         steps it timed graphed passes that on (`zipage compare` sets it beside the engine's)."""
         summary = run_summary(metrics, self.capacity, self.config, settings, "simulator")
         summary["graphs"] = self.cost_model.measured_graphs  # None: the analytic model's
+        summary["prefill_buckets"] = list(self.cost_model.prefill_buckets)
         return summary
 
 

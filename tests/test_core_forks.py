@@ -79,6 +79,18 @@ def test_a_prompt_of_whole_blocks_is_shared_without_a_copy():
     assert len(plans[0].forks) == 2 and plans[0].block_copies == []
 
 
+def test_steps_count_the_shared_entries_once_per_extra_holder():
+    # Eight samples of a 40-token prompt share its two full blocks (B = 16): seven extra holders
+    # of each, the cost feature a decode step's shared reads are priced by; the partial third
+    # block is copied, not shared. Once a request finishes its holds go with it.
+    plans, _ = run(samples("a", own("a", 40), 8, 6), compress=False)
+    assert plans[0].shared_kv_tokens == 7 * 2 * B
+    assert plans[1].shared_kv_tokens == 7 * 2 * B and plans[1].kind == "decode"
+    assert plans[-1].shared_kv_tokens == 7 * 2 * B  # all eight finish in the same step
+    alone, _ = run(samples("b", own("b", 40), 1, 6), compress=False)
+    assert {plan.shared_kv_tokens for plan in alone} == {0}
+
+
 def test_a_prompt_that_wrote_window_queries_is_not_forked():
     # N_max = 3 (budget 32): entries 44..47 of block 2 write window queries; a 46-token prompt
     # wrote two, which only the leader's slot holds. Its samples prefill through the prefix

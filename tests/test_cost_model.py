@@ -37,7 +37,7 @@ from zipage.sim.analytic import (
 )
 from zipage.sim.calibrated import CalibratedCostModel
 from zipage.sim.cost_loader import load_cost_model
-from zipage.sim.cost_model import CostModel
+from zipage.sim.cost_model import CostModel, StepWork
 from zipage.sim.prefill_fit import PrefillFit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -799,3 +799,60 @@ def test_a_decode_fit_prices_the_longest_request_when_its_points_say_it():
     for spec in (balanced, synthetic_profile(noise=0.0)):
         fit = CalibratedCostModel.from_profile(spec).decode_fit
         assert fit.feature_names == ("constant", "batch", "context_tokens")
+
+
+def test_a_decode_fit_prices_shared_prefix_entries_when_its_points_share():
+    # A prompt block several requests hold is read once per holder, but the second reads are
+    # cheaper (the first left it in L2): a shared entry costs c + e with -c <= e < 0.
+    shared_cost = -0.5 * DECODE_TRUTH[2]
+    profile = synthetic_profile(noise=0.0)
+    plain = copy.deepcopy(profile)
+    points = []
+    for point in profile["decode"]:
+        for fraction in (0.0, 0.3, 0.6):
+            shared = int(fraction * point["context_tokens"])
+            points.append(dict(point, shared_tokens=shared,
+                               time_s=point["time_s"] + shared_cost * shared))
+    profile["decode"] = points
+    model = CalibratedCostModel.from_profile(profile)
+    assert model.decode_fit.feature_names[-1] == "shared_tokens"
+    assert model.decode_fit.coefficients == pytest.approx(DECODE_TRUTH + (shared_cost,), rel=1e-6)
+    alone = model.decode_time_for(52, 52 * 600)
+    work = StepWork(52, 52 * 600, shared_kv_tokens=52 * 300)
+    assert model.forward_time_for(work) == pytest.approx(alone + shared_cost * 52 * 300)
+    # More shared entries than the step attends to (holders outside the decode) count as all.
+    everything = StepWork(52, 52 * 600, shared_kv_tokens=10**9)
+    assert model.forward_time_for(everything) == pytest.approx(alone + shared_cost * 52 * 600)
+    # A shared entry dearer than an unshared one is not what sharing does: the term is dropped.
+    for point in profile["decode"]:
+        point["time_s"] -= 3 * shared_cost * point["shared_tokens"]
+    assert "shared_tokens" not in CalibratedCostModel.from_profile(profile).decode_fit.feature_names
+    # Points that do not share keep the three-term fit.
+    fit = CalibratedCostModel.from_profile(plain).decode_fit
+    assert fit.feature_names == ("constant", "batch", "context_tokens")
+
+
+def test_a_step_that_launches_a_compression_lasts_at_least_the_fitted_host_floor():
+    floor = 0.024
+    profile = synthetic_profile(noise=0.0)
+    model = CalibratedCostModel.from_profile(profile)
+    # Launching steps: the small ones wait for the host, the large ones for their forward.
+    launch = []
+    for batch in (1, 4, 16, 64, 128, 256):
+        for context in (300, 3000):
+            forward = model.decode_time_for(batch, batch * context)
+            launch.append({"batch": batch, "context_tokens": batch * context,
+                           "time_s": max(floor, forward)})
+    assert min(point["time_s"] for point in launch) == pytest.approx(floor)
+    assert max(point["time_s"] for point in launch) > floor  # some are device-bound
+    with_launch = CalibratedCostModel.from_profile({**profile, "launch": launch})
+    assert with_launch.launch_floor_s == pytest.approx(floor)
+    plan = StepPlan(step_id=0, kind="decode", decode=[object()] * 4, decode_context_tokens=1200)
+    assert with_launch.step_time(plan) == pytest.approx(model.decode_time_for(4, 1200))
+    plan.compress_launch = CompressionBatch(0, [])
+    assert with_launch.step_time(plan) == pytest.approx(floor)
+    # Launching steps no slower than their forwards give no floor.
+    same = [dict(point, time_s=model.decode_time_for(point["batch"], point["context_tokens"]))
+            for point in launch]
+    assert CalibratedCostModel.from_profile({**profile, "launch": same}).launch_floor_s == 0.0
+    assert model.launch_floor_s == 0.0  # no launch section

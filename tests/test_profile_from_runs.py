@@ -212,6 +212,48 @@ def test_batches_launched_behind_the_forward_overlap_the_next_step(tmp_path):
         profile_from_runs([run, old])
 
 
+def test_launching_steps_give_the_host_floor_of_a_launch(tmp_path):
+    """A decode step that launches a batch behind its forward lasts at least the host's time to
+    enqueue the batch's kernels: its points go to the `launch` section, and the calibrated
+    model fits that floor from them."""
+    floor = 13.5e-3  # within the compressing steps' forwards (12-15 ms: they read more context)
+    steps = synthetic_steps()
+    durations, launched = [], []
+    for index, step in enumerate(steps):
+        step["batches_done"] = int(bool(index and steps[index - 1]["compress_blocks"]))
+        duration = step["forward"]
+        if step["compress_blocks"] and step["kind"] == "decode":
+            duration = max(floor, duration)
+            launched.append(duration)
+        durations.append(duration)
+    run = write_run(tmp_path / "a", steps, durations, True)
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "async_launch": "after-forward"}))
+    profile = profile_from_runs([run])
+    assert [point["time_s"] for point in profile["launch"]] == pytest.approx(launched)
+    assert min(launched) == pytest.approx(floor) and max(launched) > floor
+    assert CalibratedCostModel.from_profile(profile).launch_floor_s == pytest.approx(floor)
+
+
+def test_decode_points_carry_the_shared_entries_and_the_runs_their_buckets(tmp_path):
+    steps = synthetic_steps()
+    for index, step in enumerate(steps):
+        step["shared_kv_tokens"] = 64 * (index % 7)
+    run = write_run(tmp_path / "a", steps, [step["forward"] for step in steps], False)
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "prefill_buckets": [16, 32, 64]}))
+    profile = profile_from_runs([run])
+    clean = [step for step in steps if step["kind"] == "decode" and not step["compress_blocks"]]
+    assert [point.get("shared_tokens", 0) for point in profile["decode"]] == [
+        step["shared_kv_tokens"] for step in clean]
+    assert profile["prefill_buckets"] == [16, 32, 64]
+    other = write_run(tmp_path / "b", synthetic_steps(), [step["forward"] for step in steps], False)
+    summary = json.loads((other / "summary.json").read_text())
+    (other / "summary.json").write_text(json.dumps({**summary, "prefill_buckets": [16, 32]}))
+    with pytest.raises(ConfigError, match="differ in prefill_buckets"):
+        profile_from_runs([run, other])
+
+
 def test_batches_over_several_steps_measure_contention_whatever_their_kind(tmp_path):
     """Each batch lasts its launching step's forward plus half the next step's; the steps it
     overlaps are stretched as the simulator stretches them with c = 1.5: the factor and every

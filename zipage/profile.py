@@ -29,7 +29,7 @@ from zipage.shape import ModelShape
 # predict what they did.
 PROFILE_VERSION = 3
 READABLE_PROFILE_VERSIONS = (1, 2, 3)
-PROFILE_SECTIONS = ("decode", "prefill", "mixed", "compress")
+PROFILE_SECTIONS = ("decode", "prefill", "mixed", "compress", "launch")
 # What a cost model is built for: the knobs that change a step's duration (declared with
 # `cost=True` on ZipageConfig), the element size, the sharding and the contention factor. A
 # profile's header records the knobs it was measured with.

@@ -38,6 +38,9 @@ class StepRecord:
     # The longest KV context among this step's decode requests: a decode step's time follows it
     # as well as the sum (a fitted decode term; 0 in runs written before it).
     decode_max_context: int = 0
+    # KV entries the step's holders share, counted once per holder beyond the first
+    # (`StepPlan.shared_kv_tokens`: a fitted decode term; 0 in runs written before it).
+    shared_kv_tokens: int = 0
 
 
 @dataclass(slots=True)

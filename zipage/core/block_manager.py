@@ -52,6 +52,9 @@ class BlockManager:
         self.block_size = block_size
         self.prefix_cache = prefix_cache
         self.refcount = [0] * num_blocks
+        # Holders beyond the first, summed over blocks: each is a second read of a block's KV in
+        # a step (a cost feature, `StepPlan.shared_kv_tokens`), kept as refcounts change.
+        self.extra_holders = 0
         self.block_hash: list[int | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
         # Ordered set of free blocks, least recently freed first.
@@ -75,10 +78,13 @@ class BlockManager:
         return block
 
     def release(self, block: int) -> None:
-        self.refcount[block] -= 1
-        assert self.refcount[block] >= 0, f"block {block} released more often than held"
-        if self.refcount[block] == 0:
+        count = self.refcount[block] - 1
+        assert count >= 0, f"block {block} released more often than held"
+        self.refcount[block] = count
+        if count == 0:
             self.free_blocks[block] = None
+        else:
+            self.extra_holders -= 1
 
     def release_table(self, table: list[int]) -> None:
         """Release a request's whole block table, last block first: the free list hands out
@@ -122,6 +128,8 @@ class BlockManager:
         for block in cached:
             if self.refcount[block] == 0:
                 del self.free_blocks[block]
+            else:
+                self.extra_holders += 1
             self.refcount[block] += 1
             table.append(block)
         needed = -(-num_tokens // self.block_size) - len(cached)
@@ -133,6 +141,7 @@ class BlockManager:
         for block in blocks:
             assert self.refcount[block] > 0, f"block {block} shared while free"
             self.refcount[block] += 1
+        self.extra_holders += len(blocks)
 
     def register_prompt_blocks(self, seq: Sequence, first: int, end: int) -> None:
         """Index the full prompt blocks [first, end) of `seq` that a prefill just computed."""

@@ -136,6 +136,7 @@ class InvariantChecker:
         self._check_decode_context(plan)
         self._check_writes(plan)
         self._check_blocks()
+        self._check_shared_kv(plan)
         self._check_slots()
         self.budgets.after_schedule(plan)
 
@@ -467,6 +468,16 @@ class InvariantChecker:
                           "the free list")
         if manager.num_free_blocks + manager.num_used_blocks != manager.num_blocks:
             self.fail("free + used != total")
+
+    def _check_shared_kv(self, plan: StepPlan) -> None:
+        """The plan's shared entries are every holder beyond a block's first, times the block
+        size: a cost feature, so both twins must count it alike from the holders."""
+        manager = self.scheduler.block_manager
+        extra = sum(count - 1 for count in manager.refcount if count > 1)
+        if manager.extra_holders != extra or plan.shared_kv_tokens != extra * manager.block_size:
+            self.fail(f"shared KV: {manager.extra_holders} extra holders counted, "
+                      f"{plan.shared_kv_tokens} entries planned; the refcounts give {extra} "
+                      f"extra holders")
 
     def _check_slots(self) -> None:
         scheduler = self.scheduler

@@ -42,7 +42,7 @@ class MetricsRecorder:
             len(result.completed_batches),
             sum(item.attention_pairs for item in prefill) if prefill else 0,
             sum(job.num_source_blocks for job in compressions) if compressions else 0,
-            plan.prefix_hit_tokens, plan.decode_max_context)
+            plan.prefix_hit_tokens, plan.decode_max_context, plan.shared_kv_tokens)
         self.totals.add_step(record)
         if self._sink is None:
             self.steps.append(record)

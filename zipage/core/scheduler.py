@@ -231,6 +231,7 @@ class Scheduler:
         plan.num_running = len(self.running)
         plan.num_waiting = len(self.waiting)
         plan.blocks_used = self.block_manager.num_used_blocks
+        plan.shared_kv_tokens = self.block_manager.extra_holders * self.block_size
         plan.slots_used = self.num_query_slots - len(self.free_slots)
         self._plan = plan
         self._step_id += 1

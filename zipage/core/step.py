@@ -129,6 +129,10 @@ class StepPlan:
     decode_max_context: int = 0
     # Prompt tokens the admissions of this step found in the prefix cache (not computed).
     prefix_hit_tokens: int = 0
+    # KV entries held by more than one holder, counted once per holder beyond the first: a
+    # shared prompt block read by several requests in one step (docs/cost_model.md, 'Decode:
+    # shared prefix entries'). Shared blocks are full, so blocks times block size.
+    shared_kv_tokens: int = 0
     # Snapshot of the scheduler right after this plan was made (for the metrics records).
     num_running: int = 0
     num_waiting: int = 0

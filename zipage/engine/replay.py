@@ -21,6 +21,7 @@ def replay_on_engine(trace: Trace, settings: ReplaySettings, device: str | None 
                      progress: bool = False, log_decisions: bool = False) -> tuple[dict, Run]:
     engine = build_engine(settings, device, cuda_graphs, prefill_graphs)
     graphs = engine.runner.graphed_steps  # now: closing a tensor-parallel engine drops its graphs
+    buckets = engine.runner.prefill_buckets
     try:
         scheduler = engine.new_scheduler()
         # A request the scheduler will reject gets no prompt (it may be 10^9 tokens long).
@@ -36,8 +37,10 @@ def replay_on_engine(trace: Trace, settings: ReplaySettings, device: str | None 
         engine.close()  # tensor parallel: the workers stop here, not at some later collection
     driver = f"engine-{engine.device.type}"
     summary = run_summary(run.summary, engine.capacity, engine.config, settings, driver)
-    # Which steps were graphed: `zipage compare` sets it beside a calibrated profile's.
+    # Which steps were graphed: `zipage compare` sets it beside a calibrated profile's; and the
+    # buckets padded steps ran at, which a profile fitted from the run prices them by.
     summary["graphs"] = graphs
+    summary["prefill_buckets"] = list(buckets)
     compressor = engine.runner.compressor
     if compressor is not None and engine.config.async_compress:
         # Where async batches started: `calibrate --from-run` reads it, and takes a run without
