@@ -31,9 +31,10 @@ class CalibratedCostModel(CostModel):
               max_context: the longest request's entries beyond the mean, max - sum / batch]
               [+ e * shared_tokens, e < 0, when points share prefix blocks: an entry read by a
               second request in the same step costs c + e, not c]
-    launch:   a decode step that launches an async compression batch lasts at least h_l (the
-              host enqueues the batch's kernels behind the forward), when the profile has
-              launch points that show it
+    launch:   a decode step that launches an async compression batch lasts max(h_l, forward +
+              x_l): the host enqueues the batch's kernels behind the forward (a floor), and the
+              batch's first kernels start beside the forward's last ones (an extra), when the
+              profile has launch points
     prefill:  s * requests + max(h, a + b * new_tokens + c * attention_pairs)   (version 3;
               before it s = h = 0; pairs: sum of T*C + T(T+1)/2)
     mixed:    s * requests + max(h_m, m + decode's b, c terms + prefill's b, c terms)
@@ -47,11 +48,11 @@ class CalibratedCostModel(CostModel):
 
     def __init__(self, decode: LinearFit, prefill: PrefillFit, mixed: MixedFit,
                  compress: LinearFit | None, contention_factor: float, header: dict[str, Any],
-                 source: str, launch_floor_s: float = 0.0) -> None:
+                 source: str, launch_floor_s: float = 0.0, launch_extra_s: float = 0.0) -> None:
         self.decode_fit, self.prefill_fit, self.mixed_fit = decode, prefill, mixed
         self.compress_fit = compress
         self.contention_factor = contention_factor
-        self.launch_floor_s = launch_floor_s
+        self.launch_floor_s, self.launch_extra_s = launch_floor_s, launch_extra_s
         self.header, self.source = header, source
         self.measured_graphs = header.get("graphs")
         self.prefill_buckets = tuple(header.get("prefill_buckets") or ())
@@ -106,16 +107,21 @@ class CalibratedCostModel(CostModel):
         if "launch" in data:
             launch_rows = read_points(source, data, "launch", ("batch", "context_tokens"),
                                       DECODE_DEFAULTS)
-            model.launch_floor_s = fit_launch_floor(
+            model.launch_floor_s, model.launch_extra_s = fit_launch(
                 [(model.forward_time_for(_decode_work(row)), row["time_s"])
                  for row in launch_rows])
         return model
 
     def step_time(self, plan) -> float:
         duration = super().step_time(plan)
-        if plan.compress_launch is not None and duration < self.launch_floor_s:
-            return self.launch_floor_s
+        if plan.compress_launch is not None:
+            return self.launch_time(duration)
         return duration
+
+    def launch_time(self, forward_s: float) -> float:
+        """A step that launches a compression batch behind a forward of `forward_s`."""
+        duration = forward_s + self.launch_extra_s
+        return duration if duration > self.launch_floor_s else self.launch_floor_s
 
     def forward_time_for(self, work: StepWork) -> float:
         batch = work.num_decode
@@ -212,18 +218,26 @@ def _decode_fit(source: str, rows: list[dict[str, Any]]) -> LinearFit:
         del extra[rejected[0]]
 
 
-def fit_launch_floor(points: list[tuple[float, float]]) -> float:
-    """The host floor h_l of a step that launches a compression batch: the value that best
-    predicts (relative error) each launching step as max(h_l, its forward's time), from
-    (forward, measured) pairs; 0 when no floor predicts them better than the forward alone.
-    Candidates are the percentiles of the measured times (a run launches thousands)."""
+def fit_launch(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """The host floor h_l and the extra x_l of a step that launches a compression batch, from
+    (forward, measured) pairs, as max(h_l, forward + x_l). x_l is the mean time the launching
+    steps took beyond their forwards (a mean, so the simulated run's time sums to the engine's:
+    most launches cost nothing extra, a few a couple of milliseconds); h_l the value that best
+    predicts them (relative error) given x_l, among the percentiles of the measured times (a
+    run launches thousands), 0 when no floor predicts them better."""
     if not points:
-        return 0.0
+        return 0.0, 0.0
     forward, measured = np.asarray(points, dtype=float).T
+    extra = max(0.0, float(np.mean(measured - forward)))
     candidates = np.concatenate(([0.0], np.percentile(measured, np.arange(101))))
-    predicted = np.maximum(forward[:, None], candidates[None, :])
+    predicted = np.maximum((forward + extra)[:, None], candidates[None, :])
     errors = ((predicted / measured[:, None] - 1.0) ** 2).sum(axis=0)
-    return float(candidates[int(np.argmin(errors))])
+    floor = float(candidates[int(np.argmin(errors))])
+    if floor > 0.0:  # the extra then counts only above the floor: refit it there
+        above = forward + extra > floor
+        if above.any():
+            extra = max(0.0, float(np.mean(measured[above] - forward[above])))
+    return floor, extra
 
 
 def _blocks_squared(row: dict) -> float:

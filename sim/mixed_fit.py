@@ -17,6 +17,11 @@ from zipage.sim.prefill_fit import PREFILL_FEATURES, PrefillFit, fit_host_or_dev
 # points fall in its regime: one point alone would set it to that point's time, noise included.
 MIXED_UNKNOWNS = 2
 MIN_REGIME_POINTS = 2
+# From this many mixed points that vary their chunk rows (a profile fitted from runs through the
+# engine loop: hundreds), the mixed step fits its own slopes, every one non-negative, instead of
+# borrowing the pure fits': a running engine's mixed steps cost what its pure prefill steps
+# (whole long prompts, or none) cannot tell.
+OWN_SLOPE_POINTS = 64
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,9 @@ def fit_mixed_points(source: str, version: int, decode: LinearFit, prefill: Pref
     extra = ("longest_decode",) if buckets and np.ptp(longest) > 0 else ()
     time = np.array([row["time_s"] for row in rows], dtype=float)
     chunks = np.array([row["requests"] for row in rows], dtype=float)
+    if version >= 3 and len(rows) >= OWN_SLOPE_POINTS and np.ptp(features[:, 2]) > 0:
+        return _own_slopes(names + extra, features, longest if extra else None, time, chunks,
+                           prefill)
     slope_part = features @ np.asarray(slopes)  # v: what the pure fits' slopes charge
     offsets = slope_part
     if prefill.per_sequence_s:
@@ -127,6 +135,24 @@ def fit_mixed_points(source: str, version: int, decode: LinearFit, prefill: Pref
     # with the host bound, which the constant was fitted without.
     mixed = replace(mixed, floor_s=decode.floor_s)
     return replace(mixed, relative_rms_error=_mixed_error(mixed, features, chunks, time, longest))
+
+
+def _own_slopes(names: tuple[str, ...], features: np.ndarray, longest: np.ndarray | None,
+                time: np.ndarray, chunks: np.ndarray, prefill: PrefillFit) -> MixedFit:
+    """s * chunks + max(h_m, m + b B + c C + t T + p A [+ l longest]), h_m and every coefficient
+    fitted (non-negative, relative error; s is the prefill's). Points that leave h_m open (fewer
+    than MIN_REGIME_POINTS host-bound) take the prefill's h, as the shared-slope fit does."""
+    columns = [np.ones(len(time)), features] + ([longest] if longest is not None else [])
+    per_sequence_s = prefill.per_sequence_s
+    fit = fit_host_or_device(time, inner=np.column_stack(columns), outer=np.empty((len(time), 0)),
+                             sizes=features[:, 2], outer_offset=per_sequence_s * chunks)
+    fitted = int((~fit.device).sum()) >= MIN_REGIME_POINTS
+    host = fit.host_s if fitted else prefill.host_s
+    mixed = MixedFit(("constant",) + names, tuple(fit.inner), 0.0, len(time),
+                     fit.host_s if fitted else float(time.min()), host_s=host,
+                     per_sequence_s=per_sequence_s, host_fitted=fitted)
+    walks = longest if longest is not None else np.zeros(len(time))
+    return replace(mixed, relative_rms_error=_mixed_error(mixed, features, chunks, time, walks))
 
 
 def _mixed_error(fit: MixedFit, features: np.ndarray, chunks: np.ndarray,

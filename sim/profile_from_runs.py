@@ -42,13 +42,14 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
+from zipage.core.step import causal_pairs
 from zipage.errors import ConfigError
 from zipage.presets import model_label
 from zipage.profile import PROFILE_VERSION
 from zipage.records import STEP_COLUMN_DEFAULTS
-from zipage.sim.analytic import DEFAULT_CONTENTION
 from zipage.sim.calibrated import CalibratedCostModel
 from zipage.sim.cost_model import StepWork
 
@@ -79,12 +80,14 @@ class AsyncBatch:
 
 
 def profile_from_runs(run_dirs: list[str | Path], *, gpu: str | None = None,
-                      stall_factor: float | None = None) -> dict:
+                      stall_factor: float | None = None, outliers: float | None = None) -> dict:
     """The profile of the runs in `run_dirs`; `gpu` labels it (default: the runs' hardware).
 
     `stall_factor`: leave out decode steps slower than this many times their run's median decode
     step (a mid-run kernel compilation, which no cost model should learn), and the compression
-    batches they launched or reported."""
+    batches they launched or reported. `outliers`: leave out the forward points (decode,
+    prefill, mixed, launch) the fitted model misses by more than this relative error, or by
+    more than OUTLIER_SPREAD times the section's median miss if that is larger (`drop_outliers`)."""
     if not run_dirs:
         raise ConfigError("--from-run: give at least one run directory (zipage replay --out)")
     if stall_factor is not None and not stall_factor > 1:
@@ -99,14 +102,21 @@ def profile_from_runs(run_dirs: list[str | Path], *, gpu: str | None = None,
         profile["note"] += f"; {stalls} decode step(s) over {stall_factor:g}x the median left out"
     if len(points["mixed"]) >= 2:  # what a fit of their constant needs; else one is assumed
         profile["mixed"] = points["mixed"]
+    if outliers is not None:
+        dropped = drop_outliers(profile, outliers)
+        if dropped:
+            profile["note"] += (f"; {dropped} step(s) the fit missed by more than "
+                                f"{outliers:.0%} left out")
     model = CalibratedCostModel.from_profile(profile)
-    # When no batch outlasted a step, the runs cannot tell its duration from its slowdown.
-    assumed = (SERIAL_CONTENTION if _launch_order(runs) == "before-forward"
-               else DEFAULT_CONTENTION[header["redundancy"]])
-    contention = _contention(model, batches, assumed)
     compress = [dict(point, time_s=time_s - model.forward_time_for(work))
                 for point, work, time_s in sync]
-    compress += [_batch_point(model, batch, contention) for batch in batches]
+    if _launch_order(runs) == "after-forward":
+        contention = SERIAL_CONTENTION
+        compress += _extra_points(model, batches)
+    else:
+        # When no batch outlasted a step, the runs cannot tell its duration from its slowdown.
+        contention = _contention(model, batches, SERIAL_CONTENTION)
+        compress += [_batch_point(model, batch, contention) for batch in batches]
     usable = [point for point in compress if point["time_s"] > 0]
     if usable:
         profile["compress"] = usable
@@ -290,6 +300,72 @@ def _collect(steps: pd.DataFrame, asynchronous: bool, behind: bool, points: dict
                 batches.append(in_flight)
             in_flight = None
     return int(steps["stalled"].sum())
+
+
+def _extra_points(model: CalibratedCostModel, batches: list[AsyncBatch]) -> list[dict]:
+    """Batches launched behind their step's forward, as the time they added to the steps they
+    overlapped (each step's time beyond its fitted forward; an idle step's whole): one point per
+    batch size, the mean over its batches. A batch mostly ends in the step after its launch, so
+    its duration and the slowdown it causes cannot be told apart, and only their product moves
+    the run; with the serial contention factor (2) the simulator adds exactly that time. The
+    mean, not each batch: one batch's extra is a difference of two step times, noise included,
+    and a relative-error fit of noisy differences near zero would follow the noise."""
+    groups: dict[int, list[tuple[int, float]]] = {}
+    for batch in batches:
+        extra = sum(duration - (model.forward_time_for(work) if work is not None else 0.0)
+                    for work, duration in batch.steps)
+        groups.setdefault(batch.blocks, []).append((batch.requests, extra))
+    points = []
+    for blocks, members in sorted(groups.items()):
+        mean = sum(extra for _, extra in members) / len(members)
+        requests = round(sum(count for count, _ in members) / len(members))
+        points.append({"requests": max(1, requests), "blocks": blocks, "time_s": mean})
+    return points
+
+
+OUTLIER_SPREAD = 5.0
+
+
+def drop_outliers(profile: dict, limit: float, rounds: int = 2) -> int:
+    """Leave out of `profile`'s forward sections the points its own fit misses by more than
+    `limit` (relative), or OUTLIER_SPREAD times the section's median miss if larger: a step
+    whose time is not its work's (a kernel compiled mid-run, a prompt chunk that samples
+    nothing and so returns before its GPU work ends, a host pause). Fitted and trimmed
+    `rounds` times; returns how many points were left out."""
+    dropped = 0
+    for _ in range(rounds):
+        model = CalibratedCostModel.from_profile(profile)
+        for section in ("decode", "prefill", "mixed", "launch"):
+            rows = profile.get(section)
+            if not rows:
+                continue
+            misses = np.array([abs(_predict(model, section, row) / row["time_s"] - 1.0)
+                               for row in rows])
+            bound = max(limit, OUTLIER_SPREAD * float(np.median(misses)))
+            kept = [row for row, miss in zip(rows, misses) if miss <= bound]
+            dropped += len(rows) - len(kept)
+            profile[section] = kept
+    return dropped
+
+
+def _predict(model: CalibratedCostModel, section: str, row: dict) -> float:
+    decodes = section != "prefill"
+    prompts = section in ("prefill", "mixed")
+    requests = row.get("requests", 1)
+    work = StepWork(
+        num_decode=row["batch"] if decodes else 0,
+        decode_context_tokens=row["context_tokens"] if decodes else 0,
+        num_prefill=requests if prompts else 0,
+        prefill_tokens=round(requests * row["new_tokens"]) if prompts else 0,
+        attention_pairs=(row.get("attention_pairs") if row.get("attention_pairs") is not None
+                         else requests * causal_pairs(row["new_tokens"],
+                                                      row.get("cached_tokens", 0)))
+        if prompts else 0,
+        decode_max_context=int(row.get("max_context") or 0) if decodes else 0,
+        shared_kv_tokens=row.get("shared_tokens", 0) if decodes else 0)
+    forward = model.forward_time_for(work)
+    # A launching step is priced at least its host floor, as the simulator prices it.
+    return model.launch_time(forward) if section == "launch" else forward
 
 
 def _overlapped_whole(batch: AsyncBatch) -> list[tuple[StepWork | None, float]]:

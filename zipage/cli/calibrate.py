@@ -35,8 +35,14 @@ def add_parser(commands) -> None:
                            help="with --from-run: leave out decode steps slower than X times "
                                 "their run's median decode step (mid-run kernel compilation) "
                                 "and the compressions they launched (default: keep every step)")
+    calibrate.add_argument("--grid", action="store_true",
+                           help="time isolated steps on a grid only, no runs through the engine "
+                                "loop and no validation (faster, and less faithful: "
+                                "docs/cost_model.md)")
+    add_loop_flags(calibrate)
     calibrate.add_argument("--repeats", type=int, default=5,
-                           help="timed repeats per point; the median is kept (default 5)")
+                           help="with --grid: timed repeats per point; the median is kept "
+                                "(default 5)")
     calibrate.add_argument("--out", required=True,
                            help="profile JSON to write (e.g. sim/profiles/qwen3-8b-h200.json)")
     calibrate.set_defaults(handler=cmd_calibrate)
@@ -60,10 +66,66 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     # The hardware table entry is only the profile's label here (None: named after the GPU);
     # the engine plans its caches from the device it runs on.
     settings = replace(settings_from_args(args), hardware=args.hardware or "a100-80gb")
-    profile = calibrate(settings, "cuda" if engine == "gpu" else "cpu", hardware=args.hardware,
-                        repeats=args.repeats, progress=progress_wanted(args),
-                        cuda_graphs=not args.no_cuda_graphs, prefill_graphs=args.prefill_graphs)
-    return save_profile(profile, args.out)
+    device = "cuda" if engine == "gpu" else "cpu"
+    if args.grid:
+        profile = calibrate(settings, device, hardware=args.hardware, repeats=args.repeats,
+                            progress=progress_wanted(args), cuda_graphs=not args.no_cuda_graphs,
+                            prefill_graphs=args.prefill_graphs)
+        return save_profile(profile, args.out)
+    from zipage.analysis.calibration import calibrate_in_loop, open_twin
+
+    twin = open_twin(settings, device, hardware=args.hardware,
+                     cuda_graphs=not args.no_cuda_graphs, prefill_graphs=args.prefill_graphs)
+    try:
+        profile = calibrate_in_loop(twin, fit_seconds=args.fit_seconds,
+                                    validation_seconds=args.validation_seconds,
+                                    seed=args.trace_seed, runs_dir=args.runs_dir,
+                                    progress=progress_wanted(args), report=_say)
+    finally:
+        twin.close()
+    status = save_profile(profile, args.out)
+    print_validation(profile["validation"])
+    return status
+
+
+def add_loop_flags(parser) -> None:
+    """How long `zipage calibrate` (and `zipage fidelity`) run their built-in traces."""
+    from zipage.calibration_traces import DEFAULT_FIT_SECONDS, DEFAULT_VALIDATION_SECONDS
+
+    parser.add_argument("--fit-seconds", type=float, default=DEFAULT_FIT_SECONDS,
+                        help="seconds of traffic the fitting traces run in all, sized to this "
+                             f"engine by a probe (default {DEFAULT_FIT_SECONDS:g})")
+    parser.add_argument("--validation-seconds", type=float, default=DEFAULT_VALIDATION_SECONDS,
+                        help="seconds of the held-out validation trace (default "
+                             f"{DEFAULT_VALIDATION_SECONDS:g})")
+    parser.add_argument("--trace-seed", type=int, default=0,
+                        help="seed of the built-in fitting and validation traces (default 0)")
+    parser.add_argument("--runs-dir", default=None, metavar="DIR",
+                        help="keep the engine's and the simulator's run directories here "
+                             "(default: a temporary directory, removed)")
+
+
+def _say(line: str) -> None:
+    print(f"calibrate: {line}", flush=True)
+
+
+def print_validation(validation: dict) -> None:
+    """The held-out trace's errors, both models side by side, and what to use."""
+    errors = validation["errors"]
+    print(f"validation on {validation['workload']} ({validation['requests']} requests, fitted "
+          "on nothing): (simulated - engine) / engine")
+    print(f"  {'metric':<10} {'profile':>9} {'analytic':>9}")
+    for metric in errors["profile"]:
+        cells = [errors[name].get(metric) for name in ("profile", "analytic")]
+        text = ["-" if value is None else f"{100 * value:.1f}%" if metric == "e2e_mape"
+                else f"{100 * value:+.1f}%" for value in cells]
+        print(f"  {metric:<10} {text[0]:>9} {text[1]:>9}")
+    for warning in validation["warnings"]:
+        print(f"warning: {warning}")
+    recommended = validation["recommended"]
+    print("recommended: " + ("this profile (--cost-model PROFILE)" if recommended == "profile"
+                             else "the analytic model (--cost-model analytic): on this trace it "
+                                  "predicted the engine better than the profile"))
 
 
 def save_profile(profile: dict, path: str) -> int:

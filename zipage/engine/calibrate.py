@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from zipage.calibration_traces import EngineSpeed
 from zipage.core.deployment import ReplaySettings
 from zipage.core.sampling import SamplingParams
 from zipage.core.sequence import Sequence
@@ -118,23 +119,26 @@ def decode_contexts(config) -> list[int]:
     return sorted({min(context, config.max_model_len - 1) for context in contexts})
 
 
-def decode_points(bench: Bench) -> list[dict]:
+def decode_points(bench: Bench, above_batch: int = 0) -> list[dict]:
+    """`above_batch`: only batches larger than this (what runs through the loop did not reach)."""
     config = bench.config
     points = []
     for context in decode_contexts(config):
         for batch in DECODE_BATCHES:
-            if batch > config.max_num_seqs or not bench.fits((batch, context + 1)):
+            if (batch <= above_batch or batch > config.max_num_seqs
+                    or not bench.fits((batch, context + 1))):
                 continue
             sequences = bench.make_requests(batch, context)
             seconds = bench.median(lambda: bench.execute(dict(kind=DECODE, decode=sequences),
                                                          sequences))
             bench.free()
             points.append({"batch": batch, "context_tokens": batch * (context + 1),
-                           "time_s": round(seconds, 9)})
+                           "max_context": context + 1, "time_s": round(seconds, 9)})
     return points
 
 
-def prefill_points(bench: Bench) -> list[dict]:
+def prefill_points(bench: Bench, above_tokens: int = 0) -> list[dict]:
+    """`above_tokens`: only steps of more new tokens than this."""
     config = bench.config
     limit = min(config.step_tokens, config.max_model_len - 1)
     new_counts = sorted({n for n in PREFILL_TOKENS + (limit // 2,) if 16 <= n <= limit})
@@ -149,7 +153,7 @@ def prefill_points(bench: Bench) -> list[dict]:
               for new in sorted({new_counts[0], new_counts[len(new_counts) // 2]})]
     points = []
     for requests, new, cached in cases:
-        if (requests * new > config.step_tokens
+        if (requests * new <= above_tokens or requests * new > config.step_tokens
                 or not bench.fits((requests, new + cached + 1))):
             continue
 
@@ -304,6 +308,39 @@ def contention_factor(bench: Bench, compress: list[dict]) -> float | None:
         ratios.append(1.0 + max(0.0, sum(steps) - len(steps) * alone) / overlap)
     bench.free()
     return round(statistics.median(ratios), 3)
+
+
+def probe_speed(bench: Bench) -> EngineSpeed:
+    """How fast this engine decodes and prefills, and what it holds: the few measurements that
+    size the calibration and checking traces in seconds (zipage/calibration_traces.py). A decode
+    step at the most requests that run at once (of a compressed request's context, or 1,024
+    entries), and a prefill of up to 2,048 tokens."""
+    config, capacity = bench.config, bench.engine.capacity
+    concurrency = min(config.max_num_seqs, capacity.num_query_slots) if config.compress \
+        else config.max_num_seqs
+    context = min(config.kv_budget if config.compress else 1024, config.max_model_len - 1)
+    batch = max(1, concurrency)
+    while batch > 1 and not bench.fits((batch, context + 1)):
+        batch //= 2
+    sequences = bench.make_requests(batch, context)
+    decode = bench.median(lambda: bench.execute(dict(kind=DECODE, decode=sequences), sequences))
+    bench.free()
+    tokens = max(16, min(2048, config.step_tokens, config.max_model_len - 1))
+
+    def prefill() -> float:
+        seq = bench.make_requests(1, 0)[0]
+        seq.block_table += [bench.blocks.allocate() for _ in range(tokens // config.block_size)]
+        seq.prompt_len = tokens
+        seconds = bench.execute(dict(kind=PREFILL, prefill=[PrefillItem(seq, 0, tokens)]), [seq])
+        bench.free()
+        return seconds
+
+    return EngineSpeed(
+        decode_step_s=decode, prefill_token_s=bench.median(prefill) / tokens,
+        concurrency=concurrency, kv_tokens=capacity.num_blocks * config.block_size,
+        max_model_len=config.max_model_len, block_size=config.block_size,
+        kv_budget=config.kv_budget if config.compress else None,
+        step_tokens=config.step_tokens)
 
 
 def hardware_name(hardware: str | None, device: torch.device) -> str:

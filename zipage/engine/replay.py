@@ -8,10 +8,11 @@ two side by side.
 
 from __future__ import annotations
 
-from zipage.core.deployment import ReplaySettings, run_summary, trace_sequences
+from zipage.core.deployment import ReplaySettings, effective_config, run_summary, trace_sequences
 from zipage.core.recorder import Run
 from zipage.core.sampling import SamplingParams
-from zipage.engine.builder import build_engine
+from zipage.core.scheduler import Scheduler
+from zipage.engine.builder import Engine, build_engine
 from zipage.engine.loop import EngineLoop
 from zipage.trace import Trace
 
@@ -20,29 +21,38 @@ def replay_on_engine(trace: Trace, settings: ReplaySettings, device: str | None 
                      cuda_graphs: bool = True, prefill_graphs: bool | None = None,
                      progress: bool = False, log_decisions: bool = False) -> tuple[dict, Run]:
     engine = build_engine(settings, device, cuda_graphs, prefill_graphs)
-    graphs = engine.runner.graphed_steps  # now: closing a tensor-parallel engine drops its graphs
-    buckets = engine.runner.prefill_buckets
     try:
-        scheduler = engine.new_scheduler()
-        # A request the scheduler will reject gets no prompt (it may be 10^9 tokens long).
-        sequences = trace_sequences(trace, engine.shape.vocab_size, need_tokens=True,
-                                    scheduler=scheduler)
-        greedy = SamplingParams(temperature=0.0, ignore_eos=True)
-        for seq in sequences:
-            seq.sampling = greedy
-        loop = EngineLoop(scheduler, engine.runner, progress=progress,
-                          log_decisions=log_decisions)
-        run = loop.run(sequences)
+        return run_on_engine(engine, trace, settings, progress=progress,
+                             log_decisions=log_decisions)
     finally:
         engine.close()  # tensor parallel: the workers stop here, not at some later collection
+
+
+def run_on_engine(engine: Engine, trace: Trace, settings: ReplaySettings, *,
+                  progress: bool = False, log_decisions: bool = False) -> tuple[dict, Run]:
+    """`trace` through an engine already built (one engine serves many runs: `zipage
+    calibrate`). `settings` may change knobs that only the scheduler reads (chunked prefill,
+    the step's token limit) from those the engine was built with; its summary records them."""
+    graphs = engine.runner.graphed_steps  # now: closing a tensor-parallel engine drops its graphs
+    buckets = engine.runner.prefill_buckets
+    config = effective_config(settings, engine.shape)
+    scheduler = Scheduler(config, engine.capacity.num_blocks, engine.capacity.num_query_slots)
+    # A request the scheduler will reject gets no prompt (it may be 10^9 tokens long).
+    sequences = trace_sequences(trace, engine.shape.vocab_size, need_tokens=True,
+                                scheduler=scheduler)
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+    for seq in sequences:
+        seq.sampling = greedy
+    loop = EngineLoop(scheduler, engine.runner, progress=progress, log_decisions=log_decisions)
+    run = loop.run(sequences)
     driver = f"engine-{engine.device.type}"
-    summary = run_summary(run.summary, engine.capacity, engine.config, settings, driver)
+    summary = run_summary(run.summary, engine.capacity, config, settings, driver)
     # Which steps were graphed: `zipage compare` sets it beside a calibrated profile's; and the
     # buckets padded steps ran at, which a profile fitted from the run prices them by.
     summary["graphs"] = graphs
     summary["prefill_buckets"] = list(buckets)
     compressor = engine.runner.compressor
-    if compressor is not None and engine.config.async_compress:
+    if compressor is not None and config.async_compress:
         # Where async batches started: `calibrate --from-run` reads it, and takes a run without
         # it for one whose batches were launched before their step's forward.
         summary["async_launch"] = "after-forward"

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# `zipage fidelity` on a GPU for one model and mode (issue #33; docs/BENCHMARKS.md, 'Twin
+# fidelity'): calibrate through the engine loop (the profile to ship), then check the twin on
+# fresh built-in traces and any production windows given with --trace. Random Qwen3 weights,
+# block 64, budget 512, the headline's memory (Qwen3-8B 6 GB of KV, Qwen3-0.6B 3 GB). One call
+# per model and mode fits the 10-minute limit on an H200:
+#
+#   . bench/env.sh && bash bench/fidelity_gpu.sh 8b zipage $OUT --trace $PWD/.gpu/azure-conv.jsonl
+#
+# Writes OUT/NAME.log, NAME-profile.json, NAME-fidelity.json and NAME-runs.tar.gz (every engine
+# run's and profile simulation's steps and requests, for bench/fidelity_attribution.py).
+set -euo pipefail
+model=${1:?model: 8b or 06}
+mode=${2:?mode: zipage or fullkv}
+out=${3:?output folder}
+shift 3
+case $model in
+    8b) flags=(--model random:qwen3-8b --kv-memory-gb 6) ;;
+    06) flags=(--model random:qwen3-0.6b --kv-memory-gb 3) ;;
+    *) echo "unknown model $model: 8b or 06" >&2; exit 2 ;;
+esac
+case $mode in
+    zipage) ;;
+    fullkv) flags+=(--no-compress) ;;
+    *) echo "unknown mode $mode: zipage or fullkv" >&2; exit 2 ;;
+esac
+name=$model-$mode
+work=/tmp/fidelity-$name
+mkdir -p "$out"
+# From /tmp: the checkout's own zipage/ (without sim/ inside) would shadow bench/env.sh's tree.
+(cd /tmp && python -m zipage.cli fidelity --gpu "${flags[@]}" --block-size 64 --budget 512 \
+    --out "$work" "$@") 2>&1 | tee "$out/$name.log" || echo "$name: zipage fidelity FAILED"
+cp "$work/profile.json" "$out/$name-profile.json" 2>/dev/null || true
+cp "$work/fidelity.json" "$out/$name-fidelity.json" 2>/dev/null || true
+tar -czf "$out/$name-runs.tar.gz" -C "$work" --exclude='*-sim-analytic' --exclude='*.log' \
+    calibration runs 2>/dev/null || true
