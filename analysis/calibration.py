@@ -46,6 +46,9 @@ from zipage.trace import Trace, save_trace
 # Decode steps slower than this many times their run's median are kernel compilations (a new
 # shape met mid-run), not a cost to learn.
 STALL_FACTOR = 10.0
+# Forward points the fit misses by more than this are not what their step computed (a prompt
+# chunk that samples nothing returns before its GPU work ends; a host pause): left out.
+OUTLIER_LIMIT = 0.5
 # The errors a validation records (the names `zipage compare` gates on, throughput as "tps").
 VALIDATED = {"makespan": "makespan", "throughput": "tps", "ttft_p50": "ttft_p50",
              "ttft_p90": "ttft_p90", "ttft_p99": "ttft_p99", "tpot_p50": "tpot_p50",
@@ -105,7 +108,8 @@ def calibrate_in_loop(twin: Twin, *, fit_seconds: float = DEFAULT_FIT_SECONDS,
         for trace, changes in fit_traces(speed, fit_seconds, seed):
             settings = replace(twin.settings, config=replace(twin.settings.config, **changes))
             runs.append(run_engine(twin, trace, settings, root / trace.name, progress, report))
-        profile = profile_from_runs(runs, gpu=twin.gpu, stall_factor=STALL_FACTOR)
+        profile = profile_from_runs(runs, gpu=twin.gpu, stall_factor=STALL_FACTOR,
+                                    outliers=OUTLIER_LIMIT)
         grid = _beyond_the_runs(twin, profile)
         profile.update(
             source="measured",
