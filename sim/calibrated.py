@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from zipage.errors import ConfigError
 from zipage.hardware import GPUSpec
-from zipage.profile import check_header, read_points, read_profile
+from zipage.profile import Validation, check_header, read_points, read_profile, read_validation
 from zipage.shape import ModelShape
 from zipage.sim.analytic import DEFAULT_CONTENTION
 from zipage.sim.cost_model import CostModel, StepWork
@@ -40,11 +40,12 @@ class CalibratedCostModel(CostModel):
 
     def __init__(self, decode: LinearFit, prefill: PrefillFit, mixed: MixedFit,
                  compress: LinearFit | None, contention_factor: float, header: dict[str, Any],
-                 source: str) -> None:
+                 source: str, validation: Validation | None = None) -> None:
         self.decode_fit, self.prefill_fit, self.mixed_fit = decode, prefill, mixed
         self.compress_fit = compress
         self.contention_factor = contention_factor
         self.header, self.source = header, source
+        self.validation = validation
         self.measured_graphs = header.get("graphs")
         self.prefill_buckets = tuple(header.get("prefill_buckets") or ())
         self._decode_a, self._decode_b, self._decode_c = decode.coefficients[:3]
@@ -58,6 +59,7 @@ class CalibratedCostModel(CostModel):
         """Fit a profile (a path or an already-parsed dict); check it matches the run if given."""
         source, data = read_profile(profile)
         header = check_header(source, data, shape, gpu, knobs)
+        validation = read_validation(source, data)
         redundancy = header.get("redundancy", "lightning")
         decode_rows = read_points(source, data, "decode", ("batch", "context_tokens"),
                                   {"max_context": None})
@@ -91,7 +93,8 @@ class CalibratedCostModel(CostModel):
                 or not contention >= 1.0:
             raise ConfigError(f"{source}: contention_factor: got {contention!r}, "
                               "expected a number >= 1")
-        return cls(decode, prefill, mixed, compress, float(contention), header, source)
+        return cls(decode, prefill, mixed, compress, float(contention), header, source,
+                   validation)
 
     def forward_time_for(self, work: StepWork) -> float:
         batch = work.num_decode

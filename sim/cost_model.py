@@ -21,6 +21,7 @@ from zipage.core.step import causal_pairs
 
 if TYPE_CHECKING:
     from zipage.core.step import CompressionBatch, CompressionJob, StepPlan
+    from zipage.profile import Validation
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
 ANALYTIC = "analytic"
@@ -78,6 +79,9 @@ class CostModel(ABC):
     # Which engine steps replayed CUDA graphs when the costs were measured ({"decode": bool,
     # "prefill": bool}), where a profile says so; None for the analytic model.
     measured_graphs: dict[str, bool] | None = None
+    # How far to trust what the model predicts: a profile's record of its errors on a held-out
+    # workload (zipage/profile.py). None for the analytic model and an unvalidated profile.
+    validation: Validation | None = None
 
     def step_time(self, plan: StepPlan) -> float:
         """A step of any kind: its sync compressions run first, then one forward over its decode
