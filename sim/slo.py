@@ -50,14 +50,19 @@ class Verdict:
     verdict: str
 
     def describe(self) -> str:
-        """'TTFT p99 1.86 s > 1 s' (missed; no band: as before bands existed), 'TTFT p99 1.05 s
-        within the ±11.0 % band of 1 s' (uncertain)."""
+        """'TTFT p99 1.86 s > 1 s' (missed, no band: as before bands existed), 'TTFT p99 1.86 s
+        > 1 s beyond its ±11.0 % band', 'TTFT p99 1.05 s within the ±11.0 % band of 1 s'
+        (uncertain)."""
         figure = f"{self.name} {self.predicted:.3g} {self.unit}"
         if self.verdict == UNCERTAIN:
             return f"{figure} within the {format_band(self.band)} band of {self.target:g} {self.unit}"
         relation = "<=" if self.verdict == MEETS else ">"
         text = f"{figure} {relation} {self.target:g} {self.unit}"
-        return text + (f" beyond its {format_band(self.band)} band" if self.band else "")
+        if not self.band:
+            return text
+        if self.verdict == MEETS:
+            return f"{text} even off by its {format_band(self.band)} band"
+        return f"{text} beyond its {format_band(self.band)} band"
 
 
 @dataclass(frozen=True)

@@ -199,7 +199,10 @@ def _trust_lines(result: PlanResult, spec: PlanSpec) -> list[str]:
     if result.validation is None:
         return ["  " + no_band_line(spec.base.cost_model)]
     lines = validated_lines(result.validation)
-    if spec.slo.active:
+    if spec.objective == MAX_RATE:
+        lines.append("max req/s: the highest rate whose figures meet the SLOs even off by their "
+                     "band (docs/planning.md)")
+    elif spec.slo.active:
         lines.append("SLO verdicts: uncertain where the target lies within the figure's band "
                      "(docs/planning.md)")
     return ["  " + line for line in lines]
