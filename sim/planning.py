@@ -8,10 +8,10 @@ by `evaluate_point`, a pure function of the trace and the point that runs the si
 arrival rates as Vidur-Search does; a point the config, the memory planner or the scheduler
 refuses is kept as infeasible with the `ZipageError` message as its reason. Each SLO verdict is
 meets, misses or uncertain (sim/slo.py): uncertain where the target lies within the validated
-error band of the profile that priced the point. Because points are
-pure, the executor (serial, a local process pool, Ray tasks) cannot change a result, and finished
-points are cached under a stable hash of the trace's content, the point and the simulator's
-source, so an interrupted search resumes and a rerun costs nothing. `run_plan` ranks the rows and
+error band of the profile that priced the point. Because points are pure, the executor (serial,
+a local process pool, Ray tasks) cannot change a result, and finished points are cached under a
+stable hash of the trace's content, the point and the simulator's source, so an interrupted
+search resumes and a rerun costs nothing. `run_plan` ranks the rows and
 marks, per GPU, the Pareto front of the objective against the budget, which stands in for
 accuracy (the paper's trade-off).
 """
