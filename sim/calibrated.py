@@ -15,7 +15,7 @@ import numpy as np
 
 from zipage.errors import ConfigError
 from zipage.hardware import GPUSpec
-from zipage.profile import check_header, read_points, read_profile
+from zipage.profile import Validation, check_header, read_points, read_profile, read_validation
 from zipage.shape import ModelShape
 from zipage.sim.analytic import DEFAULT_CONTENTION
 from zipage.sim.cost_model import CostModel, StepWork
@@ -48,12 +48,14 @@ class CalibratedCostModel(CostModel):
 
     def __init__(self, decode: LinearFit, prefill: PrefillFit, mixed: MixedFit,
                  compress: LinearFit | None, contention_factor: float, header: dict[str, Any],
-                 source: str, launch_floor_s: float = 0.0, launch_extra_s: float = 0.0) -> None:
+                 source: str, validation: Validation | None = None,
+                 launch_floor_s: float = 0.0, launch_extra_s: float = 0.0) -> None:
         self.decode_fit, self.prefill_fit, self.mixed_fit = decode, prefill, mixed
         self.compress_fit = compress
         self.contention_factor = contention_factor
         self.launch_floor_s, self.launch_extra_s = launch_floor_s, launch_extra_s
         self.header, self.source = header, source
+        self.validation = validation
         self.measured_graphs = header.get("graphs")
         self.prefill_buckets = tuple(header.get("prefill_buckets") or ())
         self._decode_a, self._decode_b, self._decode_c = decode.coefficients[:3]
@@ -70,6 +72,7 @@ class CalibratedCostModel(CostModel):
         """Fit a profile (a path or an already-parsed dict); check it matches the run if given."""
         source, data = read_profile(profile)
         header = check_header(source, data, shape, gpu, knobs)
+        validation = read_validation(source, data)
         redundancy = header.get("redundancy", "lightning")
         decode_rows = read_points(source, data, "decode", ("batch", "context_tokens"),
                                   DECODE_DEFAULTS)
@@ -103,7 +106,8 @@ class CalibratedCostModel(CostModel):
                 or not contention >= 1.0:
             raise ConfigError(f"{source}: contention_factor: got {contention!r}, "
                               "expected a number >= 1")
-        model = cls(decode, prefill, mixed, compress, float(contention), header, source)
+        model = cls(decode, prefill, mixed, compress, float(contention), header, source,
+                    validation)
         if "launch" in data:
             launch_rows = read_points(source, data, "launch", ("batch", "context_tokens"),
                                       DECODE_DEFAULTS)

@@ -21,6 +21,7 @@ from zipage.core.step import causal_pairs
 
 if TYPE_CHECKING:
     from zipage.core.step import CompressionBatch, CompressionJob, StepPlan
+    from zipage.profile import Validation
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
 ANALYTIC = "analytic"
@@ -83,6 +84,9 @@ class CostModel(ABC):
     measured_graphs: dict[str, bool] | None = None
     # The token buckets the measured engine padded prefill and mixed steps to (none: unpadded).
     prefill_buckets: tuple[int, ...] = ()
+    # How far to trust what the model predicts: a profile's record of its errors on a held-out
+    # workload (zipage/profile.py). None for the analytic model and an unvalidated profile.
+    validation: Validation | None = None
 
     def step_time(self, plan: StepPlan) -> float:
         """A step of any kind: its sync compressions run first, then one forward over its decode

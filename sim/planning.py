@@ -6,10 +6,12 @@ highest arrival rate that still meets the latency SLOs. Each grid point (`PlanPo
 by `evaluate_point`, a pure function of the trace and the point that runs the simulator
 (`zipage.sim.cluster.simulate_cluster`) once or, for the max-rate objective, bisects over Poisson
 arrival rates as Vidur-Search does; a point the config, the memory planner or the scheduler
-refuses is kept as infeasible with the `ZipageError` message as its reason. Because points are
-pure, the executor (serial, a local process pool, Ray tasks) cannot change a result, and finished
-points are cached under a stable hash of the trace's content, the point and the simulator's
-source, so an interrupted search resumes and a rerun costs nothing. `run_plan` ranks the rows and
+refuses is kept as infeasible with the `ZipageError` message as its reason. Each SLO verdict is
+meets, misses or uncertain (sim/slo.py): uncertain where the target lies within the validated
+error band of the profile that priced the point. Because points are pure, the executor (serial,
+a local process pool, Ray tasks) cannot change a result, and finished points are cached under a
+stable hash of the trace's content, the point and the simulator's source, so an interrupted
+search resumes and a rerun costs nothing. `run_plan` ranks the rows and
 marks, per GPU, the Pareto front of the objective against the budget, which stands in for
 accuracy (the paper's trade-off).
 """
@@ -31,6 +33,8 @@ import xxhash
 
 from zipage.core.deployment import ReplaySettings
 from zipage.errors import ConfigError, ZipageError
+from zipage.profile import VALIDATION_METRICS
+from zipage.sim.slo import MISSES, SLO, UNCERTAIN
 from zipage.trace import ARRIVAL_PATTERNS, Trace, scale_arrivals, stamp_arrivals
 
 TPS = "tps"
@@ -45,9 +49,12 @@ RAY = "ray"
 EXECUTORS = (SERIAL, LOCAL, RAY)
 
 OK = "ok"
+# Meets the SLOs as predicted, but some target lies within the cost model's validated error band
+# of the prediction (sim/slo.py): the engine may miss it.
+SLO_UNCERTAIN = "slo-uncertain"
 SLO_MISSED = "slo-missed"
 INFEASIBLE = "infeasible"
-STATUS_ORDER = {OK: 0, SLO_MISSED: 1, INFEASIBLE: 2}
+STATUS_ORDER = {OK: 0, SLO_UNCERTAIN: 1, SLO_MISSED: 2, INFEASIBLE: 3}
 
 CACHE_SUBDIR = Path(".zipage-cache") / "plan"
 
@@ -58,39 +65,18 @@ METRIC_KEYS = (
     "mean_ttft_s", "mean_tpot_ms", "peak_running", "mean_running", "preemptions",
     "compressions", "mean_kept_budget", "n_max", "max_concurrency", "num_blocks",
 )
+# A row's figures with a validated metric: the summary key -> the validation metric.
+BANDED = {key: metric for metric, key in VALIDATION_METRICS.items() if key is not None}
 RESULT_COLUMNS = [
     "rank", "status", "reason", "hardware", "budget", "budget_policy", "block_size", "hybrid",
     "replicas",
     "routing", "kv_memory_gb", "gpu_memory_utilization", "rate_qps", "speedup", "objective",
     "objective_value", "pareto", "tps", "tps_per_dollar", "max_rate_qps", "gpus",
     "price_per_hour_usd", *[key for key in METRIC_KEYS if key != "tps"], "simulations", "key",
+    # How far to trust the row (empty: the cost model has no validated band): the held-out
+    # workload the profile was validated on, each SLO's verdict, and each figure's band.
+    "validated_on", "slo_verdicts", *[f"{key}_band" for key in METRIC_KEYS if key in BANDED],
 ]
-
-
-@dataclass(frozen=True)
-class SLO:
-    """Latency targets; None means no target. TTFT in seconds, TPOT in milliseconds."""
-
-    ttft_p90_s: float | None = None
-    tpot_p99_ms: float | None = None
-    ttft_p99_s: float | None = None
-
-    @property
-    def active(self) -> bool:
-        return any(value is not None for value in self.targets())
-
-    def targets(self) -> tuple[float | None, ...]:
-        return (self.ttft_p90_s, self.tpot_p99_ms, self.ttft_p99_s)
-
-    def violations(self, metrics: dict) -> list[str]:
-        found = []
-        if self.ttft_p90_s is not None and metrics["ttft_p90_s"] > self.ttft_p90_s:
-            found.append(f"TTFT p90 {metrics['ttft_p90_s']:.3g} s > {self.ttft_p90_s:g} s")
-        if self.ttft_p99_s is not None and metrics["ttft_p99_s"] > self.ttft_p99_s:
-            found.append(f"TTFT p99 {metrics['ttft_p99_s']:.3g} s > {self.ttft_p99_s:g} s")
-        if self.tpot_p99_ms is not None and metrics["tpot_p99_ms"] > self.tpot_p99_ms:
-            found.append(f"TPOT p99 {metrics['tpot_p99_ms']:.3g} ms > {self.tpot_p99_ms:g} ms")
-        return found
 
 
 @dataclass(frozen=True)
@@ -279,6 +265,9 @@ class PlanResult:
     evaluated: int  # points simulated in this run
     cached: int  # points read from the cache
     wall_s: float
+    # The validation record (`Validation.summary()`) of the profile that priced the feasible
+    # points (one --cost-model prices them all); None: no point was priced by a validated one.
+    validation: dict | None = None
 
     @property
     def pareto(self) -> list[dict]:
@@ -308,6 +297,8 @@ def _simulate(trace: Trace, point: PlanPoint) -> dict:
 
     summary = simulate_cluster(trace, point.settings(), point.replicas, point.routing)
     outcome = {key: summary[key] for key in METRIC_KEYS}
+    # The cost model's validated errors, where the point was priced with a validated profile.
+    outcome["validation"] = summary["validation"]
     if summary["failed"]:
         # A deployment that cannot serve some requests of the workload at all does not fit it.
         outcome.update(feasible=False, reason=(
@@ -316,6 +307,13 @@ def _simulate(trace: Trace, point: PlanPoint) -> dict:
     else:
         outcome.update(feasible=True, reason=None)
     return outcome
+
+
+def bands_of(outcome: dict) -> dict[str, float | None] | None:
+    """The validated bands of the cost model an outcome was simulated with, by validation
+    metric (None: it has none)."""
+    validation = outcome.get("validation")
+    return None if validation is None else validation["bands"]
 
 
 def _arrivals(trace: Trace, point: PlanPoint, rate_qps: float | None) -> Trace:
@@ -338,7 +336,9 @@ def _search_max_rate(trace: Trace, task: PointTask) -> dict:
     offline = _simulate(Trace(trace.name, [dataclasses.replace(request, arrival_s=0.0)
                                            for request in trace.requests]), point)
     simulations = 1
-    if not offline["feasible"] or not slo.violations(offline):
+    # With a validated profile, "meets" is sure to within the band (sim/slo.py): the rate found
+    # is the highest whose predicted latencies meet the SLOs even if they are off by the band.
+    if not offline["feasible"] or slo.meets(offline, bands_of(offline)):
         return {**offline, "max_rate_qps": math.inf if offline["feasible"] else None,
                 "rate_qps": None, "simulations": simulations}
     outcomes: dict[float, dict] = {}
@@ -347,7 +347,7 @@ def _search_max_rate(trace: Trace, task: PointTask) -> dict:
         nonlocal simulations
         simulations += 1
         outcomes[rate] = _simulate(_arrivals(trace, point, rate), point)
-        return outcomes[rate]["feasible"] and not slo.violations(outcomes[rate])
+        return outcomes[rate]["feasible"] and slo.meets(outcomes[rate], bands_of(outcomes[rate]))
 
     rate = search.start_qps or offline["completed"] / offline["makespan_s"]
     lowest = rate / 1024
@@ -423,8 +423,11 @@ def run_plan(trace: Trace, spec: PlanSpec, *, executor: str = LOCAL, workers: in
         bar.close()
     rows = [_row(point, outcomes[index], keys[index], spec)
             for index, point in enumerate(points)]
+    validation = next((outcome["validation"] for outcome in outcomes.values()
+                       if outcome["feasible"] and outcome.get("validation")), None)
     return PlanResult(rank_rows(rows, spec.objective), evaluated=len(missing),
-                      cached=len(tasks) - len(missing), wall_s=time.perf_counter() - started)
+                      cached=len(tasks) - len(missing), wall_s=time.perf_counter() - started,
+                      validation=validation)
 
 
 Callback = Callable[[int, dict], None]
@@ -500,13 +503,23 @@ def _row(point: PlanPoint, outcome: dict, key: str, spec: PlanSpec) -> dict:
         return row
     # Throughput per dollar: tokens per second for each dollar per hour the GPUs cost.
     row["tps_per_dollar"] = row["tps"] / row["price_per_hour_usd"]
-    violations = spec.slo.violations(outcome)
+    bands = bands_of(outcome)
+    if bands is not None:
+        row["validated_on"] = outcome["validation"]["workload"]
+        row.update({f"{key}_band": bands[metric] for key, metric in BANDED.items()})
+    verdicts = spec.slo.verdicts(outcome, bands)
+    if verdicts:
+        row["slo_verdicts"] = "; ".join(f"{item.name}: {item.verdict}" for item in verdicts)
+    missed = [item.describe() for item in verdicts if item.verdict == MISSES]
+    uncertain = [item.describe() for item in verdicts if item.verdict == UNCERTAIN]
     if spec.objective == MAX_RATE and row["max_rate_qps"] == 0.0:
         row.update(status=SLO_MISSED, reason=(f"SLOs missed at every rate down to "
                                               f"{row['rate_qps']:.3g} req/s: "
-                                              + "; ".join(violations)))
-    elif violations:
-        row.update(status=SLO_MISSED, reason="; ".join(violations))
+                                              + "; ".join(missed + uncertain)))
+    elif missed:
+        row.update(status=SLO_MISSED, reason="; ".join(missed))
+    elif uncertain:
+        row.update(status=SLO_UNCERTAIN, reason="; ".join(uncertain))
     else:
         row.update(status=OK)
     row["objective_value"] = row[OBJECTIVE_COLUMN[spec.objective]]
@@ -514,8 +527,9 @@ def _row(point: PlanPoint, outcome: dict, key: str, spec: PlanSpec) -> dict:
 
 
 def rank_rows(rows: list[dict], objective: str) -> list[dict]:
-    """Points meeting the SLOs first, then those missing them, then infeasible ones; within each
-    group the objective, highest first; ties keep the grid order. Marks the Pareto front."""
+    """Points meeting the SLOs first, then those whose verdict is uncertain (within the cost
+    model's validated band), then those missing them, then infeasible ones; within each group
+    the objective, highest first; ties keep the grid order. Marks the Pareto front."""
     ranked = sorted(rows, key=lambda row: (
         STATUS_ORDER[row["status"]],
         -(row["objective_value"] if row["objective_value"] is not None else 0.0)))
@@ -527,9 +541,10 @@ def rank_rows(rows: list[dict], objective: str) -> list[dict]:
 
 
 def pareto_front(rows: Iterable[dict]) -> list[dict]:
-    """Per GPU, the points meeting the SLOs that no other point of that GPU beats on both the
-    budget (higher: more accurate) and the objective (higher: better); among points equal on
-    both, only the best ranked. `rows` must be in rank order."""
+    """Per GPU, the points meeting the SLOs (surely: an uncertain verdict is not on the front)
+    that no other point of that GPU beats on both the budget (higher: more accurate) and the
+    objective (higher: better); among points equal on both, only the best ranked. `rows` must
+    be in rank order."""
     front: list[dict] = []
     candidates = [row for row in rows if row["status"] == OK]
     for row in candidates:

@@ -304,23 +304,21 @@ def _collect(steps: pd.DataFrame, asynchronous: bool, behind: bool, points: dict
 
 def _extra_points(model: CalibratedCostModel, batches: list[AsyncBatch]) -> list[dict]:
     """Batches launched behind their step's forward, as the time they added to the steps they
-    overlapped (each step's time beyond its fitted forward; an idle step's whole): one point per
-    batch size, the mean over its batches. A batch mostly ends in the step after its launch, so
-    its duration and the slowdown it causes cannot be told apart, and only their product moves
-    the run; with the serial contention factor (2) the simulator adds exactly that time. The
-    mean, not each batch: one batch's extra is a difference of two step times, noise included,
-    and a relative-error fit of noisy differences near zero would follow the noise."""
-    groups: dict[int, list[tuple[int, float]]] = {}
-    for batch in batches:
-        extra = sum(duration - (model.forward_time_for(work) if work is not None else 0.0)
-                    for work, duration in batch.steps)
-        groups.setdefault(batch.blocks, []).append((batch.requests, extra))
-    points = []
-    for blocks, members in sorted(groups.items()):
-        mean = sum(extra for _, extra in members) / len(members)
-        requests = round(sum(count for count, _ in members) / len(members))
-        points.append({"requests": max(1, requests), "blocks": blocks, "time_s": mean})
-    return points
+    overlapped (each step's time beyond its fitted forward; an idle step's whole): a point per
+    batch, at the mean over the batches of its size. A batch mostly ends in the step after its
+    launch, so its duration and the slowdown it causes cannot be told apart, and only their
+    product moves the run; with the serial contention factor (2) the simulator adds exactly
+    that time. The mean of its size, not its own: one batch's extra is a difference of two step
+    times, noise included, and a relative-error fit of noisy differences near zero would follow
+    the noise."""
+    extras = [sum(duration - (model.forward_time_for(work) if work is not None else 0.0)
+                  for work, duration in batch.steps) for batch in batches]
+    groups: dict[int, list[float]] = {}
+    for batch, extra in zip(batches, extras):
+        groups.setdefault(batch.blocks, []).append(extra)
+    means = {blocks: sum(values) / len(values) for blocks, values in groups.items()}
+    return [{"requests": batch.requests, "blocks": batch.blocks, "time_s": means[batch.blocks]}
+            for batch in batches]
 
 
 OUTLIER_SPREAD = 5.0

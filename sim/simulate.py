@@ -45,10 +45,14 @@ class SimulatedDeployment:
 
     def summary(self, metrics: dict, settings: ReplaySettings) -> dict:
         """The run summary of a simulation of this deployment; a profile that says which engine
-        steps it timed graphed passes that on (`zipage compare` sets it beside the engine's)."""
+        steps it timed graphed passes that on (`zipage compare` sets it beside the engine's), and
+        a validated one its errors on the held-out workload (`validation`: how far to trust the
+        figures; None for the analytic model and an unvalidated profile)."""
         summary = run_summary(metrics, self.capacity, self.config, settings, "simulator")
         summary["graphs"] = self.cost_model.measured_graphs  # None: the analytic model's
         summary["prefill_buckets"] = list(self.cost_model.prefill_buckets)
+        validation = self.cost_model.validation
+        summary["validation"] = None if validation is None else validation.summary()
         return summary
 
 

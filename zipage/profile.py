@@ -4,9 +4,10 @@ Its one owner: `zipage calibrate --gpu` (zipage/engine/calibrate.py) and `--from
 (sim/profile_from_runs.py) write profiles in this format, the simulator's calibrated model
 (sim/calibrated.py) reads them through it. A profile is a JSON object (optionally gzipped): a
 header naming the setup it was measured on (model, GPU, dtype, the knobs that change a step's
-cost, tensor parallelism) and lists of measured points per section. Every field is described in
-docs/cost_model.md. Reading refuses, with one `ConfigError` naming the field, a malformed
-profile and a profile measured for another setup than the run's.
+cost, tensor parallelism) and lists of measured points per section, and optionally the record of
+its validation on a held-out workload (`Validation`: how far to trust what it predicts). Every
+field is described in docs/cost_model.md. Reading refuses, with one `ConfigError` naming the
+field, a malformed profile and a profile measured for another setup than the run's.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,9 @@ from zipage.shape import ModelShape
 PROFILE_VERSION = 3
 READABLE_PROFILE_VERSIONS = (1, 2, 3)
 PROFILE_SECTIONS = ("decode", "prefill", "mixed", "compress", "launch")
+# The optional record of the profile's check on a held-out workload: not part of the header (it
+# says nothing about the setup measured) and not a section of points. Older readers ignore it.
+VALIDATION = "validation"
 # What a cost model is built for: the knobs that change a step's duration (declared with
 # `cost=True` on ZipageConfig), the element size, the sharding and the contention factor. A
 # profile's header records the knobs it was measured with.
@@ -74,7 +79,7 @@ def check_header(source: str, data: dict, shape: ModelShape | None, gpu: GPUSpec
             raise ConfigError(f"{source}: {name}: expected a string naming the "
                               f"{'model preset' if name == 'model' else 'GPU'} it was measured on")
     header = {key: value for key, value in data.items()
-              if key not in PROFILE_SECTIONS}
+              if key not in PROFILE_SECTIONS and key != VALIDATION}
     if header.get("redundancy", "lightning") not in REDUNDANCY_MODES:
         raise ConfigError(f"{source}: redundancy: got {header['redundancy']!r}, expected one of "
                           f"{', '.join(REDUNDANCY_MODES)}")
@@ -167,6 +172,137 @@ def read_points(source: str, data: dict, section: str, required: tuple[str, ...]
     return points
 
 
+# The validation record's metrics, each the error of one figure of a simulated run's summary (the
+# key it names) against the engine's, on the held-out workload: signed, (simulated - engine) /
+# engine. e2e_mape is the mean absolute percentage error of the requests' end-to-end latencies,
+# request by request (a fraction >= 0, no summary key). Any may be null: undefined there.
+VALIDATION_METRICS = {
+    "makespan": "makespan_s", "throughput": "tps",
+    "ttft_p50": "ttft_p50_s", "ttft_p90": "ttft_p90_s", "ttft_p99": "ttft_p99_s",
+    "tpot_p50": "tpot_p50_ms", "tpot_p90": "tpot_p90_ms", "tpot_p99": "tpot_p99_ms",
+    "e2e_mape": None,
+}
+# The models a validation compares with the engine: the profile itself and the analytic model.
+PROFILE_MODEL, ANALYTIC_MODEL = "profile", "analytic"
+VALIDATED_MODELS = (PROFILE_MODEL, ANALYTIC_MODEL)
+
+
+@dataclass(frozen=True)
+class Validation:
+    """A profile's record of its check on a held-out workload (`zipage calibrate` runs one the
+    fit never saw through the engine and simulates it with each model): the errors per model
+    and metric, the model it recommends and its warnings."""
+
+    workload: str  # the held-out workload's name
+    requests: int  # its request count
+    # errors[model][metric]: the signed error (e2e_mape: >= 0), None where undefined; "profile"
+    # always present, "analytic" where the validation simulated it too.
+    errors: dict[str, dict[str, float | None]]
+    recommended: str = PROFILE_MODEL  # "profile" or "analytic"
+    warnings: tuple[str, ...] = field(default=())
+
+    def error(self, metric: str, model: str = PROFILE_MODEL) -> float | None:
+        """The signed error of `model` on `metric` (None: undefined, or `model` not validated)."""
+        return self.errors.get(model, {}).get(metric)
+
+    def band(self, metric: str) -> float | None:
+        """How far a figure the profile predicts may be off, as a fraction: the size of its
+        error on `metric` in validation (None: no validated error for it)."""
+        error = self.error(metric)
+        return None if error is None else abs(error)
+
+    def bands(self) -> dict[str, float | None]:
+        return {metric: self.band(metric) for metric in VALIDATION_METRICS}
+
+    def record(self) -> dict[str, Any]:
+        """The `validation` field of a profile, as `write_profile` writes it."""
+        return {"workload": self.workload, "requests": self.requests,
+                "errors": {model: {metric: errors.get(metric) for metric in VALIDATION_METRICS}
+                           for model, errors in self.errors.items()},
+                "recommended": self.recommended, "warnings": list(self.warnings)}
+
+    def summary(self) -> dict[str, Any]:
+        """What a simulated run's summary says about its figures' trust: the workload, the
+        recommended model, the warnings, the profile's signed errors and its bands."""
+        return {"workload": self.workload, "requests": self.requests,
+                "recommended": self.recommended, "warnings": list(self.warnings),
+                "errors": {metric: self.error(metric) for metric in VALIDATION_METRICS},
+                "bands": self.bands()}
+
+
+def read_validation(source: str, data: dict) -> Validation | None:
+    """The profile's `validation` record, checked (None: it has none). Unknown keys are ignored,
+    so a newer calibrate's additions do not break this reader; a known field of the wrong type
+    is refused with a `ConfigError` naming it."""
+    record = data.get(VALIDATION)
+    if record is None:
+        return None
+    where = f"{source}: {VALIDATION}"
+    fix = "re-run `zipage calibrate --gpu` to write it, or delete the field"
+    if not isinstance(record, dict):
+        raise ConfigError(f"{where}: expected an object, got {_json_type(record)}; {fix}")
+    workload = record.get("workload")
+    if not isinstance(workload, str) or not workload:
+        raise ConfigError(f"{where}.workload: expected the held-out workload's name, got "
+                          f"{_json_text(workload)}; {fix}")
+    requests = record.get("requests")
+    if isinstance(requests, bool) or not isinstance(requests, int) or requests < 1:
+        raise ConfigError(f"{where}.requests: expected the workload's request count (an "
+                          f"integer >= 1), got {_json_text(requests)}; {fix}")
+    errors = record.get("errors")
+    if not isinstance(errors, dict):
+        raise ConfigError(f"{where}.errors: expected an object of errors per model, got "
+                          f"{_json_type(errors)}; {fix}")
+    if PROFILE_MODEL not in errors:
+        raise ConfigError(f"{where}.errors.profile: missing (the profile's own errors); {fix}")
+    checked = {}
+    for model in VALIDATED_MODELS:
+        if model not in errors:
+            continue
+        if not isinstance(errors[model], dict):
+            raise ConfigError(f"{where}.errors.{model}: expected an object of errors per metric, "
+                              f"got {_json_type(errors[model])}; {fix}")
+        checked[model] = {metric: _error(f"{where}.errors.{model}.{metric}",
+                                         errors[model].get(metric), metric, fix)
+                          for metric in VALIDATION_METRICS}
+    recommended = record.get("recommended")
+    if recommended not in VALIDATED_MODELS:
+        raise ConfigError(f"{where}.recommended: expected \"profile\" or \"analytic\", got "
+                          f"{_json_text(recommended)}; {fix}")
+    if recommended == ANALYTIC_MODEL and ANALYTIC_MODEL not in checked:
+        raise ConfigError(f"{where}.recommended: \"analytic\", but errors.analytic is missing: "
+                          f"the model recommended must have been validated; {fix}")
+    warnings = record.get("warnings")
+    warnings = [] if warnings is None else warnings
+    if not isinstance(warnings, list) or not all(isinstance(line, str) for line in warnings):
+        raise ConfigError(f"{where}.warnings: expected a list of strings, got {_json_text(warnings)}; {fix}")
+    return Validation(workload, requests, checked, recommended, tuple(warnings))
+
+
+def _error(where: str, value: Any, metric: str, fix: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{where}: expected a number or null, got {_json_text(value)}; {fix}")
+    if VALIDATION_METRICS[metric] is None and value < 0:
+        raise ConfigError(f"{where}: expected a mean absolute error (a fraction >= 0), got "
+                          f"{_json_text(value)}; {fix}")
+    return float(value)
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
+             type(None): "null"}
+    return names.get(type(value), _json_text(value))
+
+
+def _json_text(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 def profile_text(profile: dict) -> str:
     """The profile as JSON with one measured point per line, so that its diffs stay readable."""
     lines = []
@@ -182,7 +318,11 @@ def profile_text(profile: dict) -> str:
 def write_profile(profile: dict, path: str | Path) -> Path:
     """Write `profile` to `path` (its folder made if missing), gzipped where the name ends in
     .gz as `read_profile` reads it; no timestamp in the gzip header, so a profile gives the same
-    bytes whenever it is written."""
+    bytes whenever it is written. Its `validation` may be a `Validation` or the record as a dict;
+    either is checked first, so a malformed one is refused before anything is written."""
+    if isinstance(profile.get(VALIDATION), Validation):
+        profile = {**profile, VALIDATION: profile[VALIDATION].record()}
+    read_validation(f"profile {path}", profile)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     text = profile_text(profile)

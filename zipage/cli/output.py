@@ -54,13 +54,24 @@ def describe_run(summary: dict) -> str:
 
 def print_summary(summary: dict, title: str | None = None) -> None:
     """The summary's rows under `title` (default: `describe_run`, which needs the run's
-    settings; a served run has none)."""
+    settings; a served run has none). A simulated run says how far to trust its figures: the
+    validated band beside each one a validated profile priced, else one line that it has none
+    (zipage/cli/bands.py)."""
+    from zipage.cli.bands import band_note, summary_rows, validation_lines
+
     print(title or describe_run(summary))
-    width = max(len(label) for label, _, _ in SUMMARY_ROWS)
-    for label, key, pattern in SUMMARY_ROWS:
-        value = summary.get(key)
-        text = "-" if value is None else pattern.format(value)
-        print(f"  {label:<{width}}  {text}")
+    rows = summary_rows(SUMMARY_ROWS, summary)
+    width = max(len(label) for label, _, _ in rows)
+    validation = summary.get("validation")
+    texts = ["-" if summary.get(key) is None else pattern.format(summary[key])
+             for _, key, pattern in rows]
+    notes = [band_note(validation, key) if validation else None for _, key, _ in rows]
+    # The notes start in one column, after the widest figure that has one.
+    figures = max((len(text) for text, note in zip(texts, notes) if note), default=0)
+    for (label, _, _), text, note in zip(rows, texts, notes):
+        print(f"  {label:<{width}}  " + (f"{text:<{figures}}  {note}" if note else text))
+    for line in validation_lines(summary):
+        print(line)
 
 
 def progress_wanted(args: argparse.Namespace) -> bool:

@@ -1,5 +1,7 @@
 """`zipage plan`'s output: the ranked table, the fewest replicas meeting the SLOs, the Pareto
-front, and the files --out writes (results.csv, results.parquet, pareto.png)."""
+front, and the files --out writes (results.csv, results.parquet, pareto.png). Where a validated
+profile priced the points, each figure's column names its error band and a verdict within the
+band is uncertain (sim/slo.py); otherwise one line says the figures have no band."""
 
 from __future__ import annotations
 
@@ -8,7 +10,19 @@ import itertools
 import math
 from pathlib import Path
 
-from zipage.sim.planning import MAX_RATE, OK, RESULT_COLUMNS, SLO, TPS, TPS_PER_DOLLAR, PlanResult, PlanSpec
+from zipage.cli.bands import no_band_line, validated_lines
+from zipage.sim.planning import (
+    MAX_RATE,
+    OK,
+    RESULT_COLUMNS,
+    SLO,
+    SLO_UNCERTAIN,
+    TPS,
+    TPS_PER_DOLLAR,
+    PlanResult,
+    PlanSpec,
+)
+from zipage.sim.slo import format_band
 
 OBJECTIVE_LABELS = {TPS: "throughput (tok/s)", TPS_PER_DOLLAR: "tok/s per $/h",
                     MAX_RATE: "max rate meeting the SLOs (req/s)"}
@@ -19,7 +33,7 @@ def format_report(result: PlanResult, spec: PlanSpec, top: int = 20) -> str:
     full_kv = not spec.base.config.compress
     ranked = [row for row in rows if row["status"] != "infeasible"]
     infeasible = [row for row in rows if row["status"] == "infeasible"]
-    columns = _table_columns(spec)
+    columns = _table_columns(spec, ranked)
     lines = [f"ranked by {OBJECTIVE_LABELS[spec.objective]}"
              + (f", SLOs: {_describe_slo(spec.slo)}" if spec.slo.active else "")
              + (f" (top {top} of {len(ranked)})" if len(ranked) > top else "")]
@@ -27,7 +41,10 @@ def format_report(result: PlanResult, spec: PlanSpec, top: int = 20) -> str:
                           [[cell(row) for _, cell in columns] for row in ranked[:top]])
     missed = [row for row in ranked[:top] if row["status"] != OK]
     for row in missed:
-        lines.append(f"  #{row['rank']} misses the SLOs: {row['reason']}")
+        verb = "may miss" if row["status"] == SLO_UNCERTAIN else "misses"
+        lines.append(f"  #{row['rank']} {verb} the SLOs: {row['reason']}")
+    if ranked:
+        lines += _trust_lines(result, spec)
     lines.append("")
     lines.append(f"infeasible points: {len(infeasible)}")
     for row in infeasible:
@@ -38,12 +55,16 @@ def format_report(result: PlanResult, spec: PlanSpec, top: int = 20) -> str:
                  "trade against accuracy):" if full_kv else
                  f"Pareto front, {OBJECTIVE_LABELS[spec.objective]} vs KV budget "
                  f"(higher budget = more accurate), per GPU:")
+    uncertain = sum(row["status"] == SLO_UNCERTAIN for row in ranked)
     if not front:
-        lines.append("  (empty: no point meets the SLOs)" if spec.slo.active else
-                     "  (empty: no feasible point)")
+        lines.append(f"  (empty: no point surely meets the SLOs; {uncertain} uncertain)"
+                     if uncertain else "  (empty: no point meets the SLOs)" if spec.slo.active
+                     else "  (empty: no feasible point)")
+    objective_key = None if spec.objective == MAX_RATE else "tps"  # per dollar: tps's band
     pareto_columns = [("gpu", lambda row: row["hardware"]),
                       ("budget", lambda row: _budget(row, full_kv)),
-                      (_objective_header(spec), lambda row: _number(row["objective_value"])),
+                      (_banded(_objective_header(spec), ranked, objective_key),
+                       lambda row: _number(row["objective_value"])),
                       ("rank", lambda row: row["rank"]),
                       ("deployment", lambda row: _describe_deployment(row, full_kv))]
     lines += format_table([header for header, _ in pareto_columns],
@@ -56,7 +77,8 @@ def format_report(result: PlanResult, spec: PlanSpec, top: int = 20) -> str:
 
 def format_fewest_replicas(rows: list[dict], spec: PlanSpec) -> list[str]:
     """Per GPU and load, the fewest replicas of any point that meets the SLOs (the best of those
-    by the objective): how many GPUs this traffic needs."""
+    by the objective): how many GPUs this traffic needs. Smaller counts whose verdict is
+    uncertain (within the validated band) are named beside it: they may do."""
     if spec.speedups != [None]:
         load = ("speedup", "speedup", spec.speedups, lambda value: f"{value:g}x")
     elif spec.rates != [None]:
@@ -64,24 +86,45 @@ def format_fewest_replicas(rows: list[dict], spec: PlanSpec) -> list[str]:
     else:
         load = None
     best: dict[tuple, dict] = {}
+    uncertain: dict[tuple, dict[int, dict]] = {}
     for row in rows:  # ranked: the first of a replica count is the best by the objective
         group = (row["hardware"], *((row[load[1]],) if load else ()))
         if row["status"] == OK and (group not in best or row["replicas"] < best[group]["replicas"]):
             best[group] = row
+        elif row["status"] == SLO_UNCERTAIN:
+            uncertain.setdefault(group, {}).setdefault(row["replicas"], row)
     full_kv = not spec.base.config.compress
     table = []
     for group in itertools.product(spec.hardware, *((load[2],) if load else ())):
         row = best.get(group)
         cells = [group[0], *((load[3](group[1]),) if load else ())]
+        maybe = _uncertain_counts(uncertain.get(group, {}), row)
         if row is None:
             table.append([*cells, f"> {max(spec.replicas)}", "-",
-                          "no replica count searched meets them"])
+                          ("no replica count searched surely meets them " + maybe) if maybe
+                          else "no replica count searched meets them"])
         else:
             table.append([*cells, row["replicas"], _budget(row, full_kv),
-                          _describe_deployment(row, full_kv)])
+                          _describe_deployment(row, full_kv) + (f" {maybe}" if maybe else "")])
     headers = ["gpu", *((load[0],) if load else ()), "replicas", "budget", "deployment"]
     return [f"fewest replicas meeting the SLOs ({_describe_slo(spec.slo)}), per GPU"
             + (" and load" if load else "") + ":", *format_table(headers, table)]
+
+
+def _uncertain_counts(by_count: dict[int, dict], answer: dict | None) -> str:
+    """'(2 is uncertain: TTFT p99 0.98 s within the ±11.0 % band of 1 s)': the replica counts
+    below the answer (any, when there is none) whose verdict is uncertain, with the reason of
+    the largest, the nearest to the answer; '' when there are none."""
+    counts = sorted(count for count in by_count
+                    if answer is None or count < answer["replicas"])
+    if not counts:
+        return ""
+    named = (str(counts[0]) if len(counts) == 1
+             else ", ".join(map(str, counts[:-1])) + f" and {counts[-1]}")
+    reason = by_count[counts[-1]]["reason"]
+    if len(counts) == 1:
+        return f"({named} is uncertain: {reason})"
+    return f"({named} are uncertain; {counts[-1]}: {reason})"
 
 
 def format_table(headers: list[str], rows: list[list]) -> list[str]:
@@ -100,7 +143,9 @@ def format_table(headers: list[str], rows: list[list]) -> list[str]:
     return [line(headers), *(line(row) for row in cells)]
 
 
-def _table_columns(spec: PlanSpec) -> list[tuple[str, object]]:
+def _table_columns(spec: PlanSpec, ranked: list[dict]) -> list[tuple[str, object]]:
+    """The ranked table's columns; a figure's header names its validated band where every row
+    shares one (`ranked`: the rows shown)."""
     full_kv = not spec.base.config.compress
     columns = [("#", lambda row: row["rank"]), ("gpu", lambda row: row["hardware"]),
                ("budget", lambda row: _budget(row, full_kv))]
@@ -120,12 +165,16 @@ def _table_columns(spec: PlanSpec) -> list[tuple[str, object]]:
         columns.append(("rate req/s", lambda row: _rate(row["rate_qps"])))
     if spec.speedups != [None]:
         columns.append(("speedup", lambda row: f"{row['speedup']:g}x"))
-    columns += [("tok/s", lambda row: _number(row["tps"])),
-                ("tok/s per $/h", lambda row: _number(row["tps_per_dollar"])),
-                ("TTFT p90 s", lambda row: f"{row['ttft_p90_s']:.2f}"),
-                *([("TTFT p99 s", lambda row: f"{row['ttft_p99_s']:.2f}")]
+    columns += [(_banded("tok/s", ranked, "tps"), lambda row: _number(row["tps"])),
+                (_banded("tok/s per $/h", ranked, "tps"),
+                 lambda row: _number(row["tps_per_dollar"])),
+                (_banded("TTFT p90 s", ranked, "ttft_p90_s"),
+                 lambda row: f"{row['ttft_p90_s']:.2f}"),
+                *([(_banded("TTFT p99 s", ranked, "ttft_p99_s"),
+                    lambda row: f"{row['ttft_p99_s']:.2f}")]
                   if spec.slo.ttft_p99_s is not None else []),
-                ("TPOT p99 ms", lambda row: f"{row['tpot_p99_ms']:.1f}")]
+                (_banded("TPOT p99 ms", ranked, "tpot_p99_ms"),
+                 lambda row: f"{row['tpot_p99_ms']:.1f}")]
     if len(spec.budget_policies) > 1:
         # What the requests kept on average: the budget under "fixed", more under "elastic".
         columns.append(("kept", lambda row: _number(row["mean_kept_budget"])))
@@ -134,6 +183,29 @@ def _table_columns(spec: PlanSpec) -> list[tuple[str, object]]:
                  else "-"),
                 ("status", lambda row: row["status"] + (" *" if row["pareto"] else ""))]
     return columns
+
+
+def _banded(header: str, rows: list[dict], key: str | None) -> str:
+    """`header` with the validated band of the figure `key` ("tok/s ±2.2 %") when the rows
+    share one; the bare header when they have none (or, which one --cost-model rules out,
+    differ: results.csv has each row's)."""
+    bands = {row.get(f"{key}_band") for row in rows} if key is not None else {None}
+    return header if len(bands) != 1 or None in bands else f"{header} {format_band(bands.pop())}"
+
+
+def _trust_lines(result: PlanResult, spec: PlanSpec) -> list[str]:
+    """Where the bands in the headers come from and what they do to the verdicts, or one line
+    that there are none."""
+    if result.validation is None:
+        return ["  " + no_band_line(spec.base.cost_model)]
+    lines = validated_lines(result.validation)
+    if spec.objective == MAX_RATE:
+        lines.append("max req/s: the highest rate whose figures meet the SLOs even off by their "
+                     "band (docs/planning.md)")
+    elif spec.slo.active:
+        lines.append("SLO verdicts: uncertain where the target lies within the figure's band "
+                     "(docs/planning.md)")
+    return ["  " + line for line in lines]
 
 
 def _objective_header(spec: PlanSpec) -> str:

@@ -51,6 +51,7 @@ def run_on_engine(engine: Engine, trace: Trace, settings: ReplaySettings, *,
     # buckets padded steps ran at, which a profile fitted from the run prices them by.
     summary["graphs"] = graphs
     summary["prefill_buckets"] = list(buckets)
+    summary["validation"] = None  # measured, not predicted: no error band (a simulation's is)
     compressor = engine.runner.compressor
     if compressor is not None and config.async_compress:
         # Where async batches started: `calibrate --from-run` reads it, and takes a run without
