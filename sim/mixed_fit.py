@@ -10,7 +10,14 @@ from typing import Any
 import numpy as np
 
 from zipage.sim.linear_fit import LinearFit, fit_linear
-from zipage.sim.prefill_fit import PREFILL_FEATURES, PrefillFit, fit_host_or_device, padded_tokens, prefill_pairs
+from zipage.sim.prefill_fit import (
+    MIN_PROMPT_COUNTS,
+    PREFILL_FEATURES,
+    PrefillFit,
+    fit_host_or_device,
+    padded_tokens,
+    prefill_pairs,
+)
 
 # The mixed fit's own coefficients (version 3): its host bound h_m and its constant m. Like every
 # section it needs a point more than those; and each is taken as determined only when that many
@@ -140,12 +147,16 @@ def fit_mixed_points(source: str, version: int, decode: LinearFit, prefill: Pref
 def _own_slopes(names: tuple[str, ...], features: np.ndarray, longest: np.ndarray | None,
                 time: np.ndarray, chunks: np.ndarray, prefill: PrefillFit) -> MixedFit:
     """s * chunks + max(h_m, m + b B + c C + t T + p A [+ l longest]), h_m and every coefficient
-    fitted (non-negative, relative error; s is the prefill's). Points that leave h_m open (fewer
-    than MIN_REGIME_POINTS host-bound) take the prefill's h, as the shared-slope fit does."""
+    fitted (non-negative, relative error; s too where the points hold MIN_PROMPT_COUNTS
+    different chunk counts, else the prefill's). Points that leave h_m open (fewer than
+    MIN_REGIME_POINTS host-bound) take the prefill's h, as the shared-slope fit does."""
     columns = [np.ones(len(time)), features] + ([longest] if longest is not None else [])
-    per_sequence_s = prefill.per_sequence_s
-    fit = fit_host_or_device(time, inner=np.column_stack(columns), outer=np.empty((len(time), 0)),
-                             sizes=features[:, 2], outer_offset=per_sequence_s * chunks)
+    own = len(np.unique(chunks)) >= MIN_PROMPT_COUNTS
+    fit = fit_host_or_device(time, inner=np.column_stack(columns),
+                             outer=chunks[:, None] if own else np.empty((len(time), 0)),
+                             sizes=features[:, 2],
+                             outer_offset=None if own else prefill.per_sequence_s * chunks)
+    per_sequence_s = fit.outer[0] if own else prefill.per_sequence_s
     fitted = int((~fit.device).sum()) >= MIN_REGIME_POINTS
     host = fit.host_s if fitted else prefill.host_s
     mixed = MixedFit(("constant",) + names, tuple(fit.inner), 0.0, len(time),

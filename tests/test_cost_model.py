@@ -856,3 +856,19 @@ def test_a_step_that_launches_a_compression_lasts_at_least_the_fitted_host_floor
             for point in launch]
     assert CalibratedCostModel.from_profile({**profile, "launch": same}).launch_floor_s == 0.0
     assert model.launch_floor_s == 0.0  # no launch section
+
+
+def test_a_launching_step_costs_its_mean_extra_over_the_forward():
+    # Most launches cost nothing beyond their forward, a few a couple of milliseconds (the
+    # batch's first kernels beside the forward's last): the simulator adds their mean.
+    model = CalibratedCostModel.from_profile(synthetic_profile(noise=0.0))
+    launch = []
+    for index, (batch, context) in enumerate((b, c) for b in (1, 4, 16, 64, 128, 256)
+                                             for c in (300, 3000)):
+        forward = model.decode_time_for(batch, batch * context)
+        launch.append({"batch": batch, "context_tokens": batch * context,
+                       "time_s": forward + (0.003 if index >= 9 else 0.0)})  # large steps
+    fitted = CalibratedCostModel.from_profile({**synthetic_profile(noise=0.0), "launch": launch})
+    assert fitted.launch_extra_s == pytest.approx(0.003 / 4)
+    assert fitted.launch_floor_s == 0.0
+    assert fitted.launch_time(0.010) == pytest.approx(0.010 + 0.003 / 4)

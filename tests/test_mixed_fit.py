@@ -294,3 +294,30 @@ def test_the_shipped_profiles_measured_padded_steps_and_fit_them():
         assert model.mixed_fit.feature_names[-1] == "longest_decode", stem
         assert model.mixed_fit.relative_rms_error < 0.06, stem
         assert model.prefill_fit.relative_rms_error < 0.06, stem
+
+
+def test_many_varied_mixed_points_fit_their_own_slopes():
+    # A profile fitted from runs through the engine loop holds hundreds of mixed steps; their
+    # slopes are their own, not the pure fits' (a running engine's mixed steps cost what its
+    # whole-prompt prefill steps cannot tell). Here every slope differs from the pure fits'.
+    own = (4e-3, 9e-6, 5e-8, 3e-5, 3e-9)  # constant, per request, context, token, pair
+    chunk_cost = 6e-4
+    rng = np.random.default_rng(0)
+    points = []
+    for _ in range(120):
+        batch, per_request = int(rng.integers(1, 64)), int(rng.integers(100, 4000))
+        chunks = int(rng.integers(1, 4))
+        new, cached = int(rng.integers(16, 600)), int(rng.integers(0, 2000))
+        pairs = chunks * causal_pairs(new, cached)
+        device = own[0] + own[1] * batch + own[2] * batch * per_request + own[3] * chunks * new \
+            + own[4] * pairs
+        points.append({"batch": batch, "context_tokens": batch * per_request, "new_tokens": new,
+                       "cached_tokens": cached, "requests": chunks,
+                       "time_s": chunk_cost * chunks + max(MIXED_HOST, device)})
+    fit = CalibratedCostModel.from_profile(profile(points)).mixed_fit
+    assert fit.coefficients == pytest.approx(own, rel=1e-6)
+    assert fit.per_sequence_s == pytest.approx(chunk_cost, rel=1e-6)
+    assert fit.host_fitted and fit.host_s == pytest.approx(MIXED_HOST, rel=1e-6)
+    # Fewer points keep the shared-slope fit (the shipped grid profiles' 18-36).
+    few = CalibratedCostModel.from_profile(profile(points[:40])).mixed_fit
+    assert few.coefficients[1:] == pytest.approx(DECODE[1:] + DEVICE[1:], rel=1e-9)

@@ -145,9 +145,10 @@ def fit_traces(speed: EngineSpeed, seconds: float, seed: int = 0) -> list[tuple[
     makes (one prefills whole prompts, whatever the deployment does): online arrivals of short
     requests; long prompts (unchunked: the prefill points of whole long prompts); a burst beyond
     the KV pool (preemption and recompute; compression batches); documents shared by many
-    questions (decode steps that read shared prefix blocks). `seconds` is the whole fitting
+    questions (decode steps that read shared prefix blocks); documents read in with short
+    answers (prefill-heavy: prompt chunks beside few decodes). `seconds` is the whole fitting
     time, shared among them."""
-    each = seconds / 4
+    each = seconds / 5
     budget_out = 4 * (speed.kv_budget or 512)
     online = _lengths(speed, lognormal(400, 700), lognormal(180, 300), output_cap=budget_out)
     long_cap = min(speed.prompt_cap, 16_384)
@@ -157,12 +158,14 @@ def fit_traces(speed: EngineSpeed, seconds: float, seed: int = 0) -> list[tuple[
     long = _lengths(speed, lambda rng: math.exp(rng.uniform(math.log(shortest), math.log(long_cap))),
                     _long_outputs(speed, 1.0, 3.0), prompt_cap=long_cap)
     pressure = _lengths(speed, lognormal(1200, 1600), _long_outputs(speed, 1.0, 4.0))
+    ingest = _lengths(speed, lambda rng: rng.uniform(512, 6144), lambda rng: rng.uniform(1, 64))
     return [
         (sized_trace("fit-online", speed, each, 0.7, online, seed), {}),
         (sized_trace("fit-long", speed, each, 0.8, long, seed), {"chunked_prefill": False}),
         (sized_trace("fit-pressure", speed, each, 2.5, pressure, seed, arrivals="bursts",
                      burst=32), {}),
         (sized_trace("fit-shared", speed, each, 0.8, _documents(speed), seed), {}),
+        (sized_trace("fit-ingest", speed, each, 0.9, ingest, seed), {}),
     ]
 
 

@@ -100,6 +100,8 @@ def add_loop_flags(parser) -> None:
                              f"{DEFAULT_VALIDATION_SECONDS:g})")
     parser.add_argument("--trace-seed", type=int, default=0,
                         help="seed of the built-in fitting and validation traces (default 0)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars for the engine runs")
     parser.add_argument("--runs-dir", default=None, metavar="DIR",
                         help="keep the engine's and the simulator's run directories here "
                              "(default: a temporary directory, removed)")
