@@ -374,6 +374,65 @@ class VariantResult:
         return positions[None, :] >= starts[:, None]
 
 
+@dataclass
+class Forced:
+    """What `force_reference` measured: per group of requests, prompt and output position."""
+
+    agreement: torch.Tensor  # bool [groups, prompts, max_tokens]: argmax equals the reference's argmax
+    kl: torch.Tensor  # float64 [groups, prompts, max_tokens]: KL(reference || engine), in nats
+    first_compression: list[list[int | None]]  # [groups][prompts]: output index of the first compression
+    run: object  # the engine's Run (its summary and records)
+
+
+def force_reference(engine: Engine, reference: Reference, groups: int,
+                    budget: Callable[[int, int], int | None] = lambda group, prompt: None,
+                    dispatcher: VariantDispatcher | None = None) -> Forced:
+    """Feed the reference tokens to `engine`, every prompt once per group, all side by side, and
+    compare each output position's distribution with the reference's (the one teacher-forcing
+    scorer of this module and bench/fp8_quality.py). Request `"g/p"` is group g's copy of prompt
+    p, with KV budget `budget(g, p)` (None: the engine's); a `dispatcher` that knows those ids
+    picks each request's compression."""
+    max_tokens = len(reference.outputs[0])
+    num_prompts = len(reference.prompts)
+    agreement = torch.zeros(groups, num_prompts, max_tokens, dtype=torch.bool)
+    kl = torch.zeros(groups, num_prompts, max_tokens, dtype=torch.float64)
+    requests, owner = {}, {}
+    for group in range(groups):
+        for prompt_index, prompt in enumerate(reference.prompts):
+            requests[f"{group}/{prompt_index}"] = prompt
+            owner[f"{group}/{prompt_index}"] = (group, prompt_index)
+    reference_argmax = [log_probs.argmax(dim=-1) for log_probs in reference.log_probs]
+
+    def record(request_ids: list[str], positions: list[int], logits: torch.Tensor) -> None:
+        rows = torch.log_softmax(logits.float(), dim=-1)
+        full = torch.stack([reference.log_probs[owner[request_id][1]][position]
+                            for request_id, position in zip(request_ids, positions)])
+        divergence = (full.exp() * (full - rows)).sum(dim=-1)
+        predicted = rows.argmax(dim=-1)
+        for row, (request_id, position) in enumerate(zip(request_ids, positions)):
+            group, prompt_index = owner[request_id]
+            agreement[group, prompt_index, position] = bool(
+                predicted[row] == reference_argmax[prompt_index][position])
+            kl[group, prompt_index, position] = float(divergence[row])
+
+    forced_counts = dict.fromkeys(requests, 0)
+
+    def forced(request_id: str, sampled: int) -> int:
+        """The reference token in place of the sampled one."""
+        token = reference.outputs[owner[request_id][1]][forced_counts[request_id]]
+        forced_counts[request_id] += 1
+        return token
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    sampling = {request_id: dataclasses.replace(greedy, kv_budget=budget(*owner[request_id]))
+                for request_id in requests}
+    recorder = run_requests(engine, requests, max_tokens, sampling, record, next_token=forced,
+                            dispatcher=dispatcher)
+    first = [[recorder.first_compression.get(f"{group}/{prompt_index}")
+              for prompt_index in range(num_prompts)] for group in range(groups)]
+    return Forced(agreement, kl, first, recorder.run)
+
+
 def teacher_force(engine: Engine, reference: Reference, variants: SequenceOf[Variant],
                   seed: int = 0, budgets: SequenceOf[SequenceOf[int | None]] | None = None,
                   runs: list | None = None) -> list[VariantResult]:
@@ -385,54 +444,17 @@ def teacher_force(engine: Engine, reference: Reference, variants: SequenceOf[Var
     assert config.compress and config.global_score and not config.async_compress
     dispatcher = VariantDispatcher(variants, seed)
     engine.runner.compressor.compress_fn = dispatcher
-    max_tokens = len(reference.outputs[0])
-    num_prompts = len(reference.prompts)
-    agreement = torch.zeros(len(variants), num_prompts, max_tokens, dtype=torch.bool)
-    kl = torch.zeros(len(variants), num_prompts, max_tokens, dtype=torch.float64)
-    requests, owner = {}, {}
     for variant_index, variant in enumerate(variants):
-        for prompt_index, prompt in enumerate(reference.prompts):
-            request_id = f"{variant_index}/{prompt_index}"
-            requests[request_id] = prompt
-            owner[request_id] = (variant_index, prompt_index)
-            dispatcher.variant_of[request_id] = variant.name
-    reference_argmax = [log_probs.argmax(dim=-1) for log_probs in reference.log_probs]
-
-    def record(request_ids: list[str], positions: list[int], logits: torch.Tensor) -> None:
-        rows = torch.log_softmax(logits.float(), dim=-1)
-        full = torch.stack([reference.log_probs[owner[request_id][1]][position]
-                            for request_id, position in zip(request_ids, positions)])
-        divergence = (full.exp() * (full - rows)).sum(dim=-1)
-        predicted = rows.argmax(dim=-1)
-        for row, (request_id, position) in enumerate(zip(request_ids, positions)):
-            variant_index, prompt_index = owner[request_id]
-            agreement[variant_index, prompt_index, position] = bool(
-                predicted[row] == reference_argmax[prompt_index][position])
-            kl[variant_index, prompt_index, position] = float(divergence[row])
-
-    forced_counts = dict.fromkeys(requests, 0)
-
-    def forced(request_id: str, sampled: int) -> int:
-        """The reference token in place of the sampled one."""
-        token = reference.outputs[owner[request_id][1]][forced_counts[request_id]]
-        forced_counts[request_id] += 1
-        return token
-
-    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    sampling = {request_id: dataclasses.replace(greedy, kv_budget=None if budgets is None else
-                                                budgets[owner[request_id][0]][owner[request_id][1]])
-                for request_id in requests}
-    recorder = run_requests(engine, requests, max_tokens, sampling, record, next_token=forced,
-                            dispatcher=dispatcher)
+        for prompt_index in range(len(reference.prompts)):
+            dispatcher.variant_of[f"{variant_index}/{prompt_index}"] = variant.name
+    forced = force_reference(engine, reference, len(variants),
+                             lambda variant, prompt: None if budgets is None else budgets[variant][prompt],
+                             dispatcher)
     if runs is not None:
-        runs.append(recorder.run)
-    results = []
-    for variant_index, variant in enumerate(variants):
-        first = [recorder.first_compression.get(f"{variant_index}/{prompt_index}")
-                 for prompt_index in range(num_prompts)]
-        results.append(VariantResult(variant.name, agreement[variant_index], kl[variant_index],
-                                     first))
-    return results
+        runs.append(forced.run)
+    return [VariantResult(variant.name, forced.agreement[index], forced.kl[index],
+                          forced.first_compression[index])
+            for index, variant in enumerate(variants)]
 
 
 def repeated_positions(prompt: list[int], output: list[int],

@@ -34,11 +34,10 @@ from zipage.analysis.fidelity import (
     build_cpu_engine,
     bundled_gguf,
     chat_prompts,
+    force_reference,
     generate_reference,
-    run_requests,
 )
 from zipage.config import ZipageConfig
-from zipage.core.sampling import SamplingParams
 from zipage.engine.loader import load_model
 from zipage.kernels.kv_quant_ref import FP8_DTYPE, FP8_MAX, quantize_kv
 
@@ -101,46 +100,13 @@ def force(engine, reference: Reference, budgets: list[int | None]) -> dict:
     """Feed the reference tokens to `engine` once per (budget, prompt); per budget the agreement and
     KL at every output position and which positions come at or after the request's first compression
     ({budget: (agreement [P, T] bool, kl [P, T] float64, compressed [P, T] bool)})."""
-    prompts, outputs = reference.prompts, reference.outputs
-    max_tokens = len(outputs[0])
-    requests, owner = {}, {}
-    for budget_index, budget in enumerate(budgets):
-        for prompt_index, prompt in enumerate(prompts):
-            request_id = f"{budget_index}/{prompt_index}"
-            requests[request_id] = prompt
-            owner[request_id] = (budget_index, prompt_index)
-    agreement = torch.zeros(len(budgets), len(prompts), max_tokens, dtype=torch.bool)
-    kl = torch.zeros(len(budgets), len(prompts), max_tokens, dtype=torch.float64)
-    reference_argmax = [log_probs.argmax(dim=-1) for log_probs in reference.log_probs]
-
-    def record(request_ids, positions, logits):
-        rows = torch.log_softmax(logits.float(), dim=-1)
-        full = torch.stack([reference.log_probs[owner[request_id][1]][position]
-                            for request_id, position in zip(request_ids, positions)])
-        divergence = (full.exp() * (full - rows)).sum(dim=-1)
-        predicted = rows.argmax(dim=-1)
-        for row, (request_id, position) in enumerate(zip(request_ids, positions)):
-            budget_index, prompt_index = owner[request_id]
-            agreement[budget_index, prompt_index, position] = bool(
-                predicted[row] == reference_argmax[prompt_index][position])
-            kl[budget_index, prompt_index, position] = float(divergence[row])
-
-    forced_counts = dict.fromkeys(requests, 0)
-
-    def forced(request_id: str, sampled: int) -> int:
-        token = outputs[owner[request_id][1]][forced_counts[request_id]]
-        forced_counts[request_id] += 1
-        return token
-
-    sampling = {request_id: SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                           kv_budget=budgets[owner[request_id][0]])
-                for request_id in requests}
-    recorder = run_requests(engine, requests, max_tokens, sampling, record, next_token=forced)
-    compressed = torch.zeros(len(budgets), len(prompts), max_tokens, dtype=torch.bool)
-    for request_id, start in recorder.first_compression.items():
-        budget_index, prompt_index = owner[request_id]
-        compressed[budget_index, prompt_index, start:] = True
-    return {budget: (agreement[index], kl[index], compressed[index]) for index, budget in enumerate(budgets)}
+    forced = force_reference(engine, reference, len(budgets), lambda group, prompt: budgets[group])
+    positions = torch.arange(forced.agreement.shape[2])
+    results = {}
+    for index, budget in enumerate(budgets):
+        starts = torch.tensor([len(positions) if start is None else start for start in forced.first_compression[index]])
+        results[budget] = (forced.agreement[index], forced.kl[index], positions[None, :] >= starts[:, None])
+    return results
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -62,6 +62,24 @@ _MIN_DOT_DIM = 16
 _DECODE_KV_TILE = 64
 _DECODE_NUM_WARPS = 4
 _DECODE_NUM_STAGES = 3
+# Launch-time variants of decode (issue #34; bench/fp8_decode_gpu.py checks and times them on a GPU):
+#   _DECODE_KV_LOAD      "gather": a block-table entry per token (any block size); "block": a tile lies inside
+#                        one cache block (BLOCK_SIZE % tile == 0, else "gather"): one block id per tile and
+#                        contiguous offsets;
+#   _DECODE_FP8_KV_TILE  tokens per tile with an FP8 cache: 128 moves the bytes per iteration that 64 moves in
+#                        bfloat16 (a partition is cut into whole tiles; a fixed partition_size that is not a
+#                        multiple of it falls back to _DECODE_KV_TILE);
+#   _DECODE_FP8_VALUES   how FP8 values reach the weights @ values product: "weights" (widened to the queries'
+#                        dtype where the compiler puts it, after shared memory, where Hopper reads the byte
+#                        operand one byte at a time; the value scales on the weights), "f16-asm" (widened to
+#                        float16 in registers by inline assembly before shared memory: a 16-bit transposing
+#                        ldmatrix), "f16" (the same math, the widening placed by the compiler: what the
+#                        interpreter runs for "f16-asm").
+_DECODE_KV_LOAD = "gather"
+_DECODE_FP8_KV_TILE = 64
+_DECODE_FP8_VALUES = "weights"
+_DECODE_KV_LOADS = ("gather", "block")
+_DECODE_FP8_VALUE_MODES = ("weights", "f16", "f16-asm")
 # A decode partition is never shorter than this many tiles: below it the partial write and the merge cost more
 # than the parallelism gained.
 _MIN_TILES_PER_PARTITION = 2
@@ -286,6 +304,7 @@ def _attend_kv_tile(
     scale_block_stride,
     scale_slot_stride,
     FP8: tl.constexpr,
+    FP8_VALUES: tl.constexpr,
 ):
     """One online-softmax step: fold the KV entries ``tile_start .. tile_start + KV_TILE - 1`` (those below
     ``kv_end``) into the running state of every query row; row ``r`` sees entries ``<= visible_until[r]``.
@@ -374,14 +393,54 @@ def _attend_kv_tile(
             values = tl.load(v_cache_ptr + kv_offsets)
         else:
             values = tl.load(v_cache_ptr + kv_offsets, mask=(dims < HEAD_DIM)[None, :], other=0.0)
-    if FP8:
-        values = values.to(queries.dtype)
-        # The running sum above took the plain weights; the value scales only weigh the values.
-        weights = weights * value_scales[None, :]
-    accumulator = accumulator * rescale[:, None] + tl.dot(
-        weights.to(values.dtype), values, input_precision=DOT_PRECISION
-    )
+    if FP8 and FP8_VALUES != "weights":
+        # Widened to float16 in registers, before the tile reaches shared memory, so that the product reads a
+        # 16-bit operand (a transposing ldmatrix); left to the compiler, the widening moves after the shared
+        # memory load, where an 8-bit operand that is not contiguous along the product's K axis (the tokens)
+        # is read one byte at a time. float16 holds every e4m3 value exactly (bfloat16 would cost a widening
+        # through float32 per element); the weights, scaled by the value scales over the tile's largest one,
+        # lie in [0, 1], where float16 is three bits finer than bfloat16.
+        if FP8_VALUES == "f16-asm":
+            values = _e4m3_to_f16(values)
+        else:
+            values = values.to(tl.float16)
+        if queries.dtype == tl.float32:
+            values = values.to(tl.float32)  # float32 compute keeps float32 weights
+        value_scale_max = tl.max(value_scales, axis=0)
+        value_scale_max = tl.where(value_scale_max > 0, value_scale_max, 1.0)
+        weights = weights * (value_scales / value_scale_max)[None, :]
+        accumulator = accumulator * rescale[:, None] + value_scale_max * tl.dot(
+            weights.to(values.dtype), values, input_precision=DOT_PRECISION)
+    else:
+        if FP8:
+            values = values.to(queries.dtype)
+            # The running sum above took the plain weights; the value scales only weigh the values.
+            weights = weights * value_scales[None, :]
+        accumulator = accumulator * rescale[:, None] + tl.dot(
+            weights.to(values.dtype), values, input_precision=DOT_PRECISION
+        )
     return new_max, running_sum, accumulator
+
+
+@triton.jit
+def _e4m3_to_f16(x):
+    """float16 of ``x`` (float8 e4m3fn, exact) by the hardware's conversion (sm_89+), in inline assembly the
+    compiler treats as having effects, so that it stays where it is written, before the shared memory store
+    (the same conversion spelled ``x.to(tl.float16)`` is moved after it). The interpreter cannot run inline
+    assembly: under it the launch asks for "f16" instead (``_decode_fp8_values``)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 lo, hi;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
+        }""",
+        constraints="=r,=r,r",
+        args=[x.to(tl.uint8, bitcast=True)],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
 
 
 # Integer arguments that change from step to step. Triton specialises an integer argument on
@@ -472,14 +531,14 @@ def _prefill_tile(
                 kv_head, tile_start, kv_end, visible_until, qk_scale, cache_block_stride, cache_slot_stride,
                 cache_head_stride, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, KV_TILE, DOT_PRECISION, KV_LOAD,
                 False, FOLD_SCALE, k_desc, v_desc, k_scale_ptr, v_scale_ptr, scale_block_stride,
-                scale_slot_stride, FP8)
+                scale_slot_stride, FP8, "weights")
     for tile_start in range(masked_start, kv_end, KV_TILE):
         running_max, running_sum, accumulator = _attend_kv_tile(
             queries, running_max, running_sum, accumulator, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
             kv_head, tile_start, kv_end, visible_until, qk_scale, cache_block_stride, cache_slot_stride,
             cache_head_stride, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, KV_TILE, DOT_PRECISION, KV_LOAD,
             True, FOLD_SCALE, k_desc, v_desc, k_scale_ptr, v_scale_ptr, scale_block_stride, scale_slot_stride,
-            FP8)
+            FP8, "weights")
 
     out = accumulator / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
     out_offsets = (q_start + row_tokens).to(tl.int64)[:, None] * out_token_stride
@@ -747,6 +806,8 @@ def _decode_partition_kernel(
     scale_block_stride,
     scale_slot_stride,
     FP8: tl.constexpr,
+    KV_LOAD: tl.constexpr,
+    FP8_VALUES: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -793,7 +854,7 @@ def _decode_partition_kernel(
             KV_TILE,
             DOT_PRECISION,
             # Triton 3.6 cannot pass a helper's constexpr defaults: every argument is spelled out.
-            "gather",
+            KV_LOAD,
             True,
             False,
             None,
@@ -803,6 +864,7 @@ def _decode_partition_kernel(
             scale_block_stride,
             scale_slot_stride,
             FP8,
+            FP8_VALUES,
         )
 
     # An empty sequence (a padding slot of a captured batch) has a zero sum and gets a zero output.
@@ -880,6 +942,22 @@ def decode_num_partitions(batch: int, num_kv_heads: int, streaming_multiprocesso
                                              programs_per_sm=_PROGRAMS_PER_SM, round_up=_ROUND_PARTITIONS_UP)
 
 
+def _decode_variant(fp8: bool, block_size: int, partition_size: int | None, on_gpu: bool) -> tuple[int, str, str]:
+    """(tokens per tile, K/V load, FP8 value mode) of a decode launch from the ``_DECODE_*`` variants, where the
+    shapes allow them."""
+    if _DECODE_KV_LOAD not in _DECODE_KV_LOADS:
+        raise ValueError(f"_DECODE_KV_LOAD must be one of {_DECODE_KV_LOADS}, got {_DECODE_KV_LOAD!r}")
+    if _DECODE_FP8_VALUES not in _DECODE_FP8_VALUE_MODES:
+        raise ValueError(f"_DECODE_FP8_VALUES must be one of {_DECODE_FP8_VALUE_MODES}, got {_DECODE_FP8_VALUES!r}")
+    kv_tile = _DECODE_FP8_KV_TILE if fp8 else _DECODE_KV_TILE
+    if partition_size is not None and partition_size % kv_tile != 0:
+        kv_tile = _DECODE_KV_TILE
+    kv_load = _DECODE_KV_LOAD if block_size % kv_tile == 0 else "gather"
+    # Inline assembly needs the GPU; the interpreter runs the same arithmetic with Triton's own widening.
+    fp8_values = "f16" if _DECODE_FP8_VALUES == "f16-asm" and not on_gpu else _DECODE_FP8_VALUES
+    return kv_tile, kv_load, fp8_values
+
+
 def paged_decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -915,7 +993,7 @@ def paged_decode_attention_triton(
         return out
     group = _group_size(num_heads, num_kv_heads)
     head_dim_padded = max(triton.next_power_of_2(head_dim), _MIN_DOT_DIM)
-    kv_tile = _DECODE_KV_TILE
+    kv_tile, kv_load, fp8_values = _decode_variant(fp8, block_size, partition_size, q.is_cuda)
     if partition_size is None:
         streaming_multiprocessors = (
             _streaming_multiprocessor_count(q.device.index or 0) if q.is_cuda else _INTERPRETER_SM_COUNT
@@ -970,6 +1048,8 @@ def paged_decode_attention_triton(
         scale_block_stride=_scale_strides(k_scale)[0],
         scale_slot_stride=_scale_strides(k_scale)[1],
         FP8=fp8,
+        KV_LOAD=kv_load,
+        FP8_VALUES=fp8_values,
         num_warps=_DECODE_NUM_WARPS,
         num_stages=_DECODE_NUM_STAGES,
     )

@@ -76,13 +76,19 @@ def hopper_launches() -> list:
     descriptor = dict(attention_shape, GROUP_PADDED=8, QUERY_TOKENS=8, BLOCK_SIZE=64, KV_LOAD="descriptor")
     variants += [descriptor | dict(SPLIT_CAUSAL=split, FOLD_SCALE=split, USE_WORK_ITEMS=items)
                  for split, items in ((False, False), (True, True))]
-    decode = attention_shape | dict(NUM_HEADS=16, SINGLE_PARTITION=False, GROUP_PADDED=16, MIN_TILES=2)
+    decode = attention_shape | dict(NUM_HEADS=16, SINGLE_PARTITION=False, GROUP_PADDED=16, MIN_TILES=2,
+                                    KV_LOAD="gather", FP8_VALUES="weights")
+    # The decode variants of _DECODE_KV_LOAD / _DECODE_FP8_KV_TILE / _DECODE_FP8_VALUES (the FP8 ones matter with
+    # FP8 on, in hopper_fp8_launches).
+    decode_variants = [decode | dict(BLOCK_SIZE=128, KV_LOAD="block", KV_TILE=tile, FP8_VALUES=values)
+                       for tile, values in ((64, "f16-asm"), (128, "f16"), (128, "weights"))]
     return [
         (kernels._store_kv_kernel, shape | dict(NUM_KV_HEADS=2, HEADS_PADDED=2, FP8=False)),
         (kernels._prefill_kernel, prefill | dict(USE_WORK_ITEMS=False, FP8=False)),
         (kernels._prefill_kernel, prefill | dict(USE_WORK_ITEMS=True, FP8=False)),
         *[(kernels._prefill_kernel, constants | dict(FP8=False)) for constants in variants],
         (kernels._decode_partition_kernel, decode | dict(FP8=False)),
+        *[(kernels._decode_partition_kernel, constants | dict(FP8=False)) for constants in decode_variants],
         (
             kernels._decode_merge_kernel,
             dict(NUM_HEADS=16, HEAD_DIM=128, HEAD_DIM_PADDED=128, KV_TILE=64, MIN_TILES=2, MERGE_TILE=16),
@@ -412,8 +418,13 @@ DECODE_CASES = [
 
 
 @under_interpreter
+@pytest.mark.parametrize("kv_load", ["gather", "block"])
 @pytest.mark.parametrize("dtype,group,block_size,partition_size", DECODE_CASES)
-def test_decode_matches_reference(triton_kernels, dtype, group, block_size, partition_size):
+def test_decode_matches_reference(triton_kernels, monkeypatch, dtype, group, block_size, partition_size, kv_load):
+    # "block" applies where a block holds whole tiles (64 entries): a block of 16 or 32 falls back to "gather".
+    monkeypatch.setattr(triton_kernels, "_DECODE_KV_LOAD", kv_load)
+    if kv_load == "block":
+        block_size *= 4
     generator = torch.Generator().manual_seed(group * block_size + 7)
     # Ragged lengths: several partitions, exactly one partition, one entry, and an empty padding slot.
     context_lens = [200, 64, 1, 0]
@@ -580,6 +591,46 @@ def test_decode_reads_fp8_like_the_reference(triton_kernels, dtype, group, parti
     out = triton_kernels.paged_decode_attention_triton(*arguments, partition_size=partition_size, **scales)
     torch.testing.assert_close(out, paged_decode_attention_ref(*arguments, **scales), **TOLERANCES[dtype])
     assert torch.count_nonzero(out[3]) == 0
+
+
+# (query dtype, group, block size, fixed partition size, _DECODE_KV_LOAD, _DECODE_FP8_KV_TILE, _DECODE_FP8_VALUES):
+# every variant bench/fp8_decode_gpu.py times, including the fallbacks (a block of 16 is read by "gather", a
+# fixed partition of 64 by tiles of 64, "f16-asm" as "f16" under the interpreter).
+FP8_DECODE_VARIANTS = [
+    (torch.float16, 3, 64, None, "block", 64, "f16"),
+    (torch.float16, 1, 128, 128, "block", 128, "f16"),
+    (torch.float32, 8, 64, 64, "gather", 128, "f16"),
+    (torch.float16, 4, 16, None, "block", 128, "f16-asm"),
+    (torch.float16, 2, 64, None, "block", 64, "weights"),
+]
+
+
+@under_interpreter
+@pytest.mark.parametrize("dtype,group,block_size,partition_size,kv_load,tile,values", FP8_DECODE_VARIANTS)
+def test_decode_variants_read_fp8_like_the_reference(triton_kernels, monkeypatch, dtype, group, block_size,
+                                                     partition_size, kv_load, tile, values):
+    for name, value in (("_DECODE_KV_LOAD", kv_load), ("_DECODE_FP8_KV_TILE", tile), ("_DECODE_FP8_VALUES", values)):
+        monkeypatch.setattr(triton_kernels, name, value)
+    generator = torch.Generator().manual_seed(group * block_size + tile)
+    context_lens = [300, 128, 65, 1, 0]
+    batch, k_scale, v_scale = fp8_paged_batch([max(length, 1) for length in context_lens], block_size, generator)
+    batch.context_lens = torch.tensor(context_lens, dtype=torch.int32)
+    q = torch.randn((len(context_lens), NUM_KV_HEADS * group, HEAD_DIM), generator=generator).to(dtype)
+    arguments = (q, batch.k_cache, batch.v_cache, batch.context_lens, batch.block_tables, 0.125)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    out = triton_kernels.paged_decode_attention_triton(*arguments, partition_size=partition_size, **scales)
+    torch.testing.assert_close(out, paged_decode_attention_ref(*arguments, **scales), **TOLERANCES[dtype])
+    assert torch.count_nonzero(out[4]) == 0
+
+
+@under_interpreter
+def test_decode_variants_must_be_known(triton_kernels, monkeypatch):
+    batch, k_scale, v_scale = fp8_paged_batch([20], 16, torch.Generator().manual_seed(0))
+    q = torch.randn((1, NUM_KV_HEADS, HEAD_DIM))
+    monkeypatch.setattr(triton_kernels, "_DECODE_FP8_VALUES", "bf16")
+    with pytest.raises(ValueError, match="_DECODE_FP8_VALUES must be one of"):
+        triton_kernels.paged_decode_attention_triton(q, batch.k_cache, batch.v_cache, batch.context_lens,
+                                                     batch.block_tables, 0.125, k_scale=k_scale, v_scale=v_scale)
 
 
 @under_interpreter
