@@ -82,8 +82,11 @@ class CalibratedCostModel(CostModel):
         prefill = fit_prefill_points(source, data["version"], prefill_rows, buckets)
         mixed_rows = []
         if "mixed" in data:
+            # The longest decode row too: the fit must see the `longest_decode` the simulator
+            # prices a step with, not the mean context it falls back to without it.
             mixed_rows = read_points(source, data, "mixed",
-                                     ("batch", "context_tokens", "new_tokens"), PREFILL_DEFAULTS)
+                                     ("batch", "context_tokens", "new_tokens"),
+                                     {**PREFILL_DEFAULTS, "max_context": None})
         mixed = fit_mixed_points(source, data["version"], decode, prefill, mixed_rows, buckets)
         compress = None
         if "compress" in data:

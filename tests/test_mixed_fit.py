@@ -276,6 +276,27 @@ def test_a_padded_profile_is_fitted_and_priced_at_the_padded_rows():
         PER_SEQUENCE + max(MIXED_HOST, device), rel=1e-9)
 
 
+def test_mixed_points_are_fitted_at_their_longest_decode():
+    """Points that say their longest decode row (`max_context`, as runs through the engine loop
+    record it) are fitted at it, the length the simulator prices a step with: fitted at the mean
+    context instead, the walk's slope came out wrong and priced the 0.6B Zipage H200 run's mixed
+    steps 16 % high (docs/cost_model.md)."""
+    data = padded_profile()
+    for index, point in enumerate(data["mixed"]):
+        batch, tokens = point["batch"], point["requests"] * point["new_tokens"]
+        pairs = point["requests"] * causal_pairs(point["new_tokens"], point["cached_tokens"])
+        # The longest row is 1x to 4x the mean (one row alone is the mean).
+        longest = point["context_tokens"] / batch * (1 + (index % 4) * (batch > 1))
+        point["max_context"] = longest
+        device = (mixed_device(batch, point["context_tokens"],
+                               padded_rows(batch + tokens, BUCKETS) - batch, pairs)
+                  + LONGEST * longest)
+        point["time_s"] = PER_SEQUENCE * point["requests"] + max(MIXED_HOST, device)
+    model = CalibratedCostModel.from_profile(data)
+    assert model.mixed_fit.coefficients[-1] == pytest.approx(LONGEST, rel=1e-6)
+    assert model.mixed_fit.relative_rms_error < 1e-6
+
+
 def test_prefill_buckets_are_checked():
     data = profile(GRID)
     for bad in ([], [512, 256], [16, "32"], [0, 16], {"16": 1}, [True]):
