@@ -307,6 +307,25 @@ def test_stalled_steps_are_left_out_on_request(tmp_path):
         profile_from_runs([run], stall_factor=0.5)
 
 
+def test_a_prefill_step_that_returned_at_launch_and_the_step_charged_for_it_are_left_out(tmp_path):
+    """A prompt chunk that samples nothing ends at its launch: the run shows it faster than any
+    decode step and charges its forward to the next step. Both are left out; the fits stay exact."""
+    steps = synthetic_steps()
+    durations = [step["forward"] for step in steps]
+    early = [index for index in range(100, 200, 10) if steps[index]["kind"] == "prefill"]
+    for index in early:
+        durations[index + 1] += durations[index] - 1e-4
+        durations[index] = 1e-4
+    run = write_run(tmp_path / "a", steps, durations, asynchronous=False)
+    profile = profile_from_runs([run])
+    model = CalibratedCostModel.from_profile(profile)
+    assert_prefill(model.prefill_fit, rel=1e-6)
+    assert model.decode_fit.coefficients == pytest.approx(DECODE, rel=1e-6)
+    kinds = [step["kind"] for step in steps if not step["compress_blocks"]]
+    assert len(profile["prefill"]) == kinds.count("prefill") - len(early)
+    assert len(profile["decode"]) == kinds.count("decode") - len(early)
+
+
 def test_runs_of_different_setups_are_refused(tmp_path):
     sync, other = synthetic_run(tmp_path / "a", False), synthetic_run(tmp_path / "b", False)
     summary = json.loads((other / "summary.json").read_text())
