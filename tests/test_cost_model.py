@@ -715,23 +715,35 @@ def plans_of(decode: dict, prefill: dict) -> tuple[StepPlan, StepPlan, StepPlan]
 
 
 def test_every_shipped_profile_loads_and_times_mixed_steps():
-    """A mixed step reads the weights and pays a step's fixed host cost once, so it usually
-    costs less than its decode and prefill parts run as two steps. A shipped profile must say so
-    where its own measurements of the same shapes do, and must not invent the saving where
-    they do not. The shipped H200 profiles measured an engine with prefill graphs,
-    which pads a step to its token bucket: calibrate's chunks of 512 and 2,048 tokens fill a
-    bucket exactly, so a decode row beside one pushes the step into the next bucket (1.5x the
-    rows) and most of those mixed steps cost more than their parts apart; only the 0.6B Zipage
-    profile, whose steps are mostly launch-bound, saves on most of its points."""
+    """Every shipped profile is pinned in the golden predictions, loads, and times mixed steps
+    from mixed points of its own."""
     specs = sorted(path.stem for path in (ROOT / "sim/profiles").glob("*.json"))
     assert {entry["spec"] for entry in GOLDEN["models"]} >= set(specs)
-    without_saving = set()
     for spec in specs:
         data = json.loads((ROOT / "sim/profiles" / f"{spec}.json").read_text())
         cost = load_cost_model(spec, get_preset(data["model"]), get_hardware(data["gpu"]))
-        assert (cost.mixed_fit.num_points > 0) == ("mixed" in data)
+        assert cost.mixed_fit.num_points > 0 and "mixed" in data, spec
+        assert cost.step_time(mixed_plan(32, 1024, (0, 512))) > 0, spec
+
+
+def test_grid_profiles_save_on_mixed_steps_only_where_they_measured_it():
+    """A mixed step reads the weights and pays a step's fixed host cost once, so it usually
+    costs less than its decode and prefill parts run as two steps. A profile measured on
+    calibrate's isolated grid (`--grid`, which measures its mixed points at its decode and prefill
+    points) must say so where its own measurements of the same shapes do, and must not invent
+    the saving where they do not. The H200 grid profiles (shipped until 2026-11-27, kept in
+    tests/golden/profiles/grid/) measured an engine with prefill graphs, which pads a step to its
+    token bucket: calibrate's chunks of 512 and 2,048 tokens fill a bucket exactly, so a decode
+    row beside one pushes the step into the next bucket (1.5x the rows) and most of those mixed
+    steps cost more than their parts apart; only the 0.6B Zipage profile, whose steps are mostly
+    launch-bound, saves on most of its points."""
+    paths = [EXAMPLE_PROFILE] + sorted((ROOT / "tests/golden/profiles/grid").glob("*.json"))
+    without_saving = set()
+    for path in paths:
+        data = json.loads(path.read_text())
+        cost = load_cost_model(str(path), get_preset(data["model"]), get_hardware(data["gpu"]))
         triples = measured_parts(data)
-        assert len(triples) >= 6, spec
+        assert len(triples) >= 6, path.stem
         measured = [mixed["time_s"] < decode["time_s"] + prefill["time_s"]
                     for decode, prefill, mixed in triples]
         modelled = []
@@ -739,15 +751,15 @@ def test_every_shipped_profile_loads_and_times_mixed_steps():
             times = [cost.step_time(plan) for plan in plans_of(decode, prefill)]
             modelled.append(times[2] < times[0] + times[1])
         saves = 2 * sum(measured) > len(measured)
-        assert (2 * sum(modelled) > len(modelled)) == saves, spec
+        assert (2 * sum(modelled) > len(modelled)) == saves, path.stem
         decode = cost.step_time(decode_plan(32, 1024))
         prefill = cost.step_time(prefill_plan((0, 512)))
         mixed = cost.step_time(mixed_plan(32, 1024, (0, 512)))
         assert mixed > 0
         if saves:
-            assert mixed < decode + prefill, spec
+            assert mixed < decode + prefill, path.stem
         else:
-            without_saving.add(spec)
+            without_saving.add(path.stem)
     assert without_saving == {"qwen3-0.6b-h200-b64-k512-fullkv", "qwen3-8b-h200-b64-k512-fullkv",
                               "qwen3-8b-h200-b64-k512-zipage"}
 
