@@ -75,9 +75,11 @@ _DECODE_NUM_STAGES = 3
 #                        float16 in registers by inline assembly before shared memory: a 16-bit transposing
 #                        ldmatrix), "f16" (the same math, the widening placed by the compiler: what the
 #                        interpreter runs for "f16-asm").
+# Chosen on an H200 (docs/BENCHMARKS.md, "FP8 decode kernel"): 128-token FP8 tiles with values widened by
+# inline assembly were the fastest or tied at every batch and context measured (0.57-0.73x bfloat16's time).
 _DECODE_KV_LOAD = "gather"
-_DECODE_FP8_KV_TILE = 64
-_DECODE_FP8_VALUES = "weights"
+_DECODE_FP8_KV_TILE = 128
+_DECODE_FP8_VALUES = "f16-asm"
 _DECODE_KV_LOADS = ("gather", "block")
 _DECODE_FP8_VALUE_MODES = ("weights", "f16", "f16-asm")
 # A decode partition is never shorter than this many tiles: below it the partial write and the merge cost more
