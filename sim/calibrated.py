@@ -19,6 +19,7 @@ from zipage.profile import Validation, check_header, read_points, read_profile, 
 from zipage.shape import ModelShape
 from zipage.sim.analytic import DEFAULT_CONTENTION
 from zipage.sim.cost_model import CostModel, StepWork
+from zipage.sim.decode_host import fit_host_floor
 from zipage.sim.linear_fit import LinearFit, fit_linear
 from zipage.sim.mixed_fit import MixedFit, fit_mixed_points
 from zipage.sim.prefill_fit import PREFILL_DEFAULTS, PrefillFit, fit_prefill_points, padded_tokens
@@ -30,7 +31,8 @@ class CalibratedCostModel(CostModel):
     decode:   a + b * batch + c * context_tokens [+ d * longest_excess, when the points carry
               max_context: the longest request's entries beyond the mean, max - sum / batch]
               [+ e * shared_tokens, e < 0, when points share prefix blocks: an entry read by a
-              second request in the same step costs c + e, not c]
+              second request in the same step costs c + e, not c]; that line under a host
+              floor, max(h_d, line), where the points determine one (sim/decode_host.py)
     launch:   a decode step that launches an async compression batch lasts max(h_l, forward +
               x_l): the host enqueues the batch's kernels behind the forward (a floor), and the
               batch's first kernels start beside the forward's last ones (an extra), when the
@@ -64,7 +66,8 @@ class CalibratedCostModel(CostModel):
         # reads of a shared block (0 when not fitted).
         self._decode_excess = terms.get(LONGEST_EXCESS, 0.0)
         self._decode_shared = terms.get(SHARED_TOKENS, 0.0)
-        self._decode_floor = decode.floor_s
+        # A host-bound decode step (sim/decode_host.py) costs at least the host's time.
+        self._decode_floor = max(decode.floor_s, getattr(decode, "host_s", 0.0))
 
     @classmethod
     def from_profile(cls, profile: str | Path | dict, *, shape: ModelShape | None = None,
@@ -197,7 +200,8 @@ def _decode_fit(source: str, rows: list[dict[str, Any]]) -> LinearFit:
     fitted from runs whose steps.csv records it), some are unbalanced and the fit finds d > 0;
     e * shared_tokens when enough points share prefix blocks and the fit finds a shared entry
     cheaper than an unshared one but not free (-c <= e < 0). A term the fit rejects is dropped
-    and the rest refitted; with neither, the three-term fit, as always."""
+    and the rest refitted; with neither, the three-term fit, as always. Then the host floor
+    over the accepted terms, where the points determine it (`fit_host_floor`)."""
     features = [[row["batch"], row["context_tokens"]] for row in rows]
     times = [row["time_s"] for row in rows]
     extra: dict[str, list[float]] = {}
@@ -221,7 +225,9 @@ def _decode_fit(source: str, rows: list[dict[str, Any]]) -> LinearFit:
             terms[name] > 0 if name == LONGEST_EXCESS
             else -terms["context_tokens"] <= terms[name] < 0)]
         if not rejected:
-            return fit
+            columns = np.column_stack([np.asarray(features, float).reshape(len(rows), 2)]
+                                      + [np.asarray(extra[name], float) for name in extra])
+            return fit_host_floor(fit, columns, np.asarray(times, float))
         del extra[rejected[0]]
 
 
