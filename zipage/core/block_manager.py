@@ -73,7 +73,8 @@ class BlockManager:
     def allocate(self) -> int:
         """Hand out a fresh block (its old content, and so its hash, is gone)."""
         block, _ = self.free_blocks.popitem(last=False)
-        self._forget_hash(block)
+        if self.block_hash[block] is not None:  # a block never indexed has no hash to forget
+            self._forget_hash(block)
         self.refcount[block] = 1
         return block
 
