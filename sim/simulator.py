@@ -23,7 +23,6 @@ instant driver's and the real engine's, step for step.
 
 from __future__ import annotations
 
-import gc
 import heapq
 import itertools
 from collections.abc import Iterable, Iterator
@@ -181,18 +180,6 @@ class _PlainClock:
         self.due: Sequence | None = None  # the request the arrival process waits for
 
     def run(self, arrivals: Iterator[Sequence]) -> None:
-        # The loop makes a few short-lived objects a step (a plan, its lists, a record) and no
-        # reference cycles, so the cyclic garbage collector, which would otherwise walk the
-        # live objects every few hundred steps, finds nothing to free: ~7 % of a run's time.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            self._run(arrivals)
-        finally:
-            if collecting:
-                gc.enable()
-
-    def _run(self, arrivals: Iterator[Sequence]) -> None:
         self.arrivals = arrivals
         self._engine()  # the engine loop starts first, then the arrivals (as in `run`)
         self._arrive()
