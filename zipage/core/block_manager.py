@@ -103,17 +103,9 @@ class BlockManager:
     def release_table(self, table: list[int]) -> None:
         """Release a request's whole block table, last block first: the free list hands out
         least recently freed blocks first, so a prompt's leading blocks - the ones another
-        request with the same prefix can map - are the last of them to lose their content.
-        (`release` in a loop, without a call per block.)"""
-        refcount, free = self.refcount, self.free_blocks
+        request with the same prefix can map - are the last of them to lose their content."""
         for block in reversed(table):
-            count = refcount[block] - 1
-            assert count >= 0, f"block {block} released more often than held"
-            refcount[block] = count
-            if count == 0:
-                free[block] = None
-            else:
-                self.extra_holders -= 1
+            self.release(block)
 
     def release_all(self, blocks: list[int]) -> None:
         for block in blocks:
