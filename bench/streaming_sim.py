@@ -6,7 +6,10 @@
 
 Each run is one child process (one core: numpy's threads are pinned to one), so its peak RSS is
 the simulator's alone: the trace is written to a gzipped JSON Lines file first, then `zipage
-replay` reads it. Shapes:
+replay` reads it as its simulated clock reaches the requests (docs/traces.md, 'Streamed
+traces'). With `--run-dir` the replay also writes its run directory (steps.csv, requests.csv,
+summary.json; no decision log) and plots timeline.png from it, all inside the measured process.
+Shapes:
 - `azure-conv`: the Azure LLM inference conversation hour's lengths and arrivals. With `--source`
   (the public CSV) its rows are tiled hour after hour; without, lengths are drawn from lognormals
   with the hour's medians and means (prompt 1,020 / 1,155 tokens, output 129 / 211) and arrivals
@@ -117,6 +120,9 @@ def main() -> None:
                         help="also save the generated trace here (to profile or replay it again)")
     parser.add_argument("--flags", default="--model qwen3-8b --hardware h200",
                         help="zipage replay flags (default: %(default)s)")
+    parser.add_argument("--run-dir", action="store_true",
+                        help="also write the run directory and its timeline (--out, "
+                             "--decisions none) in the measured process")
     args = parser.parse_args()
     if args.shape == "azure-conv":
         trace = azure_conv(args.requests, args.speedup, args.source, args.seed)
@@ -128,7 +134,10 @@ def main() -> None:
         if args.keep:
             save_trace(trace, args.keep)
         del trace
-        result = replay(path, args.flags.split())
+        flags = args.flags.split()
+        if args.run_dir:
+            flags += ["--out", str(Path(scratch) / "run"), "--decisions", "none"]
+        result = replay(path, flags)
     summary = result["summary"]
     rows = [("shape", args.shape), ("requests", f"{summary['requests']:,}"),
             ("completed", f"{summary['completed']:,}"), ("steps", f"{summary['steps']:,}"),
