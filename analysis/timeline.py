@@ -7,11 +7,13 @@ draws three stacked panels over time: (a) real-time decode throughput (decode an
 with the time of prefill steps shaded (decoding waits) and, with chunked prefill, that of mixed
 steps, (b) running and waiting requests, (c) block occupancy and query slots used. Every curve
 is a time-weighted aggregate over fixed-width time bins, computed exactly from the
-piecewise-constant step records, so a 100k-step run draws as fast as a 5-step one.
+piecewise-constant step records, so a 100k-step run draws as fast as a 5-step one; `plot_run`
+reads a run's steps.csv a chunk at a time, so a run of millions of steps plots in bounded memory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +23,17 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from zipage.rundir import DECISIONS_FILE, REQUESTS_FILE, STEPS_FILE, SUMMARY_FILE, RunData, load_run, run_file  # noqa: F401 - load_run, RunData and the file names live here too
+from zipage.rundir import (  # noqa: F401 - load_run, RunData and the file names live here too
+    DECISIONS_FILE,
+    REQUESTS_FILE,
+    STEPS_FILE,
+    SUMMARY_FILE,
+    RunData,
+    iter_step_chunks,
+    load_run,
+    read_summary,
+    run_file,
+)
 
 DEFAULT_BINS = 1000
 # The throughput curve is smoothed over this share of the run's duration: enough to hide the
@@ -44,18 +56,67 @@ class _BinnedSteps:
     slots_used: np.ndarray
 
 
+# The per-step values whose time integrals per bin the panels are drawn from.
+_RATES = ("covered", "decode_tokens", "decode_seconds", "prefill", "mixed", "running", "waiting",
+          "occupancy", "slots_used")
+# The columns of steps.csv they are computed from.
+BINNED_COLUMNS = ["step_id", "t_start", "t_end", "kind", "n_decode", "n_running", "n_waiting",
+                  "blocks_used", "blocks_total", "slots_used"]
+
+
 def _bin_steps(steps: pd.DataFrame, bins: int) -> _BinnedSteps:
-    ordered = steps.sort_values(["t_start", "step_id"])
+    return _bin_step_chunks(lambda: [steps], bins)
+
+
+def _bin_step_chunks(chunks: Callable[[], Iterable[pd.DataFrame]], bins: int) -> _BinnedSteps | None:
+    """Bin the step records that `chunks()` yields, chunk by chunk (a 2M-step run's steps.csv is
+    never whole in memory); it is called twice: the run's time span first, then the sums. None
+    when there are no steps."""
+    origin, last = np.inf, -np.inf
+    for chunk in chunks():
+        if len(chunk):
+            origin = min(origin, chunk["t_start"].min())
+            last = max(last, chunk["t_end"].max())
+    if origin == np.inf:
+        return None
+    span = last - origin
+    # A run of zero-duration steps still needs a non-empty axis.
+    edges = origin + np.linspace(0.0, span if span > 0 else 1.0, bins + 1)
+    integrals = {name: np.zeros(bins) for name in _RATES}
+    for chunk in chunks():
+        if len(chunk):
+            for name, integral in _chunk_integrals(chunk, edges).items():
+                integrals[name] += integral
+    covered = integrals["covered"]
+
+    def time_weighted_mean(name: str) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return integrals[name] / covered
+
+    return _BinnedSteps(
+        edges=edges,
+        decode_tokens=integrals["decode_tokens"],
+        decode_seconds=integrals["decode_seconds"],
+        prefill_share=np.nan_to_num(time_weighted_mean("prefill")),
+        mixed_share=np.nan_to_num(time_weighted_mean("mixed")),
+        running=time_weighted_mean("running"),
+        waiting=time_weighted_mean("waiting"),
+        block_occupancy_percent=time_weighted_mean("occupancy"),
+        slots_used=time_weighted_mean("slots_used"),
+    )
+
+
+def _chunk_integrals(chunk: pd.DataFrame, edges: np.ndarray) -> dict[str, np.ndarray]:
+    """The integral over each bin of every rate, over the steps of one chunk."""
+    ordered = chunk.sort_values(["t_start", "step_id"])
     start = ordered["t_start"].to_numpy(dtype=float)
     end = ordered["t_end"].to_numpy(dtype=float)
     duration = end - start
-    origin = start.min()
-    span = end.max() - origin
-    # A run of zero-duration steps still needs a non-empty axis.
-    edges = origin + np.linspace(0.0, span if span > 0 else 1.0, bins + 1)
-    # Every record is constant over its step, so its integral over time is piecewise linear with
-    # knots at the step boundaries: interpolating the running integral at the bin edges gives the
-    # exact integral over each bin, even when a step is longer than a bin.
+    # Every record is constant over its step, and steps do not overlap, so its integral over time
+    # is piecewise linear with knots at the step boundaries: interpolating the running integral
+    # at the bin edges gives the exact integral over each bin, even when a step is longer than a
+    # bin. Before the chunk's first step it is 0 and after its last the chunk's total (np.interp
+    # holds the end values), so the chunks' integrals add up to the whole run's.
     knots = np.column_stack([start, end]).ravel()
 
     def integral_per_bin(rate: np.ndarray) -> np.ndarray:
@@ -64,19 +125,11 @@ def _bin_steps(steps: pd.DataFrame, bins: int) -> _BinnedSteps:
         values = np.column_stack([cumulative_at_start, cumulative_at_end]).ravel()
         return np.diff(np.interp(edges, knots, values))
 
-    covered_seconds = integral_per_bin(np.ones_like(duration))
-
-    def time_weighted_mean(values: np.ndarray) -> np.ndarray:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return integral_per_bin(values) / covered_seconds
-
     def column(name: str) -> np.ndarray:
         return ordered[name].to_numpy(dtype=float)
 
     # Decode and mixed steps decode; prefill and idle steps do not.
     is_decode = (ordered["n_decode"] > 0).to_numpy()
-    is_prefill = (ordered["kind"] == "prefill").to_numpy(dtype=float)
-    is_mixed = (ordered["kind"] == "mixed").to_numpy(dtype=float)
     # Decode tokens are spread evenly over their step; a zero-duration step has no rate to spread.
     has_rate = is_decode & (duration > 0)
     token_rate = np.divide(column("n_decode"), duration, out=np.zeros_like(duration),
@@ -84,17 +137,18 @@ def _bin_steps(steps: pd.DataFrame, bins: int) -> _BinnedSteps:
     blocks_total = column("blocks_total")
     occupancy_percent = np.divide(100.0 * column("blocks_used"), blocks_total,
                                   out=np.zeros_like(duration), where=blocks_total > 0)
-    return _BinnedSteps(
-        edges=edges,
-        decode_tokens=integral_per_bin(token_rate),
-        decode_seconds=integral_per_bin(is_decode.astype(float)),
-        prefill_share=np.nan_to_num(time_weighted_mean(is_prefill)),
-        mixed_share=np.nan_to_num(time_weighted_mean(is_mixed)),
-        running=time_weighted_mean(column("n_running")),
-        waiting=time_weighted_mean(column("n_waiting")),
-        block_occupancy_percent=time_weighted_mean(occupancy_percent),
-        slots_used=time_weighted_mean(column("slots_used")),
-    )
+    rates = {
+        "covered": np.ones_like(duration),
+        "decode_tokens": token_rate,
+        "decode_seconds": is_decode.astype(float),
+        "prefill": (ordered["kind"] == "prefill").to_numpy(dtype=float),
+        "mixed": (ordered["kind"] == "mixed").to_numpy(dtype=float),
+        "running": column("n_running"),
+        "waiting": column("n_waiting"),
+        "occupancy": occupancy_percent,
+        "slots_used": column("slots_used"),
+    }
+    return {name: integral_per_bin(rate) for name, rate in rates.items()}
 
 
 def _smoothed_rate(tokens: np.ndarray, seconds: np.ndarray, window_bins: int) -> np.ndarray:
@@ -108,11 +162,15 @@ def _smoothed_rate(tokens: np.ndarray, seconds: np.ndarray, window_bins: int) ->
         return np.where(smoothed_seconds > 0, rolling_sum(tokens) / smoothed_seconds, np.nan)
 
 
-def plot_run(directory: str | Path) -> Path:
-    """Write `timeline.png` into a run directory written by `zipage.rundir.write_run`."""
-    run = load_run(directory)
-    return plot_timeline(run.steps, run.directory / "timeline.png", title=run_title(run.summary),
-                         max_concurrency=run.summary["max_concurrency"])
+def plot_run(directory: str | Path, bins: int = DEFAULT_BINS) -> Path:
+    """Write `timeline.png` into a run directory (`zipage.rundir`). steps.csv is read a chunk at
+    a time, twice (`_bin_step_chunks`), so a run of millions of steps plots in bounded memory."""
+    directory = Path(directory)
+    summary = read_summary(directory)
+    binned = _bin_step_chunks(
+        lambda: iter_step_chunks(directory, summary, columns=BINNED_COLUMNS), bins)
+    return _plot(binned, directory / "timeline.png", run_title(summary),
+                 summary["max_concurrency"])
 
 
 def run_title(summary: dict) -> str:
@@ -140,6 +198,12 @@ def plot_timeline(steps: pd.DataFrame, path: str | Path, title: str | None = Non
     `max_concurrency` (the run's query slots M, `summary["max_concurrency"]`) draws the slot limit
     in panel (c) when given. Returns the path written.
     """
+    binned = None if steps.empty else _bin_steps(steps, bins)
+    return _plot(binned, path, title, max_concurrency)
+
+
+def _plot(binned: _BinnedSteps | None, path: str | Path, title: str | None,
+          max_concurrency: int | None) -> Path:
     path = Path(path)
     # A bare Figure on an Agg canvas: no pyplot, so no display and no global figure registry.
     figure = Figure(figsize=(11, 8), layout="constrained")
@@ -147,12 +211,11 @@ def plot_timeline(steps: pd.DataFrame, path: str | Path, title: str | None = Non
     throughput_axis, queue_axis, memory_axis = figure.subplots(3, 1, sharex=True)
     if title:
         figure.suptitle(title)
-    if steps.empty:
+    if binned is None:
         throughput_axis.text(0.5, 0.5, "no steps recorded", ha="center", va="center",
                              transform=throughput_axis.transAxes)
     else:
-        _draw_panels(_bin_steps(steps, bins), throughput_axis, queue_axis, memory_axis,
-                     max_concurrency)
+        _draw_panels(binned, throughput_axis, queue_axis, memory_axis, max_concurrency)
     memory_axis.set_xlabel("time since the first step (s)")
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)

@@ -6,7 +6,10 @@
 
 Each run is one child process (one core: numpy's threads are pinned to one), so its peak RSS is
 the simulator's alone: the trace is written to a gzipped JSON Lines file first, then `zipage
-replay` reads it. Shapes:
+replay` reads it as its simulated clock reaches the requests (docs/traces.md, 'Streamed
+traces'). With `--run-dir` the replay also writes its run directory (steps.csv, requests.csv,
+summary.json; no decision log) and plots timeline.png from it, all inside the measured process.
+Shapes:
 - `azure-conv`: the Azure LLM inference conversation hour's lengths and arrivals. With `--source`
   (the public CSV) its rows are tiled hour after hour; without, lengths are drawn from lognormals
   with the hour's medians and means (prompt 1,020 / 1,155 tokens, output 129 / 211) and arrivals
@@ -89,21 +92,36 @@ def mooncake(count: int, speedup: float, seed: int) -> Trace:
     return Trace("mooncake", requests)
 
 
+# Runs `zipage ...` and, at exit, prints its own peak resident memory to stderr. The peak is read
+# from /proc (VmHWM: this process image's), not from getrusage: a child started with vfork
+# inherits the high-water mark of this (big, trace-generating) process in its rusage.
+REPLAY_AND_REPORT = """
+import atexit, re, runpy, sys
+def report():
+    status = open("/proc/self/status").read()
+    print("peak_rss_kb", re.search(r"VmHWM:\\s*(\\d+)", status).group(1), file=sys.stderr)
+atexit.register(report)
+sys.argv = ["zipage"] + sys.argv[1:]
+runpy.run_module("zipage.cli", run_name="__main__")
+"""
+
+
 def replay(path: Path, flags: list[str]) -> dict:
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     started = time.perf_counter()
-    child = subprocess.run([sys.executable, "-m", "zipage.cli", "replay", str(path), "--json",
-                            *flags], capture_output=True, text=True, env=environment)
+    child = subprocess.run([sys.executable, "-c", REPLAY_AND_REPORT, "replay", str(path),
+                            "--json", *flags], capture_output=True, text=True, env=environment)
     wall = time.perf_counter() - started
     if child.returncode not in (0, 3):
         raise SystemExit(child.stderr)
     import json
 
     summary = json.loads(child.stdout)
+    peak_kb = int(child.stderr.rsplit("peak_rss_kb", 1)[1].split()[0])
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     # CPU time (user + system) does not move with the load of a shared machine; wall time does.
     return {"summary": summary, "wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime,
-            "peak_rss_gb": usage.ru_maxrss / 2**20, "load": os.getloadavg()[0]}
+            "peak_rss_gb": peak_kb / 2**20, "load": os.getloadavg()[0]}
 
 
 def main() -> None:
@@ -117,6 +135,9 @@ def main() -> None:
                         help="also save the generated trace here (to profile or replay it again)")
     parser.add_argument("--flags", default="--model qwen3-8b --hardware h200",
                         help="zipage replay flags (default: %(default)s)")
+    parser.add_argument("--run-dir", action="store_true",
+                        help="also write the run directory and its timeline (--out, "
+                             "--decisions none) in the measured process")
     args = parser.parse_args()
     if args.shape == "azure-conv":
         trace = azure_conv(args.requests, args.speedup, args.source, args.seed)
@@ -128,7 +149,10 @@ def main() -> None:
         if args.keep:
             save_trace(trace, args.keep)
         del trace
-        result = replay(path, args.flags.split())
+        flags = args.flags.split()
+        if args.run_dir:
+            flags += ["--out", str(Path(scratch) / "run"), "--decisions", "none"]
+        result = replay(path, flags)
     summary = result["summary"]
     rows = [("shape", args.shape), ("requests", f"{summary['requests']:,}"),
             ("completed", f"{summary['completed']:,}"), ("steps", f"{summary['steps']:,}"),

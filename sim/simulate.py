@@ -28,6 +28,7 @@ from zipage.sim.cost_loader import load_cost_model
 from zipage.sim.cost_model import CostModel
 from zipage.sim.simulator import Simulator
 from zipage.trace import Trace
+from zipage.trace_stream import TraceStream
 
 
 @dataclass
@@ -71,13 +72,13 @@ def plan_deployment(settings: ReplaySettings,
     return SimulatedDeployment(shape, config, capacity, cost_model)
 
 
-def simulate(trace: Trace, settings: ReplaySettings, *, progress: bool = False,
+def simulate(trace: Trace | TraceStream, settings: ReplaySettings, *, progress: bool = False,
              log_decisions: bool = False, check: bool = False,
              contention_factor: float | None = None,
              sink: RecordSink | None = None) -> tuple[dict, Run]:
     """Simulate `trace`; with a `sink` the run is streamed: its records go to the sink as they
     are made (`zipage.rundir.RunWriter`) and the returned `Run` keeps none but the failed
-    requests."""
+    requests. A `TraceStream` is read as the simulated clock reaches its requests."""
     deployment = plan_deployment(settings, contention_factor)
     scheduler = deployment.new_scheduler()
     sequences = iter_trace_sequences(
@@ -85,6 +86,7 @@ def simulate(trace: Trace, settings: ReplaySettings, *, progress: bool = False,
         block_keys=True, in_arrival_order=True)
     simulator = Simulator(scheduler, deployment.cost_model, check=check,
                           log_decisions=log_decisions, progress=progress,
-                          total=len(trace.requests), sink=sink)
+                          total=None if isinstance(trace, TraceStream) else len(trace.requests),
+                          sink=sink)
     run = simulator.run(sequences, in_arrival_order=True)
     return deployment.summary(run.summary, settings), run

@@ -119,20 +119,20 @@ MUTATIONS = [
              "        if self.waiting and budget > 0:", tests=RULE_WITNESSES),
     Mutation("chunked: prompt chunks planned before the decodes", SCHEDULER,
              "        self._schedule_decode(plan)\n"
-             "        budget = self.config.step_tokens - len(plan.decode)\n",
-             "        budget = self.config.step_tokens - len(self._steady)\n"
+             "        budget = self.step_tokens - len(plan.decode)\n",
+             "        budget = self.step_tokens - len(self._steady)\n"
              "        self._schedule_chunks_first(plan, budget)\n"
              "        self._schedule_decode(plan)\n"
              "        return\n"
              "\n"
              "    def _schedule_chunks_first(self, plan, budget):\n", tests=RULE_WITNESSES),
     Mutation("chunked: the token budget not reduced by the decode tokens", SCHEDULER,
-             "        budget = self.config.step_tokens - len(plan.decode)\n",
-             "        budget = self.config.step_tokens\n", tests=RULE_WITNESSES),
+             "        budget = self.step_tokens - len(plan.decode)\n",
+             "        budget = self.step_tokens\n", tests=RULE_WITNESSES),
     Mutation("chunked: admissions before the running prompts continue", SCHEDULER,
-             "        budget = self.config.step_tokens - len(plan.decode)\n"
+             "        budget = self.step_tokens - len(plan.decode)\n"
              "        for seq in list(self.prefilling):\n",
-             "        budget = self.config.step_tokens - len(plan.decode)\n"
+             "        budget = self.step_tokens - len(plan.decode)\n"
              "        continuing = list(self.prefilling)\n"
              "        if self.waiting and budget > 0 and not plan.preempted:\n"
              "            self._schedule_prefill(plan, budget)\n"
@@ -155,8 +155,8 @@ MUTATIONS = [
              "            return\n", tests=RULE_WITNESSES),
     Mutation("chunked: a prompt longer than the step budget is rejected", SCHEDULER,
              "        if not self.config.chunked_prefill and prompt > "
-             "self.config.step_tokens:",
-             "        if prompt > self.config.step_tokens:", tests=RULE_WITNESSES),
+             "self.step_tokens:",
+             "        if prompt > self.step_tokens:", tests=RULE_WITNESSES),
     Mutation("chunked: a request leaving running keeps its place among the running prompts",
              SCHEDULER,
              "        self.prefilling.pop(seq, None)\n        self._release_slot(seq)\n",

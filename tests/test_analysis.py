@@ -26,7 +26,7 @@ from zipage.analysis.ablation import (
     write_ablation_report,
 )
 from zipage.analysis.compare import DIFFERENCE_CONTEXT, compare_runs, excerpt, format_report
-from zipage.analysis.timeline import _bin_steps, load_run, plot_timeline, run_title
+from zipage.analysis.timeline import _bin_step_chunks, _bin_steps, load_run, plot_run, plot_timeline, run_title
 from zipage.errors import ZipageError
 from zipage.records import REQUEST_COLUMN_DEFAULTS, REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS, STEP_COLUMNS
 
@@ -161,6 +161,55 @@ def test_timeline_counts_the_decodes_of_mixed_steps(tmp_path):
     assert binned.prefill_share == pytest.approx([0.5, 0.0])
     assert binned.mixed_share == pytest.approx([0.5, 0.5])
     assert_png(plot_timeline(steps, tmp_path / "mixed.png"))
+
+
+def test_timeline_bins_chunk_by_chunk_as_whole():
+    # plot_run reads steps.csv in chunks: the sums over chunks are the whole run's, with steps
+    # longer than a bin and chunks ending inside a bin.
+    count = 301
+    random = np.random.default_rng(1)
+    kinds = random.choice(["prefill", "decode", "mixed", "idle"], count).tolist()
+    steps = make_steps(kinds, random.uniform(0.0, 0.5, count).tolist(),
+                       n_decode=random.integers(0, 9, count), n_running=random.integers(1, 20, count),
+                       slots_used=random.integers(0, 4, count))
+    whole = _bin_steps(steps, bins=37)
+    # Each bin's integral is a difference of running sums, the whole run's or a chunk's: they
+    # round differently by a few ulps of the run's total, hence the small absolute slack.
+    for size in (1, 10, 64):
+        chunked = _bin_step_chunks(
+            lambda: [steps.iloc[i:i + size] for i in range(0, count, size)], bins=37)
+        for name in ("edges", "decode_tokens", "decode_seconds", "prefill_share", "mixed_share",
+                     "running", "waiting", "block_occupancy_percent", "slots_used"):
+            np.testing.assert_allclose(getattr(chunked, name), getattr(whole, name), rtol=1e-9,
+                                       atol=1e-9, equal_nan=True, err_msg=name)
+
+
+def test_plot_run_reads_steps_in_chunks(tmp_path, monkeypatch):
+    import zipage.rundir as rundir
+
+    steps = make_steps(REAL_KINDS * 20, REAL_DURATIONS * 20)
+    directory = write_run_dir(tmp_path / "run", steps.drop(columns=["shared_kv_tokens"]),
+                              real_requests(), {**REAL_SUMMARY, "rows": {"steps.csv": 120}},
+                              REAL_DECISIONS)
+    # A run written before a column: its chunks have it, at its default.
+    first = next(rundir.iter_step_chunks(directory, REAL_SUMMARY))
+    assert len(first) == 120 and first["shared_kv_tokens"].eq(0).all()
+    read: list[int] = []
+    chunks = rundir.iter_step_chunks
+
+    def counting(*args, **kwargs):
+        for chunk in chunks(*args, **kwargs):
+            read.append(len(chunk))
+            yield chunk
+
+    monkeypatch.setattr(rundir, "STEP_CHUNK_ROWS", 25)
+    monkeypatch.setattr("zipage.analysis.timeline.iter_step_chunks", counting)
+    assert_png(plot_run(directory))
+    assert read == [25, 25, 25, 25, 20] * 2  # the time span, then the sums
+    (directory / "summary.json").write_text(json.dumps({**REAL_SUMMARY,
+                                                        "rows": {"steps.csv": 121}}))
+    with pytest.raises(ZipageError, match="120 rows, but summary.json says the run wrote 121"):
+        plot_run(directory)
 
 
 @pytest.mark.parametrize("missing", ["summary.json", "steps.csv", "requests.csv"])

@@ -289,8 +289,8 @@ def load_run(directory: str | Path, flag: str | None = None,
     for column, default in REQUEST_COLUMN_DEFAULTS.items():
         if column not in requests.columns:
             requests[column] = default
-    _require_columns(steps, STEP_COLUMNS, directory / STEPS_FILE, flag)
-    _require_columns(requests, REQUEST_COLUMNS, directory / REQUESTS_FILE, flag)
+    _require_columns(steps.columns, STEP_COLUMNS, directory / STEPS_FILE, flag)
+    _require_columns(requests.columns, REQUEST_COLUMNS, directory / REQUESTS_FILE, flag)
     return RunData(directory=directory, summary=summary, steps=steps, requests=requests)
 
 
@@ -354,6 +354,45 @@ def read_table(directory: str | Path, name: str, summary: dict, flag: str | None
     return frame
 
 
+# Rows of steps.csv read at a time by `iter_step_chunks`: ~20 MB of frame, whatever the run's length.
+STEP_CHUNK_ROWS = 200_000
+
+
+def iter_step_chunks(directory: str | Path, summary: dict, flag: str | None = None,
+                     columns: list[str] | None = None,
+                     rows: int | None = None) -> Iterator[pd.DataFrame]:
+    """steps.csv a chunk of `rows` rows at a time, in file order (the timeline of a 2M-step run
+    reads it in bounded memory); only `columns` when given. Checked as `load_run` checks it:
+    the last line complete, the columns there (older runs' missing ones filled with their
+    defaults), and, once read through, as many rows as the run wrote."""
+    import pandas as pd
+
+    path = run_file(directory, STEPS_FILE, flag)
+    _check_complete_last_line(path, flag)
+    wanted = STEP_COLUMNS if columns is None else columns
+    defaults = {column: STEP_COLUMN_DEFAULTS[column] for column in wanted
+                if column in STEP_COLUMN_DEFAULTS}
+    found = 0
+    try:
+        header = list(pd.read_csv(path, nrows=0).columns)
+        _require_columns(header + list(defaults), wanted, path, flag)
+        present = [column for column in wanted if column in header]
+        for chunk in pd.read_csv(path, usecols=present, chunksize=rows or STEP_CHUNK_ROWS):
+            found += len(chunk)
+            for column, default in defaults.items():  # runs written before the column
+                if column not in chunk.columns:
+                    chunk[column] = default
+            yield chunk
+    except pd.errors.EmptyDataError:
+        raise ConfigError(f"{_prefix(flag)}{path}: empty (not even the header): the file is "
+                          f"truncated; {WRITE_HINT}") from None
+    except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as error:
+        reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"{_prefix(flag)}{path}: not a readable CSV ({reason}): the file is "
+                          f"damaged; {WRITE_HINT}") from None
+    _check_rows(path, found, summary, flag)
+
+
 def _check_complete_last_line(path: Path, flag: str | None) -> None:
     # Every writer ends a line before the next; a file cut mid-line would parse with NaNs.
     with path.open("rb") as handle:
@@ -374,9 +413,9 @@ def _check_rows(path: Path, found: int, summary: dict, flag: str | None) -> None
                           f"{WRITE_HINT}")
 
 
-def _require_columns(frame: pd.DataFrame, columns: list[str], path: Path,
-                     flag: str | None) -> None:
-    missing = [column for column in columns if column not in frame.columns]
+def _require_columns(present, columns: list[str], path: Path, flag: str | None) -> None:
+    """`present`: the column names a file has (or will have, defaults filled in)."""
+    missing = [column for column in columns if column not in present]
     if missing:
         raise ConfigError(f"{_prefix(flag)}{path}: missing column(s) {', '.join(missing)}; the "
                           f"file must have the header {','.join(columns)}")

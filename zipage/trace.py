@@ -316,6 +316,15 @@ def _duplicated_keys_message(obj: _DuplicatedKeys) -> str:
 
 def parse_trace(obj: Any, source: str = "<trace>", default_name: str | None = None) -> Trace:
     """Validate a decoded trace object; `source` names it in error messages."""
+    name, hash_block_size = parse_trace_header(obj, source, default_name)
+    checker = RequestChecker(source, hash_block_size)
+    return Trace(name=name, requests=[checker.check(raw) for raw in obj["requests"]])
+
+
+def parse_trace_header(obj: Any, source: str, default_name: str | None = None,
+                       streamed: bool = False) -> tuple[str, int]:
+    """Check a trace's top level (a JSON Lines trace's header line when `streamed`: its requests
+    follow on their own lines); returns its name and `hash_block_size` (0: none)."""
     if not isinstance(obj, dict):
         raise TraceError(
             f"{source}: a trace must be a JSON object with keys version, name, requests, "
@@ -340,39 +349,53 @@ def parse_trace(obj: Any, source: str = "<trace>", default_name: str | None = No
             f"{source}: name must be a non-empty string, got {_show(name)}"
             + _surrogate_hint(name)
         )
-    if "requests" not in obj:
-        raise TraceError(f"{source}: requests is missing; add a non-empty list of request objects")
-    requests = obj["requests"]
-    if not isinstance(requests, list):
-        raise TraceError(
-            f"{source}: requests must be a non-empty list of request objects, "
-            f"got {_json_type(requests)}"
-        )
-    if not requests:
-        raise TraceError(f"{source}: requests is empty; a trace needs at least one request")
+    if not streamed:
+        if "requests" not in obj:
+            raise TraceError(
+                f"{source}: requests is missing; add a non-empty list of request objects")
+        requests = obj["requests"]
+        if not isinstance(requests, list):
+            raise TraceError(
+                f"{source}: requests must be a non-empty list of request objects, "
+                f"got {_json_type(requests)}"
+            )
+        if not requests:
+            raise TraceError(EMPTY_TRACE.format(source=source))
     hash_block_size = obj.get("hash_block_size", 0)
     if "hash_block_size" in obj and (
             type(hash_block_size) is not int or not 1 <= hash_block_size <= MAX_HASH_BLOCK_SIZE):
         raise TraceError(f"{source}: hash_block_size must be an integer between 1 and "
                          f"{MAX_HASH_BLOCK_SIZE} (the tokens one block hash names), "
                          f"got {_show(hash_block_size)}")
-    parsed: list[TraceRequest] = []
-    index_of_id: dict[str, int] = {}
-    longest_member: dict[str, int] = {}
-    for index, raw in enumerate(requests):
-        request = _parse_request(raw, index, source, hash_block_size)
-        if request.id in index_of_id:
-            raise _request_error(
-                source, index, request.id,
-                f"id duplicates request #{index_of_id[request.id]}; ids must be unique",
-            )
-        index_of_id[request.id] = index
+    return name, hash_block_size
+
+
+EMPTY_TRACE = "{source}: requests is empty; a trace needs at least one request"
+
+
+class RequestChecker:
+    """Validates a trace's requests one at a time, in order: each on its own, and against the
+    earlier ones (unique ids, prefix groups that agree). What it keeps of the earlier ones: their
+    ids and, per prefix group, the member of longest prefix."""
+
+    def __init__(self, source: str, hash_block_size: int) -> None:
+        self.source, self.hash_block_size = source, hash_block_size
+        self.count = 0  # requests checked so far: the next one's index
+        self._index_of_id: dict[str, int] = {}
+        self._longest_member: dict[str, tuple[int, TraceRequest]] = {}
+
+    def check(self, raw: Any) -> TraceRequest:
+        index = self.count
+        request = _parse_request(raw, index, self.source, self.hash_block_size)
+        first = self._index_of_id.setdefault(request.id, index)
+        if first != index:
+            raise _request_error(self.source, index, request.id,
+                                 f"id duplicates request #{first}; ids must be unique")
         if request.prefix_group is not None:
-            _check_group_consistency(
-                request, request.prefix_group, index, parsed, longest_member, source
-            )
-        parsed.append(request)
-    return Trace(name=name, requests=parsed)
+            _check_group_consistency(request, request.prefix_group, index,
+                                     self._longest_member, self.source)
+        self.count += 1
+        return request
 
 
 def save_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
@@ -522,9 +545,14 @@ def prompt_block_keys(request: TraceRequest, block_size: int) -> list[int] | Non
     keys = []
     previous = 0
     digest = xxhash.xxh64_intdigest  # one call over the concatenation = the streamed hash
+    # Most requests draw every block from their own stream: its identities differ only in the
+    # index, so their common start is made once (a million requests' blocks are keyed per run).
+    own = (f"r\0{request.id}\0" if request.block_hashes is None and request.prefix_group is None
+           else None)
     for index in range(request.prompt_len // block_size):
-        identity = _block_identity(request, index, block_size).encode("utf-8")
-        previous = digest(previous.to_bytes(8, "little") + identity, seed=1)
+        identity = own + str(index) if own is not None else _block_identity(request, index,
+                                                                            block_size)
+        previous = digest(previous.to_bytes(8, "little") + identity.encode("utf-8"), seed=1)
         keys.append(previous)
     return keys
 
@@ -703,17 +731,15 @@ def _check_group_consistency(
     request: TraceRequest,
     group: str,
     index: int,
-    parsed: list[TraceRequest],
-    longest_member: dict[str, int],
+    longest_member: dict[str, tuple[int, TraceRequest]],
     source: str,
 ) -> None:
     # Comparing with the member of longest prefix seen so far is enough: that member agrees with
     # every earlier one on their shorter prefixes, so agreement is transitive.
     if group not in longest_member:
-        longest_member[group] = index
+        longest_member[group] = (index, request)
         return
-    reference_index = longest_member[group]
-    reference = parsed[reference_index]
+    reference_index, reference = longest_member[group]
     if (request.prompt_token_ids is None) != (reference.prompt_token_ids is None):
         raise _request_error(
             source, index, request.id,
@@ -731,7 +757,7 @@ def _check_group_consistency(
                     f"({shared} tokens); fix the ids or lower prefix_len",
                 )
     if request.prefix_len > reference.prefix_len:
-        longest_member[group] = index
+        longest_member[group] = (index, request)
 
 
 def _request_to_json(request: TraceRequest) -> dict[str, Any]:

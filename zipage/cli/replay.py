@@ -52,8 +52,13 @@ def add_parser(commands) -> None:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from zipage.trace_import import load_trace_file
+    from zipage.trace_stream import open_trace_stream
 
-    trace = load_trace_file(args.trace)
+    engine = "gpu" if args.gpu else args.engine
+    # The simulator streams its run into --out itself (`_simulate_streamed`), and reads a JSON
+    # Lines trace as its clock reaches the requests (docs/traces.md, 'Streamed traces').
+    streamed = engine == "sim" and args.step_times is None
+    trace = (streamed and open_trace_stream(args.trace)) or load_trace_file(args.trace)
     settings = settings_from_args(args)
     if args.out is not None:
         from zipage.rundir import check_run_out_dir
@@ -61,9 +66,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
         check_run_out_dir(args.out)
     # On stderr, only at a terminal: never mixed into --json's stdout.
     show_progress = progress_wanted(args)
-    engine = "gpu" if args.gpu else args.engine
-    # The simulator streams its run into --out itself (`_simulate_streamed`).
-    streamed = engine == "sim" and args.step_times is None
     if args.step_times is not None:
         from zipage.sim.step_replay import replay_step_times
 

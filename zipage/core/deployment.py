@@ -21,6 +21,7 @@ from zipage.dtypes import DTYPE_BYTES
 from zipage.errors import ConfigError, MemoryPlanError
 from zipage.shape import ModelShape
 from zipage.trace import Trace, prompt_block_keys, prompt_token_ids
+from zipage.trace_stream import TraceStream
 
 
 @dataclass
@@ -143,7 +144,7 @@ def trace_sequences(trace: Trace, vocab_size: int, need_tokens: bool,
     return list(iter_trace_sequences(trace, vocab_size, need_tokens, scheduler, block_keys))
 
 
-def iter_trace_sequences(trace: Trace, vocab_size: int, need_tokens: bool,
+def iter_trace_sequences(trace: Trace | TraceStream, vocab_size: int, need_tokens: bool,
                          scheduler: Scheduler | None = None, block_keys: bool = False,
                          in_arrival_order: bool = False) -> Iterator[Sequence]:
     """One Sequence per trace request; prompt tokens are synthesised only when needed (the
@@ -157,12 +158,17 @@ def iter_trace_sequences(trace: Trace, vocab_size: int, need_tokens: bool,
     decisions as on the engine's token hashes, without a token in memory.
 
     `in_arrival_order`: yield them by arrival time (the trace order among equal times), each
-    built only when asked for, so a lazy driver holds only the requests that have arrived."""
+    built only when asked for, so a lazy driver holds only the requests that have arrived. A
+    `TraceStream` is always in arrival order, and its requests are read only when asked for
+    too."""
     key_block_size = (scheduler.block_size if block_keys and scheduler is not None
                       and scheduler.config.prefix_cache else None)
-    requests = trace.requests
-    if in_arrival_order:
-        requests = sorted(requests, key=lambda request: request.arrival_s)
+    if isinstance(trace, TraceStream):
+        requests = iter(trace)  # read as asked for; the stream checks the arrival order
+    else:
+        requests = trace.requests
+        if in_arrival_order:
+            requests = sorted(requests, key=lambda request: request.arrival_s)
     for request in requests:
         seq = Sequence(request.id, None, request.output_len, arrival_s=request.arrival_s,
                        prompt_len=request.prompt_len, kv_budget=request.kv_budget)

@@ -70,6 +70,8 @@ class Scheduler:
         self.windows = WindowLayout(config.block_size, config.window)
         self.n_max = config.n_max  # of the default budget; a request's own is `seq.n_max`
         self.compress = config.compress
+        # Resolved once: `step_tokens` is a property of the (frozen) config, read every step.
+        self.step_tokens = config.step_tokens
         # docs/architecture.md, 'Per-request and elastic budgets'.
         self.elastic = config.compress and config.budget_policy == "elastic"
         self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_cache)
@@ -152,23 +154,25 @@ class Scheduler:
         """Why `seq` can never be served here, or None. O(1) from its lengths alone, so a driver
         can ask before building a prompt it would throw away (a 10^9-token one)."""
         prompt, output = seq.prompt_len, seq.max_output_tokens
-        where = f"request {seq.seq_id}"
+        where = seq.seq_id  # in each reason (formatting it up front would cost every request)
         if prompt < 1 or output < 1:
-            return f"{where}: prompt_len and output_len must be >= 1 (got {prompt}, {output})"
-        budget_reason = self.budget_reason(seq.kv_budget)
-        if budget_reason is not None:
-            return f"{where}: {budget_reason}"
+            return (f"request {where}: prompt_len and output_len must be >= 1 "
+                    f"(got {prompt}, {output})")
+        if seq.kv_budget is not None:  # None: the default, checked with the config
+            budget_reason = self.budget_reason(seq.kv_budget)
+            if budget_reason is not None:
+                return f"request {where}: {budget_reason}"
         limit = self.config.max_model_len
         if limit is not None and prompt + output > limit:
-            return (f"{where}: prompt_len + output_len = {prompt + output} exceeds max_model_len "
-                    f"{limit}; shorten the request or raise --max-model-len")
-        if not self.config.chunked_prefill and prompt > self.config.step_tokens:
-            return (f"{where}: prompt_len {prompt} exceeds max_num_batched_tokens "
-                    f"{self.config.step_tokens}; raise --max-num-batched-tokens or turn chunked "
+            return (f"request {where}: prompt_len + output_len = {prompt + output} exceeds "
+                    f"max_model_len {limit}; shorten the request or raise --max-model-len")
+        if not self.config.chunked_prefill and prompt > self.step_tokens:
+            return (f"request {where}: prompt_len {prompt} exceeds max_num_batched_tokens "
+                    f"{self.step_tokens}; raise --max-num-batched-tokens or turn chunked "
                     "prefill back on (--chunked-prefill)")
         peak = self.peak_blocks(prompt, output, self._n_max_of(seq))
         if peak > self.block_manager.num_blocks:
-            return (f"{where}: needs {peak} KV blocks at its peak but only "
+            return (f"request {where}: needs {peak} KV blocks at its peak but only "
                     f"{self.block_manager.num_blocks} exist; give more KV memory"
                     + (" or enable compression" if not self.compress else ""))
         return None
@@ -276,7 +280,7 @@ class Scheduler:
             cached = self.block_manager.cached_prefix_blocks(seq, num_tokens)
             start = len(cached) * self.block_size
             if budget is None and plan.prefill and (
-                    batched_tokens + num_tokens - start > config.step_tokens):
+                    batched_tokens + num_tokens - start > self.step_tokens):
                 break  # the tokens of this step, not a resource: the next step may admit it
             self._admission_failed_at = (seq, self._resource_version)
             if len(self.running) >= config.max_num_seqs:
@@ -308,7 +312,7 @@ class Scheduler:
         part-way through their prompt before new admissions. A step that preempted admits
         nobody (the victim would come straight back)."""
         self._schedule_decode(plan)
-        budget = self.config.step_tokens - len(plan.decode)
+        budget = self.step_tokens - len(plan.decode)
         for seq in list(self.prefilling):
             if budget <= 0:
                 return
@@ -436,7 +440,8 @@ class Scheduler:
                 if version != self._resource_version:
                     del self._blocked[seq]
                     candidates.append(seq)
-        candidates.sort(key=lambda seq: seq.running_rank)
+        if len(candidates) > 1:
+            candidates.sort(key=lambda seq: seq.running_rank)
 
         jobs: list[CompressionJob] = []
         for seq in candidates:

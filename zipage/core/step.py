@@ -23,7 +23,7 @@ MIXED = "mixed"
 IDLE = "idle"  # nothing runnable: the driver waits for the in-flight compression batch
 
 
-@dataclass
+@dataclass(slots=True)
 class PrefillItem:
     """One request computed by a prefill (or mixed) step: a whole prompt or one chunk of it.
 
@@ -58,7 +58,7 @@ def causal_pairs(new_tokens: int, cached_tokens: int) -> int:
     return new_tokens * cached_tokens + new_tokens * (new_tokens + 1) // 2
 
 
-@dataclass
+@dataclass(slots=True)
 class Fork:
     """Another sample of `leader`'s prompt, admitted without a prefill of its own
     (docs/architecture.md, 'Samples of one prompt').
@@ -75,7 +75,7 @@ class Fork:
     copy: tuple[int, int] | None
 
 
-@dataclass
+@dataclass(slots=True)
 class CompressionJob:
     """Compress one request's KV cache into `target_blocks` (docs/architecture.md, 'Rules', rule 5).
 
@@ -98,7 +98,7 @@ class CompressionJob:
         return len(self.source_table)
 
 
-@dataclass
+@dataclass(slots=True)
 class CompressionBatch:
     """Compressions launched together on the compression stream (async mode)."""
 
@@ -106,7 +106,7 @@ class CompressionBatch:
     jobs: list[CompressionJob]
 
 
-@dataclass
+@dataclass(slots=True)
 class StepPlan:
     step_id: int
     kind: str
@@ -195,7 +195,7 @@ class StepPlan:
         return " ".join(parts)
 
 
-@dataclass
+@dataclass(slots=True)
 class StepResult:
     """What a driver reports back after executing a plan."""
 

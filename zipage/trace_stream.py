@@ -1,0 +1,161 @@
+"""A JSON Lines trace read as it is used: a few MB of lines at a time, each request checked as it
+is read, so a simulation holds the requests that have arrived, not the trace (docs/traces.md,
+'Streamed traces').
+
+`open_trace_stream(path)` answers None for anything that is not a Zipage JSON Lines trace (a
+JSON trace, a production trace, a file whose first line is not a header): those load whole
+(`zipage.trace.load_trace`), as before. A stream checks each request exactly as the loader does,
+with the loader's messages (`RequestChecker`), plus one rule a loaded trace does not need: its
+requests come in arrival order (a loaded trace is sorted; a stream cannot be). A mistake is
+raised as a `TraceError` when the reader reaches its line, so a simulation stops there (and
+`zipage replay` discards the run directory). What a stream keeps of the requests it has read:
+their ids (a duplicate is an error), ~100 bytes a request.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from zipage.errors import TraceError
+from zipage.trace import (
+    EMPTY_TRACE,
+    GZIP_MAGIC,
+    JSONL_CHUNK,
+    RequestChecker,
+    TraceRequest,
+    _decode_json,
+    _decode_jsonl_fast,
+    _request_error,
+    _show,
+    jsonl_header,
+    parse_trace_header,
+    trace_stem,
+)
+
+
+class TraceStream:
+    """The requests of a JSON Lines trace, read lazily in file order (= arrival order) each time
+    it is iterated."""
+
+    def __init__(self, path: str | os.PathLike[str], name: str, hash_block_size: int) -> None:
+        self.path, self.source = path, str(path)
+        self.name = name
+        self.hash_block_size = hash_block_size
+
+    def __iter__(self) -> Iterator[TraceRequest]:
+        checker = RequestChecker(self.source, self.hash_block_size)
+        previous: TraceRequest | None = None
+        for raw in self._objects():
+            request = checker.check(raw)
+            if previous is not None and request.arrival_s < previous.arrival_s:
+                raise _request_error(
+                    self.source, checker.count - 1, request.id,
+                    f"arrival_s {_show(request.arrival_s)} is earlier than request "
+                    f"#{checker.count - 2}'s {_show(previous.arrival_s)}: a JSON Lines trace "
+                    "is read as it is replayed, so its requests must be in arrival order; sort "
+                    "its lines by arrival_s (or save it as .json, which is loaded whole)")
+            previous = request
+            yield request
+        if checker.count == 0:
+            raise TraceError(EMPTY_TRACE.format(source=self.source))
+
+    def _objects(self) -> Iterator[Any]:
+        """The decoded request lines: a chunk of lines per call of the C parser, as the loader
+        does; line by line where a chunk does not decode, so a mistake names its line."""
+        with _open(self.path) as file:
+            _read(file, self.source, header=True)  # the header line, checked on opening
+            lines_before = 1
+            for chunk in _chunks(file, self.source):
+                text = _chunk_text(chunk, lines_before, self.source)
+                objects = _decode_jsonl_fast(text)
+                if objects is None:
+                    objects = [_decode_json(line, f"{self.source}: line {number}")
+                               for number, line in enumerate(text.split("\n"), lines_before + 1)
+                               if line.strip()]
+                yield from objects
+                lines_before += chunk.count(b"\n")
+
+
+def open_trace_stream(path: str | os.PathLike[str]) -> TraceStream | None:
+    """A stream of the trace at `path` if it is a Zipage JSON Lines trace (gzipped or not; its
+    header checked now), else None."""
+    source = str(path)
+    try:
+        with _open(path) as file:
+            first = _read(file, source, header=True)
+    except (OSError, TraceError):
+        return None  # the whole-file loader reports what is wrong
+    try:
+        text = first.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        return None
+    header = jsonl_header(text)
+    if header is None:
+        return None
+    default_name = trace_stem(path).encode("utf-8", "backslashreplace").decode("utf-8")
+    name, hash_block_size = parse_trace_header(header, source, default_name, streamed=True)
+    return TraceStream(path, name, hash_block_size)
+
+
+def _open(path: str | os.PathLike[str]) -> IO[bytes]:
+    file = Path(path).open("rb")
+    if file.read(2) == GZIP_MAGIC:
+        file.seek(0)
+        return gzip.GzipFile(fileobj=file, mode="rb")
+    file.seek(0)
+    return file
+
+
+def _read(file: IO[bytes], source: str, header: bool = False) -> bytes:
+    """The next chunk of bytes (about JSONL_CHUNK), or the first line with `header`."""
+    try:
+        return file.readline() if header else file.read(JSONL_CHUNK)
+    except (OSError, EOFError) as error:
+        raise TraceError(f"{source}: a damaged gzip file: {error}") from None
+
+
+def _chunks(file: IO[bytes], source: str) -> Iterator[bytes]:
+    """The rest of the file in whole lines, about JSONL_CHUNK bytes at a time (the last line
+    may lack its newline)."""
+    tail = b""
+    while True:
+        data = _read(file, source)
+        if not data:
+            if tail:
+                yield tail
+            return
+        data = tail + data
+        end = data.rfind(b"\n") + 1
+        if end == 0:  # no line ends in it yet: read on
+            tail = data
+            continue
+        yield data[:end]
+        tail = data[end:]
+
+
+def _chunk_text(chunk: bytes, lines_before: int, source: str) -> str:
+    """The chunk as text, refusing what the loader refuses (NUL bytes, bytes that are not UTF-8)
+    with the line and column where it is."""
+    offset = chunk.find(b"\x00")
+    if offset >= 0:
+        raise TraceError(f"{source}: not a UTF-8 JSON file: NUL byte at "
+                         f"{_position(chunk, offset, lines_before)} (UTF-16 text or a binary "
+                         f"file?); a trace must be UTF-8 JSON")
+    try:
+        return chunk.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise TraceError(
+            f"{source}: not UTF-8 text: byte 0x{chunk[error.start]:02x} at "
+            f"{_position(chunk, error.start, lines_before)} is not valid UTF-8 (Latin-1 or "
+            f"another legacy encoding?); a trace must be UTF-8: re-save it as UTF-8") from None
+
+
+def _position(chunk: bytes, offset: int, lines_before: int) -> str:
+    line = lines_before + chunk.count(b"\n", 0, offset) + 1
+    column = offset - (chunk.rfind(b"\n", 0, offset) + 1) + 1
+    return f"line {line} column {column}"
+
