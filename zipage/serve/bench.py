@@ -143,7 +143,9 @@ async def _server_counters(client: httpx.AsyncClient) -> dict | None:
         response = await client.get("/metrics")
     except httpx.HTTPError:
         return None
-    found = {name: float(value) for name, value in _COUNTER.findall(response.text)}
+    found: dict[str, float] = {}
+    for name, value in _COUNTER.findall(response.text):  # one series per replica: their sum
+        found[name] = found.get(name, 0.0) + float(value)
     return found if len(found) == 2 else None
 
 
