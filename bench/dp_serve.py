@@ -58,11 +58,21 @@ def main() -> int:
     parser.add_argument("--tail-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=24)
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/dp_serve"))
+    parser.add_argument("--predict-only", action="store_true",
+                        help="keep the measured rows of OUT/table.json, simulate again (e.g. "
+                             "with another --cost-model) and print the table")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = args.dtype or ("float32" if args.engine == "cpu" else "bfloat16")
     trace = make_trace(args)
+    if args.predict_only:
+        rows = json.loads((out / "table.json").read_text())
+        for row in rows:
+            row["predicted"] = predict(trace, args, dtype, row["replicas"], row["routing"])
+        (out / "table.json").write_text(json.dumps(rows, indent=1))
+        print_table(rows)
+        return 0
     trace_path = out / "trace.json"
     save_trace(trace, trace_path)
     engine_flags = ["--model", args.model, "--engine", args.engine, "--dtype", dtype,
