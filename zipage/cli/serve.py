@@ -63,6 +63,11 @@ def add_parser(commands) -> None:
     parallel.add_argument("--routing", choices=ROUTING_POLICIES, default=LEAST_LOADED,
                           help="how requests are spread over the replicas, by the rules "
                                "`zipage plan --routing` simulates (default least-loaded)")
+    parallel.add_argument("--ray", default=None, metavar="ADDRESS",
+                          help="run the replicas as Ray Serve deployments on the Ray cluster at "
+                               "ADDRESS ('auto', 'ray://HOST:10001', or 'local' for a new local "
+                               "instance): Ray places one replica per GPU (or CPU) and replaces "
+                               "one that dies; the OpenAI app is the ingress on --host/--port")
     add_graph_flags(serve)
     add_threads_flag(serve)
 
@@ -126,6 +131,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     require_serve_extra()
     given = engine_given(args)
     require_torch(args.engine, given, "use --engine cpu (small models)")
+    if args.ray is not None:
+        return _serve_on_ray(args, api_key)
     from zipage.serve.listen import bind
 
     try:  # before the model loads: a taken or impossible port is an error at once
@@ -172,6 +179,56 @@ def _serve(args: argparse.Namespace, sock, api_key: str | None) -> int:
     finally:
         engine.stop_process()
     return _serve_status(server, engine)
+
+
+def _serve_on_ray(args: argparse.Namespace, api_key: str | None) -> int:
+    """Deploy on Ray Serve (zipage/serve/ray_serve.py) and wait for SIGINT or SIGTERM."""
+    import os
+    import signal
+    import threading
+
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise ZipageError("--ray: Ray Serve is not installed; pip install 'zipage[ray]'") from None
+    from zipage.serve.ray_serve import deploy
+    from zipage.serve.wire import Setup
+
+    settings = settings_from_args(args)
+    setup = Setup(settings, "cuda" if args.engine == "gpu" else "cpu", not args.no_cuda_graphs,
+                  args.prefill_graphs, args.threads)
+    local = args.ray == "local"
+    if local:  # the workers a new local instance starts import this checkout, as this process
+        root = str(Path(__file__).resolve().parents[2])
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    ray.init(address=None if local else args.ray, include_dashboard=False,
+             num_cpus=max(os.cpu_count() or 1, args.data_parallel + 1) if local else None,
+             logging_level="warning")
+    stop = threading.Event()
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, lambda *_: stop.set())
+    name = args.served_model_name or Path(settings.model).name
+    try:
+        info = deploy(setup, args.data_parallel, args.routing, name,
+                      {"max_waiting": args.max_waiting, "api_key": api_key,
+                       "max_body_bytes": args.max_body_bytes}, args.host, args.port)
+        print(f"zipage serve: {name} on Ray ({args.ray}), {args.data_parallel} replicas routed "
+              f"{args.routing}, each with {info.capacity.num_blocks} KV blocks of "
+              f"{info.config.block_size} tokens; listening on http://{args.host}:{args.port}",
+              file=sys.stderr, flush=True)
+        stop.wait()
+    finally:
+        if local:
+            serve.shutdown()
+        else:  # the cluster's own Serve instance may run other applications
+            from zipage.serve.ray_serve import ENGINE_APP, INGRESS_APP
+
+            for app in (INGRESS_APP, ENGINE_APP):
+                serve.delete(app)
+        ray.shutdown()
+    return 0
 
 
 def _http_server(args: argparse.Namespace, engine, tokenizer, name: str, api_key: str | None):
