@@ -329,6 +329,9 @@ def deploy(setup: Setup, replicas: int, routing: str, name: str, options: dict,
     engine = serve.deployment(
         ZipageEngine, name=ENGINE, num_replicas=replicas, ray_actor_options=resources,
         health_check_period_s=HEALTH_CHECK_PERIOD_S, request_router_config=router,
+        # A replica whose engine died has nothing left to drain: replace it without Ray's
+        # default 20 s wait for its requests.
+        graceful_shutdown_timeout_s=5.0, graceful_shutdown_wait_loop_s=1.0,
         max_ongoing_requests=100_000)
     handle = serve.run(engine.bind(setup), name=ENGINE_APP, route_prefix=None)
     info = handle.describe.remote().result()
