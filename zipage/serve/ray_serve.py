@@ -278,10 +278,14 @@ class RayEngines:
     def health(self) -> list[dict]:
         try:
             status = serve.status().applications[ENGINE_APP].deployments[ENGINE]
-            states = {str(state): count for state, count in status.replica_states.items()}
+            states = {str(getattr(state, "value", state)): count
+                      for state, count in status.replica_states.items()}
         except (KeyError, AttributeError):
             states = {}
-        return [{"replica": "ray", "status": "ok", "replica_states": states}]
+        # "error" while Ray replaces a replica: the app then answers "degraded" (still 200).
+        running = states.get("RUNNING", 0) >= self.replicas
+        return [{"replica": "ray", "status": "ok" if running else "error",
+                 "replica_states": states}]
 
     def close(self, reason: str = "") -> None:
         for _, task in list(self._requests.values()):
