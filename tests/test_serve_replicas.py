@@ -31,7 +31,9 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 from test_serve_process import ENV, FLAGS, MODEL, _alive, _children, _free_port, _wait_for  # noqa: E402
 
-from zipage.serve.replicas import ReplicaSet  # noqa: E402
+from zipage.errors import ConfigError  # noqa: E402
+from zipage.serve.replicas import ReplicaSet, replica_setups  # noqa: E402
+from zipage.serve.wire import Setup  # noqa: E402
 
 BLOCK = 16  # --block-size in FLAGS
 
@@ -95,6 +97,29 @@ def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica():
     # Past the load bound (1.5 x the least load + 4) the prefix yields to balance.
     replicas.clients[first].requests = 20
     assert _sent(replicas, system) != first
+
+
+def test_each_replica_gets_its_own_cores_or_gpus(monkeypatch):
+    cpu = Setup(settings=None, device="cpu", cuda_graphs=False, prefill_graphs=None, threads=None)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    assert [setup.cpus for setup in replica_setups(cpu, 2)] == [(0, 1), (2, 3)]
+    assert replica_setups(cpu, 1) == [cpu]  # one engine: the parent's cores, as before
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert [setup.cpus for setup in replica_setups(cpu, 2)] == [None, None]  # they share it
+    gpu = Setup(settings=None, device="cuda", cuda_graphs=True, prefill_graphs=None, threads=None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert [setup.visible_devices for setup in replica_setups(gpu, 2, 2)] == ["4,5", "6,7"]
+    assert [setup.visible_devices for setup in replica_setups(gpu, 3)] == ["4", "5", "6"]
+    with pytest.raises(ConfigError, match=r"--data-parallel: 3 replicas of 2 GPUs need 6 GPUs, 4 "):
+        replica_setups(gpu, 3, 2)
+
+
+def test_data_parallel_below_one_is_a_one_line_error():
+    result = subprocess.run([sys.executable, "-m", "zipage.cli", "serve", "--model",
+                             "/nonexistent/model.gguf", "--engine", "cpu", "--data-parallel", "0"],
+                            capture_output=True, text=True, timeout=120, env=ENV)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "zipage: error: --data-parallel: got 0, expected >= 1 replicas"
 
 
 # ---------------------------------------------------------------- two engine processes over HTTP

@@ -45,6 +45,7 @@ class ReplicaSet:
         self.admission = first.admission
         self.block_size = first.info.config.block_size
         self._on_fatal = None
+        self.metrics = None  # the server's, once attached
         if len(clients) > 1:
             for client in clients:
                 client.label = f"replica {client.index}: "
@@ -131,7 +132,7 @@ class ReplicaSet:
         index, keys = self.choose(prompt_token_ids)
         handles = self.clients[index].submit(prompt_token_ids, sampling)
         self.policy.routed(index, keys)  # only once it went: a refused send taught nothing
-        if getattr(self, "metrics", None) is not None:
+        if self.metrics is not None:
             self.metrics.replica(index).routed.inc()
         return handles
 
