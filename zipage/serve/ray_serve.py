@@ -190,6 +190,7 @@ class RayEngines:
         self.on_fatal = None
         self.metrics = None
         self._requests: dict[int, tuple[list[RequestHandle], asyncio.Task]] = {}
+        self._request_of: dict[str, int] = {}  # a sample's seq_id -> its request
         self._ids = 0
 
     def rejection_reason(self, prompt_len: int, max_tokens: int, kv_budget: int | None = None):
@@ -217,7 +218,7 @@ class RayEngines:
             self._stream(rid, handles, prompt_token_ids, sampling))
         self._requests[rid] = (handles, task)
         for handle in handles:
-            handle.request_id = rid
+            self._request_of[handle.seq_id] = rid
         return handles
 
     async def _stream(self, rid, handles, prompt_token_ids, sampling) -> None:
@@ -245,6 +246,8 @@ class RayEngines:
                                                             "retry the request", 503))
         finally:
             self._requests.pop(rid, None)
+            for handle in handles:
+                self._request_of.pop(handle.seq_id, None)
 
     def _deliver(self, handle: RequestHandle, rank: int, delta: Delta, prompt) -> None:
         metrics = self.metrics.replica(rank) if self.metrics is not None else None
@@ -271,7 +274,7 @@ class RayEngines:
         if handle.done:
             return
         handle.done, handle.waiting = True, False
-        handles, task = self._requests.get(getattr(handle, "request_id", None), ([], None))
+        handles, task = self._requests.get(self._request_of.get(handle.seq_id), ([], None))
         if task is not None and all(other.done for other in handles):
             task.cancel()  # cancels the stream: the replica aborts the request in its engine
 
