@@ -5,11 +5,11 @@
 The trace: requests of a few prefix groups (a shared system prompt each, then a tail of their
 own), Poisson arrivals. For each (replicas, routing) row the script starts a server, checks
 correctness first (a greedy request's token ids must equal the first row's: every replica is the
-same engine), replays the trace with `zipage bench serve --out`, reads how many requests the
-router sent to each replica from /metrics, stops the server, and simulates the same row. The
-table last: measured output tok/s, TTFT p50 / p90, requests per replica, and the prediction's
-tok/s, TTFT p90, requests per replica, with measured / predicted ratios. Logs, run directories and
-`table.json` go under $OUT (or --out).
+same engine), replays the trace with `zipage bench serve --out` (its run's
+`requests_per_replica`: how the router spread the trace, from /metrics), stops the server, and
+simulates the same row. The table last: measured output tok/s, TTFT p50 / p90, requests per
+replica, and the prediction's tok/s, TTFT p90, requests per replica, with measured / predicted
+ratios. Logs, run directories and `table.json` go under $OUT (or --out).
 
 CPU (the committed table; random SmolLM2-135M, one thread per replica):
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -125,7 +124,6 @@ def serve_and_bench(engine_flags, replicas, routing, trace_path, out: Path, env)
         check = httpx.post(url + "/v1/completions", timeout=300, json={
             "prompt": list(range(1, 41)), "max_tokens": 8, "temperature": 0,
             "ignore_eos": True}).json()["choices"][0]["token_ids"]
-        routed_before = _routed(url)
         bench = subprocess.run(
             [sys.executable, "-m", "zipage.cli", "bench", "serve", str(trace_path), "--url", url,
              "--out", str(out / "run"), "--no-progress"],
@@ -133,7 +131,6 @@ def serve_and_bench(engine_flags, replicas, routing, trace_path, out: Path, env)
         (out / "bench.log").write_text(bench.stdout + bench.stderr)
         if bench.returncode != 0:
             raise SystemExit(f"zipage bench serve failed:\n{bench.stderr[-2000:]}")
-        routed = _routed(url)
     finally:
         server.terminate()
         server.wait(timeout=120)
@@ -142,7 +139,7 @@ def serve_and_bench(engine_flags, replicas, routing, trace_path, out: Path, env)
     return {"check": check, "tok_s": summary["tps"],
             "ttft_p50_s": summary["ttft_p50_s"], "ttft_p90_s": summary["ttft_p90_s"],
             "completed": summary["completed"],
-            "per_replica": [routed[key] - routed_before.get(key, 0) for key in sorted(routed)]}
+            "per_replica": summary["requests_per_replica"]}
 
 
 def predict(trace, args, dtype, replicas, routing) -> dict:
@@ -172,12 +169,6 @@ def print_table(rows) -> None:
               f"| {m['ttft_p90_s']:.2f} | {'/'.join(f'{x:g}' for x in m['per_replica'])} | "
               f"{p['tok_s']:.1f} | {p['ttft_p90_s']:.2f} | "
               f"{'/'.join(str(x) for x in p['per_replica'])} | {m['tok_s'] / p['tok_s']:.2f} |")
-
-
-def _routed(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return {replica: float(value) for replica, value in re.findall(
-        r'^zipage:requests_routed_total\{[^}]*replica="(\d+)"[^}]*\}\s+(\S+)$', text, re.M)}
 
 
 def _wait_healthy(server, url: str, log: Path) -> None:
