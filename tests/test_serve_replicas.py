@@ -98,6 +98,16 @@ def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica():
     replicas.clients[first].requests = 20
     assert _sent(replicas, system) != first
 
+    # Within the bound the prefix wins over a lighter replica; once its replica is replaced
+    # (Ray's router forgets it: a new replica's cache is empty) the lighter one takes it.
+    fresh = _replicas("prefix-affinity", 2)
+    assert _sent(fresh, system) == 0
+    fresh.clients[0].requests, fresh.clients[1].requests = 2, 0
+    assert _sent(fresh, system + [5]) == 0
+    fresh.clients[0].requests = 2
+    fresh.policy.forget(0)
+    assert _sent(fresh, system + [6]) == 1
+
 
 def test_each_replica_gets_its_own_cores_or_gpus(monkeypatch):
     cpu = Setup(settings=None, device="cpu", cuda_graphs=False, prefill_graphs=None, threads=None)

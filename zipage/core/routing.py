@@ -62,6 +62,9 @@ class RoundRobin:
     def routed(self, index: int, block_keys: list[int]) -> None:
         pass
 
+    def forget(self, index: int) -> None:
+        """Replica `index` was replaced by a new one: its cache starts empty."""
+
 
 class LeastLoaded(RoundRobin):
     name = LEAST_LOADED
@@ -97,6 +100,9 @@ class PrefixAffinity(RoundRobin):
             seen.move_to_end(key)
         while len(seen) > self.memory_blocks:
             seen.popitem(last=False)
+
+    def forget(self, index: int) -> None:
+        self._seen[index].clear()
 
 
 def make_policy(name: str, replicas: int) -> RoundRobin:

@@ -132,8 +132,7 @@ class ZipageRouter(FIFOMixin, RequestRouter):
                 if free is None:
                     continue
                 self.slots[free] = replica.replica_id
-                if hasattr(self.policy, "_seen"):
-                    self.policy._seen[free].clear()
+                self.policy.forget(free)
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         if not candidate_replicas:
