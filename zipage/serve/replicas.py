@@ -166,16 +166,16 @@ def replica_setups(setup: Setup, replicas: int, tensor_parallel: int = 1) -> lis
         share = len(cores) // replicas
         return [replace(setup, cpus=tuple(cores[index * share:(index + 1) * share]))
                 for index in range(replicas)]
+    if replicas == 1:  # one engine sees what this process sees, as without the flag
+        return [setup]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = ([item.strip() for item in visible.split(",") if item.strip()]
                if visible is not None else [str(index) for index in range(_gpu_count())])
     needed = replicas * tensor_parallel
-    if replicas > 1 and len(devices) < needed:
+    if len(devices) < needed:
         raise ConfigError(f"--data-parallel: {replicas} replicas of {tensor_parallel} GPU"
                           f"{'s' * (tensor_parallel != 1)} need {needed} GPUs, {len(devices)} "
                           "are visible; use fewer replicas (or set CUDA_VISIBLE_DEVICES)")
-    if replicas == 1:
-        return [setup]
     return [replace(setup, visible_devices=",".join(
         devices[index * tensor_parallel:(index + 1) * tensor_parallel]))
         for index in range(replicas)]
