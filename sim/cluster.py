@@ -3,8 +3,9 @@
 `simulate_cluster` builds `replicas` independent engines (each its own scheduler, blocks and query
 slots, sized exactly as `zipage replay` sizes one) on one shared SimPy clock, and a router process
 that hands each trace request, at its arrival time, to one engine by a policy of
-`zipage.core.routing`: round-robin, the engine with the fewest requests queued or running
-(`Simulator.load`, ties to the lowest index), or prefix affinity (the engine whose earlier
+`zipage.core.routing` (the same code `zipage serve --data-parallel N --routing P` routes by):
+round-robin, the engine with the fewest requests queued or running (`Simulator.load`, ties to the
+fewest KV blocks in use, then the lowest index), or prefix affinity (the engine whose earlier
 requests share the request's leading prompt blocks, within a load bound). The merged
 summary is `summarize` over the union of every engine's step and request records, so throughput,
 makespan and the TTFT/TPOT percentiles are the deployment's. Two keys are redefined because the
@@ -23,7 +24,7 @@ import simpy
 
 from zipage.core.deployment import ReplaySettings, trace_sequences
 from zipage.core.metrics import summarize
-from zipage.core.routing import ROUND_ROBIN, ROUTING_POLICIES, RoundRobin, make_policy
+from zipage.core.routing import ROUND_ROBIN, ROUTING_POLICIES, ReplicaLoad, RoundRobin, make_policy
 from zipage.core.sequence import Sequence
 from zipage.errors import ConfigError
 from zipage.records import StepRecord
@@ -103,7 +104,9 @@ def _route(environment: simpy.Environment, arrivals: list[Sequence], engines: li
         if seq.arrival_s > environment.now:
             yield environment.timeout(seq.arrival_s - environment.now)
         keys = seq.prompt_block_hashes
-        index = policy.choose(keys, [engine.load for engine in engines])
+        index = policy.choose(keys, [ReplicaLoad(engine.load,
+                                                  engine.scheduler.block_manager.num_used_blocks)
+                                      for engine in engines])
         policy.routed(index, keys)
         assignment.append(index)
         engines[index].submit(seq)

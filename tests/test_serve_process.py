@@ -297,6 +297,7 @@ def test_bench_serve_command_writes_its_run_and_prints_the_summary(tmp_path):
     assert lines[-1] == f"wrote {out}/summary.json, requests.csv"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["completed"] == 4 and summary["failed"] == 0
+    assert summary["requests_per_replica"] == [4]  # one engine: replica "0" took them all
 
 
 async def _slow_clients(port: int, count: int) -> list:

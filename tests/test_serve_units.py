@@ -347,7 +347,7 @@ def test_an_unexpected_exception_is_a_500_in_openai_shape():
     info = SimpleNamespace(capacity=SimpleNamespace(num_blocks=4), eos_token_ids=frozenset(),
                            config=SimpleNamespace(max_model_len=64))
     engine = SimpleNamespace(info=info, attach=lambda metrics: None, close=lambda: None,
-                             stop_process=lambda: None, alive=True)
+                             stop_process=lambda: None, alive=True, replicas=1)
     app = build_app(engine, None, "m", api_key="k")
 
     @app.get("/v1/boom")

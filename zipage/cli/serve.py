@@ -15,6 +15,7 @@ from zipage.cli.flags import (
     require_torch,
     settings_from_args,
 )
+from zipage.core.routing import LEAST_LOADED, ROUTING_POLICIES
 from zipage.errors import ZipageError
 from zipage.serve import DEFAULT_MAX_BODY_BYTES
 
@@ -54,6 +55,19 @@ def add_parser(commands) -> None:
                             "long after it opened or after its last response (default 10)")
     serve.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
                        help="close an idle keep-alive connection after this long (default 5)")
+    parallel = serve.add_argument_group("replicas (docs/serve.md, 'Data parallel')")
+    parallel.add_argument("--data-parallel", type=int, default=1, metavar="N",
+                          help="serve N engine replicas behind this one server: one engine "
+                               "process per GPU (per --tensor-parallel GPUs) or per slice of the "
+                               "CPU cores (default 1)")
+    parallel.add_argument("--routing", choices=ROUTING_POLICIES, default=LEAST_LOADED,
+                          help="how requests are spread over the replicas, by the rules "
+                               "`zipage plan --routing` simulates (default least-loaded)")
+    parallel.add_argument("--ray", default=None, metavar="ADDRESS",
+                          help="run the replicas as Ray Serve deployments on the Ray cluster at "
+                               "ADDRESS ('auto', 'ray://HOST:10001', or 'local' for a new local "
+                               "instance): Ray places one replica per GPU (or CPU) and replaces "
+                               "one that dies; the OpenAI app is the ingress on --host/--port")
     add_graph_flags(serve)
     add_threads_flag(serve)
 
@@ -98,6 +112,8 @@ def _check_serve_flags(args: argparse.Namespace) -> str | None:
         raise ZipageError(f"--max-waiting: got {args.max_waiting}, expected >= 1")
     if args.max_body_bytes < 1:
         raise ZipageError(f"--max-body-bytes: got {args.max_body_bytes}, expected >= 1")
+    if args.data_parallel < 1:
+        raise ZipageError(f"--data-parallel: got {args.data_parallel}, expected >= 1 replicas")
     if args.max_engine_restarts < 0:
         raise ZipageError(f"--max-engine-restarts: got {args.max_engine_restarts}, "
                           "expected >= 0")
@@ -115,6 +131,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     require_serve_extra()
     given = engine_given(args)
     require_torch(args.engine, given, "use --engine cpu (small models)")
+    if args.ray is not None:
+        return _serve_on_ray(args, api_key)
     from zipage.serve.listen import bind
 
     try:  # before the model loads: a taken or impossible port is an error at once
@@ -127,17 +145,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, sock, api_key: str | None) -> int:
     from zipage.engine.loader import load_tokenizer
-    from zipage.serve.engine_client import EngineClient, EngineProcessError
+    from zipage.serve.engine_client import EngineProcessError
+    from zipage.serve.replicas import ReplicaSet, replica_setups
     from zipage.serve.wire import Setup
 
     settings = settings_from_args(args)
-    # The engine runs in a process of its own (docs/serve.md, 'How it works'); the server
-    # listens only once it has loaded the model.
+    setup = Setup(settings, "cuda" if args.engine == "gpu" else "cpu", not args.no_cuda_graphs,
+                  args.prefill_graphs, args.threads)
+    setups = replica_setups(setup, args.data_parallel, settings.tensor_parallel)
+    # Each engine runs in a process of its own (docs/serve.md, 'How it works'); the server
+    # listens only once every replica has loaded the model.
     try:
-        engine = EngineClient.start(
-            Setup(settings, "cuda" if args.engine == "gpu" else "cpu",
-                  not args.no_cuda_graphs, args.prefill_graphs, args.threads),
-            max_restarts=args.max_engine_restarts)
+        engine = ReplicaSet.start(setups, args.max_engine_restarts, args.routing)
     except EngineProcessError as error:
         print(f"zipage: error: {error}", file=sys.stderr)
         return 1
@@ -148,14 +167,74 @@ def _serve(args: argparse.Namespace, sock, api_key: str | None) -> int:
         info, capacity = engine.info, engine.info.capacity
         threads = (f", {info.threads} torch thread{'s' * (info.threads != 1)}"
                    if info.threads is not None else "")
-        print(f"zipage serve: {name} on {info.device} ({settings.dtype}{threads}), "
-              f"{capacity.num_blocks} KV blocks of {info.config.block_size} tokens, "
-              f"{capacity.num_query_slots} query slots, engine process {engine.pid}; "
-              f"listening on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+        pids = engine.pids
+        where = (f"engine process {pids[0]}" if len(pids) == 1 else
+                 f"{len(pids)} replicas routed {args.routing} (engine processes "
+                 f"{', '.join(map(str, pids))}), each")
+        print(f"zipage serve: {name} on {info.device} ({settings.dtype}{threads}), {where} "
+              f"with {capacity.num_blocks} KV blocks of {info.config.block_size} tokens and "
+              f"{capacity.num_query_slots} query slots; listening on "
+              f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
         server.run(sockets=[sock])
     finally:
         engine.stop_process()
     return _serve_status(server, engine)
+
+
+def _serve_on_ray(args: argparse.Namespace, api_key: str | None) -> int:
+    """Deploy on Ray Serve (zipage/serve/ray_serve.py) and wait for SIGINT or SIGTERM."""
+    import os
+    import signal
+    import threading
+
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise ZipageError("--ray: Ray Serve is not installed; pip install 'zipage[ray]'") from None
+    from zipage.serve.ray_serve import deploy
+    from zipage.serve.wire import Setup
+
+    settings = settings_from_args(args)
+    setup = Setup(settings, "cuda" if args.engine == "gpu" else "cpu", not args.no_cuda_graphs,
+                  args.prefill_graphs, args.threads)
+    local = args.ray == "local"
+    if local:  # the workers a new local instance starts import this checkout, as this process
+        root = str(Path(__file__).resolve().parents[2])
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    try:
+        ray.init(address=None if local else args.ray, include_dashboard=False,
+                 num_cpus=max(os.cpu_count() or 1, args.data_parallel + 1) if local else None,
+                 logging_level="warning")
+    except Exception as error:  # noqa: BLE001 - Ray's own errors for a bad or absent cluster
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ZipageError(f"--ray: cannot connect to the Ray cluster at {args.ray!r}: {reason} "
+                          "(use 'auto' for the local node's cluster, 'ray://HOST:10001', or "
+                          "'local')") from None
+    stop = threading.Event()
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, lambda *_: stop.set())
+    name = args.served_model_name or Path(settings.model).name
+    try:
+        info = deploy(setup, args.data_parallel, args.routing, name,
+                      {"max_waiting": args.max_waiting, "api_key": api_key,
+                       "max_body_bytes": args.max_body_bytes}, args.host, args.port)
+        print(f"zipage serve: {name} on Ray ({args.ray}), {args.data_parallel} replicas routed "
+              f"{args.routing}, each with {info.capacity.num_blocks} KV blocks of "
+              f"{info.config.block_size} tokens; listening on http://{args.host}:{args.port}",
+              file=sys.stderr, flush=True)
+        stop.wait()
+    finally:
+        if local:
+            serve.shutdown()
+        else:  # the cluster's own Serve instance may run other applications
+            from zipage.serve.ray_serve import ENGINE_APP, INGRESS_APP
+
+            for app in (INGRESS_APP, ENGINE_APP):
+                serve.delete(app)
+        ray.shutdown()
+    return 0
 
 
 def _http_server(args: argparse.Namespace, engine, tokenizer, name: str, api_key: str | None):

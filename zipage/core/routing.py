@@ -1,13 +1,17 @@
 """Routing requests over replicas: the policies a router in front of several engines follows.
 
 A router asks `policy.choose(block_keys, loads)` which replica takes a request, given the
-request's chained prompt-block keys (what the prefix cache hashes) and each replica's load
-(requests queued or running), then tells it `policy.routed(index, block_keys)`. Pure Python and
-deterministic, so the simulated cluster (`zipage plan --replicas N --routing P`) and any real
-router make the same choice from the same inputs.
+request's chained prompt-block keys (what the prefix cache hashes) and each replica's load, then
+tells it `policy.routed(index, block_keys)`. A load is a `ReplicaLoad` (requests queued or
+running, KV blocks in use) or a bare request count. Pure Python and deterministic: the simulated
+cluster (`zipage plan --replicas N --routing P`, `sim/cluster.py`) feeds it each simulated
+engine's scheduler state, `zipage serve --data-parallel N --routing P`
+(`zipage/serve/replicas.py`) each engine process's requests in flight and its reported KV use, and
+both make the same choice from the same inputs.
 
 - round-robin: replica i takes the i-th request, whatever it is.
-- least-loaded: the replica with the fewest requests; ties to the lowest index.
+- least-loaded: the replica with the fewest requests; ties to the one with the fewest KV blocks
+  in use, then to the lowest index.
 - prefix-affinity: the replica whose earlier requests share the longest run of leading blocks
   with this one (its prefix cache most likely holds them), unless that replica carries more than
   `load_slack` times the least load plus `load_margin` requests; then, and when no replica shares
@@ -18,6 +22,7 @@ router make the same choice from the same inputs.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import NamedTuple
 
 ROUND_ROBIN = "round-robin"
 LEAST_LOADED = "least-loaded"
@@ -31,6 +36,17 @@ LOAD_MARGIN = 4
 MEMORY_BLOCKS = 1 << 16
 
 
+class ReplicaLoad(NamedTuple):
+    """What a router knows of one replica. Compared as a tuple: requests first, then KV use."""
+
+    requests: int
+    kv_blocks_used: int = 0
+
+
+def requests_of(load: ReplicaLoad | int) -> int:
+    return load.requests if isinstance(load, ReplicaLoad) else load
+
+
 class RoundRobin:
     name = ROUND_ROBIN
 
@@ -38,7 +54,7 @@ class RoundRobin:
         self.replicas = replicas
         self._next = 0
 
-    def choose(self, block_keys: list[int], loads: list[int]) -> int:
+    def choose(self, block_keys: list[int], loads: list[ReplicaLoad] | list[int]) -> int:
         index = self._next
         self._next = (self._next + 1) % self.replicas
         return index
@@ -46,11 +62,14 @@ class RoundRobin:
     def routed(self, index: int, block_keys: list[int]) -> None:
         pass
 
+    def forget(self, index: int) -> None:
+        """Replica `index` was replaced by a new one: its cache starts empty."""
+
 
 class LeastLoaded(RoundRobin):
     name = LEAST_LOADED
 
-    def choose(self, block_keys: list[int], loads: list[int]) -> int:
+    def choose(self, block_keys: list[int], loads: list[ReplicaLoad] | list[int]) -> int:
         return least_loaded(loads)
 
 
@@ -64,13 +83,13 @@ class PrefixAffinity(RoundRobin):
         self.memory_blocks = memory_blocks
         self._seen: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(replicas)]
 
-    def choose(self, block_keys: list[int], loads: list[int]) -> int:
+    def choose(self, block_keys: list[int], loads: list[ReplicaLoad] | list[int]) -> int:
         fallback = least_loaded(loads)
-        bound = self.load_slack * loads[fallback] + self.load_margin
+        bound = self.load_slack * requests_of(loads[fallback]) + self.load_margin
         best, best_depth = fallback, 0
         for index, seen in enumerate(self._seen):
             depth = _shared_depth(block_keys, seen)
-            if depth > best_depth and loads[index] <= bound:
+            if depth > best_depth and requests_of(loads[index]) <= bound:
                 best, best_depth = index, depth
         return best
 
@@ -82,6 +101,9 @@ class PrefixAffinity(RoundRobin):
         while len(seen) > self.memory_blocks:
             seen.popitem(last=False)
 
+    def forget(self, index: int) -> None:
+        self._seen[index].clear()
+
 
 def make_policy(name: str, replicas: int) -> RoundRobin:
     policies = {ROUND_ROBIN: RoundRobin, LEAST_LOADED: LeastLoaded,
@@ -89,7 +111,8 @@ def make_policy(name: str, replicas: int) -> RoundRobin:
     return policies[name](replicas)
 
 
-def least_loaded(loads: list[int]) -> int:
+def least_loaded(loads: list[ReplicaLoad] | list[int]) -> int:
+    # min keeps the first of equal keys: ties go to the lowest index.
     return min(range(len(loads)), key=loads.__getitem__)
 
 

@@ -35,7 +35,7 @@ from zipage.core.sampling import SamplingParams
 from zipage.errors import ZipageError
 from zipage.serve import DEFAULT_MAX_BODY_BYTES
 from zipage.serve.detokenize import IncrementalText
-from zipage.serve.engine_client import Delta, EngineClient, EngineStopped, RequestHandle
+from zipage.serve.engine_client import Delta, EngineStopped, RequestHandle
 from zipage.serve.logprobs import TokenText, chat_logprobs, completion_logprobs, join_completion_logprobs
 from zipage.serve.metrics import CONTENT_TYPE, ServerMetrics
 from zipage.serve.protocol import (
@@ -47,21 +47,24 @@ from zipage.serve.protocol import (
     short,
     validation_message,
 )
+from zipage.serve.replicas import ReplicaSet
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
 
 class Server:
-    """What the routes share: the engine process, the tokenizer, the waiting cap, the API key."""
+    """What the routes share: the engine processes (one, or several under --data-parallel),
+    the tokenizer, the waiting cap, the API key."""
 
-    def __init__(self, engine: EngineClient, tokenizer, model_name: str,
+    def __init__(self, engine: ReplicaSet, tokenizer, model_name: str,
                  max_waiting: int | None = None, api_key: str | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_waiting = max_waiting
         self.api_key = api_key
-        self.metrics = ServerMetrics(model_name, engine.info.capacity.num_blocks)
+        self.metrics = ServerMetrics(model_name, engine.info.capacity.num_blocks,
+                                     engine.replicas)
         self.eos = engine.info.eos_token_ids
         self.max_model_len = engine.info.config.max_model_len
         self.created = int(time.time())
@@ -312,11 +315,11 @@ async def _cancel_on_disconnect(request: Request, work):
     return task.result()
 
 
-def build_app(engine: EngineClient, tokenizer, model_name: str, *,
+def build_app(engine: ReplicaSet, tokenizer, model_name: str, *,
               max_waiting: int | None = None, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The routes over a started engine process (`EngineClient.start`); the app's shutdown stops
-    that process."""
+    """The routes over started engine processes (`ReplicaSet.start`); the app's shutdown stops
+    them."""
     server = Server(engine, tokenizer, model_name, max_waiting, api_key)
 
     @asynccontextmanager
@@ -367,10 +370,14 @@ def build_app(engine: EngineClient, tokenizer, model_name: str, *,
 
     @app.get("/health")
     async def health():
+        # 200 while any replica serves: the router skips those that are down.
+        replicas = engine.health()
         if not engine.alive:
             return JSONResponse({"status": "error",
-                                 "error": engine.error or "the engine process stopped"}, 503)
-        return {"status": "ok"}
+                                 "error": engine.error or "the engine process stopped",
+                                 "replicas": replicas}, 503)
+        up = sum(replica["status"] == "ok" for replica in replicas)
+        return {"status": "ok" if up == len(replicas) else "degraded", "replicas": replicas}
 
     @app.get("/metrics")
     async def metrics():

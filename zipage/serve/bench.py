@@ -35,6 +35,7 @@ from zipage.trace import DEFAULT_VOCAB_SIZE, Trace, TraceRequest, prompt_token_i
 SERVER_ONLY_KEYS = ("peak_running", "mean_running", "max_blocks_after_compress", "steps",
                     "n_max", "max_concurrency", "num_blocks")
 _COUNTER = re.compile(r"^zipage:(compressions|preemptions)_total\{[^}]*\}\s+(\S+)$", re.M)
+_ROUTED = re.compile(r'^zipage:requests_routed_total\{[^}]*replica="(\d+)"[^}]*\}\s+(\S+)$', re.M)
 
 
 async def bench_serve(trace: Trace, url: str, model: str | None = None, *,
@@ -124,6 +125,13 @@ def _summary(records: list[RequestRecord], before: dict | None, after: dict | No
     for key in ("compressions", "preemptions"):
         summary[key] = (int(after[key] - before[key])
                         if before is not None and after is not None else None)
+    # Beside `zipage plan --replicas N --routing P`'s own key of that name: how the server's
+    # router spread this trace (a replicated Zipage server; None elsewhere).
+    summary["requests_per_replica"] = None
+    if before is not None and after is not None and after["routed"]:
+        summary["requests_per_replica"] = [
+            int(after["routed"][replica] - before["routed"].get(replica, 0.0))
+            for replica in sorted(after["routed"], key=int)]
     return summary
 
 
@@ -138,13 +146,19 @@ async def _served_model(client: httpx.AsyncClient, base: str) -> str:
 
 
 async def _server_counters(client: httpx.AsyncClient) -> dict | None:
-    """Compressions and preemptions so far, from a Zipage server's /metrics (None elsewhere)."""
+    """Compressions and preemptions so far, and the requests routed to each replica, from a
+    Zipage server's /metrics (None elsewhere)."""
     try:
         response = await client.get("/metrics")
     except httpx.HTTPError:
         return None
-    found = {name: float(value) for name, value in _COUNTER.findall(response.text)}
-    return found if len(found) == 2 else None
+    found: dict = {}
+    for name, value in _COUNTER.findall(response.text):  # one series per replica: their sum
+        found[name] = found.get(name, 0.0) + float(value)
+    if len(found) != 2:
+        return None
+    found["routed"] = {replica: float(value) for replica, value in _ROUTED.findall(response.text)}
+    return found
 
 
 def _error_message(text: str) -> str:

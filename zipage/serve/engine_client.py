@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import os
 import socket
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
+from zipage.core.routing import ReplicaLoad
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.errors import ZipageError
@@ -67,6 +69,7 @@ class RequestHandle:
     seq_id: str
     prompt_len: int
     arrival_s: float
+    replica: int = 0  # the engine process it went to (`--data-parallel`)
     deltas: asyncio.Queue = field(default_factory=asyncio.Queue)
     done: bool = False  # ended, failed or aborted: nothing more arrives
     waiting: bool = True  # no token yet and not ended (counts against --max-waiting)
@@ -79,7 +82,9 @@ class RequestHandle:
 
 class EngineClient:
     def __init__(self, process: subprocess.Popen, connection: Connection, info: Ready,
-                 setup: Setup | None = None, max_restarts: int = 0) -> None:
+                 setup: Setup | None = None, max_restarts: int = 0, index: int = 0) -> None:
+        self.index = index  # which replica this engine process is (`--data-parallel`)
+        self.label = ""  # "replica 1: " in the log lines of one of several
         self.process = process
         self.connection = connection
         self.info = info
@@ -97,6 +102,7 @@ class EngineClient:
         self.metrics: ServerMetrics | None = None
         self.error: str | None = None  # why the engine stopped, once it did
         self.num_waiting = 0  # requests sent that have no token yet
+        self.blocks_used = 0  # KV blocks in use after the engine's latest step
         self._handles: dict[str, RequestHandle] = {}
         self._ids = itertools.count()
         self._event_loop: asyncio.AbstractEventLoop | None = None
@@ -104,10 +110,10 @@ class EngineClient:
     # ---------------------------------------------------------------- starting and stopping
 
     @classmethod
-    def start(cls, setup: Setup, max_restarts: int = 0) -> "EngineClient":
+    def start(cls, setup: Setup, max_restarts: int = 0, index: int = 0) -> "EngineClient":
         """Spawn the engine process and wait until it has built the engine; up to
         `max_restarts` new ones within `RESTART_WINDOW_S` if it dies later."""
-        return cls(*_spawn(setup), setup, max_restarts)
+        return cls(*_spawn(setup), setup, max_restarts, index)
 
     def attach(self, metrics: ServerMetrics | None = None) -> None:
         """Start reading the engine's updates on the running event loop."""
@@ -152,6 +158,11 @@ class EngineClient:
     def pid(self) -> int:
         return self.process.pid
 
+    def load(self) -> ReplicaLoad:
+        """What a router compares (`zipage.core.routing`): the requests sent here and not ended
+        (the simulator's queued or running), and the KV blocks its latest step reported."""
+        return ReplicaLoad(len(self._handles), self.blocks_used)
+
     # ---------------------------------------------------------------- requests
 
     def rejection_reason(self, prompt_len: int, max_tokens: int,
@@ -170,7 +181,8 @@ class EngineClient:
         now = time.perf_counter()
         first = f"req-{next(self._ids)}"
         handles = [RequestHandle(first if index == 0 else f"{first}#{index}",
-                                 len(prompt_token_ids), now) for index in range(sampling.n)]
+                                 len(prompt_token_ids), now, self.index)
+                   for index in range(sampling.n)]
         try:
             self.connection.send(Add(first, prompt_token_ids, sampling,
                                      [handle.seq_id for handle in handles[1:]]))
@@ -247,6 +259,7 @@ class EngineClient:
             if handle is not None:
                 self._end(handle)
                 handle.deltas.put_nowait(Delta([], None, message, 400))
+        self.blocks_used = update.stats.blocks_used
         if metrics is not None:
             metrics.engine_stats(update.stats, len(update.tokens))
 
@@ -271,6 +284,9 @@ class EngineClient:
                 code = "unknown"
             self.error = f"the engine process stopped (exit code {code})"
         self._died = self.error
+        self.blocks_used = 0
+        if self.metrics is not None:
+            self.metrics.engine_down()
         if (self._closing or self.setup is None or self._restart is not None
                 or self._event_loop is None):
             self._fail_all(self.error)
@@ -287,7 +303,7 @@ class EngineClient:
     # ---------------------------------------------------------------- restarting
 
     async def _restart_engine(self) -> None:
-        print(f"zipage serve: {self._died}; starting a new one (restart {len(self._restarts)} "
+        print(f"zipage serve: {self.label}{self._died}; starting a new one (restart {len(self._restarts)} "
               f"of at most {self.max_restarts} within {RESTART_WINDOW_S:.0f} s: "
               "--max-engine-restarts)", file=sys.stderr, flush=True)
         try:
@@ -336,12 +352,12 @@ class EngineClient:
         if self.metrics is not None:
             self.metrics.engine_restarted()
         self._event_loop.add_reader(connection.fileno(), self._read)
-        print(f"zipage serve: engine process {process.pid} is ready", file=sys.stderr,
+        print(f"zipage serve: {self.label}engine process {process.pid} is ready", file=sys.stderr,
               flush=True)
 
     def _give_up(self, reason: str) -> None:
         self.error = self.fatal = reason
-        print(f"zipage serve: error: {reason}", file=sys.stderr, flush=True)
+        print(f"zipage serve: error: {self.label}{reason}", file=sys.stderr, flush=True)
         if self.on_fatal is not None:
             self.on_fatal()
 
@@ -360,9 +376,12 @@ class EngineClient:
 def _spawn(setup: Setup) -> tuple[subprocess.Popen, Connection, Ready]:
     """Start an engine process and wait until it has built the engine."""
     ours, theirs = socket.socketpair()
+    env = None
+    if setup.visible_devices is not None:
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": setup.visible_devices}
     process = subprocess.Popen(
         [sys.executable, "-m", "zipage.serve.engine_process", str(theirs.fileno())],
-        pass_fds=(theirs.fileno(),))
+        pass_fds=(theirs.fileno(),), env=env)
     theirs.close()  # only the child holds it now: its exit reads as EOF here
     connection = Connection(ours.detach())
     try:

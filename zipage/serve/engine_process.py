@@ -72,6 +72,8 @@ def build(setup: Setup):
     from zipage.engine.builder import build_engine
 
     threads = None
+    if setup.cpus is not None:
+        os.sched_setaffinity(0, setup.cpus)  # before torch starts its threads
     if setup.device == "cpu":
         from zipage.engine.threads import set_cpu_threads
 

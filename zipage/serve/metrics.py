@@ -1,7 +1,7 @@
 """The server's Prometheus metrics (GET /metrics), named like vLLM's with a `zipage:` prefix.
 
-Gauges are the scheduler's state after the latest step, as the engine process reports it with each
-step (`wire.EngineStats`); token counters and latency histograms are kept by the HTTP process as
+Gauges are each replica's scheduler state after its latest step, as its engine process reports
+it with each step (`wire.EngineStats`); token counters and latency histograms are kept by the HTTP process as
 each request's tokens arrive (`engine_client`), so TTFT, TPOT and end-to-end latency count from
 the request's arrival at the server to the token's arrival back in it. Each server owns its
 registry, so several can live in one process (tests).
@@ -23,42 +23,70 @@ disable_created_metrics()  # no `*_created` series: they double the page and nob
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, num_blocks: int) -> None:
+    """The server's registry. Everything an engine process does is labelled with its replica
+    (`replica="0"` .. `"N-1"` under `--data-parallel N`; `"0"` alone otherwise), so a dashboard
+    sums over `replica` for the server and splits by it to find a slow or restarting one;
+    refusals before routing (`requests_rejected`) are the server's alone."""
+
+    def __init__(self, model_name: str, num_blocks: int, replicas: int = 1) -> None:
         self.registry = registry = CollectorRegistry()
+        self.model_name = model_name
         self.num_blocks = num_blocks
-        labels = ["model_name"]
+        labels = ["model_name", "replica"]
 
-        def gauge(name, help):
-            return Gauge(f"zipage:{name}", help, labels, registry=registry).labels(model_name)
+        def family(kind, name, help, **extra):
+            return kind(f"zipage:{name}", help, labels, registry=registry, **extra)
 
-        def counter(name, help):
-            return Counter(f"zipage:{name}", help, labels, registry=registry).labels(model_name)
-
-        def histogram(name, help, buckets):
-            return Histogram(f"zipage:{name}", help, labels, buckets=buckets,
-                             registry=registry).labels(model_name)
-
-        self.running = gauge("num_requests_running", "Requests running (holding KV blocks).")
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to be admitted.")
-        self.blocks_used = gauge("kv_blocks_used", "KV cache blocks in use.")
-        self.blocks_free = gauge("kv_blocks_free", "KV cache blocks free.")
-        self.blocks_free.set(num_blocks)
-        self.compressions = counter("compressions", "KV compressions planned.")
-        self.preemptions = counter("preemptions", "Requests preempted (recomputed later).")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started.")
-        self.generation_tokens = counter("generation_tokens", "Output tokens generated.")
-        self.aborted = counter("requests_aborted", "Requests whose client went away.")
-        self.rejected = counter("requests_rejected", "Requests refused with a 4xx status.")
+        self.families = {
+            "running": family(Gauge, "num_requests_running",
+                              "Requests running (holding KV blocks)."),
+            "waiting": family(Gauge, "num_requests_waiting", "Requests waiting to be admitted."),
+            "blocks_used": family(Gauge, "kv_blocks_used", "KV cache blocks in use."),
+            "blocks_free": family(Gauge, "kv_blocks_free", "KV cache blocks free."),
+            "healthy": family(Gauge, "replica_healthy",
+                              "1 while the replica's engine process serves, 0 while it is down."),
+            "compressions": family(Counter, "compressions", "KV compressions planned."),
+            "preemptions": family(Counter, "preemptions",
+                                  "Requests preempted (recomputed later)."),
+            "prompt_tokens": family(Counter, "prompt_tokens",
+                                    "Prompt tokens of requests that started."),
+            "generation_tokens": family(Counter, "generation_tokens", "Output tokens generated."),
+            "aborted": family(Counter, "requests_aborted", "Requests whose client went away."),
+            "routed": family(Counter, "requests_routed", "Requests the router sent here."),
+            "restarts": family(Counter, "engine_restarts",
+                               "New engine processes started after one died."),
+            "ttft": family(Histogram, "time_to_first_token_seconds", "Time to first token.",
+                           buckets=TTFT_BUCKETS),
+            "tpot": family(Histogram, "time_per_output_token_seconds",
+                           "Mean time per output token after the first, per request.",
+                           buckets=TPOT_BUCKETS),
+            "e2e": family(Histogram, "e2e_request_latency_seconds", "Arrival to last token.",
+                          buckets=E2E_BUCKETS),
+        }
         self.finished = Counter("zipage:request_success", "Requests finished, by reason.",
                                 labels + ["finished_reason"], registry=registry)
-        self.model_name = model_name
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.",
-                              TTFT_BUCKETS)
-        self.tpot = histogram("time_per_output_token_seconds",
-                              "Mean time per output token after the first, per request.",
-                              TPOT_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.",
-                             E2E_BUCKETS)
+        self.rejected = Counter("zipage:requests_rejected", "Requests refused with a 4xx status.",
+                                ["model_name"], registry=registry).labels(model_name)
+        self.replicas = [ReplicaMetrics(self, str(index)) for index in range(replicas)]
+
+    def replica(self, index: int) -> "ReplicaMetrics":
+        return self.replicas[index]
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ReplicaMetrics:
+    """One replica's series: what its `EngineClient` updates as its engine process reports."""
+
+    def __init__(self, server: ServerMetrics, replica: str) -> None:
+        self.num_blocks = server.num_blocks
+        self.model_name, self.replica = server.model_name, replica
+        for name, family in server.families.items():
+            setattr(self, name, family.labels(server.model_name, replica))
+        self._finished = server.finished
+        self.blocks_free.set(self.num_blocks)
+        self.healthy.set(1)
         self._compressions = self._preemptions = 0  # the engine's totals seen so far
 
     def first_token(self, handle) -> None:
@@ -68,7 +96,7 @@ class ServerMetrics:
 
     def finished_request(self, handle, reason: str, now: float) -> None:
         """A request ended with `reason` ("stop" or "length") at `now` (perf_counter)."""
-        self.finished.labels(self.model_name, reason).inc()
+        self._finished.labels(self.model_name, self.replica, reason).inc()
         self.e2e.observe(now - handle.arrival_s)
         if handle.num_tokens > 1:
             self.tpot.observe((now - handle.first_token_s) / (handle.num_tokens - 1))
@@ -86,13 +114,15 @@ class ServerMetrics:
         self._compressions = stats.compressions_total
         self._preemptions = stats.preemptions_total
 
+    def engine_down(self) -> None:
+        self.healthy.set(0)
+
     def engine_restarted(self) -> None:
         """A new engine process: its totals start from zero, and it runs nothing yet."""
         self._compressions = self._preemptions = 0
+        self.restarts.inc()
+        self.healthy.set(1)
         self.running.set(0)
         self.waiting.set(0)
         self.blocks_used.set(0)
         self.blocks_free.set(self.num_blocks)
-
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)

@@ -29,6 +29,12 @@ class Setup:
     cuda_graphs: bool
     prefill_graphs: bool | None  # None: build_engine's default (on where graphs are captured)
     threads: int | None  # CPU: torch threads (`zipage.engine.threads`); None: its default
+    # CPU under --data-parallel: the cores this replica's process may run on (its slot), so two
+    # replicas' spinning OpenMP threads never fight over one core; None: the parent's.
+    cpus: tuple[int, ...] | None = None
+    # GPU under --data-parallel: the CUDA_VISIBLE_DEVICES of this replica's process (its GPUs,
+    # seen as cuda:0..); None: the parent's.
+    visible_devices: str | None = None
 
 
 @dataclass

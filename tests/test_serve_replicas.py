@@ -1,0 +1,266 @@
+"""`zipage serve --data-parallel 2` over HTTP on localhost, and the router in process.
+
+In process (`ReplicaSet` over stand-in engine clients): each policy of `zipage.core.routing`
+routes as specified (round-robin in turn, least-loaded by requests then KV use, prefix affinity
+keeps a shared prefix on one replica), and a replica that is down is skipped. Over HTTP, one
+module-scoped server of two replicas with prefix-affinity routing (random weights, prompts as
+token ids: it starts in seconds): /health lists both; prompts sharing their leading blocks all go
+to one replica while unrelated ones spread; /metrics labels every engine series with its replica
+and the per-replica counts add up to what was sent; a killed replica fails only its own
+requests in flight (503), the other's complete, /health says "degraded" until the replica is
+back, and then both serve again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from zipage.core.routing import ReplicaLoad
+
+pytest.importorskip("torch")
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+from test_serve_process import ENV, FLAGS, MODEL, _alive, _children, _free_port, _wait_for  # noqa: E402
+
+from zipage.errors import ConfigError  # noqa: E402
+from zipage.serve.replicas import ReplicaSet, replica_setups  # noqa: E402
+from zipage.serve.wire import Setup  # noqa: E402
+
+BLOCK = 16  # --block-size in FLAGS
+
+
+class FakeClient:
+    """What `ReplicaSet` reads of an `EngineClient`: its load, whether it is up, and `submit`."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.alive = True
+        self.error = None
+        self.requests = self.blocks = 0
+        self.info = SimpleNamespace(config=SimpleNamespace(block_size=BLOCK))
+        self.admission = None
+        self.label = ""
+
+    def load(self) -> ReplicaLoad:
+        return ReplicaLoad(self.requests, self.blocks)
+
+    def submit(self, prompt, sampling):
+        self.requests += 1
+        return [SimpleNamespace(replica=self.index)]
+
+
+def _replicas(routing: str, count: int = 2) -> ReplicaSet:
+    return ReplicaSet([FakeClient(index) for index in range(count)], routing)
+
+
+def _sent(replicas: ReplicaSet, prompt: list[int]) -> int:
+    return replicas.submit(prompt, None)[0].replica
+
+
+def test_round_robin_takes_turns_and_skips_a_replica_that_is_down():
+    replicas = _replicas("round-robin", 3)
+    assert [_sent(replicas, [1]) for _ in range(4)] == [0, 1, 2, 0]
+    replicas.clients[1].alive = False
+    # Replica 1's turn goes to the least loaded of those up (replica 2: one request, 0 has two);
+    # then the turns go on: 2, 0.
+    assert [_sent(replicas, [1]) for _ in range(3)] == [2, 2, 0]
+
+
+def test_least_loaded_compares_requests_then_kv_use():
+    replicas = _replicas("least-loaded", 3)
+    replicas.clients[0].requests, replicas.clients[1].requests = 2, 1
+    replicas.clients[2].requests, replicas.clients[2].blocks = 1, 9
+    assert _sent(replicas, [1]) == 1  # 1 request and no blocks beats 1 request and 9 blocks
+    replicas.clients[1].alive = replicas.clients[2].alive = False
+    assert _sent(replicas, [1]) == 0
+    replicas.clients[0].alive = False
+    with pytest.raises(Exception, match="no engine process|stopped"):
+        _sent(replicas, [1])
+
+
+def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica():
+    replicas = _replicas("prefix-affinity", 2)
+    system = list(range(3 * BLOCK))  # three full blocks every prompt starts with
+    first = _sent(replicas, system + [900])
+    others = [_sent(replicas, system + [901 + turn] * BLOCK) for turn in range(4)]
+    assert others == [first] * 4
+    assert _sent(replicas, [7] * (2 * BLOCK)) != first  # nothing shared: the least loaded
+    # Past the load bound (1.5 x the least load + 4) the prefix yields to balance.
+    replicas.clients[first].requests = 20
+    assert _sent(replicas, system) != first
+
+    # Within the bound the prefix wins over a lighter replica; once its replica is replaced
+    # (Ray's router forgets it: a new replica's cache is empty) the lighter one takes it.
+    fresh = _replicas("prefix-affinity", 2)
+    assert _sent(fresh, system) == 0
+    fresh.clients[0].requests, fresh.clients[1].requests = 2, 0
+    assert _sent(fresh, system + [5]) == 0
+    fresh.clients[0].requests = 2
+    fresh.policy.forget(0)
+    assert _sent(fresh, system + [6]) == 1
+
+
+def test_each_replica_gets_its_own_cores_or_gpus(monkeypatch):
+    cpu = Setup(settings=None, device="cpu", cuda_graphs=False, prefill_graphs=None, threads=None)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    assert [setup.cpus for setup in replica_setups(cpu, 2)] == [(0, 1), (2, 3)]
+    assert replica_setups(cpu, 1) == [cpu]  # one engine: the parent's cores, as before
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert [setup.cpus for setup in replica_setups(cpu, 2)] == [None, None]  # they share it
+    gpu = Setup(settings=None, device="cuda", cuda_graphs=True, prefill_graphs=None, threads=None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert [setup.visible_devices for setup in replica_setups(gpu, 2, 2)] == ["4,5", "6,7"]
+    assert [setup.visible_devices for setup in replica_setups(gpu, 3)] == ["4", "5", "6"]
+    with pytest.raises(ConfigError, match=r"--data-parallel: 3 replicas of 2 GPUs need 6 GPUs, 4 "):
+        replica_setups(gpu, 3, 2)
+
+
+def test_data_parallel_below_one_is_a_one_line_error():
+    result = subprocess.run([sys.executable, "-m", "zipage.cli", "serve", "--model",
+                             "/nonexistent/model.gguf", "--engine", "cpu", "--data-parallel", "0"],
+                            capture_output=True, text=True, timeout=120, env=ENV)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "zipage: error: --data-parallel: got 0, expected >= 1 replicas"
+
+
+# ---------------------------------------------------------------- two engine processes over HTTP
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("replicas") / "server.log"
+    with log.open("w") as handle:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "zipage.cli", "serve", "--model", MODEL, *FLAGS,
+             "--data-parallel", "2", "--routing", "prefix-affinity", "--port", str(port)],
+            stdout=handle, stderr=subprocess.STDOUT, env=ENV)
+    url = f"http://127.0.0.1:{port}"
+    engines: list[int] = []
+    try:
+        _wait_for(lambda: process.poll() is not None or _healthy(url), 240,
+                  "the server to be healthy")
+        assert process.poll() is None, "zipage serve exited:\n" + log.read_text()[-3000:]
+        engines = _children(process.pid)
+        assert len(engines) == 2, f"expected two engine processes, found {engines}"
+        yield SimpleNamespace(process=process, url=url, log=log)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        for pid in engines + _children(process.pid):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).json().get("status") == "ok"
+    except (httpx.HTTPError, ValueError):
+        return False
+
+
+def _series(url: str, name: str) -> dict[str, float]:
+    """replica -> value of one metric (summed over its other labels)."""
+    values: dict[str, float] = {}
+    text = httpx.get(url + "/metrics", timeout=10).text
+    for labels, value in re.findall(rf"^zipage:{name}\{{([^}}]*)\}}\s+(\S+)$", text, re.M):
+        replica = re.search(r'replica="(\d+)"', labels).group(1)
+        values[replica] = values.get(replica, 0.0) + float(value)
+    return values
+
+
+def _complete(url: str, prompt: list[int], tokens: int = 2) -> dict:
+    reply = httpx.post(url + "/v1/completions", timeout=120, json={
+        "prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_health_lists_each_replica(served):
+    health = httpx.get(served.url + "/health", timeout=10).json()
+    assert health["status"] == "ok"
+    assert [(replica["replica"], replica["status"]) for replica in health["replicas"]] == [
+        (0, "ok"), (1, "ok")]
+    assert sorted(replica["pid"] for replica in health["replicas"]) == sorted(
+        _children(served.process.pid))
+
+
+def test_shared_prefix_stays_on_one_replica_and_metrics_add_up(served):
+    before = _series(served.url, "requests_routed_total")
+    finished_before = sum(_series(served.url, "request_success_total").values())
+    system = list(range(1, 3 * BLOCK + 1))
+    for turn in range(5):
+        _complete(served.url, system + [100 + turn] * 5)
+    after = _series(served.url, "requests_routed_total")
+    moved = {replica: after[replica] - before.get(replica, 0.0) for replica in after}
+    assert sorted(moved.values()) == [0.0, 5.0], moved  # all five on one replica
+    # Two requests at once with nothing shared: the second goes to the other (least loaded).
+    async def both():
+        async with httpx.AsyncClient(base_url=served.url, timeout=120) as http:
+            bodies = [{"prompt": [200 + index] * 40, "max_tokens": 24, "ignore_eos": True}
+                      for index in range(2)]
+            return await asyncio.gather(*(http.post("/v1/completions", json=body)
+                                          for body in bodies))
+
+    assert [reply.status_code for reply in asyncio.run(both())] == [200, 200]
+    last = _series(served.url, "requests_routed_total")
+    assert all(last[replica] - after[replica] == 1.0 for replica in ("0", "1")), (after, last)
+    finished = sum(_series(served.url, "request_success_total").values())
+    assert finished - finished_before == 7
+    tokens = _series(served.url, "generation_tokens_total")
+    assert set(tokens) == {"0", "1"} and all(value > 0 for value in tokens.values())
+
+
+def test_a_killed_replica_fails_alone_and_comes_back(served):
+    url = served.url
+    pids = {replica["replica"]: replica["pid"]
+            for replica in httpx.get(url + "/health", timeout=10).json()["replicas"]}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            body = {"max_tokens": 150, "ignore_eos": True, "stream": True}
+            streams = [http.stream("POST", "/v1/completions", json={**body, "prompt": [300 + i] * 40})
+                       for i in range(2)]
+            async with streams[0] as first, streams[1] as second:
+                lines = [first.aiter_lines(), second.aiter_lines()]
+                heads = [await anext(lines[0]), await anext(lines[1])]
+                # Each stream runs on its own replica (least loaded, nothing shared).
+                running = _series(url, "num_requests_running")
+                assert running == {"0": 1.0, "1": 1.0}, running
+                os.kill(pids[0], signal.SIGKILL)
+                health = (await http.get("/health")).json()
+                rests = [[line async for line in stream if line] for stream in lines]
+            return heads, rests, health
+
+    heads, rests, health = asyncio.run(main())
+    assert all(head.startswith("data: {") for head in heads)
+    errors = [rest for rest in rests if '"error"' in rest[-2]]
+    assert len(errors) == 1, "exactly one stream (the killed replica's) fails"
+    error = json.loads(errors[0][-2].removeprefix("data: "))["error"]
+    assert error["code"] == 503 and "engine process stopped" in error["message"]
+    survivor = next(rest for rest in rests if rest is not errors[0])
+    finish = json.loads(survivor[-2].removeprefix("data: "))["choices"][0]["finish_reason"]
+    assert finish == "length" and survivor[-1] == "data: [DONE]"
+    # While replica 0 restarts the server stays up, serving from replica 1.
+    assert health["status"] in ("degraded", "ok")
+    _complete(url, [5, 6, 7])
+    _wait_for(lambda: _healthy(url), 120, "the killed replica to come back")
+    replicas = httpx.get(url + "/health", timeout=10).json()["replicas"]
+    assert replicas[0]["pid"] != pids[0] and replicas[1]["pid"] == pids[1]
+    assert _series(url, "engine_restarts_total") == {"0": 1.0, "1": 0.0}
+    assert "replica 0: engine process" in served.log.read_text()
+    before = _series(url, "requests_routed_total")
+    for index in range(2):  # one after the other: each ties on load and goes to replica 0
+        _complete(url, [400 + index] * 3, tokens=4)
+    after = _series(url, "requests_routed_total")
+    assert after["0"] - before["0"] == 2  # the new engine process serves

@@ -1,0 +1,348 @@
+"""`zipage serve --ray ADDRESS --data-parallel N`: the replicas as Ray Serve deployments.
+
+Two Serve applications on the Ray cluster:
+
+- `zipage-engine`: the `ZipageEngine` deployment, N replicas, each asking Ray for its GPUs
+  (`--tensor-parallel` of them) or one CPU, so Ray places them. A replica runs one engine process
+  (`EngineClient`, the single-engine path unchanged) and streams each request's deltas back. It
+  reports its load to the router (`record_routing_stats`: requests in flight, KV blocks in use)
+  and fails Ray's health check once its engine process is gone, so Ray replaces the replica; its
+  requests in flight fail alone, with the same 503 as one engine's.
+- `zipage`: the `ZipageIngress` deployment, the OpenAI app of `zipage/serve/app.py` itself as the
+  HTTP ingress (Ray's proxy listens on --host/--port). Its engine is `RayEngines`, which offers
+  the app what a `ReplicaSet` does and sends each request through a handle to `ZipageEngine`.
+
+Routing: `ZipageRouter`, a Ray Serve request router, applies the `--routing` policy of
+`zipage.core.routing` (the code `zipage plan --routing` simulates and `--data-parallel` on one host
+routes by) to the request's prompt-block hashes and each replica's load: the requests this router
+has in flight there (exact: it sees each one routed and completed) and the KV blocks the replica
+last reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import FIFOMixin, RequestRouter
+
+from zipage.core.block_manager import prompt_block_hashes
+from zipage.core.routing import ReplicaLoad, least_loaded, make_policy
+from zipage.core.scheduler import Scheduler
+from zipage.serve.engine_client import Delta, EngineClient, EngineStopped, RequestHandle
+from zipage.serve.wire import Ready, Setup
+
+ENGINE_APP, INGRESS_APP = "zipage-engine", "zipage"
+ENGINE, INGRESS = "ZipageEngine", "ZipageIngress"
+HEALTH_CHECK_PERIOD_S = 2.0  # how soon Ray notices a replica whose engine process died
+DOWN = ReplicaLoad(sys.maxsize, sys.maxsize)
+
+
+# ---------------------------------------------------------------- the engine replicas
+
+
+class ZipageEngine:
+    def __init__(self, setup: Setup) -> None:
+        # No restarts here: Ray replaces the whole replica (a new actor, a new engine process).
+        self.client = EngineClient.start(setup, max_restarts=0)
+        self.rank = serve.get_replica_context().rank.rank
+        self._attached = False
+
+    def describe(self) -> Ready:
+        return self.client.info
+
+    async def generate(self, prompt_token_ids: list[int], sampling):
+        """Stream (rank, sample index, Delta, prompt log-probabilities or None) items; a client
+        that leaves cancels this generator, which aborts the request in the engine."""
+        if not self._attached:
+            self.client.attach(None)
+            self._attached = True
+        handles = self.client.submit(prompt_token_ids, sampling)  # EngineStopped: none ran
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, handle: RequestHandle) -> None:
+            while True:
+                delta = await handle.deltas.get()
+                merged.put_nowait((index, delta))
+                if delta.finish_reason is not None or delta.error is not None:
+                    return
+
+        tasks = [asyncio.ensure_future(pump(index, handle)) for index, handle in
+                 enumerate(handles)]
+        sent_prompt = [False] * len(handles)
+        try:
+            left = len(handles)
+            while left:
+                index, delta = await merged.get()
+                prompt = None
+                if not sent_prompt[index] and handles[index].prompt_logprobs:
+                    prompt, sent_prompt[index] = list(handles[index].prompt_logprobs), True
+                yield self.rank, index, delta, prompt
+                if delta.finish_reason is not None or delta.error is not None:
+                    left -= 1
+        finally:
+            for task in tasks:
+                task.cancel()
+            for handle in handles:
+                self.client.abort(handle)
+
+    def record_routing_stats(self) -> dict:
+        load = self.client.load()
+        return {"rank": self.rank, "requests": load.requests,
+                "kv_blocks_used": load.kv_blocks_used, "alive": self.client.alive}
+
+    def check_health(self) -> None:
+        if not self.client.alive:
+            raise RuntimeError(self.client.error or "the engine process stopped")
+
+    def __del__(self) -> None:
+        client = getattr(self, "client", None)
+        if client is not None:
+            client.stop_process()
+
+
+class ZipageRouter(FIFOMixin, RequestRouter):
+    """The `--routing` policy over the engine replicas (see the module docstring)."""
+
+    def initialize_state(self, routing: str = "least-loaded", replicas: int = 1,
+                         block_size: int = 16, **kwargs) -> None:
+        self.policy = make_policy(routing, replicas)
+        self.block_size = block_size
+        self.slots: list = [None] * replicas  # replica id in each of the policy's indices
+        # request -> the replica it went to, from the moment it is chosen (a request chosen
+        # while the one before it is still being sent must see that one's load) to completion.
+        self.placed: dict[str, object] = {}
+
+    def _slot(self, replica_id) -> int | None:
+        if replica_id in self.slots:
+            return self.slots.index(replica_id)
+        return None
+
+    def _assign(self, candidates) -> None:
+        """Give each new replica a free index (a replaced replica's, its prefix memory cleared:
+        its cache starts empty)."""
+        live = {replica.replica_id for replica in candidates}
+        for replica in candidates:
+            if self._slot(replica.replica_id) is None:
+                free = next((index for index, held in enumerate(self.slots)
+                             if held is None or held not in live), None)
+                if free is None:
+                    continue
+                self.slots[free] = replica.replica_id
+                self.policy.forget(free)
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        if not candidate_replicas:
+            return []
+        self._assign(candidate_replicas)
+        by_id = {replica.replica_id: replica for replica in candidate_replicas}
+        loads = []
+        for held in self.slots:
+            replica = by_id.get(held)
+            stats = replica.routing_stats if replica is not None else {}
+            if replica is None or stats.get("alive") is False:
+                loads.append(DOWN)
+            else:
+                loads.append(ReplicaLoad(sum(placed == held for placed in self.placed.values()),
+                                         int(stats.get("kv_blocks_used", 0))))
+        if all(load is DOWN for load in loads):
+            return [candidate_replicas]
+        keys = []
+        if pending_request is not None and pending_request.args:
+            keys = prompt_block_hashes(pending_request.args[0], self.block_size)
+        index = self.policy.choose(keys, loads)
+        if loads[index] is DOWN:
+            index = least_loaded(loads)
+        self.policy.routed(index, keys)
+        chosen = by_id[self.slots[index]]
+        if pending_request is not None:
+            self.placed[pending_request.metadata.internal_request_id] = chosen.replica_id
+        return [[chosen], [replica for replica in candidate_replicas if replica is not chosen]]
+
+    def on_request_routed(self, pending_request, replica_id, result) -> None:
+        # Ray may have sent it to a later rank (the first was full).
+        self.placed[pending_request.metadata.internal_request_id] = replica_id
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        self.placed.pop(internal_request_id, None)
+
+
+# ---------------------------------------------------------------- the ingress
+
+
+class RayEngines:
+    """What the app reads of its engine (`ReplicaSet`'s interface), over a handle to the
+    `ZipageEngine` deployment."""
+
+    def __init__(self, handle, info: Ready, replicas: int) -> None:
+        self.handle = handle.options(stream=True)
+        self.info = info
+        self.replicas = replicas
+        self.admission = Scheduler(info.config, info.capacity.num_blocks,
+                                   info.capacity.num_query_slots)
+        self.alive = True  # Ray keeps the replicas up; a request learns of a dead one
+        self.error = None
+        self.fatal = None
+        self.on_fatal = None
+        self.metrics = None
+        self._requests: dict[int, tuple[list[RequestHandle], asyncio.Task]] = {}
+        self._request_of: dict[str, int] = {}  # a sample's seq_id -> its request
+        self._ids = 0
+
+    def rejection_reason(self, prompt_len: int, max_tokens: int, kv_budget: int | None = None):
+        from zipage.core.sequence import Sequence
+
+        return self.admission.rejection_reason(Sequence("request", None, max_tokens,
+                                                        prompt_len=prompt_len,
+                                                        kv_budget=kv_budget))
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(handle.waiting for handles, _ in self._requests.values()
+                   for handle in handles)
+
+    def attach(self, metrics) -> None:
+        self.metrics = metrics
+
+    def submit(self, prompt_token_ids: list[int], sampling) -> list[RequestHandle]:
+        now = time.perf_counter()
+        self._ids += 1
+        rid = self._ids
+        handles = [RequestHandle(f"ray-{rid}#{index}", len(prompt_token_ids), now)
+                   for index in range(sampling.n)]
+        task = asyncio.get_running_loop().create_task(
+            self._stream(rid, handles, prompt_token_ids, sampling))
+        self._requests[rid] = (handles, task)
+        for handle in handles:
+            self._request_of[handle.seq_id] = rid
+        return handles
+
+    async def _stream(self, rid, handles, prompt_token_ids, sampling) -> None:
+        try:
+            for attempt in range(2):  # a replica down before the request started: one retry
+                try:
+                    response = self.handle.generate.remote(prompt_token_ids, sampling)
+                    async for rank, index, delta, prompt in response:
+                        self._deliver(handles[index], rank, delta, prompt)
+                    return
+                except EngineStopped as error:
+                    if attempt or any(handle.num_tokens for handle in handles):
+                        raise
+                    message = str(error)
+            raise EngineStopped(message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 - the replica or its actor died
+            reason = _cause(error)
+            for handle in handles:
+                if not handle.done:
+                    handle.done, handle.waiting = True, False
+                    handle.deltas.put_nowait(Delta([], None, f"the engine replica serving "
+                                                            f"this request stopped: {reason}; "
+                                                            "retry the request", 503))
+        finally:
+            self._requests.pop(rid, None)
+            for handle in handles:
+                self._request_of.pop(handle.seq_id, None)
+
+    def _deliver(self, handle: RequestHandle, rank: int, delta: Delta, prompt) -> None:
+        metrics = self.metrics.replica(rank) if self.metrics is not None else None
+        now = time.perf_counter()
+        handle.replica = rank
+        if prompt is not None:
+            handle.prompt_logprobs[:] = prompt
+        if delta.token_ids:
+            handle.num_tokens += len(delta.token_ids)
+            if metrics is not None:
+                metrics.generation_tokens.inc(len(delta.token_ids))
+            if handle.first_token_s is None:
+                handle.first_token_s, handle.waiting = now, False
+                if metrics is not None:
+                    metrics.first_token(handle)
+                    metrics.routed.inc()
+        if delta.finish_reason is not None or delta.error is not None:
+            handle.done, handle.waiting = True, False
+            if metrics is not None and delta.finish_reason is not None:
+                metrics.finished_request(handle, delta.finish_reason, now)
+        handle.deltas.put_nowait(delta)
+
+    def abort(self, handle: RequestHandle, finish_reason: str | None = None) -> None:
+        if handle.done:
+            return
+        handle.done, handle.waiting = True, False
+        handles, task = self._requests.get(self._request_of.get(handle.seq_id), ([], None))
+        if task is not None and all(other.done for other in handles):
+            task.cancel()  # cancels the stream: the replica aborts the request in its engine
+
+    def health(self) -> list[dict]:
+        try:
+            status = serve.status().applications[ENGINE_APP].deployments[ENGINE]
+            states = {str(getattr(state, "value", state)): count
+                      for state, count in status.replica_states.items()}
+        except (KeyError, AttributeError):
+            states = {}
+        # "error" while Ray replaces a replica: the app then answers "degraded" (still 200).
+        running = states.get("RUNNING", 0) >= self.replicas
+        return [{"replica": "ray", "status": "ok" if running else "error",
+                 "replica_states": states}]
+
+    def close(self, reason: str = "") -> None:
+        for _, task in list(self._requests.values()):
+            task.cancel()
+
+    def stop_process(self) -> None:
+        pass
+
+
+def _cause(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else type(error).__name__
+
+
+class ZipageIngress:
+    def __init__(self, info: Ready, replicas: int, tokenizer_spec: str, name: str,
+                 options: dict) -> None:
+        from zipage.engine.loader import load_tokenizer
+
+        handle = serve.get_deployment_handle(ENGINE, app_name=ENGINE_APP)
+        self.engines = RayEngines(handle, info, replicas)
+        self.tokenizer = load_tokenizer(tokenizer_spec)
+        self.name, self.options = name, options
+
+    def __serve_build_asgi_app__(self):
+        from zipage.serve.app import build_app
+
+        return build_app(self.engines, self.tokenizer, self.name, **self.options)
+
+
+# ---------------------------------------------------------------- deploying
+
+
+def deploy(setup: Setup, replicas: int, routing: str, name: str, options: dict,
+           host: str, port: int) -> Ready:
+    """Start both applications on the connected Ray cluster; the engine's description."""
+    serve.start(http_options={"host": host, "port": port})
+    resources = ({"num_gpus": setup.settings.tensor_parallel, "num_cpus": 1}
+                 if setup.device == "cuda" else {"num_cpus": 1})
+    router = RequestRouterConfig(
+        request_router_class=ZipageRouter,
+        request_router_kwargs={"routing": routing, "replicas": replicas,
+                               "block_size": setup.settings.config.block_size},
+        request_routing_stats_period_s=1.0)
+    engine = serve.deployment(
+        ZipageEngine, name=ENGINE, num_replicas=replicas, ray_actor_options=resources,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S, request_router_config=router,
+        # A replica whose engine died has nothing left to drain: replace it without Ray's
+        # default 20 s wait for its requests.
+        graceful_shutdown_timeout_s=5.0, graceful_shutdown_wait_loop_s=1.0,
+        max_ongoing_requests=100_000)
+    handle = serve.run(engine.bind(setup), name=ENGINE_APP, route_prefix=None)
+    info = handle.describe.remote().result()
+    ingress = serve.deployment(serve.ingress()(ZipageIngress), name=INGRESS,
+                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
+    serve.run(ingress.bind(info, replicas, setup.settings.model, name, options),
+              name=INGRESS_APP, route_prefix="/")
+    return info
