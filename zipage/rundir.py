@@ -341,15 +341,8 @@ def read_table(directory: str | Path, name: str, summary: dict, flag: str | None
 
     path = run_file(directory, name, flag)
     _check_complete_last_line(path, flag)
-    try:
+    with _readable_csv(path, flag):
         frame = pd.read_csv(path, dtype=dtype)
-    except pd.errors.EmptyDataError:
-        raise ConfigError(f"{_prefix(flag)}{path}: empty (not even the header): the file is "
-                          f"truncated; {WRITE_HINT}") from None
-    except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as error:
-        reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-        raise ConfigError(f"{_prefix(flag)}{path}: not a readable CSV ({reason}): the file is "
-                          f"damaged; {WRITE_HINT}") from None
     _check_rows(path, len(frame), summary, flag)
     return frame
 
@@ -373,7 +366,7 @@ def iter_step_chunks(directory: str | Path, summary: dict, flag: str | None = No
     defaults = {column: STEP_COLUMN_DEFAULTS[column] for column in wanted
                 if column in STEP_COLUMN_DEFAULTS}
     found = 0
-    try:
+    with _readable_csv(path, flag):
         header = list(pd.read_csv(path, nrows=0).columns)
         _require_columns(header + list(defaults), wanted, path, flag)
         present = [column for column in wanted if column in header]
@@ -383,6 +376,16 @@ def iter_step_chunks(directory: str | Path, summary: dict, flag: str | None = No
                 if column not in chunk.columns:
                     chunk[column] = default
             yield chunk
+    _check_rows(path, found, summary, flag)
+
+
+@contextmanager
+def _readable_csv(path: Path, flag: str | None) -> Iterator[None]:
+    """A CSV pandas cannot read is a one-line error naming the file."""
+    import pandas as pd
+
+    try:
+        yield
     except pd.errors.EmptyDataError:
         raise ConfigError(f"{_prefix(flag)}{path}: empty (not even the header): the file is "
                           f"truncated; {WRITE_HINT}") from None
@@ -390,7 +393,6 @@ def iter_step_chunks(directory: str | Path, summary: dict, flag: str | None = No
         reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
         raise ConfigError(f"{_prefix(flag)}{path}: not a readable CSV ({reason}): the file is "
                           f"damaged; {WRITE_HINT}") from None
-    _check_rows(path, found, summary, flag)
 
 
 def _check_complete_last_line(path: Path, flag: str | None) -> None:
