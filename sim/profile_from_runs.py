@@ -251,18 +251,17 @@ def _durations(steps: pd.DataFrame, stall_factor: float | None) -> pd.DataFrame:
     steps["stalled"] = False
     steps["unsynced"] = False
     decode = steps["kind"] == "decode"
-    if stall_factor is not None and decode.any():
-        limit = stall_factor * steps.loc[decode, "duration"].median()
-        steps["stalled"] = decode & (steps["duration"] > limit)
-    if decode.any():
-        # A prefill step that samples nothing (a prompt's chunk before its last) ends when its
-        # forward is launched, not done: it looks faster than a decode step, which no forward
-        # of the same weights can be, and the step after it is charged its forward. Neither
-        # is a point (the 8B H200 loop runs: 2,048-token chunks "taking" 2 ms, the next
-        # step 80 ms for 35).
-        early = (steps["kind"] == "prefill") & (
-            steps["duration"] < steps.loc[decode, "duration"].median())
-        steps["unsynced"] = early | early.shift(1, fill_value=False)
+    if not decode.any():
+        return steps
+    median = steps.loc[decode, "duration"].median()
+    if stall_factor is not None:
+        steps["stalled"] = decode & (steps["duration"] > stall_factor * median)
+    # A prefill step that samples nothing (a prompt's chunk before its last) ends when its
+    # forward is launched, not done: it looks faster than a decode step, which no forward of
+    # the same weights can be, and the step after it is charged its forward. Neither is a point
+    # (the 8B H200 loop runs: 2,048-token chunks "taking" 2 ms, the next step 80 ms for 35).
+    early = (steps["kind"] == "prefill") & (steps["duration"] < median)
+    steps["unsynced"] = early | early.shift(1, fill_value=False)
     return steps
 
 

@@ -73,23 +73,9 @@ class BlockManager:
     def allocate(self) -> int:
         """Hand out a fresh block (its old content, and so its hash, is gone)."""
         block, _ = self.free_blocks.popitem(last=False)
-        if self.block_hash[block] is not None:  # a block never indexed has no hash to forget
-            self._forget_hash(block)
+        self._forget_hash(block)
         self.refcount[block] = 1
         return block
-
-    def allocate_many(self, count: int) -> list[int]:
-        """`count` fresh blocks: `allocate` in a loop, without a call per block (a prompt's
-        blocks are taken together, a million prompts a run)."""
-        take, hashes, refcount = self.free_blocks.popitem, self.block_hash, self.refcount
-        blocks = []
-        for _ in range(count):
-            block, _ = take(last=False)
-            if hashes[block] is not None:
-                self._forget_hash(block)
-            refcount[block] = 1
-            blocks.append(block)
-        return blocks
 
     def release(self, block: int) -> None:
         count = self.refcount[block] - 1
@@ -147,7 +133,7 @@ class BlockManager:
             self.refcount[block] += 1
             table.append(block)
         needed = -(-num_tokens // self.block_size) - len(cached)
-        table += self.allocate_many(needed)
+        table.extend(self.allocate() for _ in range(needed))
         return table
 
     def share(self, blocks: list[int]) -> None:
