@@ -6,7 +6,16 @@ from __future__ import annotations
 import pytest
 
 from zipage.core.deployment import ReplaySettings
-from zipage.core.routing import ROUTING_POLICIES, LeastLoaded, PrefixAffinity, RoundRobin, make_policy
+from zipage.core.routing import (
+    DOWN,
+    ROUTING_POLICIES,
+    LeastLoaded,
+    PrefixAffinity,
+    ReplicaLoad,
+    RoundRobin,
+    choose_up,
+    make_policy,
+)
 from zipage.sim.cluster import simulate_cluster
 from zipage.trace import parse_trace
 
@@ -77,3 +86,11 @@ def test_prefix_affinity_keeps_a_conversation_on_one_replica(replicas):
     # but its last, partial, block).
     reused = TALKS * sum(256 * (3 + 2 * (turn - 1)) for turn in range(1, TURNS))
     assert affinity["prefix_hit_tokens"] >= reused > round_robin["prefix_hit_tokens"]
+
+
+def test_a_replica_that_is_down_is_never_chosen():
+    """Where round-robin's turn falls on a replica that is down, the least loaded takes it."""
+    loads = [ReplicaLoad(3, 10), DOWN, ReplicaLoad(1, 50), ReplicaLoad(1, 20)]
+    policy = RoundRobin(4)
+    assert [choose_up(policy, [], loads) for _ in range(4)] == [0, 3, 2, 3]
+    assert choose_up(LeastLoaded(4), [], loads) == 3

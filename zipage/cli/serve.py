@@ -147,11 +147,9 @@ def _serve(args: argparse.Namespace, sock, api_key: str | None) -> int:
     from zipage.engine.loader import load_tokenizer
     from zipage.serve.engine_client import EngineProcessError
     from zipage.serve.replicas import ReplicaSet, replica_setups
-    from zipage.serve.wire import Setup
 
     settings = settings_from_args(args)
-    setup = Setup(settings, "cuda" if args.engine == "gpu" else "cpu", not args.no_cuda_graphs,
-                  args.prefill_graphs, args.threads)
+    setup = _engine_setup(args, settings)
     setups = replica_setups(setup, args.data_parallel, settings.tensor_parallel)
     # Each engine runs in a process of its own (docs/serve.md, 'How it works'); the server
     # listens only once every replica has loaded the model.
@@ -193,11 +191,9 @@ def _serve_on_ray(args: argparse.Namespace, api_key: str | None) -> int:
     except ImportError:
         raise ZipageError("--ray: Ray Serve is not installed; pip install 'zipage[ray]'") from None
     from zipage.serve.ray_serve import deploy
-    from zipage.serve.wire import Setup
 
     settings = settings_from_args(args)
-    setup = Setup(settings, "cuda" if args.engine == "gpu" else "cpu", not args.no_cuda_graphs,
-                  args.prefill_graphs, args.threads)
+    setup = _engine_setup(args, settings)
     local = args.ray == "local"
     if local:  # the workers a new local instance starts import this checkout, as this process
         root = str(Path(__file__).resolve().parents[2])
@@ -235,6 +231,14 @@ def _serve_on_ray(args: argparse.Namespace, api_key: str | None) -> int:
                 serve.delete(app)
         ray.shutdown()
     return 0
+
+
+def _engine_setup(args: argparse.Namespace, settings):
+    """What each engine process is built from (one, a replica, or a Ray replica)."""
+    from zipage.serve.wire import Setup
+
+    return Setup(settings, "cuda" if args.engine == "gpu" else "cpu", not args.no_cuda_graphs,
+                 args.prefill_graphs, args.threads)
 
 
 def _http_server(args: argparse.Namespace, engine, tokenizer, name: str, api_key: str | None):

@@ -21,6 +21,7 @@ both make the same choice from the same inputs.
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -41,6 +42,10 @@ class ReplicaLoad(NamedTuple):
 
     requests: int
     kv_blocks_used: int = 0
+
+
+# A replica that is down (a real router's; the simulator's never are): never the least loaded.
+DOWN = ReplicaLoad(sys.maxsize, sys.maxsize)
 
 
 def requests_of(load: ReplicaLoad | int) -> int:
@@ -109,6 +114,13 @@ def make_policy(name: str, replicas: int) -> RoundRobin:
     policies = {ROUND_ROBIN: RoundRobin, LEAST_LOADED: LeastLoaded,
                 PREFIX_AFFINITY: PrefixAffinity}
     return policies[name](replicas)
+
+
+def choose_up(policy: RoundRobin, block_keys: list[int], loads: list[ReplicaLoad]) -> int:
+    """`policy.choose`, never a replica that is DOWN: where round-robin's turn (or a prefix) falls
+    on one, the least loaded takes the request. At least one replica must be up."""
+    index = policy.choose(block_keys, loads)
+    return least_loaded(loads) if loads[index] == DOWN else index
 
 
 def least_loaded(loads: list[ReplicaLoad] | list[int]) -> int:

@@ -22,7 +22,6 @@ last reported.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 
 from ray import serve
@@ -30,7 +29,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, RequestRouter
 
 from zipage.core.block_manager import prompt_block_hashes
-from zipage.core.routing import ReplicaLoad, least_loaded, make_policy
+from zipage.core.routing import DOWN, ReplicaLoad, choose_up, make_policy
 from zipage.core.scheduler import Scheduler
 from zipage.serve.engine_client import Delta, EngineClient, EngineStopped, RequestHandle
 from zipage.serve.wire import Ready, Setup
@@ -38,7 +37,6 @@ from zipage.serve.wire import Ready, Setup
 ENGINE_APP, INGRESS_APP = "zipage-engine", "zipage"
 ENGINE, INGRESS = "ZipageEngine", "ZipageIngress"
 HEALTH_CHECK_PERIOD_S = 2.0  # how soon Ray notices a replica whose engine process died
-DOWN = ReplicaLoad(sys.maxsize, sys.maxsize)
 
 
 # ---------------------------------------------------------------- the engine replicas
@@ -153,9 +151,7 @@ class ZipageRouter(FIFOMixin, RequestRouter):
         keys = []
         if pending_request is not None and pending_request.args:
             keys = prompt_block_hashes(pending_request.args[0], self.block_size)
-        index = self.policy.choose(keys, loads)
-        if loads[index] is DOWN:
-            index = least_loaded(loads)
+        index = choose_up(self.policy, keys, loads)
         self.policy.routed(index, keys)
         chosen = by_id[self.slots[index]]
         if pending_request is not None:

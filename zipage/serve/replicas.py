@@ -22,17 +22,14 @@ count), so the app serves one engine or many alike.
 from __future__ import annotations
 
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from zipage.core.block_manager import prompt_block_hashes
-from zipage.core.routing import ReplicaLoad, least_loaded, make_policy
+from zipage.core.routing import DOWN, choose_up, make_policy
 from zipage.errors import ConfigError
 from zipage.serve.engine_client import EngineClient, EngineStopped, RequestHandle
 from zipage.serve.wire import Setup
-
-DOWN = ReplicaLoad(sys.maxsize, sys.maxsize)  # a replica that is down: never the least loaded
 
 
 class ReplicaSet:
@@ -123,10 +120,7 @@ class ReplicaSet:
         loads = [client.load() if client.alive else DOWN for client in self.clients]
         if all(load is DOWN for load in loads):
             raise EngineStopped(self.error or "no engine process is running")
-        index = self.policy.choose(keys, loads)
-        if loads[index] is DOWN:  # round-robin's turn fell on a replica that is down
-            index = least_loaded(loads)
-        return index, keys
+        return choose_up(self.policy, keys, loads), keys
 
     def submit(self, prompt_token_ids: list[int], sampling) -> list[RequestHandle]:
         index, keys = self.choose(prompt_token_ids)
