@@ -22,7 +22,7 @@ import os
 import reprlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import xxhash
@@ -224,28 +224,36 @@ def _decode_text(data: bytes, source: str) -> str:
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):
         raise TraceError(f"{source}: the file is UTF-16 or UTF-32 text (it starts with a byte "
                          f"order mark); a trace must be UTF-8: re-save it as UTF-8")
-    if b"\x00" in data:
+    # A UTF-8 byte order mark (as some Windows editors write) is skipped.
+    return utf8_text(data, source, lambda offset: f"{text_position(data, offset)} (byte {offset})",
+                     "utf-8-sig")
+
+
+def utf8_text(data: bytes, source: str, position: Callable[[int], str],
+              encoding: str = "utf-8") -> str:
+    """`data` as text, or one line naming where it is not UTF-8 text (`position(offset)`): the
+    whole file here, a chunk of one in zipage/trace_stream.py."""
+    offset = data.find(b"\x00")
+    if offset >= 0:
         # JSON text never holds a raw NUL (inside strings it must be escaped), so this is
         # UTF-16/UTF-32 without a byte order mark, or not text at all.
-        offset = data.index(b"\x00")
-        raise TraceError(f"{source}: not a UTF-8 JSON file: NUL byte at "
-                         f"{_byte_position(data, offset)} (UTF-16 text or a binary file?); a trace "
-                         f"must be UTF-8 JSON")
+        raise TraceError(f"{source}: not a UTF-8 JSON file: NUL byte at {position(offset)} "
+                         "(UTF-16 text or a binary file?); a trace must be UTF-8 JSON")
     try:
-        # A UTF-8 byte order mark (as some Windows editors write) is skipped.
-        return data.decode("utf-8-sig")
+        return data.decode(encoding)
     except UnicodeDecodeError as error:
         raise TraceError(
             f"{source}: not UTF-8 text: byte 0x{data[error.start]:02x} at "
-            f"{_byte_position(data, error.start)} is not valid UTF-8 (Latin-1 or another legacy "
+            f"{position(error.start)} is not valid UTF-8 (Latin-1 or another legacy "
             f"encoding?); a trace must be UTF-8: re-save it as UTF-8"
         ) from None
 
 
-def _byte_position(data: bytes, offset: int) -> str:
-    line = data.count(b"\n", 0, offset) + 1
+def text_position(data: bytes, offset: int, lines_before: int = 0) -> str:
+    """Where byte `offset` of `data` is, as "line L column C" (`lines_before` lines precede it)."""
+    line = lines_before + data.count(b"\n", 0, offset) + 1
     column = offset - (data.rfind(b"\n", 0, offset) + 1) + 1
-    return f"line {line} column {column} (byte {offset})"
+    return f"line {line} column {column}"
 
 
 def _decode_json(text: str, source: str) -> Any:

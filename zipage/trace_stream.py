@@ -33,7 +33,9 @@ from zipage.trace import (
     _show,
     jsonl_header,
     parse_trace_header,
+    text_position,
     trace_stem,
+    utf8_text,
 )
 
 
@@ -70,7 +72,8 @@ class TraceStream:
             _read(file, self.source, header=True)  # the header line, checked on opening
             lines_before = 1
             for chunk in _chunks(file, self.source):
-                text = _chunk_text(chunk, lines_before, self.source)
+                text = utf8_text(chunk, self.source,
+                                 lambda offset: text_position(chunk, offset, lines_before))
                 objects = _decode_jsonl_fast(text)
                 if objects is None:
                     objects = [_decode_json(line, f"{self.source}: line {number}")
@@ -136,26 +139,4 @@ def _chunks(file: IO[bytes], source: str) -> Iterator[bytes]:
         yield data[:end]
         tail = data[end:]
 
-
-def _chunk_text(chunk: bytes, lines_before: int, source: str) -> str:
-    """The chunk as text, refusing what the loader refuses (NUL bytes, bytes that are not UTF-8)
-    with the line and column where it is."""
-    offset = chunk.find(b"\x00")
-    if offset >= 0:
-        raise TraceError(f"{source}: not a UTF-8 JSON file: NUL byte at "
-                         f"{_position(chunk, offset, lines_before)} (UTF-16 text or a binary "
-                         f"file?); a trace must be UTF-8 JSON")
-    try:
-        return chunk.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise TraceError(
-            f"{source}: not UTF-8 text: byte 0x{chunk[error.start]:02x} at "
-            f"{_position(chunk, error.start, lines_before)} is not valid UTF-8 (Latin-1 or "
-            f"another legacy encoding?); a trace must be UTF-8: re-save it as UTF-8") from None
-
-
-def _position(chunk: bytes, offset: int, lines_before: int) -> str:
-    line = lines_before + chunk.count(b"\n", 0, offset) + 1
-    column = offset - (chunk.rfind(b"\n", 0, offset) + 1) + 1
-    return f"line {line} column {column}"
 
