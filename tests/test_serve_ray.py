@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,8 +23,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
-from test_serve_process import ENV, FLAGS, MODEL, _free_port, _wait_for  # noqa: E402
-from test_serve_replicas import BLOCK, _complete, _series  # noqa: E402
+from test_serve_process import _free_port, _wait_for  # noqa: E402
+from test_serve_replicas import BLOCK, _complete, _series, start_two_replicas  # noqa: E402
 
 
 def _descendants(pid: int) -> dict[int, str]:
@@ -71,11 +70,7 @@ def _running(url: str) -> int:
 def served(tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("ray") / "server.log"
-    with log.open("w") as handle:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "zipage.cli", "serve", "--model", MODEL, *FLAGS,
-             "--data-parallel", "2", "--routing", "prefix-affinity", "--ray", "local",
-             "--port", str(port)], stdout=handle, stderr=subprocess.STDOUT, env=ENV)
+    process = start_two_replicas(log, port, "--ray", "local")
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_for(lambda: process.poll() is not None or _health(url).get("status") == "ok",

@@ -135,15 +135,21 @@ def test_data_parallel_below_one_is_a_one_line_error():
 # ---------------------------------------------------------------- two engine processes over HTTP
 
 
+def start_two_replicas(log, port: int, *flags: str) -> subprocess.Popen:
+    """`zipage serve` of the test model as two prefix-affinity replicas (and `flags`) on `port`,
+    its output in `log`."""
+    with log.open("w") as handle:
+        return subprocess.Popen(
+            [sys.executable, "-m", "zipage.cli", "serve", "--model", MODEL, *FLAGS,
+             "--data-parallel", "2", "--routing", "prefix-affinity", *flags,
+             "--port", str(port)], stdout=handle, stderr=subprocess.STDOUT, env=ENV)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("replicas") / "server.log"
-    with log.open("w") as handle:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "zipage.cli", "serve", "--model", MODEL, *FLAGS,
-             "--data-parallel", "2", "--routing", "prefix-affinity", "--port", str(port)],
-            stdout=handle, stderr=subprocess.STDOUT, env=ENV)
+    process = start_two_replicas(log, port)
     url = f"http://127.0.0.1:{port}"
     engines: list[int] = []
     try:
