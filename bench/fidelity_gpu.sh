@@ -25,7 +25,7 @@ case $mode in
     *) echo "unknown mode $mode: zipage or fullkv" >&2; exit 2 ;;
 esac
 name=$model-$mode
-work=/tmp/fidelity-$name
+work=$(mktemp -d "/tmp/fidelity-$name-XXXX")  # a fresh one per call: a run directory refuses stray files
 mkdir -p "$out"
 # From /tmp: the checkout's own zipage/ (without sim/ inside) would shadow bench/env.sh's tree.
 (cd /tmp && python -m zipage.cli fidelity --gpu "${flags[@]}" --block-size 64 --budget 512 \
