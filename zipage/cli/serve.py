@@ -190,24 +190,17 @@ def _serve_on_ray(args: argparse.Namespace, api_key: str | None) -> int:
         from ray import serve
     except ImportError:
         raise ZipageError("--ray: Ray Serve is not installed; pip install 'zipage[ray]'") from None
+    from zipage.serve.ray_connect import LOCAL, connect
     from zipage.serve.ray_serve import deploy
 
     settings = settings_from_args(args)
     setup = _engine_setup(args, settings)
-    local = args.ray == "local"
+    local = args.ray == LOCAL
     if local:  # the workers a new local instance starts import this checkout, as this process
         root = str(Path(__file__).resolve().parents[2])
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [root, *filter(None, [os.environ.get("PYTHONPATH")])])
-    try:
-        ray.init(address=None if local else args.ray, include_dashboard=False,
-                 num_cpus=max(os.cpu_count() or 1, args.data_parallel + 1) if local else None,
-                 logging_level="warning")
-    except Exception as error:  # noqa: BLE001 - Ray's own errors for a bad or absent cluster
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise ZipageError(f"--ray: cannot connect to the Ray cluster at {args.ray!r}: {reason} "
-                          "(use 'auto' for the local node's cluster, 'ray://HOST:10001', or "
-                          "'local')") from None
+    connect(args.ray, args.data_parallel)
     stop = threading.Event()
     for number in (signal.SIGINT, signal.SIGTERM):
         signal.signal(number, lambda *_: stop.set())

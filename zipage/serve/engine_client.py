@@ -33,7 +33,7 @@ from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.errors import ZipageError
 from zipage.serve.metrics import ServerMetrics
-from zipage.serve.wire import Abort, Add, EngineFailed, Ready, Setup, StartupFailed, StepUpdate, Stop
+from zipage.serve.wire import IDLE, Abort, Add, EngineFailed, Ready, Setup, StartupFailed, StepUpdate, Stop
 
 RESTART_WINDOW_S = 600.0  # --max-engine-restarts counts the restarts within this many seconds
 STOP_TIMEOUT_S = 30.0  # a step in flight finishes and tensor-parallel ranks leave their group
@@ -102,7 +102,7 @@ class EngineClient:
         self.metrics: ServerMetrics | None = None
         self.error: str | None = None  # why the engine stopped, once it did
         self.num_waiting = 0  # requests sent that have no token yet
-        self.blocks_used = 0  # KV blocks in use after the engine's latest step
+        self.stats = IDLE  # the scheduler after the engine's latest step (its KV use, ...)
         self._handles: dict[str, RequestHandle] = {}
         self._ids = itertools.count()
         self._event_loop: asyncio.AbstractEventLoop | None = None
@@ -161,7 +161,7 @@ class EngineClient:
     def load(self) -> ReplicaLoad:
         """What a router compares (`zipage.core.routing`): the requests sent here and not ended
         (the simulator's queued or running), and the KV blocks its latest step reported."""
-        return ReplicaLoad(len(self._handles), self.blocks_used)
+        return ReplicaLoad(len(self._handles), self.stats.blocks_used)
 
     # ---------------------------------------------------------------- requests
 
@@ -259,7 +259,7 @@ class EngineClient:
             if handle is not None:
                 self._end(handle)
                 handle.deltas.put_nowait(Delta([], None, message, 400))
-        self.blocks_used = update.stats.blocks_used
+        self.stats = update.stats
         if metrics is not None:
             metrics.engine_stats(update.stats, len(update.tokens))
 
@@ -284,7 +284,7 @@ class EngineClient:
                 code = "unknown"
             self.error = f"the engine process stopped (exit code {code})"
         self._died = self.error
-        self.blocks_used = 0
+        self.stats = IDLE
         if self.metrics is not None:
             self.metrics.engine_down()
         if (self._closing or self.setup is None or self._restart is not None

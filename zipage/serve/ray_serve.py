@@ -5,9 +5,9 @@ Two Serve applications on the Ray cluster:
 - `zipage-engine`: the `ZipageEngine` deployment, N replicas, each asking Ray for its GPUs
   (`--tensor-parallel` of them) or one CPU, so Ray places them. A replica runs one engine process
   (`EngineClient`, the single-engine path unchanged) and streams each request's deltas back. It
-  reports its load to the router (`record_routing_stats`: requests in flight, KV blocks in use)
-  and fails Ray's health check once its engine process is gone, so Ray replaces the replica; its
-  requests in flight fail alone, with the same 503 as one engine's.
+  reports its engine's latest step report (`record_routing_stats`: requests running and
+  waiting, KV blocks in use) and fails Ray's health check once its engine process is gone, so
+  Ray replaces the replica; its requests in flight fail alone, with the same 503 as one engine's.
 - `zipage`: the `ZipageIngress` deployment, the OpenAI app of `zipage/serve/app.py` itself as the
   HTTP ingress (Ray's proxy listens on --host/--port). Its engine is `RayEngines`, which offers
   the app what a `ReplicaSet` does and sends each request through a handle to `ZipageEngine`.
@@ -16,7 +16,9 @@ Routing: `ZipageRouter`, a Ray Serve request router, applies the `--routing` pol
 `zipage.core.routing` (the code `zipage plan --routing` simulates and `--data-parallel` on one host
 routes by) to the request's prompt-block hashes and each replica's load: the requests this router
 has in flight there (exact: it sees each one routed and completed) and the KV blocks the replica
-last reported.
+last reported. Ray runs the router in the process that holds the handle, the ingress, so the router
+also hands each report to the ingress's `RayEngines`, which sets the replica's /metrics gauges
+from it, as each engine's step report sets them under `--data-parallel`.
 """
 
 from __future__ import annotations
@@ -32,11 +34,16 @@ from zipage.core.block_manager import prompt_block_hashes
 from zipage.core.routing import DOWN, ReplicaLoad, choose_up, make_policy
 from zipage.core.scheduler import Scheduler
 from zipage.serve.engine_client import Delta, EngineClient, EngineStopped, RequestHandle
-from zipage.serve.wire import Ready, Setup
+from zipage.serve.wire import EngineStats, Ready, Setup
 
 ENGINE_APP, INGRESS_APP = "zipage-engine", "zipage"
 ENGINE, INGRESS = "ZipageEngine", "ZipageIngress"
 HEALTH_CHECK_PERIOD_S = 2.0  # how soon Ray notices a replica whose engine process died
+REPORT_PERIOD_S = 1.0  # how often Ray asks each replica for its report (routing, gauges)
+
+# The ingress's engines, in the ingress's process (None elsewhere, e.g. where `deploy` runs):
+# where the router there hands the replicas' reports.
+_ingress_engines: "RayEngines | None" = None
 
 
 # ---------------------------------------------------------------- the engine replicas
@@ -88,9 +95,8 @@ class ZipageEngine:
                 self.client.abort(handle)
 
     def record_routing_stats(self) -> dict:
-        load = self.client.load()
-        return {"rank": self.rank, "requests": load.requests,
-                "kv_blocks_used": load.kv_blocks_used, "alive": self.client.alive}
+        """This replica's report, which Ray pulls every REPORT_PERIOD_S for the router."""
+        return {"rank": self.rank, "alive": self.client.alive, "stats": self.client.stats}
 
     def check_health(self) -> None:
         if not self.client.alive:
@@ -144,8 +150,9 @@ class ZipageRouter(FIFOMixin, RequestRouter):
             if replica is None or stats.get("alive") is False:
                 loads.append(DOWN)
             else:
+                reported: EngineStats | None = stats.get("stats")
                 loads.append(ReplicaLoad(sum(placed == held for placed in self.placed.values()),
-                                         int(stats.get("kv_blocks_used", 0))))
+                                         reported.blocks_used if reported is not None else 0))
         if all(load is DOWN for load in loads):
             return [candidate_replicas]
         keys = []
@@ -157,6 +164,17 @@ class ZipageRouter(FIFOMixin, RequestRouter):
         if pending_request is not None:
             self.placed[pending_request.metadata.internal_request_id] = chosen.replica_id
         return [[chosen], [replica for replica in candidate_replicas if replica is not chosen]]
+
+    def update_replicas(self, replicas) -> None:
+        """Ray's news of the running replicas and their latest reports (each time one changes)."""
+        super().update_replicas(replicas)
+        # Ray pickles this class by value, with copies of the globals it names: the ingress's
+        # engines are looked up in the module itself, where the ingress put them.
+        from zipage.serve import ray_serve
+
+        if ray_serve._ingress_engines is not None:
+            ray_serve._ingress_engines.report({replica.replica_id: replica.routing_stats
+                                               for replica in replicas})
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
         # Ray may have sent it to a later rank (the first was full).
@@ -187,6 +205,7 @@ class RayEngines:
         self._requests: dict[int, tuple[list[RequestHandle], asyncio.Task]] = {}
         self._request_of: dict[str, int] = {}  # a sample's seq_id -> its request
         self._ids = 0
+        self._serving: list = [None] * replicas  # the Ray replica id last reporting as each rank
 
     def rejection_reason(self, prompt_len: int, max_tokens: int, kv_budget: int | None = None):
         from zipage.core.sequence import Sequence
@@ -203,6 +222,28 @@ class RayEngines:
     def attach(self, metrics) -> None:
         self.metrics = metrics
 
+    def report(self, reports: dict) -> None:
+        """The running replicas' latest reports (Ray replica id -> `record_routing_stats`), from
+        the router (on its event loop): each rank's gauges are its engine's latest step report.
+        A rank that lost its replica, or whose engine died, is down; a new replica there is a
+        restart, as a new engine process is under `--data-parallel`."""
+        if self.metrics is None:
+            return
+        by_rank = {stats["rank"]: (replica_id, stats) for replica_id, stats in reports.items()
+                   if stats.get("rank") is not None}  # a new replica has not reported yet
+        for rank in range(self.replicas):
+            metrics, previous = self.metrics.replica(rank), self._serving[rank]
+            replica_id, stats = by_rank.get(rank, (None, {}))
+            if replica_id is None or not stats.get("alive"):
+                if previous is not None:
+                    metrics.engine_down()
+                continue
+            if replica_id != previous:
+                if previous is not None:
+                    metrics.engine_restarted()
+                self._serving[rank] = replica_id
+            metrics.engine_stats(stats["stats"], 0)  # tokens are counted as they arrive here
+
     def submit(self, prompt_token_ids: list[int], sampling) -> list[RequestHandle]:
         now = time.perf_counter()
         self._ids += 1
@@ -217,11 +258,15 @@ class RayEngines:
         return handles
 
     async def _stream(self, rid, handles, prompt_token_ids, sampling) -> None:
+        routed = False  # counted once per request, on its first item: its n samples share a replica
         try:
             for attempt in range(2):  # a replica down before the request started: one retry
                 try:
                     response = self.handle.generate.remote(prompt_token_ids, sampling)
                     async for rank, index, delta, prompt in response:
+                        if not routed and self.metrics is not None:
+                            self.metrics.replica(rank).routed.inc()
+                        routed = True
                         self._deliver(handles[index], rank, delta, prompt)
                     return
                 except EngineStopped as error:
@@ -258,7 +303,6 @@ class RayEngines:
                 handle.first_token_s, handle.waiting = now, False
                 if metrics is not None:
                     metrics.first_token(handle)
-                    metrics.routed.inc()
         if delta.finish_reason is not None or delta.error is not None:
             handle.done, handle.waiting = True, False
             if metrics is not None and delta.finish_reason is not None:
@@ -303,8 +347,9 @@ class ZipageIngress:
                  options: dict) -> None:
         from zipage.engine.loader import load_tokenizer
 
+        global _ingress_engines
         handle = serve.get_deployment_handle(ENGINE, app_name=ENGINE_APP)
-        self.engines = RayEngines(handle, info, replicas)
+        self.engines = _ingress_engines = RayEngines(handle, info, replicas)
         self.tokenizer = load_tokenizer(tokenizer_spec)
         self.name, self.options = name, options
 
@@ -327,7 +372,7 @@ def deploy(setup: Setup, replicas: int, routing: str, name: str, options: dict,
         request_router_class=ZipageRouter,
         request_router_kwargs={"routing": routing, "replicas": replicas,
                                "block_size": setup.settings.config.block_size},
-        request_routing_stats_period_s=1.0)
+        request_routing_stats_period_s=REPORT_PERIOD_S)
     engine = serve.deployment(
         ZipageEngine, name=ENGINE, num_replicas=replicas, ray_actor_options=resources,
         health_check_period_s=HEALTH_CHECK_PERIOD_S, request_router_config=router,

@@ -77,7 +77,7 @@ class Stop:
     pass
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineStats:
     """The scheduler after the step, and totals since the engine started (updates that follow
     an abort rather than a step carry them unchanged)."""
@@ -87,6 +87,9 @@ class EngineStats:
     blocks_used: int
     compressions_total: int
     preemptions_total: int
+
+
+IDLE = EngineStats(0, 0, 0, 0, 0)  # an engine before its first step
 
 
 @dataclass
