@@ -553,13 +553,17 @@ def prompt_block_keys(request: TraceRequest, block_size: int) -> list[int] | Non
     keys = []
     previous = 0
     digest = xxhash.xxh64_intdigest  # one call over the concatenation = the streamed hash
-    # Most requests draw every block from their own stream: its identities differ only in the
-    # index, so their common start is made once (a million requests' blocks are keyed per run).
-    own = (f"r\0{request.id}\0" if request.block_hashes is None and request.prefix_group is None
-           else None)
+    if request.block_hashes is None and request.prefix_group is None:
+        # Most requests draw every block from their own stream: its identities differ only in
+        # the index, so their common start is encoded once (a million requests' blocks are
+        # keyed per run); b"%d" is str(index) encoded.
+        own = f"r\0{request.id}\0".encode("utf-8")
+        for index in range(request.prompt_len // block_size):
+            previous = digest(previous.to_bytes(8, "little") + own + b"%d" % index, seed=1)
+            keys.append(previous)
+        return keys
     for index in range(request.prompt_len // block_size):
-        identity = own + str(index) if own is not None else _block_identity(request, index,
-                                                                            block_size)
+        identity = _block_identity(request, index, block_size)
         previous = digest(previous.to_bytes(8, "little") + identity.encode("utf-8"), seed=1)
         keys.append(previous)
     return keys

@@ -34,13 +34,15 @@ class MetricsRecorder:
         # once a step, millions of times on a day of traffic.
         prefill, launch = plan.prefill, plan.compress_launch
         compressions = plan.compress_sync + launch.jobs if launch else plan.compress_sync
+        prefill_tokens = pairs = 0
+        for item in prefill:  # one pass, not two generators: a mixed step is common
+            prefill_tokens += item.num_new_tokens
+            pairs += item.attention_pairs
         record = StepRecord(
             plan.step_id, result.t_start, result.t_end, plan.kind, len(prefill),
             len(plan.decode), len(compressions), plan.num_running, plan.num_waiting,
             plan.blocks_used, self.num_blocks, plan.slots_used, len(plan.preempted),
-            plan.num_prefill_tokens if prefill else 0, plan.decode_context_tokens,
-            len(result.completed_batches),
-            sum(item.attention_pairs for item in prefill) if prefill else 0,
+            prefill_tokens, plan.decode_context_tokens, len(result.completed_batches), pairs,
             sum(job.num_source_blocks for job in compressions) if compressions else 0,
             plan.prefix_hit_tokens, plan.decode_max_context, plan.shared_kv_tokens)
         self.totals.add_step(record)

@@ -57,6 +57,11 @@ def check_pool(config: ZipageConfig, num_blocks: int, num_query_slots: int) -> N
                 "or more blocks")
 
 
+def _refused(seq: Sequence, reason: str) -> str:
+    # Formatted only when refused: `rejection_reason` runs twice for every request.
+    return f"request {seq.seq_id}: {reason}"
+
+
 class SchedulerStuck(RuntimeError):
     """No request can make progress and nothing is in flight: a deadlock, i.e. a bug."""
 
@@ -154,25 +159,26 @@ class Scheduler:
         """Why `seq` can never be served here, or None. O(1) from its lengths alone, so a driver
         can ask before building a prompt it would throw away (a 10^9-token one)."""
         prompt, output = seq.prompt_len, seq.max_output_tokens
-        where = f"request {seq.seq_id}"
         if prompt < 1 or output < 1:
-            return f"{where}: prompt_len and output_len must be >= 1 (got {prompt}, {output})"
+            return _refused(seq, "prompt_len and output_len must be >= 1 "
+                                 f"(got {prompt}, {output})")
         budget_reason = self.budget_reason(seq.kv_budget)
         if budget_reason is not None:
-            return f"{where}: {budget_reason}"
+            return _refused(seq, budget_reason)
         limit = self.config.max_model_len
         if limit is not None and prompt + output > limit:
-            return (f"{where}: prompt_len + output_len = {prompt + output} exceeds max_model_len "
-                    f"{limit}; shorten the request or raise --max-model-len")
+            return _refused(seq, f"prompt_len + output_len = {prompt + output} exceeds "
+                                 f"max_model_len {limit}; shorten the request or raise "
+                                 "--max-model-len")
         if not self.config.chunked_prefill and prompt > self.step_tokens:
-            return (f"{where}: prompt_len {prompt} exceeds max_num_batched_tokens "
-                    f"{self.step_tokens}; raise --max-num-batched-tokens or turn chunked "
-                    "prefill back on (--chunked-prefill)")
+            return _refused(seq, f"prompt_len {prompt} exceeds max_num_batched_tokens "
+                                 f"{self.step_tokens}; raise --max-num-batched-tokens or turn "
+                                 "chunked prefill back on (--chunked-prefill)")
         peak = self.peak_blocks(prompt, output, self._n_max_of(seq))
         if peak > self.block_manager.num_blocks:
-            return (f"{where}: needs {peak} KV blocks at its peak but only "
-                    f"{self.block_manager.num_blocks} exist; give more KV memory"
-                    + (" or enable compression" if not self.compress else ""))
+            return _refused(seq, f"needs {peak} KV blocks at its peak but only "
+                                 f"{self.block_manager.num_blocks} exist; give more KV memory"
+                                 + (" or enable compression" if not self.compress else ""))
         return None
 
     def budget_reason(self, kv_budget: int | None) -> str | None:
@@ -438,7 +444,8 @@ class Scheduler:
                 if version != self._resource_version:
                     del self._blocked[seq]
                     candidates.append(seq)
-        candidates.sort(key=lambda seq: seq.running_rank)
+        if len(candidates) > 1:
+            candidates.sort(key=lambda seq: seq.running_rank)
 
         jobs: list[CompressionJob] = []
         for seq in candidates:
