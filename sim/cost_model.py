@@ -50,9 +50,8 @@ class StepWork:
     @classmethod
     def of(cls, plan: StepPlan) -> "StepWork":
         if not plan.prefill:  # the common case, kept cheap: the simulator asks ~100k times a run
-            return cls(len(plan.decode), plan.decode_context_tokens,
-                       decode_max_context=plan.decode_max_context,
-                       shared_kv_tokens=plan.shared_kv_tokens)
+            return cls(len(plan.decode), plan.decode_context_tokens, 0, 0, 0, 0, 0,
+                       plan.decode_max_context, plan.shared_kv_tokens)
         sampled = new_tokens = cached_tokens = pairs = 0
         for item in plan.prefill:  # one pass, not four generators: a mixed step is common
             sampled += item.samples

@@ -53,18 +53,13 @@ class MetricsRecorder:
 
 
 def request_record(seq: Sequence) -> RequestRecord:
+    # Positional (the fields in RequestRecord's order): this runs once a request.
     return RequestRecord(
-        id=str(seq.seq_id), arrival=seq.arrival_s, first_token=seq.first_token_time,
-        finish=seq.finish_time, prompt_len=seq.prompt_len,
+        str(seq.seq_id), seq.arrival_s, seq.first_token_time, seq.finish_time, seq.prompt_len,
         # A rejected request never ran: its row keeps the output length it asked for.
-        output_len=seq.max_output_tokens if seq.error is not None else seq.num_output_tokens,
-        n_preempted=seq.num_preemptions,
-        n_compressions=seq.num_compressions,
-        max_blocks_held_after_first_compression=seq.max_blocks_after_first_compression,
-        status=seq.status.value, error=seq.error,
-        kv_budget=seq.kv_budget,
-        kept_budget=seq.kept_budget,
-    )
+        seq.max_output_tokens if seq.error is not None else seq.num_output_tokens,
+        seq.num_preemptions, seq.num_compressions, seq.max_blocks_after_first_compression,
+        seq.status.value, seq.error, seq.kv_budget, seq.kept_budget)
 
 
 def request_records(sequences: list[Sequence]) -> list[RequestRecord]:

@@ -220,7 +220,7 @@ class Scheduler:
         if not self.has_unfinished():
             return None
         self._hand_out_slots()
-        plan = StepPlan(step_id=self._step_id, kind=PREFILL)
+        plan = StepPlan(self._step_id, PREFILL)  # positional: a plan is made every step
         if self.config.chunked_prefill:
             self._schedule_chunked(plan)
         else:  # prefill steps have priority; a step prefills or decodes
