@@ -14,6 +14,7 @@ overwrites leaves it at once.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,38 +85,47 @@ class BlockManager:
 
     def allocate(self) -> int:
         """Hand out a fresh block (its old content, and so its hash, is gone)."""
+        return self.allocate_many(1)[0]
+
+    def allocate_many(self, count: int) -> list[int]:
+        """Hand out `count` fresh blocks, least recently freed first (a prompt's blocks come in
+        one call: the simulator allocates millions)."""
         queue, queued, refcount = self._free_queue, self._queued, self.refcount
-        while True:
-            block = queue.popleft()
-            queued[block] -= 1
-            if not queued[block] and not refcount[block]:
-                break
-        self.num_free_blocks -= 1
-        self._forget_hash(block)
-        refcount[block] = 1
-        return block
+        forget_hash = self._forget_hash
+        blocks = []
+        for _ in range(count):
+            while True:
+                block = queue.popleft()
+                queued[block] -= 1
+                if not queued[block] and not refcount[block]:
+                    break
+            forget_hash(block)  # its old content, and so its hash, is gone
+            refcount[block] = 1
+            blocks.append(block)
+        self.num_free_blocks -= count
+        return blocks
 
     def release(self, block: int) -> None:
-        count = self.refcount[block] - 1
-        assert count >= 0, f"block {block} released more often than held"
-        self.refcount[block] = count
-        if count == 0:
-            self._free_queue.append(block)
-            self._queued[block] += 1
-            self.num_free_blocks += 1
-        else:
-            self.extra_holders -= 1
+        self.release_all((block,))
 
     def release_table(self, table: list[int]) -> None:
         """Release a request's whole block table, last block first: the free list hands out
         least recently freed blocks first, so a prompt's leading blocks - the ones another
         request with the same prefix can map - are the last of them to lose their content."""
-        for block in reversed(table):
-            self.release(block)
+        self.release_all(reversed(table))
 
-    def release_all(self, blocks: list[int]) -> None:
+    def release_all(self, blocks: Iterable[int]) -> None:
+        refcount = self.refcount
         for block in blocks:
-            self.release(block)
+            count = refcount[block] - 1
+            assert count >= 0, f"block {block} released more often than held"
+            refcount[block] = count
+            if count == 0:
+                self._free_queue.append(block)
+                self._queued[block] += 1
+                self.num_free_blocks += 1
+            else:
+                self.extra_holders -= 1
 
     # ---- prefix cache ----
 
@@ -139,7 +149,7 @@ class BlockManager:
 
     def can_allocate_prefill(self, cached: list[int], num_tokens: int) -> bool:
         needed = -(-num_tokens // self.block_size) - len(cached)
-        cached_but_free = sum(1 for block in cached if self.refcount[block] == 0)
+        cached_but_free = sum(1 for block in cached if self.refcount[block] == 0) if cached else 0
         return self.num_free_blocks >= needed + cached_but_free
 
     def allocate_prefill(self, cached: list[int], num_tokens: int) -> list[int]:
@@ -153,8 +163,7 @@ class BlockManager:
             self.refcount[block] += 1
             table.append(block)
         needed = -(-num_tokens // self.block_size) - len(cached)
-        table.extend(self.allocate() for _ in range(needed))
-        return table
+        return table + self.allocate_many(needed) if table else self.allocate_many(needed)
 
     def share(self, blocks: list[int]) -> None:
         """One more holder of each of `blocks` (held already: a fork maps its leader's)."""

@@ -49,7 +49,7 @@ class PrefillItem:
     @property
     def attention_pairs(self) -> int:
         """(query, key) pairs its causal attention computes: what prefill attention costs."""
-        return causal_pairs(self.num_new_tokens, self.num_cached_tokens)
+        return causal_pairs(self.num_tokens - self.num_cached_tokens, self.num_cached_tokens)
 
 
 def causal_pairs(new_tokens: int, cached_tokens: int) -> int:
