@@ -181,7 +181,8 @@ class BlockManager:
             block_hash = seq.prompt_block_hashes[index]
             if block_hash in self.hash_to_block:
                 continue  # an equal block is already indexed; keep the first
-            self._forget_hash(block)
+            if self.block_hash[block] is not None:  # (a fresh block's is gone already)
+                self._forget_hash(block)
             self.block_hash[block] = block_hash
             self.hash_to_block[block_hash] = block
 

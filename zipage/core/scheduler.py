@@ -162,9 +162,10 @@ class Scheduler:
         if prompt < 1 or output < 1:
             return _refused(seq, "prompt_len and output_len must be >= 1 "
                                  f"(got {prompt}, {output})")
-        budget_reason = self.budget_reason(seq.kv_budget)
-        if budget_reason is not None:
-            return _refused(seq, budget_reason)
+        if seq.kv_budget is not None:  # its own budget (most requests bring none)
+            budget_reason = self.budget_reason(seq.kv_budget)
+            if budget_reason is not None:
+                return _refused(seq, budget_reason)
         limit = self.config.max_model_len
         if limit is not None and prompt + output > limit:
             return _refused(seq, f"prompt_len + output_len = {prompt + output} exceeds "
@@ -219,7 +220,8 @@ class Scheduler:
         assert self._plan is None, "finish() the previous plan before scheduling again"
         if not self.has_unfinished():
             return None
-        self._hand_out_slots()
+        if self.free_slots and self._num_slotless_running:  # rare: no call otherwise
+            self._hand_out_slots()
         plan = StepPlan(self._step_id, PREFILL)  # positional: a plan is made every step
         if self.config.chunked_prefill:
             self._schedule_chunked(plan)
