@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict, deque
+from operator import attrgetter
 
 from zipage.config import ZipageConfig, budget_violation
 from zipage.core.block_manager import BlockManager, prompt_block_hashes
@@ -55,6 +56,9 @@ def check_pool(config: ZipageConfig, num_blocks: int, num_query_slots: int) -> N
                 f"num_blocks: {num_blocks} blocks cannot back {num_query_slots} query slots "
                 f"of N_max = {config.n_max} blocks each; use the memory planner, fewer slots "
                 "or more blocks")
+
+
+_RUNNING_RANK = attrgetter("running_rank")  # a sort key without a Python call per request
 
 
 def _refused(seq: Sequence, reason: str) -> str:
@@ -96,8 +100,10 @@ class Scheduler:
         self.admission_order: list[str] = []  # first admissions, for the FCFS invariant
 
         self.clock = DecodeClock()
-        self._steady: dict[Sequence, None] = {}
-        self._steady_kv_offset_sum = 0  # sum over steady requests of kv_len - clock.ticks
+        # The steady requests (in the order they joined) and each one's kv_len - clock.ticks,
+        # constant while it decodes steadily; and the sum of those.
+        self._steady: dict[Sequence, int] = {}
+        self._steady_kv_offset_sum = 0
         # Max-heap of (-(kv_len - clock.ticks), join number, request, its steady epoch): the
         # longest decode context in O(log n) per join, not O(batch) per step (a decode step's
         # time follows its longest context too). An entry whose request left steady decoding
@@ -447,7 +453,7 @@ class Scheduler:
                     del self._blocked[seq]
                     candidates.append(seq)
         if len(candidates) > 1:
-            candidates.sort(key=lambda seq: seq.running_rank)
+            candidates.sort(key=_RUNNING_RANK)
 
         jobs: list[CompressionJob] = []
         for seq in candidates:
@@ -673,7 +679,7 @@ class Scheduler:
         ticks = self.clock.ticks
         kv_len = seq.kv_len
         seq.join_steady(self.clock)
-        self._steady[seq] = None
+        self._steady[seq] = kv_len - ticks
         self._steady_kv_offset_sum += kv_len - ticks
         self._steady_joins += 1
         heapq.heappush(self._steady_offsets,
@@ -698,9 +704,9 @@ class Scheduler:
         return -heap[0][0]
 
     def _leave_steady(self, seq: Sequence) -> None:
-        if seq.is_steady:
-            self._steady_kv_offset_sum -= seq.kv_len - self.clock.ticks
-            del self._steady[seq]
+        offset = self._steady.pop(seq, None)  # None: not steady
+        if offset is not None:
+            self._steady_kv_offset_sum -= offset
             seq.settle()
 
     # ------------------------------------------------------------------ query slots
