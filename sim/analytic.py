@@ -176,6 +176,11 @@ class AnalyticCostModel(CostModel):
             self._allreduce_token_s = 2 * layers * shape.hidden_size * dtype_bytes * ring / link
             self._allreduce_fixed_s = (2 * layers + 1) * ALLREDUCE_LATENCY_S
 
+        # What a decode step's price reads of its batch size alone (its weight-streaming roofline
+        # and its decode partitions), worked out once per batch size: the simulator prices
+        # millions of decode steps over a few hundred batch sizes.
+        self._decode_batch_terms: dict[int, tuple[float, int]] = {}
+
         self.num_launch_groups = launch_groups(layers, layer_stride)
         self.compress_fixed_s = COMPRESS_BATCH_OVERHEAD_S + self.num_launch_groups * (
             compression_launches_per_group(redundancy, global_score) * KERNEL_LAUNCH_S
@@ -183,25 +188,26 @@ class AnalyticCostModel(CostModel):
         )
 
     def forward_time_for(self, work: StepWork) -> float:
-        batch, tokens = work.num_decode, work.prefill_tokens
+        batch, tokens, sampled = work.num_decode, work.prefill_tokens, work.num_sampled_prefill
         if not batch and not work.num_prefill:
             return 0.0
-        # Weights stream once for every row of the step; each decode row and each chunk that
-        # samples goes through the LM head (a chunk computes logits for its last token only).
-        linear = _roofline(self._weight_s, batch * self._decode_token_flop_s
-                           + tokens * self._prefill_token_flop_s
-                           + work.num_sampled_prefill * self._sampled_chunk_flop_s)
+        linear = self._linear_s(batch, tokens, sampled) if tokens or sampled else None
         # Decode rows and chunks attend in two kernels (split-K decode, varlen prefill), so two
         # rooflines: each decode row reads its own KV entries; a chunk reads the entries before
         # it, writes its new ones and reads them back.
         attention = 0.0
         if batch:
+            terms = self._decode_batch_terms.get(batch)
+            if terms is None:
+                terms = self._decode_batch_terms[batch] = (
+                    self._linear_s(batch, 0, 0),
+                    decode_num_partitions(batch, self.kv_heads, self.gpu.streaming_multiprocessors))
+            if linear is None:  # a decode step: its linear layers are its batch's
+                linear = terms[0]
             context = work.decode_context_tokens
             attention = _roofline(context * self._kv_token_s, context * self._attention_pair_s)
             if work.decode_max_context:
-                partitions = decode_num_partitions(batch, self.kv_heads,
-                                                   self.gpu.streaming_multiprocessors)
-                longest = -(-work.decode_max_context // partitions) * self._program_entry_s
+                longest = -(-work.decode_max_context // terms[1]) * self._program_entry_s
                 if longest > attention:
                     attention = longest
         if work.num_prefill:
@@ -211,6 +217,14 @@ class AnalyticCostModel(CostModel):
                + (batch + tokens) * self._allreduce_token_s)
         return (gpu + self._kernel_chain_s + self._step_overhead_s
                 + (batch + work.num_prefill) * PER_SEQUENCE_OVERHEAD_S)
+
+    def _linear_s(self, batch: int, tokens: int, sampled_chunks: int) -> float:
+        """The step's linear layers: weights stream once for every row of the step; each decode
+        row and each chunk that samples goes through the LM head (a chunk computes logits for
+        its last token only)."""
+        return _roofline(self._weight_s, batch * self._decode_token_flop_s
+                         + tokens * self._prefill_token_flop_s
+                         + sampled_chunks * self._sampled_chunk_flop_s)
 
     def compress_time_for(self, blocks: Sequence[int],
                           kept_blocks: Sequence[int] | None = None) -> float:

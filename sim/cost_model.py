@@ -50,15 +50,17 @@ class StepWork:
     @classmethod
     def of(cls, plan: StepPlan) -> "StepWork":
         if not plan.prefill:  # the common case, kept cheap: the simulator asks ~100k times a run
-            return cls(len(plan.decode), plan.decode_context_tokens,
-                       decode_max_context=plan.decode_max_context,
-                       shared_kv_tokens=plan.shared_kv_tokens)
-        return cls(len(plan.decode), plan.decode_context_tokens, len(plan.prefill),
-                   sum(1 for item in plan.prefill if item.samples),
-                   sum(item.num_new_tokens for item in plan.prefill),
-                   sum(item.num_cached_tokens for item in plan.prefill),
-                   sum(item.attention_pairs for item in plan.prefill),
-                   plan.decode_max_context, plan.shared_kv_tokens)
+            return cls(len(plan.decode), plan.decode_context_tokens, 0, 0, 0, 0, 0,
+                       plan.decode_max_context, plan.shared_kv_tokens)
+        sampled = new_tokens = cached_tokens = pairs = 0
+        for item in plan.prefill:  # one pass, not four generators: a mixed step is common
+            sampled += item.samples
+            new_tokens += item.num_new_tokens
+            cached_tokens += item.num_cached_tokens
+            pairs += item.attention_pairs
+        return cls(len(plan.decode), plan.decode_context_tokens, len(plan.prefill), sampled,
+                   new_tokens, cached_tokens, pairs, plan.decode_max_context,
+                   plan.shared_kv_tokens)
 
     @classmethod
     def from_counts(cls, num_decode: int = 0, decode_context_tokens: int = 0,

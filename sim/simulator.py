@@ -152,6 +152,8 @@ class Simulator:
         return duration
 
 
+_NO_STOPS: frozenset[str] = frozenset()
+
 # What `_PlainClock`'s events wake: the arrival process, the engine loop (a step ended, or it was
 # woken by an arrival or by the batch its idle step waits for), the compressor.
 _ARRIVAL, _ENGINE, _BATCH_DONE = range(3)
@@ -232,8 +234,9 @@ class _PlainClock:
         if self.step is not None:
             plan, t_start = self.step
             self.step = None
-            result = StepResult(step_id=plan.step_id, t_start=t_start, t_end=now,
-                                completed_batches=sim._completed_batches)
+            # Positional, and one shared empty `stopped` (the simulator never stops a request
+            # early): a result is made every step.
+            result = StepResult(plan.step_id, t_start, now, sim._completed_batches, _NO_STOPS)
             sim._completed_batches = []
             recorder.finish(plan, result)
         plan = recorder.schedule()

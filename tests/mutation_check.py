@@ -92,8 +92,8 @@ MUTATIONS = [
              "            if self.compress and len(table) >= seq.n_max:",
              "            if self.compress and len(table) > seq.n_max:"),
     Mutation("refcount decrement skipped for a shared block", BLOCKS,
-             "        count = self.refcount[block] - 1\n",
-             "        count = self.refcount[block] - (1 if self.refcount[block] == 1 else 0)\n"),
+             "            count = refcount[block] - 1\n",
+             "            count = refcount[block] - (1 if refcount[block] == 1 else 0)\n"),
     Mutation("freed slot given to the last request without one", SCHEDULER,
              "        for seq in self.running:\n            if seq.query_slot is None:\n",
              "        for seq in reversed(self.running):\n            if seq.query_slot is None:\n"),
@@ -245,7 +245,7 @@ MUTATIONS = [
              "        if not self.prefix_cache:", tests=FORK_WITNESSES),
     # ---- a cost feature both twins must count alike (not a rule: the invariants guard it)
     Mutation("shared KV: a released shared block keeps its extra holder", BLOCKS,
-             "        else:\n            self.extra_holders -= 1\n",
+             "            else:\n                self.extra_holders -= 1\n",
              "\n", tests=FORK_WITNESSES),
 ]
 

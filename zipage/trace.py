@@ -44,6 +44,8 @@ REQUEST_FIELDS = (
     "kv_budget",
 )
 _REQUEST_FIELD_SET = frozenset(REQUEST_FIELDS)
+# The fields of most requests of a production-shaped trace: they take `_plain_request`'s path.
+_PLAIN_FIELD_SET = frozenset(("id", "arrival_s", "prompt_len", "output_len"))
 
 # Synthetic ids avoid the low range, where tokenizers keep special and control tokens, and stay
 # below 32000 so one trace yields the same ids for every model with a vocabulary of at least 32000.
@@ -553,13 +555,17 @@ def prompt_block_keys(request: TraceRequest, block_size: int) -> list[int] | Non
     keys = []
     previous = 0
     digest = xxhash.xxh64_intdigest  # one call over the concatenation = the streamed hash
-    # Most requests draw every block from their own stream: its identities differ only in the
-    # index, so their common start is made once (a million requests' blocks are keyed per run).
-    own = (f"r\0{request.id}\0" if request.block_hashes is None and request.prefix_group is None
-           else None)
+    if request.block_hashes is None and request.prefix_group is None:
+        # Most requests draw every block from their own stream: its identities differ only in
+        # the index, so their common start is encoded once (a million requests' blocks are
+        # keyed per run); b"%d" is str(index) encoded.
+        own = f"r\0{request.id}\0".encode("utf-8")
+        for index in range(request.prompt_len // block_size):
+            previous = digest(previous.to_bytes(8, "little") + own + b"%d" % index, 1)  # seed
+            keys.append(previous)
+        return keys
     for index in range(request.prompt_len // block_size):
-        identity = own + str(index) if own is not None else _block_identity(request, index,
-                                                                            block_size)
+        identity = _block_identity(request, index, block_size)
         previous = digest(previous.to_bytes(8, "little") + identity.encode("utf-8"), seed=1)
         keys.append(previous)
     return keys
@@ -596,6 +602,10 @@ def _token_stream(namespace: str, key: str, count: int, high: int) -> list[int]:
 def _parse_request(raw: Any, index: int, source: str, hash_block_size: int = 0) -> TraceRequest:
     # This runs once per request (a million in a big trace), so the common case is kept to
     # C-level set and type tests; every failure still gets its own one-line message.
+    if type(raw) is dict and raw.keys() == _PLAIN_FIELD_SET:
+        request = _plain_request(raw)
+        if request is not None:
+            return request
     if not isinstance(raw, dict):
         raise _request_error(source, index, None, f"must be a JSON object, got {_json_type(raw)}")
     request_id = raw.get("id")
@@ -700,6 +710,23 @@ def _parse_request(raw: Any, index: int, source: str, hash_block_size: int = 0) 
         block_hashes=block_hashes,
         hash_block_size=hash_block_size if block_hashes is not None else 0,
     )
+
+
+def _plain_request(raw: dict) -> TraceRequest | None:
+    """The commonest request, its four fields and no other, when each is valid (the rules of
+    `_parse_request`, stricter on types: exact int and float, as JSON decodes them); else None,
+    and `_parse_request` names what is wrong."""
+    request_id, arrival = raw["id"], raw["arrival_s"]
+    prompt_len, output_len = raw["prompt_len"], raw["output_len"]
+    if (type(request_id) is str and request_id and _is_unicode(request_id)
+            and (type(arrival) is float or type(arrival) is int) and 0 <= arrival <= MAX_ARRIVAL_S
+            and type(prompt_len) is int and 1 <= prompt_len <= MAX_LENGTH
+            and type(output_len) is int and 1 <= output_len <= MAX_LENGTH):
+        return _validated_request(
+            id=request_id, arrival_s=float(arrival), prompt_len=prompt_len,
+            output_len=output_len, prompt_token_ids=None, prefix_group=None, prefix_len=0,
+            kv_budget=None, block_hashes=None, hash_block_size=0)
+    return None
 
 
 def _parse_block_hashes(raw: dict, has_ids: bool, group: str | None, prompt_len: int,

@@ -13,7 +13,8 @@ overwrites leaves it at once.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,45 +58,74 @@ class BlockManager:
         self.extra_holders = 0
         self.block_hash: list[int | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
-        # Ordered set of free blocks, least recently freed first.
-        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        # The free blocks, least recently freed first: a queue of blocks as they were freed, in
+        # which an entry is live only while its block is free and it is the block's latest entry
+        # (a free block the prefix cache takes back stays queued, dead, until it reaches the
+        # front). `_queued[block]`: the block's entries in the queue. A deque hands a block out
+        # and takes it back several times faster than an ordered dict.
+        self._free_queue: deque[int] = deque(range(num_blocks))
+        self._queued = [1] * num_blocks
+        self.num_free_blocks = num_blocks
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
+        return self.num_blocks - self.num_free_blocks
+
+    def free_blocks(self) -> list[int]:
+        """The free blocks in the order they are handed out (for the invariant checker)."""
+        queued = list(self._queued)
+        live = []
+        for block in self._free_queue:
+            queued[block] -= 1
+            if queued[block] == 0 and self.refcount[block] == 0:
+                live.append(block)
+        return live
 
     # ---- allocation ----
 
     def allocate(self) -> int:
         """Hand out a fresh block (its old content, and so its hash, is gone)."""
-        block, _ = self.free_blocks.popitem(last=False)
-        self._forget_hash(block)
-        self.refcount[block] = 1
-        return block
+        return self.allocate_many(1)[0]
+
+    def allocate_many(self, count: int) -> list[int]:
+        """Hand out `count` fresh blocks, least recently freed first (a prompt's blocks come in
+        one call: the simulator allocates millions)."""
+        queue, queued, refcount = self._free_queue, self._queued, self.refcount
+        forget_hash = self._forget_hash
+        blocks = []
+        for _ in range(count):
+            while True:
+                block = queue.popleft()
+                queued[block] -= 1
+                if not queued[block] and not refcount[block]:
+                    break
+            forget_hash(block)  # its old content, and so its hash, is gone
+            refcount[block] = 1
+            blocks.append(block)
+        self.num_free_blocks -= count
+        return blocks
 
     def release(self, block: int) -> None:
-        count = self.refcount[block] - 1
-        assert count >= 0, f"block {block} released more often than held"
-        self.refcount[block] = count
-        if count == 0:
-            self.free_blocks[block] = None
-        else:
-            self.extra_holders -= 1
+        self.release_all((block,))
 
     def release_table(self, table: list[int]) -> None:
         """Release a request's whole block table, last block first: the free list hands out
         least recently freed blocks first, so a prompt's leading blocks - the ones another
         request with the same prefix can map - are the last of them to lose their content."""
-        for block in reversed(table):
-            self.release(block)
+        self.release_all(reversed(table))
 
-    def release_all(self, blocks: list[int]) -> None:
+    def release_all(self, blocks: Iterable[int]) -> None:
+        refcount = self.refcount
         for block in blocks:
-            self.release(block)
+            count = refcount[block] - 1
+            assert count >= 0, f"block {block} released more often than held"
+            refcount[block] = count
+            if count == 0:
+                self._free_queue.append(block)
+                self._queued[block] += 1
+                self.num_free_blocks += 1
+            else:
+                self.extra_holders -= 1
 
     # ---- prefix cache ----
 
@@ -119,7 +149,7 @@ class BlockManager:
 
     def can_allocate_prefill(self, cached: list[int], num_tokens: int) -> bool:
         needed = -(-num_tokens // self.block_size) - len(cached)
-        cached_but_free = sum(1 for block in cached if self.refcount[block] == 0)
+        cached_but_free = sum(1 for block in cached if self.refcount[block] == 0) if cached else 0
         return self.num_free_blocks >= needed + cached_but_free
 
     def allocate_prefill(self, cached: list[int], num_tokens: int) -> list[int]:
@@ -127,14 +157,13 @@ class BlockManager:
         table = []
         for block in cached:
             if self.refcount[block] == 0:
-                del self.free_blocks[block]
+                self.num_free_blocks -= 1  # its queue entry dies as its refcount rises
             else:
                 self.extra_holders += 1
             self.refcount[block] += 1
             table.append(block)
         needed = -(-num_tokens // self.block_size) - len(cached)
-        table.extend(self.allocate() for _ in range(needed))
-        return table
+        return table + self.allocate_many(needed) if table else self.allocate_many(needed)
 
     def share(self, blocks: list[int]) -> None:
         """One more holder of each of `blocks` (held already: a fork maps its leader's)."""
@@ -152,7 +181,8 @@ class BlockManager:
             block_hash = seq.prompt_block_hashes[index]
             if block_hash in self.hash_to_block:
                 continue  # an equal block is already indexed; keep the first
-            self._forget_hash(block)
+            if self.block_hash[block] is not None:  # (a fresh block's is gone already)
+                self._forget_hash(block)
             self.block_hash[block] = block_hash
             self.hash_to_block[block_hash] = block
 

@@ -170,8 +170,8 @@ def iter_trace_sequences(trace: Trace | TraceStream, vocab_size: int, need_token
         if in_arrival_order:
             requests = sorted(requests, key=lambda request: request.arrival_s)
     for request in requests:
-        seq = Sequence(request.id, None, request.output_len, arrival_s=request.arrival_s,
-                       prompt_len=request.prompt_len, kv_budget=request.kv_budget)
+        seq = Sequence(request.id, None, request.output_len, request.arrival_s,
+                       request.prompt_len, None, request.kv_budget)  # arrival, length, sampling
         if scheduler is None or scheduler.rejection_reason(seq) is None:
             if need_tokens:
                 seq.prompt_token_ids = prompt_token_ids(request, vocab_size=vocab_size)

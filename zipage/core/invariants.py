@@ -459,11 +459,16 @@ class InvariantChecker:
     def _check_blocks(self) -> None:
         manager = self.scheduler.block_manager
         holders = self._holders()
+        free_list = manager.free_blocks()
+        free = set(free_list)
+        if len(free) != len(free_list) or len(free_list) != manager.num_free_blocks:
+            self.fail(f"the free list holds {len(free_list)} entries of {len(free)} blocks, "
+                      f"but {manager.num_free_blocks} blocks are counted free")
         for block in range(manager.num_blocks):
             if manager.refcount[block] != holders[block]:
                 self.fail(f"block {block}: refcount {manager.refcount[block]} but "
                           f"{holders[block]} holders")
-            if (manager.refcount[block] == 0) != (block in manager.free_blocks):
+            if (manager.refcount[block] == 0) != (block in free):
                 self.fail(f"block {block}: refcount {manager.refcount[block]} disagrees with "
                           "the free list")
         if manager.num_free_blocks + manager.num_used_blocks != manager.num_blocks:

@@ -110,11 +110,13 @@ class StepRecorder:
         if not self.keep_sequences and scheduler.finished:
             self._keep_records(request_records(scheduler.finished))
             scheduler.finished.clear()
-        self._stopped |= result.stopped
+        if result.stopped:
+            self._stopped |= result.stopped
         self.metrics.record_step(plan, result)
         if self.checker:
             self.checker.after_finish()
-        self._advance(newly_finished)
+        if newly_finished:  # most steps finish nobody: no call then (this runs every step)
+            self._advance(newly_finished)
 
     def result(self, tokens: dict[str, list[int]] | None = None) -> Run:
         """Close the run: final checks, per-request records and the summary (once: a second

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict, deque
+from operator import attrgetter
 
 from zipage.config import ZipageConfig, budget_violation
 from zipage.core.block_manager import BlockManager, prompt_block_hashes
@@ -57,6 +58,14 @@ def check_pool(config: ZipageConfig, num_blocks: int, num_query_slots: int) -> N
                 "or more blocks")
 
 
+_RUNNING_RANK = attrgetter("running_rank")  # a sort key without a Python call per request
+
+
+def _refused(seq: Sequence, reason: str) -> str:
+    # Formatted only when refused: `rejection_reason` runs twice for every request.
+    return f"request {seq.seq_id}: {reason}"
+
+
 class SchedulerStuck(RuntimeError):
     """No request can make progress and nothing is in flight: a deadlock, i.e. a bug."""
 
@@ -91,8 +100,10 @@ class Scheduler:
         self.admission_order: list[str] = []  # first admissions, for the FCFS invariant
 
         self.clock = DecodeClock()
-        self._steady: dict[Sequence, None] = {}
-        self._steady_kv_offset_sum = 0  # sum over steady requests of kv_len - clock.ticks
+        # The steady requests (in the order they joined) and each one's kv_len - clock.ticks,
+        # constant while it decodes steadily; and the sum of those.
+        self._steady: dict[Sequence, int] = {}
+        self._steady_kv_offset_sum = 0
         # Max-heap of (-(kv_len - clock.ticks), join number, request, its steady epoch): the
         # longest decode context in O(log n) per join, not O(batch) per step (a decode step's
         # time follows its longest context too). An entry whose request left steady decoding
@@ -154,25 +165,27 @@ class Scheduler:
         """Why `seq` can never be served here, or None. O(1) from its lengths alone, so a driver
         can ask before building a prompt it would throw away (a 10^9-token one)."""
         prompt, output = seq.prompt_len, seq.max_output_tokens
-        where = f"request {seq.seq_id}"
         if prompt < 1 or output < 1:
-            return f"{where}: prompt_len and output_len must be >= 1 (got {prompt}, {output})"
-        budget_reason = self.budget_reason(seq.kv_budget)
-        if budget_reason is not None:
-            return f"{where}: {budget_reason}"
+            return _refused(seq, "prompt_len and output_len must be >= 1 "
+                                 f"(got {prompt}, {output})")
+        if seq.kv_budget is not None:  # its own budget (most requests bring none)
+            budget_reason = self.budget_reason(seq.kv_budget)
+            if budget_reason is not None:
+                return _refused(seq, budget_reason)
         limit = self.config.max_model_len
         if limit is not None and prompt + output > limit:
-            return (f"{where}: prompt_len + output_len = {prompt + output} exceeds max_model_len "
-                    f"{limit}; shorten the request or raise --max-model-len")
+            return _refused(seq, f"prompt_len + output_len = {prompt + output} exceeds "
+                                 f"max_model_len {limit}; shorten the request or raise "
+                                 "--max-model-len")
         if not self.config.chunked_prefill and prompt > self.step_tokens:
-            return (f"{where}: prompt_len {prompt} exceeds max_num_batched_tokens "
-                    f"{self.step_tokens}; raise --max-num-batched-tokens or turn chunked "
-                    "prefill back on (--chunked-prefill)")
+            return _refused(seq, f"prompt_len {prompt} exceeds max_num_batched_tokens "
+                                 f"{self.step_tokens}; raise --max-num-batched-tokens or turn "
+                                 "chunked prefill back on (--chunked-prefill)")
         peak = self.peak_blocks(prompt, output, self._n_max_of(seq))
         if peak > self.block_manager.num_blocks:
-            return (f"{where}: needs {peak} KV blocks at its peak but only "
-                    f"{self.block_manager.num_blocks} exist; give more KV memory"
-                    + (" or enable compression" if not self.compress else ""))
+            return _refused(seq, f"needs {peak} KV blocks at its peak but only "
+                                 f"{self.block_manager.num_blocks} exist; give more KV memory"
+                                 + (" or enable compression" if not self.compress else ""))
         return None
 
     def budget_reason(self, kv_budget: int | None) -> str | None:
@@ -213,8 +226,9 @@ class Scheduler:
         assert self._plan is None, "finish() the previous plan before scheduling again"
         if not self.has_unfinished():
             return None
-        self._hand_out_slots()
-        plan = StepPlan(step_id=self._step_id, kind=PREFILL)
+        if self.free_slots and self._num_slotless_running:  # rare: no call otherwise
+            self._hand_out_slots()
+        plan = StepPlan(self._step_id, PREFILL)  # positional: a plan is made every step
         if self.config.chunked_prefill:
             self._schedule_chunked(plan)
         else:  # prefill steps have priority; a step prefills or decodes
@@ -438,7 +452,8 @@ class Scheduler:
                 if version != self._resource_version:
                     del self._blocked[seq]
                     candidates.append(seq)
-        candidates.sort(key=lambda seq: seq.running_rank)
+        if len(candidates) > 1:
+            candidates.sort(key=_RUNNING_RANK)
 
         jobs: list[CompressionJob] = []
         for seq in candidates:
@@ -664,7 +679,7 @@ class Scheduler:
         ticks = self.clock.ticks
         kv_len = seq.kv_len
         seq.join_steady(self.clock)
-        self._steady[seq] = None
+        self._steady[seq] = kv_len - ticks
         self._steady_kv_offset_sum += kv_len - ticks
         self._steady_joins += 1
         heapq.heappush(self._steady_offsets,
@@ -689,9 +704,9 @@ class Scheduler:
         return -heap[0][0]
 
     def _leave_steady(self, seq: Sequence) -> None:
-        if seq.is_steady:
-            self._steady_kv_offset_sum -= seq.kv_len - self.clock.ticks
-            del self._steady[seq]
+        offset = self._steady.pop(seq, None)  # None: not steady
+        if offset is not None:
+            self._steady_kv_offset_sum -= offset
             seq.settle()
 
     # ------------------------------------------------------------------ query slots

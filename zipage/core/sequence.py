@@ -120,10 +120,15 @@ class Sequence:
             return self._num_output_tokens
         return self._num_output_tokens + self._clock.ticks - self._steady_since
 
+    # The counters below repeat `num_output_tokens`'s two lines rather than read it: a property
+    # read is a call (a hot one: these run several times a request and a step).
+
     @property
     def num_tokens(self) -> int:
         """Prompt plus generated tokens (the last generated one has no KV entry yet)."""
-        return self.prompt_len + self.num_output_tokens
+        if self._steady_since is None:
+            return self.prompt_len + self._num_output_tokens
+        return self.prompt_len + self._num_output_tokens + self._clock.ticks - self._steady_since
 
     @property
     def position(self) -> int:
@@ -141,7 +146,10 @@ class Sequence:
 
     @property
     def remaining_output_tokens(self) -> int:
-        return self.max_output_tokens - self.num_output_tokens
+        if self._steady_since is None:
+            return self.max_output_tokens - self._num_output_tokens
+        return (self.max_output_tokens - self._num_output_tokens
+                - (self._clock.ticks - self._steady_since))
 
     def set_counters(self, kv_len: int, num_output_tokens: int) -> None:
         assert self._steady_since is None, "settle a steady sequence before changing it"
@@ -156,8 +164,9 @@ class Sequence:
         """Leave steady decoding: write the clock-derived counters back."""
         if self._steady_since is None:
             return
-        self._kv_len = self.kv_len
-        self._num_output_tokens = self.num_output_tokens
+        decoded = self._clock.ticks - self._steady_since
+        self._kv_len += decoded
+        self._num_output_tokens += decoded
         self._steady_since = None
         self.steady_epoch += 1
 

@@ -41,15 +41,15 @@ class PrefillItem:
     # The driver computes the logits of every row of the range, not only the sampling one (the
     # request asked for its prompt's log-probabilities: `Sequence.prompt_logits`).
     prompt_logits: bool = False
+    # Derived once here (an item is never changed), not per read: the cost model and the step
+    # record each read them for every item of every step.
+    num_new_tokens: int = field(init=False)
+    # (query, key) pairs its causal attention computes: what prefill attention costs.
+    attention_pairs: int = field(init=False)
 
-    @property
-    def num_new_tokens(self) -> int:
-        return self.num_tokens - self.num_cached_tokens
-
-    @property
-    def attention_pairs(self) -> int:
-        """(query, key) pairs its causal attention computes: what prefill attention costs."""
-        return causal_pairs(self.num_new_tokens, self.num_cached_tokens)
+    def __post_init__(self) -> None:
+        self.num_new_tokens = self.num_tokens - self.num_cached_tokens
+        self.attention_pairs = causal_pairs(self.num_new_tokens, self.num_cached_tokens)
 
 
 def causal_pairs(new_tokens: int, cached_tokens: int) -> int:
