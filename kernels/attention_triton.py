@@ -190,7 +190,7 @@ def _quantize_e4m3(x, mask, FP8_MAX: tl.constexpr, SEARCH_STEP: tl.constexpr, SE
     best_scaled = x
     best_error = tl.full(amax.shape, 9223372036854775807, tl.int64)
     for j in tl.static_range(SEARCH_SIZE):
-        candidate: tl.constexpr = 1.0 + j * SEARCH_STEP
+        candidate = 1.0 + j * SEARCH_STEP
         scale = tl.where(nonzero, base * candidate, 1.0)
         scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
         magnitude = tl.abs(scaled)
