@@ -109,9 +109,13 @@ def _error_stats(restored: torch.Tensor, x: torch.Tensor, amax_entry: torch.Tens
 
 
 def dequantized(x: torch.Tensor, candidates: tuple[float, ...] = SCALE_CANDIDATES) -> torch.Tensor:
-    """x's round trip through the fp8 cache, the scale searched over `candidates` (the shipped ones by default)."""
-    values, scale = quantize_kv(x, candidates)
-    return values.float() * scale[..., None]
+    """x's round trip through the fp8 cache, the scale searched over `candidates` (the shipped ones by default);
+    a layer (x's first axis) at a time: the search holds every candidate's copy of its input at once."""
+    def one(part: torch.Tensor) -> torch.Tensor:
+        values, scale = quantize_kv(part, candidates)
+        return values.float() * scale[..., None]
+
+    return torch.cat([one(part) for part in x.split(1)])
 
 
 # --------------------------------------------------------------------------- teacher forcing
