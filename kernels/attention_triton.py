@@ -23,7 +23,7 @@ import triton.language as tl
 
 from zipage import decode_grid
 from zipage.kernels.attention_ref import PrefillWork
-from zipage.kernels.kv_quant_ref import FP8_DTYPE
+from zipage.kernels.kv_quant_ref import FP8_DTYPE, FP8_MAX, SCALE_SEARCH_SIZE, SCALE_SEARCH_STEP, SEARCH_FIXED_POINT
 
 _LOG2_E = 1.4426950408889634
 
@@ -165,15 +165,44 @@ def _encode_e4m3(y):
 
 
 @triton.jit
-def _quantize_e4m3(x, mask, FP8_MAX: tl.constexpr):
-    """(bytes, scales) of rows ``x`` ``[heads, head_dim]`` (masked elements zero): one scale per row, amax / 448
-    (1 for a zero row), as ``kv_quant_ref.quantize_kv``; IEEE divisions so the bytes match torch's."""
+def _e4m3_magnitude(magnitude):
+    """The float32 value of ``magnitude`` (``0 <= magnitude <= 448``) rounded to e4m3 as ``_encode_e4m3`` rounds it:
+    what the code decodes to, for the scale search."""
+    magnitude_bits = magnitude.to(tl.uint32, bitcast=True)
+    # Normal range: the rounded bits with the 20 dropped mantissa bits cleared are the rounded float32.
+    normal = ((magnitude_bits + 0x7FFFF + ((magnitude_bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    subnormal = ((magnitude * 512.0 + 8388608.0) - 8388608.0) * 0.001953125
+    return tl.where(magnitude >= 0.015625, normal, subnormal)
+
+
+@triton.jit
+def _quantize_e4m3(x, mask, FP8_MAX: tl.constexpr, SEARCH_STEP: tl.constexpr, SEARCH_SIZE: tl.constexpr,
+                   FIXED_POINT: tl.constexpr):
+    """(bytes, scales) of rows ``x`` ``[heads, head_dim]`` (masked elements zero): one scale per row, of amax / 448
+    * (1 + j * SEARCH_STEP) for j < SEARCH_SIZE the one of least squared round-trip error, the first of equals (1
+    for a zero row), as ``kv_quant_ref.quantize_kv``: the same IEEE divisions, and each element's squared error
+    truncated to int64 fixed point before the sum, so the choice, the scales and the bytes match torch's."""
     x = tl.where(mask, x.to(tl.float32), 0.0)
     amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32)), 1.0)
-    scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-    scaled = tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX)
-    return _encode_e4m3(scaled), scale
+    nonzero = amax > 0
+    base = tl.where(nonzero, tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32)), 1.0)
+    best_scale = base
+    best_scaled = x
+    best_error = tl.full(amax.shape, 9223372036854775807, tl.int64)
+    for j in tl.static_range(SEARCH_SIZE):
+        candidate = 1.0 + j * SEARCH_STEP
+        scale = tl.where(nonzero, base * candidate, 1.0)
+        scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+        magnitude = tl.abs(scaled)
+        # Exact, as the reference's: the rounded value lies within a factor 2 of the value (or is 0).
+        error = (magnitude - _e4m3_magnitude(tl.minimum(magnitude, FP8_MAX))) * candidate
+        total = tl.sum((error * error * FIXED_POINT).to(tl.int64), axis=1)
+        better = total < best_error
+        best_scale = tl.where(better, scale, best_scale)
+        best_scaled = tl.where(better[:, None], scaled, best_scaled)
+        best_error = tl.where(better, total, best_error)
+    scaled = tl.minimum(tl.maximum(best_scaled, -FP8_MAX), FP8_MAX)
+    return _encode_e4m3(scaled), best_scale
 
 
 @triton.jit
@@ -200,6 +229,10 @@ def _store_kv_kernel(
     HEADS_PADDED: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
     FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    SEARCH_STEP: tl.constexpr,
+    SEARCH_SIZE: tl.constexpr,
+    SEARCH_FIXED_POINT: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -218,8 +251,9 @@ def _store_kv_kernel(
             # The caches come as uint8 views: the bytes are encoded here, one scale per (token, head).
             scale_heads = tl.arange(0, HEADS_PADDED)
             scale_offsets = (slot // BLOCK_SIZE) * scale_block_stride + (slot % BLOCK_SIZE) * scale_slot_stride
-            key_bytes, key_scale = _quantize_e4m3(key, mask, 448.0)
-            value_bytes, value_scale = _quantize_e4m3(value, mask, 448.0)
+            key_bytes, key_scale = _quantize_e4m3(key, mask, FP8_MAX, SEARCH_STEP, SEARCH_SIZE, SEARCH_FIXED_POINT)
+            value_bytes, value_scale = _quantize_e4m3(value, mask, FP8_MAX, SEARCH_STEP, SEARCH_SIZE,
+                                                      SEARCH_FIXED_POINT)
             tl.store(k_cache_ptr + cache_offsets, key_bytes, mask=mask)
             tl.store(v_cache_ptr + cache_offsets, value_bytes, mask=mask)
             tl.store(k_scale_ptr + scale_offsets + scale_heads, key_scale, mask=scale_heads < NUM_KV_HEADS)
@@ -271,6 +305,10 @@ def store_kv_triton(
         HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
         FP8=fp8,
+        FP8_MAX=FP8_MAX,
+        SEARCH_STEP=SCALE_SEARCH_STEP,
+        SEARCH_SIZE=SCALE_SEARCH_SIZE,
+        SEARCH_FIXED_POINT=SEARCH_FIXED_POINT,
     )
 
 

@@ -39,7 +39,16 @@ from zipage.kernels.attention_ref import (  # noqa: E402
     prefill_work_capacity,
     store_kv_ref,
 )
-from zipage.kernels.kv_quant_ref import FP8_DTYPE, dequantize_kv, quantize_kv  # noqa: E402
+from zipage.kernels.kv_quant_ref import (  # noqa: E402
+    FP8_DTYPE,
+    FP8_MAX,
+    SCALE_SEARCH_SIZE,
+    SCALE_SEARCH_STEP,
+    SEARCH_FIXED_POINT,
+    dequantize_kv,
+    kv_scales,
+    quantize_kv,
+)
 
 HEAD_DIM = 64
 NUM_KV_HEADS = 2
@@ -83,7 +92,9 @@ def hopper_launches() -> list:
     decode_variants = [decode | dict(BLOCK_SIZE=128, KV_LOAD="block", KV_TILE=tile, FP8_VALUES=values)
                        for tile, values in ((64, "f16-asm"), (128, "f16"), (128, "weights"))]
     return [
-        (kernels._store_kv_kernel, shape | dict(NUM_KV_HEADS=2, HEADS_PADDED=2, FP8=False)),
+        (kernels._store_kv_kernel, shape | dict(NUM_KV_HEADS=2, HEADS_PADDED=2, FP8=False, FP8_MAX=FP8_MAX,
+                                               SEARCH_STEP=SCALE_SEARCH_STEP, SEARCH_SIZE=SCALE_SEARCH_SIZE,
+                                               SEARCH_FIXED_POINT=SEARCH_FIXED_POINT)),
         (kernels._prefill_kernel, prefill | dict(USE_WORK_ITEMS=False, FP8=False)),
         (kernels._prefill_kernel, prefill | dict(USE_WORK_ITEMS=True, FP8=False)),
         *[(kernels._prefill_kernel, constants | dict(FP8=False)) for constants in variants],
@@ -509,18 +520,23 @@ def fp8_paged_batch(context_lens: list[int], block_size: int, generator: torch.G
 @under_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_store_kv_fp8_quantizes_like_the_reference(triton_kernels, dtype):
+    """The same scale search as the reference (kv_quant_ref.kv_scales), so the same scales and bytes, bit for bit."""
     generator = torch.Generator().manual_seed(11)
     shape = (4, 16, NUM_KV_HEADS, HEAD_DIM)
     fused = torch.randn((7, 3, NUM_KV_HEADS, HEAD_DIM), generator=generator) * torch.logspace(-4, 2, 7)[:, None,
                                                                                                         None, None]
     fused[:, :, :, 3] *= 40.0  # an outlier channel
     fused[2] = 0.0  # a zero token: scale 1
+    # A constant row of 28 = 448 / 16: amax / 448 (to 448) and amax / 256 (to 256) both represent it exactly, the
+    # first candidate wins.
+    fused[3, :, 1] = 28.0
     fused = fused.to(dtype)
     # Exact ties and the ends of e4m3's range: 1.0625 and 1.1875 lie halfway between two codes (to even: 1.0 and
-    # 1.25), 448 saturates, 2^-8 and 3 * 2^-10 (times the scale) are subnormal codes.
+    # 1.25), 448 saturates, 2^-8 and 3 * 2^-10 (times the scale) are subnormal codes. The rest of the row holds
+    # codes that only the scale amax / 448 = 1 represents exactly, so the search must pick it.
     amax = 448.0
     fused[6, 1, 0, :6] = torch.tensor([amax, 1.0625, -1.1875, 2.0**-8, 3 * 2.0**-10, -amax], dtype=dtype)
-    fused[6, 1, 0, 6:] = 0.0
+    fused[6, 1, 0, 6:] = torch.tensor([288.0, 352.0, 416.0, -320.0], dtype=dtype).repeat(HEAD_DIM)[:HEAD_DIM - 6]
     key, value = fused[:, 1], fused[:, 2]
     slot_mapping = torch.tensor([5, -1, 63, 16, -1, 40, 33], dtype=torch.int64)
     caches = [torch.zeros(shape, dtype=FP8_DTYPE) for _ in range(2)] + [torch.ones(shape[:3]) for _ in range(2)]
@@ -528,24 +544,29 @@ def test_store_kv_fp8_quantizes_like_the_reference(triton_kernels, dtype):
     store_kv_ref(key, value, expected[0], expected[1], slot_mapping, k_scale=expected[2], v_scale=expected[3])
     triton_kernels.store_kv_triton(key, value, caches[0], caches[1], slot_mapping, k_scale=caches[2],
                                    v_scale=caches[3])
-    torch.testing.assert_close(caches[2], expected[2], rtol=1e-7, atol=0.0)
-    torch.testing.assert_close(caches[3], expected[3], rtol=1e-7, atol=0.0)
-    for cache, scales, reference, source in ((caches[0], caches[2], expected[0], key),
-                                             (caches[1], caches[3], expected[1], value)):
-        stored = dequantize_kv(cache, scales)
-        step = torch.maximum(E4M3_HALF_ULP * stored.abs(), E4M3_HALF_SUBNORMAL * scales[..., None])
-        assert torch.all((stored - dequantize_kv(reference, scales)).abs() <= 2 * step)
-        # ... and each stored value is the input rounded once: within half a step of it.
-        kept = slot_mapping >= 0
+    torch.testing.assert_close(caches[2], expected[2], rtol=0.0, atol=0.0)
+    torch.testing.assert_close(caches[3], expected[3], rtol=0.0, atol=0.0)
+    assert torch.equal(caches[0].view(torch.uint8), expected[0].view(torch.uint8))
+    assert torch.equal(caches[1].view(torch.uint8), expected[1].view(torch.uint8))
+    # The search is not idle here: some rows took a scale other than amax / 448.
+    kept = slot_mapping >= 0
+    plain = kv_scales(torch.stack([key[kept], value[kept]]), (1.0,))
+    chosen = torch.stack([caches[2], caches[3]]).view(2, -1, NUM_KV_HEADS)[:, slot_mapping[kept]]
+    assert bool((chosen > plain * (1 + 1e-3)).any())
+    for cache, scales, source in ((caches[0], caches[2], key), (caches[1], caches[3], value)):
+        # Each stored value is the input rounded once at its row's scale: within half a step of it.
         original = source[kept].float()
-        restored = stored.view(-1, NUM_KV_HEADS, HEAD_DIM)[slot_mapping[kept]]
+        restored = dequantize_kv(cache, scales).view(-1, NUM_KV_HEADS, HEAD_DIM)[slot_mapping[kept]]
         bound = torch.maximum(E4M3_HALF_ULP * original.abs(), E4M3_HALF_SUBNORMAL * scales.view(-1, NUM_KV_HEADS)[
             slot_mapping[kept]][..., None])
         assert torch.all((restored - original).abs() <= bound * (1 + 1e-6))
     # The hand-picked values, in units of their row's scale (448 / 448 = 1): ties to even, saturation, subnormals.
+    torch.testing.assert_close(caches[2][33 // 16, 33 % 16, 0], torch.tensor(1.0), rtol=0.0, atol=0.0)
     row = dequantize_kv(caches[0], caches[2])[33 // 16, 33 % 16, 0, :6] / caches[2][33 // 16, 33 % 16, 0]
     torch.testing.assert_close(row, torch.tensor([amax, 1.0, -1.25, 2.0**-8, 2.0**-9 * 2, -amax]).to(torch.float32),
                                rtol=1e-6, atol=0.0)
+    # The constant row: amax / 448 = 1 / 16, the first of the candidates that represent it exactly.
+    torch.testing.assert_close(caches[2][16 // 16, 16 % 16, 1], torch.tensor(2.0**-4), rtol=0.0, atol=0.0)
 
 
 FP8_PREFILL_CASES = [

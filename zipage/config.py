@@ -21,7 +21,8 @@ BUDGET_POLICIES = ("fixed", "elastic")
 CHUNKED_STEP_TOKENS = 2048
 WHOLE_PROMPT_STEP_TOKENS = 16384
 # Element type of the K and V cache (docs/architecture.md, 'FP8 KV cache'): "auto" stores K and V
-# in the compute dtype; "fp8" in float8 e4m3 with one float32 scale per (entry, KV head).
+# in the compute dtype; "fp8" in float8 e4m3 with one float32 scale per (entry, KV head), the
+# least-error one of a small search around amax / 448 (kernels/kv_quant_ref.py).
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 
@@ -86,7 +87,8 @@ class ZipageConfig:
                                           "blocks in one compression batch")
     kv_cache_dtype: str = knob("auto", "--kv-cache-dtype", "K/V cache element type: auto (the "
                                "compute dtype) or fp8 (float8 e4m3 with a float32 scale per "
-                               "entry and KV head: ~2x the blocks; weights, activations, window "
+                               "entry and KV head, the least-error of 8 candidates around "
+                               "amax/448: ~2x the blocks; weights, activations, window "
                                "queries and scores stay in the compute dtype)", cost=True,
                                choices=KV_CACHE_DTYPES)
     max_model_len: int | None = knob(None, "--max-model-len", "longest prompt + output of a "
