@@ -12,12 +12,16 @@ Three parts, in this order (each writes its results under $OUT, or runs/fp8_gpu 
 2. **Decode roofline** (`decode.json`): one layer of Qwen3-8B's decode attention (32 query heads, 8 KV heads,
    head dim 128, block 64) at batch 32 / 128 / 256 with 4,096 cached entries each, bf16 and fp8 caches; the
    bytes each reads (K and V, plus the fp8 scales) over the time, against the GPU's measured copy bandwidth.
+   **Store** (`store.json`, only when asked: `--parts store`): one layer's store_kv at fp8 with the shipped scale
+   search and with one candidate, against bf16, for 128 and 2,048 tokens.
 3. **Headline** (`headline.json`): `zipage replay --gpu` of the AMC23-shaped trace of bench/headline_gpu.py
    (qwen3-8b random weights, 6 GB of KV memory, block 64, budget 512) for Full KV bf16, Full KV fp8, Zipage
    bf16, Zipage fp8.
 
     python bench/fp8_gpu.py                  # everything (about 8-10 minutes on an H200)
     python bench/fp8_gpu.py --parts checks,decode
+    python bench/fp8_gpu.py --parts checks,store,headline --variants zipage-fp8   # the store's scale search
+    python bench/fp8_gpu.py --parts headline --variants zipage-fp8 --store-search 1   # ... and without it
     python bench/fp8_gpu.py --variants full-kv-fp8,zipage-fp8 --questions 8
 
 The last thing printed is a short table of all three parts.
@@ -261,6 +265,38 @@ def headline(args) -> dict:
     return report
 
 
+def time_store(device) -> list[dict]:
+    """One layer's store_kv at fp8 (Qwen3-8B's 8 KV heads x 128) for a decode batch and a prefill chunk, with the
+    shipped scale search and with one candidate (amax / 448 alone, the search's cost left out), against bf16."""
+    import triton
+
+    from zipage.kernels import attention_triton as triton_kernels
+    from zipage.kernels.kv_quant_ref import FP8_DTYPE, SCALE_SEARCH_SIZE
+
+    rows = []
+    for tokens in (128, 2048):
+        key = torch.randn(tokens, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        value = torch.randn(tokens, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        slots = torch.randperm(tokens * 2, device=device)[:tokens]
+        num_blocks = -(-tokens * 2 // BLOCK)
+        variants = {"bf16": None, "fp8, 1 candidate": 1, f"fp8, {SCALE_SEARCH_SIZE} candidates": SCALE_SEARCH_SIZE}
+        for name, search in variants.items():
+            dtype = torch.bfloat16 if search is None else FP8_DTYPE
+            caches = [torch.zeros(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype, device=device) for _ in (0, 1)]
+            scales = {} if search is None else dict(k_scale=torch.ones(num_blocks, BLOCK, KV_HEADS, device=device),
+                                                    v_scale=torch.ones(num_blocks, BLOCK, KV_HEADS, device=device))
+            triton_kernels.SCALE_SEARCH_SIZE = search or SCALE_SEARCH_SIZE
+            try:
+                milliseconds = triton.testing.do_bench(
+                    lambda: triton_kernels.store_kv_triton(key, value, *caches, slots, **scales),
+                    warmup=25, rep=200, return_mode="median")
+            finally:
+                triton_kernels.SCALE_SEARCH_SIZE = SCALE_SEARCH_SIZE
+            rows.append({"tokens": tokens, "variant": name, "time_us": milliseconds * 1e3})
+            print("store", json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="checks,decode,headline")
@@ -268,7 +304,14 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=16)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--max-output", type=int, default=4096)
+    parser.add_argument("--store-search", type=int, default=None, metavar="N",
+                        help="the fp8 store's scale search over its first N candidates only (1: amax / 448 alone, "
+                             "the scale before the search), to time the search's cost in the headline")
     args = parser.parse_args()
+    if args.store_search is not None:
+        from zipage.kernels import attention_triton
+
+        attention_triton.SCALE_SEARCH_SIZE = args.store_search
     device = torch.device("cuda")
     out = out_dir()
     parts = args.parts.split(",")
@@ -285,6 +328,9 @@ def main() -> None:
     if "decode" in parts:
         report["decode"] = time_decode(device)
         (out / "decode.json").write_text(json.dumps(report["decode"], indent=2))
+    if "store" in parts:
+        report["store"] = time_store(device)
+        (out / "store.json").write_text(json.dumps(report["store"], indent=2))
     if "headline" in parts:
         report["headline"] = headline(args)
         (out / "headline.json").write_text(json.dumps(report["headline"], indent=2))
@@ -301,6 +347,8 @@ def main() -> None:
             ratio = f"{row['time_us'] / bf16[row['batch']]:.2f}x" if row["kv"] == "fp8" else ""
             print(f"{row['batch']:>5} {row['kv']:>4} {row['time_us']:>9.1f} {row['roofline_us']:>12.1f} "
                   f"{row['share_of_roofline']:>11.0%} {ratio:>11}")
+    for row in report.get("store", []):
+        print(f"store {row['tokens']:>5} tokens  {row['variant']:<18} {row['time_us']:>8.1f} us")
     if report.get("headline"):
         print(f"\n{'variant':<14} {'tok/s':>9} {'blocks':>7} {'slots':>6} {'peak run':>9} {'preempt':>8} "
               f"{'TPOT p50 ms':>12} {'sim tok/s':>10}")

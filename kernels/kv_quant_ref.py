@@ -50,7 +50,7 @@ def kv_scales(x: torch.Tensor, candidates: tuple[float, ...] = SCALE_CANDIDATES)
     base = torch.where(nonzero, amax / FP8_MAX, torch.ones_like(amax))
     # All candidates at once, on a leading axis (one pass of small ops, not one per candidate: the CPU engine
     # quantizes every layer's new entries with this).
-    factors = torch.tensor(candidates, dtype=torch.float32).view(-1, *([1] * base.dim()))
+    factors = torch.tensor(candidates, dtype=torch.float32, device=x.device).view(-1, *([1] * base.dim()))
     scales = torch.where(nonzero, base * factors, torch.ones_like(base))  # [C, ...]
     scaled = x / scales[..., None]
     rounded = scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()

@@ -92,6 +92,14 @@ def test_the_scale_is_the_candidate_of_least_error():
     assert float(chosen.sum().sqrt()) < 0.95 * float(errors[0].sum().sqrt())
 
 
+def test_quantization_stays_on_its_input_s_device():
+    # The GPU runs the reference too (bench/fp8_gpu.py's checks, the oracle of every fp8 kernel): a
+    # helper tensor made on the default device broke it on CUDA. The meta device shows any stray one here.
+    values, scales = quantize_kv(torch.empty(4, 2, 64, device="meta"))
+    assert (values.device.type, scales.device.type) == ("meta", "meta")
+    assert values.dtype == FP8_DTYPE and scales.shape == (4, 2)
+
+
 def test_a_zero_row_has_scale_one_and_stays_zero():
     values, scale = quantize_kv(torch.zeros(3, 2, 8))
     assert torch.all(scale == 1.0)
