@@ -15,6 +15,7 @@ Ray cluster answers fails within seconds, exit 2.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -35,6 +36,18 @@ from test_serve_replicas import BLOCK, _complete, _series, start_two_replicas  #
 
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_free")
 
+
+
+@contextlib.asynccontextmanager
+async def two_streams(http, first_token: int, prompt_len: int, max_tokens: int):
+    """Two streamed completions, each of its own token repeated prompt_len times, open: (their line iterators, each
+    one's first line). Hold the iterators: one that is dropped closes its stream (an abort)."""
+    body = {"max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    streams = [http.stream("POST", "/v1/completions", json={**body, "prompt": [first_token + index] * prompt_len})
+               for index in range(2)]
+    async with streams[0] as first, streams[1] as second:
+        lines = [first.aiter_lines(), second.aiter_lines()]
+        yield lines, [await anext(lines[0]), await anext(lines[1])]
 
 def _descendants(pid: int) -> dict[int, str]:
     """pid -> command line of every process below `pid`."""
@@ -131,14 +144,7 @@ def test_ray_gauges_follow_each_replica(served):
 
     async def main():
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
-            body = {"max_tokens": 3000, "ignore_eos": True, "stream": True}
-            streams = [http.stream("POST", "/v1/completions",
-                                   json={**body, "prompt": [700 + index] * 40})
-                       for index in range(2)]
-            async with streams[0] as first, streams[1] as second:
-                # Held: a line iterator that is dropped closes its stream (an abort).
-                lines = [first.aiter_lines(), second.aiter_lines()]
-                heads = [await anext(lines[0]), await anext(lines[1])]
+            async with two_streams(http, first_token=700, prompt_len=40, max_tokens=3000) as (lines, heads):
                 routed = _series(url, "requests_routed_total")
                 deadline, during = time.monotonic() + 20, _gauges(url)
                 while not all_replicas(during, 1, True) and time.monotonic() < deadline:
@@ -196,13 +202,7 @@ def test_a_killed_ray_replica_fails_alone_and_is_replaced(served):
 
     async def main():
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
-            body = {"max_tokens": 150, "ignore_eos": True, "stream": True}
-            streams = [http.stream("POST", "/v1/completions",
-                                   json={**body, "prompt": [300 + index] * 20})
-                       for index in range(2)]
-            async with streams[0] as first, streams[1] as second:
-                lines = [first.aiter_lines(), second.aiter_lines()]
-                heads = [await anext(lines[0]), await anext(lines[1])]
+            async with two_streams(http, first_token=300, prompt_len=20, max_tokens=150) as (lines, heads):
                 routed = _series(url, "requests_routed_total")
                 os.kill(engines[0], signal.SIGKILL)
                 rests = [[line async for line in stream if line] for stream in lines]
