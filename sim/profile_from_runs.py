@@ -139,10 +139,13 @@ def _sort_steps(runs: list[tuple[dict, pd.DataFrame]], stall_factor: float | Non
     points: dict[str, list] = {"decode": [], "prefill": [], "mixed": [], "launch": []}
     sync, batches, stalls = [], [], 0
     for summary, steps in runs:
-        asynchronous = summary["settings"]["config"]["async_compress"]
+        config = summary["settings"]["config"]
+        asynchronous = config["async_compress"]
         behind = _run_launch_order(summary) == "after-forward"
-        stalls += _collect(_durations(steps, stall_factor), asynchronous, behind, points, sync,
-                           batches)
+        # Only chunked prefill splits a prompt into chunks that sample nothing (None: the default, on).
+        chunked = config.get("chunked_prefill") is not False
+        stalls += _collect(_durations(steps, stall_factor, chunked), asynchronous, behind, points,
+                           sync, batches)
     return points, sync, batches, stalls
 
 
@@ -241,9 +244,11 @@ def _header(runs: list[tuple[dict, pd.DataFrame]], gpu: str | None) -> dict:
             "note": f"fitted by `zipage calibrate --from-run` from {len(runs)} run(s)", **header}
 
 
-def _durations(steps: pd.DataFrame, stall_factor: float | None) -> pd.DataFrame:
+def _durations(steps: pd.DataFrame, stall_factor: float | None, chunked: bool
+               ) -> pd.DataFrame:
     """The steps with `duration` (start to end plus the run's median gap to the next step),
-    `stalled` (a decode step over `stall_factor` times the median) and `unsynced` (below)."""
+    `stalled` (a decode step over `stall_factor` times the median) and `unsynced` (below; only
+    where the run chunked its prompts)."""
     steps = steps.copy()
     gaps = (steps["t_start"].shift(-1) - steps["t_end"]).dropna()
     gap = float(gaps.median()) if len(gaps) else 0.0
@@ -260,8 +265,11 @@ def _durations(steps: pd.DataFrame, stall_factor: float | None) -> pd.DataFrame:
     # forward is launched, not done: it looks faster than a decode step, which no forward of
     # the same weights can be, and the step after it is charged its forward. Neither is a point
     # (the 8B H200 loop runs: 2,048-token chunks "taking" 2 ms, the next step 80 ms for 35).
-    early = (steps["kind"] == "prefill") & (steps["duration"] < median)
-    steps["unsynced"] = early | early.shift(1, fill_value=False)
+    # Without chunking every prefill step samples, and a tiny model's short prompt on a busy CPU
+    # may well beat the median decode step: it is a point like any other.
+    if chunked:
+        early = (steps["kind"] == "prefill") & (steps["duration"] < median)
+        steps["unsynced"] = early | early.shift(1, fill_value=False)
     return steps
 
 

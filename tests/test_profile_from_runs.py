@@ -309,7 +309,8 @@ def test_stalled_steps_are_left_out_on_request(tmp_path):
 
 def test_a_prefill_step_that_returned_at_launch_and_the_step_charged_for_it_are_left_out(tmp_path):
     """A prompt chunk that samples nothing ends at its launch: the run shows it faster than any
-    decode step and charges its forward to the next step. Both are left out; the fits stay exact."""
+    decode step and charges its forward to the next step. Both are left out; the fits stay exact.
+    Only chunked prefill makes such chunks."""
     steps = synthetic_steps()
     durations = [step["forward"] for step in steps]
     early = [index for index in range(100, 200, 10) if steps[index]["kind"] == "prefill"]
@@ -324,6 +325,14 @@ def test_a_prefill_step_that_returned_at_launch_and_the_step_charged_for_it_are_
     kinds = [step["kind"] for step in steps if not step["compress_blocks"]]
     assert len(profile["prefill"]) == kinds.count("prefill") - len(early)
     assert len(profile["decode"]) == kinds.count("decode") - len(early)
+    # Without chunked prefill every prefill step samples: a fast one is a point (a tiny model on a
+    # busy CPU), so none is left out.
+    summary = json.loads((run / "summary.json").read_text())
+    summary["settings"]["config"]["chunked_prefill"] = False
+    (run / "summary.json").write_text(json.dumps(summary))
+    unchunked = profile_from_runs([run])
+    assert len(unchunked["prefill"]) == kinds.count("prefill")
+    assert len(unchunked["decode"]) == kinds.count("decode")
 
 
 def test_runs_of_different_setups_are_refused(tmp_path):
