@@ -163,7 +163,8 @@ class BlockManager:
             self.refcount[block] += 1
             table.append(block)
         needed = -(-num_tokens // self.block_size) - len(cached)
-        return table + self.allocate_many(needed) if table else self.allocate_many(needed)
+        table.extend(self.allocate_many(needed))
+        return table
 
     def share(self, blocks: list[int]) -> None:
         """One more holder of each of `blocks` (held already: a fork maps its leader's)."""
