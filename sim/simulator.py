@@ -216,7 +216,8 @@ class _PlainClock:
         for seq in self.arrivals:
             if seq.arrival_s > now:
                 self.due = seq
-                self._at(now + (seq.arrival_s - now), _ARRIVAL)
+                heapq.heappush(self.events,  # `_at`, inline: once a request
+                               (now + (seq.arrival_s - now), next(self.order), _ARRIVAL, -1))
                 return
             sim.recorder.add(seq)
             if self.engine == _REQUEST:
@@ -250,7 +251,8 @@ class _PlainClock:
             self.engine = _BATCH
         else:
             self.engine = _STEP
-            self._at(now + step_time, _ENGINE)
+            heapq.heappush(self.events,  # `_at`, inline: once a step
+                           (now + step_time, next(self.order), _ENGINE, -1))
         launch = plan.compress_launch
         if launch is not None:  # scheduled behind the step's end, as SimPy orders them
             duration = sim.cost_model.compress_time(launch.jobs)

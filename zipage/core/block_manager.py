@@ -91,7 +91,7 @@ class BlockManager:
         """Hand out `count` fresh blocks, least recently freed first (a prompt's blocks come in
         one call: the simulator allocates millions)."""
         queue, queued, refcount = self._free_queue, self._queued, self.refcount
-        forget_hash = self._forget_hash
+        block_hash, hash_to_block = self.block_hash, self.hash_to_block
         blocks = []
         for _ in range(count):
             while True:
@@ -99,7 +99,12 @@ class BlockManager:
                 queued[block] -= 1
                 if not queued[block] and not refcount[block]:
                     break
-            forget_hash(block)  # its old content, and so its hash, is gone
+            old_hash = block_hash[block]
+            if old_hash is not None:  # its old content, and so its hash, is gone
+                # (`_forget_hash`, inline: most blocks handed out held a prompt block)
+                if hash_to_block.get(old_hash) == block:
+                    del hash_to_block[old_hash]
+                block_hash[block] = None
             refcount[block] = 1
             blocks.append(block)
         self.num_free_blocks -= count
