@@ -143,9 +143,8 @@ class BlockManager:
         """
         if not self.prefix_cache or seq.prompt_logits:
             return []
-        limit = min(len(seq.prompt_block_hashes), (num_tokens - 1) // self.block_size)
         hits = []
-        for block_hash in seq.prompt_block_hashes[:limit]:
+        for block_hash in seq.prompt_block_hashes[:(num_tokens - 1) // self.block_size]:
             block = self.hash_to_block.get(block_hash)
             if block is None:
                 break
@@ -182,9 +181,8 @@ class BlockManager:
         """Index the full prompt blocks [first, end) of `seq` that a prefill just computed."""
         if not self.prefix_cache:
             return
-        for index in range(first, min(end, len(seq.prompt_block_hashes))):
+        for index, block_hash in enumerate(seq.prompt_block_hashes[first:end], first):
             block = seq.block_table[index]
-            block_hash = seq.prompt_block_hashes[index]
             if block_hash in self.hash_to_block:
                 continue  # an equal block is already indexed; keep the first
             if self.block_hash[block] is not None:  # (a fresh block's is gone already)

@@ -60,13 +60,14 @@ class MetricsRecorder:
 
 
 def request_record(seq: Sequence) -> RequestRecord:
-    # Positional (the fields in RequestRecord's order): this runs once a request.
+    # Positional (the fields in RequestRecord's order): this runs once a request. A request
+    # that is done is settled: its output count is `settled_output_tokens`.
     return RequestRecord(
         str(seq.seq_id), seq.arrival_s, seq.first_token_time, seq.finish_time, seq.prompt_len,
         # A rejected request never ran: its row keeps the output length it asked for.
-        seq.max_output_tokens if seq.error is not None else seq.num_output_tokens,
+        seq.max_output_tokens if seq.error is not None else seq.settled_output_tokens,
         seq.num_preemptions, seq.num_compressions, seq.max_blocks_after_first_compression,
-        seq.status.value, seq.error, seq.kv_budget, seq.kept_budget)
+        seq.status._value_, seq.error, seq.kv_budget, seq.kept_budget)  # (`value`, a call)
 
 
 def request_records(sequences: list[Sequence]) -> list[RequestRecord]:
