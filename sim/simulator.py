@@ -47,6 +47,9 @@ class Simulator:
                  sink: RecordSink | None = None) -> None:
         self.scheduler = scheduler
         self.cost_model = cost_model
+        # Only the decision log and the checker read which requests decode; a cost model and
+        # the step record read how many (a list of ~100 requests a step saved).
+        scheduler.decode_lists = check or log_decisions
         # `total`: requests the progress bar expects (a router that shares one clock knows it).
         self.recorder = StepRecorder(scheduler, check=check, log_decisions=log_decisions,
                                      progress=progress, total=total, keep_sequences=False,

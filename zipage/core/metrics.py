@@ -48,7 +48,7 @@ class MetricsRecorder:
         compressions = plan.compress_sync + launch.jobs if launch else plan.compress_sync
         record = StepRecord(
             plan.step_id, result.t_start, result.t_end, plan.kind, len(prefill),
-            len(plan.decode), len(compressions), plan.num_running, plan.num_waiting,
+            plan.num_decode, len(compressions), plan.num_running, plan.num_waiting,
             plan.blocks_used, self.num_blocks, plan.slots_used, len(plan.preempted),
             prefill_tokens, plan.decode_context_tokens, len(result.completed_batches), pairs,
             sum(job.num_source_blocks for job in compressions) if compressions else 0,

@@ -130,6 +130,11 @@ class Scheduler:
         self._borrowers: dict[Sequence, None] = {}
         self._starved: set[Sequence] = set()
 
+        # Whether a plan lists its decode requests (`StepPlan.decode`, O(batch) a step); a driver
+        # that reads only how many there are (`StepPlan.num_decode`: the simulator without a
+        # decision log or checker) turns it off.
+        self.decode_lists = True
+
         self.in_flight: CompressionBatch | None = None  # async batch on the compression stream
         self._sync_jobs: list[CompressionJob] = []
         self._plan: StepPlan | None = None
@@ -246,8 +251,8 @@ class Scheduler:
             if not plan.prefill:
                 self._schedule_decode(plan)
         if plan.prefill:
-            plan.kind = MIXED if plan.decode else PREFILL
-        elif plan.decode:
+            plan.kind = MIXED if plan.num_decode else PREFILL
+        elif plan.num_decode:
             plan.kind = DECODE
         else:
             if plan.compress_launch is None and self.in_flight is None:
@@ -279,6 +284,7 @@ class Scheduler:
                 if seq.steady_epoch == epoch:  # `steady_in`, inline (the epoch tells alone)
                     self._finish_sequence(seq, result.t_end)
             if result.stopped:
+                assert self.decode_lists, "a request stopped early, but the plan lists no decodes"
                 for seq in plan.decode:
                     if seq.seq_id in result.stopped and seq.status is SequenceStatus.RUNNING:
                         self._finish_sequence(seq, result.t_end)
@@ -336,7 +342,7 @@ class Scheduler:
         part-way through their prompt before new admissions. A step that preempted admits
         nobody (the victim would come straight back)."""
         self._schedule_decode(plan)
-        budget = self.step_tokens - len(plan.decode)
+        budget = self.step_tokens - plan.num_decode
         for seq in list(self.prefilling):
             if budget <= 0:
                 return
@@ -480,7 +486,9 @@ class Scheduler:
                 self._next_batch_id += 1
             else:
                 plan.compress_sync = jobs
-        plan.decode = list(self._steady)
+        plan.num_decode = len(self._steady)
+        if self.decode_lists:
+            plan.decode = list(self._steady)
         # Each decode request attends its cached entries plus the token it decodes now.
         plan.decode_context_tokens = (
             self._steady_kv_offset_sum + len(self._steady) * (self.clock.ticks + 1))
