@@ -718,7 +718,8 @@ def _plain_request(raw: dict) -> TraceRequest | None:
     and `_parse_request` names what is wrong."""
     request_id, arrival = raw["id"], raw["arrival_s"]
     prompt_len, output_len = raw["prompt_len"], raw["output_len"]
-    if (type(request_id) is str and request_id and _is_unicode(request_id)
+    if (type(request_id) is str and request_id
+            and (request_id.isascii() or _is_unicode(request_id))  # (no call for most ids)
             and (type(arrival) is float or type(arrival) is int) and 0 <= arrival <= MAX_ARRIVAL_S
             and type(prompt_len) is int and 1 <= prompt_len <= MAX_LENGTH
             and type(output_len) is int and 1 <= output_len <= MAX_LENGTH):

@@ -238,7 +238,7 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """Plan the next step; None when there is no request at all."""
         assert self._plan is None, "finish() the previous plan before scheduling again"
-        if not self.has_unfinished():
+        if not (self.waiting or self.running):  # (`has_unfinished`, inline: once a step)
             return None
         if self.free_slots and self._num_slotless_running:  # rare: no call otherwise
             self._hand_out_slots()
@@ -260,8 +260,9 @@ class Scheduler:
             plan.kind = IDLE
         plan.num_running = len(self.running)
         plan.num_waiting = len(self.waiting)
-        plan.blocks_used = self.block_manager.num_used_blocks
-        plan.shared_kv_tokens = self.block_manager.extra_holders * self.block_size
+        manager = self.block_manager
+        plan.blocks_used = manager.num_blocks - manager.num_free_blocks  # (`num_used_blocks`)
+        plan.shared_kv_tokens = manager.extra_holders * self.block_size
         plan.slots_used = self.num_query_slots - len(self.free_slots)
         self._plan = plan
         self._step_id += 1
@@ -486,14 +487,19 @@ class Scheduler:
                 self._next_batch_id += 1
             else:
                 plan.compress_sync = jobs
-        plan.num_decode = len(self._steady)
+        steady = self._steady
+        plan.num_decode = len(steady)
+        if not steady:
+            return
         if self.decode_lists:
-            plan.decode = list(self._steady)
+            plan.decode = list(steady)
         # Each decode request attends its cached entries plus the token it decodes now.
-        plan.decode_context_tokens = (
-            self._steady_kv_offset_sum + len(self._steady) * (self.clock.ticks + 1))
-        plan.decode_max_context = self._longest_steady_offset() + self.clock.ticks + 1 \
-            if self._steady else 0
+        ticks = self.clock.ticks
+        plan.decode_context_tokens = self._steady_kv_offset_sum + len(steady) * (ticks + 1)
+        heap = self._steady_offsets  # the longest: the top live entry
+        while heap[0][2].steady_epoch != heap[0][3]:  # left (`steady_in`: the epoch tells)
+            heapq.heappop(heap)
+        plan.decode_max_context = ticks + 1 - heap[0][0]
 
     def _decide(self, seq: Sequence, plan: StepPlan, jobs: list[CompressionJob]) -> None:
         """Settle what a request that is not steady does this step, then let it decode."""
@@ -705,8 +711,11 @@ class Scheduler:
         self._steady[seq] = kv_len - ticks
         self._steady_kv_offset_sum += kv_len - ticks
         self._steady_joins += 1
-        heapq.heappush(self._steady_offsets,
-                       (ticks - kv_len, self._steady_joins, seq, seq.steady_epoch))
+        heap = self._steady_offsets
+        heapq.heappush(heap, (ticks - kv_len, self._steady_joins, seq, seq.steady_epoch))
+        if len(heap) > 4 * len(self._steady) + 64:  # mostly stale: rebuild from the live ones
+            heap[:] = [entry for entry in heap if entry[2].steady_in(entry[3])]
+            heapq.heapify(heap)
         steps_to_decision = len(seq.block_table) * self.block_size - kv_len
         if self.compress and seq.query_slot is None:
             steps_to_decision = min(steps_to_decision,
@@ -715,15 +724,6 @@ class Scheduler:
             self._finish_due[ticks + remaining].append((seq, seq.steady_epoch))
         else:
             self._decision_due[ticks + steps_to_decision].append((seq, seq.steady_epoch))
-
-    def _longest_steady_offset(self) -> int:
-        heap = self._steady_offsets
-        if len(heap) > 4 * len(self._steady) + 64:  # mostly stale: rebuild from the live ones
-            heap[:] = [entry for entry in heap if entry[2].steady_in(entry[3])]
-            heapq.heapify(heap)
-        while heap[0][2].steady_epoch != heap[0][3]:  # not `steady_in` (a call): the epoch tells
-            heapq.heappop(heap)
-        return -heap[0][0]
 
     def _leave_steady(self, seq: Sequence) -> None:
         offset = self._steady.pop(seq, None)  # None: not steady
@@ -830,7 +830,8 @@ class Scheduler:
             return seq.kept_tokens / seq.num_compressions
         entries = seq.prompt_len + seq.settled_output_tokens - 1  # released: settled
         b = self.block_size
-        if entries > max(-(-seq.prompt_len // b), seq.n_max) * b:
+        held = -(-seq.prompt_len // b)  # max(prompt blocks, N_max), written out (once a request)
+        if entries > (held if held > seq.n_max else seq.n_max) * b:
             return float(entries)
         return None
 
