@@ -50,7 +50,7 @@ class StepWork:
     @classmethod
     def of(cls, plan: StepPlan) -> "StepWork":
         if not plan.prefill:  # the common case, kept cheap: the simulator asks ~100k times a run
-            return cls(len(plan.decode), plan.decode_context_tokens, 0, 0, 0, 0, 0,
+            return cls(plan.num_decode, plan.decode_context_tokens, 0, 0, 0, 0, 0,
                        plan.decode_max_context, plan.shared_kv_tokens)
         sampled = new_tokens = cached_tokens = pairs = 0
         for item in plan.prefill:  # one pass, not four generators: a mixed step is common
@@ -58,7 +58,7 @@ class StepWork:
             new_tokens += item.num_new_tokens
             cached_tokens += item.num_cached_tokens
             pairs += item.attention_pairs
-        return cls(len(plan.decode), plan.decode_context_tokens, len(plan.prefill), sampled,
+        return cls(plan.num_decode, plan.decode_context_tokens, len(plan.prefill), sampled,
                    new_tokens, cached_tokens, pairs, plan.decode_max_context,
                    plan.shared_kv_tokens)
 

@@ -47,6 +47,9 @@ class Simulator:
                  sink: RecordSink | None = None) -> None:
         self.scheduler = scheduler
         self.cost_model = cost_model
+        # Only the decision log and the checker read which requests decode; a cost model and
+        # the step record read how many (a list of ~100 requests a step saved).
+        scheduler.decode_lists = check or log_decisions
         # `total`: requests the progress bar expects (a router that shares one clock knows it).
         self.recorder = StepRecorder(scheduler, check=check, log_decisions=log_decisions,
                                      progress=progress, total=total, keep_sequences=False,
@@ -216,7 +219,8 @@ class _PlainClock:
         for seq in self.arrivals:
             if seq.arrival_s > now:
                 self.due = seq
-                self._at(now + (seq.arrival_s - now), _ARRIVAL)
+                heapq.heappush(self.events,  # `_at`, inline: once a request
+                               (now + (seq.arrival_s - now), next(self.order), _ARRIVAL, -1))
                 return
             sim.recorder.add(seq)
             if self.engine == _REQUEST:
@@ -250,7 +254,8 @@ class _PlainClock:
             self.engine = _BATCH
         else:
             self.engine = _STEP
-            self._at(now + step_time, _ENGINE)
+            heapq.heappush(self.events,  # `_at`, inline: once a step
+                           (now + step_time, next(self.order), _ENGINE, -1))
         launch = plan.compress_launch
         if launch is not None:  # scheduled behind the step's end, as SimPy orders them
             duration = sim.cost_model.compress_time(launch.jobs)

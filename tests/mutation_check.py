@@ -108,8 +108,8 @@ MUTATIONS = [
              "        own = [block for block in table if refcount[block] == 1]",
              "        own = [block for block in table if refcount[block] >= 1]"),
     Mutation("rule 7: the last prompt block taken from the prefix cache", BLOCKS,
-             "        limit = min(len(seq.prompt_block_hashes), (num_tokens - 1) // self.block_size)",
-             "        limit = min(len(seq.prompt_block_hashes), num_tokens // self.block_size)"),
+             "        for block_hash in seq.prompt_block_hashes[:(num_tokens - 1) // self.block_size]:",
+             "        for block_hash in seq.prompt_block_hashes[:num_tokens // self.block_size]:"),
     Mutation("window-query range off by one (one window query not written)", "zipage/core/window.py",
              "        first = max(start, last_block_start + b - self.window)",
              "        first = max(start, last_block_start + b - self.window + 1)"),
@@ -119,7 +119,7 @@ MUTATIONS = [
              "        if self.waiting and budget > 0:", tests=RULE_WITNESSES),
     Mutation("chunked: prompt chunks planned before the decodes", SCHEDULER,
              "        self._schedule_decode(plan)\n"
-             "        budget = self.step_tokens - len(plan.decode)\n",
+             "        budget = self.step_tokens - plan.num_decode\n",
              "        budget = self.step_tokens - len(self._steady)\n"
              "        self._schedule_chunks_first(plan, budget)\n"
              "        self._schedule_decode(plan)\n"
@@ -127,20 +127,21 @@ MUTATIONS = [
              "\n"
              "    def _schedule_chunks_first(self, plan, budget):\n", tests=RULE_WITNESSES),
     Mutation("chunked: the token budget not reduced by the decode tokens", SCHEDULER,
-             "        budget = self.step_tokens - len(plan.decode)\n",
+             "        budget = self.step_tokens - plan.num_decode\n",
              "        budget = self.step_tokens\n", tests=RULE_WITNESSES),
     Mutation("chunked: admissions before the running prompts continue", SCHEDULER,
-             "        budget = self.step_tokens - len(plan.decode)\n"
+             "        budget = self.step_tokens - plan.num_decode\n"
              "        for seq in list(self.prefilling):\n",
-             "        budget = self.step_tokens - len(plan.decode)\n"
+             "        budget = self.step_tokens - plan.num_decode\n"
              "        continuing = list(self.prefilling)\n"
              "        if self.waiting and budget > 0 and not plan.preempted:\n"
              "            self._schedule_prefill(plan, budget)\n"
              "            budget -= sum(item.num_new_tokens for item in plan.prefill)\n"
              "        for seq in continuing:\n", tests=RULE_WITNESSES),
     Mutation("chunked: a chunk one token short of the last samples", SCHEDULER,
-             "        samples = end == seq.num_tokens\n",
-             "        samples = end >= seq.num_tokens - 1\n", tests=RULE_WITNESSES),
+             "        samples = end == seq.prompt_len + seq.settled_output_tokens  # (`num_tokens`)\n",
+             "        samples = end >= seq.prompt_len + seq.settled_output_tokens - 1\n",
+             tests=RULE_WITNESSES),
     Mutation("chunked: a chunk indexes the prompt block it has not completed", SCHEDULER,
              "        self.block_manager.register_prompt_blocks(seq, start // self.block_size,\n"
              "                                                  end // self.block_size)",
@@ -148,9 +149,9 @@ MUTATIONS = [
              "                                                  -(-end // self.block_size))",
              tests=RULE_WITNESSES),
     Mutation("chunked: a request decodes (may compress) before its prompt is whole", SCHEDULER,
-             "            seq.set_counters(item.num_tokens, seq.num_output_tokens)\n"
+             "            seq.set_counters(item.num_tokens, seq.settled_output_tokens)\n"
              "            return\n",
-             "            seq.set_counters(item.num_tokens, seq.num_output_tokens)\n"
+             "            seq.set_counters(item.num_tokens, seq.settled_output_tokens)\n"
              "            self._pending.append(seq)\n"
              "            return\n", tests=RULE_WITNESSES),
     Mutation("chunked: a prompt longer than the step budget is rejected", SCHEDULER,
@@ -167,8 +168,8 @@ MUTATIONS = [
              "        budget = self.config.kv_budget if seq.kv_budget is None else seq.kv_budget",
              "        budget = self.config.kv_budget", tests=RULE_WITNESSES),
     Mutation("budget: a slot reserves the default N_max, not its holder's", SCHEDULER,
-             "        return min(seq.n_max, whole)",
-             "        return min(self.n_max, whole)", tests=RULE_WITNESSES),
+             "        return seq.n_max if seq.n_max < whole else whole",
+             "        return self.n_max if self.n_max < whole else whole", tests=RULE_WITNESSES),
     Mutation("budget: a later request overtakes the foremost the pool cannot back", SCHEDULER,
              "                    return  # the foremost waits until enough holders finish",
              "                    continue  # the foremost waits until enough holders finish",

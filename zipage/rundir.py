@@ -125,6 +125,7 @@ class RunWriter:
 
     # Decision lines go out in batches: one write, and one newline count, per batch.
     DECISION_BATCH = 4096
+    takes_steps = True  # (a `RecordSink` that drops them takes none)
 
     def __init__(self, out_dir: str | Path, decisions: str = "plain",
                  kind: str = SIMULATED) -> None:

@@ -538,32 +538,32 @@ def stable_hash(text: str) -> int:
 
 
 def prompt_block_keys(request: TraceRequest, block_size: int) -> list[int] | None:
-    """Chained keys of the prompt's full blocks of `block_size` tokens, equal for two blocks
-    exactly when `prompt_token_ids` would make them equal (a block's tokens and everything before
-    it), without synthesising a token; None when only the tokens can tell (the request gives
-    its ids, or its hashed blocks do not align with `block_size`).
+    """Keys of the prompt's full blocks of `block_size` tokens, equal for two blocks exactly when
+    `prompt_token_ids` would make them equal (a block's tokens and everything before it), without
+    synthesising a token; None when only the tokens can tell (the request gives its ids, or its
+    hashed blocks do not align with `block_size`).
 
     A block's identity is where its tokens are drawn from: inside a prefix group's shared tokens
     (group, block), inside hashed blocks (their hashes, and the block's place in them), else the
-    request's own stream (request, block).
+    request's own stream (request, block). Keys are chained (each covers every block before it)
+    unless all of a prompt is its own stream: (request, block) then names the prefix already.
     """
     if request.prompt_token_ids is not None:
         return None
     hashed = request.block_hashes is not None
     if hashed and request.hash_block_size % block_size and block_size % request.hash_block_size:
         return None
-    keys = []
-    previous = 0
     digest = xxhash.xxh64_intdigest  # one call over the concatenation = the streamed hash
     if request.block_hashes is None and request.prefix_group is None:
-        # Most requests draw every block from their own stream: its identities differ only in
-        # the index, so their common start is encoded once (a million requests' blocks are
-        # keyed per run); b"%d" is str(index) encoded.
-        own = f"r\0{request.id}\0".encode("utf-8")
-        for index in range(request.prompt_len // block_size):
-            previous = digest(previous.to_bytes(8, "little") + own + b"%d" % index, 1)  # seed
-            keys.append(previous)
-        return keys
+        # Most requests draw every block from their own stream, so a block's key need only name
+        # (request, block): a run of consecutive keys from the id's digest, one hash a request
+        # (a million requests' blocks are keyed per run). Negative, they never equal a chained
+        # key (an xxh64 digest); 2^32 apart, two requests' runs never overlap (2^31 blocks at
+        # most).
+        own = -((digest(f"r\0{request.id}".encode("utf-8"), 1) + 1) << 32)  # seed 1
+        return list(range(own, own + request.prompt_len // block_size))
+    keys = []
+    previous = 0
     for index in range(request.prompt_len // block_size):
         identity = _block_identity(request, index, block_size)
         previous = digest(previous.to_bytes(8, "little") + identity.encode("utf-8"), seed=1)
@@ -718,7 +718,8 @@ def _plain_request(raw: dict) -> TraceRequest | None:
     and `_parse_request` names what is wrong."""
     request_id, arrival = raw["id"], raw["arrival_s"]
     prompt_len, output_len = raw["prompt_len"], raw["output_len"]
-    if (type(request_id) is str and request_id and _is_unicode(request_id)
+    if (type(request_id) is str and request_id
+            and (request_id.isascii() or _is_unicode(request_id))  # (no call for most ids)
             and (type(arrival) is float or type(arrival) is int) and 0 <= arrival <= MAX_ARRIVAL_S
             and type(prompt_len) is int and 1 <= prompt_len <= MAX_LENGTH
             and type(output_len) is int and 1 <= output_len <= MAX_LENGTH):

@@ -91,7 +91,7 @@ class BlockManager:
         """Hand out `count` fresh blocks, least recently freed first (a prompt's blocks come in
         one call: the simulator allocates millions)."""
         queue, queued, refcount = self._free_queue, self._queued, self.refcount
-        forget_hash = self._forget_hash
+        block_hash, hash_to_block = self.block_hash, self.hash_to_block
         blocks = []
         for _ in range(count):
             while True:
@@ -99,7 +99,12 @@ class BlockManager:
                 queued[block] -= 1
                 if not queued[block] and not refcount[block]:
                     break
-            forget_hash(block)  # its old content, and so its hash, is gone
+            old_hash = block_hash[block]
+            if old_hash is not None:  # its old content, and so its hash, is gone
+                # (`_forget_hash`, inline: most blocks handed out held a prompt block)
+                if hash_to_block.get(old_hash) == block:
+                    del hash_to_block[old_hash]
+                block_hash[block] = None
             refcount[block] = 1
             blocks.append(block)
         self.num_free_blocks -= count
@@ -138,9 +143,8 @@ class BlockManager:
         """
         if not self.prefix_cache or seq.prompt_logits:
             return []
-        limit = min(len(seq.prompt_block_hashes), (num_tokens - 1) // self.block_size)
         hits = []
-        for block_hash in seq.prompt_block_hashes[:limit]:
+        for block_hash in seq.prompt_block_hashes[:(num_tokens - 1) // self.block_size]:
             block = self.hash_to_block.get(block_hash)
             if block is None:
                 break
@@ -177,9 +181,8 @@ class BlockManager:
         """Index the full prompt blocks [first, end) of `seq` that a prefill just computed."""
         if not self.prefix_cache:
             return
-        for index in range(first, min(end, len(seq.prompt_block_hashes))):
+        for index, block_hash in enumerate(seq.prompt_block_hashes[first:end], first):
             block = seq.block_table[index]
-            block_hash = seq.prompt_block_hashes[index]
             if block_hash in self.hash_to_block:
                 continue  # an equal block is already indexed; keep the first
             if self.block_hash[block] is not None:  # (a fresh block's is gone already)

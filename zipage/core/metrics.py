@@ -20,32 +20,39 @@ from zipage.records import RequestRecord, StepRecord
 
 class MetricsRecorder:
     """Turns each finished step into its `StepRecord`: kept in `steps`, or, with a `sink`
-    (`sink(record)`: a streamed run writes it out), handed on and dropped. Either way `totals`
-    keeps what the summary needs."""
+    (`sink(record)`: a streamed run writes it out), handed on and dropped; with `records` off
+    none is made (a run whose summary is all that is wanted). Either way `totals` keeps what the
+    summary needs."""
 
-    def __init__(self, num_blocks: int, sink: Callable[[StepRecord], object] | None = None) -> None:
+    def __init__(self, num_blocks: int, sink: Callable[[StepRecord], object] | None = None,
+                 records: bool = True) -> None:
         self.num_blocks = num_blocks
         self.steps: list[StepRecord] = []
         self.totals = RunTotals()
         self._sink = sink
+        self.records = records
 
     def record_step(self, plan: StepPlan, result: StepResult) -> None:
         # Positional, and no generator for the empty lists of a plain decode step: this runs
         # once a step, millions of times on a day of traffic.
-        prefill, launch = plan.prefill, plan.compress_launch
-        compressions = plan.compress_sync + launch.jobs if launch else plan.compress_sync
+        prefill = plan.prefill
         prefill_tokens = pairs = 0
         for item in prefill:  # one pass, not two generators: a mixed step is common
             prefill_tokens += item.num_new_tokens
             pairs += item.attention_pairs
+        self.totals.add_step(plan.kind, result.t_start, result.t_end, plan.num_running,
+                             len(plan.preempted), prefill_tokens, plan.prefix_hit_tokens)
+        if not self.records:
+            return
+        launch = plan.compress_launch
+        compressions = plan.compress_sync + launch.jobs if launch else plan.compress_sync
         record = StepRecord(
             plan.step_id, result.t_start, result.t_end, plan.kind, len(prefill),
-            len(plan.decode), len(compressions), plan.num_running, plan.num_waiting,
+            plan.num_decode, len(compressions), plan.num_running, plan.num_waiting,
             plan.blocks_used, self.num_blocks, plan.slots_used, len(plan.preempted),
             prefill_tokens, plan.decode_context_tokens, len(result.completed_batches), pairs,
             sum(job.num_source_blocks for job in compressions) if compressions else 0,
             plan.prefix_hit_tokens, plan.decode_max_context, plan.shared_kv_tokens)
-        self.totals.add_step(record)
         if self._sink is None:
             self.steps.append(record)
         else:
@@ -53,13 +60,14 @@ class MetricsRecorder:
 
 
 def request_record(seq: Sequence) -> RequestRecord:
-    # Positional (the fields in RequestRecord's order): this runs once a request.
+    # Positional (the fields in RequestRecord's order): this runs once a request. A request
+    # that is done is settled: its output count is `settled_output_tokens`.
     return RequestRecord(
         str(seq.seq_id), seq.arrival_s, seq.first_token_time, seq.finish_time, seq.prompt_len,
         # A rejected request never ran: its row keeps the output length it asked for.
-        seq.max_output_tokens if seq.error is not None else seq.num_output_tokens,
+        seq.max_output_tokens if seq.error is not None else seq.settled_output_tokens,
         seq.num_preemptions, seq.num_compressions, seq.max_blocks_after_first_compression,
-        seq.status.value, seq.error, seq.kv_budget, seq.kept_budget)
+        seq.status._value_, seq.error, seq.kv_budget, seq.kept_budget)  # (`value`, a call)
 
 
 def request_records(sequences: list[Sequence]) -> list[RequestRecord]:
@@ -69,8 +77,9 @@ def request_records(sequences: list[Sequence]) -> list[RequestRecord]:
 def summarize(steps: Iterable[StepRecord], requests: Iterable[RequestRecord]) -> dict:
     """The run's headline numbers (keys shared by every driver's `--json`)."""
     totals = RunTotals()
-    for step in steps:
-        totals.add_step(step)
+    for s in steps:
+        totals.add_step(s.kind, s.t_start, s.t_end, s.n_running, s.preempted, s.prefill_tokens,
+                        s.prefix_hit_tokens)
     for request in requests:
         totals.add_request(request)
     return totals.summary()
@@ -95,19 +104,22 @@ class RunTotals:
         self.weighted_time = self.weighted_running = 0.0
         self.preemptions = self.prefill_tokens = self.prefix_hit_tokens = 0
 
-    def add_step(self, s: StepRecord) -> None:
+    def add_step(self, kind: str, t_start: float, t_end: float, n_running: int, preempted: int,
+                 prefill_tokens: int, prefix_hit_tokens: int) -> None:
+        """A step's `StepRecord` fields the summary reads (given one by one: a run that keeps
+        no step records makes none)."""
         self.steps += 1
-        if s.kind != "idle":
+        if kind != "idle":
             self.busy_steps += 1
-        duration = s.t_end - s.t_start
+        duration = t_end - t_start
         self.weighted_time += duration
-        self.weighted_running += s.n_running * duration
-        self.running_sum += s.n_running
-        if s.n_running > self.peak_running:
-            self.peak_running = s.n_running
-        self.preemptions += s.preempted
-        self.prefill_tokens += s.prefill_tokens
-        self.prefix_hit_tokens += s.prefix_hit_tokens
+        self.weighted_running += n_running * duration
+        self.running_sum += n_running
+        if n_running > self.peak_running:
+            self.peak_running = n_running
+        self.preemptions += preempted
+        self.prefill_tokens += prefill_tokens
+        self.prefix_hit_tokens += prefix_hit_tokens
 
     def add_request(self, r: RequestRecord) -> None:
         self.requests += 1

@@ -46,7 +46,10 @@ class Run:
 
 class RecordSink:
     """Where a streamed run's records go as they are made; this one drops them (a run whose
-    summary is all that is wanted)."""
+    summary is all that is wanted). A sink that takes no step records (`takes_steps` False) is
+    given none: none are made."""
+
+    takes_steps = False
 
     def step(self, record: StepRecord) -> None:
         pass
@@ -74,7 +77,8 @@ class StepRecorder:
         self.sink = sink
         self._log = sink.decision if sink is not None else self.decision_log.append
         self.metrics = MetricsRecorder(scheduler.block_manager.num_blocks,
-                                       sink.step if sink is not None else None)
+                                       sink.step if sink is not None else None,
+                                       records=sink is None or sink.takes_steps)
         self._bar = progress_bar(total, "requests", "req") if progress else None
         self._stopped: set = set()  # requests the engine stopped at an end-of-sequence token
         self._started = time.perf_counter()

@@ -59,6 +59,8 @@ def check_pool(config: ZipageConfig, num_blocks: int, num_query_slots: int) -> N
 
 
 _RUNNING_RANK = attrgetter("running_rank")  # a sort key without a Python call per request
+# Bound once: an Enum class's attribute is read through EnumType.__getattr__ (4x a plain read).
+RUNNING, FINISHED = SequenceStatus.RUNNING, SequenceStatus.FINISHED
 
 
 def _refused(seq: Sequence, reason: str) -> str:
@@ -128,6 +130,11 @@ class Scheduler:
         self._borrowers: dict[Sequence, None] = {}
         self._starved: set[Sequence] = set()
 
+        # Whether a plan lists its decode requests (`StepPlan.decode`, O(batch) a step); a driver
+        # that reads only how many there are (`StepPlan.num_decode`: the simulator without a
+        # decision log or checker) turns it off.
+        self.decode_lists = True
+
         self.in_flight: CompressionBatch | None = None  # async batch on the compression stream
         self._sync_jobs: list[CompressionJob] = []
         self._plan: StepPlan | None = None
@@ -168,10 +175,12 @@ class Scheduler:
         if prompt < 1 or output < 1:
             return _refused(seq, "prompt_len and output_len must be >= 1 "
                                  f"(got {prompt}, {output})")
+        n_max = None  # the default budget's
         if seq.kv_budget is not None:  # its own budget (most requests bring none)
             budget_reason = self.budget_reason(seq.kv_budget)
             if budget_reason is not None:
                 return _refused(seq, budget_reason)
+            n_max = self._n_max_of(seq)
         limit = self.config.max_model_len
         if limit is not None and prompt + output > limit:
             return _refused(seq, f"prompt_len + output_len = {prompt + output} exceeds "
@@ -181,7 +190,7 @@ class Scheduler:
             return _refused(seq, f"prompt_len {prompt} exceeds max_num_batched_tokens "
                                  f"{self.step_tokens}; raise --max-num-batched-tokens or turn "
                                  "chunked prefill back on (--chunked-prefill)")
-        peak = self.peak_blocks(prompt, output, self._n_max_of(seq))
+        peak = self.peak_blocks(prompt, output, n_max)
         if peak > self.block_manager.num_blocks:
             return _refused(seq, f"needs {peak} KV blocks at its peak but only "
                                  f"{self.block_manager.num_blocks} exist; give more KV memory"
@@ -217,14 +226,19 @@ class Scheduler:
         if not self.compress:
             return whole
         n_max = self.n_max if n_max is None else n_max
-        return min(whole, max(-(-prompt_len // self.block_size), n_max))
+        # min(whole, max(prompt blocks, n_max)), written out: twice a request, and a call of
+        # the builtin min or max costs ten comparisons.
+        cap = -(-prompt_len // self.block_size)
+        if n_max > cap:
+            cap = n_max
+        return whole if whole < cap else cap
 
     # ------------------------------------------------------------------ the step protocol
 
     def schedule(self) -> StepPlan | None:
         """Plan the next step; None when there is no request at all."""
         assert self._plan is None, "finish() the previous plan before scheduling again"
-        if not self.has_unfinished():
+        if not (self.waiting or self.running):  # (`has_unfinished`, inline: once a step)
             return None
         if self.free_slots and self._num_slotless_running:  # rare: no call otherwise
             self._hand_out_slots()
@@ -237,8 +251,8 @@ class Scheduler:
             if not plan.prefill:
                 self._schedule_decode(plan)
         if plan.prefill:
-            plan.kind = MIXED if plan.decode else PREFILL
-        elif plan.decode:
+            plan.kind = MIXED if plan.num_decode else PREFILL
+        elif plan.num_decode:
             plan.kind = DECODE
         else:
             if plan.compress_launch is None and self.in_flight is None:
@@ -246,8 +260,9 @@ class Scheduler:
             plan.kind = IDLE
         plan.num_running = len(self.running)
         plan.num_waiting = len(self.waiting)
-        plan.blocks_used = self.block_manager.num_used_blocks
-        plan.shared_kv_tokens = self.block_manager.extra_holders * self.block_size
+        manager = self.block_manager
+        plan.blocks_used = manager.num_blocks - manager.num_free_blocks  # (`num_used_blocks`)
+        plan.shared_kv_tokens = manager.extra_holders * self.block_size
         plan.slots_used = self.num_query_slots - len(self.free_slots)
         self._plan = plan
         self._step_id += 1
@@ -267,9 +282,10 @@ class Scheduler:
                 self._complete_compression(job, swap_table=False)
             self.clock.ticks += 1
             for seq, epoch in self._finish_due.pop(self.clock.ticks, ()):
-                if seq.steady_in(epoch):
+                if seq.steady_epoch == epoch:  # `steady_in`, inline (the epoch tells alone)
                     self._finish_sequence(seq, result.t_end)
             if result.stopped:
+                assert self.decode_lists, "a request stopped early, but the plan lists no decodes"
                 for seq in plan.decode:
                     if seq.seq_id in result.stopped and seq.status is SequenceStatus.RUNNING:
                         self._finish_sequence(seq, result.t_end)
@@ -288,7 +304,8 @@ class Scheduler:
             return  # nothing that admission depends on changed since the head last failed
         while self.waiting and (budget is None or budget > 0):
             seq = self.waiting[0]
-            num_tokens = seq.num_tokens  # a preempted request recomputes its outputs too
+            # A preempted request recomputes its outputs too (`num_tokens`; waiting: settled).
+            num_tokens = seq.prompt_len + seq.settled_output_tokens
             cached = self.block_manager.cached_prefix_blocks(seq, num_tokens)
             start = len(cached) * self.block_size
             if budget is None and plan.prefill and (
@@ -310,9 +327,11 @@ class Scheduler:
             self._note_table(seq)
             slot = self._take_slot(seq) if takes_slot else None
             self._admit(seq, slot)
-            seq.set_counters(start, seq.num_output_tokens)
+            seq.set_counters(start, seq.settled_output_tokens)
             plan.prefix_hit_tokens += start
-            end = num_tokens if budget is None else min(num_tokens, start + budget)
+            end = num_tokens
+            if budget is not None and start + budget < num_tokens:
+                end = start + budget  # a chunk
             self._plan_chunk(plan, seq, end)
             batched_tokens += end - start
             if budget is not None:
@@ -324,12 +343,12 @@ class Scheduler:
         part-way through their prompt before new admissions. A step that preempted admits
         nobody (the victim would come straight back)."""
         self._schedule_decode(plan)
-        budget = self.step_tokens - len(plan.decode)
+        budget = self.step_tokens - plan.num_decode
         for seq in list(self.prefilling):
             if budget <= 0:
                 return
-            start = seq.kv_len
-            end = min(seq.num_tokens, start + budget)
+            start = seq.settled_kv_len  # part-way through its prompt: settled
+            end = min(seq.prompt_len + seq.settled_output_tokens, start + budget)
             self._plan_chunk(plan, seq, end)
             budget -= end - start
         if self.waiting and budget > 0 and not plan.preempted:
@@ -343,11 +362,11 @@ class Scheduler:
         once (it stores a step's KV before any attention reads it). Only blocks this step
         computes are indexed, so a hit is always on KV that exists by the time it is read.
         """
-        start = seq.kv_len
+        start = seq.settled_kv_len  # its prompt is being computed: settled
         self.block_manager.register_prompt_blocks(seq, start // self.block_size,
                                                   end // self.block_size)
-        samples = end == seq.num_tokens
-        first = seq.num_output_tokens == 0
+        samples = end == seq.prompt_len + seq.settled_output_tokens  # (`num_tokens`)
+        first = seq.settled_output_tokens == 0
         plan.prefill.append(PrefillItem(seq, start, end, samples, seq.prompt_logits and first))
         if samples:
             self.prefilling.pop(seq, None)
@@ -409,7 +428,7 @@ class Scheduler:
             seq.fork_of = None
 
     def _admit(self, seq: Sequence, slot: int | None) -> None:
-        seq.status = SequenceStatus.RUNNING
+        seq.status = RUNNING
         seq.query_slot = slot
         seq.running_rank = self._next_rank
         self._next_rank += 1
@@ -424,16 +443,16 @@ class Scheduler:
     def _finish_prefill(self, item: PrefillItem, result: StepResult) -> None:
         seq = item.seq
         if not item.samples:  # a partial chunk: the prompt continues next step
-            seq.set_counters(item.num_tokens, seq.num_output_tokens)
+            seq.set_counters(item.num_tokens, seq.settled_output_tokens)
             return
         self._first_token(seq, item.num_tokens, result)
 
     def _first_token(self, seq: Sequence, num_tokens: int, result: StepResult) -> None:
         """`seq` computed its `num_tokens` and sampled a token (a prefill's, or a fork's)."""
-        seq.set_counters(num_tokens, seq.num_output_tokens + 1)
+        seq.set_counters(num_tokens, seq.settled_output_tokens + 1)
         if seq.first_token_time is None:
             seq.first_token_time = result.t_end
-        if seq.remaining_output_tokens <= 0 or seq.seq_id in result.stopped:
+        if seq.settled_output_tokens >= seq.max_output_tokens or seq.seq_id in result.stopped:
             self._finish_sequence(seq, result.t_end)
         else:
             self._pending.append(seq)
@@ -442,7 +461,7 @@ class Scheduler:
 
     def _schedule_decode(self, plan: StepPlan) -> None:
         for seq, epoch in self._decision_due.pop(self.clock.ticks, ()):
-            if seq.steady_in(epoch):
+            if seq.steady_epoch == epoch:  # `steady_in`, inline (the epoch tells alone)
                 self._leave_steady(seq)
                 self._pending.append(seq)
         candidates = self._pending
@@ -457,7 +476,8 @@ class Scheduler:
 
         jobs: list[CompressionJob] = []
         for seq in candidates:
-            if seq.status is SequenceStatus.RUNNING and not seq.is_steady and not seq.compressing:
+            if (seq.status is RUNNING and seq.steady_since is None
+                    and not seq.compressing):
                 self._decide(seq, plan, jobs)
 
         if jobs:
@@ -467,18 +487,26 @@ class Scheduler:
                 self._next_batch_id += 1
             else:
                 plan.compress_sync = jobs
-        plan.decode = list(self._steady)
+        steady = self._steady
+        plan.num_decode = len(steady)
+        if not steady:
+            return
+        if self.decode_lists:
+            plan.decode = list(steady)
         # Each decode request attends its cached entries plus the token it decodes now.
-        plan.decode_context_tokens = (
-            self._steady_kv_offset_sum + len(self._steady) * (self.clock.ticks + 1))
-        plan.decode_max_context = self._longest_steady_offset() + self.clock.ticks + 1 \
-            if self._steady else 0
+        ticks = self.clock.ticks
+        plan.decode_context_tokens = self._steady_kv_offset_sum + len(steady) * (ticks + 1)
+        heap = self._steady_offsets  # the longest: the top live entry
+        while heap[0][2].steady_epoch != heap[0][3]:  # left (`steady_in`: the epoch tells)
+            heapq.heappop(heap)
+        plan.decode_max_context = ticks + 1 - heap[0][0]
 
     def _decide(self, seq: Sequence, plan: StepPlan, jobs: list[CompressionJob]) -> None:
         """Settle what a request that is not steady does this step, then let it decode."""
         table = seq.block_table
         self._starved.discard(seq)  # retried now; blocked again below if still no block is free
-        if seq.kv_len == len(table) * self.block_size:  # the next token needs a new place
+        kv_len = seq.settled_kv_len  # not steady: settled
+        if kv_len == len(table) * self.block_size:  # the next token needs a new place
             if self.compress and len(table) >= seq.n_max:
                 target = self._compression_target(seq)
                 if target is not None:
@@ -495,7 +523,7 @@ class Scheduler:
             if seq.num_compressions:
                 seq.max_blocks_after_first_compression = max(
                     seq.max_blocks_after_first_compression, len(table))
-        elif seq.query_slot is None and self.needs_slot(seq.kv_len, seq.n_max):
+        elif seq.query_slot is None and self.needs_slot(kv_len, seq.n_max):
             self._waiting_for_slot.add(seq)
             return
         self._join_steady(seq)
@@ -561,7 +589,7 @@ class Scheduler:
         fewer. The holders' reservations never exceed the pool, which is what keeps any mix of
         budgets deadlock-free (docs/architecture.md, 'Deadlock freedom')."""
         whole = -(-(seq.prompt_len + seq.max_output_tokens - 1) // self.block_size)
-        return min(seq.n_max, whole)
+        return seq.n_max if seq.n_max < whole else whole  # (min: three times a request)
 
     def _can_take_slot(self, seq: Sequence) -> bool:
         """A slot is free, no running request waits for one before `seq`, and the pool can back
@@ -677,31 +705,25 @@ class Scheduler:
     def _join_steady(self, seq: Sequence) -> None:
         """Decode `seq` every step from now on until its next event."""
         ticks = self.clock.ticks
-        kv_len = seq.kv_len
+        kv_len = seq.settled_kv_len  # not steady yet: settled
+        remaining = seq.max_output_tokens - seq.settled_output_tokens
         seq.join_steady(self.clock)
         self._steady[seq] = kv_len - ticks
         self._steady_kv_offset_sum += kv_len - ticks
         self._steady_joins += 1
-        heapq.heappush(self._steady_offsets,
-                       (ticks - kv_len, self._steady_joins, seq, seq.steady_epoch))
+        heap = self._steady_offsets
+        heapq.heappush(heap, (ticks - kv_len, self._steady_joins, seq, seq.steady_epoch))
+        if len(heap) > 4 * len(self._steady) + 64:  # mostly stale: rebuild from the live ones
+            heap[:] = [entry for entry in heap if entry[2].steady_in(entry[3])]
+            heapq.heapify(heap)
         steps_to_decision = len(seq.block_table) * self.block_size - kv_len
         if self.compress and seq.query_slot is None:
             steps_to_decision = min(steps_to_decision,
                                     self._first_slot_token(kv_len, seq.n_max) - kv_len)
-        remaining = seq.remaining_output_tokens
         if remaining <= steps_to_decision:
             self._finish_due[ticks + remaining].append((seq, seq.steady_epoch))
         else:
             self._decision_due[ticks + steps_to_decision].append((seq, seq.steady_epoch))
-
-    def _longest_steady_offset(self) -> int:
-        heap = self._steady_offsets
-        if len(heap) > 4 * len(self._steady) + 64:  # mostly stale: rebuild from the live ones
-            heap[:] = [entry for entry in heap if entry[2].steady_in(entry[3])]
-            heapq.heapify(heap)
-        while not heap[0][2].steady_in(heap[0][3]):
-            heapq.heappop(heap)
-        return -heap[0][0]
 
     def _leave_steady(self, seq: Sequence) -> None:
         offset = self._steady.pop(seq, None)  # None: not steady
@@ -795,7 +817,7 @@ class Scheduler:
                 self._pending.append(job.seq)
 
     def _finish_sequence(self, seq: Sequence, time: float) -> None:
-        self._release(seq, SequenceStatus.FINISHED, self.finished)
+        self._release(seq, FINISHED, self.finished)
         seq.finish_time = time
         seq.kept_budget = self._kept_budget(seq)
 
@@ -806,9 +828,10 @@ class Scheduler:
         budget never bound it."""
         if seq.num_compressions:
             return seq.kept_tokens / seq.num_compressions
-        entries = seq.prompt_len + seq.num_output_tokens - 1
+        entries = seq.prompt_len + seq.settled_output_tokens - 1  # released: settled
         b = self.block_size
-        if entries > max(-(-seq.prompt_len // b), seq.n_max) * b:
+        held = -(-seq.prompt_len // b)  # max(prompt blocks, N_max), written out (once a request)
+        if entries > (held if held > seq.n_max else seq.n_max) * b:
             return float(entries)
         return None
 

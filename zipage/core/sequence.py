@@ -29,6 +29,10 @@ class SequenceStatus(Enum):
     ABORTED = "aborted"  # the client went away (Scheduler.abort); its blocks are freed
 
 
+# Bound once: an Enum class's attribute is read through EnumType.__getattr__ (4x a plain read).
+WAITING = SequenceStatus.WAITING
+
+
 class DecodeClock:
     """Number of decode steps finished so far; shared by the scheduler and its sequences."""
 
@@ -43,7 +47,7 @@ class Sequence:
         "seq_id", "arrival_s", "prompt_token_ids", "prompt_len", "max_output_tokens",
         "prompt_block_hashes", "status", "block_table", "query_slot", "num_compressions",
         "compressing", "running_rank", "error",
-        "_kv_len", "_num_output_tokens", "_clock", "_steady_since", "steady_epoch",
+        "settled_kv_len", "settled_output_tokens", "_clock", "steady_since", "steady_epoch",
         "first_admitted_step", "first_token_time", "finish_time", "num_preemptions",
         "max_blocks_after_first_compression", "sampling", "kv_budget", "n_max",
         "kept_tokens", "kept_budget", "fork_of", "prompt_logits",
@@ -67,17 +71,20 @@ class Sequence:
         self.prompt_len = len(prompt_token_ids) if prompt_token_ids is not None else prompt_len
         self.max_output_tokens = max_output_tokens
         self.prompt_block_hashes: list[int] = []
-        self.status = SequenceStatus.WAITING
+        self.status = WAITING
         self.block_table: list[int] = []
         self.query_slot: int | None = None
         self.num_compressions = 0
         self.compressing = False  # a compression job holds this request (sync or async)
         self.running_rank = -1  # position key in the running queue (admission order)
         self.error: str | None = None
-        self._kv_len = 0
-        self._num_output_tokens = 0
+        # The counters as of the last settle: `kv_len` and `num_output_tokens` themselves while
+        # the request is not steady, which the scheduler reads where it knows that (a plain
+        # read, not a property's call: these run several times a request).
+        self.settled_kv_len = 0
+        self.settled_output_tokens = 0
         self._clock: DecodeClock | None = None
-        self._steady_since: int | None = None
+        self.steady_since: int | None = None  # the decode tick it became steady at; None: not
         self.steady_epoch = 0  # bumps whenever the request leaves steady decoding
         self.first_admitted_step: int | None = None
         self.first_token_time: float | None = None
@@ -110,15 +117,15 @@ class Sequence:
     @property
     def kv_len(self) -> int:
         """KV entries cached for this request (the slot index the next token is written to)."""
-        if self._steady_since is None:
-            return self._kv_len
-        return self._kv_len + self._clock.ticks - self._steady_since
+        if self.steady_since is None:
+            return self.settled_kv_len
+        return self.settled_kv_len + self._clock.ticks - self.steady_since
 
     @property
     def num_output_tokens(self) -> int:
-        if self._steady_since is None:
-            return self._num_output_tokens
-        return self._num_output_tokens + self._clock.ticks - self._steady_since
+        if self.steady_since is None:
+            return self.settled_output_tokens
+        return self.settled_output_tokens + self._clock.ticks - self.steady_since
 
     # The counters below repeat `num_output_tokens`'s two lines rather than read it: a property
     # read is a call (a hot one: these run several times a request and a step).
@@ -126,9 +133,9 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         """Prompt plus generated tokens (the last generated one has no KV entry yet)."""
-        if self._steady_since is None:
-            return self.prompt_len + self._num_output_tokens
-        return self.prompt_len + self._num_output_tokens + self._clock.ticks - self._steady_since
+        if self.steady_since is None:
+            return self.prompt_len + self.settled_output_tokens
+        return self.prompt_len + self.settled_output_tokens + self._clock.ticks - self.steady_since
 
     @property
     def position(self) -> int:
@@ -137,37 +144,38 @@ class Sequence:
 
     @property
     def is_steady(self) -> bool:
-        return self._steady_since is not None
+        return self.steady_since is not None
 
     def steady_in(self, epoch: int) -> bool:
         """Still in the steady run that `epoch` was taken in (it bumps when the request leaves):
-        whether a due-list or heap entry made then is still live."""
-        return self.steady_epoch == epoch and self._steady_since is not None
+        whether a due-list or heap entry made then is still live. Entries are made only while
+        the request is steady, so the epoch alone tells (the scheduler's hot loops compare it)."""
+        return self.steady_epoch == epoch and self.steady_since is not None
 
     @property
     def remaining_output_tokens(self) -> int:
-        if self._steady_since is None:
-            return self.max_output_tokens - self._num_output_tokens
-        return (self.max_output_tokens - self._num_output_tokens
-                - (self._clock.ticks - self._steady_since))
+        if self.steady_since is None:
+            return self.max_output_tokens - self.settled_output_tokens
+        return (self.max_output_tokens - self.settled_output_tokens
+                - (self._clock.ticks - self.steady_since))
 
     def set_counters(self, kv_len: int, num_output_tokens: int) -> None:
-        assert self._steady_since is None, "settle a steady sequence before changing it"
-        self._kv_len = kv_len
-        self._num_output_tokens = num_output_tokens
+        assert self.steady_since is None, "settle a steady sequence before changing it"
+        self.settled_kv_len = kv_len
+        self.settled_output_tokens = num_output_tokens
 
     def join_steady(self, clock: DecodeClock) -> None:
         self._clock = clock
-        self._steady_since = clock.ticks
+        self.steady_since = clock.ticks
 
     def settle(self) -> None:
         """Leave steady decoding: write the clock-derived counters back."""
-        if self._steady_since is None:
+        if self.steady_since is None:
             return
-        decoded = self._clock.ticks - self._steady_since
-        self._kv_len += decoded
-        self._num_output_tokens += decoded
-        self._steady_since = None
+        decoded = self._clock.ticks - self.steady_since
+        self.settled_kv_len += decoded
+        self.settled_output_tokens += decoded
+        self.steady_since = None
         self.steady_epoch += 1
 
     def __repr__(self) -> str:

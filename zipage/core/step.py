@@ -112,6 +112,9 @@ class StepPlan:
     kind: str
     prefill: list[PrefillItem] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
+    # How many requests decode: len(decode), also when the scheduler does not list them
+    # (`Scheduler.decode_lists`); a plan built with its decode list counts it itself.
+    num_decode: int = 0
     # Sync compression: run before this step's decode; the compressed requests are in `decode`
     # with their new tables.
     compress_sync: list[CompressionJob] = field(default_factory=list)
@@ -139,9 +142,9 @@ class StepPlan:
     blocks_used: int = 0
     slots_used: int = 0
 
-    @property
-    def num_decode(self) -> int:
-        return len(self.decode)
+    def __post_init__(self) -> None:
+        if self.decode:
+            self.num_decode = len(self.decode)
 
     @property
     def sampled(self) -> list[Sequence]:

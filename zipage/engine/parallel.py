@@ -143,6 +143,7 @@ def decode_step(message: tuple) -> tuple[StepPlan, dict[str, list[int]], list[in
     for seq_id, kv_len, position, table, slot, last in decode:
         plan.decode.append(ShardRequest(seq_id, table, slot, kv_len, position))
         tokens[seq_id] = [last]  # a decode step reads only the last token
+    plan.num_decode = len(plan.decode)
     return plan, tokens, completed
 
 
