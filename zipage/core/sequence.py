@@ -127,8 +127,8 @@ class Sequence:
             return self.settled_output_tokens
         return self.settled_output_tokens + self._clock.ticks - self.steady_since
 
-    # The counters below repeat `num_output_tokens`'s two lines rather than read it: a property
-    # read is a call (a hot one: these run several times a request and a step).
+    # `num_tokens` repeats `num_output_tokens`'s two lines rather than read it: a property read
+    # is a call (a hot one: it runs several times a request and a step).
 
     @property
     def num_tokens(self) -> int:
@@ -142,22 +142,11 @@ class Sequence:
         """True position of the token decoded next: unchanged by compression (docs/architecture.md, 'Rules', rule 4)."""
         return self.num_tokens - 1
 
-    @property
-    def is_steady(self) -> bool:
-        return self.steady_since is not None
-
     def steady_in(self, epoch: int) -> bool:
         """Still in the steady run that `epoch` was taken in (it bumps when the request leaves):
         whether a due-list or heap entry made then is still live. Entries are made only while
         the request is steady, so the epoch alone tells (the scheduler's hot loops compare it)."""
         return self.steady_epoch == epoch and self.steady_since is not None
-
-    @property
-    def remaining_output_tokens(self) -> int:
-        if self.steady_since is None:
-            return self.max_output_tokens - self.settled_output_tokens
-        return (self.max_output_tokens - self.settled_output_tokens
-                - (self._clock.ticks - self.steady_since))
 
     def set_counters(self, kv_len: int, num_output_tokens: int) -> None:
         assert self.steady_since is None, "settle a steady sequence before changing it"
