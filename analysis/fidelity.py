@@ -46,6 +46,7 @@ from zipage.core.memory import block_bytes, query_slot_bytes
 from zipage.core.sampling import SamplingParams
 from zipage.core.sequence import Sequence
 from zipage.core.step import StepPlan
+from zipage.dtypes import DTYPE_BYTES
 from zipage.engine.builder import Engine
 from zipage.engine.loader import load_model
 from zipage.engine.loop import EngineLoop
@@ -233,18 +234,20 @@ def build_engine(model: torch.nn.Module, shape: ModelShape, tokenizer, model_spe
     a query slot: Full KV gets every request's whole sequence, compression one slot and N_max
     blocks per request (the prompt must fit in N_max blocks, as it does here).
     """
-    size = torch.finfo(dtype).bits // 8
+    name = str(dtype).removeprefix("torch.")  # the deployment's name of it ("float32", "bfloat16")
+    size = DTYPE_BYTES[name]
     if config.compress:
         per_request = block_bytes(shape, config, size) * config.n_max + query_slot_bytes(
             shape, config, size)
     else:
         per_request = block_bytes(shape, config, size) * -(-max_tokens // config.block_size)
-    settings = ReplaySettings(model=model_spec, dtype=str(dtype).removeprefix("torch."),
+    settings = ReplaySettings(model=model_spec, dtype=name,
                               kv_memory_gb=(num_requests + 1) * per_request / GIB, config=config)
     config = effective_config(settings, shape)
     capacity = plan_capacity(settings, shape, None)
-    runner = ModelRunner(model, shape, config, capacity, dtype, torch.device(device), cuda_graphs=False)
-    return Engine(model, shape, tokenizer, config, capacity, runner, torch.device(device))
+    on = torch.device(device)
+    runner = ModelRunner(model, shape, config, capacity, dtype, on, cuda_graphs=False)
+    return Engine(model, shape, tokenizer, config, capacity, runner, on)
 
 
 class RecordingRunner:
@@ -590,7 +593,7 @@ def run_study(args: argparse.Namespace) -> None:
     longest = max(len(prompt) for prompt in prompts) + args.new_tokens
     full_config = ZipageConfig(block_size=args.block_size, compress=False, prefix_cache=False)
     engine = build_engine(model, shape, tokenizer, args.model, full_config, len(prompts),
-                              longest)
+                          longest)
     reference = generate_reference(engine, prompts, args.new_tokens, args.temperature, args.seed)
     print(f"reference: {len(prompts)} x {args.new_tokens} tokens in {reference.wall_s:.0f} s",
           flush=True)
@@ -607,7 +610,7 @@ def run_study(args: argparse.Namespace) -> None:
                               async_compress=False, prefix_cache=False)
         variants = VARIANT_SETS[args.variant_set]
         engine = build_engine(model, shape, tokenizer, args.model, config,
-                                  len(prompts) * len(variants), longest)
+                              len(prompts) * len(variants), longest)
         budget_started = time.perf_counter()
         results = teacher_force(engine, reference, variants, args.seed)
         timings[f"budget_{budget}_s"] = time.perf_counter() - budget_started

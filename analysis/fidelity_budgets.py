@@ -127,8 +127,8 @@ def run_study(args: argparse.Namespace) -> None:
     longest = max(lengths) + args.new_tokens
     timings = {"load_s": time.perf_counter() - started}
     full = build_engine(model, shape, tokenizer, args.model,
-                            ZipageConfig(block_size=args.block_size, compress=False,
-                                         prefix_cache=False), len(prompts), longest)
+                        ZipageConfig(block_size=args.block_size, compress=False,
+                                     prefix_cache=False), len(prompts), longest)
     reference = generate_reference(full, prompts, args.new_tokens, args.temperature, args.seed)
     timings["reference_s"] = reference.wall_s
     print(f"reference: {len(prompts)} x {args.new_tokens} tokens in {reference.wall_s:.0f} s",
@@ -144,8 +144,8 @@ def run_study(args: argparse.Namespace) -> None:
     fixed_arms = [arm for arm in arms if arm.policy != ELASTIC]
     arm_started = time.perf_counter()
     engine = build_engine(model, shape, tokenizer, args.model,
-                              ZipageConfig(kv_budget=max(max(arm.budgets) for arm in fixed_arms),
-                                           **knobs), len(prompts) * len(fixed_arms), longest)
+                          ZipageConfig(kv_budget=max(max(arm.budgets) for arm in fixed_arms),
+                                       **knobs), len(prompts) * len(fixed_arms), longest)
     runs: list = []
     forced = teacher_force(engine, reference, [Variant(arm.name) for arm in fixed_arms],
                            args.seed, budgets=[arm.budgets for arm in fixed_arms], runs=runs)

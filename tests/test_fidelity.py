@@ -62,7 +62,7 @@ def compressed_engine(tiny_model, budget: int, num_requests: int, window: int = 
     config = ZipageConfig(block_size=BLOCK, window=window, kv_budget=budget,
                           async_compress=False, prefix_cache=False)
     return fidelity.build_engine(model, shape, None, spec, config, num_requests,
-                                     37 + NEW_TOKENS)
+                                 37 + NEW_TOKENS)
 
 
 def test_reference_has_every_position(reference):
