@@ -19,6 +19,7 @@ Run: `python bench/fp8_error_sources.py [--new-tokens 1024] [--num-prompts 4] [-
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -59,44 +60,47 @@ def positions() -> torch.Tensor:
     return torch.cat(rows)
 
 
-def hadamard(size: int, seed: int = 0) -> torch.Tensor:
-    """A randomized Hadamard matrix (orthogonal): Sylvester's construction, columns' signs flipped at random."""
+@functools.cache
+def hadamard(size: int, device: torch.device, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """A randomized Hadamard matrix (orthogonal): Sylvester's construction, columns' signs flipped at random
+    (one per shape, device and dtype: every layer of every step asks)."""
     matrix = torch.ones(1, 1)
     while matrix.shape[0] < size:
         matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)])
     signs = torch.randint(0, 2, (size,), generator=torch.Generator().manual_seed(seed)) * 2 - 1
-    return matrix * signs / math.sqrt(size)
+    return (matrix * signs / math.sqrt(size)).to(device, dtype)
 
 
 Forward = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def _sinks_exact(forward: Forward, module, query, key, value):
+    exact = (positions() < SINKS)[:, None, None]
+    return forward(module, query, torch.where(exact, key, e4m3(key)), torch.where(exact, value, e4m3(value)))
+
+
+def _rotated(forward: Forward, module, query, key, value):
+    rotation = hadamard(key.shape[-1], key.device, key.dtype)
+    return forward(module, query @ rotation, e4m3(key @ rotation), e4m3(value @ rotation)) @ rotation.T
+
+
+# Each format: PagedAttention.forward's arguments -> its output with the stored K/V through the round trip.
+FORMATS: dict[str, Callable] = {
+    "e4m3 K and V": lambda forward, module, q, k, v: forward(module, q, e4m3(k), e4m3(v)),
+    "e4m3 K only": lambda forward, module, q, k, v: forward(module, q, e4m3(k), v),
+    "e4m3 V only": lambda forward, module, q, k, v: forward(module, q, k, e4m3(v)),
+    f"e4m3, first {SINKS} entries exact": _sinks_exact,
+    "e4m3 after a Hadamard rotation": _rotated,
+    "int8 K and V": lambda forward, module, q, k, v: forward(module, q, int8(k), int8(v)),
+    "bfloat16 K and V": lambda forward, module, q, k, v: forward(module, q, k.bfloat16().to(k.dtype),
+                                                                 v.bfloat16().to(v.dtype)),
+}
+
+
 def emulated(forward: Forward, name: str) -> Forward:
     """PagedAttention.forward with the stored keys and values passed through format `name`'s round trip."""
-    def run(module, query, key, value):
-        if name == "e4m3 K and V":
-            return forward(module, query, e4m3(key), e4m3(value))
-        if name == "e4m3 K only":
-            return forward(module, query, e4m3(key), value)
-        if name == "e4m3 V only":
-            return forward(module, query, key, e4m3(value))
-        if name == f"e4m3, first {SINKS} entries exact":
-            exact = (positions() < SINKS)[:, None, None]
-            return forward(module, query, torch.where(exact, key, e4m3(key)), torch.where(exact, value, e4m3(value)))
-        if name == "e4m3 after a Hadamard rotation":
-            rotation = hadamard(key.shape[-1]).to(key.device, key.dtype)
-            out = forward(module, query @ rotation, e4m3(key @ rotation), e4m3(value @ rotation))
-            return out @ rotation.T
-        if name == "int8 K and V":
-            return forward(module, query, int8(key), int8(value))
-        if name == "bfloat16 K and V":
-            return forward(module, query, key.bfloat16().to(key.dtype), value.bfloat16().to(value.dtype))
-        raise ValueError(name)
-    return run
-
-
-FORMATS = ("e4m3 K and V", "e4m3 K only", "e4m3 V only", f"e4m3, first {SINKS} entries exact",
-           "e4m3 after a Hadamard rotation", "int8 K and V", "bfloat16 K and V")
+    emulate = FORMATS[name]
+    return lambda module, query, key, value: emulate(forward, module, query, key, value)
 
 
 def main(argv: list[str] | None = None) -> None:
