@@ -713,8 +713,9 @@ class Scheduler:
         self._steady_joins += 1
         heap = self._steady_offsets
         heapq.heappush(heap, (ticks - kv_len, self._steady_joins, seq, seq.steady_epoch))
-        if len(heap) > 4 * len(self._steady) + 64:  # mostly stale: rebuild from the live ones
-            heap[:] = [entry for entry in heap if entry[2].steady_in(entry[3])]
+        if len(heap) > 2 * len(self._steady) + 64:  # mostly stale: rebuild from the live ones
+            # (`steady_in`, inline: the epoch tells alone; this scans the whole heap)
+            heap[:] = [entry for entry in heap if entry[2].steady_epoch == entry[3]]
             heapq.heapify(heap)
         steps_to_decision = len(seq.block_table) * self.block_size - kv_len
         if self.compress and seq.query_slot is None:
