@@ -96,14 +96,15 @@ class BlockManager:
         for _ in range(count):
             while True:
                 block = queue.popleft()
-                queued[block] -= 1
-                if not queued[block] and not refcount[block]:
+                entries = queued[block] - 1
+                queued[block] = entries
+                if not entries and not refcount[block]:
                     break
             old_hash = block_hash[block]
             if old_hash is not None:  # its old content, and so its hash, is gone
-                # (`_forget_hash`, inline: most blocks handed out held a prompt block)
-                if hash_to_block.get(old_hash) == block:
-                    del hash_to_block[old_hash]
+                # (`_forget_hash`, inline: most blocks handed out held a prompt block; a block
+                # with a hash is the one the index maps it to)
+                del hash_to_block[old_hash]
                 block_hash[block] = None
             refcount[block] = 1
             blocks.append(block)
@@ -120,17 +121,19 @@ class BlockManager:
         self.release_all(reversed(table))
 
     def release_all(self, blocks: Iterable[int]) -> None:
-        refcount = self.refcount
+        refcount, queued, free = self.refcount, self._queued, self._free_queue.append
+        freed = 0
         for block in blocks:
             count = refcount[block] - 1
             assert count >= 0, f"block {block} released more often than held"
             refcount[block] = count
             if count == 0:
-                self._free_queue.append(block)
-                self._queued[block] += 1
-                self.num_free_blocks += 1
+                free(block)
+                queued[block] += 1
+                freed += 1
             else:
                 self.extra_holders -= 1
+        self.num_free_blocks += freed
 
     # ---- prefix cache ----
 
@@ -181,20 +184,22 @@ class BlockManager:
         """Index the full prompt blocks [first, end) of `seq` that a prefill just computed."""
         if not self.prefix_cache:
             return
-        for index, block_hash in enumerate(seq.prompt_block_hashes[first:end], first):
-            block = seq.block_table[index]
-            if block_hash in self.hash_to_block:
+        hash_to_block, hash_of = self.hash_to_block, self.block_hash  # (a few blocks a request)
+        for block_hash, block in zip(seq.prompt_block_hashes[first:end],
+                                     seq.block_table[first:end]):
+            if block_hash in hash_to_block:
                 continue  # an equal block is already indexed; keep the first
-            if self.block_hash[block] is not None:  # (a fresh block's is gone already)
+            if hash_of[block] is not None:  # (a fresh block's is gone already)
                 self._forget_hash(block)
-            self.block_hash[block] = block_hash
-            self.hash_to_block[block_hash] = block
+            hash_of[block] = block_hash
+            hash_to_block[block_hash] = block
 
     def _forget_hash(self, block: int) -> None:
+        # `block_hash` and the index change together: a block has a hash exactly while the index
+        # maps that hash to it (the invariant checker's `_check_prefix_index`).
         block_hash = self.block_hash[block]
         if block_hash is not None:
-            if self.hash_to_block.get(block_hash) == block:
-                del self.hash_to_block[block_hash]
+            del self.hash_to_block[block_hash]
             self.block_hash[block] = None
 
     # ---- compression ----

@@ -297,10 +297,17 @@ class InvariantChecker:
         """Every block in the prefix index holds the prompt block its hash names: computed by a
         prefill and not overwritten since (a compression target leaves the index at once)."""
         content = self.block_content
-        for block_hash, block in self.scheduler.block_manager.hash_to_block.items():
+        manager = self.scheduler.block_manager
+        for block_hash, block in manager.hash_to_block.items():
             if content.get(block) != block_hash:
                 self.fail(f"block {block} is in the prefix index but does not hold the prompt "
                           "block of its hash (overwritten, or never computed)")
+            if manager.block_hash[block] != block_hash:
+                self.fail(f"block {block} is in the prefix index under a hash it does not have")
+        hashed = sum(1 for block_hash in manager.block_hash if block_hash is not None)
+        if hashed != len(manager.hash_to_block):
+            self.fail(f"{hashed} blocks have a hash but the prefix index maps "
+                      f"{len(manager.hash_to_block)}: a block's hash left without its entry")
 
     def _check_chunks(self, plan: StepPlan) -> None:
         """Prompt ranges continue where their request stopped; a range samples exactly when it

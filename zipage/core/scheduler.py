@@ -122,7 +122,7 @@ class Scheduler:
         self._admission_failed_at: tuple[Sequence, int] | None = None
         self._resource_version = 0  # bumps whenever blocks, slots or the running set change
         self._num_slotless_running = 0
-        # Blocks reserved for the slot holders: the sum of their `_slot_blocks`, never above
+        # Blocks reserved for the slot holders: the sum of their `slot_blocks`, never above
         # num_blocks (with one budget, the planner's N_total >= M N_max makes this automatic).
         self._slot_reserved = 0
         # Running requests holding more blocks than their N_max (elastic borrowers, and prompts
@@ -162,6 +162,12 @@ class Scheduler:
         if seq.kv_budget is None:
             seq.kv_budget = self.config.kv_budget
         seq.n_max = self._n_max_of(seq)
+        # Blocks a query slot reserves for its holder: its N_max, or all it can ever hold if
+        # fewer. The holders' reservations never exceed the pool, which is what keeps any mix
+        # of budgets deadlock-free (docs/architecture.md, 'Deadlock freedom'). Fixed from here
+        # on, so worked out once (slots are taken and given back several times a request).
+        whole = -(-(seq.prompt_len + seq.max_output_tokens - 1) // self.block_size)
+        seq.slot_blocks = seq.n_max if seq.n_max < whole else whole  # (min, written out)
         self.waiting.append(seq)
         return True
 
@@ -584,21 +590,14 @@ class Scheduler:
         else:
             self._borrowers.pop(seq, None)
 
-    def _slot_blocks(self, seq: Sequence) -> int:
-        """Blocks a query slot reserves for its holder: its N_max, or all it can ever hold if
-        fewer. The holders' reservations never exceed the pool, which is what keeps any mix of
-        budgets deadlock-free (docs/architecture.md, 'Deadlock freedom')."""
-        whole = -(-(seq.prompt_len + seq.max_output_tokens - 1) // self.block_size)
-        return seq.n_max if seq.n_max < whole else whole  # (min: three times a request)
-
     def _can_take_slot(self, seq: Sequence) -> bool:
         """A slot is free, no running request waits for one before `seq`, and the pool can back
         `seq`'s reservation too."""
         return (bool(self.free_slots) and not self._num_slotless_running
-                and self._slot_reserved + self._slot_blocks(seq) <= self.block_manager.num_blocks)
+                and self._slot_reserved + seq.slot_blocks <= self.block_manager.num_blocks)
 
     def _take_slot(self, seq: Sequence) -> int:
-        self._slot_reserved += self._slot_blocks(seq)
+        self._slot_reserved += seq.slot_blocks
         return heapq.heappop(self.free_slots)
 
     # ------------------------------------------------------------------ compression
@@ -767,7 +766,7 @@ class Scheduler:
             return
         for seq in self.running:
             if seq.query_slot is None:
-                if self._slot_reserved + self._slot_blocks(seq) > self.block_manager.num_blocks:
+                if self._slot_reserved + seq.slot_blocks > self.block_manager.num_blocks:
                     return  # the foremost waits until enough holders finish; nobody overtakes
                 seq.query_slot = self._take_slot(seq)
                 self._num_slotless_running -= 1
@@ -781,7 +780,7 @@ class Scheduler:
     def _release_slot(self, seq: Sequence) -> None:
         if seq.query_slot is not None:
             heapq.heappush(self.free_slots, seq.query_slot)
-            self._slot_reserved -= self._slot_blocks(seq)
+            self._slot_reserved -= seq.slot_blocks
             seq.query_slot = None
         elif self.compress:
             self._num_slotless_running -= 1

@@ -49,7 +49,7 @@ class Sequence:
         "compressing", "running_rank", "error",
         "settled_kv_len", "settled_output_tokens", "_clock", "steady_since", "steady_epoch",
         "first_admitted_step", "first_token_time", "finish_time", "num_preemptions",
-        "max_blocks_after_first_compression", "sampling", "kv_budget", "n_max",
+        "max_blocks_after_first_compression", "sampling", "kv_budget", "n_max", "slot_blocks",
         "kept_tokens", "kept_budget", "fork_of", "prompt_logits",
     )
 
@@ -99,6 +99,7 @@ class Sequence:
         # 'Per-request and elastic budgets').
         self.kv_budget = kv_budget
         self.n_max: int | None = None
+        self.slot_blocks = 0  # the blocks its query slot reserves (set with n_max)
         # KV entries its compressions kept, summed; and, once finished, the budget it kept on
         # average (None if no budget ever bound it).
         self.kept_tokens = 0
