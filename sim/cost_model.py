@@ -93,7 +93,11 @@ class CostModel(ABC):
     def step_time(self, plan: StepPlan) -> float:
         """A step of any kind: its sync compressions run first, then one forward over its decode
         requests and prompt chunks. An idle step computes nothing (0)."""
-        duration = self.forward_time_for(StepWork.of(plan))
+        if plan.prefill:
+            duration = self.forward_time_for(StepWork.of(plan))
+        else:  # a decode step (most steps): its counts are the plan's own, no StepWork built
+            duration = self.decode_time_for(plan.num_decode, plan.decode_context_tokens,
+                                            plan.decode_max_context, plan.shared_kv_tokens)
         if plan.compress_sync:
             duration += self.compress_time(plan.compress_sync)
         return duration
@@ -113,11 +117,13 @@ class CostModel(ABC):
         overlap = min(1.0, max(0.0, overlap_fraction))
         return 1.0 + (self.contention_factor - 1.0) * overlap
 
-    def decode_time_for(self, batch: int, context_tokens: int, max_context: int = 0) -> float:
+    def decode_time_for(self, batch: int, context_tokens: int, max_context: int = 0,
+                        shared_kv_tokens: int = 0) -> float:
         """A decode step of `batch` requests attending to `context_tokens` KV entries in total,
-        the longest `max_context` of them (0: not known)."""
+        the longest `max_context` of them (0: not known), `shared_kv_tokens` of them shared."""
         return self.forward_time_for(StepWork(batch, context_tokens,
-                                              decode_max_context=max_context))
+                                              decode_max_context=max_context,
+                                              shared_kv_tokens=shared_kv_tokens))
 
     def prefill_time_for(self, requests: Sequence[tuple[int, int]]) -> float:
         """A prefill step over (new_tokens, cached_tokens) per request."""
