@@ -96,8 +96,8 @@ class CostModel(ABC):
         if plan.prefill:
             duration = self.forward_time_for(StepWork.of(plan))
         else:  # a decode step (most steps): its counts are the plan's own, no StepWork built
-            duration = self.decode_time_for(plan.num_decode, plan.decode_context_tokens,
-                                            plan.decode_max_context, plan.shared_kv_tokens)
+            duration = self.forward_time(plan.num_decode, plan.decode_context_tokens, 0, 0, 0, 0,
+                                         0, plan.decode_max_context, plan.shared_kv_tokens)
         if plan.compress_sync:
             duration += self.compress_time(plan.compress_sync)
         return duration
@@ -117,13 +117,11 @@ class CostModel(ABC):
         overlap = min(1.0, max(0.0, overlap_fraction))
         return 1.0 + (self.contention_factor - 1.0) * overlap
 
-    def decode_time_for(self, batch: int, context_tokens: int, max_context: int = 0,
-                        shared_kv_tokens: int = 0) -> float:
+    def decode_time_for(self, batch: int, context_tokens: int, max_context: int = 0) -> float:
         """A decode step of `batch` requests attending to `context_tokens` KV entries in total,
-        the longest `max_context` of them (0: not known), `shared_kv_tokens` of them shared."""
+        the longest `max_context` of them (0: not known)."""
         return self.forward_time_for(StepWork(batch, context_tokens,
-                                              decode_max_context=max_context,
-                                              shared_kv_tokens=shared_kv_tokens))
+                                              decode_max_context=max_context))
 
     def prefill_time_for(self, requests: Sequence[tuple[int, int]]) -> float:
         """A prefill step over (new_tokens, cached_tokens) per request."""
@@ -132,6 +130,16 @@ class CostModel(ABC):
     @abstractmethod
     def forward_time_for(self, work: StepWork) -> float:
         """One forward over `work`: a decode, prefill or mixed step without its compressions."""
+
+    def forward_time(self, num_decode: int, decode_context_tokens: int, num_prefill: int,
+                     num_sampled_prefill: int, prefill_tokens: int, cached_tokens: int,
+                     attention_pairs: int, decode_max_context: int,
+                     shared_kv_tokens: int) -> float:
+        """`forward_time_for` of the `StepWork` of these counts (its fields, in its order): a
+        model may answer from them without the `StepWork` built."""
+        return self.forward_time_for(StepWork(
+            num_decode, decode_context_tokens, num_prefill, num_sampled_prefill, prefill_tokens,
+            cached_tokens, attention_pairs, decode_max_context, shared_kv_tokens))
 
     @abstractmethod
     def compress_time_for(self, blocks: Sequence[int],

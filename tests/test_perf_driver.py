@@ -39,7 +39,7 @@ def test_a_decode_step_costs_what_its_step_work_costs(spec):
         expected = cost.forward_time_for(StepWork(batch, context, decode_max_context=longest,
                                                   shared_kv_tokens=shared))
         assert expected > 0
-        assert cost.decode_time_for(batch, context, longest, shared) == close(expected)
+        assert cost.forward_time(batch, context, 0, 0, 0, 0, 0, longest, shared) == close(expected)
         assert cost.step_time(plan) == close(cost.forward_time_for(StepWork.of(plan)))
 
 
