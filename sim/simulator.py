@@ -234,7 +234,7 @@ class _PlainClock:
         """`Simulator._engine_loop` from where it waited: finish the step that ended, then plan
         steps until one takes time (or nothing is left to do)."""
         sim, now = self.sim, self.now
-        recorder = sim.recorder
+        recorder, cost = sim.recorder, sim.cost_model
         if self.step is not None:
             plan, t_start = self.step
             self.step = None
@@ -248,7 +248,13 @@ class _PlainClock:
             self.engine = _ENDED if sim._closed else _REQUEST
             return
         idle = plan.kind == IDLE
-        step_time = 0.0 if idle else sim._step_time(plan, now)
+        if idle:
+            step_time = 0.0
+        else:  # `Simulator._step_time`, inline: once a step
+            step_time = cost.step_time(plan)
+            overlap = sim._compression_ends_at - now
+            if overlap > 0 and step_time > 0:
+                step_time *= cost.decode_contention(min(1.0, overlap / step_time))
         self.step = (plan, now)
         if idle:
             self.engine = _BATCH
@@ -258,6 +264,6 @@ class _PlainClock:
                            (now + step_time, next(self.order), _ENGINE, -1))
         launch = plan.compress_launch
         if launch is not None:  # scheduled behind the step's end, as SimPy orders them
-            duration = sim.cost_model.compress_time(launch.jobs)
+            duration = cost.compress_time(launch.jobs)
             sim._compression_ends_at = now + step_time + duration
             self._at(now + (step_time + duration), _BATCH_DONE, launch.batch_id)
