@@ -88,9 +88,12 @@ class StepRecorder:
         self._stopped: set = set()  # requests the engine stopped at an end-of-sequence token
         self._started = time.perf_counter()
         self._run: Run | None = None
+        # Where there is nothing to do around the scheduler's own, no wrapper call: `schedule`
+        # runs every step, `add` every request.
         if self.checker is None and not log_decisions:
-            # Nothing to do around the scheduler's own: no wrapper call (this runs every step).
             self.schedule = scheduler.schedule
+        if self.checker is None and self._bar is None:
+            self.add = scheduler.add
 
     def add(self, seq: Sequence) -> bool:
         """Queue a request; False if the core rejected it (it failed alone, with a reason)."""
