@@ -118,20 +118,19 @@ class StepRecorder:
         return plan
 
     def finish(self, plan: StepPlan, result: StepResult) -> None:
-        scheduler = self.scheduler
-        finished_before = len(scheduler.finished)
-        scheduler.finish(result)
-        newly_finished = len(scheduler.finished) - finished_before
-        if not self.keep_sequences and scheduler.finished:
-            self._take_finished(scheduler.finished)
-            scheduler.finished.clear()
+        finished = self.scheduler.finished
+        finished_before = len(finished)
+        self.scheduler.finish(result)
         if result.stopped:
             self._stopped |= result.stopped
         self.metrics.record_step(plan, result)
         if self.checker:
             self.checker.after_finish()
-        if newly_finished:  # most steps finish nobody: no call then (this runs every step)
-            self._advance(newly_finished)
+        if len(finished) != finished_before:  # most steps finish nobody (this runs every step)
+            self._advance(len(finished) - finished_before)
+            if not self.keep_sequences:
+                self._take_finished(finished)
+                finished.clear()
 
     def result(self, tokens: dict[str, list[int]] | None = None) -> Run:
         """Close the run: final checks, per-request records and the summary (once: a second
