@@ -49,18 +49,22 @@ class StepWork:
 
     @classmethod
     def of(cls, plan: StepPlan) -> "StepWork":
-        if not plan.prefill:  # the common case, kept cheap: the simulator asks ~100k times a run
-            return cls(plan.num_decode, plan.decode_context_tokens, 0, 0, 0, 0, 0,
-                       plan.decode_max_context, plan.shared_kv_tokens)
+        return cls(*cls.counts(plan))
+
+    @staticmethod
+    def counts(plan: StepPlan) -> tuple[int, int, int, int, int, int, int, int, int]:
+        """The fields of `of(plan)`, in order (what `CostModel.forward_time` takes)."""
+        if not plan.prefill:
+            return (plan.num_decode, plan.decode_context_tokens, 0, 0, 0, 0, 0,
+                    plan.decode_max_context, plan.shared_kv_tokens)
         sampled = new_tokens = cached_tokens = pairs = 0
         for item in plan.prefill:  # one pass, not four generators: a mixed step is common
             sampled += item.samples
             new_tokens += item.num_new_tokens
             cached_tokens += item.num_cached_tokens
             pairs += item.attention_pairs
-        return cls(plan.num_decode, plan.decode_context_tokens, len(plan.prefill), sampled,
-                   new_tokens, cached_tokens, pairs, plan.decode_max_context,
-                   plan.shared_kv_tokens)
+        return (plan.num_decode, plan.decode_context_tokens, len(plan.prefill), sampled,
+                new_tokens, cached_tokens, pairs, plan.decode_max_context, plan.shared_kv_tokens)
 
     @classmethod
     def from_counts(cls, num_decode: int = 0, decode_context_tokens: int = 0,
@@ -93,9 +97,10 @@ class CostModel(ABC):
     def step_time(self, plan: StepPlan) -> float:
         """A step of any kind: its sync compressions run first, then one forward over its decode
         requests and prompt chunks. An idle step computes nothing (0)."""
+        # Priced from its counts, no StepWork built: the simulator prices every step here.
         if plan.prefill:
-            duration = self.forward_time_for(StepWork.of(plan))
-        else:  # a decode step (most steps): its counts are the plan's own, no StepWork built
+            duration = self.forward_time(*StepWork.counts(plan))
+        else:  # a decode step (most steps): its counts are the plan's own
             duration = self.forward_time(plan.num_decode, plan.decode_context_tokens, 0, 0, 0, 0,
                                          0, plan.decode_max_context, plan.shared_kv_tokens)
         if plan.compress_sync:

@@ -1,5 +1,5 @@
-"""The simulator's shortcuts give what the general path gives: a decode step priced from its
-plan's counts (no `StepWork` built) costs what its `StepWork` costs, and a run whose sink takes
+"""The simulator's shortcuts give what the general path gives: a step priced from its plan's
+counts (no `StepWork` built) costs what its `StepWork` costs, and a run whose sink takes
 no request records (finished requests counted from their sequences) has the summary of a run
 that makes every record."""
 
@@ -14,7 +14,7 @@ from tolerance import assert_close, close
 from zipage.config import ZipageConfig
 from zipage.core.deployment import ReplaySettings
 from zipage.core.recorder import RecordSink
-from zipage.core.step import DECODE, StepPlan
+from zipage.core.step import DECODE, MIXED, PREFILL, PrefillItem, StepPlan
 from zipage.hardware import get_hardware
 from zipage.presets import get_preset
 from zipage.sim.cost_loader import load_cost_model
@@ -30,17 +30,36 @@ DECODE_STEPS = [(1, 700, 700, 0), (52, 52 * 600, 0, 0), (52, 31200, 6000, 0),
                 (130, 250_000, 9000, 40_000), (512, 600_000, 1300, 0)]
 
 
+# (num_cached_tokens, num_tokens, samples) of prompt chunks
+CHUNKS = [(0, 3000, True), (1024, 2048, False), (4096, 4600, True)]
+
+
 @pytest.mark.parametrize("spec", ["analytic", "example-synthetic"])
-def test_a_decode_step_costs_what_its_step_work_costs(spec):
+def test_a_step_costs_what_its_step_work_costs(spec):
     cost = load_cost_model(spec, QWEN3_8B, A100)
+    plans = []
     for batch, context, longest, shared in DECODE_STEPS:
-        plan = StepPlan(0, DECODE, num_decode=batch, decode_context_tokens=context,
-                        decode_max_context=longest, shared_kv_tokens=shared)
+        plans.append(StepPlan(0, DECODE, num_decode=batch, decode_context_tokens=context,
+                              decode_max_context=longest, shared_kv_tokens=shared))
         expected = cost.forward_time_for(StepWork(batch, context, decode_max_context=longest,
                                                   shared_kv_tokens=shared))
         assert expected > 0
         assert cost.forward_time(batch, context, 0, 0, 0, 0, 0, longest, shared) == close(expected)
-        assert cost.step_time(plan) == close(cost.forward_time_for(StepWork.of(plan)))
+    for batch, context, longest, shared in [(0, 0, 0, 0)] + DECODE_STEPS[:3]:
+        chunks = [PrefillItem(None, cached, total, samples) for cached, total, samples in CHUNKS]
+        plans.append(StepPlan(0, MIXED if batch else PREFILL, prefill=chunks, num_decode=batch,
+                              decode_context_tokens=context, decode_max_context=longest,
+                              shared_kv_tokens=shared))
+    for plan in plans:
+        chunks = plan.prefill
+        work = StepWork(plan.num_decode, plan.decode_context_tokens, len(chunks),
+                        sum(item.samples for item in chunks),
+                        sum(item.num_new_tokens for item in chunks),
+                        sum(item.num_cached_tokens for item in chunks),
+                        sum(item.attention_pairs for item in chunks), plan.decode_max_context,
+                        plan.shared_kv_tokens)
+        assert StepWork.of(plan) == work  # (counts: ints)
+        assert cost.step_time(plan) == close(cost.forward_time_for(work))
 
 
 class Collector(RecordSink):
