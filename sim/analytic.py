@@ -188,8 +188,18 @@ class AnalyticCostModel(CostModel):
         )
 
     def forward_time_for(self, work: StepWork) -> float:
-        batch, tokens, sampled = work.num_decode, work.prefill_tokens, work.num_sampled_prefill
-        if not batch and not work.num_prefill:
+        return self.forward_time(work.num_decode, work.decode_context_tokens, work.num_prefill,
+                                 work.num_sampled_prefill, work.prefill_tokens,
+                                 work.cached_tokens, work.attention_pairs,
+                                 work.decode_max_context, work.shared_kv_tokens)
+
+    def forward_time(self, num_decode: int, decode_context_tokens: int, num_prefill: int,
+                     num_sampled_prefill: int, prefill_tokens: int, cached_tokens: int,
+                     attention_pairs: int, decode_max_context: int,
+                     shared_kv_tokens: int) -> float:
+        # The formula, over the counts (the simulator prices its decode steps here directly).
+        batch, tokens, sampled = num_decode, prefill_tokens, num_sampled_prefill
+        if not batch and not num_prefill:
             return 0.0
         linear = self._linear_s(batch, tokens, sampled) if tokens or sampled else None
         # Decode rows and chunks attend in two kernels (split-K decode, varlen prefill), so two
@@ -204,19 +214,19 @@ class AnalyticCostModel(CostModel):
                     decode_num_partitions(batch, self.kv_heads, self.gpu.streaming_multiprocessors))
             if linear is None:  # a decode step: its linear layers are its batch's
                 linear = terms[0]
-            context = work.decode_context_tokens
+            context = decode_context_tokens
             attention = _roofline(context * self._kv_token_s, context * self._attention_pair_s)
-            if work.decode_max_context:
-                longest = -(-work.decode_max_context // terms[1]) * self._program_entry_s
+            if decode_max_context:
+                longest = -(-decode_max_context // terms[1]) * self._program_entry_s
                 if longest > attention:
                     attention = longest
-        if work.num_prefill:
-            attention += _roofline((work.cached_tokens + 2 * tokens) * self._kv_token_s,
-                                   work.attention_pairs * self._attention_pair_s)
+        if num_prefill:
+            attention += _roofline((cached_tokens + 2 * tokens) * self._kv_token_s,
+                                   attention_pairs * self._attention_pair_s)
         gpu = (linear + attention + self._allreduce_fixed_s
                + (batch + tokens) * self._allreduce_token_s)
         return (gpu + self._kernel_chain_s + self._step_overhead_s
-                + (batch + work.num_prefill) * PER_SEQUENCE_OVERHEAD_S)
+                + (batch + num_prefill) * PER_SEQUENCE_OVERHEAD_S)
 
     def _linear_s(self, batch: int, tokens: int, sampled_chunks: int) -> float:
         """The step's linear layers: weights stream once for every row of the step; each decode

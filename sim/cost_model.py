@@ -49,18 +49,22 @@ class StepWork:
 
     @classmethod
     def of(cls, plan: StepPlan) -> "StepWork":
-        if not plan.prefill:  # the common case, kept cheap: the simulator asks ~100k times a run
-            return cls(plan.num_decode, plan.decode_context_tokens, 0, 0, 0, 0, 0,
-                       plan.decode_max_context, plan.shared_kv_tokens)
+        return cls(*cls.counts(plan))
+
+    @staticmethod
+    def counts(plan: StepPlan) -> tuple[int, int, int, int, int, int, int, int, int]:
+        """The fields of `of(plan)`, in order (what `CostModel.forward_time` takes)."""
+        if not plan.prefill:
+            return (plan.num_decode, plan.decode_context_tokens, 0, 0, 0, 0, 0,
+                    plan.decode_max_context, plan.shared_kv_tokens)
         sampled = new_tokens = cached_tokens = pairs = 0
         for item in plan.prefill:  # one pass, not four generators: a mixed step is common
             sampled += item.samples
             new_tokens += item.num_new_tokens
             cached_tokens += item.num_cached_tokens
             pairs += item.attention_pairs
-        return cls(plan.num_decode, plan.decode_context_tokens, len(plan.prefill), sampled,
-                   new_tokens, cached_tokens, pairs, plan.decode_max_context,
-                   plan.shared_kv_tokens)
+        return (plan.num_decode, plan.decode_context_tokens, len(plan.prefill), sampled,
+                new_tokens, cached_tokens, pairs, plan.decode_max_context, plan.shared_kv_tokens)
 
     @classmethod
     def from_counts(cls, num_decode: int = 0, decode_context_tokens: int = 0,
@@ -93,7 +97,12 @@ class CostModel(ABC):
     def step_time(self, plan: StepPlan) -> float:
         """A step of any kind: its sync compressions run first, then one forward over its decode
         requests and prompt chunks. An idle step computes nothing (0)."""
-        duration = self.forward_time_for(StepWork.of(plan))
+        # Priced from its counts, no StepWork built: the simulator prices every step here.
+        if plan.prefill:
+            duration = self.forward_time(*StepWork.counts(plan))
+        else:  # a decode step (most steps): its counts are the plan's own
+            duration = self.forward_time(plan.num_decode, plan.decode_context_tokens, 0, 0, 0, 0,
+                                         0, plan.decode_max_context, plan.shared_kv_tokens)
         if plan.compress_sync:
             duration += self.compress_time(plan.compress_sync)
         return duration
@@ -126,6 +135,16 @@ class CostModel(ABC):
     @abstractmethod
     def forward_time_for(self, work: StepWork) -> float:
         """One forward over `work`: a decode, prefill or mixed step without its compressions."""
+
+    def forward_time(self, num_decode: int, decode_context_tokens: int, num_prefill: int,
+                     num_sampled_prefill: int, prefill_tokens: int, cached_tokens: int,
+                     attention_pairs: int, decode_max_context: int,
+                     shared_kv_tokens: int) -> float:
+        """`forward_time_for` of the `StepWork` of these counts (its fields, in its order): a
+        model may answer from them without the `StepWork` built."""
+        return self.forward_time_for(StepWork(
+            num_decode, decode_context_tokens, num_prefill, num_sampled_prefill, prefill_tokens,
+            cached_tokens, attention_pairs, decode_max_context, shared_kv_tokens))
 
     @abstractmethod
     def compress_time_for(self, blocks: Sequence[int],

@@ -122,33 +122,42 @@ class RunTotals:
         self.prefix_hit_tokens += prefix_hit_tokens
 
     def add_request(self, r: RequestRecord) -> None:
-        self.requests += 1
-        self.compressions += r.n_compressions
-        if self.first_arrival is None or r.arrival < self.first_arrival:
-            self.first_arrival = r.arrival
         if r.status == FINISHED:
-            self._add_done(r)
-        elif r.status == ABORTED:
+            self.add_done(r.arrival, r.first_token, r.finish, r.output_len, r.n_compressions,
+                          r.max_blocks_held_after_first_compression, r.kept_budget)
+            return
+        self._add_arrival(r.arrival, r.n_compressions)
+        if r.status == ABORTED:
             self.aborted += 1
 
-    def _add_done(self, r: RequestRecord) -> None:
+    def add_done(self, arrival: float, first_token: float, finish: float, output_len: int,
+                 n_compressions: int, max_blocks_after_compress: int,
+                 kept_budget: float | None) -> None:
+        """A finished request's `RequestRecord` fields the summary reads (given one by one: a
+        run that keeps no request records makes none for a finished request)."""
+        self._add_arrival(arrival, n_compressions)
         self.done += 1
-        self.output_tokens += r.output_len
-        if self.last_finish is None or r.finish > self.last_finish:
-            self.last_finish = r.finish
-        ttft = r.first_token - r.arrival
+        self.output_tokens += output_len
+        if self.last_finish is None or finish > self.last_finish:
+            self.last_finish = finish
+        ttft = first_token - arrival
         self.ttfts.append(ttft)
         self.ttft_sum += ttft
-        if r.output_len > 1:
-            tpot = (r.finish - r.first_token) / (r.output_len - 1)
+        if output_len > 1:
+            tpot = (finish - first_token) / (output_len - 1)
             self.tpots.append(tpot)
             self.tpot_sum += tpot
-        if r.n_compressions and r.max_blocks_held_after_first_compression > \
-                self.max_blocks_after_compress:
-            self.max_blocks_after_compress = r.max_blocks_held_after_first_compression
-        if r.kept_budget is not None:
-            self.kept_sum += r.kept_budget
+        if n_compressions and max_blocks_after_compress > self.max_blocks_after_compress:
+            self.max_blocks_after_compress = max_blocks_after_compress
+        if kept_budget is not None:
+            self.kept_sum += kept_budget
             self.kept_count += 1
+
+    def _add_arrival(self, arrival: float, n_compressions: int) -> None:
+        self.requests += 1
+        self.compressions += n_compressions
+        if self.first_arrival is None or arrival < self.first_arrival:
+            self.first_arrival = arrival
 
     def summary(self) -> dict:
         makespan = self.last_finish - self.first_arrival if self.done else 0.0

@@ -47,9 +47,12 @@ class Run:
 class RecordSink:
     """Where a streamed run's records go as they are made; this one drops them (a run whose
     summary is all that is wanted). A sink that takes no step records (`takes_steps` False) is
-    given none: none are made."""
+    given none: none are made. One that takes no request records (`takes_requests` False; a
+    sink that does not say takes them) is given those of failed and aborted requests only: a
+    finished request is counted into the summary from its sequence, and no record made."""
 
     takes_steps = False
+    takes_requests = False
 
     def step(self, record: StepRecord) -> None:
         pass
@@ -75,6 +78,8 @@ class StepRecorder:
         self.log_decisions = log_decisions
         self.decision_log: list[str] = []
         self.sink = sink
+        # Whether a finished request becomes its record; if not, it is only counted.
+        self._request_rows = sink is None or getattr(sink, "takes_requests", True)
         self._log = sink.decision if sink is not None else self.decision_log.append
         self.metrics = MetricsRecorder(scheduler.block_manager.num_blocks,
                                        sink.step if sink is not None else None,
@@ -83,6 +88,12 @@ class StepRecorder:
         self._stopped: set = set()  # requests the engine stopped at an end-of-sequence token
         self._started = time.perf_counter()
         self._run: Run | None = None
+        # Where there is nothing to do around the scheduler's own, no wrapper call: `schedule`
+        # runs every step, `add` every request.
+        if self.checker is None and not log_decisions:
+            self.schedule = scheduler.schedule
+        if self.checker is None and self._bar is None:
+            self.add = scheduler.add
 
     def add(self, seq: Sequence) -> bool:
         """Queue a request; False if the core rejected it (it failed alone, with a reason)."""
@@ -107,20 +118,19 @@ class StepRecorder:
         return plan
 
     def finish(self, plan: StepPlan, result: StepResult) -> None:
-        scheduler = self.scheduler
-        finished_before = len(scheduler.finished)
-        scheduler.finish(result)
-        newly_finished = len(scheduler.finished) - finished_before
-        if not self.keep_sequences and scheduler.finished:
-            self._keep_records(request_records(scheduler.finished))
-            scheduler.finished.clear()
+        finished = self.scheduler.finished
+        finished_before = len(finished)
+        self.scheduler.finish(result)
         if result.stopped:
             self._stopped |= result.stopped
         self.metrics.record_step(plan, result)
         if self.checker:
             self.checker.after_finish()
-        if newly_finished:  # most steps finish nobody: no call then (this runs every step)
-            self._advance(newly_finished)
+        if len(finished) != finished_before:  # most steps finish nobody (this runs every step)
+            self._advance(len(finished) - finished_before)
+            if not self.keep_sequences:
+                self._take_finished(finished)
+                finished.clear()
 
     def result(self, tokens: dict[str, list[int]] | None = None) -> Run:
         """Close the run: final checks, per-request records and the summary (once: a second
@@ -134,8 +144,8 @@ class StepRecorder:
         if self.checker:
             # Only requests the engine stopped at an EOS may end short of their output length.
             self.checker.at_end(self._stopped)
-        self._keep_records(request_records(
-            scheduler.finished + scheduler.rejected + scheduler.aborted))
+        self._take_finished(scheduler.finished)
+        self._keep_records(request_records(scheduler.rejected + scheduler.aborted))
         summary = self.metrics.totals.summary()
         summary["wall_s"] = time.perf_counter() - self._started
         self._run = Run(summary, self.metrics.steps, self._records, self.decision_log,
@@ -155,6 +165,19 @@ class StepRecorder:
             self.sink.request(record)
             if record.error is not None:
                 self._records.append(record)
+
+    def _take_finished(self, finished: list[Sequence]) -> None:
+        """`_keep_records` of finished requests; for a sink that takes none, they are counted
+        into the summary (in the same order, from the fields `request_record` would give them)
+        and no record is made."""
+        if self._request_rows:
+            self._keep_records(request_records(finished))
+            return
+        add_done = self.metrics.totals.add_done
+        for seq in finished:
+            add_done(seq.arrival_s, seq.first_token_time, seq.finish_time,
+                     seq.settled_output_tokens, seq.num_compressions,
+                     seq.max_blocks_after_first_compression, seq.kept_budget)
 
     def forget(self) -> None:
         """Drop everything kept per step and per finished request for `result` (step records,
