@@ -249,6 +249,9 @@ MUTATIONS = [
     Mutation("shared KV: a released shared block keeps its extra holder", BLOCKS,
              "            else:\n                self.extra_holders -= 1\n",
              "\n", tests=FORK_WITNESSES),
+    Mutation("longest decode context: kept after the request that held it left", SCHEDULER,
+             "                self._steady_max_offset = None  # it held the largest",
+             "                pass  # it held the largest"),
 ]
 
 # The CI property tests of the core and the witness traces, run separately so the report says

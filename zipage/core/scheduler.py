@@ -106,12 +106,12 @@ class Scheduler:
         # constant while it decodes steadily; and the sum of those.
         self._steady: dict[Sequence, int] = {}
         self._steady_kv_offset_sum = 0
-        # Max-heap of (-(kv_len - clock.ticks), join number, request, its steady epoch): the
-        # longest decode context in O(log n) per join, not O(batch) per step (a decode step's
-        # time follows its longest context too). An entry whose request left steady decoding
-        # (epoch moved on) is dropped when it reaches the top.
-        self._steady_offsets: list[tuple[int, int, Sequence, int]] = []
-        self._steady_joins = 0
+        # The largest of those offsets (a decode step's time follows its longest context too),
+        # or None when the request that held it left: worked out again at the next decode step.
+        # Every steady offset stays what it was while its request decodes, so only a join can
+        # raise the largest and only the leave of one that holds it can lower it (the longest
+        # request leaves every few hundred steps; a rescan is one C-level max over the batch).
+        self._steady_max_offset: int | None = None
         self._decision_due: defaultdict[int, list] = defaultdict(list)
         self._finish_due: defaultdict[int, list] = defaultdict(list)
         self._pending: list[Sequence] = []  # need a decision at the next decode step
@@ -505,10 +505,10 @@ class Scheduler:
         # Each decode request attends its cached entries plus the token it decodes now.
         ticks = self.clock.ticks
         plan.decode_context_tokens = self._steady_kv_offset_sum + len(steady) * (ticks + 1)
-        heap = self._steady_offsets  # the longest: the top live entry
-        while heap[0][2].steady_epoch != heap[0][3]:  # left (`steady_in`: the epoch tells)
-            heapq.heappop(heap)
-        plan.decode_max_context = ticks + 1 - heap[0][0]
+        longest = self._steady_max_offset
+        if longest is None:
+            longest = self._steady_max_offset = max(steady.values())
+        plan.decode_max_context = longest + ticks + 1
 
     def _decide(self, seq: Sequence, plan: StepPlan, jobs: list[CompressionJob]) -> None:
         """Settle what a request that is not steady does this step, then let it decode."""
@@ -710,15 +710,12 @@ class Scheduler:
         kv_len = seq.settled_kv_len  # not steady yet: settled
         remaining = seq.max_output_tokens - seq.settled_output_tokens
         seq.join_steady(self.clock)
-        self._steady[seq] = kv_len - ticks
-        self._steady_kv_offset_sum += kv_len - ticks
-        self._steady_joins += 1
-        heap = self._steady_offsets
-        heapq.heappush(heap, (ticks - kv_len, self._steady_joins, seq, seq.steady_epoch))
-        if len(heap) > 2 * len(self._steady) + 64:  # mostly stale: rebuild from the live ones
-            # (`steady_in`, inline: the epoch tells alone; this scans the whole heap)
-            heap[:] = [entry for entry in heap if entry[2].steady_epoch == entry[3]]
-            heapq.heapify(heap)
+        offset = kv_len - ticks
+        self._steady[seq] = offset
+        self._steady_kv_offset_sum += offset
+        longest = self._steady_max_offset
+        if longest is not None and offset > longest:
+            self._steady_max_offset = offset
         steps_to_decision = len(seq.block_table) * self.block_size - kv_len
         if self.compress and seq.query_slot is None:
             steps_to_decision = min(steps_to_decision,
@@ -732,6 +729,8 @@ class Scheduler:
         offset = self._steady.pop(seq, None)  # None: not steady
         if offset is not None:
             self._steady_kv_offset_sum -= offset
+            if offset == self._steady_max_offset:
+                self._steady_max_offset = None  # it held the largest: rescan when next asked
             seq.settle()
 
     # ------------------------------------------------------------------ query slots
