@@ -574,7 +574,8 @@ def prompt_block_keys(request: TraceRequest, block_size: int) -> list[int] | Non
         # key (an xxh64 digest); 2^32 apart, two requests' runs never overlap (2^31 blocks at
         # most).
         own = -((digest(f"r\0{request.id}".encode("utf-8"), 1) + 1) << 32)  # seed 1
-        return list(range(own, own + request.prompt_len // block_size))
+        # count, not range: a range of such large integers makes each one from its index
+        return list(itertools.islice(itertools.count(own), request.prompt_len // block_size))
     keys = []
     previous = 0
     for index in range(request.prompt_len // block_size):
