@@ -16,9 +16,11 @@ import dataclasses
 import difflib
 import gc
 import gzip
+import itertools
 import json
 import math
 import os
+import re
 import reprlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -407,6 +409,17 @@ class RequestChecker:
         self.count += 1
         return request
 
+    def check_plain(self, requests: list[TraceRequest]) -> bool:
+        """Take `plain_requests`' requests (each valid on its own) at once when no id among them
+        repeats one seen before; else take none and answer False (`check` one at a time then
+        finds the repeat where the reader reaches it)."""
+        index_of_id = dict(zip([request.id for request in requests], itertools.count(self.count)))
+        if len(index_of_id) != len(requests) or not self._index_of_id.keys().isdisjoint(index_of_id):
+            return False
+        self._index_of_id.update(index_of_id)
+        self.count += len(requests)
+        return True
+
 
 def save_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
     """Write `trace` with one request per line; it is validated first, so no bad file is written.
@@ -561,7 +574,8 @@ def prompt_block_keys(request: TraceRequest, block_size: int) -> list[int] | Non
         # key (an xxh64 digest); 2^32 apart, two requests' runs never overlap (2^31 blocks at
         # most).
         own = -((digest(f"r\0{request.id}".encode("utf-8"), 1) + 1) << 32)  # seed 1
-        return list(range(own, own + request.prompt_len // block_size))
+        # count, not range: a range of such large integers makes each one from its index
+        return list(itertools.islice(itertools.count(own), request.prompt_len // block_size))
     keys = []
     previous = 0
     for index in range(request.prompt_len // block_size):
@@ -752,6 +766,40 @@ def _check_integers(values: list, field: str, high: int, fail) -> None:
         if type(value) is not int or not 0 <= value <= high:
             raise fail(f"{field}[{position}] must be an integer between 0 and {high}, "
                        f"got {_show(value)}")
+
+
+# A plain request's line exactly as `save_trace` writes it (its four fields in this order, no
+# space, an id without escape or control character, numbers without sign or leading zero), found
+# with the newline before it. The JSON decoder's values for such a line are its texts: the id's
+# characters, and float() or int() of each number's literal (the decoder's own conversions).
+_PLAIN_LINE = re.compile(
+    r'\n\{"id":"([^"\\\x00-\x1f]+)",'
+    r'"arrival_s":((?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?),'
+    r'"prompt_len":([1-9][0-9]{0,9}),"output_len":([1-9][0-9]{0,9})\}(?=\n)')
+
+
+def plain_requests(text: str) -> list[TraceRequest] | None:
+    """The requests of `text` (whole request lines) when each line is a plain request's in the
+    layout `save_trace` writes and valid on its own, as `_parse_request` makes them, without a
+    JSON decoder's call; else None (the caller decodes the lines, which then says what is wrong).
+    The commonest chunk of a production-shaped JSON Lines trace."""
+    lines = "\n" + text if text.endswith("\n") else "\n" + text + "\n"
+    rows = _PLAIN_LINE.findall(lines)
+    if len(rows) != lines.count("\n") - 1:  # a line that is not one (each has one match at most)
+        return None
+    requests = []
+    new = object.__new__
+    for request_id, arrival, prompt_len, output_len in rows:
+        arrival, prompt_len, output_len = float(arrival), int(prompt_len), int(output_len)
+        if arrival > MAX_ARRIVAL_S or prompt_len > MAX_LENGTH or output_len > MAX_LENGTH:
+            return None
+        request = new(TraceRequest)  # `_validated_request`, inline: run once a request
+        request.__dict__.update(
+            id=request_id, arrival_s=arrival, prompt_len=prompt_len, output_len=output_len,
+            prompt_token_ids=None, prefix_group=None, prefix_len=0, kv_budget=None,
+            block_hashes=None, hash_block_size=0)
+        requests.append(request)
+    return requests
 
 
 def _validated_request(**fields: Any) -> TraceRequest:

@@ -15,10 +15,11 @@ their ids (a duplicate is an error), ~100 bytes a request.
 from __future__ import annotations
 
 import gzip
+import operator
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from zipage.errors import TraceError
 from zipage.trace import (
@@ -33,6 +34,7 @@ from zipage.trace import (
     _show,
     jsonl_header,
     parse_trace_header,
+    plain_requests,
     text_position,
     trace_stem,
     utf8_text,
@@ -51,7 +53,35 @@ class TraceStream:
     def __iter__(self) -> Iterator[TraceRequest]:
         checker = RequestChecker(self.source, self.hash_block_size)
         previous: TraceRequest | None = None
-        for raw in self._objects():
+        with _open(self.path) as file:
+            _read(file, self.source, header=True)  # the header line, checked on opening
+            lines_before = 1
+            for chunk in _chunks(file, self.source):
+                text = utf8_text(chunk, self.source,
+                                 lambda offset: text_position(chunk, offset, lines_before))
+                requests = plain_requests(text)
+                if requests is not None and _in_order(previous, requests) \
+                        and checker.check_plain(requests):
+                    yield from requests
+                    previous = requests[-1]
+                    lines_before += len(requests)  # one a line: a chunk of plain lines has no blank
+                else:
+                    previous = yield from self._checked(text, lines_before, checker, previous)
+                    lines_before += chunk.count(b"\n")
+        if checker.count == 0:
+            raise TraceError(EMPTY_TRACE.format(source=self.source))
+
+    def _checked(self, text: str, lines_before: int, checker: RequestChecker,
+                 previous: TraceRequest | None) -> Generator[TraceRequest, None, TraceRequest | None]:
+        """The requests of a chunk of lines that are not all plain, decoded in one call of the C
+        parser, as the loader does (line by line where the chunk does not decode, so a mistake
+        names its line), then checked one at a time; returns the last one."""
+        objects = _decode_jsonl_fast(text)
+        if objects is None:
+            objects = [_decode_json(line, f"{self.source}: line {number}")
+                       for number, line in enumerate(text.split("\n"), lines_before + 1)
+                       if line.strip()]
+        for raw in objects:
             request = checker.check(raw)
             if previous is not None and request.arrival_s < previous.arrival_s:
                 raise _request_error(
@@ -62,25 +92,14 @@ class TraceStream:
                     "its lines by arrival_s (or save it as .json, which is loaded whole)")
             previous = request
             yield request
-        if checker.count == 0:
-            raise TraceError(EMPTY_TRACE.format(source=self.source))
+        return previous
 
-    def _objects(self) -> Iterator[Any]:
-        """The decoded request lines: a chunk of lines per call of the C parser, as the loader
-        does; line by line where a chunk does not decode, so a mistake names its line."""
-        with _open(self.path) as file:
-            _read(file, self.source, header=True)  # the header line, checked on opening
-            lines_before = 1
-            for chunk in _chunks(file, self.source):
-                text = utf8_text(chunk, self.source,
-                                 lambda offset: text_position(chunk, offset, lines_before))
-                objects = _decode_jsonl_fast(text)
-                if objects is None:
-                    objects = [_decode_json(line, f"{self.source}: line {number}")
-                               for number, line in enumerate(text.split("\n"), lines_before + 1)
-                               if line.strip()]
-                yield from objects
-                lines_before += chunk.count(b"\n")
+
+def _in_order(previous: TraceRequest | None, requests: list[TraceRequest]) -> bool:
+    """Whether `requests` come in arrival order, after `previous`."""
+    arrivals = [request.arrival_s for request in requests]
+    return ((previous is None or previous.arrival_s <= arrivals[0])
+            and all(map(operator.le, arrivals, arrivals[1:])))
 
 
 def open_trace_stream(path: str | os.PathLike[str]) -> TraceStream | None:

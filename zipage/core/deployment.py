@@ -169,22 +169,21 @@ def iter_trace_sequences(trace: Trace | TraceStream, vocab_size: int, need_token
         requests = trace.requests
         if in_arrival_order:
             requests = sorted(requests, key=lambda request: request.arrival_s)
+    # Bound once, and the keys made in the loop: both run once a request.
+    rejection_reason = scheduler.rejection_reason if scheduler is not None else None
     for request in requests:
         seq = Sequence(request.id, None, request.output_len, request.arrival_s,
                        request.prompt_len, None, request.kv_budget)  # arrival, length, sampling
-        if scheduler is None or scheduler.rejection_reason(seq) is None:
+        if rejection_reason is None or rejection_reason(seq) is None:
             if need_tokens:
                 seq.prompt_token_ids = prompt_token_ids(request, vocab_size=vocab_size)
             elif key_block_size is not None:
-                seq.prompt_block_hashes = _block_keys(request, key_block_size, vocab_size)
+                keys = prompt_block_keys(request, key_block_size)
+                if keys is None:  # only the tokens tell
+                    keys = prompt_block_hashes(prompt_token_ids(request, vocab_size=vocab_size),
+                                               key_block_size)
+                seq.prompt_block_hashes = keys
         yield seq
-
-
-def _block_keys(request, block_size: int, vocab_size: int) -> list[int]:
-    keys = prompt_block_keys(request, block_size)
-    if keys is None:  # only the tokens tell
-        keys = prompt_block_hashes(prompt_token_ids(request, vocab_size=vocab_size), block_size)
-    return keys
 
 
 def run_summary(summary: dict, capacity: MemoryPlan, config: ZipageConfig,
