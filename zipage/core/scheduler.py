@@ -291,7 +291,7 @@ class Scheduler:
                 self._complete_compression(job, swap_table=False)
             self.clock.ticks += 1
             for seq, epoch in self._finish_due.pop(self.clock.ticks, ()):
-                if seq.steady_epoch == epoch:  # `steady_in`, inline (the epoch tells alone)
+                if seq.steady_epoch == epoch:  # still in the steady run the entry was made in
                     self._finish_sequence(seq, result.t_end)
             if result.stopped:
                 assert self.decode_lists, "a request stopped early, but the plan lists no decodes"
@@ -470,7 +470,7 @@ class Scheduler:
 
     def _schedule_decode(self, plan: StepPlan) -> None:
         for seq, epoch in self._decision_due.pop(self.clock.ticks, ()):
-            if seq.steady_epoch == epoch:  # `steady_in`, inline (the epoch tells alone)
+            if seq.steady_epoch == epoch:  # still in the steady run the entry was made in
                 self._leave_steady(seq)
                 self._pending.append(seq)
         candidates = self._pending

@@ -85,7 +85,9 @@ class Sequence:
         self.settled_output_tokens = 0
         self._clock: DecodeClock | None = None
         self.steady_since: int | None = None  # the decode tick it became steady at; None: not
-        self.steady_epoch = 0  # bumps whenever the request leaves steady decoding
+        # Bumps whenever the request leaves steady decoding: a due-list entry made in a steady
+        # run (with that run's epoch) is live exactly while the epoch is unchanged.
+        self.steady_epoch = 0
         self.first_admitted_step: int | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -142,12 +144,6 @@ class Sequence:
     def position(self) -> int:
         """True position of the token decoded next: unchanged by compression (docs/architecture.md, 'Rules', rule 4)."""
         return self.num_tokens - 1
-
-    def steady_in(self, epoch: int) -> bool:
-        """Still in the steady run that `epoch` was taken in (it bumps when the request leaves):
-        whether a due-list or heap entry made then is still live. Entries are made only while
-        the request is steady, so the epoch alone tells (the scheduler's hot loops compare it)."""
-        return self.steady_epoch == epoch and self.steady_since is not None
 
     def set_counters(self, kv_len: int, num_output_tokens: int) -> None:
         assert self.steady_since is None, "settle a steady sequence before changing it"
