@@ -95,3 +95,21 @@ def test_text_keeps_integers_and_words_exact():
     # A float printed as an integer is a change of format, not of value.
     with pytest.raises(AssertionError):
         assert_text_close(expected.replace("9.949967", "10"), expected.replace("9.949967", "10.0"))
+
+
+def test_close_says_what_it_does_with_every_kind_of_value():
+    # A rejected request's first token is None: close() must compare it, not raise (pytest 9.2's
+    # approx refuses None and strings outright).
+    assert None == close(None)  # noqa: E711  # the matcher's own __eq__ is under test
+    assert 0.5 != close(None) and None != close(0.5)  # noqa: E711
+    assert [("r1", None, 2.0)] == [("r1", close(None), close(2.0 * (1 + ULP)))]
+    assert "abc" == close("abc") and "abd" != close("abc")
+    assert 3 == close(3) and 4 != close(3)
+    assert 32.0 == close(32)
+    flag = True
+    assert flag != close(1)  # a bool is not the number 1
+    assert {"a": [1.0, None]} == close({"a": [1.0 + ULP, None]})
+    assert {"a": [1.0, None]} != close({"a": [1.0, 0.0]})
+    assert math.nan == close(math.nan)
+    assert np.float64(0.25) == close(0.25) and np.array([0.25, 0.5]) == close([0.25, 0.5])
+    assert "rtol" in repr(close(1.0))

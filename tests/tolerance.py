@@ -21,7 +21,6 @@ import re
 from typing import Any
 
 import numpy as np
-import pytest
 
 # Relative tolerance of a computed float against a pinned or separately computed value: about
 # four million ulps of float64, so libm's and BLAS's last-bit differences between CPUs (and what
@@ -30,10 +29,35 @@ import pytest
 PINNED_RTOL = 1e-9
 
 
-def close(expected: Any, rel: float = PINNED_RTOL) -> Any:
-    """pytest.approx with the pinned tolerance and no absolute slack: an expected 0.0 must come
-    out exactly 0.0 (pytest's default 1e-12 absolute would let any tiny time pass)."""
-    return pytest.approx(expected, rel=rel, abs=0.0)
+def close(expected: Any, rel: float = PINNED_RTOL) -> "Close":
+    """A value that compares equal to `expected` as `assert_close` does: floats within `rel`
+    relative and no absolute slack (an expected 0.0 must come out exactly 0.0), everything else
+    (None, ints, bools, strings, and the keys and lengths of nested structures) exactly.
+
+    Our own matcher, not pytest.approx: approx refuses an expected None or string outright
+    (pytest 9.2: "expected value must support abs(...)"), and a rejected request's times are
+    None, so a comparison helper must say what it does with every kind of value itself."""
+    return Close(expected, rel)
+
+
+class Close:
+    """`actual == close(expected)`: see `close`. Numpy defers to it (`__array_ufunc__ = None`),
+    so a numpy scalar or array on the left compares as one value, not element by element."""
+
+    __array_ufunc__ = None
+    __hash__ = None  # type: ignore[assignment]  # equality is not exact, so no hash
+
+    def __init__(self, expected: Any, rel: float) -> None:
+        self.expected, self.rel = expected, rel
+
+    def __eq__(self, actual: object) -> bool:
+        return not mismatches(actual, self.expected, self.rel)
+
+    def __ne__(self, actual: object) -> bool:
+        return not self == actual
+
+    def __repr__(self) -> str:
+        return f"{self.expected!r} (floats within rtol {self.rel:g})"
 
 
 def _plain(value: Any) -> Any:
