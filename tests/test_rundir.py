@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from zipage.rundir import load_run, read_decisions, write_run
 from zipage.trace import load_trace
 
 TINY_TRACE = str(Path(__file__).resolve().parents[1] / "traces" / "tiny.json")
+AMC23_TRACE = str(Path(__file__).resolve().parents[1] / "traces" / "amc23.json")
 
 
 @pytest.fixture(scope="module")
@@ -104,10 +106,39 @@ rundir.write_run({str(out)!r}, {{**summary, "trace": "new"}}, run.steps, run.req
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == -signal.SIGKILL, done.stderr
+    assert no_staging_left(tmp_path), "a SIGKILLed writer left its staging directory"
     run = load_run(out)
     assert run.summary["trace"] == "old" and len(run.steps) == run.summary["rows"]["steps.csv"]
     assert main(["compare", str(out), str(out)]) == 0
     assert "identical" in capsys.readouterr().out
+
+
+def no_staging_left(directory: Path, within_s: float = 10.0) -> bool:
+    """Whether `directory` is free of `.*.writing-*` entries within `within_s` seconds (a killed
+    writer's reaper removes its staging directory moments after the kill)."""
+    deadline = time.monotonic() + within_s
+    while any(directory.glob(".*.writing-*")):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_killed_replay_leaves_no_staging_directory(tmp_path, how):
+    """`zipage replay --out` killed while it writes: the reaper removes the staging directory
+    (~150 MB on a large trace) whatever the signal; nothing is left beside the runs."""
+    # amc23: long enough (seconds) to be killed while its records stream into the staging dir.
+    process = subprocess.Popen([sys.executable, "-m", "zipage.cli", "replay", AMC23_TRACE,
+                                "--out", str(tmp_path / "run")],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not any(tmp_path.glob(".*.writing-*")) and process.poll() is None:
+        assert time.monotonic() < deadline, "replay never started writing"
+        time.sleep(0.01)
+    process.send_signal(how)
+    process.wait()
+    assert no_staging_left(tmp_path)
 
 
 def test_a_kill_between_the_renames_leaves_no_mix(tmp_path, simulated, monkeypatch, capsys):

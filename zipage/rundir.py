@@ -11,8 +11,11 @@ A run is written whole or not at all: every file goes into a hidden sibling dire
 (`.NAME.writing-*`), summary.json last, and that directory then takes the run's name by rename
 (an existing run is renamed away first and deleted after). A writer killed at any point leaves
 either the old run or the new one under NAME, never a mix; a kill between the two renames leaves
-NAME absent and the old run in `.NAME.old-*`. summary.json's "kind" says what wrote the run and
-its "rows" how many records each file holds, so readers refuse a file cut short."""
+NAME absent and the old run in `.NAME.old-*`. No staging directory outlives its writer, however
+it ends: a small reaper process (`_Reaper`) removes it once the writer's end of a pipe closes,
+which the kernel does for a process killed by SIGKILL or the OOM killer too. summary.json's
+"kind" says what wrote the run and its "rows" how many records each file holds, so readers
+refuse a file cut short."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import gzip
 import json
 import os
 import shutil
+import subprocess
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -139,6 +143,7 @@ class RunWriter:
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.staging = _sibling(self.out, "writing")
         self.staging.mkdir()  # mode from the umask, like any directory the user makes
+        self._reaper = _Reaper(self.staging)
         self._handles: list = []
         self._steps = self._table(STEPS_FILE, STEP_COLUMNS)
         self._requests = self._table(REQUESTS_FILE, REQUEST_COLUMNS)
@@ -200,16 +205,40 @@ class RunWriter:
         except BaseException:
             self.discard()
             raise
+        self._reaper.release()
         return self.out
 
     def discard(self) -> None:
         self._close_handles()
         shutil.rmtree(self.staging, ignore_errors=True)
+        self._reaper.release()
 
     def _close_handles(self) -> None:
         for handle in self._handles:
             handle.close()
         self._handles = []
+
+
+class _Reaper:
+    """Removes a staging directory if its writer dies before `release`. A `sh` (a millisecond to
+    start, not a Python) blocks reading a pipe whose only writer is this process; the kernel
+    closes that end when the process exits in any way, SIGKILL included, and then `rm -rf` runs.
+    After `release` the directory is gone (renamed to the run, or discarded), so the same `rm`
+    finds nothing. Its own session keeps a terminal's Ctrl-C (sent to the whole foreground group)
+    from killing it before the writer has cleaned up."""
+
+    def __init__(self, directory: Path) -> None:
+        self._process = subprocess.Popen(
+            ["sh", "-c", 'read _; rm -rf -- "$1"', "zipage-reaper", str(directory)],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)
+
+    def release(self) -> None:
+        """The directory is the run's now, or gone: let the reaper exit (and wait for it, so it
+        is no zombie). Safe to call more than once."""
+        if self._process.stdin is not None and not self._process.stdin.closed:
+            self._process.stdin.close()
+            self._process.wait()
 
 
 def _replace_dir(staging: Path, out: Path) -> None:
