@@ -1,20 +1,22 @@
-"""Test configuration: hypothesis profiles.
+"""Test configuration: the hypothesis profiles (tests/hypothesis_profiles.py; `ci` unless
+`--hypothesis-profile` names another), torch's threads, the rule-coverage table."""
 
-`ci` (the default) runs a fixed, derandomized number of examples so CI is repeatable;
-`thorough` is for long local runs: `pytest --hypothesis-profile=thorough tests/test_core_properties.py`.
-"""
-
+import hypothesis_profiles
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 
-_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("ci", max_examples=200, derandomize=True, print_blob=True, **_common)
-settings.register_profile("thorough", max_examples=5000, print_blob=True, **_common)
-settings.register_profile("dev", max_examples=30, **_common)
-# tests/mutation_check.py: the ci examples, but stop at the first failure and name it.
-settings.register_profile("mutation", max_examples=200, derandomize=True,
-                          report_multiple_bugs=False, **_common)
 settings.load_profile("ci")
+
+
+def pytest_configure(config):
+    seed = config.getoption("hypothesis_seed", None)
+    hypothesis_profiles.run_seed = None if seed is None else int(seed)
+
+
+def pytest_report_header(config):
+    profile = config.getoption("hypothesis_profile", None) or "ci"
+    seed = config.getoption("hypothesis_seed", None)
+    return f"hypothesis profile: {profile}" + (f", seed {seed}" if seed is not None else "")
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
+import hypothesis_profiles
 from hypothesis import seed, settings
 from hypothesis import strategies as st
 
@@ -34,14 +35,15 @@ MODES = {
 
 
 def mode_seed(mode: str):
-    """A decorator giving a derandomized profile (ci) its own examples per mode.
+    """A decorator giving each mode its own examples.
 
-    Derandomized hypothesis seeds from the test function, which the parametrized tests share, so
-    every mode would replay the same draws; under a random profile (thorough) it changes nothing.
+    Under a derandomized profile (ci), or a run given --hypothesis-seed, hypothesis seeds from the
+    test function (and that seed), which the parametrized tests share, so every mode would replay
+    the same draws; a random run without a seed draws afresh for each anyway.
     """
-    if not settings().derandomize:
+    if not settings().derandomize and hypothesis_profiles.run_seed is None:
         return lambda test: test
-    return seed(zlib.crc32(mode.encode()))
+    return seed(zlib.crc32(mode.encode()) ^ (hypothesis_profiles.run_seed or 0))
 
 
 @dataclass

@@ -15,6 +15,7 @@ from tempfile import TemporaryDirectory
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 from test_cli_errors import TINY_CONFIG, TINY_TRACE
 
 from zipage.cli.output import EXIT_REQUESTS_FAILED
@@ -68,7 +69,7 @@ def _json_text(value) -> str:
     return json.dumps(value, allow_nan=True)
 
 
-@settings(max_examples=100)
+@settings(max_examples=examples(100))
 @given(data=GGUF_BYTES)
 def test_random_gguf_bytes_in_the_simulator(data):
     with TemporaryDirectory() as root:
@@ -77,14 +78,14 @@ def test_random_gguf_bytes_in_the_simulator(data):
         assert _cli_status(str(path)) == 2
 
 
-@settings(max_examples=100)
+@settings(max_examples=examples(100))
 @given(value=JSON_VALUES | MUTATED_CONFIGS)
 def test_random_json_configs_in_the_simulator(value):
     with TemporaryDirectory() as root:
         _cli_status(_config_dir(root, _json_text(value)))
 
 
-@settings(max_examples=30)
+@settings(max_examples=examples(30))
 @given(data=st.binary(max_size=64))
 def test_random_bytes_as_config_json(data):
     with TemporaryDirectory() as root:
@@ -94,7 +95,7 @@ def test_random_bytes_as_config_json(data):
 
 
 @pytest.mark.engine
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 @given(data=GGUF_BYTES, value=JSON_VALUES | MUTATED_CONFIGS)
 def test_random_model_files_in_the_engine_loader(data, value):
     pytest.importorskip("torch")

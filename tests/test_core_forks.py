@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 from test_core_rules_witnesses import Stepper, config, own
 
 from zipage.core.scheduler import Scheduler
@@ -162,7 +163,7 @@ def groups(draw):
             draw(st.sampled_from([2, 3, 512])))
 
 
-@settings(max_examples=150)
+@settings(max_examples=examples(150))
 @given(case=groups())
 def test_samples_in_every_mode_keep_every_invariant(case):
     mode, requests, num_blocks, num_slots, max_num_seqs = case

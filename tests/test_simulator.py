@@ -15,6 +15,7 @@ import pytest
 import simpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 from strategies import MODES, cases, mode_seed
 from tolerance import close
 
@@ -64,7 +65,7 @@ def offline(case):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_sync_simulator_decides_exactly_like_the_instant_driver(mode):
     @mode_seed(mode)
-    @settings(max_examples=60)
+    @settings(max_examples=examples(60))
     @given(case=cases(mode), seed=st.integers(0, 1000))
     def check(case, seed):
         case = offline(case)
@@ -81,7 +82,7 @@ def test_sync_simulator_decides_exactly_like_the_instant_driver(mode):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_invariants_hold_under_random_timing(mode):
     @mode_seed(mode)
-    @settings(max_examples=100)
+    @settings(max_examples=examples(100))
     @given(case=cases(mode), seed=st.integers(0, 1000))
     def check(case, seed):
         check_random_timing(case, seed)
@@ -107,7 +108,7 @@ def test_plain_clock_runs_exactly_the_simpy_processes(mode):
     # Random step and compression times (zero-length batches included: a batch ending with a
     # step) and arrivals during steps: the same decisions, step times and request times.
     @mode_seed(mode)
-    @settings(max_examples=60)
+    @settings(max_examples=examples(60))
     @given(case=cases(mode), seed=st.integers(0, 1000))
     def check(case, seed):
         runs = []
@@ -235,7 +236,7 @@ def test_invariants_hold_under_random_timing_with_chunked_prefill(mode):
     from test_core_chunked import chunked_cases
 
     @mode_seed(mode)
-    @settings(max_examples=40)
+    @settings(max_examples=examples(40))
     @given(case=chunked_cases(mode), seed=st.integers(0, 1000))
     def check(case, seed):
         check_random_timing(case, seed)
