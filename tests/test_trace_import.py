@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 from zipage.core.block_manager import prompt_block_hashes
 from zipage.errors import TraceError
@@ -63,7 +64,7 @@ def test_mooncake_keeps_block_hashes_and_their_block_size():
     first = trace.requests[0]
     assert first.block_hashes == (0, 1, 2) and first.hash_block_size == 512
     assert [r.arrival_s for r in trace.requests] == pytest.approx([0, 0, 0.25, 1.0, 2.5])
-    assert "prompt blocks seen before" in "\n".join(report.lines(trace))
+    assert "prompt blocks seen before" in "\n".join(report.lines())
 
 
 def test_window_speedup_sample_and_max_model_len():
@@ -237,7 +238,7 @@ def _equality_pattern(rows: list[list[int]]) -> list[list[int]]:
     return [[first.setdefault(key, len(first)) for key in row] for row in rows]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(data=st.data())
 def test_block_keys_are_equal_exactly_where_the_tokens_are(data):
     """The simulator's block keys (no tokens) share exactly the blocks the engine's token hashes

@@ -16,15 +16,17 @@ import dataclasses
 import difflib
 import gc
 import gzip
+import io
 import itertools
 import json
 import math
 import os
 import re
 import reprlib
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any, Callable, Iterable, Iterator
 
 import numpy as np
 import xxhash
@@ -70,6 +72,20 @@ MAX_BLOCK_HASH = 2**63 - 1
 # A gzip stream starts with these bytes; any trace file may be compressed.
 GZIP_MAGIC = b"\x1f\x8b"
 
+# Bounds on what reading a file holds at once (docs/traces.md, "Bounded reading"), so a damaged or
+# hostile file (a gzip bomb inflating to one endless line) is refused in one line, never read
+# until memory runs out. Both count bytes after decompression.
+# The longest line of any trace file, JSON Lines or CSV. A request line is ~100 bytes; one that
+# lists its prompt's token ids takes up to 11 bytes a token (~7 for real vocabularies): ~0.9 MB for
+# a 128k-token prompt, 11 MB even for a 1M-token prompt of 10-digit ids. Decoding a line this long
+# holds a few hundred MB at most.
+MAX_LINE_BYTES = 16 << 20
+# The largest trace in the JSON layout (one document, parsed whole: the text and every decoded
+# object at once, ~13 times its size: 0.78 GB peak for bench/trace_load.py's 62 MB). 64 MiB is
+# half a million to a million requests, a hundred times the largest shipped trace; anything
+# larger is what JSON Lines is for (read a line at a time).
+MAX_JSON_TRACE_BYTES = 64 << 20
+
 ARRIVAL_PATTERNS = ("poisson", "bursty")
 # Arrival times are rounded so stamped traces stay compact; a microsecond is far below a step.
 ARRIVAL_DECIMALS = 6
@@ -111,13 +127,14 @@ def load_trace(path: str | os.PathLike[str]) -> Trace:
     `name` defaults to the file's stem."""
     source = str(path)
     try:
-        data = Path(path).read_bytes()
+        file = open_trace_file(path)
     except OSError as error:
         reason = error.strerror or error
         raise TraceError(f"{source}: cannot read the trace file: {reason}") from None
     # A file name that is not valid UTF-8 must not make a valid trace's default name invalid.
     stem = trace_stem(path).encode("utf-8", "backslashreplace").decode("utf-8")
-    return parse_trace_bytes(data, source=source, default_name=stem)
+    with file:
+        return read_trace(file, source, default_name=stem)
 
 
 def trace_stem(path: str | os.PathLike[str]) -> str:
@@ -135,33 +152,132 @@ def parse_trace_bytes(data: bytes, source: str = "<trace>",
 
     Any byte sequence either loads or raises one `TraceError` line (docs/traces.md, "What the
     loader guarantees"): bad encodings, NUL bytes, nesting deeper than Python can parse, integers
-    too long to convert and duplicated keys are reported like any schema mistake.
+    too long to convert, duplicated keys and sizes past the reader's bounds are reported like any
+    schema mistake.
     """
+    with open_trace_bytes(data) as file:
+        return read_trace(file, source, default_name)
+
+
+def read_trace(file: IO[bytes], source: str, default_name: str | None = None) -> Trace:
+    """The trace in `file` (an `open_trace_file`), read in bounded memory: a JSON Lines trace a
+    chunk of lines at a time, a JSON document whole, up to MAX_JSON_TRACE_BYTES."""
     # Decoding builds millions of objects for a big trace, none in a reference cycle; the garbage
     # collector's passes over them are pure cost (a quarter of the load time at 10^6 requests).
     collecting = gc.isenabled()
     gc.disable()
     try:
-        text = _decode_text(gunzipped(data, source), source)
-        header = jsonl_header(text)
+        first = read_first_line(file, source)
+        header = jsonl_header(first_line_text(first))
         if header is not None:
-            obj = _decode_jsonl(text, header, source)
-        else:
-            obj = _decode_json(text, source)
-        return parse_trace(obj, source=source, default_name=default_name)
+            from zipage.trace_stream import read_requests  # (that module builds on this one)
+
+            name, hash_block_size = parse_trace_header(header, source, default_name,
+                                                       streamed=True)
+            requests = list(read_requests(file, source, hash_block_size, ordered=False))
+            return Trace(name=name, requests=requests)
+        text = _decode_text(first + _read_document_rest(file, source, len(first)), source)
+        return parse_trace(_decode_json(text, source), source=source, default_name=default_name)
     finally:
         if collecting:
             gc.enable()
 
 
-def gunzipped(data: bytes, source: str) -> bytes:
-    """`data` itself, or its decompressed content when it is a gzip stream."""
-    if not data.startswith(GZIP_MAGIC):
-        return data
+def open_trace_file(path: str | os.PathLike[str]) -> IO[bytes]:
+    """The file's bytes, decompressed as they are read when it is a gzip stream (told by its
+    content, not its name)."""
+    with open(path, "rb") as file:
+        compressed = file.read(len(GZIP_MAGIC)) == GZIP_MAGIC
+    return gzip.open(path, "rb") if compressed else open(path, "rb")
+
+
+def open_trace_bytes(data: bytes) -> IO[bytes]:
+    """`open_trace_file` for bytes in memory."""
+    file = io.BytesIO(data)
+    return gzip.GzipFile(fileobj=file, mode="rb") if data.startswith(GZIP_MAGIC) else file
+
+
+def read_chunk(file: IO[bytes], source: str, size: int, line: bool = False) -> bytes:
+    """At most `size` bytes of `file` (up to the next line end with `line`), or one line naming
+    why they cannot be read."""
     try:
-        return gzip.decompress(data)
-    except (OSError, EOFError, gzip.BadGzipFile) as error:
-        raise TraceError(f"{source}: a damaged gzip file: {error}") from None
+        return file.readline(size) if line else file.read(size)
+    except (OSError, EOFError, zlib.error) as error:
+        if isinstance(file, gzip.GzipFile):
+            raise TraceError(f"{source}: a damaged gzip file: {error}") from None
+        raise TraceError(f"{source}: cannot read the trace file: {error}") from None
+
+
+def read_first_line(file: IO[bytes], source: str) -> bytes:
+    """The file's first line with its newline; a longer one than MAX_LINE_BYTES is cut there (it
+    is no JSON Lines header, and no CSV header either)."""
+    return read_chunk(file, source, MAX_LINE_BYTES + 1, line=True)
+
+
+def first_line_text(first: bytes) -> str:
+    """A first line as text for `jsonl_header`: empty when it cannot be a header (too long, or
+    not UTF-8: the loader then names what is wrong)."""
+    if len(first) > MAX_LINE_BYTES:
+        return ""
+    try:
+        return first.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        return ""
+
+
+def line_chunks(file: IO[bytes], source: str, first_line: int, chunk_size: int) -> Iterator[bytes]:
+    """The rest of `file` in whole lines, about `chunk_size` bytes at a time (the last line may
+    lack its newline); `first_line` is the number of the file's next line. A line is joined once
+    from the reads it spans (linear time however long), and one longer than MAX_LINE_BYTES is
+    refused after at most that much of it is held."""
+    line = first_line  # the number of the line the next chunk starts with
+    pieces: list[bytes] = []  # the start of a line that no read so far ends
+    held = 0
+    while data := read_chunk(file, source, chunk_size):
+        end = data.rfind(b"\n") + 1
+        if end == 0:
+            pieces.append(data)
+            held += len(data)
+            _check_line_length(held, line, source)
+            continue
+        if pieces:
+            _check_line_length(held + data.find(b"\n"), line, source)
+            chunk = b"".join((*pieces, data[:end]))
+        else:
+            chunk = data[:end]
+        yield chunk
+        line += chunk.count(b"\n")
+        pieces = [data[end:]] if end < len(data) else []
+        held = len(data) - end
+    if pieces:
+        yield b"".join(pieces)
+
+
+def _check_line_length(length: int, line: int, source: str) -> None:
+    if length > MAX_LINE_BYTES:
+        raise TraceError(
+            f"{source}: line {line} is longer than {_size(MAX_LINE_BYTES)}, the most one line "
+            f"of a trace may hold (a request is a few hundred bytes, a few hundred KB even with "
+            f"the token ids of a 128k-token prompt): the file is damaged or not a trace (a "
+            f"decompression bomb?); check what wrote it, and give one request a line")
+
+
+def _size(count: int) -> str:
+    """A bound in bytes as a message gives it: 16 MiB (or 4,096 bytes, a bound a test lowers)."""
+    return f"{count >> 20} MiB" if count >= 1 << 20 else f"{count:,} bytes"
+
+
+def _read_document_rest(file: IO[bytes], source: str, read: int) -> bytes:
+    """The rest of a JSON trace after its first `read` bytes, refused past MAX_JSON_TRACE_BYTES."""
+    rest = read_chunk(file, source, max(MAX_JSON_TRACE_BYTES + 1 - read, 0))
+    if read + len(rest) > MAX_JSON_TRACE_BYTES:
+        raise TraceError(
+            f"{source}: over {_size(MAX_JSON_TRACE_BYTES)} as one JSON document, the most a "
+            f"JSON trace may be (it is parsed whole), and not JSON Lines (its first line is no "
+            f'header): write a large trace as JSON Lines, a header line such as {{"version": 1, '
+            f'"name": "day"}} then one request a line, read a line at a time (save it as '
+            f".jsonl or .jsonl.gz; docs/traces.md, 'JSON Lines and gzip')")
+    return rest
 
 
 def jsonl_header(text: str) -> dict[str, Any] | None:
@@ -181,17 +297,6 @@ def jsonl_header(text: str) -> dict[str, Any] | None:
     if isinstance(obj, dict) and "version" in obj and "requests" not in obj:
         return obj
     return None
-
-
-def _decode_jsonl(text: str, header: dict[str, Any], source: str) -> dict[str, Any]:
-    text = text.lstrip("\ufeff")
-    requests = _decode_jsonl_fast(text[text.find("\n") + 1:] if "\n" in text else "")
-    if requests is None:  # something unusual: line by line, so an error names its line
-        requests = []
-        for number, line in enumerate(text.split("\n")[1:], start=2):
-            if line.strip():
-                requests.append(_decode_json(line, f"{source}: line {number}"))
-    return {**header, "requests": requests}
 
 
 # Characters of JSON Lines decoded in one call of the C parser (a few MB: the copies stay small).
@@ -425,25 +530,119 @@ def save_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
     """Write `trace` with one request per line; it is validated first, so no bad file is written.
 
     The file's name picks the layout: `.jsonl` is JSON Lines (a header line, then one request a
-    line: what large traces use), anything else one JSON object; a further `.gz` compresses it.
+    line: what large traces use), anything else one JSON object (at most MAX_JSON_TRACE_BYTES,
+    as the loader reads); a further `.gz` compresses it.
     """
     request_objects = [_request_to_json(request) for request in trace.requests]
-    header_fields: dict[str, Any] = {"version": TRACE_VERSION, "name": trace.name}
-    block_size = _hash_block_size_of(trace)
-    if block_size:
-        header_fields["hash_block_size"] = block_size
+    header_fields = _header_fields(trace.name, _hash_block_size_of(trace))
     parse_trace({**header_fields, "requests": request_objects}, source=str(path))
-    lines = [json.dumps(request, separators=(",", ":")) for request in request_objects]
-    name = Path(path).name.removesuffix(".gz")
-    if name.endswith(".jsonl"):
-        text = json.dumps(header_fields) + "\n" + "\n".join(lines) + "\n"
+    _write_trace_file(path, header_fields,
+                      (json.dumps(request, separators=(",", ":")) for request in request_objects))
+
+
+def save_trace_stream(requests: Iterable[TraceRequest], path: str | os.PathLike[str], name: str,
+                      hash_block_size: int = 0) -> int:
+    """Write requests as they come (`save_trace`'s layouts and bytes), holding a batch of lines,
+    not the trace; returns how many were written. Each request is checked as the loader checks
+    it before it is written, and the file appears only once whole. Not checked: that the ids are
+    unique (a set of ten million ids would be the memory this saves); the caller's must be, as
+    an import's FORMAT-ROW ids are."""
+    source = str(path)
+    header_fields = _header_fields(name, hash_block_size)
+    parse_trace_header(header_fields, source, streamed=True)
+
+    def lines() -> Iterator[str]:
+        for index, request in enumerate(requests):
+            if request.block_hashes is not None and request.hash_block_size != hash_block_size:
+                raise ConfigError(f"{source}: request #{index} hashes blocks of "
+                                  f"{request.hash_block_size} tokens, the trace's are "
+                                  f"{hash_block_size}; one trace hashes blocks of one size")
+            obj = _request_to_json(request)
+            _parse_request(obj, index, source, hash_block_size)
+            yield json.dumps(obj, separators=(",", ":"))
+
+    return _write_trace_file(path, header_fields, lines())
+
+
+def _header_fields(name: str, hash_block_size: int) -> dict[str, Any]:
+    fields: dict[str, Any] = {"version": TRACE_VERSION, "name": name}
+    if hash_block_size:
+        fields["hash_block_size"] = hash_block_size
+    return fields
+
+
+# Request lines encoded and written in one call: each call costs, and a batch stays small.
+WRITE_BATCH = 4096
+
+
+def _write_trace_file(path: str | os.PathLike[str], header_fields: dict[str, Any],
+                      lines: Iterator[str]) -> int:
+    """Write the layout the name picks (see `save_trace`) next to `path`, then move it there: a
+    file stopped by a bad request, or by the JSON layout's bound, is never left behind."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    jsonl = path.name.removesuffix(".gz").endswith(".jsonl")
+    try:
+        with open(partial, "wb") as raw:
+            if path.name.endswith(".gz"):
+                compressed = _GzipWriter(raw)
+                count = _write_layout(compressed, header_fields, lines, jsonl, str(path))
+                compressed.finish()
+            else:
+                count = _write_layout(raw, header_fields, lines, jsonl, str(path))
+        if not count:
+            raise TraceError(EMPTY_TRACE.format(source=path))
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    os.replace(partial, path)
+    return count
+
+
+class _GzipWriter:
+    """Gzip written as the data comes, in the bytes `gzip.compress(data, mtime=0)` makes of it
+    whole: zlib's own gzip wrapper, with no file name or time inside (the same bytes each run)."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self.raw = raw
+        self.deflate = zlib.compressobj(9, zlib.DEFLATED, 31)  # level 9, gzip wrapper
+
+    def write(self, data: bytes) -> None:
+        self.raw.write(self.deflate.compress(data))
+
+    def finish(self) -> None:
+        self.raw.write(self.deflate.flush())
+
+
+def _write_layout(out: IO[bytes] | _GzipWriter, header_fields: dict[str, Any], lines: Iterator[str],
+                  jsonl: bool, source: str) -> int:
+    """JSON Lines (a header line, a line a request) or one JSON object with a request a line;
+    returns the requests written."""
+    if jsonl:
+        opening, separator, closing = json.dumps(header_fields) + "\n", "\n", "\n"
     else:
-        header = json.dumps(header_fields)[:-1]
-        text = header + ', "requests": [\n' + ",\n".join(lines) + "\n]}\n"
+        opening = json.dumps(header_fields)[:-1] + ', "requests": [\n'
+        separator, closing = ",\n", "\n]}\n"
+    count = written = 0
+    text = opening
+    for batch in iter(lambda: list(itertools.islice(lines, WRITE_BATCH)), []):
+        text += ("" if not count else separator) + separator.join(batch)
+        count += len(batch)
+        written += _write_text(out, text, written, jsonl, source)
+        text = ""
+    _write_text(out, text + closing, written, jsonl, source)
+    return count
+
+
+def _write_text(out: IO[bytes] | _GzipWriter, text: str, written: int, jsonl: bool, source: str) -> int:
     data = text.encode("utf-8")
-    if Path(path).name.endswith(".gz"):
-        data = gzip.compress(data, mtime=0)
-    Path(path).write_bytes(data)
+    if not jsonl and written + len(data) > MAX_JSON_TRACE_BYTES:
+        raise TraceError(
+            f"{source}: over {_size(MAX_JSON_TRACE_BYTES)} as one JSON document, the most "
+            f"the loader reads as a JSON trace (it is parsed whole): name the file .jsonl or "
+            f".jsonl.gz to write JSON Lines, read a line at a time")
+    out.write(data)
+    return len(data)
 
 
 def _hash_block_size_of(trace: Trace) -> int:

@@ -11,36 +11,43 @@ Each row becomes one request whose id is the format's name and the row's positio
 divided by the speed-up. Rows that cannot become a request (no prompt, no output: a failed call)
 are counted by reason, never silently dropped. `load_trace_file` reads any of these or a Zipage
 trace, telling them apart by content, so `zipage replay` and `zipage plan` take them directly.
-The formats are described in docs/traces.md, "Production traces".
+A file is read a chunk of lines at a time and each row kept as a few numbers (`_Rows`), then
+sorted by time; `import_trace_file` writes the requests as they are made, so an import's memory
+follows its row count, not its bytes (docs/traces.md, "Bounded reading"). The formats are
+described in docs/traces.md, "Production traces".
 """
 
 from __future__ import annotations
 
 import csv
-import gzip
 import io
+import itertools
 import json
 import math
 import os
+from array import array
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
-from typing import Iterator
+from typing import IO, Callable, Iterator
 
 import numpy as np
 
 from zipage.errors import TraceError
 from zipage.trace import (
     ARRIVAL_DECIMALS,
-    GZIP_MAGIC,
+    JSONL_CHUNK,
     MAX_LENGTH,
     Trace,
     TraceRequest,
-    gunzipped,
     jsonl_header,
+    line_chunks,
     load_trace,
+    open_trace_file,
+    read_chunk,
+    save_trace_stream,
     stable_hash,
+    text_position,
     trace_stem,
 )
 
@@ -65,31 +72,37 @@ class ImportOptions:
     name: str | None = None
 
 
-@dataclass
 class ImportReport:
-    """What an import read, kept and skipped (by reason)."""
+    """What an import read, kept and skipped (by reason), and the kept requests' statistics,
+    gathered as they are made (an import holds no list of them)."""
 
-    format: str
-    rows: int = 0
-    skipped: Counter = field(default_factory=Counter)
-    span_s: float = 0.0
+    def __init__(self, fmt: str, rows: int = 0) -> None:
+        self.format, self.rows = fmt, rows
+        self.skipped: Counter = Counter()
+        self.imported = 0
+        self.span_s = 0.0  # the last kept request's arrival
+        self._prompts, self._outputs = array("q"), array("q")
+        self._chains = _PrefixChains()
 
-    def lines(self, trace: Trace) -> list[str]:
-        requests = trace.requests
-        prompts = np.array([r.prompt_len for r in requests], dtype=np.int64)
-        outputs = np.array([r.output_len for r in requests], dtype=np.int64)
-        span = requests[-1].arrival_s if requests else 0.0
-        rate = len(requests) / span if span > 0 else float("nan")
-        lines = [f"{self.format}: {self.rows:,} rows read, {len(requests):,} requests imported "
+    def kept(self, request: TraceRequest) -> None:
+        self.imported += 1
+        self.span_s = request.arrival_s
+        self._prompts.append(request.prompt_len)
+        self._outputs.append(request.output_len)
+        self._chains.add(request)
+
+    def lines(self) -> list[str]:
+        span = self.span_s
+        rate = self.imported / span if span > 0 else float("nan")
+        lines = [f"{self.format}: {self.rows:,} rows read, {self.imported:,} requests imported "
                  f"over {span:,.1f} s ({rate:,.2f} requests/s)"]
-        if len(requests):
-            lines.append(f"  prompt tokens: mean {prompts.mean():,.0f}, p50 "
-                         f"{np.percentile(prompts, 50):,.0f}, p99 {np.percentile(prompts, 99):,.0f}, "
-                         f"max {prompts.max():,}")
-            lines.append(f"  output tokens: mean {outputs.mean():,.0f}, p50 "
-                         f"{np.percentile(outputs, 50):,.0f}, p99 {np.percentile(outputs, 99):,.0f}, "
-                         f"max {outputs.max():,}")
-        shared = _shared_block_fraction(requests)
+        if self.imported:
+            for label, values in (("prompt", self._prompts), ("output", self._outputs)):
+                counts = np.frombuffer(values, dtype=np.int64)
+                lines.append(f"  {label} tokens: mean {counts.mean():,.0f}, p50 "
+                             f"{np.percentile(counts, 50):,.0f}, p99 "
+                             f"{np.percentile(counts, 99):,.0f}, max {counts.max():,}")
+        shared = self._chains.fraction()
         if shared is not None:
             lines.append(f"  prompt blocks seen before (prefix-cache hits at best): {shared:.1%}")
         for reason, count in sorted(self.skipped.items(), key=lambda item: -item[1]):
@@ -97,37 +110,99 @@ class ImportReport:
         return lines
 
 
-@dataclass(frozen=True)
-class _Row:
-    index: int  # position among the file's data rows, from 0
-    time_s: float  # the row's own clock, any origin
-    prompt_len: int
-    output_len: int
-    block_hashes: tuple[int, ...] | None = None
+class _PrefixChains:
+    """The share of full prompt blocks whose whole chain of leading hashes was seen before: what
+    an unbounded prefix cache could reuse (None unless every request names its blocks)."""
+
+    def __init__(self) -> None:
+        self.hashed = True
+        self.chains: dict[tuple[int, int], int] = {}  # (parent chain, last hash) -> chain
+        self.total = self.shared = 0
+
+    def add(self, request: TraceRequest) -> None:
+        if not self.hashed:
+            return
+        if request.block_hashes is None:
+            self.hashed, self.chains = False, {}
+            return
+        parent = -1
+        for block_hash in request.block_hashes[:request.prompt_len // request.hash_block_size]:
+            self.total += 1
+            key = (parent, block_hash)
+            if key in self.chains:
+                self.shared += 1
+            else:
+                self.chains[key] = len(self.chains)
+            parent = self.chains[key]
+
+    def fraction(self) -> float | None:
+        return self.shared / self.total if self.hashed and self.total else None
+
+
+class _Rows:
+    """A production trace's rows, as columns of what an import needs of each: its time, its
+    lengths and Mooncake's hash ids; ~24 bytes a row besides the hashes. A row's index is its
+    position among the file's data rows, from 0."""
+
+    def __init__(self) -> None:
+        self.times = array("d")  # the row's own clock, any origin
+        self.prompts, self.outputs = array("q"), array("q")
+        self.hashes: list[tuple[int, ...]] = []  # Mooncake's rows only
+
+    def __len__(self) -> int:
+        return len(self.times)
+
+    def add(self, time_s: float, prompt_len: int, output_len: int) -> None:
+        self.times.append(time_s)
+        self.prompts.append(prompt_len)
+        self.outputs.append(output_len)
 
 
 def import_trace(fmt: str, path: str | os.PathLike[str],
                  options: ImportOptions = ImportOptions()) -> tuple[Trace, ImportReport]:
     """Read `path` in production format `fmt` and return the Zipage trace and what was kept."""
+    rows, report = _read(fmt, path, options)
+    requests = list(_requests(rows, fmt, options, report))
+    if not requests:
+        raise _nothing_left(path, report)
+    return Trace(name=options.name or trace_stem(path), requests=requests), report
+
+
+def import_trace_file(fmt: str, path: str | os.PathLike[str], output: str | os.PathLike[str],
+                      options: ImportOptions = ImportOptions()) -> ImportReport:
+    """`import_trace` written to `output` as it is made (`save_trace`'s layouts): memory follows
+    the rows' columns, not the requests, so a week of traffic imports on a laptop."""
+    rows, report = _read(fmt, path, options)
+    requests = _requests(rows, fmt, options, report)
+    first = next(requests, None)
+    if first is None:
+        raise _nothing_left(path, report)
+    save_trace_stream(itertools.chain([first], requests), output,
+                      options.name or trace_stem(path), first.hash_block_size)
+    return report
+
+
+def _read(fmt: str, path: str | os.PathLike[str],
+          options: ImportOptions) -> tuple[_Rows, ImportReport]:
     if fmt not in FORMATS:
         raise TraceError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     _check_options(options)
     source = str(path)
-    text = _read_text(path)
-    rows = list(_READERS[fmt](text, source))
-    report = ImportReport(format=fmt, rows=len(rows))
-    requests = _requests(rows, fmt, options, report)
-    if not requests:
-        raise TraceError(f"{source}: no request left to import ({report.rows:,} rows read; "
-                         + "; ".join(f"{count:,} {reason}" for reason, count in
-                                     report.skipped.items()) + ")")
-    name = options.name or trace_stem(path)
-    return Trace(name=name, requests=requests), report
+    rows = _Rows()
+    with _opened(path) as file:
+        _READERS[fmt](_text_lines(file, source), source, rows)
+    return rows, ImportReport(fmt, rows=len(rows))
+
+
+def _nothing_left(path: str | os.PathLike[str], report: ImportReport) -> TraceError:
+    return TraceError(f"{path}: no request left to import ({report.rows:,} rows read; "
+                      + "; ".join(f"{count:,} {reason}" for reason, count in
+                                  report.skipped.items()) + ")")
 
 
 def detect_format(path: str | os.PathLike[str]) -> str:
     """`zipage` for a Zipage trace (JSON or JSON Lines), else the production format's name."""
-    text = _read_text(path, limit=64 * 1024)
+    text = _head_text(path, limit=64 * 1024)
     if not text.strip() or "\x00" in text:
         return "zipage"  # empty, UTF-16/32 or binary: the Zipage loader says exactly what is wrong
     first = text.lstrip("\ufeff").lstrip().split("\n", 1)[0].strip()
@@ -196,68 +271,94 @@ def _check_options(options: ImportOptions) -> None:
                          f"got {options.max_model_len}")
 
 
-def _read_text(path: str | os.PathLike[str], limit: int | None = None) -> str:
-    """The file's text, or its first `limit` bytes (telling a format apart reads no further,
-    compressed or not: a day of traffic is read once, by its loader)."""
+def _opened(path: str | os.PathLike[str]) -> IO[bytes]:
+    """The file's bytes, decompressed as they are read when it is gzipped."""
     try:
-        if limit is None:
-            return gunzipped(Path(path).read_bytes(), str(path)).decode("utf-8")
-        with open(path, "rb") as handle:
-            compressed = handle.read(len(GZIP_MAGIC)) == GZIP_MAGIC
-        with (gzip.open(path, "rb") if compressed else open(path, "rb")) as handle:
-            return handle.read(limit).decode("utf-8", errors="replace")
+        return open_trace_file(path)
     except OSError as error:
         raise TraceError(f"{path}: cannot read the trace file: {error.strerror or error}") from None
-    except EOFError as error:
-        raise TraceError(f"{path}: a damaged gzip file: {error}") from None
 
 
-def _requests(rows: list[_Row], fmt: str, options: ImportOptions,
-              report: ImportReport) -> list[TraceRequest]:
-    if not rows:
-        return []
-    origin = min(row.time_s for row in rows)
+def _head_text(path: str | os.PathLike[str], limit: int) -> str:
+    """The file's first `limit` bytes as text (telling a format apart reads no further,
+    compressed or not: a day of traffic is read once, by its loader)."""
+    with _opened(path) as file:
+        return read_chunk(file, str(path), limit).decode("utf-8", errors="replace")
+
+
+def _text_lines(file: IO[bytes], source: str) -> Iterator[str]:
+    """The file's lines, each with its newline (the last may lack it), decoded a chunk of lines
+    at a time: a line longer than MAX_LINE_BYTES is refused, never held whole."""
+    lines_before = 0
+    for chunk in line_chunks(file, source, 1, JSONL_CHUNK):
+        try:
+            text = chunk.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise TraceError(f"{source}: {text_position(chunk, error.start, lines_before)}: byte "
+                             f"0x{chunk[error.start]:02x} is not UTF-8 text (Latin-1 or another "
+                             f"legacy encoding?); re-save the file as UTF-8") from None
+        yield from io.StringIO(text)  # split at "\n" only, as the CSV reader wants
+        lines_before += chunk.count(b"\n")
+
+
+# Rows turned into requests per numpy call: their columns are read a block at a time.
+ROW_BLOCK = 1 << 12
+
+
+def _requests(rows: _Rows, fmt: str, options: ImportOptions,
+              report: ImportReport) -> Iterator[TraceRequest]:
+    """The rows as requests, in time order (file order among equal times), each made only when
+    asked for; the rows skipped are counted in `report`, the requests kept described there."""
+    if not len(rows):
+        return
+    times = np.frombuffer(rows.times, dtype=np.float64)
+    prompts, outputs = (np.frombuffer(column, dtype=np.int64)
+                        for column in (rows.prompts, rows.outputs))
+    origin = float(times.min())
+    order = np.argsort(times, kind="stable")  # stable: file order among equal times
+    # One draw a row in time order, a block at a time: the same draws as all at once.
+    sampler = np.random.default_rng([options.seed, stable_hash(f"sample\0{fmt}")])
     start, duration = options.window or (0.0, math.inf)
-    keep = np.random.default_rng([options.seed, stable_hash(f"sample\0{fmt}")]).random(len(rows))
-    requests = []
-    for row, draw in zip(sorted(rows, key=lambda row: (row.time_s, row.index)), keep):
-        offset = row.time_s - origin - start
-        reason = _skip_reason(row, offset, duration, draw, options)
-        if reason is not None:
-            report.skipped[reason] += 1
-            continue
-        requests.append(TraceRequest(
-            id=f"{fmt}-{row.index}",
-            arrival_s=round(offset / options.speedup, ARRIVAL_DECIMALS),
-            prompt_len=row.prompt_len, output_len=row.output_len,
-            block_hashes=row.block_hashes,
-            hash_block_size=MOONCAKE_HASH_BLOCK if row.block_hashes is not None else 0))
-    return requests
+    for low in range(0, len(rows), ROW_BLOCK):
+        indices = order[low:low + ROW_BLOCK]
+        for index, time_s, prompt_len, output_len, draw in zip(
+                indices.tolist(), times[indices].tolist(), prompts[indices].tolist(),
+                outputs[indices].tolist(), sampler.random(len(indices)).tolist()):
+            offset = time_s - origin - start
+            reason = _skip_reason(prompt_len, output_len, offset, duration, draw, options)
+            if reason is not None:
+                report.skipped[reason] += 1
+                continue
+            hashes = rows.hashes[index] if rows.hashes else None
+            request = TraceRequest(
+                id=f"{fmt}-{index}", arrival_s=round(offset / options.speedup, ARRIVAL_DECIMALS),
+                prompt_len=prompt_len, output_len=output_len, block_hashes=hashes,
+                hash_block_size=MOONCAKE_HASH_BLOCK if hashes is not None else 0)
+            report.kept(request)
+            yield request
 
 
-def _skip_reason(row: _Row, offset: float, duration: float, draw: float,
+def _skip_reason(prompt_len: int, output_len: int, offset: float, duration: float, draw: float,
                  options: ImportOptions) -> str | None:
     if not 0 <= offset < duration:
         return "outside --window"
     if draw >= options.sample:
         return "not in the --sample"
-    if row.prompt_len < 1:
+    if prompt_len < 1:
         return "no prompt tokens"
-    if row.output_len < 1:
+    if output_len < 1:
         return "no output tokens (a failed request in the source)"
-    if options.max_model_len is not None and row.prompt_len + row.output_len > options.max_model_len:
+    if options.max_model_len is not None and prompt_len + output_len > options.max_model_len:
         return f"prompt + output longer than --max-model-len {options.max_model_len}"
     return None
 
 
 # ---------------------------------------------------------------- the formats
 
-def _azure_rows(text: str, source: str) -> Iterator[_Row]:
-    reader = csv.DictReader(io.StringIO(text))
-    _require_columns(reader, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"), source)
-    for index, record in enumerate(reader):
-        line = index + 2
-        stamp = record["TIMESTAMP"]
+def _azure_rows(lines: Iterator[str], source: str, rows: _Rows) -> None:
+    reader = csv.reader(lines)
+    for line, row in _csv_rows(reader, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"), source):
+        stamp, prompt, output = row
         try:
             moment = datetime.fromisoformat(stamp.strip())
             # A stamp without a zone is read as UTC: local time would bend arrivals at DST.
@@ -265,37 +366,34 @@ def _azure_rows(text: str, source: str) -> Iterator[_Row]:
         except (ValueError, AttributeError):
             raise TraceError(f"{source}: line {line}: TIMESTAMP {stamp!r} is not a date and time "
                              f"like 2023-11-16 18:15:46.6805900") from None
-        yield _Row(index, time_s, _count(record, "ContextTokens", source, line),
-                   _count(record, "GeneratedTokens", source, line))
+        rows.add(time_s, _count(prompt, "ContextTokens", source, line),
+                 _count(output, "GeneratedTokens", source, line))
 
 
-def _burstgpt_rows(text: str, source: str) -> Iterator[_Row]:
-    reader = csv.DictReader(io.StringIO(text))
-    _require_columns(reader, ("Timestamp", "Request tokens", "Response tokens"), source)
-    for index, record in enumerate(reader):
-        line = index + 2
-        yield _Row(index, _number(record, "Timestamp", source, line),
-                   _count(record, "Request tokens", source, line),
-                   _count(record, "Response tokens", source, line))
+def _burstgpt_rows(lines: Iterator[str], source: str, rows: _Rows) -> None:
+    reader = csv.reader(lines)
+    for line, (stamp, prompt, output) in _csv_rows(
+            reader, ("Timestamp", "Request tokens", "Response tokens"), source):
+        rows.add(_number(stamp, "Timestamp", source, line),
+                 _count(prompt, "Request tokens", source, line),
+                 _count(output, "Response tokens", source, line))
 
 
-def _mooncake_rows(text: str, source: str) -> Iterator[_Row]:
-    index = 0
-    for line, raw in enumerate(text.split("\n"), start=1):
+def _mooncake_rows(lines: Iterator[str], source: str, rows: _Rows) -> None:
+    for line, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
         try:
-            record = json.loads(raw)
+            record = json.loads(raw.removesuffix("\n"))
         except (ValueError, RecursionError) as error:
             raise TraceError(f"{source}: line {line}: not a JSON object: {error}") from None
         if not isinstance(record, dict):
             raise TraceError(f"{source}: line {line}: expected a JSON object with timestamp, "
                              f"input_length, output_length, hash_ids")
-        prompt_len = _count(record, "input_length", source, line)
-        yield _Row(index, _number(record, "timestamp", source, line) / 1000.0, prompt_len,
-                   _count(record, "output_length", source, line),
-                   _hash_ids(record, prompt_len, source, line))
-        index += 1
+        prompt_len = _count(record.get("input_length"), "input_length", source, line)
+        rows.add(_number(record.get("timestamp"), "timestamp", source, line) / 1000.0, prompt_len,
+                 _count(record.get("output_length"), "output_length", source, line))
+        rows.hashes.append(_hash_ids(record, prompt_len, source, line))
 
 
 def _hash_ids(record: dict, prompt_len: int, source: str, line: int) -> tuple[int, ...]:
@@ -309,17 +407,40 @@ def _hash_ids(record: dict, prompt_len: int, source: str, line: int) -> tuple[in
     return tuple(hashes)
 
 
-def _require_columns(reader: csv.DictReader, columns: tuple[str, ...], source: str) -> None:
-    present = [name.strip() for name in (reader.fieldnames or [])]
+def _csv_rows(reader, columns: tuple[str, ...],
+              source: str) -> Iterator[tuple[int, list[str | None]]]:
+    """(line number, the row's values of `columns`, None where the row is short) for each data
+    row of a CSV file; blank rows are skipped."""
+    try:
+        positions = _column_positions(next(reader, []), columns, source)
+        last = max(positions)
+        for row in reader:
+            if not row:
+                continue
+            if len(row) > last:
+                yield reader.line_num, [row[position] for position in positions]
+            else:
+                yield reader.line_num, [row[position] if position < len(row) else None
+                                        for position in positions]
+    except csv.Error as error:
+        raise TraceError(f"{source}: line {reader.line_num}: not a CSV row: {error}") from None
+
+
+def _column_positions(header: list[str], columns: tuple[str, ...], source: str) -> list[int]:
+    present = [name.strip() for name in header]
     missing = [name for name in columns if name not in present]
     if missing:
         raise TraceError(f"{source}: line 1: missing column(s) {', '.join(missing)}; "
                          f"the header is {','.join(present)[:120]}")
-    reader.fieldnames = present
+    for name in columns:
+        if present.count(name) > 1:
+            raise TraceError(f"{source}: line 1: column {name} is named {present.count(name)} "
+                             f"times in the header, so which value a row means is unclear; keep "
+                             f"one {name} column (rename or delete the others)")
+    return [present.index(name) for name in columns]
 
 
-def _number(record: dict, column: str, source: str, line: int) -> float:
-    value = record.get(column)
+def _number(value: object, column: str, source: str, line: int) -> float:
     try:
         number = float(value)
     except (TypeError, ValueError):
@@ -329,8 +450,7 @@ def _number(record: dict, column: str, source: str, line: int) -> float:
     return number
 
 
-def _count(record: dict, column: str, source: str, line: int) -> int:
-    value = record.get(column)
+def _count(value: object, column: str, source: str, line: int) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         number = value
     else:
@@ -344,24 +464,5 @@ def _count(record: dict, column: str, source: str, line: int) -> int:
     return number
 
 
-def _shared_block_fraction(requests: list[TraceRequest]) -> float | None:
-    # Full blocks whose whole chain of leading hashes was seen before: what an unbounded prefix
-    # cache could reuse. A chain is named by (its parent's name, its last hash).
-    chains: dict[tuple[int, int], int] = {}
-    total = shared = 0
-    for request in requests:
-        if request.block_hashes is None:
-            return None
-        parent = -1
-        for block_hash in request.block_hashes[:request.prompt_len // request.hash_block_size]:
-            total += 1
-            key = (parent, block_hash)
-            if key in chains:
-                shared += 1
-            else:
-                chains[key] = len(chains)
-            parent = chains[key]
-    return shared / total if total else None
-
-
-_READERS = {"azure": _azure_rows, "mooncake": _mooncake_rows, "burstgpt": _burstgpt_rows}
+_READERS: dict[str, Callable[[Iterator[str], str, _Rows], None]] = {
+    "azure": _azure_rows, "mooncake": _mooncake_rows, "burstgpt": _burstgpt_rows}

@@ -9,22 +9,20 @@ with the loader's messages (`RequestChecker`), plus one rule a loaded trace does
 requests come in arrival order (a loaded trace is sorted; a stream cannot be). A mistake is
 raised as a `TraceError` when the reader reaches its line, so a simulation stops there (and
 `zipage replay` discards the run directory). What a stream keeps of the requests it has read:
-their ids (a duplicate is an error), ~100 bytes a request.
+their ids (a duplicate is an error), ~100 bytes a request. The loader reads a JSON Lines trace
+through the same `read_requests`, keeping the requests.
 """
 
 from __future__ import annotations
 
-import gzip
 import operator
 import os
 from collections.abc import Generator, Iterator
-from pathlib import Path
 from typing import IO
 
 from zipage.errors import TraceError
 from zipage.trace import (
     EMPTY_TRACE,
-    GZIP_MAGIC,
     JSONL_CHUNK,
     RequestChecker,
     TraceRequest,
@@ -32,9 +30,13 @@ from zipage.trace import (
     _decode_jsonl_fast,
     _request_error,
     _show,
+    first_line_text,
     jsonl_header,
+    line_chunks,
+    open_trace_file,
     parse_trace_header,
     plain_requests,
+    read_first_line,
     text_position,
     trace_stem,
     utf8_text,
@@ -51,48 +53,58 @@ class TraceStream:
         self.hash_block_size = hash_block_size
 
     def __iter__(self) -> Iterator[TraceRequest]:
-        checker = RequestChecker(self.source, self.hash_block_size)
-        previous: TraceRequest | None = None
-        with _open(self.path) as file:
-            _read(file, self.source, header=True)  # the header line, checked on opening
-            lines_before = 1
-            for chunk in _chunks(file, self.source):
-                text = utf8_text(chunk, self.source,
-                                 lambda offset: text_position(chunk, offset, lines_before))
-                requests = plain_requests(text)
-                if requests is not None and _in_order(previous, requests) \
-                        and checker.check_plain(requests):
-                    yield from requests
-                    previous = requests[-1]
-                    lines_before += len(requests)  # one a line: a chunk of plain lines has no blank
-                else:
-                    previous = yield from self._checked(text, lines_before, checker, previous)
-                    lines_before += chunk.count(b"\n")
-        if checker.count == 0:
-            raise TraceError(EMPTY_TRACE.format(source=self.source))
+        with open_trace_file(self.path) as file:
+            read_first_line(file, self.source)  # the header line, checked on opening
+            yield from read_requests(file, self.source, self.hash_block_size, ordered=True)
 
-    def _checked(self, text: str, lines_before: int, checker: RequestChecker,
-                 previous: TraceRequest | None) -> Generator[TraceRequest, None, TraceRequest | None]:
-        """The requests of a chunk of lines that are not all plain, decoded in one call of the C
-        parser, as the loader does (line by line where the chunk does not decode, so a mistake
-        names its line), then checked one at a time; returns the last one."""
-        objects = _decode_jsonl_fast(text)
-        if objects is None:
-            objects = [_decode_json(line, f"{self.source}: line {number}")
-                       for number, line in enumerate(text.split("\n"), lines_before + 1)
-                       if line.strip()]
-        for raw in objects:
-            request = checker.check(raw)
-            if previous is not None and request.arrival_s < previous.arrival_s:
-                raise _request_error(
-                    self.source, checker.count - 1, request.id,
-                    f"arrival_s {_show(request.arrival_s)} is earlier than request "
-                    f"#{checker.count - 2}'s {_show(previous.arrival_s)}: a JSON Lines trace "
-                    "is read as it is replayed, so its requests must be in arrival order; sort "
-                    "its lines by arrival_s (or save it as .json, which is loaded whole)")
-            previous = request
-            yield request
-        return previous
+
+def read_requests(file: IO[bytes], source: str, hash_block_size: int,
+                  ordered: bool) -> Iterator[TraceRequest]:
+    """The requests on the lines after a JSON Lines header (`file` is past it), each checked as
+    it is read; `ordered`: refuse one that arrives before the request above it."""
+    checker = RequestChecker(source, hash_block_size)
+    previous: TraceRequest | None = None
+    lines_before = 1  # the header's
+    for chunk in line_chunks(file, source, lines_before + 1, JSONL_CHUNK):
+        text = utf8_text(chunk, source,
+                         lambda offset: text_position(chunk, offset, lines_before))
+        requests = plain_requests(text)
+        if requests is not None and (not ordered or _in_order(previous, requests)) \
+                and checker.check_plain(requests):
+            yield from requests
+            previous = requests[-1]
+            lines_before += len(requests)  # one a line: a chunk of plain lines has no blank
+        else:
+            previous = yield from _checked(text, source, lines_before, checker,
+                                           previous if ordered else None)
+            lines_before += chunk.count(b"\n")
+    if checker.count == 0:
+        raise TraceError(EMPTY_TRACE.format(source=source))
+
+
+def _checked(text: str, source: str, lines_before: int, checker: RequestChecker,
+             previous: TraceRequest | None) -> Generator[TraceRequest, None, TraceRequest | None]:
+    """The requests of a chunk of lines that are not all plain, decoded in one call of the C
+    parser (line by line where the chunk does not decode, so a mistake names its line), then
+    checked one at a time, and against `previous` for the arrival order unless it is None;
+    returns the last one."""
+    objects = _decode_jsonl_fast(text)
+    if objects is None:
+        objects = [_decode_json(line, f"{source}: line {number}")
+                   for number, line in enumerate(text.split("\n"), lines_before + 1)
+                   if line.strip()]
+    for raw in objects:
+        request = checker.check(raw)
+        if previous is not None and request.arrival_s < previous.arrival_s:
+            raise _request_error(
+                source, checker.count - 1, request.id,
+                f"arrival_s {_show(request.arrival_s)} is earlier than request "
+                f"#{checker.count - 2}'s {_show(previous.arrival_s)}: a JSON Lines trace "
+                "is read as it is replayed, so its requests must be in arrival order; sort "
+                "its lines by arrival_s (or save it as .json, which is loaded whole)")
+        previous = request
+        yield request
+    return previous
 
 
 def _in_order(previous: TraceRequest | None, requests: list[TraceRequest]) -> bool:
@@ -107,55 +119,13 @@ def open_trace_stream(path: str | os.PathLike[str]) -> TraceStream | None:
     header checked now), else None."""
     source = str(path)
     try:
-        with _open(path) as file:
-            first = _read(file, source, header=True)
+        with open_trace_file(path) as file:
+            first = read_first_line(file, source)
     except (OSError, TraceError):
         return None  # the whole-file loader reports what is wrong
-    try:
-        text = first.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        return None
-    header = jsonl_header(text)
+    header = jsonl_header(first_line_text(first))
     if header is None:
         return None
     default_name = trace_stem(path).encode("utf-8", "backslashreplace").decode("utf-8")
     name, hash_block_size = parse_trace_header(header, source, default_name, streamed=True)
     return TraceStream(path, name, hash_block_size)
-
-
-def _open(path: str | os.PathLike[str]) -> IO[bytes]:
-    file = Path(path).open("rb")
-    if file.read(2) == GZIP_MAGIC:
-        file.seek(0)
-        return gzip.GzipFile(fileobj=file, mode="rb")
-    file.seek(0)
-    return file
-
-
-def _read(file: IO[bytes], source: str, header: bool = False) -> bytes:
-    """The next chunk of bytes (about JSONL_CHUNK), or the first line with `header`."""
-    try:
-        return file.readline() if header else file.read(JSONL_CHUNK)
-    except (OSError, EOFError) as error:
-        raise TraceError(f"{source}: a damaged gzip file: {error}") from None
-
-
-def _chunks(file: IO[bytes], source: str) -> Iterator[bytes]:
-    """The rest of the file in whole lines, about JSONL_CHUNK bytes at a time (the last line
-    may lack its newline)."""
-    tail = b""
-    while True:
-        data = _read(file, source)
-        if not data:
-            if tail:
-                yield tail
-            return
-        data = tail + data
-        end = data.rfind(b"\n") + 1
-        if end == 0:  # no line ends in it yet: read on
-            tail = data
-            continue
-        yield data[:end]
-        tail = data[end:]
-
-

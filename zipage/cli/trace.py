@@ -72,8 +72,7 @@ def cmd_trace_make(args: argparse.Namespace) -> int:
 
 
 def cmd_trace_import(args: argparse.Namespace) -> int:
-    from zipage.trace import save_trace
-    from zipage.trace_import import ImportOptions, import_trace, parse_window
+    from zipage.trace_import import ImportOptions, import_trace_file, parse_window
 
     output = Path(args.output)
     if output.is_dir():
@@ -83,9 +82,8 @@ def cmd_trace_import(args: argparse.Namespace) -> int:
         window=parse_window(args.window) if args.window is not None else None,
         speedup=args.speedup, sample=args.sample, seed=args.seed,
         max_model_len=args.max_model_len, name=args.name)
-    trace, report = import_trace(args.format, args.file, options)
     output.parent.mkdir(parents=True, exist_ok=True)
-    save_trace(trace, output)
-    print("\n".join(report.lines(trace)))
-    print(f"wrote {args.output}: {len(trace.requests):,} requests")
+    report = import_trace_file(args.format, args.file, output, options)  # rows in, lines out
+    print("\n".join(report.lines()))
+    print(f"wrote {args.output}: {report.imported:,} requests")
     return 0
