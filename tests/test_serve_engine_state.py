@@ -4,7 +4,10 @@
 by a sink: requests that finish at their length, stop at an end-of-sequence token, are aborted
 while running or are rejected by the core. After 12 and after 40 such requests no container of
 the engine loop, its scheduler, block manager, step recorder and its metrics, the model runner
-and its compressor may be larger: what grows with the requests served is a leak.
+and its compressor may be larger: what grows with the requests served is a leak. The same two
+levels down (a dict of lists, a list of objects) for the paths a server also takes: output and
+prompt log-probabilities, n forked samples, a seed, prefix-cache hits, aborts of waiting and of
+running requests.
 """
 
 from __future__ import annotations
@@ -90,3 +93,72 @@ def test_nothing_grows_with_the_number_of_requests_served(core):
     grown = {name: (after_12[name], size) for name, size in after_40.items()
              if size > after_12.get(name, 0)}
     assert grown == {}, f"grew with requests served (after 12, after 40): {grown}"
+
+
+def _deep_sizes(owner, prefix: str, depth: int = 2) -> dict[str, int]:
+    """len() of every container reachable from `owner`'s attributes through containers and
+    objects, `depth` levels down (what one level hides: a dict of lists, a list of objects)."""
+    sizes: dict[str, int] = {}
+
+    def walk(value, path: str, level: int) -> None:
+        if isinstance(value, (list, dict, set, frozenset, tuple)) or hasattr(value, "maxlen"):
+            sizes[path] = len(value)
+            if level < depth:
+                items = value.values() if isinstance(value, dict) else value
+                for index, item in enumerate(list(items)[:64]):
+                    walk(item, f"{path}[{index}]", level + 1)
+        elif level < depth and (hasattr(value, "__dict__") or hasattr(type(value), "__slots__")):
+            if isinstance(value, (str, bytes, int, float)) or type(value).__module__ == "torch":
+                return
+            for name, item in _attributes(value):
+                walk(item, f"{path}.{name}", level + 1)
+
+    for name, value in _attributes(owner):
+        walk(value, f"{prefix}.{name}", 0)
+    return sizes
+
+
+def _serve_with_logprobs_samples_and_aborts(core, first: int, count: int) -> None:
+    """The per-request paths a server also takes: log-probabilities of the output and of the
+    prompt (echo), n samples forked from one prompt, a seed, a prompt over one block (hashed by
+    the prefix cache), and aborts of a request still waiting and of a request running. The same
+    prompts every round: the prefix cache's index then holds the same blocks."""
+    long_prompt = list(range(1, 40))
+    for base in range(first, first + count, 4):
+        names = [f"x{base + offset}" for offset in range(4)]
+        core._add(Add(names[0], long_prompt, SamplingParams(max_tokens=3, ignore_eos=True,
+                                                            logprobs=5, prompt_logprobs=5)))
+        core._add(Add(names[1], [4, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True, n=3,
+                                                          seed=7),
+                      [f"{names[1]}#1", f"{names[1]}#2"]))
+        core._add(Add(names[2], long_prompt, SamplingParams(max_tokens=50, ignore_eos=True)))
+        core._add(Add(names[3], [7, 8], SamplingParams(max_tokens=50, ignore_eos=True)))
+        core._abort(names[3])  # still waiting
+        core._publish(core.loop.step())
+        core._abort(names[2])  # running
+        while core.loop.scheduler.has_unfinished():
+            core._publish(core.loop.step())
+        core._publish(None)
+
+
+def test_nothing_grows_with_logprobs_samples_or_aborts_two_levels_down(core):
+    def sizes():
+        loop = core.loop
+        found = {}
+        for name, owner in {"core": core, "loop": loop, "scheduler": loop.scheduler,
+                            "block_manager": loop.scheduler.block_manager,
+                            "recorder": loop.recorder, "runner": loop.runner}.items():
+            found.update(_deep_sizes(owner, name))
+        return found
+
+    _serve_with_logprobs_samples_and_aborts(core, 0, 4)
+    after_4 = sizes()
+    _serve_with_logprobs_samples_and_aborts(core, 4, 12)
+    after_16 = sizes()
+    # The block manager's free queue drops the entries of blocks taken from the prefix cache
+    # lazily, when they reach its front: it grows towards a bound set by the cache's hit rate,
+    # never past the blocks there are times (1 + blocks reused / blocks allocated per request).
+    grown = {name: (after_4.get(name, 0), size) for name, size in after_16.items()
+             if size > after_4.get(name, 0) and not name.endswith("block_manager._free_queue")}
+    assert grown == {}, f"grew with requests served (after 4, after 16): {grown}"
+    assert core.loop.tokens == {} and not core.loop.scheduler.has_unfinished()

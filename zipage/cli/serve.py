@@ -17,7 +17,12 @@ from zipage.cli.flags import (
 )
 from zipage.core.routing import LEAST_LOADED, ROUTING_POLICIES
 from zipage.errors import ZipageError
-from zipage.serve import DEFAULT_MAX_BODY_BYTES
+from zipage.serve import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+)
 
 
 def add_parser(commands) -> None:
@@ -50,9 +55,20 @@ def add_parser(commands) -> None:
     serve.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM or SIGINT, wait at most this long for the requests in "
                             "flight, then fail the rest and exit (default 30)")
-    serve.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+    serve.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                       metavar="SECONDS",
                        help="close a connection that has not sent a request's headers this "
-                            "long after it opened or after its last response (default 10)")
+                            "long after it opened or after its last response "
+                            f"(default {DEFAULT_HEADER_TIMEOUT_S:g})")
+    serve.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                       metavar="SECONDS",
+                       help="answer 408 and close a connection whose request body is not "
+                            "complete this long after its headers "
+                            f"(default {DEFAULT_BODY_TIMEOUT_S:g})")
+    serve.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                       metavar="N",
+                       help="answer 503 and close a connection opened while N are open "
+                            f"(default {DEFAULT_MAX_CONNECTIONS})")
     serve.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
                        help="close an idle keep-alive connection after this long (default 5)")
     parallel = serve.add_argument_group("replicas (docs/serve.md, 'Data parallel')")
@@ -112,12 +128,14 @@ def _check_serve_flags(args: argparse.Namespace) -> str | None:
         raise ZipageError(f"--max-waiting: got {args.max_waiting}, expected >= 1")
     if args.max_body_bytes < 1:
         raise ZipageError(f"--max-body-bytes: got {args.max_body_bytes}, expected >= 1")
+    if args.max_connections < 1:
+        raise ZipageError(f"--max-connections: got {args.max_connections}, expected >= 1")
     if args.data_parallel < 1:
         raise ZipageError(f"--data-parallel: got {args.data_parallel}, expected >= 1 replicas")
     if args.max_engine_restarts < 0:
         raise ZipageError(f"--max-engine-restarts: got {args.max_engine_restarts}, "
                           "expected >= 0")
-    for flag in ("drain_timeout", "header_timeout", "keep_alive_timeout"):
+    for flag in ("drain_timeout", "header_timeout", "body_timeout", "keep_alive_timeout"):
         value = getattr(args, flag)
         if not value > 0:
             raise ZipageError(f"--{flag.replace('_', '-')}: got {value}, expected seconds > 0")
@@ -239,12 +257,13 @@ def _http_server(args: argparse.Namespace, engine, tokenizer, name: str, api_key
     import uvicorn
 
     from zipage.serve.app import build_app
-    from zipage.serve.listen import DRAIN_GRACE_S, DrainingServer, protocol_with_header_timeout
+    from zipage.serve.listen import DRAIN_GRACE_S, DrainingServer, guarded_protocol
 
     app = build_app(engine, tokenizer, name, max_waiting=args.max_waiting,
                     api_key=api_key, max_body_bytes=args.max_body_bytes)
     config = uvicorn.Config(app, log_level="warning",
-                            http=protocol_with_header_timeout(args.header_timeout),
+                            http=guarded_protocol(args.header_timeout, args.body_timeout,
+                                                  args.max_connections),
                             timeout_keep_alive=args.keep_alive_timeout,
                             timeout_graceful_shutdown=args.drain_timeout + DRAIN_GRACE_S)
     server = DrainingServer(config, args.drain_timeout, lambda: engine.close(

@@ -12,3 +12,9 @@ The `serve` extra installs what they need: pip install 'zipage[serve]'.
 # million-token context as text or ~1M token ids, and bounds what one request can make the HTTP
 # process parse and hold.
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+# Slow and numerous clients (`zipage serve --header-timeout`, `--body-timeout`,
+# `--max-connections`; zipage/serve/listen.py): each open connection holds memory (the part of a
+# body received), so both how long one may take and how many may be open are bounded.
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0  # an 8 MiB body (the default --max-body-bytes) at 2.3 Mbit/s
+DEFAULT_MAX_CONNECTIONS = 2048  # 4x the default --max-num-seqs of running requests

@@ -44,10 +44,13 @@ from zipage.serve.protocol import (
     SamplingFields,
     ServeError,
     error_body,
+    not_utf8_message,
     short,
+    unparsable_body_message,
     validation_message,
 )
 from zipage.serve.replicas import ReplicaSet
+from zipage.serve.text_bound import max_prompt_tokens, max_token_bytes, too_long_reason
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
@@ -72,6 +75,10 @@ class Server:
         # what matters is that the event loop (streams, /health) never waits for one.
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="zipage-tokenize")
         self.token_text = TokenText(tokenizer)  # each token's text alone (log-probabilities)
+        # A text too long to ever fit is refused before it is tokenized (text_bound.py).
+        self.token_bytes = max_token_bytes(tokenizer)
+        self.prompt_tokens = (None if self.token_bytes is None else
+                              max_prompt_tokens(engine.admission))
 
     # ---------------------------------------------------------------- admission
 
@@ -143,6 +150,7 @@ class Server:
         if self.tokenizer is None:
             raise ServeError(400, "prompt: this model has no tokenizer (random weights); send "
                                   "token ids", "prompt")
+        self.refuse_if_too_long(prompt, "prompt")
         try:
             return list(self.tokenizer.encode(prompt))
         except Exception as error:  # noqa: BLE001 - the text is what it refused
@@ -155,14 +163,27 @@ class Server:
             raise ServeError(400, "messages: this model has no chat template; use "
                                   "/v1/completions", "messages")
         try:
-            ids = self.tokenizer.apply_chat_template(body.plain_messages(),
-                                                     add_generation_prompt=True, tokenize=True)
+            messages = body.plain_messages()
+            if self.token_bytes is not None:  # the text the template makes, then its tokens
+                self.refuse_if_too_long(self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=False), "messages")
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=True)
+        except ServeError:
+            raise
         except Exception as error:  # the template's own complaint (roles, order)
             raise ServeError(400, f"messages: the chat template refused them: {error}",
                              "messages") from None
         if hasattr(ids, "keys"):  # some transformers versions return a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
+
+    def refuse_if_too_long(self, text: str, field: str) -> None:
+        """A 400 for a text that is over the longest prompt whatever its tokens."""
+        reason = too_long_reason(text, self.token_bytes, self.prompt_tokens)
+        if reason is not None:
+            self.metrics.rejected.inc()
+            raise ServeError(400, reason.replace("prompt:", f"{field}:", 1), field)
 
     # ---------------------------------------------------------------- running a request
 
@@ -356,8 +377,7 @@ def build_app(engine: ReplicaSet, tokenizer, model_name: str, *,
             message = (f"route: {request.method} is not allowed on {short(request.url.path)} "
                        f"(allowed: {error.headers.get('Allow', '?') if error.headers else '?'})")
         elif error.detail == "There was an error parsing the body":  # FastAPI's, not JSON
-            message = ("body: could not be parsed (not UTF-8, or a number too long for JSON); "
-                       "send a JSON object")
+            message = unparsable_body_message(error.__cause__)
         else:
             message = str(error.detail)
         return _error(status, message, None, headers=error.headers)
@@ -415,6 +435,7 @@ def build_app(engine: ReplicaSet, tokenizer, model_name: str, *,
 
 
 _KINDS = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}
+_ENCODING_BYTES = 4  # JSON's first 4 bytes tell UTF-8 from UTF-16 and UTF-32 (RFC 4627)
 
 
 def _error(status: int, message: str, param: str | None, headers=None) -> JSONResponse:
@@ -465,16 +486,23 @@ class _Gate:
                          headers={"Connection": "close"})(scope, receive, send)
             return
         received = 0
+        head = b""  # the body's first bytes, until they tell its encoding
 
         async def counted():
-            nonlocal received
+            nonlocal received, head
             message = await receive()
             if message["type"] == "http.request":
-                received += len(message.get("body", b""))
+                chunk = message.get("body", b"")
+                received += len(chunk)
+                # FastAPI re-raises its own HTTPException from a body read: the handler above
+                # answers it.
                 if received > self.max_body_bytes:
-                    # FastAPI re-raises its own HTTPException from a body read: the handler
-                    # above answers it.
                     raise HTTPException(413, self._too_large(), headers={"Connection": "close"})
+                if len(head) < _ENCODING_BYTES:
+                    head += chunk[:_ENCODING_BYTES - len(head)]
+                    problem = not_utf8_message(head, more=message.get("more_body", False))
+                    if problem is not None:
+                        raise HTTPException(400, problem)
             return message
 
         await self.app(scope, counted, send)

@@ -2,11 +2,13 @@
 
 `EngineClient.start` spawns the engine process and blocks until its model is loaded, before the
 server listens; a bad model file raises the child's one-line `ZipageError` here. Once the event
-loop runs, `attach` watches the socket: each `StepUpdate` is read on the event loop (one message
-per engine step, however many requests it carries) and each request's tokens go to its own
-`asyncio.Queue`. Requests and aborts go out as they come (`submit`, `abort`). If the engine
-process dies, every request in flight gets an error and a new engine process is started from the
-same `Setup` (new requests get 503 and /health is unhealthy until it is ready). More than
+loop runs, `attach` hands the socket to an `EngineChannel` (zipage/serve/channel.py): each
+`StepUpdate` is read on the event loop (one message per engine step, however many requests it
+carries, reassembled however its bytes arrive) and each request's tokens go to its own
+`asyncio.Queue`. Requests and aborts go out as they come (`submit`, `abort`), never blocking the
+loop. If the engine process dies, every request in flight gets an error and a new engine process
+is started from the same `Setup` (new requests get 503 and /health is unhealthy until it is
+ready), and `on_restarted` is told (a router forgets what it routed there). More than
 `max_restarts` restarts within `RESTART_WINDOW_S` call `on_fatal`: the server exits, for a
 supervisor to restart it whole.
 
@@ -32,6 +34,7 @@ from zipage.core.routing import ReplicaLoad
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.errors import ZipageError
+from zipage.serve.channel import EngineChannel
 from zipage.serve.metrics import ServerMetrics
 from zipage.serve.wire import IDLE, Abort, Add, EngineFailed, Ready, Setup, StartupFailed, StepUpdate, Stop
 
@@ -91,6 +94,9 @@ class EngineClient:
         self.setup = setup  # to start a new engine process if this one dies
         self.max_restarts = max_restarts
         self.on_fatal: Callable[[], None] | None = None  # the engine cannot be kept up
+        # A new engine process replaced a dead one: its caches start empty (a router forgets
+        # what it had routed there).
+        self.on_restarted: Callable[[], None] | None = None
         self.fatal: str | None = None  # why, once it could not
         self._restarts: collections.deque[float] = collections.deque()  # when (monotonic)
         self._restart: asyncio.Task | None = None
@@ -106,6 +112,7 @@ class EngineClient:
         self._handles: dict[str, RequestHandle] = {}
         self._ids = itertools.count()
         self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._channel: EngineChannel | None = None  # the socket on the loop, once attached
 
     # ---------------------------------------------------------------- starting and stopping
 
@@ -120,14 +127,15 @@ class EngineClient:
         self.metrics = metrics
         self._event_loop = asyncio.get_running_loop()
         if self.alive:
-            self._event_loop.add_reader(self.connection.fileno(), self._read)
+            self._open_channel()
 
     def close(self, reason: str = "the server is shutting down") -> None:
         """On the event loop: tell the engine to stop, stop reading, fail what is in flight
         (with `reason`, and a 503); no restart after this."""
         self._closing = True
         self.error = self.error or reason
-        self._send_stop()
+        if not self.connection.closed and self.process.poll() is None:
+            self._send(Stop())
         self._detach()
         self._fail_all(self.error)
 
@@ -144,6 +152,7 @@ class EngineClient:
                   file=sys.stderr, flush=True)
 
     def _send_stop(self) -> None:
+        """Off the event loop (`stop_process`): a message this small always fits the socket."""
         if not self.connection.closed and self.process.poll() is None:
             try:
                 self.connection.send(Stop())
@@ -183,12 +192,10 @@ class EngineClient:
         handles = [RequestHandle(first if index == 0 else f"{first}#{index}",
                                  len(prompt_token_ids), now, self.index)
                    for index in range(sampling.n)]
-        try:
-            self.connection.send(Add(first, prompt_token_ids, sampling,
-                                     [handle.seq_id for handle in handles[1:]]))
-        except OSError:
-            self._engine_gone()
-            raise EngineStopped(self.error) from None
+        self._send(Add(first, prompt_token_ids, sampling,
+                       [handle.seq_id for handle in handles[1:]]))
+        if not self.alive:
+            raise EngineStopped(self.error)
         for handle in handles:
             self._handles[handle.seq_id] = handle
         self.num_waiting += len(handles)
@@ -207,25 +214,30 @@ class EngineClient:
             else:
                 self.metrics.finished_request(handle, finish_reason, time.perf_counter())
         if self.alive:
-            try:
-                self.connection.send(Abort(handle.seq_id))
-            except OSError:
-                pass  # the reader learns the engine is gone
+            self._send(Abort(handle.seq_id))
 
     # ---------------------------------------------------------------- the engine's updates
 
-    def _read(self) -> None:
-        """The socket is readable: take every update queued (the loop may have been busy for
-        several steps), then hand the tokens out."""
-        try:
-            while self.connection.poll():
-                message = self.connection.recv()
-                if isinstance(message, StepUpdate):
-                    self._receive(message)
-                elif isinstance(message, EngineFailed):
-                    self.error = message.message
-        except (EOFError, OSError):
+    def _send(self, message) -> None:
+        """To the engine, without waiting (a socket that failed reaches `_engine_gone`)."""
+        if self._channel is not None:
+            self._channel.send(message)
+            return
+        try:  # not attached: the socket is still blocking
+            self.connection.send(message)
+        except OSError:
             self._engine_gone()
+
+    def _open_channel(self) -> None:
+        self._channel = EngineChannel(self.connection.fileno(), self._event_loop,
+                                      self._dispatch, self._engine_gone)
+
+    def _dispatch(self, message) -> None:
+        """One whole message from the engine process."""
+        if isinstance(message, StepUpdate):
+            self._receive(message)
+        elif isinstance(message, EngineFailed):
+            self.error = message.message
 
     def _receive(self, update: StepUpdate) -> None:
         now = time.perf_counter()
@@ -351,7 +363,9 @@ class EngineClient:
         self.error = None
         if self.metrics is not None:
             self.metrics.engine_restarted()
-        self._event_loop.add_reader(connection.fileno(), self._read)
+        if self.on_restarted is not None:
+            self.on_restarted()
+        self._open_channel()
         print(f"zipage serve: {self.label}engine process {process.pid} is ready", file=sys.stderr,
               flush=True)
 
@@ -362,9 +376,10 @@ class EngineClient:
             self.on_fatal()
 
     def _detach(self) -> None:
-        if self._event_loop is not None and not self.connection.closed:
-            if not self._event_loop.is_closed():
-                self._event_loop.remove_reader(self.connection.fileno())
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        if not self.connection.closed:
             self.connection.close()
 
     def _fail_all(self, message: str) -> None:

@@ -13,6 +13,8 @@ Fields the API has and Zipage does not implement are refused by name rather than
 
 from __future__ import annotations
 
+import json
+import sys
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -56,6 +58,35 @@ def error_body(message: str, kind: str, param: str | None, code: int) -> dict:
     if param is not None:
         param = str(param)[:64].encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def not_utf8_message(head: bytes, more: bool) -> str | None:
+    """Why a JSON body starting with `head` is refused as not UTF-8 (RFC 8259: JSON between
+    systems is UTF-8), or None; `more`: the body goes on past `head`. Python's JSON reader would
+    take UTF-16 and UTF-32 by their byte-order marks and zero bytes, and other servers do not: a
+    client must not come to rely on it here."""
+    if len(head) < 4 and more:
+        return None  # too little to tell yet
+    encoding = json.detect_encoding(head)
+    if encoding in ("utf-8", "utf-8-sig"):  # a UTF-8 byte-order mark is still UTF-8
+        return None
+    return (f"body: {encoding.upper()} text (by its first bytes); encode the JSON as UTF-8, "
+            "as RFC 8259 requires")
+
+
+def unparsable_body_message(cause: BaseException | None) -> str:
+    """The message for a body the JSON reader failed on with `cause` (not a syntax error:
+    those are `validation_message`'s)."""
+    if isinstance(cause, RecursionError):
+        return ("body: arrays or objects nested too deeply for the JSON reader; the API's bodies "
+                "need a few levels of nesting, send one of those")
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"body: not valid UTF-8 (byte {cause.start}: {cause.reason}); encode the JSON as "
+                "UTF-8")
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return (f"body: a number longer than {sys.get_int_max_str_digits()} digits; send "
+                "numbers in range (the fields' ranges are in docs/serve.md)")
+    return "body: could not be parsed as JSON; send a JSON object encoded as UTF-8"
 
 
 def _unicode_problem(value: Any, path: str, depth: int = 0) -> str | None:
@@ -195,10 +226,23 @@ class CompletionRequest(SamplingFields):
                          f"0..{MAX_INT} (one prompt per request)")
 
 
+# The roles of OpenAI's chat API (vLLM takes the same): another is a client's mistake, which a
+# chat template would render as some text or refuse with a message of its own.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: str
     content: str | list[dict] | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role):
+        if role not in CHAT_ROLES:
+            raise ValueError(f"{short(role)} is not a chat role; use one of "
+                             f"{', '.join(CHAT_ROLES)}")
+        return role
 
     def text(self) -> str:
         """The content; a list of parts must be text parts (no images here)."""

@@ -11,7 +11,8 @@ reported).
 
 A replica whose engine process dies fails only its own requests in flight (503, as one engine
 does) and is restarted by its `EngineClient`; while it is down the router skips it, so the others
-keep serving. /health is 200 while any replica serves ("degraded" when some are down) and lists
+keep serving, and once it is back the router has forgotten the prefixes routed to it (its new
+prefix cache is empty). /health is 200 while any replica serves ("degraded" when some are down) and lists
 each one. One replica past `--max-engine-restarts` stops the server (exit 1), as one engine does:
 a supervisor restarts it whole.
 
@@ -21,6 +22,7 @@ count), so the app serves one engine or many alike.
 
 from __future__ import annotations
 
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -43,8 +45,11 @@ class ReplicaSet:
         self.block_size = first.info.config.block_size
         self._on_fatal = None
         self.metrics = None  # the server's, once attached
-        if len(clients) > 1:
-            for client in clients:
+        for client in clients:
+            # A restarted replica's prefix cache is empty: prefix affinity must not keep
+            # sending it the prefixes its dead predecessor held.
+            client.on_restarted = functools.partial(self.policy.forget, client.index)
+            if len(clients) > 1:
                 client.label = f"replica {client.index}: "
 
     @classmethod
