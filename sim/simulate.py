@@ -78,7 +78,8 @@ def simulate(trace: Trace | TraceStream, settings: ReplaySettings, *, progress: 
              sink: RecordSink | None = None) -> tuple[dict, Run]:
     """Simulate `trace`; with a `sink` the run is streamed: its records go to the sink as they
     are made (`zipage.rundir.RunWriter`) and the returned `Run` keeps none but the failed
-    requests. A `TraceStream` is read as the simulated clock reaches its requests."""
+    requests. A `TraceStream` (a JSON Lines or production file) is read as the simulated clock
+    reaches its requests."""
     deployment = plan_deployment(settings, contention_factor)
     scheduler = deployment.new_scheduler()
     sequences = iter_trace_sequences(

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-import zipage.trace_stream as trace_stream
+import zipage.trace as trace_module
 from zipage.errors import TraceError
 from zipage.trace import RequestChecker, _decode_json, plain_requests
 from zipage.trace_stream import open_trace_stream
@@ -108,7 +108,7 @@ def read(path: Path, fast: bool, monkeypatch) -> tuple[list[str], str | None]:
     """The stream's requests (as reprs) and the message it stopped with, if any."""
     with monkeypatch.context() as patch:
         if not fast:
-            patch.setattr(trace_stream, "plain_requests", lambda text: None)
+            patch.setattr(trace_module, "plain_requests", lambda text: None)
         seen: list[str] = []
         try:
             for request in open_trace_stream(path):
@@ -135,7 +135,7 @@ def plain_lines(count: int, start: int = 0) -> list[str]:
 ])
 @pytest.mark.parametrize("chunk", [1 << 22, 64])  # one chunk, or a chunk a line or two
 def test_a_stream_reads_the_same_with_the_fast_path_as_without(tmp_path, monkeypatch, odd, chunk):
-    monkeypatch.setattr(trace_stream, "JSONL_CHUNK", chunk)
+    monkeypatch.setattr(trace_module, "JSONL_CHUNK", chunk)
     path = write(tmp_path / "t.jsonl", plain_lines(5) + [odd] + plain_lines(5, start=400))
     assert read(path, True, monkeypatch) == read(path, False, monkeypatch)
 
@@ -148,7 +148,7 @@ def test_the_fast_path_reads_a_plain_trace(tmp_path, monkeypatch):
         return calls[-1]
 
     path = write(tmp_path / "t.jsonl", plain_lines(50), end="")  # no final newline
-    monkeypatch.setattr(trace_stream, "plain_requests", counted)
+    monkeypatch.setattr(trace_module, "plain_requests", counted)
     fast = [repr(request) for request in open_trace_stream(path)]
     assert calls and all(requests is not None for requests in calls)
     assert (fast, None) == read(path, False, monkeypatch)

@@ -4,7 +4,9 @@ A damaged or hostile file — a gzip bomb inflating to one endless line, a JSON 
 gigabyte, a row that never ends — is refused in one line naming the file and the line, after at
 most the reader's bound of it is read; `zipage replay` and `zipage trace import` print that line
 and exit 2. An import keeps a few numbers a row, not the rows' text, and writes its requests as it
-makes them, so its memory follows the row count at a few tens of bytes a row. The bombs here are
+makes them, so its memory follows the row count at a few tens of bytes a row; a replay of a
+production file makes them as the simulator asks. A save writes beside its output under a name of
+its own, so a failed one leaves nothing, and a pipe is fed in place. The bombs here are
 concatenated gzip members (one compressed piece repeated): a few hundred KB on disk, built in
 milliseconds, inflating to far more than any bound.
 """
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import stat
 import tracemalloc
 from pathlib import Path
 
@@ -21,6 +25,7 @@ import pytest
 import zipage.trace as trace_module
 import zipage.trace_import as trace_import
 from zipage.cli.parser import main
+from zipage.core.deployment import iter_trace_sequences
 from zipage.errors import TraceError
 from zipage.trace import (
     MAX_JSON_TRACE_BYTES,
@@ -30,7 +35,7 @@ from zipage.trace import (
     save_trace,
     save_trace_stream,
 )
-from zipage.trace_import import ImportOptions, import_trace, import_trace_file
+from zipage.trace_import import ImportOptions, import_trace, import_trace_file, stream_trace_file
 from zipage.trace_stream import open_trace_stream
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -215,6 +220,41 @@ def test_a_streamed_save_checks_each_request_and_leaves_nothing_behind(tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("name", ["t.jsonl", "t.json.gz"])
+def test_a_failed_save_leaves_nothing_beside_its_output(tmp_path, name):
+    # What was there stays as it was: the old output, and another writer's file under the name
+    # a fixed staging scheme would pick.
+    before = {name: b"the old trace", f"{name}.partial": b"another writer's"}
+    for file, data in before.items():
+        (tmp_path / file).write_bytes(data)
+    trace = load_trace(ROOT / "traces" / "tiny.json")
+    bad = [*trace.requests[:5], type(trace.requests[0])(id="x", arrival_s=2e9, prompt_len=1,
+                                                        output_len=1)]
+    refusal(lambda: save_trace_stream(iter(bad), tmp_path / name, "t"))
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == before
+
+
+def test_a_save_feeds_a_pipe_in_place_and_writes_through_a_link(tmp_path):
+    trace = load_trace(ROOT / "traces" / "tiny.json")
+    expected = tmp_path / "expected.jsonl"
+    save_trace(trace, expected)
+    pipe = tmp_path / "pipe.jsonl"
+    os.mkfifo(pipe)
+    reader = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)  # open first, so the writer never waits
+    try:
+        save_trace(trace, pipe)  # a few KB: within the pipe's buffer
+        fed = os.read(reader, 1 << 20)
+    finally:
+        os.close(reader)
+    assert fed == expected.read_bytes() and stat.S_ISFIFO(pipe.lstat().st_mode)
+    target, link = tmp_path / "target.jsonl", tmp_path / "link.jsonl"
+    link.symlink_to(target.name)
+    save_trace(trace, link)
+    assert link.is_symlink() and target.read_bytes() == expected.read_bytes()
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "expected.jsonl", "link.jsonl", "pipe.jsonl", "target.jsonl"]
+
+
 # ---------------------------------------------------------------- imports
 
 
@@ -241,6 +281,22 @@ def test_an_import_holds_a_few_numbers_a_row(tmp_path, capsys, monkeypatch):
     # the sort order, the sample draws, the statistics), plus ~3 MB however many rows.
     assert peak < rows * 100 + 4 * MIB, f"{peak / rows:.0f} bytes a row"
     assert [r.id for r in load_trace(out).requests[:2]] == ["azure-0", "azure-1"]
+
+
+def test_a_replayed_production_file_holds_a_few_numbers_a_row(tmp_path, monkeypatch):
+    # What the simulator holds of the trace: the rows' numbers, each request made on arrival.
+    monkeypatch.setattr(trace_import, "JSONL_CHUNK", 1 << 16, raising=False)
+    rows = 20_000
+    source = azure_csv(tmp_path / "azure.csv", rows)
+
+    def replay_the_trace() -> None:
+        for _ in iter_trace_sequences(stream_trace_file(source), 32_000, need_tokens=False,
+                                      in_arrival_order=True):
+            pass
+
+    # Loaded whole, the requests take ~350 bytes a row; streamed, ~32 (three numbers, the order).
+    peak = peak_bytes(replay_the_trace)
+    assert peak < rows * 60 + MIB, f"{peak / rows:.0f} bytes a row"
 
 
 def test_an_import_writes_what_import_trace_makes(tmp_path):

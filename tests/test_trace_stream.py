@@ -1,7 +1,8 @@
 """The streamed JSON Lines reader (zipage/trace_stream.py): it yields what the whole-file loader
 loads, checks each request with the loader's messages as it reaches it, refuses requests out of
 arrival order, and `zipage replay` simulates a stream to the same run as the loaded trace, with
-a mistake late in the file still one line and exit status 2 (and no run directory left)."""
+a mistake late in the file still one line and exit status 2 (and no run directory left). A
+production file given to `zipage replay` is streamed too, to the same run."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ from pathlib import Path
 
 import pytest
 
+import zipage.sim.simulate as simulate_module
 from zipage.cli.parser import main
 from zipage.errors import TraceError
-from zipage.trace import JSONL_CHUNK, load_trace, save_trace
-from zipage.trace_stream import open_trace_stream
+from zipage.trace import JSONL_CHUNK, Trace, load_trace, save_trace
+from zipage.trace_import import import_trace, load_trace_file, stream_trace_file
+from zipage.trace_stream import TraceStream, open_trace_stream
 
 ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures" / "traces"
 
 
 def write_jsonl(path: Path, requests: list[dict], header: dict | None = None) -> Path:
@@ -45,7 +49,7 @@ def test_a_stream_yields_what_the_loader_loads(tmp_path, name):
 
 
 def test_chunks_split_lines_anywhere(tmp_path, monkeypatch):
-    import zipage.trace_stream as module
+    import zipage.trace as module  # (the JSON Lines reader both the loader and a stream use)
 
     path = write_jsonl(tmp_path / "t.jsonl", requests(50))
     expected = load_trace(path).requests
@@ -138,4 +142,66 @@ def test_replay_stops_at_a_late_mistake_with_one_line(tmp_path, capsys):
     lines = [line for line in err.splitlines() if line.strip()]
     assert status == 2 and len(lines) == 1, err
     assert "request #35 (id 'r35'): arrival_s 0.0 is earlier" in lines[0]
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------- production files
+
+PRODUCTION = [("azure", "azure_conv_2023_excerpt.csv"), ("azure", "azure_code_2024.csv"),
+              ("burstgpt", "burstgpt.csv"), ("mooncake", "mooncake.jsonl")]
+
+
+def gzipped(tmp_path: Path, name: str, reverse_rows: bool = False) -> Path:
+    """A gzipped copy of a fixture, its data rows reversed if asked (out of time order)."""
+    lines = (FIXTURES / name).read_bytes().splitlines(keepends=True)
+    if reverse_rows:
+        lines = lines[:1] + lines[:0:-1] if name.endswith(".csv") else lines[::-1]
+    path = tmp_path / f"{name}.gz"
+    path.write_bytes(gzip.compress(b"".join(lines)))
+    return path
+
+
+@pytest.mark.parametrize("fmt, name", PRODUCTION)
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_production_file_streams_its_requests_in_arrival_order(tmp_path, fmt, name,
+                                                                  compressed):
+    path = gzipped(tmp_path, name, reverse_rows=True) if compressed else FIXTURES / name
+    stream = stream_trace_file(path)
+    assert isinstance(stream, TraceStream) and not isinstance(stream, Trace)
+    loaded = import_trace(fmt, path)[0]
+    assert stream.name == loaded.name
+    assert list(stream) == loaded.requests == list(stream)  # made anew each time
+
+
+def test_replay_streams_a_production_file_to_the_loaded_trace_s_run(tmp_path, capsys,
+                                                                    monkeypatch):
+    given = []
+
+    def recording(trace, *args, **kwargs):
+        given.append(trace)
+        return simulate(trace, *args, **kwargs)
+
+    simulate = simulate_module.simulate
+    monkeypatch.setattr(simulate_module, "simulate", recording)
+    production = gzipped(tmp_path, "azure_conv_2023_excerpt.csv", reverse_rows=True)
+    whole = tmp_path / "whole.json"  # a JSON trace: loaded whole
+    save_trace(load_trace_file(production), whole)
+    runs = {}
+    for path in (production, whole):
+        runs[path] = tmp_path / f"run-{path.name}"
+        assert main(["replay", str(path), "--no-progress", "--out", str(runs[path])]) == 0
+    capsys.readouterr()
+    assert [isinstance(trace, TraceStream) for trace in given] == [True, False]
+    for name in ("steps.csv", "requests.csv", "decisions.log"):
+        assert (runs[production] / name).read_bytes() == (runs[whole] / name).read_bytes(), name
+
+
+def test_a_production_file_with_nothing_to_replay_is_refused_before_the_run(tmp_path, capsys):
+    path = tmp_path / "failed.csv"
+    path.write_text("Timestamp,Request tokens,Response tokens\n1,5,0\n2,0,7\n")
+    out = tmp_path / "run"
+    assert main(["replay", str(path), "--no-progress", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"zipage: error: {path}: no request left to import (2 rows read; 1 no output tokens (a "
+        "failed request in the source); 1 no prompt tokens)")
     assert not out.exists()

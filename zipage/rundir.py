@@ -31,13 +31,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from operator import attrgetter
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
 from zipage.errors import ConfigError
 from zipage.records import REQUEST_COLUMN_DEFAULTS, REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS, STEP_COLUMNS
 
 if TYPE_CHECKING:
     import pandas as pd
+
+T = TypeVar("T")
 
 SUMMARY_FILE = "summary.json"
 STEPS_FILE = "steps.csv"
@@ -272,18 +274,25 @@ def directory_lock(directory: Path) -> Iterator[None]:
         os.close(handle)
 
 
-def write_file_atomically(path: Path, write: Callable[[Path], object]) -> None:
+def write_file_atomically(path: Path, write: Callable[[Path], T]) -> T:
     """`write(temporary)` writes the file beside `path` (same suffix, for writers that read the
     format from it), which then takes `path`'s name by rename: a reader sees the old file or the
-    new one, whole, never a mix of two writers."""
+    new one, whole, never a mix of two writers; returns what `write` returned. Symbolic links are
+    followed: the file `path` names is replaced, the links stay. A `path` that names no regular
+    file but a pipe, a terminal or a device (/dev/stdout) is written in place: a rename would
+    replace the pipe, not feed it."""
+    if path.exists() and not path.is_file():
+        return write(path)
+    path = Path(os.path.realpath(path))
     temporary = _sibling(path, "writing")
     temporary = temporary.with_name(temporary.name + path.suffix)
     try:
-        write(temporary)
+        result = write(temporary)
         os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+    return result
 
 
 # ---------------------------------------------------------------- reading

@@ -20,10 +20,12 @@ import io
 import itertools
 import json
 import math
+import operator
 import os
 import re
 import reprlib
 import zlib
+from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Iterator
@@ -32,6 +34,7 @@ import numpy as np
 import xxhash
 
 from zipage.errors import ConfigError, TraceError
+from zipage.rundir import write_file_atomically
 
 TRACE_VERSION = 1
 
@@ -170,8 +173,6 @@ def read_trace(file: IO[bytes], source: str, default_name: str | None = None) ->
         first = read_first_line(file, source)
         header = jsonl_header(first_line_text(first))
         if header is not None:
-            from zipage.trace_stream import read_requests  # (that module builds on this one)
-
             name, hash_block_size = parse_trace_header(header, source, default_name,
                                                        streamed=True)
             requests = list(read_requests(file, source, hash_block_size, ordered=False))
@@ -577,13 +578,14 @@ WRITE_BATCH = 4096
 
 def _write_trace_file(path: str | os.PathLike[str], header_fields: dict[str, Any],
                       lines: Iterator[str]) -> int:
-    """Write the layout the name picks (see `save_trace`) next to `path`, then move it there: a
-    file stopped by a bad request, or by the JSON layout's bound, is never left behind."""
+    """Write the layout the name picks (see `save_trace`) beside `path` under a name of its own,
+    then move it there (`write_file_atomically`): a file stopped by a bad request, or by the JSON
+    layout's bound, is never left behind, and two writers of one path never share a file."""
     path = Path(path)
-    partial = path.with_name(path.name + ".partial")
     jsonl = path.name.removesuffix(".gz").endswith(".jsonl")
-    try:
-        with open(partial, "wb") as raw:
+
+    def write(target: Path) -> int:
+        with open(target, "wb") as raw:
             if path.name.endswith(".gz"):
                 compressed = _GzipWriter(raw)
                 count = _write_layout(compressed, header_fields, lines, jsonl, str(path))
@@ -592,11 +594,9 @@ def _write_trace_file(path: str | os.PathLike[str], header_fields: dict[str, Any
                 count = _write_layout(raw, header_fields, lines, jsonl, str(path))
         if not count:
             raise TraceError(EMPTY_TRACE.format(source=path))
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    os.replace(partial, path)
-    return count
+        return count
+
+    return write_file_atomically(path, write)
 
 
 class _GzipWriter:
@@ -1122,3 +1122,61 @@ def _json_type(value: Any) -> str:
         dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"
     }
     return names.get(type(value), "a number")
+
+
+# ---------------------------------------------------------------- JSON Lines requests
+
+def read_requests(file: IO[bytes], source: str, hash_block_size: int,
+                  ordered: bool) -> Iterator[TraceRequest]:
+    """The requests on the lines after a JSON Lines header (`file` is past it), each checked as
+    it is read; `ordered`: refuse one that arrives before the request above it."""
+    checker = RequestChecker(source, hash_block_size)
+    previous: TraceRequest | None = None
+    lines_before = 1  # the header's
+    for chunk in line_chunks(file, source, lines_before + 1, JSONL_CHUNK):
+        text = utf8_text(chunk, source,
+                         lambda offset: text_position(chunk, offset, lines_before))
+        requests = plain_requests(text)
+        if requests is not None and (not ordered or _in_order(previous, requests)) \
+                and checker.check_plain(requests):
+            yield from requests
+            previous = requests[-1]
+            lines_before += len(requests)  # one a line: a chunk of plain lines has no blank
+        else:
+            previous = yield from _checked(text, source, lines_before, checker,
+                                           previous if ordered else None)
+            lines_before += chunk.count(b"\n")
+    if checker.count == 0:
+        raise TraceError(EMPTY_TRACE.format(source=source))
+
+
+def _checked(text: str, source: str, lines_before: int, checker: RequestChecker,
+             previous: TraceRequest | None) -> Generator[TraceRequest, None, TraceRequest | None]:
+    """The requests of a chunk of lines that are not all plain, decoded in one call of the C
+    parser (line by line where the chunk does not decode, so a mistake names its line), then
+    checked one at a time, and against `previous` for the arrival order unless it is None;
+    returns the last one."""
+    objects = _decode_jsonl_fast(text)
+    if objects is None:
+        objects = [_decode_json(line, f"{source}: line {number}")
+                   for number, line in enumerate(text.split("\n"), lines_before + 1)
+                   if line.strip()]
+    for raw in objects:
+        request = checker.check(raw)
+        if previous is not None and request.arrival_s < previous.arrival_s:
+            raise _request_error(
+                source, checker.count - 1, request.id,
+                f"arrival_s {_show(request.arrival_s)} is earlier than request "
+                f"#{checker.count - 2}'s {_show(previous.arrival_s)}: a JSON Lines trace "
+                "is read as it is replayed, so its requests must be in arrival order; sort "
+                "its lines by arrival_s (or save it as .json, which is loaded whole)")
+        previous = request
+        yield request
+    return previous
+
+
+def _in_order(previous: TraceRequest | None, requests: list[TraceRequest]) -> bool:
+    """Whether `requests` come in arrival order, after `previous`."""
+    arrivals = [request.arrival_s for request in requests]
+    return ((previous is None or previous.arrival_s <= arrivals[0])
+            and all(map(operator.le, arrivals, arrivals[1:])))

@@ -10,11 +10,13 @@ Each row becomes one request whose id is the format's name and the row's positio
 (stable under windows and samples), arriving at its timestamp relative to the window's start,
 divided by the speed-up. Rows that cannot become a request (no prompt, no output: a failed call)
 are counted by reason, never silently dropped. `load_trace_file` reads any of these or a Zipage
-trace, telling them apart by content, so `zipage replay` and `zipage plan` take them directly.
-A file is read a chunk of lines at a time and each row kept as a few numbers (`_Rows`), then
-sorted by time; `import_trace_file` writes the requests as they are made, so an import's memory
-follows its row count, not its bytes (docs/traces.md, "Bounded reading"). The formats are
-described in docs/traces.md, "Production traces".
+trace, telling them apart by content, so `zipage replay` and `zipage plan` take them directly;
+`stream_trace_file` is the simulator's reading of the same files. A file is read a chunk of lines
+at a time and each row kept as a few numbers (`_Rows`), then sorted by time (`ProductionStream`),
+and each request is made only when asked for: `import_trace_file` writes them as they are made
+and `zipage replay` simulates them as they arrive, so memory follows the row count, not the
+bytes or the requests (docs/traces.md, "Bounded reading"). The formats are described in
+docs/traces.md, "Production traces".
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from zipage.trace import (
     text_position,
     trace_stem,
 )
+from zipage.trace_stream import TraceStream, open_trace_stream
 
 FORMATS = ("azure", "mooncake", "burstgpt")
 MOONCAKE_HASH_BLOCK = 512  # tokens one Mooncake hash id names (the FAST'25 release's README)
@@ -83,6 +86,12 @@ class ImportReport:
         self.span_s = 0.0  # the last kept request's arrival
         self._prompts, self._outputs = array("q"), array("q")
         self._chains = _PrefixChains()
+
+    def follow(self, requests: Iterator[TraceRequest]) -> Iterator[TraceRequest]:
+        """`requests`, each recorded as kept as it passes."""
+        for request in requests:
+            self.kept(request)
+            yield request
 
     def kept(self, request: TraceRequest) -> None:
         self.imported += 1
@@ -158,32 +167,86 @@ class _Rows:
         self.outputs.append(output_len)
 
 
+# Rows turned into requests per numpy call: their columns are read a block at a time.
+ROW_BLOCK = 1 << 12
+
+
+class ProductionStream:
+    """A production trace read as it is replayed (a `TraceStream`): its rows are read and ordered
+    by time when it is opened, as a few numbers each (`_Rows`), and each request is made only when
+    asked for, in arrival order (file order among equal times), anew each time it is iterated."""
+
+    def __init__(self, fmt: str, path: str | os.PathLike[str],
+                 options: ImportOptions = ImportOptions()) -> None:
+        self.format, self.options = fmt, options
+        self.name = options.name or trace_stem(path)
+        self.rows = _read(fmt, path, options)
+        self.order = np.argsort(np.frombuffer(self.rows.times, dtype=np.float64), kind="stable")
+
+    def __iter__(self) -> Iterator[TraceRequest]:
+        return self.requests(Counter())
+
+    def requests(self, skipped: Counter) -> Iterator[TraceRequest]:
+        """The kept rows as requests; each row not kept is counted in `skipped` by reason."""
+        rows, options = self.rows, self.options
+        if not len(rows):
+            return
+        times = np.frombuffer(rows.times, dtype=np.float64)
+        prompts, outputs = (np.frombuffer(column, dtype=np.int64)
+                            for column in (rows.prompts, rows.outputs))
+        origin = float(times.min())
+        # One draw a row in time order, a block at a time: the same draws as all at once.
+        sampler = np.random.default_rng([options.seed, stable_hash(f"sample\0{self.format}")])
+        start, duration = options.window or (0.0, math.inf)
+        for low in range(0, len(rows), ROW_BLOCK):
+            indices = self.order[low:low + ROW_BLOCK]
+            for index, time_s, prompt_len, output_len, draw in zip(
+                    indices.tolist(), times[indices].tolist(), prompts[indices].tolist(),
+                    outputs[indices].tolist(), sampler.random(len(indices)).tolist()):
+                offset = time_s - origin - start
+                reason = _skip_reason(prompt_len, output_len, offset, duration, draw, options)
+                if reason is not None:
+                    skipped[reason] += 1
+                    continue
+                hashes = rows.hashes[index] if rows.hashes else None
+                yield TraceRequest(
+                    id=f"{self.format}-{index}",
+                    arrival_s=round(offset / options.speedup, ARRIVAL_DECIMALS),
+                    prompt_len=prompt_len, output_len=output_len, block_hashes=hashes,
+                    hash_block_size=MOONCAKE_HASH_BLOCK if hashes is not None else 0)
+
+
 def import_trace(fmt: str, path: str | os.PathLike[str],
                  options: ImportOptions = ImportOptions()) -> tuple[Trace, ImportReport]:
     """Read `path` in production format `fmt` and return the Zipage trace and what was kept."""
-    rows, report = _read(fmt, path, options)
-    requests = list(_requests(rows, fmt, options, report))
+    stream, report = _opened_stream(fmt, path, options)
+    requests = list(report.follow(stream.requests(report.skipped)))
     if not requests:
-        raise _nothing_left(path, report)
-    return Trace(name=options.name or trace_stem(path), requests=requests), report
+        raise _nothing_left(path, report.rows, report.skipped)
+    return Trace(name=stream.name, requests=requests), report
 
 
 def import_trace_file(fmt: str, path: str | os.PathLike[str], output: str | os.PathLike[str],
                       options: ImportOptions = ImportOptions()) -> ImportReport:
     """`import_trace` written to `output` as it is made (`save_trace`'s layouts): memory follows
     the rows' columns, not the requests, so a week of traffic imports on a laptop."""
-    rows, report = _read(fmt, path, options)
-    requests = _requests(rows, fmt, options, report)
+    stream, report = _opened_stream(fmt, path, options)
+    requests = report.follow(stream.requests(report.skipped))
     first = next(requests, None)
     if first is None:
-        raise _nothing_left(path, report)
-    save_trace_stream(itertools.chain([first], requests), output,
-                      options.name or trace_stem(path), first.hash_block_size)
+        raise _nothing_left(path, report.rows, report.skipped)
+    save_trace_stream(itertools.chain([first], requests), output, stream.name,
+                      first.hash_block_size)
     return report
 
 
-def _read(fmt: str, path: str | os.PathLike[str],
-          options: ImportOptions) -> tuple[_Rows, ImportReport]:
+def _opened_stream(fmt: str, path: str | os.PathLike[str],
+                   options: ImportOptions) -> tuple[ProductionStream, ImportReport]:
+    stream = ProductionStream(fmt, path, options)
+    return stream, ImportReport(fmt, rows=len(stream.rows))
+
+
+def _read(fmt: str, path: str | os.PathLike[str], options: ImportOptions) -> _Rows:
     if fmt not in FORMATS:
         raise TraceError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     _check_options(options)
@@ -191,13 +254,13 @@ def _read(fmt: str, path: str | os.PathLike[str],
     rows = _Rows()
     with _opened(path) as file:
         _READERS[fmt](_text_lines(file, source), source, rows)
-    return rows, ImportReport(fmt, rows=len(rows))
+    return rows
 
 
-def _nothing_left(path: str | os.PathLike[str], report: ImportReport) -> TraceError:
-    return TraceError(f"{path}: no request left to import ({report.rows:,} rows read; "
-                      + "; ".join(f"{count:,} {reason}" for reason, count in
-                                  report.skipped.items()) + ")")
+def _nothing_left(path: str | os.PathLike[str], rows: int, skipped: Counter) -> TraceError:
+    return TraceError(f"{path}: no request left to import ({rows:,} rows read; "
+                      + "; ".join(f"{count:,} {reason}" for reason, count in skipped.items())
+                      + ")")
 
 
 def detect_format(path: str | os.PathLike[str]) -> str:
@@ -233,6 +296,21 @@ def load_trace_file(path: str | os.PathLike[str]) -> Trace:
     if fmt == "zipage":
         return load_trace(path)
     return import_trace(fmt, path)[0]
+
+
+def stream_trace_file(path: str | os.PathLike[str]) -> Trace | TraceStream:
+    """Any trace file, as the simulator replays it: a JSON Lines trace or a production trace
+    read as the simulated clock reaches its requests (a `TraceStream`), a JSON trace loaded
+    whole. A production file's rows are all read now, so a malformed row, or none left to
+    replay, is refused before the run starts."""
+    fmt = detect_format(path)
+    if fmt == "zipage":
+        return open_trace_stream(path) or load_trace(path)
+    stream = ProductionStream(fmt, path)
+    skipped: Counter = Counter()
+    if next(stream.requests(skipped), None) is None:
+        raise _nothing_left(path, len(stream.rows), skipped)
+    return stream
 
 
 def parse_window(text: str) -> tuple[float, float]:
@@ -299,43 +377,6 @@ def _text_lines(file: IO[bytes], source: str) -> Iterator[str]:
                              f"legacy encoding?); re-save the file as UTF-8") from None
         yield from io.StringIO(text)  # split at "\n" only, as the CSV reader wants
         lines_before += chunk.count(b"\n")
-
-
-# Rows turned into requests per numpy call: their columns are read a block at a time.
-ROW_BLOCK = 1 << 12
-
-
-def _requests(rows: _Rows, fmt: str, options: ImportOptions,
-              report: ImportReport) -> Iterator[TraceRequest]:
-    """The rows as requests, in time order (file order among equal times), each made only when
-    asked for; the rows skipped are counted in `report`, the requests kept described there."""
-    if not len(rows):
-        return
-    times = np.frombuffer(rows.times, dtype=np.float64)
-    prompts, outputs = (np.frombuffer(column, dtype=np.int64)
-                        for column in (rows.prompts, rows.outputs))
-    origin = float(times.min())
-    order = np.argsort(times, kind="stable")  # stable: file order among equal times
-    # One draw a row in time order, a block at a time: the same draws as all at once.
-    sampler = np.random.default_rng([options.seed, stable_hash(f"sample\0{fmt}")])
-    start, duration = options.window or (0.0, math.inf)
-    for low in range(0, len(rows), ROW_BLOCK):
-        indices = order[low:low + ROW_BLOCK]
-        for index, time_s, prompt_len, output_len, draw in zip(
-                indices.tolist(), times[indices].tolist(), prompts[indices].tolist(),
-                outputs[indices].tolist(), sampler.random(len(indices)).tolist()):
-            offset = time_s - origin - start
-            reason = _skip_reason(prompt_len, output_len, offset, duration, draw, options)
-            if reason is not None:
-                report.skipped[reason] += 1
-                continue
-            hashes = rows.hashes[index] if rows.hashes else None
-            request = TraceRequest(
-                id=f"{fmt}-{index}", arrival_s=round(offset / options.speedup, ARRIVAL_DECIMALS),
-                prompt_len=prompt_len, output_len=output_len, block_hashes=hashes,
-                hash_block_size=MOONCAKE_HASH_BLOCK if hashes is not None else 0)
-            report.kept(request)
-            yield request
 
 
 def _skip_reason(prompt_len: int, output_len: int, offset: float, duration: float, draw: float,

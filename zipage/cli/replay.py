@@ -51,14 +51,14 @@ def add_parser(commands) -> None:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from zipage.trace_import import load_trace_file
-    from zipage.trace_stream import open_trace_stream
+    from zipage.trace_import import load_trace_file, stream_trace_file
 
     engine = "gpu" if args.gpu else args.engine
     # The simulator streams its run into --out itself (`_simulate_streamed`), and reads a JSON
-    # Lines trace as its clock reaches the requests (docs/traces.md, 'Streamed traces').
+    # Lines or production trace as its clock reaches the requests (docs/traces.md, 'Streamed
+    # traces').
     streamed = engine == "sim" and args.step_times is None
-    trace = (streamed and open_trace_stream(args.trace)) or load_trace_file(args.trace)
+    trace = stream_trace_file(args.trace) if streamed else load_trace_file(args.trace)
     settings = settings_from_args(args)
     if args.out is not None:
         from zipage.rundir import check_run_out_dir

@@ -159,12 +159,12 @@ def iter_trace_sequences(trace: Trace | TraceStream, vocab_size: int, need_token
 
     `in_arrival_order`: yield them by arrival time (the trace order among equal times), each
     built only when asked for, so a lazy driver holds only the requests that have arrived. A
-    `TraceStream` is always in arrival order, and its requests are read only when asked for
-    too."""
+    `TraceStream` (a JSON Lines or production file read as it is replayed) is always in arrival
+    order, and its requests are made only when asked for too."""
     key_block_size = (scheduler.block_size if block_keys and scheduler is not None
                       and scheduler.config.prefix_cache else None)
     if isinstance(trace, TraceStream):
-        requests = iter(trace)  # read as asked for; the stream checks the arrival order
+        requests = iter(trace)  # made as asked for, in arrival order
     else:
         requests = trace.requests
         if in_arrival_order:
