@@ -90,15 +90,21 @@ def _bin_step_chunks(chunks: Callable[[], Iterable[pd.DataFrame]], bins: int) ->
     covered = integrals["covered"]
 
     def time_weighted_mean(name: str) -> np.ndarray:
+        # NaN where no step covers the bin. A bin that steps barely touch can come out with a
+        # covered time of 0 (or a few ulps) beside an integral of a few ulps: that is no share.
         with np.errstate(divide="ignore", invalid="ignore"):
-            return integrals[name] / covered
+            return np.where(covered > 0, integrals[name] / covered, np.nan)
+
+    def share(name: str) -> np.ndarray:
+        """The share of a bin's covered time in `name`'s steps: 0 where none, never past 1."""
+        return np.clip(np.nan_to_num(time_weighted_mean(name)), 0.0, 1.0)
 
     return _BinnedSteps(
         edges=edges,
         decode_tokens=integrals["decode_tokens"],
         decode_seconds=integrals["decode_seconds"],
-        prefill_share=np.nan_to_num(time_weighted_mean("prefill")),
-        mixed_share=np.nan_to_num(time_weighted_mean("mixed")),
+        prefill_share=share("prefill"),
+        mixed_share=share("mixed"),
         running=time_weighted_mean("running"),
         waiting=time_weighted_mean("waiting"),
         block_occupancy_percent=time_weighted_mean("occupancy"),

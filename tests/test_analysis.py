@@ -555,3 +555,22 @@ def test_compare_on_a_replayed_run_directory(tmp_path):
     assert comparison["decisions"]["identical"]
     assert comparison["request_time"]["finished_in_both"] == 18
     assert comparison["step_time"]["duration"]["all"]["mape"] == close(0.0)
+
+
+def test_a_bin_no_step_covers_has_no_share(tmp_path):
+    """The Azure excerpt's replay leaves a bin that no step covers with a prefill integral of a
+    few ulps (the running sums' rounding): its share was 3.5e-18 / 0 = inf, and the plot's
+    100 * share overflowed. A share is 0 there, and never outside [0, 1]."""
+    import warnings
+
+    from zipage.cli.parser import main
+
+    trace = ROOT / "tests" / "fixtures" / "traces" / "azure_conv_2023_excerpt.csv"
+    assert main(["replay", str(trace), "--no-progress", "--decisions", "none",
+                 "--out", str(tmp_path / "run")]) == 0
+    steps = pd.read_csv(tmp_path / "run" / "steps.csv")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        binned = _bin_steps(steps, 400)
+    for share in (binned.prefill_share, binned.mixed_share):
+        assert np.isfinite(share).all() and (share >= 0).all() and (share <= 1).all()
