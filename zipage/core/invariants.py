@@ -404,16 +404,26 @@ class InvariantChecker:
         the step that computes it is planned, so a request admitted later in that step may map
         it. Such a block is written exactly once, by the request computing it, and every other
         holder took it from the index in this very step (the driver stores the step's KV before
-        any attention reads it). And no request maps a block from the index that no request
-        computed before or in this step.
+        any attention reads it), or is a sample forked in this step from one that did (it reads
+        the prompt's KV from the next step on). And no request maps a block from the index that
+        no request computed before or in this step.
+
+        A block is indexed in this step when its (hash, block) pair is new, or when the prefill
+        writing it indexes it under the hash of the position it computes: a freed block keeps its
+        hash until it is handed out again, so a prefill that recomputes the same prompt block
+        into that very block (its lookup stopped at an earlier block that was gone) drops the
+        pair and indexes it again within the step, with the same content.
         """
         manager = self.scheduler.block_manager
         b = self.scheduler.block_size
         writes = []
+        indexed_by_writer = set()
         for item in plan.prefill:
-            table = item.seq.block_table
+            table, hashes = item.seq.block_table, item.seq.prompt_block_hashes
             for index in range(item.num_cached_tokens // b, -(-item.num_tokens // b)):
                 writes.append((item.seq, table[index]))
+                if index < len(hashes) and manager.hash_to_block.get(hashes[index]) == table[index]:
+                    indexed_by_writer.add(table[index])
         for seq in plan.decode:
             if seq.kv_len >= len(seq.block_table) * b:
                 self.fail(f"{seq.seq_id} decodes KV entry {seq.kv_len} beyond its "
@@ -436,8 +446,12 @@ class InvariantChecker:
                     self.fail(f"{item.seq.seq_id} maps block {block} from the prefix cache "
                               "before any request computed it")
                 hits_now.setdefault(block, set()).add(item.seq)
-        indexed_now = {block for entry, block in manager.hash_to_block.items()
-                       if (entry, block) not in self.indexed_before}
+        for fork in plan.forks:  # a sample holds what its leader took from the index now
+            for readers in hits_now.values():
+                if fork.leader in readers:
+                    readers.add(fork.seq)
+        indexed_now = indexed_by_writer | {block for entry, block in manager.hash_to_block.items()
+                                           if (entry, block) not in self.indexed_before}
         for seq, block in writes:
             if writers[block] > 1:
                 self.fail(f"block {block} is written by {writers[block]} requests in one step")
