@@ -374,3 +374,24 @@ def test_two_plans_into_one_out_leave_one_whole_grid(tmp_path):
         assert frame["rank"].tolist() == [f"{winner}{index}" for index in range(grids[winner])]
         assert (out / "pareto.png").read_text() == winner
         assert [path.name for path in out.iterdir() if path.name.startswith(".")] == []
+
+
+def test_a_file_writer_killed_midway_leaves_no_half_file(tmp_path):
+    """write_file_atomically (traces, plans, reports) killed while it writes: the old file stays
+    and the reaper removes the hidden half-written sibling."""
+    target = tmp_path / "day.jsonl.gz"
+    target.write_text("old")
+    script = f"""
+import os, signal
+from pathlib import Path
+from zipage.rundir import write_file_atomically
+
+def write_then_die(temporary):
+    temporary.write_bytes(b"x" * 1000)
+    os.kill(os.getpid(), signal.SIGKILL)
+write_file_atomically(Path({str(target)!r}), write_then_die)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert no_staging_left(tmp_path), "a SIGKILLed file writer left its half-written file"
+    assert target.read_text() == "old"

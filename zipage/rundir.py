@@ -222,7 +222,7 @@ class RunWriter:
 
 
 class _Reaper:
-    """Removes a staging directory if its writer dies before `release`. A `sh` (a millisecond to
+    """Removes a staging directory or file if its writer dies before `release`. A `sh` (a millisecond to
     start, not a Python) blocks reading a pipe whose only writer is this process; the kernel
     closes that end when the process exits in any way, SIGKILL included, and then `rm -rf` runs.
     After `release` the directory is gone (renamed to the run, or discarded), so the same `rm`
@@ -286,12 +286,15 @@ def write_file_atomically(path: Path, write: Callable[[Path], T]) -> T:
     path = Path(os.path.realpath(path))
     temporary = _sibling(path, "writing")
     temporary = temporary.with_name(temporary.name + path.suffix)
+    reaper = _Reaper(temporary)  # a killed writer's half file goes too (a 10M-request trace)
     try:
         result = write(temporary)
         os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+    finally:
+        reaper.release()
     return result
 
 
