@@ -177,7 +177,11 @@ def test_cli_writes_a_profile_and_refuses_what_it_cannot_do(tiny_model, tmp_path
     base = [sys.executable, "-m", "zipage.cli", "calibrate", "--model", str(directory),
             "--block-size", "16", "--window", "4", "--budget", "64", "--kv-memory-gb", "0.01",
             "--repeats", "1", "--out", str(out)]
-    done = subprocess.run(base + ["--engine", "cpu", "--hardware", "h100", "--prefill-graphs"],
+    # The whole path (fit through the engine loop, held-out validation, prefill graphs) on 25 s
+    # of traffic, not the default 150: the wiring is what this test checks; the fit's quality is
+    # tests/test_calibrate_loop.py's.
+    done = subprocess.run(base + ["--engine", "cpu", "--hardware", "h100", "--prefill-graphs",
+                                  "--fit-seconds", "20", "--validation-seconds", "5"],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert json.loads(out.read_text())["gpu"] == "h100-80gb"
