@@ -221,6 +221,9 @@ class RunWriter:
         self._handles = []
 
 
+REAPER_WAIT_S = 1.0  # a reaper whose pipe closed exits in milliseconds
+
+
 class _Reaper:
     """Removes a staging directory or file if its writer dies before `release`. A `sh` (a millisecond to
     start, not a Python) blocks reading a pipe whose only writer is this process; the kernel
@@ -237,10 +240,15 @@ class _Reaper:
 
     def release(self) -> None:
         """The directory is the run's now, or gone: let the reaper exit (and wait for it, so it
-        is no zombie). Safe to call more than once."""
+        is no zombie). Safe to call more than once. A child forked while the pipe was open holds
+        its end too, and then the reaper lives until that child exits (its `rm` finds nothing by
+        then): the wait is bounded, and subprocess reaps it later."""
         if self._process.stdin is not None and not self._process.stdin.closed:
             self._process.stdin.close()
-            self._process.wait()
+            try:
+                self._process.wait(timeout=REAPER_WAIT_S)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def _replace_dir(staging: Path, out: Path) -> None:
