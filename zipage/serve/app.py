@@ -163,19 +163,17 @@ class Server:
             raise ServeError(400, "messages: this model has no chat template; use "
                                   "/v1/completions", "messages")
         try:
-            messages = body.plain_messages()
-            if self.token_bytes is not None:  # the text the template makes, then its tokens
-                self.refuse_if_too_long(self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=False), "messages")
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                     tokenize=True)
+            # The template renders once: its text is checked against the bound, then tokenized
+            # as apply_chat_template(tokenize=True) does (no special tokens added).
+            text = self.tokenizer.apply_chat_template(body.plain_messages(),
+                                                      add_generation_prompt=True, tokenize=False)
+            self.refuse_if_too_long(text, "messages")
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
         except ServeError:
             raise
         except Exception as error:  # the template's own complaint (roles, order)
             raise ServeError(400, f"messages: the chat template refused them: {error}",
                              "messages") from None
-        if hasattr(ids, "keys"):  # some transformers versions return a BatchEncoding
-            ids = ids["input_ids"]
         return list(ids)
 
     def refuse_if_too_long(self, text: str, field: str) -> None:
