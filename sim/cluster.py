@@ -22,6 +22,7 @@ from collections import Counter
 
 import simpy
 
+from zipage.core.arrivals import ArrivalQueue
 from zipage.core.deployment import ReplaySettings, trace_sequences
 from zipage.core.metrics import summarize
 from zipage.core.routing import ROUND_ROBIN, ROUTING_POLICIES, ReplicaLoad, RoundRobin, make_policy
@@ -29,7 +30,7 @@ from zipage.core.sequence import Sequence
 from zipage.errors import ConfigError
 from zipage.records import StepRecord
 from zipage.sim.simulate import plan_deployment
-from zipage.sim.simulator import Simulator
+from zipage.sim.simulator import Simulator, feed
 from zipage.trace import Trace
 
 
@@ -54,13 +55,16 @@ def simulate_cluster(trace: Trace, settings: ReplaySettings, replicas: int = 1,
                for _ in range(replicas)]
     sequences = trace_sequences(trace, deployment.shape.vocab_size, need_tokens=False,
                                 scheduler=engines[0].scheduler, block_keys=True)
-    # A stable sort keeps the trace order among equal arrival times (FCFS), as `Simulator.run`.
-    arrivals = sorted(sequences, key=lambda seq: seq.arrival_s)
-    assignment: list[int] = []
+    # The one arrival rule of every driver (a session's next turn comes after its predecessor
+    # finished, on whichever engine ran it); every engine tells the queue of its finishes.
+    arrivals = ArrivalQueue(sequences)
+    for engine in engines:
+        engine.recorder.follow(arrivals)
     loops = [engine.start() for engine in engines]
-    policy = make_policy(routing, replicas)
-    environment.process(_route(environment, arrivals, engines, policy, assignment))
+    router = _Router(engines, make_policy(routing, replicas))
+    environment.process(_route(environment, arrivals, router))
     environment.run(until=simpy.AllOf(environment, loops))
+    assignment = router.assignment
 
     runs = [engine.result() for engine in engines]
     steps = [step for run in runs for step in run.steps]
@@ -97,18 +101,29 @@ def peak_concurrent_running(step_lists: list[list[StepRecord]]) -> int:
     return peak
 
 
-def _route(environment: simpy.Environment, arrivals: list[Sequence], engines: list[Simulator],
-           policy: RoundRobin, assignment: list[int]):
-    """The router process: each request goes to one engine at its arrival time."""
-    for seq in arrivals:
-        if seq.arrival_s > environment.now:
-            yield environment.timeout(seq.arrival_s - environment.now)
+class _Router:
+    """The router: each request that comes due goes to one engine, by the policy."""
+
+    def __init__(self, engines: list[Simulator], policy: RoundRobin) -> None:
+        self.engines, self.policy = engines, policy
+        self.assignment: list[int] = []
+
+    def add(self, seq: Sequence) -> bool:
         keys = seq.prompt_block_hashes
-        index = policy.choose(keys, [ReplicaLoad(engine.load,
-                                                  engine.scheduler.block_manager.num_used_blocks)
-                                      for engine in engines])
-        policy.routed(index, keys)
-        assignment.append(index)
-        engines[index].submit(seq)
-    for engine in engines:
+        engines = self.engines
+        index = self.policy.choose(keys, [
+            ReplicaLoad(engine.load, engine.scheduler.block_manager.num_used_blocks)
+            for engine in engines])
+        self.policy.routed(index, keys)
+        self.assignment.append(index)
+        return engines[index].submit(seq)
+
+    def refuse(self, seq: Sequence, reason: str) -> None:
+        self.engines[0].refuse(seq, reason)  # (a request never routed: any engine records it)
+
+
+def _route(environment: simpy.Environment, arrivals: ArrivalQueue, router: _Router):
+    """The router process: each request goes to one engine when it comes due."""
+    yield from feed(environment, arrivals, router)
+    for engine in router.engines:
         engine.close()

@@ -63,19 +63,20 @@ class InstantDriver:
         steps, as a server does)."""
         recorder = self.recorder
         arrivals = ArrivalQueue(sequences)
+        recorder.follow(arrivals)
         pending_aborts = sorted((at, seq_id) for seq_id, at in (aborts or {}).items())
         bound = step_bound(sequences, self.scheduler, self.delay_range[1])
         completions: dict[int, int] = {}  # batch id -> step whose result reports it done
         now = 0
         while arrivals.has_pending or self.scheduler.has_unfinished():
-            arrivals.admit_due(recorder.add, now)
+            arrivals.admit_due(recorder, now)
             while pending_aborts and pending_aborts[0][0] <= now:
                 self.scheduler.abort(pending_aborts.pop(0)[1])
             plan = recorder.schedule()
             if plan is None:  # nothing queued: jump to the next arrival, if any
                 if not arrivals.has_pending:
                     break
-                now = max(now + 1, int(arrivals.next_arrival_s))
+                now = max(now + 1, int(arrivals.next_arrival_s))  # (nothing is in flight)
                 continue
             if plan.step_id > bound:
                 raise StepBoundExceeded(f"run exceeded its step bound {bound}")

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import simpy
 
+from zipage.core.arrivals import ArrivalQueue
 from zipage.core.recorder import RecordSink, Run, StepRecorder
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
@@ -64,11 +65,12 @@ class Simulator:
 
     def run(self, sequences: Iterable[Sequence], in_arrival_order: bool = False) -> Run:
         """Replay `sequences`; an iterator already `in_arrival_order` is read lazily, one
-        request at its arrival, so requests not yet arrived take no memory."""
-        arrivals = sequences if in_arrival_order else sorted(sequences,
-                                                             key=lambda seq: seq.arrival_s)
+        request at its arrival, so requests not yet arrived take no memory. A session's next
+        turn arrives when its predecessor has finished (zipage/core/arrivals.py)."""
+        arrivals = ArrivalQueue(sequences, ordered=in_arrival_order)
+        self.recorder.follow(arrivals)
         if self._own_clock:
-            _PlainClock(self).run(iter(arrivals))
+            _PlainClock(self).run(arrivals)
         else:
             engine = self.start()
             self.env.process(self._arrivals(arrivals))
@@ -78,10 +80,16 @@ class Simulator:
     def start(self) -> simpy.Process:
         return self.env.process(self._engine_loop())
 
-    def submit(self, seq: Sequence) -> None:
-        """A request arrives now."""
-        self.recorder.add(seq)
+    def submit(self, seq: Sequence) -> bool:
+        """A request arrives now; False if the core rejected it."""
+        accepted = self.recorder.add(seq)
         self._wake()
+        return accepted
+
+    add = submit  # as an `ArrivalQueue`'s sink
+
+    def refuse(self, seq: Sequence, reason: str) -> None:
+        self.recorder.refuse(seq, reason)
 
     def close(self) -> None:
         self._closed = True
@@ -97,11 +105,8 @@ class Simulator:
 
     # ---- processes ----
 
-    def _arrivals(self, arrivals: Iterable[Sequence]):
-        for seq in arrivals:
-            if seq.arrival_s > self.env.now:
-                yield self.env.timeout(seq.arrival_s - self.env.now)
-            self.submit(seq)
+    def _arrivals(self, arrivals: ArrivalQueue):
+        yield from feed(self.env, arrivals, self)
         self.close()
 
     def _wake(self) -> None:
@@ -155,6 +160,28 @@ class Simulator:
         return duration
 
 
+def feed(env: simpy.Environment, arrivals: ArrivalQueue, sink):
+    """A SimPy process handing `arrivals` to `sink` as they come due (one engine's, or a
+    router's in front of several), until none is left."""
+    woken: list[simpy.Event] = []
+
+    def wake() -> None:  # a finish made a session's next turn due: look again
+        if woken and not woken[-1].triggered:
+            woken[-1].succeed()
+
+    arrivals.on_change = wake
+    while True:
+        arrivals.admit_due(sink, env.now)
+        if not arrivals.has_pending:
+            return
+        due = arrivals.next_arrival_s
+        if not arrivals.waits_for_finishes:  # nothing can come due before `due`
+            yield env.timeout(due - env.now)
+            continue
+        woken[:] = [env.event()]
+        yield woken[0] if due is None else env.timeout(due - env.now) | woken[0]
+
+
 _NO_STOPS: frozenset[str] = frozenset()
 
 # What `_PlainClock`'s events wake: the arrival process, the engine loop (a step ended, or it was
@@ -182,11 +209,12 @@ class _PlainClock:
         self.now: float = 0  # SimPy's clock starts at the int 0 (a first t_start reads "0")
         self.engine = _REQUEST
         self.step: tuple[StepPlan, float] | None = None  # the plan being executed, its start
-        self.due: Sequence | None = None  # the request the arrival process waits for
+        self.arrival_at: float | None = None  # when the arrival process wakes next
         self.result = StepResult(-1, 0.0, 0.0, [], _NO_STOPS)  # the step's, refilled each step
 
-    def run(self, arrivals: Iterator[Sequence]) -> None:
+    def run(self, arrivals: ArrivalQueue) -> None:
         self.arrivals = arrivals
+        arrivals.on_change = self._next_arrival  # a finish made a session's next turn due
         self._engine()  # the engine loop starts first, then the arrivals (as in `run`)
         self._arrive()
         events, pop = self.events, heapq.heappop
@@ -195,7 +223,8 @@ class _PlainClock:
             if wakes == _ENGINE:
                 self._engine()
             elif wakes == _ARRIVAL:
-                self._arrive()
+                if self.now == self.arrival_at:  # (else superseded by an earlier due time)
+                    self._arrive()
             else:  # `Simulator._compress`
                 self.sim._completed_batches.append(batch_id)
                 if self.engine == _BATCH:
@@ -209,27 +238,38 @@ class _PlainClock:
         self.engine = _WOKEN
         self._at(self.now, _ENGINE)
 
-    def _arrive(self) -> None:
-        """`Simulator._arrivals` from where it waited: the request it waited for arrives, and
-        so does every later one due by now; then it waits for the next."""
-        sim, now = self.sim, self.now
-        if self.due is not None:
-            sim.recorder.add(self.due)
-            if self.engine == _REQUEST:
-                self._wake()
-        for seq in self.arrivals:
-            if seq.arrival_s > now:
-                self.due = seq
-                heapq.heappush(self.events,  # `_at`, inline: once a request
-                               (now + (seq.arrival_s - now), next(self.order), _ARRIVAL, -1))
-                return
-            sim.recorder.add(seq)
-            if self.engine == _REQUEST:
-                self._wake()
-        self.due = None
-        sim._closed = True
+    # The arrival queue's sink: `Simulator.submit`, and its refusal.
+    def add(self, seq: Sequence) -> bool:
+        accepted = self.sim.recorder.add(seq)
         if self.engine == _REQUEST:
             self._wake()
+        return accepted
+
+    def refuse(self, seq: Sequence, reason: str) -> None:
+        self.sim.recorder.refuse(seq, reason)
+
+    def _arrive(self) -> None:
+        """`Simulator._arrivals` from where it waited: every request due by now arrives; then it
+        waits for the next due time."""
+        self.arrival_at = None
+        self.arrivals.admit_due(self, self.now)
+        self._next_arrival()
+
+    def _next_arrival(self) -> None:
+        arrivals, now = self.arrivals, self.now
+        if not arrivals.has_pending:
+            if not self.sim._closed:
+                self.sim._closed = True
+                if self.engine == _REQUEST:
+                    self._wake()
+            return
+        due = arrivals.next_arrival_s
+        if due is None:
+            return
+        at = now + (due - now)  # as SimPy computes a timeout's time
+        if self.arrival_at is None or at < self.arrival_at:
+            self.arrival_at = at
+            heapq.heappush(self.events, (at, next(self.order), _ARRIVAL, -1))  # `_at`, inline
 
     def _engine(self) -> None:
         """`Simulator._engine_loop` from where it waited: finish the step that ended, then plan

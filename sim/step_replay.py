@@ -46,9 +46,10 @@ def replay_step_times(trace: Trace, run_dir: str | Path, *, check: bool = False,
     recorder = StepRecorder(scheduler, check=check, log_decisions=True, progress=progress,
                             total=len(sequences))
     arrivals = ArrivalQueue(sequences)
+    recorder.follow(arrivals)
     in_flight: int | None = None
     for step in steps.itertuples(index=False):
-        arrivals.admit_due(recorder.add, step.t_start)
+        arrivals.admit_due(recorder, step.t_start)
         plan = recorder.schedule()
         if plan is None:  # the engine ran more steps than the replay needs: drift
             break

@@ -49,6 +49,10 @@ REQUEST_FIELDS = (
     "block_hashes",
     "output_len",
     "kv_budget",
+    "session",
+    "after",
+    "after_s",
+    "reasoning_len",
 )
 _REQUEST_FIELD_SET = frozenset(REQUEST_FIELDS)
 # The fields of most requests of a production-shaped trace: they take `_plain_request`'s path.
@@ -103,6 +107,13 @@ class TraceRequest:
     `block_hashes` names the prompt's blocks of `hash_block_size` tokens (the trace's, declared once
     at its top level): requests whose leading hashes agree share those blocks' tokens.
     `kv_budget` is the request's own KV budget (None: the deployment's `--budget`).
+
+    Sessions (docs/traces.md, "Sessions"): a request `after` an earlier one is a follow-up, sent
+    `after_s` seconds after that predecessor's last token, never at a time of its own (its
+    `arrival_s` is its session's start, a lower bound drivers only sort by). Its prompt begins
+    with `prefix_len` tokens of the predecessor's history: the predecessor's prompt, then its
+    output without the first `reasoning_len` tokens (the thinking the next turn does not see).
+    `session` names the conversation or agent run (a follow-up's is its predecessor's).
     """
 
     id: str
@@ -115,6 +126,10 @@ class TraceRequest:
     kv_budget: int | None = None
     block_hashes: tuple[int, ...] | None = None
     hash_block_size: int = 0
+    session: str | None = None
+    after: str | None = None
+    after_s: float = 0.0
+    reasoning_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -491,20 +506,32 @@ def parse_trace_header(obj: Any, source: str, default_name: str | None = None,
 EMPTY_TRACE = "{source}: requests is empty; a trace needs at least one request"
 
 
+def session_history(request: TraceRequest) -> int:
+    """Tokens of `request` a turn that follows it sees: its prompt and its output less the
+    thinking (`reasoning_len`)."""
+    return request.prompt_len + request.output_len - request.reasoning_len
+
+
 class RequestChecker:
     """Validates a trace's requests one at a time, in order: each on its own, and against the
-    earlier ones (unique ids, prefix groups that agree). What it keeps of the earlier ones: their
-    ids and, per prefix group, the member of longest prefix."""
+    earlier ones (unique ids, prefix groups that agree, follow-ups that follow an earlier turn of
+    their session). What it keeps of the earlier ones: their ids, per prefix group the member of
+    longest prefix, and per turn of a session three numbers."""
 
     def __init__(self, source: str, hash_block_size: int) -> None:
         self.source, self.hash_block_size = source, hash_block_size
         self.count = 0  # requests checked so far: the next one's index
         self._index_of_id: dict[str, int] = {}
         self._longest_member: dict[str, tuple[int, TraceRequest]] = {}
+        # Per request of a session: (session, the session's start, its history's length), what
+        # a later turn that follows it is checked against (~150 bytes a turn).
+        self._turns: dict[str, tuple[str, float, int]] = {}
 
     def check(self, raw: Any) -> TraceRequest:
         index = self.count
         request = _parse_request(raw, index, self.source, self.hash_block_size)
+        if request.after is not None:
+            request = self._follow_up(request, index)
         first = self._index_of_id.setdefault(request.id, index)
         if first != index:
             raise _request_error(self.source, index, request.id,
@@ -512,8 +539,44 @@ class RequestChecker:
         if request.prefix_group is not None:
             _check_group_consistency(request, request.prefix_group, index,
                                      self._longest_member, self.source)
+        if request.session is not None:
+            self._turns[request.id] = (request.session, request.arrival_s,
+                                       session_history(request))
         self.count += 1
         return request
+
+    def _follow_up(self, request: TraceRequest, index: int) -> TraceRequest:
+        """A follow-up checked against its predecessor, with what it inherits filled in: its
+        session, its session's start (its `arrival_s`) and, by default, the whole history."""
+        def fail(message: str) -> TraceError:
+            return _request_error(self.source, index, request.id, message)
+
+        after = request.after
+        turn = self._turns.get(after)
+        if turn is None:
+            if after in self._index_of_id:
+                raise fail(f"after names {_show(after)}, which is in no session: give that "
+                           f"request a session (the conversation its turns share)")
+            raise fail(f"after names {_show(after)}, which is no request above this one: a "
+                       f"follow-up comes after its predecessor in the file (a missing, later or "
+                       f"own id would make the turns wait forever)")
+        session, start, history = turn
+        if request.session is not None and request.session != session:
+            raise fail(f"session {_show(request.session)} differs from its predecessor's "
+                       f"({_show(session)}); a follow-up stays in its predecessor's session "
+                       f"(drop session to inherit it)")
+        shared = request.prefix_len
+        if shared < 0:
+            if history > request.prompt_len:
+                raise fail(f"the history it follows is {history} tokens (its predecessor's "
+                           f"prompt and output less reasoning_len), longer than prompt_len "
+                           f"{request.prompt_len}: raise prompt_len to include it, or give "
+                           f"prefix_len for a turn that keeps only part of it")
+            shared = history
+        elif shared > history:
+            raise fail(f"prefix_len {shared} is longer than the history it follows ({history} "
+                       f"tokens: its predecessor's prompt and output less reasoning_len)")
+        return dataclasses.replace(request, session=session, arrival_s=start, prefix_len=shared)
 
     def check_plain(self, requests: list[TraceRequest]) -> bool:
         """Take `plain_requests`' requests (each valid on its own) at once when no id among them
@@ -677,8 +740,8 @@ def prompt_token_ids(request: TraceRequest, vocab_size: int = DEFAULT_VOCAB_SIZE
     shared = request.prefix_len if request.prefix_group is not None else 0
     tokens: list[int] = []
     if shared:
-        tokens = _token_stream("prefix_group", request.prefix_group, shared, high)
-    return tokens + _token_stream("request", request.id, request.prompt_len - shared, high)
+        tokens = token_stream("prefix_group", request.prefix_group, shared, high)
+    return tokens + token_stream("request", request.id, request.prompt_len - shared, high)
 
 
 def stamp_arrivals(
@@ -711,7 +774,9 @@ def stamp_arrivals(
         raise ConfigError(f"burst_size must be an integer >= 1, got {burst_size!r}")
     if not _is_integer(seed) or seed < 0:
         raise ConfigError(f"seed must be an integer >= 0, got {seed!r}")
-    num_requests = len(trace.requests)
+    # A session's follow-ups follow its first turn (their arrival_s is its start, not a time
+    # of their own): only the others are stamped.
+    num_requests = sum(request.after is None for request in trace.requests)
     generator = np.random.default_rng([seed, stable_hash(f"arrivals\0{pattern}")])
     if pattern == "poisson":
         gaps = generator.exponential(1.0 / rate_qps, size=num_requests)
@@ -722,13 +787,18 @@ def stamp_arrivals(
         burst_gaps = generator.exponential(burst_size / rate_qps, size=num_bursts)
         burst_gaps[0] = 0.0
         arrivals = np.repeat(np.cumsum(burst_gaps), burst_size)[:num_requests]
-    return Trace(
-        name=trace.name,
-        requests=[
-            dataclasses.replace(request, arrival_s=round(float(arrival), ARRIVAL_DECIMALS))
-            for request, arrival in zip(trace.requests, arrivals)
-        ],
-    )
+    stamped = iter(arrivals)
+    start: dict[str, float] = {}  # request of a session -> its session's new start
+    requests = []
+    for request in trace.requests:
+        if request.after is None:
+            arrival = round(float(next(stamped)), ARRIVAL_DECIMALS)
+        else:
+            arrival = start[request.after]
+        if request.session is not None:
+            start[request.id] = arrival
+        requests.append(dataclasses.replace(request, arrival_s=arrival))
+    return Trace(name=trace.name, requests=requests)
 
 
 def scale_arrivals(trace: Trace, speedup: float) -> Trace:
@@ -802,11 +872,11 @@ def _hashed_blocks(hashes: tuple[int, ...], block_size: int, prompt_len: int,
     # block together with everything before it, so equal hashes after different ones never hit.
     tokens: list[int] = []
     for block_hash in hashes:
-        tokens += _token_stream("block", str(block_hash), block_size, high)
+        tokens += token_stream("block", str(block_hash), block_size, high)
     return tokens[:prompt_len]
 
 
-def _token_stream(namespace: str, key: str, count: int, high: int) -> list[int]:
+def token_stream(namespace: str, key: str, count: int, high: int) -> list[int]:
     # The namespace keeps a group and a request that happen to share a name from sharing tokens.
     generator = np.random.default_rng(stable_hash(f"{namespace}\0{key}"))
     return generator.integers(SYNTHETIC_TOKEN_LOW, high, size=count).tolist()
@@ -843,17 +913,41 @@ def _parse_request(raw: Any, index: int, source: str, hash_block_size: int = 0) 
     def fail(message: str) -> TraceError:
         return _request_error(source, index, request_id, message)
 
-    if "arrival_s" not in raw:
+    after = raw.get("after")
+    if "after" in raw:
+        if type(after) is not str or not after or not _is_unicode(after):
+            raise fail(f"after must be the id of an earlier request (the turn this one "
+                       f"follows), got {_show(after)}" + _surrogate_hint(after))
+        for field in ("arrival_s", "prefix_group", "block_hashes", "prompt_token_ids"):
+            if field in raw:
+                raise fail(f"{field} does not go with after: a follow-up is sent after_s "
+                           f"after its predecessor's last token, and its prompt begins with "
+                           f"the predecessor's history; drop {field}")
+        arrival = 0  # its session's start, filled in by `RequestChecker`
+    elif "arrival_s" not in raw:
         raise fail(
             "arrival_s is missing; give the arrival time in seconds (0 for offline workloads)"
         )
-    arrival = raw["arrival_s"]
+    else:
+        arrival = raw["arrival_s"]
     # Chained comparisons refuse NaN, infinities and integers too large for a float alike.
     if not _is_number(arrival) or not 0 <= arrival <= MAX_ARRIVAL_S:
         raise fail(
             f"arrival_s must be a number between 0 and {MAX_ARRIVAL_S:.0f} (seconds from the "
             f"trace start, not an absolute time), got {_show(arrival)}"
         )
+    after_s = raw.get("after_s", 0.0)
+    if "after_s" in raw:
+        if after is None:
+            raise fail("after_s needs after: name the request this one follows, or drop after_s")
+        if not _is_number(after_s) or not 0 <= after_s <= MAX_ARRIVAL_S:
+            raise fail(f"after_s must be a number of seconds between 0 and "
+                       f"{MAX_ARRIVAL_S:.0f} (the think or tool time after the predecessor's "
+                       f"last token), got {_show(after_s)}")
+    session = raw.get("session")
+    if "session" in raw and (type(session) is not str or not session or not _is_unicode(session)):
+        raise fail(f"session must be a non-empty string (the conversation or agent run the "
+                   f"request belongs to), got {_show(session)}" + _surrogate_hint(session))
 
     has_length, has_ids = "prompt_len" in raw, "prompt_token_ids" in raw
     if has_length == has_ids:
@@ -879,13 +973,22 @@ def _parse_request(raw: Any, index: int, source: str, hash_block_size: int = 0) 
     if "prefix_group" in raw and (type(group) is not str or not group or not _is_unicode(group)):
         raise fail(f"prefix_group must be a non-empty string, got {_show(group)}"
                    + _surrogate_hint(group))
-    if "prefix_len" in raw and group is None:
+    if "prefix_len" in raw and group is None and after is None:
         raise fail(
             "prefix_len needs prefix_group: name the group of requests that share these leading "
             "tokens, or drop prefix_len"
         )
     prefix_len = 0
-    if group is not None:
+    if after is not None:
+        # The predecessor's history this prompt begins with; -1: all of it (`RequestChecker`
+        # knows the history's length and checks both against it).
+        prefix_len = raw.get("prefix_len", -1)
+        if "prefix_len" in raw and (type(prefix_len) is not int
+                                    or not 0 <= prefix_len <= prompt_len):
+            raise fail(f"prefix_len must be an integer between 0 and the prompt length "
+                       f"({prompt_len}): the tokens of the predecessor's history this prompt "
+                       f"begins with, got {_show(prefix_len)}")
+    elif group is not None:
         prefix_len = raw.get("prefix_len", prompt_len)
         if type(prefix_len) is not int or not 1 <= prefix_len <= prompt_len:
             raise fail(
@@ -911,6 +1014,13 @@ def _parse_request(raw: Any, index: int, source: str, hash_block_size: int = 0) 
                    f"request keeps, a multiple of the block size; leave it out for --budget), "
                    f"got {_show(kv_budget)}")
 
+    reasoning_len = raw.get("reasoning_len", 0)
+    if "reasoning_len" in raw and (type(reasoning_len) is not int
+                                   or not 0 <= reasoning_len <= output_len):
+        raise fail(f"reasoning_len must be an integer between 0 and output_len ({output_len}): "
+                   f"the output tokens that are thinking, which the next turn does not see, "
+                   f"got {_show(reasoning_len)}")
+
     return _validated_request(
         id=request_id,
         arrival_s=float(arrival),
@@ -922,6 +1032,10 @@ def _parse_request(raw: Any, index: int, source: str, hash_block_size: int = 0) 
         kv_budget=kv_budget,
         block_hashes=block_hashes,
         hash_block_size=hash_block_size if block_hashes is not None else 0,
+        session=session,
+        after=after,
+        after_s=float(after_s),
+        reasoning_len=reasoning_len,
     )
 
 
@@ -939,7 +1053,8 @@ def _plain_request(raw: dict) -> TraceRequest | None:
         return _validated_request(
             id=request_id, arrival_s=float(arrival), prompt_len=prompt_len,
             output_len=output_len, prompt_token_ids=None, prefix_group=None, prefix_len=0,
-            kv_budget=None, block_hashes=None, hash_block_size=0)
+            kv_budget=None, block_hashes=None, hash_block_size=0, session=None, after=None,
+            after_s=0.0, reasoning_len=0)
     return None
 
 
@@ -996,7 +1111,8 @@ def plain_requests(text: str) -> list[TraceRequest] | None:
         request.__dict__.update(
             id=request_id, arrival_s=arrival, prompt_len=prompt_len, output_len=output_len,
             prompt_token_ids=None, prefix_group=None, prefix_len=0, kv_budget=None,
-            block_hashes=None, hash_block_size=0)
+            block_hashes=None, hash_block_size=0, session=None, after=None, after_s=0.0,
+            reasoning_len=0)
         requests.append(request)
     return requests
 
@@ -1044,17 +1160,28 @@ def _check_group_consistency(
 
 
 def _request_to_json(request: TraceRequest) -> dict[str, Any]:
-    obj: dict[str, Any] = {"id": request.id, "arrival_s": request.arrival_s}
+    obj: dict[str, Any] = {"id": request.id}
+    if request.after is None:
+        obj["arrival_s"] = request.arrival_s
+        if request.session is not None:
+            obj["session"] = request.session
+    else:
+        obj["after"] = request.after
+        if request.after_s:
+            obj["after_s"] = request.after_s
     if request.prompt_token_ids is not None:
         obj["prompt_token_ids"] = list(request.prompt_token_ids)
     else:
         obj["prompt_len"] = request.prompt_len
     if request.prefix_group is not None:
         obj["prefix_group"] = request.prefix_group
+    if request.prefix_group is not None or request.after is not None:
         obj["prefix_len"] = request.prefix_len
     if request.block_hashes is not None:
         obj["block_hashes"] = list(request.block_hashes)
     obj["output_len"] = request.output_len
+    if request.reasoning_len:
+        obj["reasoning_len"] = request.reasoning_len
     if request.kv_budget is not None:
         obj["kv_budget"] = request.kv_budget
     return obj
@@ -1131,31 +1258,34 @@ def read_requests(file: IO[bytes], source: str, hash_block_size: int,
     """The requests on the lines after a JSON Lines header (`file` is past it), each checked as
     it is read; `ordered`: refuse one that arrives before the request above it."""
     checker = RequestChecker(source, hash_block_size)
-    previous: TraceRequest | None = None
+    previous: tuple[int, TraceRequest] | None = None  # the last request not a follow-up
     lines_before = 1  # the header's
     for chunk in line_chunks(file, source, lines_before + 1, JSONL_CHUNK):
         text = utf8_text(chunk, source,
                          lambda offset: text_position(chunk, offset, lines_before))
         requests = plain_requests(text)
-        if requests is not None and (not ordered or _in_order(previous, requests)) \
+        if requests is not None and (
+                not ordered or _in_order(previous and previous[1], requests)) \
                 and checker.check_plain(requests):
             yield from requests
-            previous = requests[-1]
+            previous = (checker.count - 1, requests[-1])
             lines_before += len(requests)  # one a line: a chunk of plain lines has no blank
         else:
-            previous = yield from _checked(text, source, lines_before, checker,
-                                           previous if ordered else None)
+            previous = yield from _checked(text, source, lines_before, checker, previous,
+                                           ordered)
             lines_before += chunk.count(b"\n")
     if checker.count == 0:
         raise TraceError(EMPTY_TRACE.format(source=source))
 
 
 def _checked(text: str, source: str, lines_before: int, checker: RequestChecker,
-             previous: TraceRequest | None) -> Generator[TraceRequest, None, TraceRequest | None]:
+             previous: tuple[int, TraceRequest] | None,
+             ordered: bool) -> Generator[TraceRequest, None, tuple[int, TraceRequest] | None]:
     """The requests of a chunk of lines that are not all plain, decoded in one call of the C
     parser (line by line where the chunk does not decode, so a mistake names its line), then
-    checked one at a time, and against `previous` for the arrival order unless it is None;
-    returns the last one."""
+    checked one at a time, and when `ordered` against the one before for the arrival order (a
+    follow-up has no arrival time of its own: only the others are in order); returns the last
+    of those, with its index."""
     objects = _decode_jsonl_fast(text)
     if objects is None:
         objects = [_decode_json(line, f"{source}: line {number}")
@@ -1163,14 +1293,17 @@ def _checked(text: str, source: str, lines_before: int, checker: RequestChecker,
                    if line.strip()]
     for raw in objects:
         request = checker.check(raw)
-        if previous is not None and request.arrival_s < previous.arrival_s:
+        if request.after is not None:  # released by its predecessor, not at a time of its own
+            yield request
+            continue
+        if ordered and previous is not None and request.arrival_s < previous[1].arrival_s:
             raise _request_error(
                 source, checker.count - 1, request.id,
                 f"arrival_s {_show(request.arrival_s)} is earlier than request "
-                f"#{checker.count - 2}'s {_show(previous.arrival_s)}: a JSON Lines trace "
+                f"#{previous[0]}'s {_show(previous[1].arrival_s)}: a JSON Lines trace "
                 "is read as it is replayed, so its requests must be in arrival order; sort "
                 "its lines by arrival_s (or save it as .json, which is loaded whole)")
-        previous = request
+        previous = (checker.count - 1, request)
         yield request
     return previous
 

@@ -1,32 +1,173 @@
-"""Requests waiting for their arrival time: the one rule every step-loop driver follows to feed the
-scheduler (the real engine on a wall clock, the instant driver on a step count)."""
+"""Requests waiting to arrive: the one rule every driver follows to feed the scheduler (the real
+engine on a wall clock, the simulator on its clock, the instant driver on a step count, a
+step-time replay on an engine's measured clock).
+
+A request arrives at its `arrival_s`, except a follow-up turn of a session (`seq.turn.follows`
+names its predecessor): it arrives `turn.after_s` after its predecessor finished, so a slower
+engine is sent its next turns later, as real users and agents send them (docs/architecture.md,
+'Sessions'). A follow-up whose predecessor failed (rejected or aborted) fails with it, alone.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import heapq
+import itertools
+from collections.abc import Callable, Iterable
+from operator import attrgetter
+from typing import NamedTuple, Protocol
 
-from zipage.core.sequence import Sequence
+from zipage.core.sequence import Sequence, SequenceStatus
+
+_ARRIVAL = attrgetter("arrival_s")
+
+
+class Sink(Protocol):
+    """Where due requests go: a `StepRecorder` (or a router in front of several). `add` answers
+    False for a request the core rejected; `refuse` fails one that will never be added."""
+
+    def add(self, seq: Sequence) -> bool: ...
+
+    def refuse(self, seq: Sequence, reason: str) -> None: ...
+
+
+class Done(NamedTuple):
+    """What a follow-up needs of its finished (or failed) predecessor."""
+
+    seq_id: str
+    time: float  # when it finished (its last token), or failed
+    error: str | None  # None: finished
+    prompt_len: int
+    reasoning_len: int
 
 
 class ArrivalQueue:
-    """A trace's requests in arrival order; `admit_due(now)` adds to the recorder every one whose
-    arrival time has been reached (ties keep trace order)."""
+    """A trace's requests, handed to a sink as they come due.
 
-    def __init__(self, sequences: list[Sequence]) -> None:
-        self._pending = sorted(sequences, key=lambda seq: seq.arrival_s)
-        self._next = 0
+    `sequences`: a list in any order (sorted by arrival here; ties keep their order) or, when
+    `ordered`, an iterable in arrival order read lazily, one request past the present at a time,
+    so a streamed trace holds only what has arrived; its follow-ups may sit anywhere after their
+    predecessor, and are read when the reader passes them (docs/traces.md, 'Sessions', says why
+    a session's turns are written before the requests that start after it).
+
+    `on_release(seq, predecessor)`: called as a follow-up comes due, before it is added (the
+    engine builds its prompt from the predecessor's tokens there)."""
+
+    def __init__(self, sequences: Iterable[Sequence], ordered: bool = False,
+                 on_release: Callable[[Sequence, Done], None] | None = None) -> None:
+        if not ordered:
+            sequences = sorted(sequences, key=_ARRIVAL)
+        self._source = iter(sequences)
+        self._exhausted = False
+        self._on_release = on_release
+        # Due times of what has been read: (time, order, request, its predecessor or None).
+        self._due: list[tuple[float, int, Sequence, Done | None]] = []
+        self._order = itertools.count()
+        self._waiting: dict[str, list[Sequence]] = {}  # predecessor id -> its follow-ups
+        self._live: set[str] = set()  # turns read and not yet done (follow-ups may name them)
+        self._done: dict[str, Done] = {}  # turns done, while a later one may still follow them
+        self._read_to = float("-inf")  # every request arriving by then has been read
+        self.late = 0  # follow-ups read after they were due (a stream written out of order)
+        # Called when a finish or failure made follow-ups due: a driver that waits for the
+        # next due time looks again.
+        self.on_change: Callable[[], None] | None = None
+        if not ordered:
+            self._read(float("inf"))
 
     @property
     def has_pending(self) -> bool:
-        return self._next < len(self._pending)
+        return bool(self._due or self._waiting or not self._exhausted)
 
     @property
     def next_arrival_s(self) -> float | None:
-        """When the next request arrives; None once all have."""
-        return self._pending[self._next].arrival_s if self.has_pending else None
+        """When the next request known now comes due; None while only follow-ups of requests in
+        flight wait (their predecessor's finish will say when), or once all have arrived."""
+        if not self._exhausted and not self._due:
+            self._read(self._read_to)
+        return self._due[0][0] if self._due else None
 
-    def admit_due(self, add: Callable[[Sequence], object], now: float) -> None:
-        """Hand every request due by `now` to `add` (a `StepRecorder.add`)."""
-        while self.has_pending and self._pending[self._next].arrival_s <= now:
-            add(self._pending[self._next])
-            self._next += 1
+    def admit_due(self, sink: Sink, now: float) -> None:
+        """Hand every request due by `now` to `sink`, in order of due time (ties keep the order
+        they became known in: the trace's among equal arrival times)."""
+        self._read(now)
+        due = self._due
+        while due and due[0][0] <= now:
+            due_time, _, seq, predecessor = heapq.heappop(due)
+            if predecessor is None:
+                accepted = sink.add(seq)
+            elif predecessor.error is not None:
+                accepted = False
+                seq.arrival_s = due_time
+                sink.refuse(seq, f"request {seq.seq_id}: the turn it follows, "
+                                 f"{predecessor.seq_id}, failed ({predecessor.error})")
+            else:
+                seq.arrival_s = due_time
+                if self._on_release is not None:
+                    self._on_release(seq, predecessor)
+                accepted = sink.add(seq)
+            if not accepted:
+                self.done(seq, due_time)
+            self._read(now)
+
+    def done(self, seq: Sequence, time: float) -> None:
+        """`seq` finished or failed at `time`: its follow-ups come due then (plus their
+        `after_s`), or at once, to fail with it."""
+        turn = seq.turn
+        if turn is None:
+            return
+        error = None if seq.status is SequenceStatus.FINISHED else (seq.error or "aborted")
+        record = Done(seq.seq_id, time, error, seq.prompt_len, turn.reasoning_len)
+        self._live.discard(seq.seq_id)
+        self._done[seq.seq_id] = record
+        followers = self._waiting.pop(seq.seq_id, None)
+        if followers:
+            for follower in followers:
+                self._follow(follower, record)
+            if self.on_change is not None:
+                self.on_change()
+
+    @property
+    def waits_for_finishes(self) -> bool:
+        """Whether follow-ups wait for requests in flight (a due time may yet come earlier)."""
+        return bool(self._waiting)
+
+    # ---- reading
+
+    def _read(self, now: float) -> None:
+        """Read the source until a request arriving after `now` (kept as the next due)."""
+        if self._exhausted or self._read_to > now:
+            return
+        for seq in self._source:
+            turn = seq.turn
+            if turn is not None:
+                self._live.add(seq.seq_id)
+                if turn.follows is not None:
+                    self._wait(seq, now)
+                    continue
+            heapq.heappush(self._due, (seq.arrival_s, next(self._order), seq, None))
+            if seq.arrival_s > now:
+                self._read_to = seq.arrival_s
+                return
+        self._exhausted = True
+        self._read_to = float("inf")
+        # Follow-ups of a request that never came (a list a caller built by hand; a trace's
+        # loader refuses them) fail rather than wait forever.
+        for follows in [key for key in self._waiting if key not in self._live]:
+            missing = Done(follows, now if now != float("inf") else 0.0,
+                           "it is not among the requests", 0, 0)
+            for follower in self._waiting.pop(follows):
+                self._follow(follower, missing)
+
+    def _wait(self, seq: Sequence, now: float) -> None:
+        follows = seq.turn.follows
+        predecessor = self._done.get(follows)
+        if predecessor is None:
+            self._waiting.setdefault(follows, []).append(seq)
+            return
+        if predecessor.error is None and predecessor.time + seq.turn.after_s < now:
+            self.late += 1
+        self._follow(seq, predecessor)
+
+    def _follow(self, seq: Sequence, predecessor: Done) -> None:
+        """Due `after_s` after its predecessor finished; at once, to fail, if it failed."""
+        time = predecessor.time + (seq.turn.after_s if predecessor.error is None else 0.0)
+        heapq.heappush(self._due, (time, next(self._order), seq, predecessor))

@@ -16,11 +16,12 @@ from zipage.config import ZipageConfig, knob
 from zipage.core.block_manager import prompt_block_hashes
 from zipage.core.memory import GIB, MemoryPlan, available_kv_bytes, plan_memory, weight_bytes
 from zipage.core.scheduler import Scheduler
-from zipage.core.sequence import Sequence
+from zipage.core.sequence import Sequence, Turn
 from zipage.dtypes import DTYPE_BYTES
 from zipage.errors import ConfigError, MemoryPlanError
+from zipage.sessions import SessionKeys, own_tokens
 from zipage.shape import ModelShape
-from zipage.trace import Trace, prompt_block_keys, prompt_token_ids
+from zipage.trace import Trace, TraceRequest, prompt_block_keys, prompt_token_ids
 from zipage.trace_stream import TraceStream
 
 
@@ -160,7 +161,12 @@ def iter_trace_sequences(trace: Trace | TraceStream, vocab_size: int, need_token
     `in_arrival_order`: yield them by arrival time (the trace order among equal times), each
     built only when asked for, so a lazy driver holds only the requests that have arrived. A
     `TraceStream` (a JSON Lines or production file read as it is replayed) is always in arrival
-    order, and its requests are made only when asked for too."""
+    order, and its requests are made only when asked for too.
+
+    A session's turns carry their `Turn`; a follow-up's arrival is decided as the run goes
+    (zipage/core/arrivals.py), and its prompt begins with its predecessor's history: keys that
+    say so (`SessionKeys`), or, with tokens, only its own tokens until the driver prepends the
+    history its predecessor produced (`follow_up_tokens`)."""
     key_block_size = (scheduler.block_size if block_keys and scheduler is not None
                       and scheduler.config.prefix_cache else None)
     if isinstance(trace, TraceStream):
@@ -169,20 +175,39 @@ def iter_trace_sequences(trace: Trace | TraceStream, vocab_size: int, need_token
         requests = trace.requests
         if in_arrival_order:
             requests = sorted(requests, key=lambda request: request.arrival_s)
+
+    def block_keys_of(request: TraceRequest) -> list[int]:
+        keys = prompt_block_keys(request, key_block_size)
+        if keys is None:  # only the tokens tell
+            keys = prompt_block_hashes(prompt_token_ids(request, vocab_size=vocab_size),
+                                       key_block_size)
+        return keys
+
+    # A session's turns: their prompts begin with their predecessors' (zipage/sessions.py).
+    sessions = SessionKeys(key_block_size, block_keys_of) if key_block_size else None
     # Bound once, and the keys made in the loop: both run once a request.
     rejection_reason = scheduler.rejection_reason if scheduler is not None else None
     for request in requests:
         seq = Sequence(request.id, None, request.output_len, request.arrival_s,
                        request.prompt_len, None, request.kv_budget)  # arrival, length, sampling
+        session_turn = None
+        if request.session is not None or request.after is not None:  # (a loaded follow-up
+            # has its predecessor's session; one built by hand may not)
+            seq.turn = Turn(request.session or "", request.after, request.after_s,
+                            request.prefix_len if request.after is not None else 0,
+                            request.reasoning_len)
+            if sessions is not None:
+                session_turn = sessions.note(request)
         if rejection_reason is None or rejection_reason(seq) is None:
             if need_tokens:
-                seq.prompt_token_ids = prompt_token_ids(request, vocab_size=vocab_size)
+                # A follow-up's history is added when it is released (`follow_up_tokens`).
+                seq.prompt_token_ids = (own_tokens(request, vocab_size)
+                                        if request.after is not None
+                                        else prompt_token_ids(request, vocab_size=vocab_size))
+            elif session_turn is not None:
+                seq.prompt_block_hashes = sessions.keys(session_turn)
             elif key_block_size is not None:
-                keys = prompt_block_keys(request, key_block_size)
-                if keys is None:  # only the tokens tell
-                    keys = prompt_block_hashes(prompt_token_ids(request, vocab_size=vocab_size),
-                                               key_block_size)
-                seq.prompt_block_hashes = keys
+                seq.prompt_block_hashes = block_keys_of(request)
         yield seq
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from zipage.core.arrivals import ArrivalQueue
 from zipage.core.invariants import InvariantChecker
 from zipage.core.metrics import MetricsRecorder, RunTotals, request_records
 from zipage.core.scheduler import Scheduler
@@ -88,6 +89,10 @@ class StepRecorder:
         self._stopped: set = set()  # requests the engine stopped at an end-of-sequence token
         self._started = time.perf_counter()
         self._run: Run | None = None
+        # The arrival queue told of finished and aborted requests (`follow`), and the aborted
+        # requests it has been told of.
+        self.arrivals: ArrivalQueue | None = None
+        self._aborted_seen = 0
         # Where there is nothing to do around the scheduler's own, no wrapper call: `schedule`
         # runs every step, `add` every request.
         if self.checker is None and not log_decisions:
@@ -103,6 +108,17 @@ class StepRecorder:
         if not accepted:
             self._advance(1)
         return accepted
+
+    def refuse(self, seq: Sequence, reason: str) -> None:
+        """Fail a request that is never added (a session turn whose predecessor failed)."""
+        self.scheduler.refuse(seq, reason)
+        self._advance(1)
+
+    def follow(self, arrivals: ArrivalQueue) -> None:
+        """Tell `arrivals` of every request that finishes or is aborted from now on: a
+        session's next turn is sent after its predecessor's last token."""
+        self.arrivals = arrivals
+        self._aborted_seen = len(self.scheduler.aborted)
 
     def schedule(self) -> StepPlan | None:
         if self.checker:
@@ -126,11 +142,23 @@ class StepRecorder:
         self.metrics.record_step(plan, result)
         if self.checker:
             self.checker.after_finish()
+        if self.arrivals is not None:
+            self._tell_arrivals(finished_before, result.t_end)
         if len(finished) != finished_before:  # most steps finish nobody (this runs every step)
             self._advance(len(finished) - finished_before)
             if not self.keep_sequences:
                 self._take_finished(finished)
                 finished.clear()
+
+    def _tell_arrivals(self, finished_before: int, now: float) -> None:
+        scheduler, done = self.scheduler, self.arrivals.done
+        for seq in scheduler.finished[finished_before:]:
+            done(seq, seq.finish_time)
+        aborted = scheduler.aborted
+        if len(aborted) != self._aborted_seen:  # aborted between steps, or as a batch ended
+            for seq in aborted[self._aborted_seen:]:
+                done(seq, now)
+            self._aborted_seen = len(aborted)
 
     def result(self, tokens: dict[str, list[int]] | None = None) -> Run:
         """Close the run: final checks, per-request records and the summary (once: a second
@@ -186,6 +214,7 @@ class StepRecorder:
         scheduler = self.scheduler
         scheduler.finished.clear()
         scheduler.aborted.clear()
+        self._aborted_seen = 0
         scheduler.rejected.clear()
         scheduler.admission_order.clear()
         self.metrics.steps.clear()

@@ -148,9 +148,7 @@ class Scheduler:
         """Queue a request; a request that can never be served is rejected alone (False)."""
         reason = self.rejection_reason(seq)
         if reason is not None:
-            seq.status = SequenceStatus.REJECTED
-            seq.error = reason
-            self.rejected.append(seq)
+            self.refuse(seq, reason)
             return False
         # A driver may give the blocks' hashes itself (the simulator's keys); a prompt shorter
         # than a block has none to give.
@@ -170,6 +168,13 @@ class Scheduler:
         seq.slot_blocks = seq.n_max if seq.n_max < whole else whole  # (min, written out)
         self.waiting.append(seq)
         return True
+
+    def refuse(self, seq: Sequence, reason: str) -> None:
+        """Fail a request that is never queued (it cannot be served; a session turn whose
+        predecessor failed), alone, with its reason."""
+        seq.status = SequenceStatus.REJECTED
+        seq.error = reason
+        self.rejected.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -15,7 +15,7 @@ requests in seconds: per step, the core only touches requests that have an event
 from __future__ import annotations
 
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from zipage.core.sampling import SamplingParams
@@ -31,6 +31,17 @@ class SequenceStatus(Enum):
 
 # Bound once: an Enum class's attribute is read through EnumType.__getattr__ (4x a plain read).
 WAITING = SequenceStatus.WAITING
+
+
+class Turn(NamedTuple):
+    """A request's place in a session (docs/architecture.md, 'Sessions'): what the arrival rule
+    and a router read, and what a driver that computes tokens builds a follow-up's prompt from."""
+
+    session: str
+    follows: str | None = None  # the request it follows; None: the session's first turn
+    after_s: float = 0.0  # sent this long after its predecessor's last token
+    shared_len: int = 0  # prompt tokens that are the predecessor's history
+    reasoning_len: int = 0  # its own first output tokens the next turn does not see
 
 
 class DecodeClock:
@@ -50,7 +61,7 @@ class Sequence:
         "settled_kv_len", "settled_output_tokens", "_clock", "steady_since", "steady_epoch",
         "first_admitted_step", "first_token_time", "finish_time", "num_preemptions",
         "max_blocks_after_first_compression", "sampling", "kv_budget", "n_max", "slot_blocks",
-        "kept_tokens", "kept_budget", "fork_of", "prompt_logits",
+        "kept_tokens", "kept_budget", "fork_of", "prompt_logits", "turn",
     )
 
     def __init__(
@@ -114,6 +125,9 @@ class Sequence:
         # The driver needs the logits of every prompt position (prompt log-probabilities): the
         # prompt is computed whole, never taken from the prefix cache.
         self.prompt_logits = False
+        # Its place in a session; None for a request on its own. Only the arrival rule
+        # (zipage/core/arrivals.py) and routers read it.
+        self.turn: Turn | None = None
 
     # ---- counters (derived from the decode clock while steady) ----
 

@@ -18,12 +18,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from zipage.core.arrivals import ArrivalQueue
+from zipage.core.arrivals import ArrivalQueue, Done
 from zipage.core.recorder import Run, StepRecorder
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.core.step import IDLE, StepPlan, StepResult
 from zipage.engine.runner import ModelRunner
+from zipage.sessions import follow_up_tokens
 
 
 @dataclass
@@ -131,13 +132,29 @@ class EngineLoop:
         self.start(total=len(sequences))
         self.collect_logprobs = True
         self.logprobs, self.prompt_logprobs = {}, {}
-        arrivals = ArrivalQueue(sequences)
+        arrivals = ArrivalQueue(sequences, on_release=self._follow_up)
+        self.recorder.follow(arrivals)
         while arrivals.has_pending or self.scheduler.has_unfinished():
             now = self.now()
-            arrivals.admit_due(self.add, now)
+            arrivals.admit_due(self, now)
             if self.step(started_at=now) is None and arrivals.has_pending:
-                time.sleep(max(0.0, arrivals.next_arrival_s - now))
+                due = arrivals.next_arrival_s  # (nothing in flight: a due time is known)
+                time.sleep(max(0.0, due - now) if due is not None else 0.0)
         return self.recorder.result(self.tokens)
+
+    def refuse(self, seq: Sequence, reason: str) -> None:
+        """Fail a request that is never added (a session turn whose predecessor failed)."""
+        self.recorder.refuse(seq, reason)
+
+    def _follow_up(self, seq: Sequence, predecessor: Done) -> None:
+        """A session's next turn comes due: its prompt is the history its predecessor really
+        produced, then its own tokens (held in its prompt until now)."""
+        if seq.prompt_token_ids is None:  # rejected when it was read: it will be again
+            return
+        seq.prompt_token_ids = follow_up_tokens(
+            self.tokens[predecessor.seq_id], predecessor.prompt_len, predecessor.reasoning_len,
+            seq.turn.shared_len, seq.prompt_token_ids)
+        seq.prompt_len = len(seq.prompt_token_ids)
 
 
 def add_prompt_logprobs(stored: list, position: int, entries: list) -> None:
