@@ -89,5 +89,5 @@ def simulate(trace: Trace | TraceStream, settings: ReplaySettings, *, progress: 
                           log_decisions=log_decisions, progress=progress,
                           total=None if isinstance(trace, TraceStream) else len(trace.requests),
                           sink=sink)
-    run = simulator.run(sequences, in_arrival_order=True)
+    run = simulator.run(sequences, in_arrival_order=True, users=settings.users)
     return deployment.summary(run.summary, settings), run

@@ -63,11 +63,13 @@ class Simulator:
         self._request_arrived: simpy.Event | None = None
         self._closed = False  # no more requests will be submitted
 
-    def run(self, sequences: Iterable[Sequence], in_arrival_order: bool = False) -> Run:
+    def run(self, sequences: Iterable[Sequence], in_arrival_order: bool = False,
+            users: int | None = None) -> Run:
         """Replay `sequences`; an iterator already `in_arrival_order` is read lazily, one
         request at its arrival, so requests not yet arrived take no memory. A session's next
-        turn arrives when its predecessor has finished (zipage/core/arrivals.py)."""
-        arrivals = ArrivalQueue(sequences, ordered=in_arrival_order)
+        turn arrives when its predecessor has finished, and with `users` a session when a
+        user is free (zipage/core/arrivals.py)."""
+        arrivals = ArrivalQueue(sequences, ordered=in_arrival_order, users=users)
         self.recorder.follow(arrivals)
         if self._own_clock:
             _PlainClock(self).run(arrivals)

@@ -45,7 +45,7 @@ def replay_step_times(trace: Trace, run_dir: str | Path, *, check: bool = False,
         seq.max_output_tokens = produced.get(seq.seq_id, seq.max_output_tokens)
     recorder = StepRecorder(scheduler, check=check, log_decisions=True, progress=progress,
                             total=len(sequences))
-    arrivals = ArrivalQueue(sequences)
+    arrivals = ArrivalQueue(sequences, users=settings.users)
     recorder.follow(arrivals)
     in_flight: int | None = None
     for step in steps.itertuples(index=False):

@@ -58,6 +58,8 @@ MIN_SHARE = {
                "waits for slot": 0.1, "slot handout": 0.2},
     "hybrid_prefix": _PREFIX | {"victim not last": 0.005, "waits for slot": 0.05,
                                 "slot handout": 0.1},
+    "output_scope": {"preempt": 0.2, "preempt several": 0.04, "slots exhausted": 0.09,
+                     "waits for slot": 0.015, "slot handout": 0.15},
 }
 assert all(set(floors) <= set(RULES) for floors in MIN_SHARE.values())
 

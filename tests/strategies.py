@@ -31,6 +31,8 @@ MODES = {
     "hybrid": dict(compress=True, hybrid=True, prefix_cache=False),
     "hybrid_prefix": dict(compress=True, hybrid=True, prefix_cache=True),
     "full_kv": dict(compress=False, hybrid=False, prefix_cache=True),
+    # Compressions never touch the prompt (docs/architecture.md, 'Compression scope').
+    "output_scope": dict(compress=True, hybrid=True, prefix_cache=True, compress_scope="output"),
 }
 
 
@@ -73,6 +75,7 @@ SHAPES = {
     "hybrid": ["spread", "crowd", "crowd"],
     "constrained_prefix": ["spread", "crowd", "family", "family", "family"],
     "hybrid_prefix": ["spread", "crowd", "crowd", "family", "family", "family"],
+    "output_scope": ["spread", "crowd", "family", "family"],
 }
 
 

@@ -79,6 +79,11 @@ def run_budget_case(budget_case: BudgetCase):
     return scheduler, sequences, result
 
 
+def pinned(seq: Sequence, config: ZipageConfig) -> int:
+    """The prompt blocks a request's compressions keep in place under the "output" scope."""
+    return -(-seq.prompt_len // config.block_size) if config.compress_scope == "output" else 0
+
+
 def check_outcome(scheduler: Scheduler, sequences: list[Sequence], result) -> None:
     config = scheduler.config
     b = config.block_size
@@ -92,10 +97,12 @@ def check_outcome(scheduler: Scheduler, sequences: list[Sequence], result) -> No
             assert seq.kv_budget % b or seq.kv_budget < b
         else:  # too big for the pool at its own N_max, or for max_num_batched_tokens
             budget = config.kv_budget if seq.kv_budget is None else seq.kv_budget
-            peak = scheduler.peak_blocks(seq.prompt_len, seq.max_output_tokens, budget // b + 1)
+            peak = scheduler.peak_blocks(seq.prompt_len, seq.max_output_tokens,
+                                         budget // b + 1 + pinned(seq, config))
             assert peak > scheduler.block_manager.num_blocks or "max_num" in seq.error
     for seq in accepted:
-        assert seq.n_max == seq.kv_budget // b + 1
+        # Its budget's blocks, plus its prompt's under the "output" scope.
+        assert seq.n_max == seq.kv_budget // b + 1 + pinned(seq, config)
         if not config.compress:
             assert seq.num_compressions == 0
         elif config.budget_policy == "fixed" and seq.num_compressions:

@@ -29,6 +29,11 @@ def run_case(case, observe: bool = False):
     return scheduler, sequences, result, observer
 
 
+def pinned(seq, config) -> int:
+    """The prompt blocks a request's compressions keep in place under the "output" scope."""
+    return -(-seq.prompt_len // config.block_size) if config.compress_scope == "output" else 0
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_invariants_hold(mode):
     tally_before = TALLY[mode].copy()
@@ -45,13 +50,17 @@ def test_invariants_hold(mode):
         # rejected alone, with a reason.
         assert result.summary["completed"] == len(accepted)
         assert all(seq.num_output_tokens == seq.max_output_tokens for seq in accepted)
+        config = case.config
         for seq in rejected:
             assert "request" in seq.error and scheduler.peak_blocks(
-                seq.prompt_len, seq.max_output_tokens) > case.num_blocks or "max_num" in seq.error
-        if not case.config.compress:
+                seq.prompt_len, seq.max_output_tokens, config.n_max + pinned(seq, config)
+            ) > case.num_blocks or "max_num" in seq.error
+        if not config.compress:
             assert result.summary["compressions"] == 0
-        else:
-            assert result.summary["max_blocks_after_compress"] <= case.config.n_max
+        elif result.summary["compressions"]:
+            # Rule 6, with the blocks an "output" scope keeps besides the budget's.
+            assert result.summary["max_blocks_after_compress"] <= config.n_max + max(
+                pinned(seq, config) for seq in accepted if seq.num_compressions)
 
     check()
     tally = TALLY[mode] - tally_before

@@ -34,6 +34,9 @@ MODES = {
     "hybrid_prefix_mixed": dict(hybrid=True, prefix_cache=True, budgets=True, **WHOLE),
     "hybrid_prefix_elastic": dict(hybrid=True, prefix_cache=True, budgets=True,
                                   budget_policy="elastic", num_blocks=20, **WHOLE),
+    # Compressions keep every prompt whole (docs/architecture.md, 'Compression scope').
+    "hybrid_prefix_output": dict(hybrid=True, prefix_cache=True, compress_scope="output",
+                                 num_blocks=16, **WHOLE),
 }
 # Budgets of 1 to 3 blocks (N_max 2 to 4) around the default 32 (N_max 3); None keeps the default.
 MIXED_BUDGETS = {"a": 48, "b": 16, "c": None, "d": 16, "e": 48, "f": None}

@@ -252,6 +252,39 @@ def test_a_session_of_a_cluster_goes_on_wherever_its_turn_finished():
     assert summary["makespan_s"] > 2.0  # every second turn waited for its first
 
 
+@settings(max_examples=examples(40))
+@given(trace=session_traces(max_sessions=6, max_turns=4), users=st.integers(1, 3),
+       lone=st.integers(0, 3))
+def test_users_run_at_most_that_many_sessions_at_once_in_trace_order(trace, users, lone):
+    # A closed population: a session starts at its arrival or when one of the users is free,
+    # in trace order; a request in no session is a session of one turn.
+    requests = list(parse_trace(_as_json(trace)).requests)
+    requests += [TraceRequest(f"lone{index}", 0.0, prompt_len=20, output_len=5)
+                 for index in range(lone)]
+    trace = Trace("t", requests)
+    summary, run = simulate(trace, dataclasses.replace(_settings(), users=users), check=True)
+    assert summary["completed"] + summary["failed"] == len(requests)
+    records = {record.id: record for record in run.requests}
+    spans: dict[str, list[float]] = {}
+    order = []
+    for request in sorted(requests, key=lambda request: request.arrival_s):  # (stable)
+        session = request.session or request.id
+        record = records[request.id]
+        end = record.finish if record.finish is not None else record.arrival
+        if session not in spans:
+            order.append(session)
+            spans[session] = [record.arrival, end]
+            assert record.arrival >= request.arrival_s - 1e-9
+        else:
+            spans[session][1] = max(spans[session][1], end)
+    starts = [spans[session][0] for session in order]
+    assert starts == sorted(starts)  # sessions start in trace order
+    for session in order:  # at any session's start, at most `users` sessions are running
+        start = spans[session][0]
+        running = sum(1 for other in order if spans[other][0] <= start < spans[other][1])
+        assert running <= users
+
+
 # ---------------------------------------------------------------- bad session traces
 
 
@@ -363,9 +396,9 @@ def test_a_turn_read_out_of_order_in_a_stream_is_counted_late():
 
 
 def test_the_engine_builds_each_turn_from_what_its_predecessor_produced(tmp_path):
-    # The CPU engine on a tiny model closes the loop in real time: a turn's prompt is its
-    # predecessor's prompt and visible output, then its own tokens; and a step-time replay of
-    # that run decides exactly as the engine did.
+    # The CPU engine on a tiny model closes the loop in real time, two users at a time: a
+    # turn's prompt is its predecessor's prompt and visible output, then its own tokens; and a
+    # step-time replay of that run decides exactly as the engine did.
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from tiny_models import save_tiny_qwen3
@@ -389,7 +422,7 @@ def test_the_engine_builds_each_turn_from_what_its_predecessor_produced(tmp_path
     trace = parse_trace(_as_json(Trace("engine-sessions", requests)))
     config = ZipageConfig(block_size=16, window=4, kv_budget=32, async_compress=False)
     settings_ = ReplaySettings(model=str(tmp_path / "model"), dtype="float32",
-                               kv_memory_gb=0.0002, config=config)
+                               kv_memory_gb=0.0002, users=2, config=config)
     summary, run = replay_on_engine(trace, settings_, "cpu", log_decisions=True)
     assert summary["completed"] == len(requests)
     tokens, records = run.tokens, {record.id: record for record in run.requests}

@@ -16,6 +16,8 @@ REDUNDANCY_MODES = ("lightning", "flash", "off")
 # How much KV a request keeps (docs/architecture.md, 'Per-request and elastic budgets'): its
 # budget, always ("fixed"), or more while free memory allows, never less ("elastic").
 BUDGET_POLICIES = ("fixed", "elastic")
+# What a compression may evict (docs/architecture.md, 'Compression scope').
+COMPRESS_SCOPES = ("all", "output")
 # A step's token limit when --max-num-batched-tokens is not given: chunked, a budget that keeps
 # decodes smooth (vLLM's online default); whole prompts, one that admits long prompts in one step.
 CHUNKED_STEP_TOKENS = 2048
@@ -53,6 +55,10 @@ class ZipageConfig:
                         "a query slot (default: hybrid)")
     prefix_cache: bool = knob(True, "--no-prefix-cache", "do not share prompt blocks between "
                               "requests")
+    compress_scope: str = knob("all", "--compress-scope", "what a compression may evict: all "
+                               "(prompt and output) or output (the prompt is kept whole, for the "
+                               "next turn's prefix cache; a request holds its prompt plus its "
+                               "budget)", choices=COMPRESS_SCOPES)
     async_compress: bool = knob(True, "--no-async", "compress synchronously, before the step's "
                                 "decode (default: on a side stream, overlapping decode)")
     global_score: bool = knob(True, "--no-global-score", "score with this compression's "
@@ -122,6 +128,8 @@ class ZipageConfig:
             _bad("kv_budget", self.kv_budget, f"{expected} (e.g. --budget {max(b, 2048 // b * b)})")
         if self.budget_policy not in BUDGET_POLICIES:
             _bad("budget_policy", self.budget_policy, f"one of {', '.join(BUDGET_POLICIES)}")
+        if self.compress_scope not in COMPRESS_SCOPES:
+            _bad("compress_scope", self.compress_scope, f"one of {', '.join(COMPRESS_SCOPES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             _bad("kv_cache_dtype", self.kv_cache_dtype, f"one of {', '.join(KV_CACHE_DTYPES)}")
         if self.pooling not in POOLING_MODES:

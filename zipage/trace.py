@@ -33,6 +33,7 @@ from typing import IO, Any, Callable, Iterable, Iterator
 import numpy as np
 import xxhash
 
+from zipage.config import COMPRESS_SCOPES
 from zipage.errors import ConfigError, TraceError
 from zipage.rundir import write_file_atomically
 
@@ -53,6 +54,7 @@ REQUEST_FIELDS = (
     "after",
     "after_s",
     "reasoning_len",
+    "compress_scope",
 )
 _REQUEST_FIELD_SET = frozenset(REQUEST_FIELDS)
 # The fields of most requests of a production-shaped trace: they take `_plain_request`'s path.
@@ -114,6 +116,8 @@ class TraceRequest:
     with `prefix_len` tokens of the predecessor's history: the predecessor's prompt, then its
     output without the first `reasoning_len` tokens (the thinking the next turn does not see).
     `session` names the conversation or agent run (a follow-up's is its predecessor's).
+    `compress_scope` is what the request's compressions may evict (None: the deployment's
+    `--compress-scope`).
     """
 
     id: str
@@ -130,6 +134,7 @@ class TraceRequest:
     after: str | None = None
     after_s: float = 0.0
     reasoning_len: int = 0
+    compress_scope: str | None = None
 
 
 @dataclass(frozen=True)
@@ -1021,6 +1026,12 @@ def _parse_request(raw: Any, index: int, source: str, hash_block_size: int = 0) 
                    f"the output tokens that are thinking, which the next turn does not see, "
                    f"got {_show(reasoning_len)}")
 
+    scope = raw.get("compress_scope")
+    if "compress_scope" in raw and scope not in COMPRESS_SCOPES:
+        raise fail(f"compress_scope must be one of {', '.join(map(repr, COMPRESS_SCOPES))} (what "
+                   f"the request's compressions may evict; leave it out for --compress-scope), "
+                   f"got {_show(scope)}")
+
     return _validated_request(
         id=request_id,
         arrival_s=float(arrival),
@@ -1036,6 +1047,7 @@ def _parse_request(raw: Any, index: int, source: str, hash_block_size: int = 0) 
         after=after,
         after_s=float(after_s),
         reasoning_len=reasoning_len,
+        compress_scope=scope,
     )
 
 
@@ -1054,7 +1066,7 @@ def _plain_request(raw: dict) -> TraceRequest | None:
             id=request_id, arrival_s=float(arrival), prompt_len=prompt_len,
             output_len=output_len, prompt_token_ids=None, prefix_group=None, prefix_len=0,
             kv_budget=None, block_hashes=None, hash_block_size=0, session=None, after=None,
-            after_s=0.0, reasoning_len=0)
+            after_s=0.0, reasoning_len=0, compress_scope=None)
     return None
 
 
@@ -1112,7 +1124,7 @@ def plain_requests(text: str) -> list[TraceRequest] | None:
             id=request_id, arrival_s=arrival, prompt_len=prompt_len, output_len=output_len,
             prompt_token_ids=None, prefix_group=None, prefix_len=0, kv_budget=None,
             block_hashes=None, hash_block_size=0, session=None, after=None, after_s=0.0,
-            reasoning_len=0)
+            reasoning_len=0, compress_scope=None)
         requests.append(request)
     return requests
 
@@ -1184,6 +1196,8 @@ def _request_to_json(request: TraceRequest) -> dict[str, Any]:
         obj["reasoning_len"] = request.reasoning_len
     if request.kv_budget is not None:
         obj["kv_budget"] = request.kv_budget
+    if request.compress_scope is not None:
+        obj["compress_scope"] = request.compress_scope
     return obj
 
 

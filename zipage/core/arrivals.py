@@ -6,12 +6,15 @@ A request arrives at its `arrival_s`, except a follow-up turn of a session (`seq
 names its predecessor): it arrives `turn.after_s` after its predecessor finished, so a slower
 engine is sent its next turns later, as real users and agents send them (docs/architecture.md,
 'Sessions'). A follow-up whose predecessor failed (rejected or aborted) fails with it, alone.
+With `users`, at most that many sessions run at once: a closed population of users, each starting
+its next session when its last one ended (a request in no session is a session of one turn).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Callable, Iterable
 from operator import attrgetter
 from typing import NamedTuple, Protocol
@@ -50,10 +53,13 @@ class ArrivalQueue:
     a session's turns are written before the requests that start after it).
 
     `on_release(seq, predecessor)`: called as a follow-up comes due, before it is added (the
-    engine builds its prompt from the predecessor's tokens there)."""
+    engine builds its prompt from the predecessor's tokens there). `users`: run at most that
+    many sessions at once, each starting at its arrival or when a user is free, whichever is
+    later (None: every session at its arrival)."""
 
     def __init__(self, sequences: Iterable[Sequence], ordered: bool = False,
-                 on_release: Callable[[Sequence, Done], None] | None = None) -> None:
+                 on_release: Callable[[Sequence, Done], None] | None = None,
+                 users: int | None = None) -> None:
         if not ordered:
             sequences = sorted(sequences, key=_ARRIVAL)
         self._source = iter(sequences)
@@ -67,20 +73,32 @@ class ArrivalQueue:
         self._done: dict[str, Done] = {}  # turns done, while a later one may still follow them
         self._read_to = float("-inf")  # every request arriving by then has been read
         self.late = 0  # follow-ups read after they were due (a stream written out of order)
-        # Called when a finish or failure made follow-ups due: a driver that waits for the
-        # next due time looks again.
+        # Called when a finish or failure made requests due: a driver that waits for the next
+        # due time looks again.
         self.on_change: Callable[[], None] | None = None
+        # A closed population: free users, sessions read but not started, the turns of each
+        # running session not yet done.
+        self.users = users
+        self._free_users = users or 0
+        self._held: deque[Sequence] = deque()
+        self._open_turns: dict[str, int] = {}
         if not ordered:
             self._read(float("inf"))
 
     @property
     def has_pending(self) -> bool:
-        return bool(self._due or self._waiting or not self._exhausted)
+        return bool(self._due or self._waiting or self._held or not self._exhausted)
+
+    @property
+    def waits_for_finishes(self) -> bool:
+        """Whether a finish may yet make something due earlier than `next_arrival_s`: follow-ups
+        wait for requests in flight, or sessions for a free user."""
+        return bool(self._waiting or self._held)
 
     @property
     def next_arrival_s(self) -> float | None:
         """When the next request known now comes due; None while only follow-ups of requests in
-        flight wait (their predecessor's finish will say when), or once all have arrived."""
+        flight (or sessions waiting for a user) wait, or once all have arrived."""
         if not self._exhausted and not self._due:
             self._read(self._read_to)
         return self._due[0][0] if self._due else None
@@ -93,6 +111,7 @@ class ArrivalQueue:
         while due and due[0][0] <= now:
             due_time, _, seq, predecessor = heapq.heappop(due)
             if predecessor is None:
+                seq.arrival_s = due_time  # (a session a free user started later)
                 accepted = sink.add(seq)
             elif predecessor.error is not None:
                 accepted = False
@@ -110,43 +129,65 @@ class ArrivalQueue:
 
     def done(self, seq: Sequence, time: float) -> None:
         """`seq` finished or failed at `time`: its follow-ups come due then (plus their
-        `after_s`), or at once, to fail with it."""
+        `after_s`), or at once, to fail with it; the last turn of a session frees its user."""
         turn = seq.turn
-        if turn is None:
-            return
-        error = None if seq.status is SequenceStatus.FINISHED else (seq.error or "aborted")
-        record = Done(seq.seq_id, time, error, seq.prompt_len, turn.reasoning_len)
-        self._live.discard(seq.seq_id)
-        self._done[seq.seq_id] = record
-        followers = self._waiting.pop(seq.seq_id, None)
-        if followers:
-            for follower in followers:
-                self._follow(follower, record)
-            if self.on_change is not None:
-                self.on_change()
-
-    @property
-    def waits_for_finishes(self) -> bool:
-        """Whether follow-ups wait for requests in flight (a due time may yet come earlier)."""
-        return bool(self._waiting)
+        changed = False
+        if turn is not None:
+            error = None if seq.status is SequenceStatus.FINISHED else (seq.error or "aborted")
+            record = Done(seq.seq_id, time, error, seq.prompt_len, turn.reasoning_len)
+            self._live.discard(seq.seq_id)
+            self._done[seq.seq_id] = record
+            followers = self._waiting.pop(seq.seq_id, None)
+            if followers:
+                for follower in followers:
+                    self._follow(follower, record)
+                changed = True
+        if self.users is not None:
+            session = turn.session if turn is not None else seq.seq_id
+            left = self._open_turns[session] - 1
+            if left:
+                self._open_turns[session] = left
+            else:  # the session is over: its user starts the next one
+                del self._open_turns[session]
+                self._free_users += 1
+                changed |= self._start_sessions(time)
+        if changed and self.on_change is not None:
+            self.on_change()
 
     # ---- reading
 
     def _read(self, now: float) -> None:
-        """Read the source until a request arriving after `now` (kept as the next due)."""
+        """Read the source until a request arriving after `now` (kept as the next due, or with
+        `users` held for a free user)."""
         if self._exhausted or self._read_to > now:
             return
-        for seq in self._source:
+        users = self.users
+        # When a session a free user takes now starts (at its arrival, when reading ahead).
+        clock = now if now != float("inf") else float("-inf")
+        while True:
+            seq = next(self._source, None)
+            if seq is None:
+                self._end_of_source(now)
+                return
             turn = seq.turn
             if turn is not None:
                 self._live.add(seq.seq_id)
-                if turn.follows is not None:
-                    self._wait(seq, now)
-                    continue
-            heapq.heappush(self._due, (seq.arrival_s, next(self._order), seq, None))
+            if users is not None:
+                session = turn.session if turn is not None else seq.seq_id
+                self._open_turns[session] = self._open_turns.get(session, 0) + 1
+            if turn is not None and turn.follows is not None:
+                self._wait(seq, now)
+                continue
+            if users is not None:
+                self._held.append(seq)
+                self._start_sessions(clock)
+            else:
+                heapq.heappush(self._due, (seq.arrival_s, next(self._order), seq, None))
             if seq.arrival_s > now:
                 self._read_to = seq.arrival_s
                 return
+
+    def _end_of_source(self, now: float) -> None:
         self._exhausted = True
         self._read_to = float("inf")
         # Follow-ups of a request that never came (a list a caller built by hand; a trace's
@@ -156,6 +197,18 @@ class ArrivalQueue:
                            "it is not among the requests", 0, 0)
             for follower in self._waiting.pop(follows):
                 self._follow(follower, missing)
+
+    def _start_sessions(self, time: float) -> bool:
+        """Give free users the sessions read and waiting, each due at its arrival or `time`,
+        whichever is later; whether one started."""
+        started = False
+        while self._free_users and self._held:
+            seq = self._held.popleft()
+            self._free_users -= 1
+            start = seq.arrival_s if seq.arrival_s > time else time
+            heapq.heappush(self._due, (start, next(self._order), seq, None))
+            started = True
+        return started
 
     def _wait(self, seq: Sequence, now: float) -> None:
         follows = seq.turn.follows

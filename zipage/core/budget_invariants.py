@@ -8,16 +8,28 @@ Like every check, they read the scheduler and never change it.
 
 from __future__ import annotations
 
+from zipage.config import ZipageConfig
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence, SequenceStatus
 from zipage.core.step import StepPlan
 
 
-def slot_blocks(seq: Sequence, block_size: int) -> int:
-    """Blocks a query slot reserves for its holder: its N_max (from its budget), or all it can
-    ever hold if fewer."""
+def slot_blocks(seq: Sequence, config: ZipageConfig) -> int:
+    """Blocks a query slot reserves for its holder: its N_max (from its budget and its scope),
+    or all it can ever hold if fewer."""
+    block_size = config.block_size
     whole = -(-(seq.prompt_len + seq.max_output_tokens - 1) // block_size)
-    return min(seq.kv_budget // block_size + 1, whole)
+    return min(seq.kv_budget // block_size + 1 + pinned_blocks(seq, config), whole)
+
+
+def pinned_blocks(seq: Sequence, config: ZipageConfig) -> int:
+    """The leading blocks no compression of `seq` may touch: its prompt's, under the "output"
+    scope (docs/architecture.md, 'Compression scope'); worked out here, not read from the
+    scheduler's copy."""
+    scope = config.compress_scope if seq.compress_scope is None else seq.compress_scope
+    if scope != "output" or not config.compress:
+        return 0
+    return -(-seq.prompt_len // config.block_size)
 
 
 class BudgetInvariants:
@@ -36,23 +48,23 @@ class BudgetInvariants:
         # Within a step that preempts nobody, the head's shortage can only persist.
         self.demand_before = scheduler.head_short_of_blocks()
         self.blocks_before = {seq: len(seq.block_table) for seq in running}
-        manager = scheduler.block_manager
         # Borrowers that can give their extra blocks back at their next full block without a
         # free one (elastic waits for them before preempting anybody).
         self.reclaimable_before = {
             seq for seq in running
             if len(seq.block_table) > seq.n_max and seq.query_slot is not None
             and not seq.compressing and seq not in scheduler.prefilling
-            and manager.fresh_blocks_for_compression(seq.block_table, seq.n_max) == 0}
+            and scheduler.fresh_for_compression(seq, seq.n_max) == 0}
 
     def after_schedule(self, plan: StepPlan) -> None:
         scheduler = self.scheduler
         for job in plan.compressions:  # (fixed: rule 3 in InvariantChecker._check_compression)
             seq, kept = job.seq, len(job.target_blocks)
-            if scheduler.elastic and not seq.n_max - 1 <= kept <= len(job.source_table) - 1:
+            floor = seq.n_max - 1 - len(job.kept_blocks)  # (the blocks its scope keeps aside)
+            if scheduler.elastic and not floor <= kept <= len(job.source_table) - 1:
                 self.fail(f"{seq.seq_id}: an elastic compression of {len(job.source_table)} "
-                          f"blocks keeps {kept}, outside [N_max - 1 = {seq.n_max - 1}, source - 1]"
-                          " (never below the budget, never more than it held)")
+                          f"blocks keeps {kept}, outside [N_max - 1 - pinned = {floor}, "
+                          "source - 1] (never below the budget, never more than it held)")
         if not scheduler.elastic:
             return
         admitted = {item.seq for item in plan.prefill}
@@ -80,7 +92,7 @@ class BudgetInvariants:
                 self.fail(f"{seq.seq_id} holds {len(seq.block_table)} blocks for "
                           f"{seq.num_tokens} tokens (a block beyond its KV and next token)")
             if seq.query_slot is not None:
-                backed += slot_blocks(seq, b)
+                backed += slot_blocks(seq, scheduler.config)
         # Deadlock freedom with any mix of budgets: the pool backs every slot holder up to its
         # own N_max (or all it can ever hold), i.e. N_total >= the sum of the holders' N_max.
         if backed > scheduler.block_manager.num_blocks:

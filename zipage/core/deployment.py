@@ -49,6 +49,10 @@ class ReplaySettings:
                            "written by `zipage calibrate`")
     seed: int = knob(0, "--seed", "sampling seed of the real engine; the simulator is "
                      "deterministic and only records it")
+    users: int | None = knob(None, "--users", "closed population: at most this many sessions "
+                             "run at once, each user starting the next session (in trace order) "
+                             "when its last one ended; a request in no session is a session of "
+                             "one turn (default: every session at its arrival_s)")
     config: ZipageConfig = field(default_factory=ZipageConfig)
 
     def __post_init__(self) -> None:
@@ -69,6 +73,10 @@ class ReplaySettings:
             if value is not None and not 0.0 < value < float("inf"):
                 raise ConfigError(f"{name}: got {value}, expected a positive number of GiB "
                                   f"(--{name.replace('_', '-')})")
+        if self.users is not None and (isinstance(self.users, bool)
+                                       or not isinstance(self.users, int) or self.users < 1):
+            raise ConfigError(f"users: got {self.users!r}, expected an integer >= 1 (--users 64: "
+                              "64 sessions at once), or leave it out")
         dtype_bytes(self.dtype)
 
     def to_dict(self) -> dict:
@@ -190,6 +198,7 @@ def iter_trace_sequences(trace: Trace | TraceStream, vocab_size: int, need_token
     for request in requests:
         seq = Sequence(request.id, None, request.output_len, request.arrival_s,
                        request.prompt_len, None, request.kv_budget)  # arrival, length, sampling
+        seq.compress_scope = request.compress_scope
         session_turn = None
         if request.session is not None or request.after is not None:  # (a loaded follow-up
             # has its predecessor's session; one built by hand may not)

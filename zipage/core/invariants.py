@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from zipage.core.budget_invariants import BudgetInvariants, slot_blocks
+from zipage.core.budget_invariants import BudgetInvariants, pinned_blocks, slot_blocks
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence, SequenceStatus
 from zipage.core.step import StepPlan
@@ -46,13 +46,14 @@ class QueueSnapshot:
         free = len(scheduler.free_slots)
         # A slot also reserves its holder's N_max blocks; the hand-out stops at the foremost
         # request the pool cannot back (docs/architecture.md, 'Per-request and elastic budgets').
-        block_size, pool = scheduler.block_size, scheduler.block_manager.num_blocks
-        reserved = sum(slot_blocks(seq, block_size) for seq in running if holds_slot[seq])
+        pool = scheduler.block_manager.num_blocks
+        config = scheduler.config
+        reserved = sum(slot_blocks(seq, config) for seq in running if holds_slot[seq])
         for seq in running:
             if free and not holds_slot[seq]:
-                if reserved + slot_blocks(seq, block_size) > pool:
+                if reserved + slot_blocks(seq, config) > pool:
                     break
-                reserved += slot_blocks(seq, block_size)
+                reserved += slot_blocks(seq, config)
                 holds_slot[seq] = True
                 free -= 1
         return cls(
@@ -216,8 +217,12 @@ class InvariantChecker:
     # ---- the checks ----
 
     def n_max(self, seq: Sequence) -> int:
-        """The request's N_max from its budget and the config, not from the scheduler's copy."""
-        return seq.kv_budget // self.scheduler.config.block_size + 1
+        """The request's N_max from its budget, its scope and the config, not from the
+        scheduler's copy."""
+        return seq.kv_budget // self.scheduler.config.block_size + 1 + self.pinned(seq)
+
+    def pinned(self, seq: Sequence) -> int:
+        return pinned_blocks(seq, self.scheduler.config)
 
     def _check_compression(self, job) -> None:
         scheduler = self.scheduler
@@ -225,10 +230,19 @@ class InvariantChecker:
         seq = job.seq
         if seq.query_slot is None or job.query_slot != seq.query_slot:
             self.fail(f"{seq.seq_id} is compressed without its query slot")
-        # Rule 3 with the request's own N_max (elastic compressions: BudgetInvariants).
-        if len(job.target_blocks) != self.n_max(seq) - 1 and not scheduler.elastic:
+        # Rule 3 with the request's own N_max (elastic compressions: BudgetInvariants), past
+        # the blocks its scope keeps in place: its prompt's, left where they are, untouched.
+        pinned = self.pinned(seq)
+        expected = self.n_max(seq) - 1 - pinned
+        if len(job.target_blocks) != expected and not scheduler.elastic:
             self.fail(f"{seq.seq_id} is compressed into {len(job.target_blocks)} target blocks, "
-                      f"expected N_max - 1 = {self.n_max(seq) - 1} (rule 3)")
+                      f"expected N_max - 1 - pinned = {expected} (rule 3)")
+        if len(job.kept_blocks) != pinned or seq.block_table[:pinned] != job.kept_blocks:
+            self.fail(f"{seq.seq_id}: a compression keeps {job.kept_blocks} in place, expected "
+                      f"its first {pinned} blocks {seq.block_table[:pinned]} (its scope)")
+        if set(job.kept_blocks) & (set(job.source_table) | set(job.target_blocks)
+                                   | {job.new_block}):
+            self.fail(f"{seq.seq_id}: a compression reads or writes a block its scope keeps")
         for block in job.target_blocks + [job.new_block]:
             holders = self._holders()[block]
             if manager.refcount[block] != 1 or holders != 1:
@@ -236,7 +250,7 @@ class InvariantChecker:
                           f"(refcount {manager.refcount[block]})")
         # Rule 7: all w window queries of the final (full) block were written since it filled.
         b, w = scheduler.block_size, scheduler.window
-        final_start = (len(job.source_table) - 1) * b
+        final_start = (len(job.kept_blocks) + len(job.source_table) - 1) * b
         written = self.window_queries.get(seq, {})
         for index in range(w):
             expected = final_start + b - w + index

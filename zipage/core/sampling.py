@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from zipage.config import COMPRESS_SCOPES
 from zipage.errors import ConfigError
 
 SEED_LIMIT = 2**32  # seed and token index are packed into one 64-bit generator seed
@@ -59,7 +60,8 @@ class SamplingParams:
     log-softmax, before temperature and top-k / top-p.
     `kv_budget` is the request's own KV budget (None: the engine's `kv_budget`); the core reads
     it from the request (`Sequence.kv_budget`), and refuses one that is not a multiple of the
-    block size with the request's error.
+    block size with the request's error. `compress_scope` is what its compressions may evict
+    ("all" or "output"; None: the engine's `compress_scope`).
     Defaults are vLLM's sampling defaults except max_tokens; `zipage generate` uses its own
     (greedy, 128 tokens: see `zipage generate -h`).
     """
@@ -72,6 +74,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     kv_budget: int | None = None
+    compress_scope: str | None = None
     n: int = 1
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -102,6 +105,9 @@ class SamplingParams:
             raise ConfigError(f"kv_budget: {_short(self.kv_budget)} must be a positive integer (KV "
                               "entries the request keeps, a multiple of the block size) or None "
                               "for the engine's default")
+        if self.compress_scope is not None and self.compress_scope not in COMPRESS_SCOPES:
+            raise ConfigError(f"compress_scope: {_short(self.compress_scope)} must be one of "
+                              f"{', '.join(COMPRESS_SCOPES)} or None for the engine's default")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_SAMPLES:
             raise ConfigError(f"n: {_short(self.n)} must be an integer in [1, {MAX_SAMPLES}]")
         for name in ("logprobs", "prompt_logprobs"):

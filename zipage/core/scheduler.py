@@ -85,6 +85,8 @@ class Scheduler:
         self.step_tokens = config.step_tokens
         # docs/architecture.md, 'Per-request and elastic budgets'.
         self.elastic = config.compress and config.budget_policy == "elastic"
+        # docs/architecture.md, 'Compression scope': the default keeps every prompt whole.
+        self.pins_prompts = config.compress and config.compress_scope == "output"
         self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_cache)
         self.num_query_slots = num_query_slots if config.compress else 0
         self.free_slots = list(range(self.num_query_slots))  # a min-heap: lowest slot first
@@ -160,6 +162,7 @@ class Scheduler:
         if seq.kv_budget is None:
             seq.kv_budget = self.config.kv_budget
         seq.n_max = self._n_max_of(seq)
+        seq.pinned = self._pinned_of(seq) if self.compress else 0
         # Blocks a query slot reserves for its holder: its N_max, or all it can ever hold if
         # fewer. The holders' reservations never exceed the pool, which is what keeps any mix
         # of budgets deadlock-free (docs/architecture.md, 'Deadlock freedom'). Fixed from here
@@ -192,6 +195,8 @@ class Scheduler:
             if budget_reason is not None:
                 return _refused(seq, budget_reason)
             n_max = self._n_max_of(seq)
+        elif self.pins_prompts or seq.compress_scope is not None:
+            n_max = self._n_max_of(seq)  # its prompt's blocks besides the budget's
         limit = self.config.max_model_len
         if limit is not None and prompt + output > limit:
             return _refused(seq, f"prompt_len + output_len = {prompt + output} exceeds "
@@ -222,9 +227,16 @@ class Scheduler:
                 f"{self.config.kv_budget}")
 
     def _n_max_of(self, seq: Sequence) -> int:
-        """The request's N_max: its own budget's, or the default's (checked by `budget_reason`)."""
+        """The request's N_max: its own budget's, or the default's (checked by `budget_reason`),
+        plus the blocks its compressions never touch (`_pinned_of`)."""
         budget = self.config.kv_budget if seq.kv_budget is None else seq.kv_budget
-        return budget // self.block_size + 1
+        return budget // self.block_size + 1 + self._pinned_of(seq)
+
+    def _pinned_of(self, seq: Sequence) -> int:
+        """Leading blocks no compression of `seq` touches: its whole prompt when its scope is
+        "output" (docs/architecture.md, 'Compression scope'), else none."""
+        scope = self.config.compress_scope if seq.compress_scope is None else seq.compress_scope
+        return -(-seq.prompt_len // self.block_size) if scope == "output" else 0
 
     def peak_blocks(self, prompt_len: int, output_len: int, n_max: int | None = None) -> int:
         """Most blocks a request must hold at once when it runs alone.
@@ -556,7 +568,7 @@ class Scheduler:
         if manager.num_free_blocks - 1 >= len(self.running):
             return None
         held = len(seq.block_table)
-        if held > floor and manager.fresh_blocks_for_compression(seq.block_table, held) == 0:
+        if held > floor and self.fresh_for_compression(seq, held) == 0:
             return held
         return floor
 
@@ -583,11 +595,10 @@ class Scheduler:
         at its next full block without needing a free one: it decodes (not prefilling, not
         compressing), holds its query slot, and compressing it needs no fresh target block.
         Elastic scheduling waits for it rather than preempting anyone."""
-        manager = self.block_manager
         for seq in self._borrowers:
             if (seq is not requester and seq.query_slot is not None and not seq.compressing
                     and seq not in self.prefilling
-                    and manager.fresh_blocks_for_compression(seq.block_table, seq.n_max) == 0):
+                    and self.fresh_for_compression(seq, seq.n_max) == 0):
                 return True
         return False
 
@@ -622,17 +633,21 @@ class Scheduler:
                 self._block(seq)  # waits for the compression stream
                 return
         manager = self.block_manager
-        if not self._make_free_blocks(
-                seq, plan, lambda: manager.fresh_blocks_for_compression(seq.block_table, n_max)):
+        if not self._make_free_blocks(seq, plan, lambda: self.fresh_for_compression(seq, n_max)):
             return
         # Keep reusable prefix blocks while free memory exceeds one block per running request
-        # (what their next tokens may need); see BlockManager.plan_compression.
-        targets = manager.plan_compression(seq.block_table, n_max, reserve=len(self.running))
+        # (what their next tokens may need); see BlockManager.plan_compression. Pinned blocks
+        # (the prompt, under the "output" scope) are neither read nor written: the job covers
+        # the blocks after them.
+        pinned = seq.pinned
+        table = seq.block_table
+        source = table[pinned:] if pinned else list(table)
+        targets = manager.plan_compression(source, n_max - pinned, reserve=len(self.running))
         assert targets is not None
         job = CompressionJob(
-            seq=seq, source_table=list(seq.block_table), target_blocks=targets.target_blocks,
+            seq=seq, source_table=source, target_blocks=targets.target_blocks,
             new_block=targets.new_block, released=targets.released, query_slot=seq.query_slot,
-            is_first=seq.num_compressions == 0)
+            is_first=seq.num_compressions == 0, kept_blocks=table[:pinned])
         seq.compressing = True
         self._resource_version += 1
         jobs.append(job)
@@ -641,6 +656,15 @@ class Scheduler:
             # with its new table; the old blocks stay held by the job until the step is done.
             self._swap_to_compressed_table(job)
             self._join_steady(seq)
+
+    def fresh_for_compression(self, seq: Sequence, n_max: int) -> int:
+        """Free blocks compressing `seq` to `n_max` blocks takes (rule 5), past its pinned
+        blocks."""
+        pinned = seq.pinned
+        if not pinned:
+            return self.block_manager.fresh_blocks_for_compression(seq.block_table, n_max)
+        return self.block_manager.fresh_blocks_for_compression(seq.block_table[pinned:],
+                                                               n_max - pinned)
 
     def _make_free_blocks(self, seq: Sequence, plan: StepPlan, blocks_needed) -> bool:
         """Preempt until `blocks_needed()` blocks are free; False if `seq` blocked or went.
@@ -796,8 +820,9 @@ class Scheduler:
 
     def _swap_to_compressed_table(self, job: CompressionJob) -> None:
         seq = job.seq
-        seq.block_table = job.target_blocks + [job.new_block]
-        seq.set_counters(len(job.target_blocks) * self.block_size, seq.num_output_tokens)
+        seq.block_table = job.kept_blocks + job.target_blocks + [job.new_block]
+        seq.set_counters((len(job.kept_blocks) + len(job.target_blocks)) * self.block_size,
+                         seq.num_output_tokens)
         self._note_table(seq)
         seq.max_blocks_after_first_compression = max(
             seq.max_blocks_after_first_compression, len(seq.block_table))

@@ -61,7 +61,8 @@ class Sequence:
         "settled_kv_len", "settled_output_tokens", "_clock", "steady_since", "steady_epoch",
         "first_admitted_step", "first_token_time", "finish_time", "num_preemptions",
         "max_blocks_after_first_compression", "sampling", "kv_budget", "n_max", "slot_blocks",
-        "kept_tokens", "kept_budget", "fork_of", "prompt_logits", "turn",
+        "kept_tokens", "kept_budget", "fork_of", "prompt_logits", "turn", "compress_scope",
+        "pinned",
     )
 
     def __init__(
@@ -128,6 +129,11 @@ class Sequence:
         # Its place in a session; None for a request on its own. Only the arrival rule
         # (zipage/core/arrivals.py) and routers read it.
         self.turn: Turn | None = None
+        # What its compressions may evict ("all" or "output"; None: the deployment's), and the
+        # leading blocks none of them touches (its whole prompt under "output"), set when the
+        # scheduler adds it (docs/architecture.md, 'Compression scope').
+        self.compress_scope: str | None = None
+        self.pinned = 0
 
     # ---- counters (derived from the decode clock while steady) ----
 

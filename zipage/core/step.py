@@ -82,7 +82,8 @@ class CompressionJob:
     The driver scores the entries in `source_table` (the full final block's window queries live
     in `query_slot`), keeps the top (len(target_blocks) * block_size) per (layer, kv-head) and
     writes them densely, in order, into `target_blocks`. After completion the request's table is
-    `target_blocks + [new_block]`; the scheduler drops `released` when the result reports it done.
+    `kept_blocks + target_blocks + [new_block]`; the scheduler drops `released` when the result
+    reports it done.
     """
 
     seq: Sequence
@@ -92,6 +93,9 @@ class CompressionJob:
     released: list[int]
     query_slot: int
     is_first: bool  # the request was never compressed before (pooling "first" applies)
+    # Its leading blocks the compression leaves in place (its prompt under the "output" scope,
+    # docs/architecture.md, 'Compression scope'): the table after is these + targets + new.
+    kept_blocks: list[int] = field(default_factory=list)
 
     @property
     def num_source_blocks(self) -> int:
@@ -182,7 +186,8 @@ class StepPlan:
             parts.append("decode=" + ",".join(sorted(str(seq.seq_id) for seq in self.decode)))
         mode = "sync" if self.compress_sync else "launch"
         for job in self.compressions:
-            parts.append(f"compress({mode})={job.seq.seq_id}:{job.source_table}->"
+            kept = f"{job.kept_blocks}|" if job.kept_blocks else ""  # (its scope keeps them)
+            parts.append(f"compress({mode})={job.seq.seq_id}:{kept}{job.source_table}->"
                          f"{job.target_blocks}+{job.new_block}")
         if self.forks:
             parts.append("fork=" + ",".join(

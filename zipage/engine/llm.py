@@ -28,6 +28,7 @@ def sample_sequences(seq_id: str, prompt_token_ids: list[int],
         own = sampling.for_sample(index)
         seq = Sequence(seq_id if index == 0 else f"{seq_id}#{index}", prompt_token_ids,
                        own.max_tokens, sampling=own, kv_budget=own.kv_budget)
+        seq.compress_scope = own.compress_scope
         if index == 0:
             seq.prompt_logits = own.prompt_logprobs is not None
         else:

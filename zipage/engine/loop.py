@@ -127,12 +127,14 @@ class EngineLoop:
         return StepOutput(plan, produced, scheduler.finished[finished_before:], logprobs,
                           prompt_logprobs)
 
-    def run(self, sequences: list[Sequence]) -> Run:
-        """Run every request (each carries its prompt tokens and `SamplingParams`) to the end."""
+    def run(self, sequences: list[Sequence], users: int | None = None) -> Run:
+        """Run every request (each carries its prompt tokens and `SamplingParams`) to the end;
+        a session's next turn when its predecessor finished, and with `users` a session when
+        a user is free (zipage/core/arrivals.py)."""
         self.start(total=len(sequences))
         self.collect_logprobs = True
         self.logprobs, self.prompt_logprobs = {}, {}
-        arrivals = ArrivalQueue(sequences, on_release=self._follow_up)
+        arrivals = ArrivalQueue(sequences, on_release=self._follow_up, users=users)
         self.recorder.follow(arrivals)
         while arrivals.has_pending or self.scheduler.has_unfinished():
             now = self.now()

@@ -44,7 +44,7 @@ def run_on_engine(engine: Engine, trace: Trace, settings: ReplaySettings, *,
     for seq in sequences:
         seq.sampling = greedy
     loop = EngineLoop(scheduler, engine.runner, progress=progress, log_decisions=log_decisions)
-    run = loop.run(sequences)
+    run = loop.run(sequences, users=settings.users)
     driver = f"engine-{engine.device.type}"
     summary = run_summary(run.summary, engine.capacity, config, settings, driver)
     # Which steps were graphed: `zipage compare` sets it beside a calibrated profile's; and the
