@@ -57,7 +57,7 @@ def simulate_cluster(trace: Trace, settings: ReplaySettings, replicas: int = 1,
                                 scheduler=engines[0].scheduler, block_keys=True)
     # The one arrival rule of every driver (a session's next turn comes after its predecessor
     # finished, on whichever engine ran it); every engine tells the queue of its finishes.
-    arrivals = ArrivalQueue(sequences)
+    arrivals = ArrivalQueue(sequences, users=settings.users)
     for engine in engines:
         engine.recorder.follow(arrivals)
     loops = [engine.start() for engine in engines]
@@ -110,11 +110,12 @@ class _Router:
 
     def add(self, seq: Sequence) -> bool:
         keys = seq.prompt_block_hashes
+        session = seq.turn.session if seq.turn else None  # (a trace's; None on its own)
         engines = self.engines
         index = self.policy.choose(keys, [
             ReplicaLoad(engine.load, engine.scheduler.block_manager.num_used_blocks)
-            for engine in engines])
-        self.policy.routed(index, keys)
+            for engine in engines], session)
+        self.policy.routed(index, keys, session)
         self.assignment.append(index)
         return engines[index].submit(seq)
 

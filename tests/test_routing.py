@@ -1,9 +1,16 @@
 """Routing policies over replicas (zipage/core/routing.py) and prefix affinity in the simulated
-cluster: requests that share leading blocks land together, within a load bound."""
+cluster: requests that share leading blocks land together, within a load bound. Session affinity:
+a session's turns stay on the replica of its previous turn within the same bound, spill to the
+least loaded past it (and move there), fall back to prefix affinity without a session, remember a
+bounded number of sessions, and forget a restarted replica's (a property test against a model of
+the rule). Its simulated cluster runs are in tests/test_session_routing.py."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 from zipage.core.deployment import ReplaySettings
 from zipage.core.routing import (
@@ -13,7 +20,9 @@ from zipage.core.routing import (
     PrefixAffinity,
     ReplicaLoad,
     RoundRobin,
+    SessionAffinity,
     choose_up,
+    least_loaded,
     make_policy,
 )
 from zipage.sim.cluster import simulate_cluster
@@ -94,3 +103,119 @@ def test_a_replica_that_is_down_is_never_chosen():
     policy = RoundRobin(4)
     assert [choose_up(policy, [], loads) for _ in range(4)] == [0, 3, 2, 3]
     assert choose_up(LeastLoaded(4), [], loads) == 3
+
+
+# ---------------------------------------------------------------- session affinity
+
+
+def test_every_policy_takes_a_session_and_the_older_ones_ignore_it():
+    for name in ("round-robin", "least-loaded", "prefix-affinity"):
+        plain, with_session = make_policy(name, 3), make_policy(name, 3)
+        for step in range(6):
+            loads = [ReplicaLoad(step % 3, 0), ReplicaLoad(1, step), ReplicaLoad(2, 1)]
+            keys = [step % 2, 10 + step]
+            index = plain.choose(keys, loads)
+            assert with_session.choose(keys, loads, f"s{step % 2}") == index
+            plain.routed(index, keys)
+            with_session.routed(index, keys, f"s{step % 2}")
+
+
+def test_session_affinity_keeps_a_session_on_its_replica():
+    policy = SessionAffinity(3)
+    assert policy.choose([1, 2], [2, 1, 1], "a") == 1  # new session: prefix rule (none shared)
+    policy.routed(1, [1, 2], "a")
+    # Its next turns share no block with the first (say the context was summarised) and another
+    # replica is lighter: the session stays where its context is.
+    assert policy.choose([7], [0, 3, 0], "a") == 1
+    policy.routed(1, [7], "a")
+    assert policy._sessions == {"a": 1}
+    # Without the session the same request goes where the prefix rule sends it.
+    assert policy.choose([7], [0, 3, 0]) == 1  # it shares block 7 with replica 1, within bound
+    assert policy.choose([8], [0, 3, 0]) == 0  # nothing shared: the least loaded
+    assert policy.choose([8], [0, 3, 0], "") == 0  # the empty session is no session
+
+
+def test_session_affinity_spills_past_the_load_bound_and_moves_the_session():
+    policy = SessionAffinity(2, load_slack=1.5, load_margin=4)
+    policy.routed(0, [1, 2, 3], "a")
+    assert policy.choose([9], [10, 4], "a") == 0  # 10 <= 1.5 * 4 + 4
+    assert policy.choose([9], [11, 4], "a") == 1  # 11 > 10: the least loaded instead
+    policy.routed(1, [9], "a")
+    assert policy._sessions["a"] == 1  # the session moved with its context
+    assert policy.choose([10], [0, 3], "a") == 1  # and stays there, within the bound
+    # A replica that is down is past every bound: its sessions go to the least loaded.
+    assert policy.choose([10], [ReplicaLoad(5, 0), DOWN], "a") == 0
+    assert choose_up(policy, [10], [ReplicaLoad(5, 0), DOWN], "a") == 0
+
+
+def test_session_affinity_remembers_a_bounded_number_of_sessions():
+    policy = SessionAffinity(2, memory_sessions=2)
+    policy.routed(0, [], "a")
+    policy.routed(1, [], "b")
+    policy.routed(0, [], "a")  # a is now the most recently routed
+    policy.routed(1, [], "c")  # three sessions, room for two: b goes
+    assert list(policy._sessions.items()) == [("a", 0), ("c", 1)]
+    assert policy.choose([], [1, 0], "a") == 0
+    assert policy.choose([], [0, 1], "c") == 1
+    assert policy.choose([], [1, 0], "b") == 1  # forgotten: a new session (least loaded)
+
+
+def test_session_affinity_forgets_a_restarted_replica():
+    policy = SessionAffinity(2)
+    policy.routed(0, [1, 2], "a")
+    policy.routed(1, [3], "b")
+    policy.forget(0)
+    assert policy._sessions == {"b": 1} and not policy._seen[0]
+    assert policy.choose([1, 2], [1, 0], "a") == 1  # its context is gone: the least loaded
+    assert policy.choose([4], [0, 1], "b") == 1
+
+
+def _reference_session_choice(homes: dict, keys, loads, session, prefix: PrefixAffinity) -> int:
+    """The rule, written out again: the session's replica within the bound, else the least
+    loaded; no session (or an unknown one): prefix affinity's choice."""
+    least = least_loaded(loads)
+    if session and session in homes:
+        home = homes[session]
+        bound = 1.5 * loads[least].requests + 4
+        return home if loads[home].requests <= bound else least
+    return prefix.choose(keys, loads)
+
+
+_load = st.builds(ReplicaLoad, st.integers(0, 12), st.integers(0, 40))
+_step = st.tuples(st.lists(st.integers(0, 5), max_size=4).map(lambda keys: [
+    hash(tuple(keys[:depth + 1])) for depth in range(len(keys))]),  # chained, like block keys
+    st.one_of(st.none(), st.sampled_from("abcdef")),
+    st.one_of(st.none(), st.none(), st.none(), st.integers(0, 3)))  # now and then a restart
+
+
+@settings(max_examples=examples(150))
+@given(replicas=st.integers(1, 4), memory=st.integers(1, 4), data=st.data(),
+       steps=st.lists(_step, max_size=40))
+def test_session_affinity_follows_its_rule(replicas, memory, data, steps):
+    """Against a model: the choice; the sessions remembered (the `memory` most recently routed,
+    each at the replica of its latest turn, less those of a replica restarted since); the bound;
+    and determinism (a second policy fed the same inputs chooses the same)."""
+    policy, twin = SessionAffinity(replicas, memory_sessions=memory), SessionAffinity(
+        replicas, memory_sessions=memory)
+    prefix = PrefixAffinity(replicas)  # the rule for requests without a known session
+    homes: dict[str, int] = {}  # session -> replica, in order of the latest routing
+    for keys, session, restarted in steps:
+        if restarted is not None and restarted < replicas:
+            for each in (policy, twin, prefix):
+                each.forget(restarted)
+            homes = {name: home for name, home in homes.items() if home != restarted}
+        loads = data.draw(st.lists(_load, min_size=replicas, max_size=replicas))
+        index = policy.choose(keys, loads, session)
+        assert index == _reference_session_choice(homes, keys, loads, session, prefix)
+        assert index == twin.choose(keys, loads, session)
+        least = least_loaded(loads)
+        assert index == least or loads[index].requests <= 1.5 * loads[least].requests + 4
+        policy.routed(index, keys, session)
+        twin.routed(index, keys, session)
+        prefix.routed(index, keys)
+        if session:
+            homes.pop(session, None)
+            homes[session] = index
+            while len(homes) > memory:
+                del homes[next(iter(homes))]
+        assert list(policy._sessions.items()) == list(homes.items())

@@ -2,13 +2,14 @@
 
 In process (`ReplicaSet` over stand-in engine clients): each policy of `zipage.core.routing`
 routes as specified (round-robin in turn, least-loaded by requests then KV use, prefix affinity
-keeps a shared prefix on one replica), and a replica that is down is skipped. Over HTTP, one
-module-scoped server of two replicas with prefix-affinity routing (random weights, prompts as
-token ids: it starts in seconds): /health lists both; prompts sharing their leading blocks all go
-to one replica while unrelated ones spread; /metrics labels every engine series with its replica
-and the per-replica counts add up to what was sent; a killed replica fails only its own
-requests in flight (503), the other's complete, /health says "degraded" until the replica is
-back, and then both serve again.
+keeps a shared prefix on one replica, session affinity a request body's session), and a replica
+that is down is skipped. Over HTTP, one module-scoped server of two replicas with prefix-affinity
+routing (random weights, prompts as token ids: it starts in seconds): /health lists both; prompts
+sharing their leading blocks all go to one replica while unrelated ones spread; /metrics labels
+every engine series with its replica and the per-replica counts add up to what was sent; a killed
+replica fails only its own requests in flight (503), the other's complete, /health says
+"degraded" until the replica is back, and then both serve again. A server of its own, routed
+session-affinity, keeps a session's turns on one replica while the other is idle.
 """
 
 from __future__ import annotations
@@ -107,6 +108,38 @@ def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica():
     fresh.clients[0].requests = 2
     fresh.policy.forget(0)
     assert _sent(fresh, system + [6]) == 1
+
+
+def _sent_in(replicas: ReplicaSet, prompt: list[int], session: str | None) -> int:
+    return replicas.submit(prompt, None, session=session)[0].replica
+
+
+def test_session_affinity_keeps_a_session_on_its_replica():
+    replicas = _replicas("session-affinity", 2)
+    assert _sent_in(replicas, [1] * BLOCK, "a") == 0  # a new session: the least loaded
+    assert _sent_in(replicas, [2] * BLOCK, "b") == 1
+    # Each session's later turns, sharing no block with its first, stay on its replica, though
+    # the other is lighter.
+    replicas.clients[0].requests, replicas.clients[1].requests = 2, 0
+    assert [_sent_in(replicas, [3 + turn] * BLOCK, "a") for turn in range(3)] == [0, 0, 0]
+    replicas.clients[0].requests, replicas.clients[1].requests = 0, 3
+    assert _sent_in(replicas, [9] * BLOCK, "b") == 1
+    assert _sent_in(replicas, [9] * BLOCK, None) == 1  # no session: the prefix it shares
+    # Past the bound (1.5 x the least load + 4) a session moves to the least loaded, and stays.
+    replicas.clients[0].requests, replicas.clients[1].requests = 11, 4
+    assert _sent_in(replicas, [10] * BLOCK, "a") == 1
+    replicas.clients[0].requests = replicas.clients[1].requests = 0
+    assert _sent_in(replicas, [11] * BLOCK, "a") == 1
+    # A replica that is down sends its sessions to the least loaded; one that restarted (its
+    # cache empty) is forgotten with them.
+    replicas.clients[1].alive = False
+    assert _sent_in(replicas, [12] * BLOCK, "a") == 0
+    replicas.clients[1].alive = True
+    replicas.clients[0].requests, replicas.clients[1].requests = 3, 0
+    assert _sent_in(replicas, [13] * BLOCK, "a") == 0  # it moved while 1 was down
+    replicas.clients[1].on_restarted()
+    replicas.clients[0].requests, replicas.clients[1].requests = 0, 2
+    assert _sent_in(replicas, [14] * BLOCK, "b") == 0  # forgotten: the least loaded
 
 
 def test_each_replica_gets_its_own_cores_or_gpus(monkeypatch):
@@ -270,3 +303,65 @@ def test_a_killed_replica_fails_alone_and_comes_back(served):
         _complete(url, [400 + index] * 3, tokens=4)
     after = _series(url, "requests_routed_total")
     assert after["0"] - before["0"] == 2  # the new engine process serves
+
+
+def test_a_session_stays_on_its_replica_over_http(tmp_path):
+    """`--routing session-affinity`: the turns of a request body's `session_id` go to the replica
+    of its first turn, though their prompts share nothing and a lighter replica is free; another
+    session starts on the lighter replica and stays there; a request without a session goes to
+    the least loaded."""
+    port = _free_port()
+    process = start_two_replicas(tmp_path / "server.log", port, "--routing", "session-affinity")
+    url = f"http://127.0.0.1:{port}"
+    engines: list[int] = []
+    try:
+        _wait_for(lambda: process.poll() is not None or _healthy(url), 240,
+                  "the server to be healthy")
+        assert process.poll() is None, ("zipage serve exited:\n"
+                                        + (tmp_path / "server.log").read_text()[-3000:])
+        engines = _children(process.pid)
+
+        def turn(session: str | None, token: int) -> str:
+            """The replica that served one request of `session`."""
+            before = _series(url, "requests_routed_total")
+            body = {"prompt": [token] * 20, "max_tokens": 1, "ignore_eos": True,
+                    "session_id": session}
+            reply = httpx.post(url + "/v1/completions", timeout=120, json=body)
+            assert reply.status_code == 200, reply.text
+            after = _series(url, "requests_routed_total")
+            (replica,) = [name for name in after if after[name] != before.get(name, 0.0)]
+            return replica
+
+        first = turn("chat-a", 11)  # both idle: replica 0
+
+        async def while_busy():
+            async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+                body = {"prompt": [7] * 40, "max_tokens": 2000, "ignore_eos": True,
+                        "stream": True}  # runs past the turns below; closed (aborted) after
+                async with http.stream("POST", "/v1/completions", json=body) as stream:
+                    lines = stream.aiter_lines()
+                    await anext(lines)  # running (on replica 0: a tie goes to the lowest)
+                    busy = {name for name, value in _series(url, "num_requests_running").items()
+                            if value}
+                    sent = await asyncio.to_thread(lambda: (
+                        [turn("chat-a", 12 + index) for index in range(2)],
+                        turn("chat-b", 21)))
+                    running = _series(url, "num_requests_running")[first]
+            return busy, sent, running
+
+        busy, (a_turns, b_first), running = asyncio.run(while_busy())
+        assert busy == {first} and running == 1.0, (busy, running)  # busy all along
+        # chat-a stays where its context is, though the other replica is idle; chat-b starts on
+        # the idle one (the least loaded).
+        assert a_turns == [first, first], a_turns
+        assert b_first != first
+        # Once both are idle, chat-b stays on its replica: a request without a session would
+        # go to replica 0 (the tie).
+        assert turn("chat-b", 22) == b_first and turn(None, 31) == "0"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        for pid in engines + _children(process.pid):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -14,11 +14,13 @@ Two Serve applications on the Ray cluster:
 
 Routing: `ZipageRouter`, a Ray Serve request router, applies the `--routing` policy of
 `zipage.core.routing` (the code `zipage plan --routing` simulates and `--data-parallel` on one host
-routes by) to the request's prompt-block hashes and each replica's load: the requests this router
-has in flight there (exact: it sees each one routed and completed) and the KV blocks the replica
-last reported. Ray runs the router in the process that holds the handle, the ingress, so the router
-also hands each report to the ingress's `RayEngines`, which sets the replica's /metrics gauges
-from it, as each engine's step report sets them under `--data-parallel`.
+routes by) to the request's prompt-block hashes, its session (the body's `session_id`, which the
+app hands `RayEngines.submit` and which travels as `generate`'s `session` argument) and each
+replica's load: the requests this router has in flight there (exact: it sees each one routed and
+completed) and the KV blocks the replica last reported. Ray runs the router in the process that
+holds the handle, the ingress, so the router also hands each report to the ingress's `RayEngines`,
+which sets the replica's /metrics gauges from it, as each engine's step report sets them under
+`--data-parallel`.
 """
 
 from __future__ import annotations
@@ -59,9 +61,10 @@ class ZipageEngine:
     def describe(self) -> Ready:
         return self.client.info
 
-    async def generate(self, prompt_token_ids: list[int], sampling):
+    async def generate(self, prompt_token_ids: list[int], sampling, session: str | None = None):
         """Stream (rank, sample index, Delta, prompt log-probabilities or None) items; a client
-        that leaves cancels this generator, which aborts the request in the engine."""
+        that leaves cancels this generator, which aborts the request in the engine. (`session`
+        is for the router, which reads it from the request's arguments.)"""
         if not self._attached:
             self.client.attach(None)
             self._attached = True
@@ -126,8 +129,8 @@ class ZipageRouter(FIFOMixin, RequestRouter):
         return None
 
     def _assign(self, candidates) -> None:
-        """Give each new replica a free index (a replaced replica's, its prefix memory cleared:
-        its cache starts empty)."""
+        """Give each new replica a free index (a replaced replica's, its prefix and session
+        memory cleared: its cache starts empty)."""
         live = {replica.replica_id for replica in candidates}
         for replica in candidates:
             if self._slot(replica.replica_id) is None:
@@ -155,11 +158,13 @@ class ZipageRouter(FIFOMixin, RequestRouter):
                                          reported.blocks_used if reported is not None else 0))
         if all(load is DOWN for load in loads):
             return [candidate_replicas]
-        keys = []
-        if pending_request is not None and pending_request.args:
-            keys = prompt_block_hashes(pending_request.args[0], self.block_size)
-        index = choose_up(self.policy, keys, loads)
-        self.policy.routed(index, keys)
+        keys, session = [], None
+        if pending_request is not None:
+            if pending_request.args:
+                keys = prompt_block_hashes(pending_request.args[0], self.block_size)
+            session = (pending_request.kwargs or {}).get("session")
+        index = choose_up(self.policy, keys, loads, session)
+        self.policy.routed(index, keys, session)
         chosen = by_id[self.slots[index]]
         if pending_request is not None:
             self.placed[pending_request.metadata.internal_request_id] = chosen.replica_id
@@ -207,12 +212,13 @@ class RayEngines:
         self._ids = 0
         self._serving: list = [None] * replicas  # the Ray replica id last reporting as each rank
 
-    def rejection_reason(self, prompt_len: int, max_tokens: int, kv_budget: int | None = None):
+    def rejection_reason(self, prompt_len: int, max_tokens: int, kv_budget: int | None = None,
+                         compress_scope: str | None = None):
         from zipage.core.sequence import Sequence
 
-        return self.admission.rejection_reason(Sequence("request", None, max_tokens,
-                                                        prompt_len=prompt_len,
-                                                        kv_budget=kv_budget))
+        seq = Sequence("request", None, max_tokens, prompt_len=prompt_len, kv_budget=kv_budget)
+        seq.compress_scope = compress_scope
+        return self.admission.rejection_reason(seq)
 
     @property
     def num_waiting(self) -> int:
@@ -244,25 +250,27 @@ class RayEngines:
                 self._serving[rank] = replica_id
             metrics.engine_stats(stats["stats"], 0)  # tokens are counted as they arrive here
 
-    def submit(self, prompt_token_ids: list[int], sampling) -> list[RequestHandle]:
+    def submit(self, prompt_token_ids: list[int], sampling,
+               session: str | None = None) -> list[RequestHandle]:
         now = time.perf_counter()
         self._ids += 1
         rid = self._ids
         handles = [RequestHandle(f"ray-{rid}#{index}", len(prompt_token_ids), now)
                    for index in range(sampling.n)]
         task = asyncio.get_running_loop().create_task(
-            self._stream(rid, handles, prompt_token_ids, sampling))
+            self._stream(rid, handles, prompt_token_ids, sampling, session))
         self._requests[rid] = (handles, task)
         for handle in handles:
             self._request_of[handle.seq_id] = rid
         return handles
 
-    async def _stream(self, rid, handles, prompt_token_ids, sampling) -> None:
+    async def _stream(self, rid, handles, prompt_token_ids, sampling, session) -> None:
         routed = False  # counted once per request, on its first item: its n samples share a replica
         try:
             for attempt in range(2):  # a replica down before the request started: one retry
                 try:
-                    response = self.handle.generate.remote(prompt_token_ids, sampling)
+                    response = self.handle.generate.remote(prompt_token_ids, sampling,
+                                                           session=session)
                     async for rank, index, delta, prompt in response:
                         if not routed and self.metrics is not None:
                             self.metrics.replica(rank).routed.inc()

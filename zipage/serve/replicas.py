@@ -7,12 +7,13 @@ request to one replica by a policy of `zipage.core.routing`, the very code the s
 cluster model (`sim/cluster.py`, `zipage plan --replicas N --routing P`) routes by: the router
 hands it the request's chained prompt-block hashes (what each replica's prefix cache keys on) and
 each replica's load (`EngineClient.load`: its requests in flight and the KV blocks its latest step
-reported).
+reported) and the request's session (the body's optional `session_id`, which the app hands
+`submit`; session-affinity keeps a session's turns on one replica).
 
 A replica whose engine process dies fails only its own requests in flight (503, as one engine
 does) and is restarted by its `EngineClient`; while it is down the router skips it, so the others
-keep serving, and once it is back the router has forgotten the prefixes routed to it (its new
-prefix cache is empty). /health is 200 while any replica serves ("degraded" when some are down) and lists
+keep serving, and once it is back the router has forgotten the prefixes and sessions routed to it
+(its new prefix cache is empty). /health is 200 while any replica serves ("degraded" when some are down) and lists
 each one. One replica past `--max-engine-restarts` stops the server (exit 1), as one engine does:
 a supervisor restarts it whole.
 
@@ -46,8 +47,8 @@ class ReplicaSet:
         self._on_fatal = None
         self.metrics = None  # the server's, once attached
         for client in clients:
-            # A restarted replica's prefix cache is empty: prefix affinity must not keep
-            # sending it the prefixes its dead predecessor held.
+            # A restarted replica's prefix cache is empty: prefix (and session) affinity must
+            # not keep sending it the prefixes (and sessions) its dead predecessor held.
             client.on_restarted = functools.partial(self.policy.forget, client.index)
             if len(clients) > 1:
                 client.label = f"replica {client.index}: "
@@ -110,27 +111,32 @@ class ReplicaSet:
     def pids(self) -> list[int]:
         return [client.pid for client in self.clients]
 
-    def rejection_reason(self, prompt_len: int, max_tokens: int,
-                         kv_budget: int | None = None) -> str | None:
-        return self.clients[0].rejection_reason(prompt_len, max_tokens, kv_budget)
+    def rejection_reason(self, prompt_len: int, max_tokens: int, kv_budget: int | None = None,
+                         compress_scope: str | None = None) -> str | None:
+        return self.clients[0].rejection_reason(prompt_len, max_tokens, kv_budget,
+                                                compress_scope)
 
     def attach(self, metrics) -> None:
         self.metrics = metrics
         for client in self.clients:
             client.attach(metrics.replica(client.index))
 
-    def choose(self, prompt_token_ids: list[int]) -> tuple[int, list[int]]:
-        """The replica that takes a request of these tokens, and the block keys routed."""
+    def choose(self, prompt_token_ids: list[int],
+               session: str | None = None) -> tuple[int, list[int]]:
+        """The replica that takes a request of these tokens (of `session`, the request body's
+        `session_id`; None without one), and the block keys routed."""
         keys = prompt_block_hashes(prompt_token_ids, self.block_size)
         loads = [client.load() if client.alive else DOWN for client in self.clients]
         if all(load is DOWN for load in loads):
             raise EngineStopped(self.error or "no engine process is running")
-        return choose_up(self.policy, keys, loads), keys
+        return choose_up(self.policy, keys, loads, session), keys
 
-    def submit(self, prompt_token_ids: list[int], sampling) -> list[RequestHandle]:
-        index, keys = self.choose(prompt_token_ids)
+    def submit(self, prompt_token_ids: list[int], sampling,
+               session: str | None = None) -> list[RequestHandle]:
+        index, keys = self.choose(prompt_token_ids, session)
         handles = self.clients[index].submit(prompt_token_ids, sampling)
-        self.policy.routed(index, keys)  # only once it went: a refused send taught nothing
+        # Only once it went: a refused send taught nothing.
+        self.policy.routed(index, keys, session)
         if self.metrics is not None:
             self.metrics.replica(index).routed.inc()
         return handles
