@@ -206,6 +206,25 @@ def test_kv_budget_per_request(llm, url):
         assert error["message"].startswith(message) and error["param"] == "kv_budget"
 
 
+def test_compress_scope_per_request(llm, url):
+    """A request's own compress_scope (an extension field) is its scope, as
+    SamplingParams.compress_scope is LLM.generate's; a bad one is a 400 naming the field."""
+    from zipage.core.sampling import SamplingParams
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    reply = httpx.post(url + "/v1/completions", headers=headers, timeout=120, json={
+        "prompt": PROMPT, "max_tokens": 60, "temperature": 0, "kv_budget": 16,
+        "compress_scope": "output", "ignore_eos": True, "return_token_ids": True}).json()
+    expected = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=60,
+                                                     ignore_eos=True, kv_budget=16,
+                                                     compress_scope="output"),
+                            progress=False)[0]
+    assert reply["choices"][0]["token_ids"] == expected.token_ids
+    bad = httpx.post(url + "/v1/completions", headers=headers, timeout=30,
+                     json={"prompt": PROMPT, "max_tokens": 4, "compress_scope": "prompt"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "compress_scope"
+
+
 def test_chat_streamed_equals_non_streamed_equals_generate(client, llm):
     from zipage.core.sampling import SamplingParams
 

@@ -161,6 +161,7 @@ HUGE = 2**63  # issue #30: top_k 2**63 reached the sampler and killed the engine
     ("echo", [True, False], [1, "true", None]),
     ("best_of", [1, None], [0, HUGE]),
     ("kv_budget", [16, 2**31 - 1, None], [0, -16, 2**31, HUGE, 16.0, True]),
+    ("compress_scope", ["all", "output", None], ["prompt", "", 1, True, ["all"]]),
     ("stop", ["x", ["a", "b"], ["s"] * 16, "y" * 1000, None],
      ["", [""], ["s"] * 17, "y" * 1001, [1], {"a": 1}]),
     ("ignore_eos", [True, False], [1, "true", None]),

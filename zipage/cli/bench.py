@@ -53,8 +53,29 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
         return 0
     print_summary(summary, title=f"{trace.name} served by {summary['model']} at {args.url}")
+    print_sessions(summary)
     for record in [record for record in records if record.error][:5]:
         print(f"  failed: {record.id}: {record.error}")
     if args.out is not None:
         print(f"wrote {args.out}/summary.json, requests.csv")
     return 0
+
+
+def print_sessions(summary: dict) -> None:
+    """A trace with sessions: its follow-ups, and each turn's latencies (turn 1: the requests
+    that follow none)."""
+    if not summary.get("follow_ups"):
+        return
+    from zipage.serve.bench import LATE_S
+
+    print(f"  sessions: {summary['follow_ups']} follow-up turns, "
+          f"{summary['follow_ups_failed']} failed ({summary['follow_ups_not_sent']} not sent: "
+          f"the turn they follow failed); {summary['sent_late']} requests sent over "
+          f"{LATE_S * 1000:.0f} ms late (max {summary['max_send_lag_s'] * 1000:.1f} ms)")
+    print("  turn  requests  completed  failed  TTFT p50/p90 (s)  e2e p50/p90 (s)  "
+          "TPOT p50 (ms)  tok/s")
+    for turn in summary["turns"]:
+        print(f"  {turn['turn']:>4}  {turn['requests']:>8}  {turn['completed']:>9}  "
+              f"{turn['failed']:>6}  {turn['ttft_p50_s']:>7.3f} / {turn['ttft_p90_s']:<6.3f}  "
+              f"{turn['e2e_p50_s']:>6.3f} / {turn['e2e_p90_s']:<6.3f}  "
+              f"{turn['tpot_p50_ms']:>13.2f}  {turn['tps']:,.1f}")

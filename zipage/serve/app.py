@@ -106,7 +106,8 @@ class Server:
                 temperature=body.temperature, top_p=body.top_p,
                 top_k=0 if body.top_k == -1 else body.top_k, seed=body.seed,
                 max_tokens=default_max_tokens if limit is None else limit,
-                ignore_eos=body.ignore_eos, kv_budget=body.kv_budget, n=body.n,
+                ignore_eos=body.ignore_eos, kv_budget=body.kv_budget,
+                compress_scope=body.compress_scope, n=body.n,
                 logprobs=body.output_logprobs, prompt_logprobs=body.prompt_logprobs)
         except ZipageError as error:
             raise ServeError(400, str(error), str(error).split(":")[0]) from None
@@ -115,7 +116,7 @@ class Server:
             raise ServeError(400, budget_reason.replace("kv_budget ", "kv_budget: ", 1),
                              "kv_budget")
         reason = self.engine.rejection_reason(len(prompt_ids), sampling.max_tokens,
-                                              body.kv_budget)
+                                              body.kv_budget, body.compress_scope)
         if reason is not None:
             self.metrics.rejected.inc()
             reason = reason.split(": ", 1)[-1].replace("output_len", "max_tokens")
@@ -127,7 +128,9 @@ class Server:
                                   f"(--max-waiting {self.max_waiting}); retry later",
                              None, "rate_limit_exceeded")
         try:
-            return self.engine.submit(prompt_ids, sampling)
+            # The session (`session_id`) goes to the router: session affinity keeps its turns
+            # on one replica, where the prefix cache holds their history.
+            return self.engine.submit(prompt_ids, sampling, session=body.session_id)
         except EngineStopped as error:
             raise ServeError(503, str(error), None, "server_error") from None
 

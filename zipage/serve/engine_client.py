@@ -174,12 +174,12 @@ class EngineClient:
 
     # ---------------------------------------------------------------- requests
 
-    def rejection_reason(self, prompt_len: int, max_tokens: int,
-                         kv_budget: int | None = None) -> str | None:
+    def rejection_reason(self, prompt_len: int, max_tokens: int, kv_budget: int | None = None,
+                         compress_scope: str | None = None) -> str | None:
         """Why the core would refuse such a request (`Scheduler.rejection_reason`)."""
-        return self.admission.rejection_reason(Sequence("request", None, max_tokens,
-                                                        prompt_len=prompt_len,
-                                                        kv_budget=kv_budget))
+        seq = Sequence("request", None, max_tokens, prompt_len=prompt_len, kv_budget=kv_budget)
+        seq.compress_scope = compress_scope
+        return self.admission.rejection_reason(seq)
 
     def submit(self, prompt_token_ids: list[int], sampling) -> list[RequestHandle]:
         """Send a request to the engine; it arrives now (its TTFT counts from here). One handle

@@ -171,6 +171,7 @@ class EngineCore:
                 own = command.sampling.for_sample(index)
                 seq = Sequence(seq_id, ids, own.max_tokens, arrival_s=now, sampling=own,
                                kv_budget=own.kv_budget)
+                seq.compress_scope = own.compress_scope
                 if index == 0:
                     seq.prompt_logits = own.prompt_logprobs is not None
                 else:

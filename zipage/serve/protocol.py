@@ -8,7 +8,9 @@ Unicode (a lone UTF-16 surrogate such as "\\ud800" cannot be tokenized or writte
 Fields the API has and Zipage does not implement are refused by name rather than ignored
 (`best_of` above 1); fields unknown to the API are ignored, as OpenAI-compatible servers do.
 `n`, `logprobs` (completions: an integer, the alternatives per token; chat: a boolean with
-`top_logprobs`) and `echo` (completions) are served.
+`top_logprobs`) and `echo` (completions) are served. Extensions: `ignore_eos`, `kv_budget`,
+`session_id` (both endpoints: the conversation or agent run a request belongs to, which a router
+keeps on one replica) and `return_token_ids` (completions: each choice carries its output ids).
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from zipage.config import COMPRESS_SCOPES
 from zipage.core.sampling import MAX_INT, MAX_LOGPROBS, MAX_SAMPLES, MAX_TEMPERATURE, SEED_LIMIT
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1000  # characters; each decoded piece is searched for every stop string
 MESSAGE_LIMIT = 500  # characters of an error message: user input in it is cut to fit
+MAX_SESSION_ID = 256  # characters of a `session_id`: a name, not a payload
 
 
 def short(value: Any, limit: int = 60) -> str:
@@ -140,6 +144,12 @@ class SamplingFields(BaseModel):
     n: int = Field(1, ge=1, le=MAX_SAMPLES)
     ignore_eos: bool = False  # vLLM's extension: generate through end-of-sequence tokens
     kv_budget: int | None = Field(None, ge=1, le=MAX_INT)  # extension: this request's KV budget
+    # Extension: the session (chat, agent run) the request is a turn of; a router keeps a
+    # session's turns on one replica, whose prefix cache holds their history. None: none.
+    session_id: str | None = None
+    # Extension: what this request's compressions may evict ("all" or "output"; None: the
+    # server's --compress-scope).
+    compress_scope: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_INT)
 
     @model_validator(mode="before")
@@ -161,6 +171,23 @@ class SamplingFields(BaseModel):
         if any(not text or len(text) > MAX_STOP_LENGTH for text in strings):
             raise ValueError(f"each stop string must have 1 to {MAX_STOP_LENGTH} characters")
         return stop
+
+    @field_validator("compress_scope", mode="before")
+    @classmethod
+    def _scope(cls, scope):
+        if scope is None or scope in COMPRESS_SCOPES:
+            return scope
+        raise ValueError(f"expected one of {', '.join(map(repr, COMPRESS_SCOPES))} (what this "
+                         f"request's compressions may evict), got {short(scope)}")
+
+    @field_validator("session_id", mode="before")
+    @classmethod
+    def _session_name(cls, session_id):
+        if session_id is None or (isinstance(session_id, str)
+                                  and 1 <= len(session_id) <= MAX_SESSION_ID):
+            return session_id
+        raise ValueError(f"expected a string of 1 to {MAX_SESSION_ID} characters naming the "
+                         f"conversation or agent run, got {short(session_id)}")
 
     def check_unsupported(self) -> None:
         if self.best_of not in (None, 1):
