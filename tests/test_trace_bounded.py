@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
+import zipage.production_rows as production_rows
 import zipage.trace as trace_module
-import zipage.trace_import as trace_import
 from zipage.cli.parser import main
 from zipage.core.deployment import iter_trace_sequences
 from zipage.errors import TraceError
@@ -271,7 +271,7 @@ def azure_csv(path: Path, rows: int) -> Path:
 
 def test_an_import_holds_a_few_numbers_a_row(tmp_path, capsys, monkeypatch):
     # Small chunks of lines, so what is measured is what the import keeps a row.
-    monkeypatch.setattr(trace_import, "JSONL_CHUNK", 1 << 16, raising=False)
+    monkeypatch.setattr(production_rows, "JSONL_CHUNK", 1 << 16)
     rows = 15_000
     source = azure_csv(tmp_path / "azure.csv", rows)
     out = tmp_path / "azure.jsonl.gz"
@@ -285,7 +285,7 @@ def test_an_import_holds_a_few_numbers_a_row(tmp_path, capsys, monkeypatch):
 
 def test_a_replayed_production_file_holds_a_few_numbers_a_row(tmp_path, monkeypatch):
     # What the simulator holds of the trace: the rows' numbers, each request made on arrival.
-    monkeypatch.setattr(trace_import, "JSONL_CHUNK", 1 << 16, raising=False)
+    monkeypatch.setattr(production_rows, "JSONL_CHUNK", 1 << 16)
     rows = 20_000
     source = azure_csv(tmp_path / "azure.csv", rows)
 
