@@ -1,7 +1,8 @@
 """Regenerate every shipped workload trace in this folder from its generator with seed 0.
 
-The shipped files are exactly what `zipage.workloads.make_trace(kind, seed=0)` produces;
-`tests/test_trace.py` regenerates them and fails if a file drifts from its generator. Run
+The shipped files are exactly what `zipage.workloads.make_trace(kind, seed=0)` produces (with
+the arguments below for the scaled and session traces); `tests/test_trace.py` and
+`tests/test_session_workloads.py` regenerate them and fail if a file drifts from its generator. Run
 `python traces/make_all.py` after changing a generator, and commit the files it rewrites.
 """
 
@@ -23,6 +24,14 @@ SHIPPED_SEED = 0
 SCALED = {
     "amc23-headline": ("amc23", dict(num_questions=16, samples_per_question=8, max_output_len=4096)),
 }
+# Session traces (zipage/session_workloads.py), written as JSON Lines: file stem -> (kind,
+# generator arguments). `agent-sessions` is the coding agent at 1/8 of its token counts (~8.5k-token
+# prompts, compacted before 25k) so a single GPU, or the CPU engine, replays it with a 32k-context
+# model; `tests/test_session_workloads.py` checks each equals its generator.
+SESSIONS = {
+    "chat-sessions": ("chat-sessions", {}),
+    "agent-sessions": ("agent-sessions", dict(sessions=24, scale=0.125)),
+}
 
 
 def main() -> None:
@@ -34,6 +43,11 @@ def main() -> None:
     for stem, (kind, arguments) in SCALED.items():
         trace = make_trace(kind, SHIPPED_SEED, **arguments)
         path = TRACES_DIR / f"{stem}.json"
+        save_trace(trace, path)
+        print(f"{path}: {len(trace.requests)} requests")
+    for stem, (kind, arguments) in SESSIONS.items():
+        trace = make_trace(kind, SHIPPED_SEED, **arguments)
+        path = TRACES_DIR / f"{stem}.jsonl"
         save_trace(trace, path)
         print(f"{path}: {len(trace.requests)} requests")
 

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 from zipage.errors import ConfigError
+from zipage.session_workloads import SESSION_WORKLOADS
 from zipage.trace import Trace, TraceRequest, stable_hash, stamp_arrivals
 
 
@@ -294,14 +295,19 @@ WORKLOADS: dict[str, Callable[..., Trace]] = {
     "online-mixture": online_mixture,
 }
 
+# Every kind `make_trace` makes: the shapes above (each shipped as traces/KIND.json) and the
+# session shapes of zipage/session_workloads.py (chat, coding agent, deep research).
+ALL_WORKLOADS: dict[str, Callable[..., Trace]] = {**WORKLOADS, **SESSION_WORKLOADS}
+
 
 def make_trace(kind: str, seed: int = 0, **overrides: Any) -> Trace:
     """Generate workload `kind` with `seed`; `overrides` are the generator's keyword arguments."""
-    if kind not in WORKLOADS:
-        raise ConfigError(f"unknown workload kind {kind!r}; known kinds: {', '.join(WORKLOADS)}")
+    if kind not in ALL_WORKLOADS:
+        raise ConfigError(f"unknown workload kind {kind!r}; known kinds: "
+                          f"{', '.join(ALL_WORKLOADS)}")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ConfigError(f"seed must be an integer >= 0, got {seed!r}")
-    generator = WORKLOADS[kind]
+    generator = ALL_WORKLOADS[kind]
     accepted = [
         name for name, parameter in inspect.signature(generator).parameters.items()
         if parameter.kind is inspect.Parameter.KEYWORD_ONLY
