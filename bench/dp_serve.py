@@ -2,7 +2,12 @@
 --routing P` driven by `zipage bench serve`, beside the simulated cluster `zipage plan --replicas R
 --routing P` builds (`sim.cluster.simulate_cluster`, the same router code) for the same trace.
 
-The trace: requests of a few prefix groups (a shared system prompt each, then a tail of their
+`--trace FILE` replays a trace of your own instead (a session trace: `zipage bench serve` sends
+each turn after its predecessor's answer, the simulated cluster on its clock), `--rows` picks the
+rows (`2:round-robin,2:session-affinity`), and `--no-predict` measures only (a GPU image without
+simpy: predict on any machine afterwards with `--predict-only`).
+
+The default trace: requests of a few prefix groups (a shared system prompt each, then a tail of their
 own), Poisson arrivals. For each (replicas, routing) row the script starts a server, checks
 correctness first (a greedy request's token ids must equal the first row's: every replica is the
 same engine), replays the trace with `zipage bench serve --out` (its run's
@@ -34,8 +39,7 @@ from pathlib import Path
 import httpx
 
 from zipage.core.deployment import ReplaySettings
-from zipage.sim.cluster import simulate_cluster
-from zipage.trace import Trace, TraceRequest, save_trace
+from zipage.trace import Trace, TraceRequest, load_trace, save_trace
 
 ROWS = [(1, "least-loaded"), (2, "round-robin"), (2, "least-loaded"), (2, "prefix-affinity")]
 
@@ -57,6 +61,13 @@ def main() -> int:
     parser.add_argument("--tail-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=24)
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/dp_serve"))
+    parser.add_argument("--trace", default=None,
+                        help="replay this trace (e.g. a session trace, in closed loop) instead "
+                             "of the generated prefix groups")
+    parser.add_argument("--rows", default=None,
+                        help="REPLICAS:ROUTING,... (default: the four rows of the table)")
+    parser.add_argument("--no-predict", action="store_true",
+                        help="measure only (a machine without simpy); --predict-only later")
     parser.add_argument("--predict-only", action="store_true",
                         help="keep the measured rows of OUT/table.json, simulate again (e.g. "
                              "with another --cost-model) and print the table")
@@ -64,7 +75,9 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = args.dtype or ("float32" if args.engine == "cpu" else "bfloat16")
-    trace = make_trace(args)
+    trace = load_trace(args.trace) if args.trace else make_trace(args)
+    rows_wanted = ROWS if args.rows is None else [
+        (int(row.split(":")[0]), row.split(":")[1]) for row in args.rows.split(",")]
     if args.predict_only:
         rows = json.loads((out / "table.json").read_text())
         for row in rows:
@@ -78,7 +91,7 @@ def main() -> int:
                     "--kv-memory-gb", str(args.kv_memory_gb), *args.knobs.split()]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     rows, reference = [], None
-    for replicas, routing in ROWS:
+    for replicas, routing in rows_wanted:
         name = f"r{replicas}-{routing}"
         measured = serve_and_bench(engine_flags, replicas, routing, trace_path, out / name, env)
         if reference is None:
@@ -87,11 +100,12 @@ def main() -> int:
             print(f"{name}: greedy tokens differ from the first row's: {measured['check']} vs "
                   f"{reference}", file=sys.stderr)
             return 1
-        predicted = predict(trace, args, dtype, replicas, routing)
+        predicted = None if args.no_predict else predict(trace, args, dtype, replicas, routing)
         rows.append({"replicas": replicas, "routing": routing, "measured": measured,
                      "predicted": predicted})
         (out / "table.json").write_text(json.dumps(rows, indent=1))
-    print_table(rows)
+    if not args.no_predict:
+        print_table(rows)
     return 0
 
 
@@ -138,12 +152,13 @@ def serve_and_bench(engine_flags, replicas, routing, trace_path, out: Path, env)
     summary = json.loads((out / "run" / "summary.json").read_text())
     return {"check": check, "tok_s": summary["tps"],
             "ttft_p50_s": summary["ttft_p50_s"], "ttft_p90_s": summary["ttft_p90_s"],
-            "completed": summary["completed"],
+            "completed": summary["completed"], "makespan_s": summary["makespan_s"],
             "per_replica": summary["requests_per_replica"]}
 
 
 def predict(trace, args, dtype, replicas, routing) -> dict:
     from zipage.cli.parser import build_parser
+    from zipage.sim.cluster import simulate_cluster
 
     parsed = build_parser().parse_args(["replay", "traces/tiny.json", *args.knobs.split()])
     from zipage.cli.flags import settings_from_args
@@ -155,6 +170,7 @@ def predict(trace, args, dtype, replicas, routing) -> dict:
     summary = simulate_cluster(trace, settings, replicas=replicas, routing=routing)
     return {"tok_s": summary["tps"], "ttft_p50_s": summary["ttft_p50_s"],
             "ttft_p90_s": summary["ttft_p90_s"], "per_replica": summary["requests_per_replica"],
+            "makespan_s": summary["makespan_s"],
             "prefix_hit_tokens": summary.get("prefix_hit_tokens")}
 
 

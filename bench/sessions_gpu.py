@@ -1,0 +1,117 @@
+"""Sessions on a GPU: Full KV against the two compression scopes on closed-loop session traces.
+
+Replays each trace in the real engine (random weights of a named model) three ways, in one
+process: Full KV, Zipage with `--compress-scope all` and with `--compress-scope output` (the two
+Zipage variants share one engine: the scope is a scheduler knob). Writes each run directory
+(summary, steps, requests: what `zipage compare` and the twin check read) and prints one table:
+output tokens/s, makespan, prefix-hit and prefill tokens, TTFT p50/p90, TPOT p50, preemptions,
+compressions.
+
+    python bench/sessions_gpu.py --traces agent.jsonl,chat.jsonl --kv-memory-gb 6 \\
+        --runs-dir $OUT/runs
+
+`--after-scale X` divides every follow-up's `after_s` (think and tool time) by X: a recorded
+hour of conversations in minutes, the load shape kept (docs/BENCHMARKS.md, 'Sessions').
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from zipage.config import ZipageConfig
+from zipage.core.deployment import ReplaySettings
+from zipage.engine.builder import build_engine
+from zipage.engine.replay import run_on_engine
+from zipage.rundir import write_run
+from zipage.trace import Trace, load_trace
+
+KEYS = ("tps", "makespan_s", "completed", "failed", "output_tokens", "prefill_tokens",
+        "prefix_hit_tokens", "ttft_p50_s", "ttft_p90_s", "tpot_p50_ms", "preemptions",
+        "compressions", "num_blocks", "max_concurrency", "peak_running", "mean_running")
+VARIANTS = {"full-kv": dict(compress=False), "all": dict(compress_scope="all"),
+            "output": dict(compress_scope="output")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--traces", required=True, help="comma-separated trace files")
+    parser.add_argument("--model", default="qwen3-8b")
+    parser.add_argument("--hardware", default="h200-141gb")
+    parser.add_argument("--kv-memory-gb", type=float, default=6.0)
+    parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--variants", default="full-kv,all,output")
+    parser.add_argument("--after-scale", type=float, default=1.0)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--runs-dir", default=None)
+    parser.add_argument("--tag", default="")
+    args = parser.parse_args()
+    out = Path(os.environ.get("OUT") or Path(__file__).resolve().parents[1] / "runs" / "sessions")
+    out.mkdir(parents=True, exist_ok=True)
+    traces = {Path(path).name.split(".")[0]: _scaled(load_trace(path), args.after_scale)
+              for path in args.traces.split(",")}
+    variants = args.variants.split(",")
+    report: dict = {"args": vars(args)}
+    # One engine per capacity: Full KV has no query slots; the two scopes share one engine.
+    groups = [[name for name in variants if name == "full-kv"],
+              [name for name in variants if name != "full-kv"]]
+    for group in groups:
+        if not group:
+            continue
+        engine = None
+        for trace_name, trace in traces.items():
+            for name in group:
+                settings = _settings(args, name)
+                if engine is None:
+                    started = time.perf_counter()
+                    engine = build_engine(settings, args.device)
+                    report[f"build_{group[0]}_s"] = time.perf_counter() - started
+                started = time.perf_counter()
+                summary, run = run_on_engine(engine, trace, settings)
+                row = {key: summary.get(key) for key in KEYS}
+                row["wall_s"] = time.perf_counter() - started
+                report.setdefault(trace_name, {})[name] = row
+                print(trace_name, name, json.dumps(row), flush=True)
+                if args.runs_dir is not None:
+                    write_run(Path(args.runs_dir) / trace_name / name, summary, run.steps,
+                              run.requests, [])
+                (out / f"sessions_gpu{args.tag}.json").write_text(json.dumps(report, indent=2))
+        engine.close()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    print(f"\n{'trace':<10} {'variant':<8} {'tok/s':>8} {'makespan':>9} {'hit tok':>10} "
+          f"{'prefill':>10} {'TTFT p50/p90 s':>15} {'TPOT p50':>9} {'preempt':>8} {'compr':>6}")
+    for trace_name in traces:
+        for name in variants:
+            row = report[trace_name][name]
+            print(f"{trace_name:<10} {name:<8} {row['tps']:>8.1f} {row['makespan_s']:>9.1f} "
+                  f"{row['prefix_hit_tokens']:>10,} {row['prefill_tokens']:>10,} "
+                  f"{row['ttft_p50_s']:>7.3f}/{row['ttft_p90_s']:<7.3f} "
+                  f"{row['tpot_p50_ms']:>9.1f} {row['preemptions']:>8} {row['compressions']:>6}")
+
+
+def _settings(args, name: str) -> ReplaySettings:
+    config = ZipageConfig(block_size=args.block_size, kv_budget=args.budget, **VARIANTS[name])
+    return ReplaySettings(model=f"random:{args.model}", hardware=args.hardware,
+                          kv_memory_gb=args.kv_memory_gb, config=config)
+
+
+def _scaled(trace: Trace, factor: float) -> Trace:
+    if factor == 1.0:
+        return trace
+    return Trace(trace.name, [dataclasses.replace(request, after_s=request.after_s / factor)
+                              if request.after is not None else request
+                              for request in trace.requests])
+
+
+if __name__ == "__main__":
+    main()
