@@ -1,12 +1,14 @@
 """Capacity planning: search deployments of a trace with the simulator (`zipage plan`).
 
 A `PlanSpec` names the axes of the search (GPU, KV budget, budget policy, block size, cache
-memory, hybrid scheduling, replicas, arrival rate) and the objective: throughput, throughput per dollar, or the
-highest arrival rate that still meets the latency SLOs. Each grid point (`PlanPoint`) is evaluated
-by `evaluate_point`, a pure function of the trace and the point that runs the simulator
+memory, hybrid scheduling, replicas, arrival rate) and the objective: throughput, throughput per
+dollar, the highest arrival rate that still meets the latency SLOs, or, for a trace of sessions,
+the most concurrent users that do. Each grid point (`PlanPoint`) is evaluated by
+`evaluate_point`, a pure function of the trace and the point that runs the simulator
 (`zipage.sim.cluster.simulate_cluster`) once or, for the max-rate objective, bisects over Poisson
-arrival rates as Vidur-Search does; a point the config, the memory planner or the scheduler
-refuses is kept as infeasible with the `ZipageError` message as its reason. Each SLO verdict is
+arrival rates as Vidur-Search does (for max-users, over integer user counts); a point the
+config, the memory planner or the scheduler refuses is kept as infeasible with the `ZipageError`
+message as its reason. Each SLO verdict is
 meets, misses or uncertain (sim/slo.py): uncertain where the target lies within the validated
 error band of the profile that priced the point. Because points are pure, the executor (serial,
 a local process pool, Ray tasks) cannot change a result, and finished points are cached under a
@@ -40,8 +42,12 @@ from zipage.trace import ARRIVAL_PATTERNS, Trace, scale_arrivals, stamp_arrivals
 TPS = "tps"
 TPS_PER_DOLLAR = "tps-per-dollar"
 MAX_RATE = "max-rate"
-OBJECTIVES = (TPS, TPS_PER_DOLLAR, MAX_RATE)
-OBJECTIVE_COLUMN = {TPS: "tps", TPS_PER_DOLLAR: "tps_per_dollar", MAX_RATE: "max_rate_qps"}
+MAX_USERS = "max-users"
+OBJECTIVES = (TPS, TPS_PER_DOLLAR, MAX_RATE, MAX_USERS)
+OBJECTIVE_COLUMN = {TPS: "tps", TPS_PER_DOLLAR: "tps_per_dollar", MAX_RATE: "max_rate_qps",
+                    MAX_USERS: "max_users"}
+# The objectives that search a load (a rate, a number of users) for the highest meeting the SLOs.
+SEARCHED = (MAX_RATE, MAX_USERS)
 
 SERIAL = "serial"
 LOCAL = "local"
@@ -70,8 +76,11 @@ BANDED = {key: metric for metric, key in VALIDATION_METRICS.items() if key is no
 RESULT_COLUMNS = [
     "rank", "status", "reason", "hardware", "budget", "budget_policy", "block_size", "hybrid",
     "replicas",
-    "routing", "kv_memory_gb", "gpu_memory_utilization", "rate_qps", "speedup", "objective",
-    "objective_value", "pareto", "tps", "tps_per_dollar", "max_rate_qps", "gpus",
+    "routing", "kv_memory_gb", "gpu_memory_utilization", "rate_qps", "speedup", "users",
+    "objective", "objective_value", "pareto", "tps", "tps_per_dollar", "max_rate_qps",
+    # max-users: the answer, the trace's sessions (a request in no session is one) and, with
+    # `users` above, the count the row's metrics were simulated at.
+    "max_users", "sessions", "gpus",
     "price_per_hour_usd", *[key for key in METRIC_KEYS if key != "tps"], "simulations", "key",
     # How far to trust the row (empty: the cost model has no validated band): the held-out
     # workload the profile was validated on, each SLO's verdict, and each figure's band.
@@ -83,7 +92,8 @@ RESULT_COLUMNS = [
 class RateSearch:
     """How the max-rate objective searches: from `start_qps` (default: the offline request
     throughput), doubling or halving until the SLOs flip, then bisecting until the bracket is
-    narrower than `tolerance` of its upper end, within `max_simulations` simulations."""
+    narrower than `tolerance` of its upper end, within `max_simulations` simulations (which
+    bounds the max-users search as well; `start_qps` and `tolerance` do not apply to it)."""
 
     start_qps: float | None = None
     tolerance: float = 0.05
@@ -135,7 +145,7 @@ class PlanPoint:
             "kv_memory_gb": self.kv_memory_gb,
             "gpu_memory_utilization": (None if self.kv_memory_gb is not None
                                        else self.gpu_memory_utilization),
-            "rate_qps": self.rate_qps, "speedup": self.speedup,
+            "rate_qps": self.rate_qps, "speedup": self.speedup, "users": self.base.users,
         }
 
     def key_fields(self) -> dict:
@@ -153,7 +163,9 @@ class PlanSpec:
 
     `base` holds every knob that is not an axis. `kv_memory_gb` set replaces the
     `gpu_memory_utilization` axis (exact cache memory, as `--kv-memory-gb`). With the max-rate
-    objective the rate is searched, so `rates` holds at most the starting guess."""
+    objective the rate is searched, so `rates` holds at most the starting guess; with max-users
+    the number of users (`base.users`) is, on the trace's sessions all starting at 0, so neither
+    a rate nor a speed-up applies."""
 
     base: ReplaySettings = field(default_factory=ReplaySettings)
     hardware: list[str] = field(default_factory=lambda: ["a100-80gb"])
@@ -197,6 +209,19 @@ class PlanSpec:
             if self.speedups != [None]:
                 raise ConfigError("speedup: the max-rate objective searches a Poisson rate; "
                                   "drop --speedup, or rank the speed-ups with --objective tps")
+        if self.objective == MAX_USERS:
+            if not self.slo.active:
+                raise ConfigError("objective max-users: the most users that meet the SLOs needs "
+                                  "an SLO; add --slo-ttft-p90 SECONDS and/or --slo-tpot-p99 MS")
+            if self.rates != [None]:
+                raise ConfigError("rate: the max-users objective starts every session at 0 and "
+                                  "searches the number of users; drop --rate")
+            if self.speedups != [None]:
+                raise ConfigError("speedup: the max-users objective starts every session at 0 "
+                                  "and searches the number of users; drop --speedup")
+            if self.base.users is not None:
+                raise ConfigError("users: the max-users objective searches the number of users "
+                                  "itself; drop --users")
         if self.speedups != [None] and self.rates != [None]:
             raise ConfigError("speedup and rate: --speedup plays the trace's own arrival times "
                               "faster, --rate stamps new Poisson ones; give one of them")
@@ -225,6 +250,9 @@ class PlanSpec:
                                            for policy in self.budget_policies):
             raise ConfigError(f"budget_policy: got {self.budget_policies!r}, expected some of "
                               f"{', '.join(BUDGET_POLICIES)}")
+        if not isinstance(self.search.max_simulations, int) or self.search.max_simulations < 1:
+            raise ConfigError(f"max_simulations: got {self.search.max_simulations!r}, expected "
+                              "an integer >= 1")
         if not 0 < self.search.tolerance < 1:
             raise ConfigError(f"rate tolerance: got {self.search.tolerance!r}, expected a share "
                               "between 0 and 1 (e.g. --rate-tolerance 0.05)")
@@ -236,7 +264,7 @@ class PlanSpec:
             [(gigabytes, self.base.gpu_memory_utilization) for gigabytes in self.kv_memory_gb]
             if self.kv_memory_gb is not None
             else [(None, utilization) for utilization in self.gpu_memory_utilization])
-        rates = [None] if self.objective == MAX_RATE else self.rates
+        rates = [None] if self.objective in SEARCHED else self.rates
         return [
             PlanPoint(self.base, hardware, budget, block_size, hybrid, kv_gb, utilization,
                       replicas, self.routing, rate, self.arrivals, self.arrival_seed,
@@ -286,6 +314,8 @@ def evaluate_point(trace: Trace, task: PointTask) -> dict:
     try:
         if task.objective == MAX_RATE:
             return _search_max_rate(trace, task)
+        if task.objective == MAX_USERS:
+            return _search_max_users(trace, task)
         return {**_simulate(_arrivals(trace, task.point, task.point.rate_qps), task.point),
                 "simulations": 1}
     except ZipageError as error:
@@ -380,6 +410,66 @@ def _search_max_rate(trace: Trace, task: PointTask) -> dict:
         else:
             high = middle
     return {**outcomes[low], "max_rate_qps": low, "rate_qps": low, "simulations": simulations}
+
+
+def count_sessions(trace: Trace) -> int:
+    """The sessions of a trace as `--users` counts them: each request that follows no other
+    starts one (a request in no session is a session of one turn)."""
+    return sum(request.after is None for request in trace.requests)
+
+
+def _search_max_users(trace: Trace, task: PointTask) -> dict:
+    """The most concurrent users whose simulated latencies meet the SLOs.
+
+    The run at N users is the trace with every session starting at 0 and `users=N`: N users
+    working back to back through the sessions in trace order, each sending a session's next turn
+    only after the previous answer (closed loop). With as many users as sessions none waits for
+    a user and more cannot add load, so that count is simulated first: if it meets the SLOs, it
+    is the answer. Otherwise 1 is tried (missing even there: the answer is 0, the row's metrics
+    those at 1), then the count doubles until the SLOs flip (the session count bounding it), and
+    the bracket is bisected on integers, within `max_simulations` simulations. Like max-rate, the
+    search assumes latency does not fall as users are added. The row reports the metrics at the
+    count found (`users`).
+    """
+    point, slo, search = task.point, task.slo, task.search
+    closed = Trace(trace.name, [dataclasses.replace(request, arrival_s=0.0)
+                                for request in trace.requests])
+    sessions = count_sessions(trace)
+    outcomes: dict[int, dict] = {}
+    simulations = 0
+
+    def meets(users: int) -> bool:
+        nonlocal simulations
+        simulations += 1
+        outcome = _simulate(closed, dataclasses.replace(
+            point, base=dataclasses.replace(point.base, users=users)))
+        outcomes[users] = outcome
+        return outcome["feasible"] and slo.meets(outcome, bands_of(outcome))
+
+    def answer(users: int, found: int | None) -> dict:
+        return {**outcomes[users], "max_users": found, "users": users, "sessions": sessions,
+                "simulations": simulations}
+
+    if meets(sessions) or not outcomes[sessions]["feasible"]:
+        # All sessions at once meet the SLOs, or the deployment cannot serve some request at all
+        # (a prompt too long for it: no number of users changes that).
+        return answer(sessions, sessions if outcomes[sessions]["feasible"] else None)
+    high = sessions  # misses
+    if sessions == 1 or simulations >= search.max_simulations or not meets(1):
+        return answer(1 if 1 in outcomes else sessions, 0)
+    low = 1  # meets
+    while 2 * low < high and simulations < search.max_simulations:
+        if meets(2 * low):
+            low *= 2
+        else:
+            high = 2 * low
+    while high - low > 1 and simulations < search.max_simulations:
+        middle = (low + high) // 2
+        if meets(middle):
+            low = middle
+        else:
+            high = middle
+    return answer(low, low)
 
 
 # ---------------------------------------------------------------- running a search
@@ -516,6 +606,10 @@ def _row(point: PlanPoint, outcome: dict, key: str, spec: PlanSpec) -> dict:
         row.update(status=SLO_MISSED, reason=(f"SLOs missed at every rate down to "
                                               f"{row['rate_qps']:.3g} req/s: "
                                               + "; ".join(missed + uncertain)))
+    elif spec.objective == MAX_USERS and row["max_users"] == 0:
+        row.update(status=SLO_MISSED, reason=(f"SLOs missed even with {row['users']} user"
+                                              f"{'s' if row['users'] > 1 else ''}: "
+                                              + "; ".join(missed + uncertain)))
     elif missed:
         row.update(status=SLO_MISSED, reason="; ".join(missed))
     elif uncertain:
@@ -579,14 +673,20 @@ def plan_context(trace: Trace, base: ReplaySettings) -> dict:
 
 
 def point_key(context: dict, task: PointTask) -> str:
-    """A stable hash of the plan context, the point and, for the max-rate objective, the SLOs
-    and the search parameters: the name of the point's file in the cache."""
+    """A stable hash of the plan context, the point and, for the objectives that search a load
+    (max-rate; max-users, with the objective's name), the SLOs and the search parameters that
+    steer it: the name of the point's file in the cache. tps and tps-per-dollar rank one
+    simulation, so they share it."""
     payload = {
         **context,
         "point": task.point.key_fields(),
         "search": ([dataclasses.asdict(task.slo), dataclasses.asdict(task.search)]
                    if task.objective == MAX_RATE else None),
     }
+    if task.objective == MAX_USERS:
+        # (Only the bound on simulations steers it; max-rate's keys are as they were.)
+        payload["search"] = {"objective": MAX_USERS, "slo": dataclasses.asdict(task.slo),
+                             "max_simulations": task.search.max_simulations}
     return xxhash.xxh3_128_hexdigest(json.dumps(payload, sort_keys=True).encode())
 
 

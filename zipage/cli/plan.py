@@ -3,7 +3,8 @@
 It takes every engine flag of
 `zipage replay` for the knobs that stay fixed; the searched axes take comma lists (`--hardware
 h100,h200`, `--budget 1024,2048`, `--budget-policy fixed,elastic`, `--hybrid on,off`, `--replicas
-1..4`, `--rate offline,5,10`).
+1..4`, `--rate offline,5,10`); `--objective max-users` searches the number of concurrent users of a
+trace of sessions instead of a rate.
 The handler prints the ranked table, the infeasible points with their reasons and the Pareto
 front of the objective against the budget per GPU (with `--no-compress`, Full KV, which has no
 budget: the best point per GPU); `--out DIR` writes results.csv, results.parquet (when pandas
@@ -25,8 +26,10 @@ from zipage.sim.planning import (
     CACHE_SUBDIR,
     LOCAL,
     MAX_RATE,
+    MAX_USERS,
     OBJECTIVES,
     RAY,
+    SEARCHED,
     SERIAL,
     SLO,
     TPS,
@@ -69,10 +72,13 @@ def add_parser(commands) -> None:
     grid.add_argument("--speedup", default=None, metavar="X[,X...]",
                       help="play the trace's own arrival times X times faster, e.g. 1,2,4: a "
                            "production trace's load axis, its burstiness kept (not with --rate)")
-    grid.add_argument("--arrivals", choices=ARRIVAL_PATTERNS, default="poisson")
-    grid.add_argument("--burst-size", type=int, default=8,
+    # (None: not given, so --objective max-users can refuse what it has no use for.)
+    grid.add_argument("--arrivals", choices=ARRIVAL_PATTERNS, default=None,
+                      help="how --rate stamps arrivals (default poisson)")
+    grid.add_argument("--burst-size", type=int, default=None,
                       help="requests per burst with --arrivals bursty (default 8)")
-    grid.add_argument("--arrival-seed", type=int, default=0)
+    grid.add_argument("--arrival-seed", type=int, default=None,
+                      help="seed of the stamped arrivals (default 0)")
     grid.add_argument("--routing", choices=ROUTING_POLICIES, default=LEAST_LOADED,
                       help="how requests are spread over replicas (default least-loaded)")
 
@@ -80,14 +86,16 @@ def add_parser(commands) -> None:
     goal.add_argument("--objective", choices=OBJECTIVES, default=TPS,
                       help="tps: output tokens/s; tps-per-dollar: tokens/s per dollar-per-hour of "
                            "the GPUs; max-rate: the highest Poisson rate meeting the SLOs, found "
-                           "by bisection (default tps)")
+                           "by bisection; max-users: the most concurrent users meeting the SLOs, "
+                           "every session starting at 0 and each user working through the "
+                           "sessions back to back (default tps)")
     goal.add_argument("--slo-ttft-p90", type=float, default=None, metavar="SECONDS",
                       help="90th-percentile time to first token must not exceed this")
     goal.add_argument("--slo-ttft-p99", type=float, default=None, metavar="SECONDS",
                       help="99th-percentile time to first token must not exceed this")
     goal.add_argument("--slo-tpot-p99", type=float, default=None, metavar="MS",
                       help="99th-percentile time per output token must not exceed this")
-    goal.add_argument("--rate-tolerance", type=float, default=0.05,
+    goal.add_argument("--rate-tolerance", type=float, default=None,
                       help="max-rate: stop bisecting when the bracket is narrower than this "
                            "share of its upper end (default 0.05)")
 
@@ -165,6 +173,8 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
     utilizations = utilizations or [base.gpu_memory_utilization]
     base = replace(base, gpu_memory_utilization=utilizations[0], config=_base_config(
         base.config, budgets or [base.config.kv_budget], block_sizes or [base.config.block_size]))
+    if args.objective == MAX_USERS:
+        refuse_load_flags(args)
     rates = parse_rates(args.rate) if args.rate is not None else [None]
     slo = SLO(args.slo_ttft_p90, args.slo_tpot_p99, args.slo_ttft_p99)
     speedups = parse_speedups(args.speedup) if args.speedup is not None else [None]
@@ -177,9 +187,32 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
         kv_memory_gb=kv_memory, gpu_memory_utilization=utilizations,
         replicas=parse_replicas(args.replicas), rates=rates, speedups=speedups,
         routing=args.routing,
-        arrivals=args.arrivals, arrival_seed=args.arrival_seed, burst_size=args.burst_size,
+        arrivals=args.arrivals or "poisson",
+        arrival_seed=0 if args.arrival_seed is None else args.arrival_seed,
+        burst_size=8 if args.burst_size is None else args.burst_size,
         objective=args.objective, slo=slo,
-        search=replace(RateSearch(), start_qps=start, tolerance=args.rate_tolerance))
+        search=replace(RateSearch(), start_qps=start, **(
+            {} if args.rate_tolerance is None else {"tolerance": args.rate_tolerance})))
+
+
+# Flags of an arrival rate or a fixed population, which --objective max-users has no use for.
+LOAD_FLAGS = (("rate", "--rate"), ("speedup", "--speedup"), ("arrivals", "--arrivals"),
+              ("burst_size", "--burst-size"), ("arrival_seed", "--arrival-seed"),
+              ("rate_tolerance", "--rate-tolerance"), ("users", "--users"))
+
+
+def refuse_load_flags(args: argparse.Namespace) -> None:
+    """--objective max-users starts every session at 0 and searches the number of users: a flag
+    that stamps or scales arrivals, or fixes the users, is a mistake, named in one line."""
+    for name, flag in LOAD_FLAGS:
+        if getattr(args, name, None) is not None:
+            what = ("fixes the number of users" if name == "users"
+                    else "tunes the max-rate search" if name == "rate_tolerance"
+                    else "sets arrival times")
+            hint = "" if name == "users" else ", or use --objective max-rate to search a rate"
+            raise ConfigError(f"{flag}: --objective max-users starts every session at 0 and "
+                              f"searches the number of concurrent users, and {flag} {what}; "
+                              f"drop {flag}{hint}")
 
 
 def _base_config(config, budgets: list[int], block_sizes: list[int]):
@@ -259,7 +292,7 @@ def describe_grid(spec: PlanSpec) -> str:
             (len(spec.block_sizes), "block sizes"), (len(spec.hybrid), "hybrid modes"),
             (len(spec.kv_memory_gb or spec.gpu_memory_utilization), "memory sizes"),
             (len(spec.replicas), "replica counts"),
-            (1 if spec.objective == MAX_RATE else len(spec.rates), "rates"),
+            (1 if spec.objective in SEARCHED else len(spec.rates), "rates"),
             (len(spec.speedups), "speed-ups")]
     varying = [f"{count} {name}" for count, name in axes if count > 1]
     return " x ".join(varying) or "one point"

@@ -13,8 +13,10 @@ from pathlib import Path
 from zipage.cli.bands import no_band_line, validated_lines
 from zipage.sim.planning import (
     MAX_RATE,
+    MAX_USERS,
     OK,
     RESULT_COLUMNS,
+    SEARCHED,
     SLO,
     SLO_UNCERTAIN,
     TPS,
@@ -25,7 +27,8 @@ from zipage.sim.planning import (
 from zipage.sim.slo import format_band
 
 OBJECTIVE_LABELS = {TPS: "throughput (tok/s)", TPS_PER_DOLLAR: "tok/s per $/h",
-                    MAX_RATE: "max rate meeting the SLOs (req/s)"}
+                    MAX_RATE: "max rate meeting the SLOs (req/s)",
+                    MAX_USERS: "max concurrent users meeting the SLOs"}
 
 
 def format_report(result: PlanResult, spec: PlanSpec, top: int = 20) -> str:
@@ -36,6 +39,7 @@ def format_report(result: PlanResult, spec: PlanSpec, top: int = 20) -> str:
     columns = _table_columns(spec, ranked)
     lines = [f"ranked by {OBJECTIVE_LABELS[spec.objective]}"
              + (f", SLOs: {_describe_slo(spec.slo)}" if spec.slo.active else "")
+             + _describe_sessions(rows, spec)
              + (f" (top {top} of {len(ranked)})" if len(ranked) > top else "")]
     lines += format_table([header for header, _ in columns],
                           [[cell(row) for _, cell in columns] for row in ranked[:top]])
@@ -60,7 +64,7 @@ def format_report(result: PlanResult, spec: PlanSpec, top: int = 20) -> str:
         lines.append(f"  (empty: no point surely meets the SLOs; {uncertain} uncertain)"
                      if uncertain else "  (empty: no point meets the SLOs)" if spec.slo.active
                      else "  (empty: no feasible point)")
-    objective_key = None if spec.objective == MAX_RATE else "tps"  # per dollar: tps's band
+    objective_key = None if spec.objective in SEARCHED else "tps"  # per dollar: tps's band
     pareto_columns = [("gpu", lambda row: row["hardware"]),
                       ("budget", lambda row: _budget(row, full_kv)),
                       (_banded(_objective_header(spec), ranked, objective_key),
@@ -69,8 +73,9 @@ def format_report(result: PlanResult, spec: PlanSpec, top: int = 20) -> str:
                       ("deployment", lambda row: _describe_deployment(row, full_kv))]
     lines += format_table([header for header, _ in pareto_columns],
                           [[cell(row) for _, cell in pareto_columns] for row in front])
-    # With max-rate every point meets the SLOs at the rate it found: there is no count to name.
-    if spec.slo.active and len(spec.replicas) > 1 and spec.objective != MAX_RATE:
+    # With max-rate (max-users) every point meets the SLOs at the rate (users) it found: there
+    # is no count to name.
+    if spec.slo.active and len(spec.replicas) > 1 and spec.objective not in SEARCHED:
         lines += ["", *format_fewest_replicas(rows, spec)]
     return "\n".join(lines)
 
@@ -161,6 +166,9 @@ def _table_columns(spec: PlanSpec, ranked: list[dict]) -> list[tuple[str, object
     if spec.objective == MAX_RATE:
         # The metrics of a max-rate row are measured at the rate found.
         columns.append(("max req/s", lambda row: _rate(row["max_rate_qps"])))
+    elif spec.objective == MAX_USERS:
+        # ... and those of a max-users row with the users found (with 1 when none meets them).
+        columns.append(("max users", lambda row: row["max_users"]))
     elif spec.rates != [None]:
         columns.append(("rate req/s", lambda row: _rate(row["rate_qps"])))
     if spec.speedups != [None]:
@@ -202,6 +210,9 @@ def _trust_lines(result: PlanResult, spec: PlanSpec) -> list[str]:
     if spec.objective == MAX_RATE:
         lines.append("max req/s: the highest rate whose figures meet the SLOs even off by their "
                      "band (docs/planning.md)")
+    elif spec.objective == MAX_USERS:
+        lines.append("max users: the most users whose figures meet the SLOs even off by their "
+                     "band (docs/planning.md)")
     elif spec.slo.active:
         lines.append("SLO verdicts: uncertain where the target lies within the figure's band "
                      "(docs/planning.md)")
@@ -209,7 +220,18 @@ def _trust_lines(result: PlanResult, spec: PlanSpec) -> list[str]:
 
 
 def _objective_header(spec: PlanSpec) -> str:
-    return {TPS: "tok/s", TPS_PER_DOLLAR: "tok/s per $/h", MAX_RATE: "max req/s"}[spec.objective]
+    return {TPS: "tok/s", TPS_PER_DOLLAR: "tok/s per $/h", MAX_RATE: "max req/s",
+            MAX_USERS: "max users"}[spec.objective]
+
+
+def _describe_sessions(rows: list[dict], spec: PlanSpec) -> str:
+    """With max-users, how many sessions the users work through (every row has the trace's)."""
+    if spec.objective != MAX_USERS:
+        return ""
+    sessions = next((row["sessions"] for row in rows if row["sessions"] is not None), None)
+    if sessions is None:  # (every point infeasible before a simulation)
+        return ""
+    return f" ({sessions:,} session{'s' if sessions != 1 else ''}, all starting at 0)"
 
 
 def _describe_slo(slo: SLO) -> str:
@@ -240,6 +262,8 @@ def _describe_deployment(row: dict, full_kv: bool = False) -> str:
         parts.append(f"{_rate(row['rate_qps'])} req/s")
     if row.get("speedup") is not None:
         parts.append(f"{row['speedup']:g}x speed-up")
+    if row.get("users") is not None:
+        parts.append(f"{row['users']} user{'s' if row['users'] > 1 else ''}")
     return ", ".join(parts)
 
 
@@ -251,6 +275,8 @@ def _describe_point(row: dict, full_kv: bool = False) -> str:
 def _number(value: float | None) -> str:
     if value is None:
         return "-"
+    if isinstance(value, int):  # (a count: max users)
+        return f"{value:,}"
     if math.isinf(value):
         return "inf"
     return f"{value:,.1f}" if abs(value) < 100 else f"{value:,.0f}"
