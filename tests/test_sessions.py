@@ -285,6 +285,19 @@ def test_users_run_at_most_that_many_sessions_at_once_in_trace_order(trace, user
         assert running <= users
 
 
+def test_two_first_turns_of_one_session_share_its_user():
+    # Built by hand (a trace's loader refuses it): a session with two first turns runs on one
+    # user, and the user is free again when both are done, so one user serves everything.
+    requests = [TraceRequest("a0", 0.0, prompt_len=20, output_len=4, session="a"),
+                TraceRequest("a1", 0.0, prompt_len=20, output_len=4, session="a"),
+                TraceRequest("b0", 0.0, prompt_len=20, output_len=4, session="b")]
+    summary, run = simulate(Trace("t", requests), dataclasses.replace(_settings(), users=1),
+                            check=True)
+    assert summary["completed"] == 3
+    records = {record.id: record for record in run.requests}
+    assert records["b0"].arrival >= max(records["a0"].finish, records["a1"].finish) - 1e-9
+
+
 # ---------------------------------------------------------------- bad session traces
 
 
@@ -318,6 +331,8 @@ def _write(tmp_path, *lines: dict):
      "reasoning_len must be an integer between 0 and output_len (9)"),
     ({"id": "a2", "after": "a1", "prompt_len": 900, "output_len": 9,
       "prefix_group": "g"}, "prefix_group does not go with after"),
+    ({"id": "a2", "arrival_s": 1, "session": "a", "prompt_len": 9, "output_len": 9},
+     "session 'a' already began at request #0"),
 ])
 def test_a_bad_session_is_one_line_naming_the_request_and_exits_2(tmp_path, capsys, line,
                                                                     message):

@@ -531,6 +531,7 @@ class RequestChecker:
         # Per request of a session: (session, the session's start, its history's length), what
         # a later turn that follows it is checked against (~150 bytes a turn).
         self._turns: dict[str, tuple[str, float, int]] = {}
+        self._session_starts: dict[str, int] = {}  # session -> the index of its first turn
 
     def check(self, raw: Any) -> TraceRequest:
         index = self.count
@@ -545,6 +546,14 @@ class RequestChecker:
             _check_group_consistency(request, request.prefix_group, index,
                                      self._longest_member, self.source)
         if request.session is not None:
+            if request.after is None:
+                began = self._session_starts.setdefault(request.session, index)
+                if began != index:
+                    raise _request_error(
+                        self.source, index, request.id,
+                        f"session {_show(request.session)} already began at request #{began}; "
+                        "a later turn of it names the turn it follows (after), or give this "
+                        "request a session of its own")
             self._turns[request.id] = (request.session, request.arrival_s,
                                        session_history(request))
         self.count += 1

@@ -82,6 +82,7 @@ class ArrivalQueue:
         self._free_users = users or 0
         self._held: deque[Sequence] = deque()
         self._open_turns: dict[str, int] = {}
+        self._holding: set[str] = set()  # sessions a user runs now
         if not ordered:
             self._read(float("inf"))
 
@@ -149,8 +150,10 @@ class ArrivalQueue:
                 self._open_turns[session] = left
             else:  # the session is over: its user starts the next one
                 del self._open_turns[session]
-                self._free_users += 1
-                changed |= self._start_sessions(time)
+                if session in self._holding:
+                    self._holding.discard(session)
+                    self._free_users += 1
+                    changed |= self._start_sessions(time)
         if changed and self.on_change is not None:
             self.on_change()
 
@@ -202,9 +205,15 @@ class ArrivalQueue:
         """Give free users the sessions read and waiting, each due at its arrival or `time`,
         whichever is later; whether one started."""
         started = False
-        while self._free_users and self._held:
-            seq = self._held.popleft()
-            self._free_users -= 1
+        while self._held:
+            seq = self._held[0]
+            session = seq.turn.session if seq.turn is not None else seq.seq_id
+            if session not in self._holding:  # (a second first turn joins its session's user)
+                if not self._free_users:
+                    break
+                self._free_users -= 1
+                self._holding.add(session)
+            self._held.popleft()
             start = seq.arrival_s if seq.arrival_s > time else time
             heapq.heappush(self._due, (start, next(self._order), seq, None))
             started = True
