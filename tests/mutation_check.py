@@ -86,8 +86,15 @@ MUTATIONS = [
              "        return True"),
     # ---- the rules the audit found guarded
     Mutation("N_max off by one (the scheduler's cap)", SCHEDULER,
-             "        return budget // self.block_size + 1\n",
-             "        return budget // self.block_size + 2\n"),
+             "        return budget // self.block_size + 1 + self._pinned_of(seq)\n",
+             "        return budget // self.block_size + 2 + self._pinned_of(seq)\n"),
+    # ---- the compression scope (docs/architecture.md, 'Compression scope')
+    Mutation("output scope: a compression rewrites the prompt's blocks", SCHEDULER,
+             "        pinned = seq.pinned\n        table = seq.block_table\n",
+             "        pinned = 0\n        table = seq.block_table\n"),
+    Mutation("output scope: the prompt's blocks not counted in N_max", SCHEDULER,
+             "        return budget // self.block_size + 1 + self._pinned_of(seq)\n",
+             "        return budget // self.block_size + 1\n"),
     Mutation("compression trigger off by one (N > N_max instead of N >= N_max)", SCHEDULER,
              "            if self.compress and len(table) >= seq.n_max:",
              "            if self.compress and len(table) > seq.n_max:"),
@@ -191,8 +198,7 @@ MUTATIONS = [
              "            if not (self.elastic and self._reclaimable_borrower(seq)):",
              "            if True:", tests=RULE_WITNESSES),
     Mutation("elastic: holds although holding needs fresh blocks", SCHEDULER,
-             "        if held > floor and manager.fresh_blocks_for_compression(seq.block_table, "
-             "held) == 0:",
+             "        if held > floor and self.fresh_for_compression(seq, held) == 0:",
              "        if held > floor:", tests=RULE_WITNESSES),
     # ---- aborts (Scheduler.abort)
     Mutation("abort: a running request's blocks are not released", SCHEDULER,

@@ -288,6 +288,38 @@ def test_a_server_that_sends_no_token_ids_fails_the_follow_ups_not_the_turn(tmp_
     assert summary["follow_ups_not_sent"] == 1 and summary["compressions"] is None
 
 
+def test_users_send_one_session_at_a_time(tmp_path):
+    """`users=1` against a stand-in server: the second session's first turn is sent only after
+    the first session's last turn came back (the core's closed population)."""
+    from zipage.serve.bench import bench_serve
+    from zipage.trace_import import load_trace_file
+
+    path = tmp_path / "users.jsonl"
+    path.write_text('{"version": 1, "name": "users"}\n'
+                    '{"id":"a0","arrival_s":0.0,"session":"a","prompt_len":8,"output_len":2}\n'
+                    '{"id":"a1","after":"a0","prompt_len":12,"output_len":2}\n'
+                    '{"id":"b0","arrival_s":0.0,"session":"b","prompt_len":8,"output_len":2}\n')
+    sent = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        if request.url.path != "/v1/completions":
+            return httpx.Response(404)
+        body = json.loads(request.content)
+        sent.append(body["session_id"])
+        chunk = {"choices": [{"index": 0, "text": "hi", "finish_reason": "length",
+                              "token_ids": [5, 6]}]}
+        usage = {"choices": [], "usage": {"completion_tokens": 2}}
+        return httpx.Response(200, text=f"data: {json.dumps(chunk)}\n\n"
+                                        f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n")
+
+    summary, records = asyncio.run(bench_serve(load_trace_file(path), "http://stand-in",
+                                               users=1, transport=httpx.MockTransport(answer)))
+    assert sent == ["a", "a", "b"]
+    assert [r.status for r in records] == ["finished"] * 3
+
+
 @pytest.mark.parametrize("value", ["", 7, "x" * 257, ["s"], True, {"id": "s"}])
 def test_a_bad_session_id_is_a_400_naming_it_on_both_endpoints(url, value):
     bodies = {"/v1/completions": {"prompt": [1, 2, 3], "max_tokens": 1},

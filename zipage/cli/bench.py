@@ -29,7 +29,18 @@ def add_parser(commands) -> None:
     bench_serve.add_argument("--json", action="store_true",
                              help="print exactly one JSON object (the summary) on stdout")
     bench_serve.add_argument("--no-progress", action="store_true")
+    bench_serve.add_argument("--users", type=_users, default=None, metavar="N",
+                             help="at most N sessions at once, each user starting the next "
+                                  "session (in trace order) when its last one ended, as "
+                                  "`zipage replay --users` (docs/traces.md, 'Sessions')")
     bench_serve.set_defaults(handler=cmd_bench_serve)
+
+
+def _users(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 (sessions at once), got "
+                                         f"{text!r}")
+    return int(text)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -44,7 +55,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     summary, records = asyncio.run(bench_serve(
         trace, args.url, args.model, api_key=args.api_key,
         vocab_size=args.vocab_size or DEFAULT_VOCAB_SIZE,
-        progress=not args.no_progress and not args.json))
+        progress=not args.no_progress and not args.json, users=args.users))
     if args.out is not None:
         from zipage.rundir import write_run
 

@@ -66,11 +66,12 @@ _ROUTED = re.compile(r'^zipage:requests_routed_total\{[^}]*replica="(\d+)"[^}]*\
 
 async def bench_serve(trace: Trace, url: str, model: str | None = None, *,
                       api_key: str | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE,
-                      progress: bool = False,
+                      progress: bool = False, users: int | None = None,
                       transport: httpx.AsyncBaseTransport | None = None
                       ) -> tuple[dict, list[RequestRecord]]:
     """Replay `trace` against the server at `url`; the run's summary and its request records
-    (in trace order). `transport`: httpx's, to watch or fake the exchanges (tests)."""
+    (in trace order). `users`: at most that many sessions at once (`ArrivalQueue`'s closed
+    population). `transport`: httpx's, to watch or fake the exchanges (tests)."""
     base = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -83,7 +84,7 @@ async def bench_serve(trace: Trace, url: str, model: str | None = None, *,
             from zipage.core.recorder import progress_bar
 
             bar = progress_bar(len(trace.requests), "requests", "req")
-        replay = _Replay(client, trace, model, vocab_size, bar)
+        replay = _Replay(client, trace, model, vocab_size, bar, users)
         started = time.perf_counter()
         try:
             records = await replay.run()
@@ -105,7 +106,7 @@ class _Replay:
     that follow it due."""
 
     def __init__(self, client: httpx.AsyncClient, trace: Trace, model: str, vocab_size: int,
-                 bar) -> None:
+                 bar, users: int | None = None) -> None:
         self.client, self.model, self.bar = client, model, bar
         self.sequences = list(iter_trace_sequences(trace, vocab_size, need_tokens=True))
         # Turns that follow each request, still to come due: its history (prompt + generated
@@ -120,7 +121,7 @@ class _Replay:
         self.records: dict[str, RequestRecord] = {}
         self.lags: list[float] = []  # per request sent: seconds from due to sent
         self.not_sent = 0  # follow-ups of failed turns, failed without being sent
-        self.queue = ArrivalQueue(self.sequences, on_release=self._release)
+        self.queue = ArrivalQueue(self.sequences, on_release=self._release, users=users)
         self.queue.on_change = self._wake
         self.tasks: set[asyncio.Task] = set()
         self.failure: BaseException | None = None  # a bug in a request's task
