@@ -77,7 +77,9 @@ class Simulator:
             engine = self.start()
             self.env.process(self._arrivals(arrivals))
             self.env.run(until=engine)
-        return self.result()
+        run = self.result()
+        run.late_turns = arrivals.late
+        return run
 
     def start(self) -> simpy.Process:
         return self.env.process(self._engine_loop())

@@ -285,6 +285,25 @@ def test_users_run_at_most_that_many_sessions_at_once_in_trace_order(trace, user
         assert running <= users
 
 
+def test_a_stream_that_gives_a_turn_late_says_so(tmp_path, capsys):
+    # a1 follows a0 but sits after b0, which starts 5 s later: a streamed replay reads a1 only
+    # when it reaches b0, long after a0 finished, and warns on stderr (stdout stays JSON).
+    path = tmp_path / "late.jsonl"
+    path.write_text('{"version": 1, "name": "late"}\n'
+                    '{"id":"a0","arrival_s":0,"session":"a","prompt_len":20,"output_len":4}\n'
+                    '{"id":"b0","arrival_s":5,"session":"b","prompt_len":20,"output_len":4}\n'
+                    '{"id":"a1","after":"a0","prompt_len":40,"output_len":4}\n')
+    assert main(["replay", str(path), "--json", "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["completed"] == 3
+    assert err.startswith("warning: 1 session turns were read after they came due")
+    grouped = tmp_path / "grouped.jsonl"  # the same sessions, each whole before the next
+    lines = path.read_text().splitlines()
+    grouped.write_text("\n".join([lines[0], lines[1], lines[3], lines[2]]) + "\n")
+    assert main(["replay", str(grouped), "--json", "--no-progress"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_two_first_turns_of_one_session_share_its_user():
     # Built by hand (a trace's loader refuses it): a session with two first turns runs on one
     # user, and the user is free again when both are done, so one user serves everything.

@@ -144,8 +144,10 @@ class RunWriter:
         self.kind, self.decisions = kind, decisions
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.staging = _sibling(self.out, "writing")
-        self.staging.mkdir()  # mode from the umask, like any directory the user makes
+        # The reaper first: a writer killed between the two leaves nothing (its rm finds no
+        # directory); the other way round, a kill while the reaper starts left one behind.
         self._reaper = _Reaper(self.staging)
+        self.staging.mkdir()  # mode from the umask, like any directory the user makes
         self._handles: list = []
         self._steps = self._table(STEPS_FILE, STEP_COLUMNS)
         self._requests = self._table(REQUESTS_FILE, REQUEST_COLUMNS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from zipage.cli.flags import add_engine_flags, add_graph_flags, add_threads_flag, require_torch, settings_from_args
 from zipage.cli.output import print_summary, progress_wanted, run_status
@@ -81,6 +82,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
         write_run(args.out, summary, run.steps, run.requests, run.decision_log,
                   decisions=args.decisions, finish=plot_run)
+    if run.late_turns:
+        print(f"warning: {run.late_turns} session turns were read after they came due and sent "
+              "late: write each session's turns before the sessions that start after it "
+              "(docs/traces.md, 'Sessions')", file=sys.stderr)
     if args.json:
         print(json.dumps(summary))
     else:

@@ -43,6 +43,8 @@ class Run:
     decision_log: list[str] = field(default_factory=list)
     # Prompt + output token ids of every request; only drivers that compute tokens (the engine).
     tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Session turns a streamed trace gave the driver only after they came due (`ArrivalQueue.late`).
+    late_turns: int = 0
 
 
 class RecordSink:
