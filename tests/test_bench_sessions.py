@@ -256,6 +256,26 @@ def test_cli_prints_the_sessions(url, tmp_path, capsys):
     assert [turn["completed"] for turn in summary["turns"]] == [1, 1]
 
 
+def stand_in_server(bodies: list, token_ids: list[int] | None):
+    """A mock transport answering like a server: one model, and each completion streamed as one
+    chunk of two tokens (with `token_ids` when given); the request bodies go to `bodies`."""
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        if request.url.path != "/v1/completions":
+            return httpx.Response(404)
+        bodies.append(json.loads(request.content))
+        choice = {"index": 0, "text": "hi", "finish_reason": "length"}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        chunk = {"choices": [choice]}
+        usage = {"choices": [], "usage": {"completion_tokens": 2}}
+        return httpx.Response(200, text=f"data: {json.dumps(chunk)}\n\n"
+                                        f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n")
+
+    return httpx.MockTransport(answer)
+
+
 def test_a_server_that_sends_no_token_ids_fails_the_follow_ups_not_the_turn(tmp_path):
     """Against a stand-in server (a mock transport): a completion streamed without token ids
     finishes, and the turn built from it fails, naming why; it is never sent."""
@@ -267,20 +287,8 @@ def test_a_server_that_sends_no_token_ids_fails_the_follow_ups_not_the_turn(tmp_
                     '{"id":"p","arrival_s":0.0,"session":"s","prompt_len":8,"output_len":2}\n'
                     '{"id":"q","after":"p","prompt_len":12,"output_len":2}\n')
     bodies = []
-
-    def answer(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "m"}]})
-        if request.url.path != "/v1/completions":
-            return httpx.Response(404)
-        bodies.append(json.loads(request.content))
-        chunk = {"choices": [{"index": 0, "text": "hi", "finish_reason": "length"}]}
-        usage = {"choices": [], "usage": {"completion_tokens": 2}}
-        return httpx.Response(200, text=f"data: {json.dumps(chunk)}\n\n"
-                                        f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n")
-
     summary, records = asyncio.run(bench_serve(load_trace_file(path), "http://stand-in",
-                                               transport=httpx.MockTransport(answer)))
+                                               transport=stand_in_server(bodies, None)))
     assert len(bodies) == 1 and bodies[0]["return_token_ids"] is True
     assert bodies[0]["session_id"] == "s"
     assert [(r.id, r.status) for r in records] == [("p", "finished"), ("q", "failed")]
@@ -299,24 +307,10 @@ def test_users_send_one_session_at_a_time(tmp_path):
                     '{"id":"a0","arrival_s":0.0,"session":"a","prompt_len":8,"output_len":2}\n'
                     '{"id":"a1","after":"a0","prompt_len":12,"output_len":2}\n'
                     '{"id":"b0","arrival_s":0.0,"session":"b","prompt_len":8,"output_len":2}\n')
-    sent = []
-
-    def answer(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "m"}]})
-        if request.url.path != "/v1/completions":
-            return httpx.Response(404)
-        body = json.loads(request.content)
-        sent.append(body["session_id"])
-        chunk = {"choices": [{"index": 0, "text": "hi", "finish_reason": "length",
-                              "token_ids": [5, 6]}]}
-        usage = {"choices": [], "usage": {"completion_tokens": 2}}
-        return httpx.Response(200, text=f"data: {json.dumps(chunk)}\n\n"
-                                        f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n")
-
+    bodies = []
     summary, records = asyncio.run(bench_serve(load_trace_file(path), "http://stand-in",
-                                               users=1, transport=httpx.MockTransport(answer)))
-    assert sent == ["a", "a", "b"]
+                                               users=1, transport=stand_in_server(bodies, [5, 6])))
+    assert [body["session_id"] for body in bodies] == ["a", "a", "b"]
     assert [r.status for r in records] == ["finished"] * 3
 
 
