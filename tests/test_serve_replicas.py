@@ -193,12 +193,7 @@ def served(tmp_path_factory):
         assert len(engines) == 2, f"expected two engine processes, found {engines}"
         yield SimpleNamespace(process=process, url=url, log=log)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        for pid in engines + _children(process.pid):
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        _stop(process, engines)
 
 
 def _healthy(url: str) -> bool:
@@ -359,9 +354,14 @@ def test_a_session_stays_on_its_replica_over_http(tmp_path):
         # go to replica 0 (the tie).
         assert turn("chat-b", 22) == b_first and turn(None, 31) == "0"
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        for pid in engines + _children(process.pid):
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        _stop(process, engines)
+
+
+def _stop(process, engines: list[int]) -> None:
+    """Kill a server and every engine process it had (none may outlive the test)."""
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+    for pid in engines + _children(process.pid):
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
