@@ -19,6 +19,7 @@ from zipage.kernels.attention_ref import (  # noqa: F401 (the work-list helpers 
     prefill_work,
     prefill_work_capacity,
     store_kv_ref,
+    store_queries_ref,
 )
 from zipage.kernels.dispatch import use_triton
 
@@ -51,6 +52,17 @@ def store_kv(
         store_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
     else:
         backend.store_kv_triton(key, value, k_cache, v_cache, slot_mapping, **_scales(k_scale, v_scale))
+
+
+def store_queries(query: torch.Tensor, query_cache: torch.Tensor, query_slot_mapping: torch.Tensor) -> None:
+    """Write each token's query ``[num_tokens, num_heads, head_dim]`` into the query cache ``[num_slots, window,
+    num_heads, head_dim]`` at flat row ``query_slot_mapping`` (int64, -1 = skip), in place: the window queries
+    a compression scores with (docs/architecture.md, 'Rules', rule 7)."""
+    backend = _triton_backend(query)
+    if backend is None:
+        store_queries_ref(query, query_cache, query_slot_mapping)
+    else:
+        backend.store_queries_triton(query, query_cache, query_slot_mapping)
 
 
 def paged_prefill_attention(

@@ -88,6 +88,13 @@ def store_kv_ref(
         cache.view(-1, num_kv_heads, head_dim)[slots] = rows.to(cache.dtype)
 
 
+def store_queries_ref(query: torch.Tensor, query_cache: torch.Tensor, query_slot_mapping: torch.Tensor) -> None:
+    """Write each token's query ``[num_tokens, num_heads, head_dim]`` into the query cache ``[num_slots, window,
+    num_heads, head_dim]`` at flat row ``query_slot_mapping`` (``slot * window + window_index``; -1 = skip)."""
+    keep = query_slot_mapping >= 0
+    query_cache.view(-1, *query_cache.shape[2:])[query_slot_mapping[keep]] = query[keep].to(query_cache.dtype)
+
+
 def gather_sequence_kv(
     cache: torch.Tensor, block_table_row: torch.Tensor, context_len: int,
     scales: torch.Tensor | None = None,

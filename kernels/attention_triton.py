@@ -263,6 +263,54 @@ def _store_kv_kernel(
             tl.store(v_cache_ptr + cache_offsets, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _store_queries_kernel(
+    query_ptr,
+    query_cache_ptr,
+    query_slot_mapping_ptr,
+    query_token_stride,
+    query_head_stride,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PADDED: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+):
+    token = tl.program_id(0)
+    index = tl.load(query_slot_mapping_ptr + token).to(tl.int64)
+    if index >= 0:
+        heads = tl.arange(0, HEADS_PADDED)[:, None]
+        dims = tl.arange(0, HEAD_DIM_PADDED)[None, :]
+        mask = (heads < NUM_HEADS) & (dims < HEAD_DIM)
+        row = tl.load(query_ptr + token.to(tl.int64) * query_token_stride + heads * query_head_stride + dims,
+                      mask=mask, other=0.0)
+        offsets = index * (NUM_HEADS * HEAD_DIM) + heads * HEAD_DIM + dims
+        tl.store(query_cache_ptr + offsets, row.to(query_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_queries_triton(query: torch.Tensor, query_cache: torch.Tensor, query_slot_mapping: torch.Tensor) -> None:
+    """Write ``query`` ``[num_tokens, num_heads, head_dim]`` into the contiguous query cache ``[num_slots, window,
+    num_heads, head_dim]`` at flat row ``query_slot_mapping`` (int64, -1 = skip). One program per token, each
+    deciding on the device whether to store, so a captured decode step costs one launch per layer whatever rows
+    are kept."""
+    if not query_cache.is_contiguous():
+        raise ValueError("query_cache must be contiguous: rows are addressed as index * heads * head_dim")
+    query = _with_contiguous_head_dim(query)
+    num_tokens, num_heads, head_dim = query.shape
+    if num_tokens == 0:
+        return
+    _store_queries_kernel[(num_tokens,)](
+        query,
+        query_cache,
+        query_slot_mapping,
+        query.stride(0),
+        query.stride(1),
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        HEADS_PADDED=triton.next_power_of_2(num_heads),
+        HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+    )
+
+
 def store_kv_triton(
     key: torch.Tensor,
     value: torch.Tensor,

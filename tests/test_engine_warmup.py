@@ -36,3 +36,35 @@ def test_warm_up_leaves_generation_unchanged(tmp_path, compress, world):
         == expected
     assert not compress or warm.last_run.summary["compressions"] > 0
     warm.close()
+
+
+class _RecordingRunner:
+    """The warm-up's view of a runner: its steps and compressions, recorded."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.device = torch.device("cpu")
+        self.widths: list[int] = []
+        self.compressions: list = []
+        self.compressor = self
+
+    def execute(self, plan, tokens) -> None:
+        self.widths += [len(item.seq.block_table) for item in plan.prefill]
+        self.widths += [len(seq.block_table) for seq in plan.decode]
+
+    def run(self, jobs) -> None:
+        self.compressions.append(jobs)
+
+
+@pytest.mark.parametrize("max_model_len,compresses", [(None, True), (4096, True), (2176, False), (100, False)])
+def test_warm_up_never_builds_a_table_wider_than_max_model_len(max_model_len, compresses):
+    """A budget at or above max_model_len (no request can compress): the warm-up's scratch
+    request stays within the block tables a CUDA graph was captured with."""
+    from zipage.config import ZipageConfig
+
+    config = ZipageConfig(block_size=64, kv_budget=2112, max_model_len=max_model_len)
+    runner = _RecordingRunner(config)
+    warm_up(runner, num_blocks=1000)
+    limit = -(-max_model_len // 64) if max_model_len else config.n_max + 1
+    assert max(runner.widths) <= limit
+    assert bool(runner.compressions) == compresses

@@ -38,6 +38,7 @@ from zipage.kernels.attention_ref import (  # noqa: E402
     prefill_work,
     prefill_work_capacity,
     store_kv_ref,
+    store_queries_ref,
 )
 from zipage.kernels.kv_quant_ref import (  # noqa: E402
     FP8_DTYPE,
@@ -92,6 +93,7 @@ def hopper_launches() -> list:
     decode_variants = [decode | dict(BLOCK_SIZE=128, KV_LOAD="block", KV_TILE=tile, FP8_VALUES=values)
                        for tile, values in ((64, "f16-asm"), (128, "f16"), (128, "weights"))]
     return [
+        (kernels._store_queries_kernel, dict(NUM_HEADS=32, HEAD_DIM=128, HEADS_PADDED=32, HEAD_DIM_PADDED=128)),
         (kernels._store_kv_kernel, shape | dict(NUM_KV_HEADS=2, HEADS_PADDED=2, FP8=False, FP8_MAX=FP8_MAX,
                                                SEARCH_STEP=SCALE_SEARCH_STEP, SEARCH_SIZE=SCALE_SEARCH_SIZE,
                                                SEARCH_FIXED_POINT=SEARCH_FIXED_POINT)),
@@ -120,12 +122,13 @@ def hopper_fp8_launches() -> list:
     return store, attention
 
 
-POINTER_TYPES = {name: "*bf16" for name in ("key_ptr", "value_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
+POINTER_TYPES = {name: "*bf16" for name in ("key_ptr", "value_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr",
+                                            "query_ptr", "query_cache_ptr")}
 POINTER_TYPES |= {name: "*fp32" for name in ("partial_out_ptr", "partial_log_sum_ptr")}
 POINTER_TYPES |= {
     name: "*i32" for name in ("cu_seqlens_q_ptr", "context_lens_ptr", "block_tables_ptr", "work_items_ptr")
 }
-POINTER_TYPES |= {"slot_mapping_ptr": "*i64", "qk_scale": "fp32"}
+POINTER_TYPES |= {"slot_mapping_ptr": "*i64", "query_slot_mapping_ptr": "*i64", "qk_scale": "fp32"}
 POINTER_TYPES |= {name: "*fp32" for name in ("k_scale_ptr", "v_scale_ptr")}
 
 
@@ -268,6 +271,39 @@ def test_store_kv_matches_reference(triton_kernels, dtype):
     triton_kernels.store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     assert torch.equal(k_cache, expected_k)
     assert torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.parametrize(
+    "mapping",
+    [[-1, 0, -1, 5], [3, -1, -1, -1], [-1, -1, -1, -1], [0, 1, 2, 3]],
+    ids=["index-0-kept-among-dropped", "first-kept", "none-kept", "all-kept"],
+)
+def test_store_queries_reference_writes_only_kept_rows(mapping: list[int]) -> None:
+    generator = torch.Generator().manual_seed(2)
+    query = torch.randn((4, 2, 8), generator=generator)
+    cache = torch.randn((3, 2, 2, 8), generator=generator)  # 3 slots x window 2: flat rows 0-5
+    expected = cache.clone()
+    for row, index in enumerate(mapping):
+        if index >= 0:
+            expected.view(-1, 2, 8)[index] = query[row]
+    store_queries_ref(query, cache, torch.tensor(mapping))
+    assert torch.equal(cache, expected)
+
+
+@under_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_queries_matches_reference(triton_kernels, dtype):
+    generator = torch.Generator().manual_seed(3)
+    num_heads, head_dim = 6, 40  # neither a power of two: the padded lanes must store nothing
+    cache = torch.randn((3, 4, num_heads, head_dim), generator=generator).to(dtype)
+    # Queries as a model produces them: a slice of the fused QKV projection, so the token stride is not heads x dim.
+    fused = torch.randn((5, 2 * num_heads, head_dim), generator=generator).to(dtype)
+    query = fused[:, :num_heads]
+    mapping = torch.tensor([7, -1, 0, 11, -1], dtype=torch.int64)
+    expected = cache.clone()
+    store_queries_ref(query, expected, mapping)
+    triton_kernels.store_queries_triton(query, cache, mapping)
+    assert torch.equal(cache, expected)
 
 
 PREFILL_CASES = [

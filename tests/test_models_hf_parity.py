@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from zipage.core.sampling import SamplingParams  # noqa: E402
 from zipage.engine import loader  # noqa: E402
 from zipage.engine.context import ForwardContext, forward_context  # noqa: E402
-from zipage.engine.layers import rope_inverse_frequencies, store_queries  # noqa: E402
+from zipage.engine.layers import rope_inverse_frequencies  # noqa: E402
 from zipage.engine.sampler import sample  # noqa: E402
 from zipage.errors import UnknownModelError  # noqa: E402
 from zipage.model_spec import shape_from_hf_config  # noqa: E402
@@ -264,22 +264,6 @@ def test_query_slot_mapping_stores_post_rope_queries(tmp_path: Path) -> None:
         expected[2] = captured[index][2:6]
         expected[0, 3] = captured[index][8]
         assert torch.equal(layer.query_cache, expected)
-
-
-@pytest.mark.parametrize(
-    "mapping",
-    [[-1, 0, -1, 5], [3, -1, -1, -1], [-1, -1, -1, -1], [0, 1, 2, 3]],
-    ids=["index-0-kept-among-dropped", "first-kept", "none-kept", "all-kept"],
-)
-def test_store_queries_writes_only_kept_rows(mapping: list[int]) -> None:
-    query = torch.randn(4, 2, 8)
-    cache = torch.randn(3, 2, 2, 8)
-    expected = cache.clone()
-    for row, index in enumerate(mapping):
-        if index >= 0:
-            expected.view(-1, 2, 8)[index] = query[row]
-    store_queries(query, cache, torch.tensor(mapping))
-    assert torch.equal(cache, expected)
 
 
 @pytest.mark.parametrize(

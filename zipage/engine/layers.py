@@ -20,7 +20,7 @@ from torch import nn
 
 from zipage.engine.context import get_context
 from zipage.engine.distributed import all_reduce, get_shard_group
-from zipage.kernels.attention import paged_decode_attention, paged_prefill_attention, store_kv
+from zipage.kernels.attention import paged_decode_attention, paged_prefill_attention, store_kv, store_queries
 
 # rotary_qk and silu_and_mul are used by the models, which take all their building blocks from this module.
 from zipage.kernels.fused_ops import add_rms_norm, rms_norm, rotary_qk, silu_and_mul  # noqa: F401
@@ -227,29 +227,6 @@ class Embedding(nn.Module):
         inside = (local >= 0) & (local < self.weight.shape[0])
         rows = F.embedding(torch.where(inside, local, 0), self.weight)
         return all_reduce(rows * inside[:, None].to(rows.dtype))
-
-
-def store_queries(query: torch.Tensor, query_cache: torch.Tensor, query_slot_mapping: torch.Tensor) -> None:
-    """Write each token's query [num_tokens, num_heads, head_dim] into the query cache
-    [num_slots, window, num_heads, head_dim] at flat index `query_slot_mapping` (-1 = don't store).
-
-    Decode runs inside captured CUDA graphs, so this must not learn on the host how many rows are kept
-    (boolean indexing would). Instead every row is written: a row that must not be stored is sent to the
-    index of the first stored row, carrying that row's value, so all writes to a shared index agree and
-    their order does not matter; when no row is stored, they all rewrite the value already at index 0.
-    """
-    flat = query_cache.view(-1, *query_cache.shape[2:])
-    keep = query_slot_mapping >= 0
-    # One-element index tensors, never 0-d ones: indexing with a 0-d tensor converts it to a
-    # Python int on the host, which a CUDA graph capture cannot contain.
-    anchor = torch.argmax(keep.int()).view(1)  # the first kept row (first maximum), else row 0
-    anchor_index = query_slot_mapping.index_select(0, anchor).clamp(min=0)
-    anchor_value = torch.where(keep.index_select(0, anchor)[:, None, None],
-                               query.index_select(0, anchor).to(flat.dtype),
-                               flat.index_select(0, anchor_index))
-    indices = torch.where(keep, query_slot_mapping, anchor_index)
-    values = torch.where(keep[:, None, None], query.to(flat.dtype), anchor_value)
-    flat.index_copy_(0, indices, values)
 
 
 class PagedAttention(nn.Module):

@@ -26,8 +26,12 @@ def warm_up(runner: ModelRunner, num_blocks: int) -> None:
     `runner` may be a `TensorParallelExecutor` (same interface): every rank warms up."""
     config = runner.config
     b = config.block_size
-    # A compression needs N_max full source blocks plus the block of the token being decoded.
+    # A compression needs N_max full source blocks plus the block of the token being decoded;
+    # no request is wider than max_model_len (the graphs' block tables are not), so where that
+    # is narrower no request can ever compress and the warm-up compresses nothing either.
     blocks = min(num_blocks, config.n_max + 1 if config.compress else 2)
+    if config.max_model_len is not None:
+        blocks = min(blocks, -(-config.max_model_len // b))
     tokens = max(1, (blocks - 1) * b)
     seq = Sequence("warm-up", [0] * tokens, 2, sampling=GREEDY)
     seq.block_table = list(range(blocks))
