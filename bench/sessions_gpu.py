@@ -10,6 +10,7 @@ compressions.
     python bench/sessions_gpu.py --traces agent.jsonl,chat.jsonl --kv-memory-gb 6 \\
         --runs-dir $OUT/runs
 
+A variant may cap the query slots (`output-q8`: `--compress-scope output --query-slots 8`).
 `--after-scale X` divides every follow-up's `after_s` (think and tool time) by X: a recorded
 hour of conversations in minutes, the load shape kept (docs/BENCHMARKS.md, 'Sessions').
 """
@@ -60,12 +61,13 @@ def main() -> None:
               for path in args.traces.split(",")}
     variants = args.variants.split(",")
     report: dict = {"args": vars(args)}
-    # One engine per capacity: Full KV has no query slots; the two scopes share one engine.
-    groups = [[name for name in variants if name == "full-kv"],
-              [name for name in variants if name != "full-kv"]]
-    for group in groups:
-        if not group:
-            continue
+    # One engine per capacity: Full KV has no query slots; the scopes with the same query slots
+    # share one engine (the scope is a scheduler knob).
+    groups: dict = {}
+    for name in variants:
+        knobs = _variant(name)
+        groups.setdefault((knobs.get("compress", True), knobs.get("query_slots")), []).append(name)
+    for group in groups.values():
         engine = None
         for trace_name, trace in traces.items():
             for name in group:
@@ -93,14 +95,23 @@ def main() -> None:
     for trace_name in traces:
         for name in variants:
             row = report[trace_name][name]
-            print(f"{trace_name:<10} {name:<8} {row['tps']:>8.1f} {row['makespan_s']:>9.1f} "
+            print(f"{trace_name:<10} {name:<10} {row['tps']:>8.1f} {row['makespan_s']:>9.1f} "
                   f"{row['prefix_hit_tokens']:>10,} {row['prefill_tokens']:>10,} "
                   f"{row['ttft_p50_s']:>7.3f}/{row['ttft_p90_s']:<7.3f} "
                   f"{row['tpot_p50_ms']:>9.1f} {row['preemptions']:>8} {row['compressions']:>6}")
 
 
+def _variant(name: str) -> dict:
+    """A variant's knobs: a name of VARIANTS, optionally with `-qN` (at most N query slots)."""
+    base, _, slots = name.partition("-q")
+    if base not in VARIANTS or (slots and not slots.isdigit()):
+        raise SystemExit(f"--variants: unknown variant {name!r}; use {', '.join(VARIANTS)}, "
+                         "a compressing one optionally with -qN (e.g. output-q8)")
+    return VARIANTS[base] | ({"query_slots": int(slots)} if slots else {})
+
+
 def _settings(args, name: str) -> ReplaySettings:
-    config = ZipageConfig(block_size=args.block_size, kv_budget=args.budget, **VARIANTS[name])
+    config = ZipageConfig(block_size=args.block_size, kv_budget=args.budget, **_variant(name))
     return ReplaySettings(model=f"random:{args.model}", hardware=args.hardware,
                           kv_memory_gb=args.kv_memory_gb, config=config)
 

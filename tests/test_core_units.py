@@ -58,6 +58,21 @@ def test_memory_plan_qwen3_8b_hand_computed():
     assert plan.num_blocks >= plan.num_query_slots * 9
 
 
+def test_memory_plan_query_slots_caps_the_slots_and_gives_their_memory_to_blocks():
+    m_kv, m_q = (147456 + 576) * 256, 36 * 16 * 32 * 128 * 2  # as hand-computed above
+    plan = plan_memory(get_preset("qwen3-8b"), ZipageConfig(query_slots=8), 60 * GIB)
+    assert plan.num_query_slots == 8
+    assert plan.num_blocks == (60 * GIB - 8 * m_q) // m_kv  # = 1699 (186 slots: 1676)
+    # A cap above what the memory backs changes nothing.
+    assert plan_memory(get_preset("qwen3-8b"), ZipageConfig(query_slots=1000), 60 * GIB).num_query_slots == 186
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5])
+def test_query_slots_must_be_a_positive_integer(value):
+    with pytest.raises(ConfigError, match="query_slots"):
+        ZipageConfig(query_slots=value)
+
+
 def test_memory_plan_full_kv_uses_everything_for_blocks():
     plan = plan_memory(get_preset("qwen3-8b"), ZipageConfig(compress=False), 60 * GIB)
     assert plan.num_query_slots == 0

@@ -59,6 +59,11 @@ class ZipageConfig:
                                "(prompt and output) or output (the prompt is kept whole, for the "
                                "next turn's prefix cache; a request holds its prompt plus its "
                                "budget)", choices=COMPRESS_SCOPES)
+    query_slots: int | None = knob(None, "--query-slots", "most query slots: requests that may "
+                                   "write window queries at once (default: as many as the memory "
+                                   "backs at the budget, the paper's maximum concurrency); the "
+                                   "memory of fewer goes to KV blocks. For sessions under "
+                                   "--compress-scope output, where few requests outgrow their budget")
     async_compress: bool = knob(True, "--no-async", "compress synchronously, before the step's "
                                 "decode (default: on a side stream, overlapping decode)")
     global_score: bool = knob(True, "--no-global-score", "score with this compression's "
@@ -145,7 +150,8 @@ class ZipageConfig:
         if not -1.0 <= self.similarity_threshold <= 1.0:
             _bad("similarity_threshold", self.similarity_threshold, "a cosine similarity in [-1, 1]")
         given = [name for name in ("layer_stride", "max_num_seqs", "max_num_batched_tokens",
-                                   "max_compress_batch_blocks") if getattr(self, name) is not None]
+                                   "max_compress_batch_blocks", "query_slots")
+                 if getattr(self, name) is not None]
         for name in given:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -4,6 +4,7 @@ Given the bytes available for caches, Zipage splits them between KV blocks and q
 that every slot can be backed by N_max blocks:
 
     M       = floor(m_avail / (m_kv * N_max + m_q))      query slots = max concurrency
+              (or fewer: at most --query-slots)
     N_total = floor((m_avail - M * m_q) / m_kv)          KV blocks
 
 With compression off (the Full-KV baseline) there are no query slots and every byte holds KV.
@@ -86,6 +87,8 @@ def plan_memory(shape: ModelShape, config: ZipageConfig, available_bytes: int,
     m_q = query_slot_bytes(shape, config, dtype_bytes, tensor_parallel)
     per_request = m_kv * config.n_max + m_q
     slots = available_bytes // per_request
+    if config.query_slots is not None:
+        slots = min(slots, config.query_slots)  # capped by the operator: the rest holds KV
     if slots < 1:
         raise MemoryPlanError(
             f"kv memory: {available_bytes / GIB:.3f} GiB cannot hold one request at budget "
