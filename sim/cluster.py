@@ -12,7 +12,8 @@ makespan and the TTFT/TPOT percentiles are the deployment's. Two keys are redefi
 engines' step records interleave in time: `peak_running` is the peak over time of the running
 requests summed across engines, and `mean_running` is the sum of each engine's time-weighted mean.
 `steps` and `preemptions` are summed over engines. With one replica the summary is exactly the one
-`zipage replay` prints.
+`zipage replay` prints, plus the TTFT percentiles of sessions' follow-up turns alone
+(`followup_ttft_p50_s`, ...: what `zipage plan` holds to `--slo-followup-ttft-p90`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import simpy
 
 from zipage.core.arrivals import ArrivalQueue
 from zipage.core.deployment import ReplaySettings, trace_sequences
-from zipage.core.metrics import summarize
+from zipage.core.metrics import percentile, summarize
 from zipage.core.routing import ROUND_ROBIN, ROUTING_POLICIES, ReplicaLoad, RoundRobin, make_policy
-from zipage.core.sequence import Sequence
+from zipage.core.sequence import Sequence, SequenceStatus
 from zipage.errors import ConfigError
 from zipage.records import StepRecord
 from zipage.sim.simulate import plan_deployment
@@ -70,6 +71,7 @@ def simulate_cluster(trace: Trace, settings: ReplaySettings, replicas: int = 1,
     steps = [step for run in runs for step in run.steps]
     requests = [request for run in runs for request in run.requests]
     summary = summarize(steps, requests)
+    summary.update(followup_ttft_percentiles(sequences))
     if replicas > 1:
         summary["peak_running"] = peak_concurrent_running([run.steps for run in runs])
         summary["mean_running"] = sum(run.summary["mean_running"] for run in runs)
@@ -80,6 +82,20 @@ def simulate_cluster(trace: Trace, settings: ReplaySettings, replicas: int = 1,
                    first_error=errors[0] if errors else None,
                    wall_s=time.perf_counter() - started)
     return deployment.summary(summary, settings)
+
+
+def followup_ttft_percentiles(sequences: list[Sequence]) -> dict[str, float | None]:
+    """TTFT p50, p90 and p99 over the finished follow-up turns of sessions (a turn that follows
+    another), None without any. A follow-up's `arrival_s` is when it came due, its
+    predecessor's finish plus its `after_s` (`ArrivalQueue.admit_due` sets it), so its TTFT is
+    what its user waited after sending it, not since the session began. The sequences are held
+    here anyway; what is kept besides is one float per follow-up, sorted as `summarize` sorts
+    the TTFTs of all turns."""
+    ordered = sorted(seq.first_token_time - seq.arrival_s for seq in sequences
+                     if seq.turn is not None and seq.turn.follows is not None
+                     and seq.status is SequenceStatus.FINISHED)
+    return {f"followup_ttft_p{percent}_s": percentile(ordered, percent, True) if ordered else None
+            for percent in (50, 90, 99)}
 
 
 def peak_concurrent_running(step_lists: list[list[StepRecord]]) -> int:

@@ -36,7 +36,7 @@ import xxhash
 from zipage.core.deployment import ReplaySettings
 from zipage.errors import ConfigError, ZipageError
 from zipage.profile import VALIDATION_METRICS
-from zipage.sim.slo import MISSES, SLO, UNCERTAIN
+from zipage.sim.slo import FOLLOWUP_TTFT_P90, MISSES, SLO, UNCERTAIN
 from zipage.trace import ARRIVAL_PATTERNS, Trace, scale_arrivals, stamp_arrivals
 
 TPS = "tps"
@@ -68,11 +68,16 @@ CACHE_SUBDIR = Path(".zipage-cache") / "plan"
 METRIC_KEYS = (
     "requests", "completed", "failed", "output_tokens", "makespan_s", "tps",
     "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p90_ms", "tpot_p99_ms",
+    # Over sessions' follow-up turns only (sim/cluster.py); None for a trace without any.
+    "followup_ttft_p50_s", "followup_ttft_p90_s", "followup_ttft_p99_s",
     "mean_ttft_s", "mean_tpot_ms", "peak_running", "mean_running", "preemptions",
     "compressions", "mean_kept_budget", "n_max", "max_concurrency", "num_blocks",
 )
-# A row's figures with a validated metric: the summary key -> the validation metric.
+# A row's figures with a validated metric: the summary key -> the validation metric. A follow-up
+# TTFT percentile takes the band of the same percentile over all turns (sim/slo.py says why).
 BANDED = {key: metric for metric, key in VALIDATION_METRICS.items() if key is not None}
+BANDED.update({f"followup_{key}": BANDED[key] for key in ("ttft_p50_s", "ttft_p90_s",
+                                                          "ttft_p99_s")})
 RESULT_COLUMNS = [
     "rank", "status", "reason", "hardware", "budget", "budget_policy", "block_size", "hybrid",
     "replicas",
@@ -186,10 +191,11 @@ class PlanSpec:
     slo: SLO = field(default_factory=SLO)
     search: RateSearch = field(default_factory=RateSearch)
 
-    def validate(self) -> None:
-        """Mistakes in the search itself fail before anything runs (and GPU names are
-        normalised); a bad combination of otherwise valid values (a budget that is not a
-        multiple of the block size) is one infeasible point instead."""
+    def validate(self, trace: Trace | None = None) -> None:
+        """Mistakes in the search itself, and with `trace` its mismatches with the trace, fail
+        before anything runs (and GPU names are normalised); a bad combination of otherwise
+        valid values (a budget that is not a multiple of the block size) is one infeasible
+        point instead."""
         from zipage.core.routing import ROUTING_POLICIES
         from zipage.hardware import get_hardware
         from zipage.model_spec import resolve_shape
@@ -241,9 +247,16 @@ class PlanSpec:
                                           if factor is not None] or [1.0])):
             if any(not value > 0 or not math.isfinite(value) for value in values):
                 raise ConfigError(f"{name}: got {values!r}, expected finite numbers > 0")
-        for slo_value in self.slo.targets():
-            if slo_value is not None and not slo_value > 0:
-                raise ConfigError(f"slo: got {slo_value!r}, expected a number > 0")
+        for target, value in self.slo.set_targets():
+            if not value > 0:
+                raise ConfigError(target.bad_value(value))
+        if (trace is not None and self.slo.followup_ttft_p90_s is not None
+                and count_sessions(trace) == len(trace.requests)):
+            # Vacuously met would pass a deployment on a target nothing was measured against.
+            flag = FOLLOWUP_TTFT_P90.flag
+            raise ConfigError(f"{flag}: trace {trace.name!r} has no follow-up turns (no request "
+                              f"has `after`), so no follow-up TTFT to hold to a target; drop "
+                              f"{flag}, or plan a trace of sessions (docs/traces.md, 'Sessions')")
         from zipage.config import BUDGET_POLICIES
 
         if not self.budget_policies or any(policy not in BUDGET_POLICIES
@@ -480,7 +493,7 @@ def run_plan(trace: Trace, spec: PlanSpec, *, executor: str = LOCAL, workers: in
     """Evaluate every point of `spec` on `trace` (cached points are read, not simulated) and
     return the ranked rows with the Pareto front marked."""
     started = time.perf_counter()
-    spec.validate()
+    spec.validate(trace)
     if executor not in EXECUTORS:
         raise ConfigError(f"executor: got {executor!r}, expected one of {', '.join(EXECUTORS)}")
     points = spec.points()
@@ -596,7 +609,9 @@ def _row(point: PlanPoint, outcome: dict, key: str, spec: PlanSpec) -> dict:
     bands = bands_of(outcome)
     if bands is not None:
         row["validated_on"] = outcome["validation"]["workload"]
-        row.update({f"{key}_band": bands[metric] for key, metric in BANDED.items()})
+        # (No band beside a figure the run has none of: follow-up TTFT without follow-ups.)
+        row.update({f"{key}_band": bands[metric] for key, metric in BANDED.items()
+                    if row[key] is not None})
     verdicts = spec.slo.verdicts(outcome, bands)
     if verdicts:
         row["slo_verdicts"] = "; ".join(f"{item.name}: {item.verdict}" for item in verdicts)

@@ -66,19 +66,59 @@ class Verdict:
 
 
 @dataclass(frozen=True)
+class Target:
+    """One kind of SLO target: what it bounds and how it is named."""
+
+    name: str  # "TTFT p90", as verdicts and reports print it
+    key: str  # the `SLO` field and the summary key it bounds
+    metric: str  # the validation metric whose band applies ("ttft_p90")
+    unit: str  # "s" or "ms"
+    flag: str  # `zipage plan`'s flag
+
+    def bad_value(self, value) -> str:
+        """The one-line refusal of a target that is not a number > 0."""
+        unit = "seconds" if self.unit == "s" else "milliseconds"
+        return f"{self.flag}: got {value!r}, expected a number of {unit} > 0"
+
+
+# In the order verdicts and reports list them. A follow-up turn's TTFT (a session's turn after
+# its first, timed from when it came due) takes the band of TTFT over all turns: validation
+# measures no follow-up-only error, and a follow-up's TTFT is made of the same queueing and
+# prefill as any turn's.
+TARGETS = (
+    Target("TTFT p90", "ttft_p90_s", "ttft_p90", "s", "--slo-ttft-p90"),
+    Target("TTFT p99", "ttft_p99_s", "ttft_p99", "s", "--slo-ttft-p99"),
+    Target("follow-up TTFT p90", "followup_ttft_p90_s", "ttft_p90", "s",
+           "--slo-followup-ttft-p90"),
+    Target("TPOT p99", "tpot_p99_ms", "tpot_p99", "ms", "--slo-tpot-p99"),
+)
+FOLLOWUP_TTFT_P90 = TARGETS[2]
+
+
+@dataclass(frozen=True)
 class SLO:
-    """Latency targets; None means no target. TTFT in seconds, TPOT in milliseconds."""
+    """Latency targets; None means no target. TTFT in seconds, TPOT in milliseconds. A
+    follow-up target bounds the TTFT of sessions' follow-up turns only (`followup_ttft_p90_s`,
+    sim/cluster.py): a trace without follow-ups has none to bound."""
 
     ttft_p90_s: float | None = None
     tpot_p99_ms: float | None = None
     ttft_p99_s: float | None = None
+    followup_ttft_p90_s: float | None = None
 
     @property
     def active(self) -> bool:
-        return any(value is not None for value in self.targets())
+        return any(getattr(self, target.key) is not None for target in TARGETS)
 
-    def targets(self) -> tuple[float | None, ...]:
-        return (self.ttft_p90_s, self.tpot_p99_ms, self.ttft_p99_s)
+    def set_targets(self) -> list[tuple[Target, float]]:
+        """The targets set, with their values, in `TARGETS` order."""
+        return [(target, getattr(self, target.key)) for target in TARGETS
+                if getattr(self, target.key) is not None]
+
+    def describe(self) -> str:
+        """'TTFT p90 <= 2 s, TPOT p99 <= 50 ms'."""
+        return ", ".join(f"{target.name} <= {value:g} {target.unit}"
+                         for target, value in self.set_targets())
 
     def verdicts(self, metrics: dict, bands: dict[str, float | None] | None = None
                  ) -> list[Verdict]:
@@ -86,14 +126,11 @@ class SLO:
         bands by validation metric ("ttft_p90", ...; `Validation.bands()`), None: no band."""
         bands = bands or {}
         found = []
-        for name, key, metric, target, unit in (
-                ("TTFT p90", "ttft_p90_s", "ttft_p90", self.ttft_p90_s, "s"),
-                ("TTFT p99", "ttft_p99_s", "ttft_p99", self.ttft_p99_s, "s"),
-                ("TPOT p99", "tpot_p99_ms", "tpot_p99", self.tpot_p99_ms, "ms")):
-            if target is not None:
-                band = bands.get(metric)
-                found.append(Verdict(name, metrics[key], target, unit, band,
-                                     verdict(metrics[key], target, band)))
+        for target, value in self.set_targets():
+            band = bands.get(target.metric)
+            predicted = metrics[target.key]
+            found.append(Verdict(target.name, predicted, value, target.unit, band,
+                                 verdict(predicted, value, band)))
         return found
 
     def violations(self, metrics: dict, bands: dict[str, float | None] | None = None

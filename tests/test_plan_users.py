@@ -1,6 +1,7 @@
 """`zipage plan --objective max-users`: the most concurrent users of a trace of sessions that a
 deployment serves within the SLOs (sim/planning.py, `_search_max_users`; docs/planning.md,
-'Planning for sessions'). Small traces on qwen3-0.6b with two sequences at a time, so TTFT rises
+'Planning for sessions'), and the TTFT of follow-up turns alone (`followup_ttft_p90_s`,
+`--slo-followup-ttft-p90`). Small traces on qwen3-0.6b with two sequences at a time, so TTFT rises
 with the users and a TTFT target binds; every search here takes a fraction of a second."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import csv
 import dataclasses
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from tolerance import assert_close, close
 
@@ -19,6 +21,7 @@ from zipage.errors import ConfigError
 from zipage.session_workloads import chat_sessions
 from zipage.sim.cluster import simulate_cluster
 from zipage.sim.planning import (
+    MAX_RATE,
     MAX_USERS,
     OK,
     RESULT_COLUMNS,
@@ -33,6 +36,7 @@ from zipage.sim.planning import (
     point_key,
     run_plan,
 )
+from zipage.sim.simulate import simulate
 from zipage.trace import Trace, TraceRequest, load_trace, parse_trace, save_trace
 
 BASE = ReplaySettings(model="qwen3-0.6b", config=ZipageConfig(max_num_seqs=2))
@@ -211,3 +215,146 @@ def test_max_users_without_an_slo_is_refused(tmp_path, capsys):
     assert main(arguments[:index] + arguments[index + 2:]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "max-users" in line and "--slo-ttft-p90" in line
+
+
+# ---------------------------------------------------------------- follow-up turns
+
+@pytest.fixture(scope="module")
+def agent() -> Trace:
+    """8 sessions of 3 turns, each sent 0.2 s after the last answer: at 2 sequences at a time the
+    follow-ups queue behind other users' turns, so their TTFT p90 grows with the users (0.14 s at
+    4 users, 0.48 s at 5, 0.83 s at 8) while that of all turns stays within 1 s."""
+    requests = []
+    for session in range(8):
+        for turn in range(3):
+            request = {"id": f"s{session}-t{turn}", "prompt_len": 300 + 250 * turn,
+                       "output_len": 150}
+            if turn == 0:
+                request.update(session=f"s{session}", arrival_s=0.0)
+            else:
+                request.update(after=f"s{session}-t{turn - 1}", after_s=0.2,
+                               prefix_len=200 + 250 * turn)
+            requests.append(request)
+    return parse_trace({"version": 1, "name": "agent", "requests": requests})
+
+
+@pytest.fixture(scope="module")
+def single_turns() -> Trace:
+    """Requests in no session: no follow-ups."""
+    return parse_trace({"version": 1, "name": "single-turns", "requests": [
+        {"id": f"r{index}", "arrival_s": 0.5 * index, "prompt_len": 200, "output_len": 50}
+        for index in range(6)]})
+
+
+def test_follow_up_percentiles_are_those_of_the_follow_up_records(agent):
+    settings = replace(BASE, hardware="h100", kv_memory_gb=0.5, users=4)
+    _, run = simulate(agent, settings)
+    records = {record.id: record for record in run.requests}
+    ttfts = []
+    for request in agent.requests:
+        if request.after is not None:
+            record, before = records[request.id], records[request.after]
+            # Timed from when the turn came due, not from its session's start.
+            assert record.arrival == close(before.finish + request.after_s)
+            ttfts.append(record.first_token - record.arrival)
+    summary = simulate_cluster(agent, settings)
+    assert summary["ttft_p90_s"] == close(np.percentile(
+        [record.first_token - record.arrival for record in run.requests], 90))
+    for percent in (50, 90, 99):
+        assert summary[f"followup_ttft_p{percent}_s"] == close(np.percentile(ttfts, percent))
+    assert summary["followup_ttft_p90_s"] > 0.1  # (queued: the comparison is not of zeros)
+
+
+def test_a_trace_without_follow_ups_has_no_follow_up_percentiles(single_turns):
+    summary = simulate_cluster(single_turns, replace(BASE, hardware="h100"))
+    assert [summary[f"followup_ttft_p{percent}_s"] for percent in (50, 90, 99)] == [None] * 3
+
+
+def test_a_tight_follow_up_target_serves_fewer_users(agent):
+    loose = run_plan(agent, users_spec(slo=SLO(ttft_p90_s=1.0)), executor=SERIAL).rows[0]
+    target = SLO(ttft_p90_s=1.0, followup_ttft_p90_s=0.2)
+    (tight,) = run_plan(agent, users_spec(slo=target), executor=SERIAL).rows
+    assert loose["max_users"] == 8 and tight["status"] == OK
+    assert 1 <= tight["max_users"] < loose["max_users"]
+    assert tight["followup_ttft_p90_s"] <= 0.2
+    # It binds: one user more misses the follow-up target, not the one over all turns.
+    beyond = closed_run(agent, tight["max_users"] + 1)
+    assert beyond["followup_ttft_p90_s"] > 0.2 and beyond["ttft_p90_s"] <= 1.0
+
+
+@pytest.mark.parametrize("objective", [TPS, MAX_RATE])
+def test_every_objective_holds_the_follow_up_target(agent, objective):
+    spec = users_spec(objective=objective, slo=SLO(ttft_p90_s=1.0, followup_ttft_p90_s=0.2))
+    (row,) = run_plan(agent, spec, executor=SERIAL).rows
+    without = run_plan(agent, replace(spec, slo=SLO(ttft_p90_s=1.0)), executor=SERIAL).rows[0]
+    if objective == TPS:  # every session at 0: the follow-ups queue beyond the target
+        assert without["status"] == OK and row["status"] == SLO_MISSED
+        assert row["reason"].startswith("follow-up TTFT p90 ") and "> 0.2 s" in row["reason"]
+    else:
+        assert row["status"] == OK and row["followup_ttft_p90_s"] <= 0.2
+        assert row["max_rate_qps"] < without["max_rate_qps"]
+
+
+def test_a_follow_up_target_takes_the_band_of_ttft_p90():
+    """No validation measures follow-ups alone: the all-turn TTFT p90 band applies."""
+    target = SLO(followup_ttft_p90_s=1.0)
+    (item,) = target.verdicts({"followup_ttft_p90_s": 0.95}, {"ttft_p90": 0.1, "ttft_p99": 0.5})
+    assert item.verdict == "uncertain" and item.band == close(0.1)
+    assert item.describe() == "follow-up TTFT p90 0.95 s within the ±10.0 % band of 1 s"
+    assert target.meets({"followup_ttft_p90_s": 0.9}, {"ttft_p90": 0.1})
+
+
+def test_a_follow_up_target_on_a_trace_without_follow_ups_is_refused(single_turns):
+    with pytest.raises(ConfigError, match="--slo-followup-ttft-p90: trace 'single-turns' has "
+                                          "no follow-up turns"):
+        run_plan(single_turns, users_spec(slo=SLO(followup_ttft_p90_s=1.0)),
+                 executor=SERIAL)
+
+
+def write_agent(tmp_path, agent: Trace) -> str:
+    path = tmp_path / "agent.json"
+    save_trace(agent, path)
+    return str(path)
+
+
+def test_zipage_plan_prints_the_follow_up_column_and_target(tmp_path, capsys, agent):
+    assert main(plan_args(write_agent(tmp_path, agent), "--slo-followup-ttft-p90", "0.2",
+                          "--out", str(tmp_path / "out"))) == 0
+    printed = capsys.readouterr().out
+    assert "SLOs: TTFT p90 <= 1 s, follow-up TTFT p90 <= 0.2 s (8 sessions" in printed
+    header = next(line for line in printed.splitlines() if "max users" in line and "#" in line)
+    assert "follow-up TTFT p90 s" in header
+    with (tmp_path / "out" / "results.csv").open() as handle:
+        (row,) = csv.DictReader(handle)
+    assert 1 <= int(row["max_users"]) < 8 and float(row["followup_ttft_p90_s"]) <= 0.2
+    assert row["followup_ttft_p90_s_band"] == ""  # (the analytic model: no band)
+
+
+def test_a_trace_without_follow_ups_has_no_follow_up_column(tmp_path, capsys, single_turns):
+    path = tmp_path / "single.json"
+    save_trace(single_turns, path)
+    assert main(plan_args(str(path))) == 0
+    assert "follow-up" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value, fragment", [("soon", "got 'soon'"), ("-1", "got -1.0"),
+                                             ("0", "got 0.0"), ("nan", "got nan")])
+def test_a_bad_follow_up_target_is_one_line_naming_the_flag(tmp_path, capsys, agent, value,
+                                                            fragment):
+    assert main(plan_args(write_agent(tmp_path, agent), "--slo-followup-ttft-p90", value)) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith("zipage: error: --slo-followup-ttft-p90: ") and fragment in line
+    assert "expected a number of seconds > 0" in line and captured.out == ""
+
+
+def test_a_follow_up_target_without_follow_ups_is_one_line_naming_the_flag(tmp_path, capsys,
+                                                                           single_turns):
+    path = tmp_path / "single.json"
+    save_trace(single_turns, path)
+    assert main(plan_args(str(path), "--slo-followup-ttft-p90", "1")) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith("zipage: error: --slo-followup-ttft-p90: trace 'single-turns' has no "
+                           "follow-up turns")
+    assert captured.out == ""  # refused before anything ran

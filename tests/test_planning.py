@@ -63,6 +63,11 @@ def test_search_mistakes_fail_before_anything_runs(small_trace):
         run_plan(small_trace, small_spec(objective=MAX_RATE), executor=SERIAL)
     with pytest.raises(ConfigError, match="replicas"):
         run_plan(small_trace, small_spec(replicas=[0]), executor=SERIAL)
+    # A target that is not > 0 names its flag (sim/slo.py, TARGETS).
+    for slo, flag in ((SLO(tpot_p99_ms=0.0), "--slo-tpot-p99"),
+                      (SLO(ttft_p99_s=-1.0), "--slo-ttft-p99")):
+        with pytest.raises(ConfigError, match=f"^{flag}: got .*, expected a number of"):
+            run_plan(small_trace, small_spec(slo=slo), executor=SERIAL)
 
 
 def test_comma_list_flags_parse():

@@ -37,6 +37,7 @@ from zipage.sim.planning import (
     RateSearch,
     run_plan,
 )
+from zipage.sim.slo import TARGETS
 
 OFFLINE = "offline"
 # Deployment fields and knobs that are grid axes of the search (each flag takes a comma list).
@@ -89,11 +90,16 @@ def add_parser(commands) -> None:
                            "by bisection; max-users: the most concurrent users meeting the SLOs, "
                            "every session starting at 0 and each user working through the "
                            "sessions back to back (default tps)")
-    goal.add_argument("--slo-ttft-p90", type=float, default=None, metavar="SECONDS",
+    # (Strings, read by `slo_from_args`: a value that is no number is one line naming its flag.)
+    goal.add_argument("--slo-ttft-p90", default=None, metavar="SECONDS",
                       help="90th-percentile time to first token must not exceed this")
-    goal.add_argument("--slo-ttft-p99", type=float, default=None, metavar="SECONDS",
+    goal.add_argument("--slo-followup-ttft-p90", default=None, metavar="SECONDS",
+                      help="90th-percentile time to first token of sessions' follow-up turns "
+                           "alone, timed from when each came due, must not exceed this (a "
+                           "trace of sessions)")
+    goal.add_argument("--slo-ttft-p99", default=None, metavar="SECONDS",
                       help="99th-percentile time to first token must not exceed this")
-    goal.add_argument("--slo-tpot-p99", type=float, default=None, metavar="MS",
+    goal.add_argument("--slo-tpot-p99", default=None, metavar="MS",
                       help="99th-percentile time per output token must not exceed this")
     goal.add_argument("--rate-tolerance", type=float, default=None,
                       help="max-rate: stop bisecting when the bracket is narrower than this "
@@ -129,7 +135,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     executor = RAY if args.ray is not None else (SERIAL if args.workers == 1 else LOCAL)
     if args.workers is not None and args.workers < 1:
         raise ConfigError(f"--workers: got {args.workers}, expected an integer >= 1")
-    spec.validate()
+    spec.validate(trace)
     points = len(spec.points())
     workers = "Ray tasks" if executor == RAY else (
         f"{min(args.workers or os.cpu_count() or 1, points)} worker process(es)")
@@ -176,7 +182,7 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
     if args.objective == MAX_USERS:
         refuse_load_flags(args)
     rates = parse_rates(args.rate) if args.rate is not None else [None]
-    slo = SLO(args.slo_ttft_p90, args.slo_tpot_p99, args.slo_ttft_p99)
+    slo = slo_from_args(args)
     speedups = parse_speedups(args.speedup) if args.speedup is not None else [None]
     start = rates[0] if args.objective == MAX_RATE and len(rates) == 1 else None
     return PlanSpec(
@@ -193,6 +199,20 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
         objective=args.objective, slo=slo,
         search=replace(RateSearch(), start_qps=start, **(
             {} if args.rate_tolerance is None else {"tolerance": args.rate_tolerance})))
+
+
+def slo_from_args(args: argparse.Namespace) -> SLO:
+    """The targets of the --slo-* flags. A value that is not a number is refused here, one
+    that is not > 0 by `PlanSpec.validate`, each in one line naming its flag."""
+    targets = {}
+    for target in TARGETS:
+        text = getattr(args, target.flag.removeprefix("--").replace("-", "_"))
+        if text is not None:
+            try:
+                targets[target.key] = float(text)
+            except ValueError:
+                raise ConfigError(target.bad_value(text)) from None
+    return SLO(**targets)
 
 
 # Flags of an arrival rate or a fixed population, which --objective max-users has no use for.

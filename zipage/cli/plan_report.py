@@ -17,7 +17,6 @@ from zipage.sim.planning import (
     OK,
     RESULT_COLUMNS,
     SEARCHED,
-    SLO,
     SLO_UNCERTAIN,
     TPS,
     TPS_PER_DOLLAR,
@@ -38,7 +37,7 @@ def format_report(result: PlanResult, spec: PlanSpec, top: int = 20) -> str:
     infeasible = [row for row in rows if row["status"] == "infeasible"]
     columns = _table_columns(spec, ranked)
     lines = [f"ranked by {OBJECTIVE_LABELS[spec.objective]}"
-             + (f", SLOs: {_describe_slo(spec.slo)}" if spec.slo.active else "")
+             + (f", SLOs: {spec.slo.describe()}" if spec.slo.active else "")
              + _describe_sessions(rows, spec)
              + (f" (top {top} of {len(ranked)})" if len(ranked) > top else "")]
     lines += format_table([header for header, _ in columns],
@@ -112,7 +111,7 @@ def format_fewest_replicas(rows: list[dict], spec: PlanSpec) -> list[str]:
             table.append([*cells, row["replicas"], _budget(row, full_kv),
                           _describe_deployment(row, full_kv) + (f" {maybe}" if maybe else "")])
     headers = ["gpu", *((load[0],) if load else ()), "replicas", "budget", "deployment"]
-    return [f"fewest replicas meeting the SLOs ({_describe_slo(spec.slo)}), per GPU"
+    return [f"fewest replicas meeting the SLOs ({spec.slo.describe()}), per GPU"
             + (" and load" if load else "") + ":", *format_table(headers, table)]
 
 
@@ -181,6 +180,10 @@ def _table_columns(spec: PlanSpec, ranked: list[dict]) -> list[tuple[str, object
                 *([(_banded("TTFT p99 s", ranked, "ttft_p99_s"),
                     lambda row: f"{row['ttft_p99_s']:.2f}")]
                   if spec.slo.ttft_p99_s is not None else []),
+                # A trace of sessions: what the users waited for an answer after the first.
+                *([(_banded("follow-up TTFT p90 s", ranked, "followup_ttft_p90_s"),
+                    lambda row: _seconds(row["followup_ttft_p90_s"]))]
+                  if any(row["followup_ttft_p90_s"] is not None for row in ranked) else []),
                 (_banded("TPOT p99 ms", ranked, "tpot_p99_ms"),
                  lambda row: f"{row['tpot_p99_ms']:.1f}")]
     if len(spec.budget_policies) > 1:
@@ -234,17 +237,6 @@ def _describe_sessions(rows: list[dict], spec: PlanSpec) -> str:
     return f" ({sessions:,} session{'s' if sessions != 1 else ''}, all starting at 0)"
 
 
-def _describe_slo(slo: SLO) -> str:
-    parts = []
-    if slo.ttft_p90_s is not None:
-        parts.append(f"TTFT p90 <= {slo.ttft_p90_s:g} s")
-    if slo.ttft_p99_s is not None:
-        parts.append(f"TTFT p99 <= {slo.ttft_p99_s:g} s")
-    if slo.tpot_p99_ms is not None:
-        parts.append(f"TPOT p99 <= {slo.tpot_p99_ms:g} ms")
-    return ", ".join(parts)
-
-
 def _budget(row: dict, full_kv: bool) -> str | int:
     return "Full KV" if full_kv else row["budget"]
 
@@ -280,6 +272,10 @@ def _number(value: float | None) -> str:
     if math.isinf(value):
         return "inf"
     return f"{value:,.1f}" if abs(value) < 100 else f"{value:,.0f}"
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _rate(value: float | None) -> str:
@@ -397,7 +393,7 @@ def _plot_per_gpu(axes, ok_rows: list[dict], spec: PlanSpec) -> None:
 
 def _finish_axes(axes, title: str, spec: PlanSpec, ok_rows: list[dict]) -> None:
     if spec.slo.active:
-        title += f"\nSLOs: {_describe_slo(spec.slo)}"
+        title += f"\nSLOs: {spec.slo.describe()}"
     axes.set_title(title, fontsize=10)
     axes.grid(True, alpha=0.3)
     if ok_rows:
