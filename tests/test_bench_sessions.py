@@ -12,6 +12,11 @@ first `reasoning_len`, cut to its `prefix_len`, then its own tokens; each turn c
 `session_id`, and `return_token_ids` where a later turn is built from it; a failed turn fails
 its followers, which are never sent, their errors naming the turn; the summary counts the
 follow-ups, the failed and the late, per turn. `zipage bench serve` prints the sessions' lines.
+The prefix cache (issue #45): a second turn that re-reads the first's prompt and output gets
+the first prompt's full blocks as `usage.prompt_tokens_details.cached_tokens`, streamed or not,
+and /metrics' `prefix_cache_hits` and `prefix_cache_queries` advance by exactly the hits and the
+prompt tokens; bench serve's summary and printed line carry the responses' hits, equal to the
+server's counter.
 Without a server (a mock transport): a server that sends no token ids fails the follow-ups, not
 the turn. The request fields: `session_id` on both endpoints and `return_token_ids` are 400s
 naming the field on bad input, and a parsed request carries `.session_id`.
@@ -22,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
+import re
 import socket
 import subprocess
 import sys
@@ -146,6 +153,26 @@ class Watched(httpx.AsyncHTTPTransport):
         return response
 
 
+def _cached_tokens(exchange: SimpleNamespace) -> int:
+    """The usage chunk's prompt_tokens_details.cached_tokens."""
+    for line in exchange.raw.decode().splitlines():
+        if line.startswith("data:") and line[5:].strip() != "[DONE]":
+            usage = json.loads(line[5:]).get("usage")
+            if usage:
+                return usage["prompt_tokens_details"]["cached_tokens"]
+    raise AssertionError("no usage chunk")
+
+
+def _prefix_counters(url: str) -> dict[str, float]:
+    """/metrics' prefix-cache counters and prompt tokens, summed over replicas."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    found = dict.fromkeys(("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens"), 0.0)
+    for name, value in re.findall(r"^zipage:(\w+)_total\{[^}]*\}\s+(\S+)$", text, re.M):
+        if name in found:
+            found[name] += float(value)
+    return found
+
+
 def _generated_ids(exchange: SimpleNamespace) -> list[int]:
     ids = []
     for line in exchange.raw.decode().splitlines():
@@ -234,6 +261,43 @@ def test_follow_ups_are_sent_after_their_predecessor_with_its_generated_history(
     for turn in summary["turns"]:
         assert 0 < turn["ttft_p50_s"] <= turn["e2e_p50_s"] and turn["tps"] > 0
 
+    # The prefix cache: each follow-up found at least its predecessor's first prompt block (16
+    # tokens); the summary sums the responses' cached_tokens, which the server's own counter
+    # matches (nothing else ran, nothing was preempted).
+    cached = {request_id: _cached_tokens(seen) for request_id, seen in exchange.items()
+              if seen.status == 200}
+    assert all(cached[i] >= 16 and cached[i] % 16 == 0 for i in ("a2", "a3", "b2", "b3"))
+    assert cached["a1"] == cached["b1"] == cached["d"] == 0
+    hits, prompt = sum(cached.values()), sum(record[i].prompt_len for i in cached)
+    assert summary["preemptions"] == 0
+    assert summary["prefix_hit_tokens"] == summary["server_prefix_hit_tokens"] == hits
+    assert summary["prefix_hit_share"] == pytest.approx(hits / prompt)
+    assert summary["prefill_tokens"] == prompt - hits
+
+
+def test_a_second_turn_finds_the_first_prompt_in_the_prefix_cache(url):
+    """Turn 1 (40 random tokens, not streamed) finds nothing; turn 2 (turn 1's prompt, its
+    output, 5 more tokens; streamed) finds turn 1's two full prompt blocks (output blocks never
+    enter the prefix index). /metrics advances by exactly that: hits 32, queries every prompt
+    token (none was preempted), as the HTTP side's own prompt_tokens count says."""
+    rng = random.Random(45)
+    prompt = [rng.randrange(VOCAB) for _ in range(40)]
+    before = _prefix_counters(url)
+    first = httpx.post(url + "/v1/completions", timeout=60, json={
+        "prompt": prompt, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True}).json()
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    second_prompt = prompt + first["choices"][0]["token_ids"] + [rng.randrange(VOCAB)
+                                                                 for _ in range(5)]
+    with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+            "prompt": second_prompt, "max_tokens": 3, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}) as reply:
+        raw = b"".join(reply.iter_bytes())
+    assert _cached_tokens(SimpleNamespace(raw=raw)) == 32
+    after = _prefix_counters(url)
+    advanced = {name: after[name] - before[name] for name in after}
+    assert advanced == {"prefix_cache_hits": 32, "prefix_cache_queries": 40 + 51,
+                        "prompt_tokens": 40 + 51}
+
 
 def test_cli_prints_the_sessions(url, tmp_path, capsys):
     from zipage.cli.parser import main
@@ -252,8 +316,13 @@ def test_cli_prints_the_sessions(url, tmp_path, capsys):
     assert ("sessions: 2 follow-up turns, 1 failed (1 not sent: the turn they follow failed); "
             "0 requests sent over 50 ms late") in printed
     assert "failed: y2: request y2: the turn it follows, y1, failed (HTTP 400" in printed
+    # x2 re-reads x1's one prompt block (16 of its 24 tokens; x1's 16 found nothing).
+    assert ("prefix cache: 16 prompt tokens of the responses from the cache (40.0 % of their "
+            "prompt tokens); /metrics over the run: 16 hit, 24 computed") in printed
     summary = json.loads((out / "summary.json").read_text())
     assert [turn["completed"] for turn in summary["turns"]] == [1, 1]
+    assert (summary["prefix_hit_tokens"], summary["server_prefix_hit_tokens"]) == (16, 16)
+    assert summary["prefix_hit_share"] == 0.4 and summary["prefill_tokens"] == 24
 
 
 def stand_in_server(bodies: list, token_ids: list[int] | None):
@@ -294,6 +363,9 @@ def test_a_server_that_sends_no_token_ids_fails_the_follow_ups_not_the_turn(tmp_
     assert [(r.id, r.status) for r in records] == [("p", "finished"), ("q", "failed")]
     assert records[1].error == f"request q: the turn it follows, p, failed ({NO_TOKEN_IDS})"
     assert summary["follow_ups_not_sent"] == 1 and summary["compressions"] is None
+    # No cached_tokens in its usage and no /metrics: the prefix-cache keys are unknown.
+    assert summary["prefix_hit_tokens"] is summary["prefix_hit_share"] is None
+    assert summary["server_prefix_hit_tokens"] is summary["prefill_tokens"] is None
 
 
 def test_users_send_one_session_at_a_time(tmp_path):

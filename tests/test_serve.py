@@ -4,7 +4,8 @@ openai client (and httpx where a test needs the raw stream).
 One server for the module (`zipage serve` in a subprocess, its engine in a process of its own,
 loading the model once) and one in-process `LLM` for the reference outputs. Covered: completion and
 chat, streamed and not, equal to
-each other and to `LLM.generate` under greedy sampling; the same seed gives the same tokens; 16
+each other and to `LLM.generate` under greedy sampling; a repeated chat's usage counts its prompt
+blocks found in the prefix cache (`cached_tokens`); the same seed gives the same tokens; 16
 concurrent streams complete; a disconnect mid-stream frees the request's blocks (seen in
 /metrics); malformed JSON, a wrong type, a prompt that can never fit, a wrong API key and one
 request over --max-waiting each get their status and a message naming the field, while a
@@ -246,6 +247,24 @@ def test_chat_streamed_equals_non_streamed_equals_generate(client, llm):
     assert reply.choices[0].finish_reason == chunks[-1].choices[0].finish_reason == "stop"
     assert reply.usage.completion_tokens == len(expected.token_ids)
     assert "<|im_end|>" not in reply.choices[0].message.content
+
+
+def test_a_repeated_chat_reads_its_prompt_from_the_prefix_cache(client):
+    """usage.prompt_tokens_details.cached_tokens: the second of two identical chats (streamed,
+    with usage) finds every full block of the prompt but the one holding its last token."""
+    messages = [{"role": "user", "content": "Name three rivers of Europe and the seas they "
+                                            "flow into, one line each, shortest first."}]
+    first = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=2,
+                                           temperature=0)
+    prompt = first.usage.prompt_tokens
+    assert prompt > 2 * KNOBS["block_size"]
+    stream = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=2,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None][-1]
+    block, cached = KNOBS["block_size"], usage.prompt_tokens_details.cached_tokens
+    assert cached == (prompt - 1) // block * block
+    assert first.usage.prompt_tokens_details.cached_tokens < cached
 
 
 def test_same_seed_same_tokens(client):

@@ -366,3 +366,79 @@ def test_an_unexpected_exception_is_a_500_in_openai_shape():
         reply = client.post("/v1/nowhere", headers={"Authorization": "Bearer k"})
         assert reply.status_code == 404 and reply.json()["error"]["message"].startswith(
             "route: POST '/v1/nowhere' does not exist")
+
+
+# ---------------------------------------------------------------- the prefix cache's figures
+
+def _plan(step_id: int, hits: int, *items):
+    """A stand-in `StepPlan`: (request, first admitted step, cached, computed) per prefill item."""
+    from types import SimpleNamespace
+
+    prefill = [SimpleNamespace(seq=SimpleNamespace(seq_id=seq_id, first_admitted_step=admitted),
+                               num_cached_tokens=cached, num_new_tokens=computed)
+               for seq_id, admitted, cached, computed in items]
+    return SimpleNamespace(step_id=step_id, prefix_hit_tokens=hits, prefill=prefill)
+
+
+def test_cached_tokens_reach_the_first_token_of_a_chunked_prompt_and_the_counters():
+    """A 70-token prompt with 32 tokens in the cache, computed in two chunks: the admission's
+    step reports its hits, the HTTP side holds them until the first token (next step), whose
+    delta carries them; the counters advance by the hits and every prompt token."""
+    pytest.importorskip("prometheus_client")
+    from types import SimpleNamespace
+
+    from zipage.config import ZipageConfig
+    from zipage.core.memory import MemoryPlan
+    from zipage.core.sampling import SamplingParams
+    from zipage.serve.engine_client import EngineClient
+    from zipage.serve.engine_process import EngineCore
+    from zipage.serve.metrics import ServerMetrics
+    from zipage.serve.wire import EngineStats, Ready, StepUpdate
+
+    core = EngineCore.__new__(EngineCore)
+    core.prefix_queries = core.prefix_hits = 0
+    info = Ready("cpu", ZipageConfig(block_size=16, kv_budget=64, window=4),
+                 MemoryPlan(1024, 64, 1, 1, 1024), 256, frozenset(), 1)
+    client = EngineClient(SimpleNamespace(poll=lambda: None),
+                          SimpleNamespace(send=lambda message: None, closed=False), info)
+    metrics = ServerMetrics("m", 1024)
+    client.metrics = metrics.replica(0)
+    handle = client.submit(list(range(70)), SamplingParams(max_tokens=2))[0]
+    rid = handle.seq_id
+
+    def step(plan, seq_ids, tokens):
+        hits = core._count_prompt_tokens(plan)
+        stats = EngineStats(1, 0, 5, 0, 0, core.prefix_queries, core.prefix_hits)
+        client._receive(StepUpdate(seq_ids, tokens, {}, {}, stats, None, {}, hits))
+        return [handle.deltas.get_nowait() for _ in tokens]
+
+    assert step(_plan(3, 32, (rid, 3, 32, 16)), [], []) == []  # admitted: 32 hit, 16 computed
+    assert handle.cached_tokens == 32
+    first, = step(_plan(4, 0, (rid, 3, 48, 22)), [rid], [7])  # the last chunk samples
+    assert first.cached_tokens == 32
+    second, = step(_plan(5, 0), [rid], [8])
+    assert second.cached_tokens is None
+    text = metrics.exposition().decode()
+    assert 'zipage:prefix_cache_hits_total{model_name="m",replica="0"} 32.0' in text
+    assert 'zipage:prefix_cache_queries_total{model_name="m",replica="0"} 70.0' in text
+
+
+def test_prefix_cache_counters_are_per_replica_and_survive_a_restart():
+    """Each replica's counters follow its engine's totals; a new engine process counts from
+    zero again, and its replica's counter goes on from where it was."""
+    pytest.importorskip("prometheus_client")
+    from zipage.serve.metrics import ServerMetrics
+    from zipage.serve.wire import EngineStats
+
+    metrics = ServerMetrics("m", 64, replicas=2)
+    zero, one = metrics.replica(0), metrics.replica(1)
+    zero.engine_stats(EngineStats(0, 0, 0, 0, 0, 40, 16), 0)
+    one.engine_stats(EngineStats(0, 0, 0, 0, 0, 10, 0), 0)
+    zero.engine_stats(EngineStats(0, 0, 0, 0, 0, 91, 48), 0)
+    zero.engine_restarted()
+    zero.engine_stats(EngineStats(0, 0, 0, 0, 0, 5, 0), 0)
+    text = metrics.exposition().decode()
+    for replica, queries, hits in (("0", 96.0, 48.0), ("1", 10.0, 0.0)):
+        labels = f'{{model_name="m",replica="{replica}"}}'
+        assert f"zipage:prefix_cache_queries_total{labels} {queries}" in text
+        assert f"zipage:prefix_cache_hits_total{labels} {hits}" in text

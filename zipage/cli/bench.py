@@ -64,12 +64,26 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
         return 0
     print_summary(summary, title=f"{trace.name} served by {summary['model']} at {args.url}")
+    print_prefix_cache(summary)
     print_sessions(summary)
     for record in [record for record in records if record.error][:5]:
         print(f"  failed: {record.id}: {record.error}")
     if args.out is not None:
         print(f"wrote {args.out}/summary.json, requests.csv")
     return 0
+
+
+def print_prefix_cache(summary: dict) -> None:
+    """The run's prompt tokens served from the prefix cache (its responses' `cached_tokens`),
+    and the server's /metrics figures over the run beside them where it has them."""
+    hits = summary.get("prefix_hit_tokens")
+    line = ("  prefix cache: the server reports no cached_tokens" if hits is None else
+            f"  prefix cache: {hits:,} prompt tokens of the responses from the cache "
+            f"({100 * summary['prefix_hit_share']:.1f} % of their prompt tokens)")
+    if summary.get("server_prefix_hit_tokens") is not None:
+        line += (f"; /metrics over the run: {summary['server_prefix_hit_tokens']:,} hit, "
+                 f"{summary['prefill_tokens']:,} computed")
+    print(line)
 
 
 def print_sessions(summary: dict) -> None:

@@ -211,6 +211,8 @@ class Server:
         if last.error is not None:
             raise ServeError(last.status, last.error, None,
                              "invalid_request_error" if last.status < 500 else "server_error")
+        if batch[0].cached_tokens is not None:  # the request's first token leads its first batch
+            choice.cached_tokens = batch[0].cached_tokens
         finish = last.finish_reason
         if choice.echo_only:  # max_tokens 0 with echo: the one token generated is no answer
             if finish is not None:
@@ -247,6 +249,7 @@ class Choice:
         self.sent_tokens = 0  # tokens whose ids and log-probabilities a stream has sent
         self.sent_chars = 0  # characters a stream has sent (text_offset)
         self.started = False  # a stream sent this choice's first chunk
+        self.cached_tokens = 0  # its prompt tokens found in the prefix cache
 
     def new_tokens(self) -> tuple[list[int], list]:
         """The text's tokens not sent yet, and their log-probability entries."""
@@ -309,9 +312,10 @@ async def _merged(server: Server, choices: list[Choice]) -> AsyncIterator[tuple[
             server.engine.abort(choice.handle)
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _sse(payload: dict | str) -> str:
@@ -553,7 +557,9 @@ class _Answer:
                 "model": self.server.model_name, "choices": choices}
 
     def usage(self) -> dict:
-        return _usage(len(self.prompt_ids), sum(choice.text.generated for choice in self.choices))
+        # The prompt counts once, as the first sample computed it (the others fork from it).
+        return _usage(len(self.prompt_ids), sum(choice.text.generated for choice in self.choices),
+                      self.choices[0].cached_tokens)
 
     async def whole(self) -> JSONResponse:
         async with aclosing(_merged(self.server, self.choices)) as updates:

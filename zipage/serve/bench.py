@@ -21,7 +21,13 @@ compare` sets a served run beside an offline replay or a simulation of the same 
 adds the sessions' keys (`SESSION_KEYS`). What only the server knows (steps, decisions, the
 config, per-request compressions) is left out: the run's "kind" is "served", its steps.csv is
 empty and it has no decisions.log, and `zipage compare` compares its requests only. Against
-`zipage serve`, the run's compressions and preemptions come from its /metrics.
+`zipage serve`, the run's compressions, preemptions and `prefill_tokens` come from its /metrics
+(the whole server's over the run). Its `prefix_hit_tokens` are its own requests' prompt tokens
+served from the prefix cache, as each response's `usage.prompt_tokens_details.cached_tokens`
+says (any server that reports them), with their share of those requests' prompt tokens; the
+/metrics figure is beside it (`server_prefix_hit_tokens`), equal on a server of its own that
+preempted nothing (a request readmitted after a preemption counts its hits again there, as in
+an offline run's summary).
 
 The client is httpx with a hand-read event stream (not the openai package): at hundreds of
 concurrent streams the client's own per-chunk cost must stay far below the server's.
@@ -54,13 +60,17 @@ SERVER_ONLY_KEYS = ("peak_running", "mean_running", "max_blocks_after_compress",
 # The summary's keys of sessions (None where the trace has no follow-up; `_session_summary`).
 SESSION_KEYS = ("follow_ups", "follow_ups_failed", "follow_ups_not_sent", "sent_late",
                 "max_send_lag_s", "turns")
+# The summary's keys of the prefix cache, from the responses' `cached_tokens` (None where the
+# server reports none; `_prefix_summary`).
+PREFIX_KEYS = ("prefix_hit_tokens", "prefix_hit_share")
 # A request sent more than this after it was due counts as sent late: the client's own event
 # loop lagged (its TTFT counts the lag, which the server never saw).
 LATE_S = 0.05
 FINISHED, FAILED = "finished", "failed"
 NO_TOKEN_IDS = ("the server sent back no generated token ids (return_token_ids), which the turns "
                 "that follow it are built from")
-_COUNTER = re.compile(r"^zipage:(compressions|preemptions)_total\{[^}]*\}\s+(\S+)$", re.M)
+_COUNTER = re.compile(r"^zipage:(compressions|preemptions|prefix_cache_queries|prefix_cache_hits)"
+                      r"_total\{[^}]*\}\s+(\S+)$", re.M)
 _ROUTED = re.compile(r'^zipage:requests_routed_total\{[^}]*replica="(\d+)"[^}]*\}\s+(\S+)$', re.M)
 
 
@@ -94,6 +104,7 @@ async def bench_serve(trace: Trace, url: str, model: str | None = None, *,
         wall = time.perf_counter() - started
         counters_after = await _server_counters(client)
     summary = _summary(records, counters_before, counters_after)
+    summary.update(_prefix_summary(replay, records))
     summary.update(_session_summary(replay, records))
     summary.update(wall_s=wall, driver="served", kind=SERVED, url=base, model=model,
                    settings={})
@@ -120,6 +131,9 @@ class _Replay:
                                       else self.depth.get(request.after, 1) + 1)
         self.records: dict[str, RequestRecord] = {}
         self.lags: list[float] = []  # per request sent: seconds from due to sent
+        # Per request finished: its usage's prompt_tokens_details.cached_tokens (those whose
+        # server sent it).
+        self.cached: dict[str, int] = {}
         self.not_sent = 0  # follow-ups of failed turns, failed without being sent
         self.queue = ArrivalQueue(self.sequences, on_release=self._release, users=users)
         self.queue.on_change = self._wake
@@ -221,6 +235,7 @@ class _Replay:
         error = None
         output_ids: list[int] = []
         got_ids = False
+        cached = None
         try:
             async with self.client.stream("POST", "/v1/completions", json=body) as response:
                 if response.status_code != 200:
@@ -248,6 +263,8 @@ class _Replay:
                                 got_ids = True
                         if chunk.get("usage"):
                             output_len = chunk["usage"]["completion_tokens"]
+                            cached = (chunk["usage"].get("prompt_tokens_details")
+                                      or {}).get("cached_tokens")
         except httpx.HTTPError as exc:
             error = f"{type(exc).__name__}: {exc}"
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -255,6 +272,8 @@ class _Replay:
         ended = self.now()  # the response fully came back
         if error is None and first is None:
             error = "the stream ended without a token"
+        if error is None and isinstance(cached, int):
+            self.cached[seq.seq_id] = cached
         self._record(RequestRecord(
             id=seq.seq_id, arrival=seq.arrival_s, first_token=first,
             finish=finish if error is None else None, prompt_len=seq.prompt_len,
@@ -282,8 +301,13 @@ def _summary(records: list[RequestRecord], before: dict | None, after: dict | No
     for key in SERVER_ONLY_KEYS:
         summary[key] = None
     for key in ("compressions", "preemptions"):
-        summary[key] = (int(after[key] - before[key])
-                        if before is not None and after is not None else None)
+        summary[key] = _advance(before, after, key)
+    # The whole server's over the run, as an offline run counts them: prompt tokens computed,
+    # and found in the prefix cache (`prefix_hit_tokens` is this run's own, `_prefix_summary`).
+    hits = _advance(before, after, "prefix_cache_hits")
+    queries = _advance(before, after, "prefix_cache_queries")
+    summary["prefill_tokens"] = None if hits is None or queries is None else queries - hits
+    summary["server_prefix_hit_tokens"] = hits
     # Beside `zipage plan --replicas N --routing P`'s own key of that name: how the server's
     # router spread this trace (a replicated Zipage server; None elsewhere).
     summary["requests_per_replica"] = None
@@ -292,6 +316,25 @@ def _summary(records: list[RequestRecord], before: dict | None, after: dict | No
             int(after["routed"][replica] - before["routed"].get(replica, 0.0))
             for replica in sorted(after["routed"], key=int)]
     return summary
+
+
+def _advance(before: dict | None, after: dict | None, name: str) -> int | None:
+    """How far a /metrics counter advanced over the run (None: not on this server)."""
+    if before is None or after is None or name not in before or name not in after:
+        return None
+    return int(after[name] - before[name])
+
+
+def _prefix_summary(replay: _Replay, records: list[RequestRecord]) -> dict:
+    """This run's prompt tokens served from the prefix cache (the finished requests' usage
+    `cached_tokens`, summed) and their share of those requests' prompt tokens; None against a
+    server that reports no `cached_tokens`."""
+    served = [record for record in records if record.id in replay.cached]
+    if not served:
+        return dict.fromkeys(PREFIX_KEYS)
+    hits = sum(replay.cached[record.id] for record in served)
+    prompt = sum(record.prompt_len for record in served)
+    return {"prefix_hit_tokens": hits, "prefix_hit_share": hits / prompt if prompt else 0.0}
 
 
 def _session_summary(replay: _Replay, records: list[RequestRecord]) -> dict:
@@ -339,8 +382,8 @@ async def _served_model(client: httpx.AsyncClient, base: str) -> str:
 
 
 async def _server_counters(client: httpx.AsyncClient) -> dict | None:
-    """Compressions and preemptions so far, and the requests routed to each replica, from a
-    Zipage server's /metrics (None elsewhere)."""
+    """Compressions, preemptions, prefix-cache queries and hits so far, and the requests routed
+    to each replica, from a Zipage server's /metrics (None elsewhere)."""
     try:
         response = await client.get("/metrics")
     except httpx.HTTPError:
@@ -348,7 +391,7 @@ async def _server_counters(client: httpx.AsyncClient) -> dict | None:
     found: dict = {}
     for name, value in _COUNTER.findall(response.text):  # one series per replica: their sum
         found[name] = found.get(name, 0.0) + float(value)
-    if len(found) != 2:
+    if not found:
         return None
     found["routed"] = {replica: float(value) for replica, value in _ROUTED.findall(response.text)}
     return found

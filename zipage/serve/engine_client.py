@@ -63,6 +63,9 @@ class Delta:
     error: str | None = None
     status: int = 500
     logprobs: list | None = None  # beside token_ids, if the request asked for them
+    # On the request's first token: its prompt tokens found in the prefix cache. It rides on
+    # the delta, not the handle, so that it reaches the app through Ray's replicas too.
+    cached_tokens: int | None = None
 
 
 @dataclass
@@ -78,6 +81,9 @@ class RequestHandle:
     waiting: bool = True  # no token yet and not ended (counts against --max-waiting)
     first_token_s: float | None = None
     num_tokens: int = 0
+    # Its prompt tokens found in the prefix cache, known when it is admitted (a chunked
+    # prompt's first token comes steps later).
+    cached_tokens: int = 0
     # Prompt log-probabilities (`SamplingParams.prompt_logprobs`), complete before the first
     # token arrives: one entry per prompt token, None for the first.
     prompt_logprobs: list = field(default_factory=list)
@@ -248,14 +254,21 @@ class EngineClient:
             if handle is not None:
                 del handle.prompt_logprobs[position:]  # a prompt chunk computed again
                 handle.prompt_logprobs.extend(entries)
+        # Admissions before tokens: a prompt computed in one chunk samples in its admission's step.
+        for seq_id, cached in update.prefix_hits.items():
+            handle = handles.get(seq_id)
+            if handle is not None:
+                handle.cached_tokens = cached
         logprobs = update.logprobs
         for index, (seq_id, token) in enumerate(zip(update.seq_ids, update.tokens)):
             handle = handles.get(seq_id)
             if handle is None:
                 continue  # aborted while the step ran
             handle.num_tokens += 1
+            cached = None
             if handle.first_token_s is None:
                 handle.first_token_s = now
+                cached = handle.cached_tokens
                 self._started(handle)
                 if metrics is not None:
                     metrics.first_token(handle)
@@ -265,7 +278,7 @@ class EngineClient:
                 if metrics is not None:
                     metrics.finished_request(handle, reason, now)
             handle.deltas.put_nowait(Delta([token], reason, logprobs=None if logprobs is None
-                                           else [logprobs[index]]))
+                                           else [logprobs[index]], cached_tokens=cached))
         for seq_id, message in update.rejected.items():
             handle = handles.get(seq_id)
             if handle is not None:

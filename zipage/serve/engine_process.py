@@ -97,6 +97,8 @@ class EngineCore:
         self.changed = False  # an abort or rejection the HTTP side has no update of yet
         self.compressions = 0
         self.preemptions = 0
+        self.prefix_queries = 0  # `EngineStats.prefix_query_tokens_total`
+        self.prefix_hits = 0
 
     def serve(self) -> int:
         self.loop.start()
@@ -197,7 +199,7 @@ class EngineCore:
 
     def _publish(self, output) -> None:
         seq_ids, tokens, finished = [], [], {}
-        logprobs, prompt_logprobs = None, {}
+        logprobs, prompt_logprobs, prefix_hits = None, {}, {}
         if output is not None:
             for seq, token in output.tokens:
                 seq_ids.append(seq.seq_id)
@@ -212,18 +214,36 @@ class EngineCore:
                 finished[seq.seq_id] = "stop" if stopped else "length"
             self.compressions += len(output.plan.compressions)
             self.preemptions += len(output.plan.preempted)
+            if output.plan.prefill:
+                prefix_hits = self._count_prompt_tokens(output.plan)
         scheduler = self.loop.scheduler
         stats = EngineStats(len(scheduler.running), len(scheduler.waiting),
                             scheduler.block_manager.num_used_blocks, self.compressions,
-                            self.preemptions)
+                            self.preemptions, self.prefix_queries, self.prefix_hits)
         update = StepUpdate(seq_ids, tokens, finished, self.rejected, stats, logprobs,
-                            prompt_logprobs)
+                            prompt_logprobs, prefix_hits)
         self.rejected, self.changed = {}, False
         self._forget_history()
         try:
             self.connection.send(update)
         except OSError:
             raise ServerGone from None
+
+    def _count_prompt_tokens(self, plan) -> dict[str, int]:
+        """Add the step's prompt tokens (computed, or found in the prefix cache) to the totals;
+        the prompt tokens each request first admitted in this step found in the cache (the
+        first chunk of an admission starts where its hits end). A request readmitted after a
+        preemption counts in the totals again, as in an offline run's summary, but keeps the
+        figure of its first admission."""
+        hits = {}
+        computed = 0
+        for item in plan.prefill:
+            computed += item.num_new_tokens
+            if item.seq.first_admitted_step == plan.step_id:
+                hits[item.seq.seq_id] = item.num_cached_tokens
+        self.prefix_hits += plan.prefix_hit_tokens
+        self.prefix_queries += plan.prefix_hit_tokens + computed
+        return hits
 
     def _forget_history(self) -> None:
         """A server runs for days: keep no per-step records or finished requests around (the

@@ -1,10 +1,11 @@
 """The server's Prometheus metrics (GET /metrics), named like vLLM's with a `zipage:` prefix.
 
 Gauges are each replica's scheduler state after its latest step, as its engine process reports
-it with each step (`wire.EngineStats`); token counters and latency histograms are kept by the HTTP process as
-each request's tokens arrive (`engine_client`), so TTFT, TPOT and end-to-end latency count from
-the request's arrival at the server to the token's arrival back in it. Each server owns its
-registry, so several can live in one process (tests).
+it with each step (`wire.EngineStats`), and so are the counters of what only the engine sees
+(compressions, preemptions, prefix-cache queries and hits); token counters and latency
+histograms are kept by the HTTP process as each request's tokens arrive (`engine_client`), so
+TTFT, TPOT and end-to-end latency count from the request's arrival at the server to the token's
+arrival back in it. Each server owns its registry, so several can live in one process (tests).
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# The counters kept by the engine process as totals (`wire.EngineStats` field -> the family).
+ENGINE_TOTALS = {"compressions_total": "compressions", "preemptions_total": "preemptions",
+                 "prefix_query_tokens_total": "prefix_queries",
+                 "prefix_hit_tokens_total": "prefix_hits"}
 disable_created_metrics()  # no `*_created` series: they double the page and nobody reads them
 
 
@@ -50,6 +55,12 @@ class ServerMetrics:
                                   "Requests preempted (recomputed later)."),
             "prompt_tokens": family(Counter, "prompt_tokens",
                                     "Prompt tokens of requests that started."),
+            # vLLM's names and meaning (tokens): hits / queries is the prefix cache's hit rate.
+            "prefix_queries": family(Counter, "prefix_cache_queries",
+                                     "Prompt tokens the engine needed KV for: computed "
+                                     "(recomputation included) or found in the prefix cache."),
+            "prefix_hits": family(Counter, "prefix_cache_hits",
+                                  "Prompt tokens found in the prefix cache (not computed)."),
             "generation_tokens": family(Counter, "generation_tokens", "Output tokens generated."),
             "aborted": family(Counter, "requests_aborted", "Requests whose client went away."),
             "routed": family(Counter, "requests_routed", "Requests the router sent here."),
@@ -87,7 +98,7 @@ class ReplicaMetrics:
         self._finished = server.finished
         self.blocks_free.set(self.num_blocks)
         self.healthy.set(1)
-        self._compressions = self._preemptions = 0  # the engine's totals seen so far
+        self._totals = dict.fromkeys(ENGINE_TOTALS, 0)  # the engine's totals seen so far
 
     def first_token(self, handle) -> None:
         """A request got its first token (its prompt was computed)."""
@@ -109,17 +120,17 @@ class ReplicaMetrics:
         self.blocks_used.set(stats.blocks_used)
         self.blocks_free.set(self.num_blocks - stats.blocks_used)
         # The engine reports totals; a counter advances by what is new.
-        self.compressions.inc(stats.compressions_total - self._compressions)
-        self.preemptions.inc(stats.preemptions_total - self._preemptions)
-        self._compressions = stats.compressions_total
-        self._preemptions = stats.preemptions_total
+        for field, name in ENGINE_TOTALS.items():
+            total = getattr(stats, field)
+            getattr(self, name).inc(total - self._totals[field])
+            self._totals[field] = total
 
     def engine_down(self) -> None:
         self.healthy.set(0)
 
     def engine_restarted(self) -> None:
         """A new engine process: its totals start from zero, and it runs nothing yet."""
-        self._compressions = self._preemptions = 0
+        self._totals = dict.fromkeys(ENGINE_TOTALS, 0)
         self.restarts.inc()
         self.healthy.set(1)
         self.running.set(0)

@@ -87,6 +87,11 @@ class EngineStats:
     blocks_used: int
     compressions_total: int
     preemptions_total: int
+    # Prompt tokens the engine needed KV for (computed, recomputation after a preemption
+    # included, or found in the prefix cache), and those found in the prefix cache: the sums of
+    # an offline run's `prefill_tokens` + `prefix_hit_tokens` and its `prefix_hit_tokens`.
+    prefix_query_tokens_total: int = 0
+    prefix_hit_tokens_total: int = 0
 
 
 IDLE = EngineStats(0, 0, 0, 0, 0)  # an engine before its first step
@@ -104,6 +109,9 @@ class StepUpdate:
     logprobs: list | None = None
     # request -> (position of the first prompt token covered, entries): prompt log-probabilities.
     prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
+    # request -> its prompt tokens found in the prefix cache, for the requests first admitted in
+    # the step (OpenAI's `usage.prompt_tokens_details.cached_tokens`).
+    prefix_hits: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
