@@ -189,6 +189,25 @@ def test_a_rejected_turn_fails_its_followers_and_nothing_else():
         SequenceStatus.REJECTED] * 3 + [SequenceStatus.FINISHED] * 2
     assert "a0, failed" in by_id["a1"].error and "a1, failed" in by_id["a2"].error
     assert by_id["b1"].arrival_s == by_id["b0"].finish_time + 5.0
+    # Each names the first failure of the chain once, not its predecessor's whole message.
+    for name, before in (("a1", "a0"), ("a2", "a1")):
+        assert by_id[name].error == (f"request {name}: the turn it follows, {before}, failed "
+                                     f"({by_id['a0'].error})")
+
+
+def test_a_long_failed_session_keeps_each_message_short():
+    """Turn n of a session whose first turn failed would carry n nested messages (quadratic
+    memory over a day of agent traffic); each carries the first failure once."""
+    requests = [TraceRequest("s0", 0.0, prompt_len=300, output_len=4, session="s")]  # too long
+    requests += [TraceRequest(f"s{turn}", 0.0, prompt_len=300 + turn, output_len=4, session="s",
+                              after=f"s{turn - 1}", prefix_len=300 + turn - 1)
+                 for turn in range(1, 200)]
+    scheduler = _scheduler(max_model_len=200)
+    sequences = trace_sequences(Trace("t", requests), VOCAB, need_tokens=False,
+                                scheduler=scheduler, block_keys=True)
+    InstantDriver(scheduler, check=True).run(sequences)
+    root = sequences[0].error
+    assert all(len(seq.error) <= len(root) + 100 for seq in sequences[1:])
 
 
 def _settings(**knobs) -> ReplaySettings:

@@ -38,7 +38,7 @@ class Done(NamedTuple):
 
     seq_id: str
     time: float  # when it finished (its last token), or failed
-    error: str | None  # None: finished
+    error: str | None  # None: finished; else the failure its session's chain started from
     prompt_len: int
     reasoning_len: int
 
@@ -117,8 +117,7 @@ class ArrivalQueue:
             elif predecessor.error is not None:
                 accepted = False
                 seq.arrival_s = due_time
-                sink.refuse(seq, f"request {seq.seq_id}: the turn it follows, "
-                                 f"{predecessor.seq_id}, failed ({predecessor.error})")
+                sink.refuse(seq, followed_failure(seq.seq_id, predecessor))
             else:
                 seq.arrival_s = due_time
                 if self._on_release is not None:
@@ -134,7 +133,8 @@ class ArrivalQueue:
         turn = seq.turn
         changed = False
         if turn is not None:
-            error = None if seq.status is SequenceStatus.FINISHED else (seq.error or "aborted")
+            error = None if seq.status is SequenceStatus.FINISHED else _root_failure(
+                seq, seq.error or "aborted")
             record = Done(seq.seq_id, time, error, seq.prompt_len, turn.reasoning_len)
             self._live.discard(seq.seq_id)
             self._done[seq.seq_id] = record
@@ -233,3 +233,22 @@ class ArrivalQueue:
         """Due `after_s` after its predecessor finished; at once, to fail, if it failed."""
         time = predecessor.time + (seq.turn.after_s if predecessor.error is None else 0.0)
         heapq.heappush(self._due, (time, next(self._order), seq, predecessor))
+
+
+def followed_failure(seq_id: str, predecessor: Done) -> str:
+    """Why a follow-up fails with its failed predecessor: the predecessor, and the failure its
+    session's chain started from (`Done.error` carries that one: `_root_failure`)."""
+    return (f"request {seq_id}: the turn it follows, {predecessor.seq_id}, failed "
+            f"({predecessor.error})")
+
+
+def _root_failure(seq: Sequence, error: str) -> str:
+    """The failure to hand a failed request's follow-ups: its own error, or, if it failed with
+    its predecessor, the cause its error carries. (Nesting each predecessor's message in the
+    next would make a session's n-th failed turn carry n messages: quadratic memory over a long
+    failed session.)"""
+    inherited = f"request {seq.seq_id}: the turn it follows, {seq.turn.follows}, failed ("
+    if seq.turn.follows is not None and error.startswith(inherited) and error.endswith(")"):
+        return error[len(inherited):-1]
+    return error
+
