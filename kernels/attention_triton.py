@@ -206,6 +206,16 @@ def _quantize_e4m3(x, mask, FP8_MAX: tl.constexpr, SEARCH_STEP: tl.constexpr, SE
 
 
 @triton.jit
+def _head_tile(NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PADDED: tl.constexpr,
+               HEAD_DIM_PADDED: tl.constexpr):
+    """One token's [heads, head_dim] tile, padded to powers of two: its row and column indices
+    and the mask of the real lanes (what the store kernels copy)."""
+    heads = tl.arange(0, HEADS_PADDED)[:, None]
+    dims = tl.arange(0, HEAD_DIM_PADDED)[None, :]
+    return heads, dims, (heads < NUM_HEADS) & (dims < HEAD_DIM)
+
+
+@triton.jit
 def _store_kv_kernel(
     key_ptr,
     value_ptr,
@@ -237,9 +247,7 @@ def _store_kv_kernel(
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:
-        heads = tl.arange(0, HEADS_PADDED)[:, None]
-        dims = tl.arange(0, HEAD_DIM_PADDED)[None, :]
-        mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
+        heads, dims, mask = _head_tile(NUM_KV_HEADS, HEAD_DIM, HEADS_PADDED, HEAD_DIM_PADDED)
         cache_offsets = (slot // BLOCK_SIZE) * cache_block_stride + (slot % BLOCK_SIZE) * cache_slot_stride
         cache_offsets += heads * cache_head_stride + dims
         token_offset = token.to(tl.int64)
@@ -278,9 +286,7 @@ def _store_queries_kernel(
     token = tl.program_id(0)
     index = tl.load(query_slot_mapping_ptr + token).to(tl.int64)
     if index >= 0:
-        heads = tl.arange(0, HEADS_PADDED)[:, None]
-        dims = tl.arange(0, HEAD_DIM_PADDED)[None, :]
-        mask = (heads < NUM_HEADS) & (dims < HEAD_DIM)
+        heads, dims, mask = _head_tile(NUM_HEADS, HEAD_DIM, HEADS_PADDED, HEAD_DIM_PADDED)
         row = tl.load(query_ptr + token.to(tl.int64) * query_token_stride + heads * query_head_stride + dims,
                       mask=mask, other=0.0)
         offsets = index * (NUM_HEADS * HEAD_DIM) + heads * HEAD_DIM + dims
