@@ -17,8 +17,10 @@ from hypothesis import strategies as st
 from hypothesis_profiles import examples
 from tolerance import close
 
+from zipage.core.deployment import ReplaySettings
 from zipage.errors import TraceError
 from zipage.session_import import SessionOptions, import_sessions, import_sessions_file, looks_like_copilot
+from zipage.sim.simulate import simulate
 from zipage.trace import load_trace, session_history
 from zipage.trace_import import ImportOptions, detect_format, import_trace, load_trace_file
 from zipage.trace_stream import open_trace_stream
@@ -29,10 +31,14 @@ MOONCAKE = FIXTURES / "mooncake_conversation_excerpt.jsonl"
 SIM = ["--model", "qwen3-8b", "--hardware", "h200", "--json", "--no-progress"]
 
 # The fixture's calls in the grouped layout: sessions by start (a3f9c1 at 0 s, c0ffee at 10 s,
-# b77e02 at 30 s though its record comes second), each session's calls after its first.
+# b77e02 at 30 s though its record comes second, e7b0a2 at 180 s), each session's calls after its
+# first.
 COPILOT_ORDER = ["copilot-0-0-0", "copilot-0-0-1", "copilot-0-1-0", "copilot-0-1-1",
                  "copilot-0-1-2", "copilot-2-0-0", "copilot-2-0-2", "copilot-1-0-1",
-                 "copilot-1-0-0", "copilot-1-1-1"]
+                 "copilot-1-0-0", "copilot-1-1-1", "copilot-4-0-0", "copilot-4-0-1",
+                 "copilot-4-0-2", "copilot-4-0-3", "copilot-4-0-4"]
+# e7b0a2: a call, then a parallel batch of three, then the call after the batch.
+BATCH = ["copilot-4-0-1", "copilot-4-0-2", "copilot-4-0-3"]
 COPILOT_SKIPPED = {"no output tokens (a failed request in the source)": 1,
                    "no prompt tokens": 1, "no timestamp": 1,
                    "timestamp more than a day outside its session's date (client clock skew)": 1}
@@ -59,8 +65,13 @@ def _streamed(path: Path) -> list:
 def test_copilot_imports_through_the_cli_and_replays(tmp_path):
     out = tmp_path / "agents.jsonl"
     done = _cli("trace", "import", "copilot", str(COPILOT), "-o", str(out))
-    assert "copilot: 14 rows read, 10 requests imported" in done.stdout
-    assert "3 sessions, 7 follow-ups" in done.stdout
+    assert "copilot: 19 rows read, 15 requests imported" in done.stdout
+    assert "4 sessions, 11 follow-ups" in done.stdout
+    assert ("2 calls began before the call before them ended (parallel calls): each follows "
+            "the latest call ended by its start" in done.stdout)
+    assert "1 calls after a parallel batch follow its latest-ending call" in done.stdout
+    assert ("1 calls began before any call of their session ended: each follows the session's "
+            "first call, after_s 0" in done.stdout)
     assert "kept 1 calls that did not succeed but used tokens: UserCancel 1" in done.stdout
     assert "1 session records with no LLM call" in done.stdout
     assert "skipped 1: no timestamp" in done.stdout
@@ -68,18 +79,19 @@ def test_copilot_imports_through_the_cli_and_replays(tmp_path):
     assert [request.id for request in requests] == COPILOT_ORDER
     assert [request.id for request in load_trace(out).requests] == COPILOT_ORDER
     summary = _replayed(out)
-    assert summary["requests"] == summary["completed"] == 10
+    assert summary["requests"] == summary["completed"] == 15
     assert summary["prefix_hit_tokens"] > 0  # follow-ups re-read their history
 
 
 def test_copilot_mapping():
     trace, report = import_sessions("copilot", COPILOT)
     by_id = {request.id: request for request in trace.requests}
-    assert report.rows == 14 and report.skipped == COPILOT_SKIPPED
-    assert (report.sessions, report.follow_ups) == (3, 7)
+    assert report.rows == 19 and report.skipped == COPILOT_SKIPPED
+    assert (report.sessions, report.follow_ups) == (4, 11)
     first = by_id["copilot-0-0-0"]
     assert (first.session, first.after, first.arrival_s) == ("a3f9c1", None, close(0.0))
-    # after = the call before in time; after_s = its start less the predecessor's end.
+    # after = the latest-ending call ended by its start (in a chain: the call before in time);
+    # after_s = its start less the predecessor's end.
     expected = {  # id: (after, after_s, prefix_len)
         "copilot-0-0-1": ("copilot-0-0-0", 2.0, 5200),  # 4 s - (0 + 2 s); all 5000 + 200
         # The UserCancel call at 6 s made no output: skipped, so the next turn follows 0-0-1.
@@ -87,7 +99,8 @@ def test_copilot_mapping():
         "copilot-0-1-1": ("copilot-0-1-0", 1.5, 1024),  # trimmed: 3000 < 6700, cached 1024
         "copilot-0-1-2": ("copilot-0-1-1", 1.0, 3100),  # cancelled, but it used tokens: kept
         "copilot-2-0-2": ("copilot-2-0-0", 1.5, 1260),  # the call without timestamp skipped
-        "copilot-1-0-0": ("copilot-1-0-1", 0.0, 8400),  # began 1 s before 1-0-1 ended
+        # Began 1 s before 1-0-1, the session's first call, ended (none had): follows it.
+        "copilot-1-0-0": ("copilot-1-0-1", 0.0, 8400),
         "copilot-1-1-1": ("copilot-1-0-0", 95.0, 8720),  # the empty call at 120 s skipped
     }
     for request_id, (after, after_s, prefix_len) in expected.items():
@@ -97,8 +110,85 @@ def test_copilot_mapping():
     assert by_id["copilot-1-0-0"].session == "b77e02"
     assert [by_id[name].arrival_s for name in ("copilot-2-0-0", "copilot-1-0-1")] == [
         close(10.0), close(30.0)]
-    assert (report.trimmed, report.clipped) == (1, 1)
+    assert (report.trimmed, report.clipped, report.fanned, report.joined) == (1, 1, 2, 1)
     assert report.not_success == {"UserCancel": 1}
+
+
+def test_copilot_parallel_calls_fan_out_and_overlap_in_replay(tmp_path):
+    # e7b0a2 (from 180 s): 4-0-0 runs 0-2 s; the agent's parallel batch 4-0-1 (3-6 s), 4-0-2
+    # (3.5-5 s), 4-0-3 (4-5 s); 4-0-4 at 7 s. Before, each call followed the one before it
+    # (4-0-2 after 4-0-1 with after_s 0, ...): one at a time in replay.
+    out = tmp_path / "agents.jsonl"
+    report = import_sessions_file("copilot", COPILOT, out)
+    by_id = {request.id: request for request in load_trace(out).requests}
+    # Each follows the latest call ended by its start (4-0-0, at 2 s): after_s = start - 2 s;
+    # all prompts are at least 4-0-0's history (4000 + 300), so prefix_len is all of it.
+    for request_id, after_s in zip(BATCH, (1.0, 1.5, 2.0)):
+        request = by_id[request_id]
+        assert (request.session, request.after, request.after_s, request.prefix_len) == (
+            "e7b0a2", "copilot-4-0-0", close(after_s), 4300), request_id
+    # The call after the batch follows its latest-ending call, 4-0-1 (ended at 6 s, after 4-0-2
+    # and 4-0-3 at 5 s): after_s 1 s, prefix_len its history 4500 + 300.
+    after_batch = by_id["copilot-4-0-4"]
+    assert (after_batch.after, after_batch.after_s, after_batch.prefix_len) == (
+        "copilot-4-0-1", close(1.0), 4800)
+    assert (report.fanned, report.joined) == (2, 1)
+    # Replayed, the batch runs at once: each is sent after_s after 4-0-0's last token, and all
+    # three are in flight together.
+    summary, run = simulate(load_trace(out), ReplaySettings(model="qwen3-8b", hardware="h200"))
+    assert summary["completed"] == 15
+    records = {record.id: record for record in run.requests}
+    for request in by_id.values():
+        if request.after is not None:
+            assert records[request.id].arrival == close(records[request.after].finish
+                                                        + request.after_s)
+    batch = [records[request_id] for request_id in BATCH]
+    assert max(record.arrival for record in batch) < min(record.finish for record in batch)
+    assert records["copilot-4-0-4"].arrival >= records["copilot-4-0-1"].finish
+
+
+def _call(second: float, duration_s: float, prompt: int = 1000, output: int = 50,
+          cached: int = 0) -> dict:
+    return {"timestamp": f"2026-06-01T10:00:{second:06.3f}Z", "duration_ms": duration_s * 1000,
+            "tokens": {"prompt": prompt, "completion": output, "cached": cached}}
+
+
+def test_copilot_parallel_edge_cases(tmp_path):
+    source = tmp_path / "edges.jsonl"
+    records = [
+        # Three calls begun together at the session's start: none had ended, so the second and
+        # third follow the first, after_s 0, side by side.
+        [_call(0, 2), _call(0, 1, prompt=1100), _call(0, 3, prompt=1100)],
+        # A call with no output (skipped) ends last in the batch: the call after follows the
+        # latest-ending kept one. Equal ends: the later begun is followed.
+        [_call(0, 1), _call(2, 2, prompt=1100), _call(2.5, 1.5, prompt=1100),
+         _call(3, 5, prompt=1200, output=0), _call(5, 1, prompt=1200)],
+        # A call begun exactly as the one before ended follows it (the chain, after_s 0); a
+        # shorter prompt than the chosen predecessor's history keeps the cached tokens.
+        [_call(0, 1), _call(1, 4, prompt=1100), _call(2, 1, prompt=900, cached=512)],
+    ]
+    source.write_text("".join(json.dumps({"session_id": f"s{number}", "date": "2026-06-01",
+                                          "turns": [{"llm_calls": calls}]}) + "\n"
+                              for number, calls in enumerate(records)))
+    trace, report = import_sessions("copilot", source)
+    got = {request.id: (request.after, request.after_s, request.prefix_len)
+           for request in trace.requests if request.after is not None}
+    assert got == {
+        "copilot-0-0-1": ("copilot-0-0-0", 0.0, 1050),
+        "copilot-0-0-2": ("copilot-0-0-0", 0.0, 1050),
+        "copilot-1-0-1": ("copilot-1-0-0", 1.0, 1050),
+        "copilot-1-0-2": ("copilot-1-0-0", 1.5, 1050),  # 1-0-1 runs till 4 s
+        "copilot-1-0-4": ("copilot-1-0-2", 1.0, 1150),  # 1-0-1 and 1-0-2 both end at 4 s
+        "copilot-2-0-1": ("copilot-2-0-0", 0.0, 1050),
+        "copilot-2-0-2": ("copilot-2-0-0", 1.0, 512),  # 2-0-1 runs till 5 s; 900 < 1050
+    }
+    assert (report.sessions, report.clipped, report.fanned, report.joined) == (3, 2, 2, 0)
+    assert report.skipped == {"no output tokens (a failed request in the source)": 1}
+    summary, run = simulate(trace, ReplaySettings(model="qwen3-8b", hardware="h200"))
+    records = {record.id: record for record in run.requests}
+    side_by_side = [records["copilot-0-0-1"], records["copilot-0-0-2"]]
+    assert side_by_side[0].arrival == side_by_side[1].arrival == close(
+        records["copilot-0-0-0"].finish)
 
 
 def test_copilot_raw_file_is_told_by_content_and_replays(tmp_path):
@@ -108,7 +198,7 @@ def test_copilot_raw_file_is_told_by_content_and_replays(tmp_path):
     assert detect_format(packed) == "copilot"
     assert [request.id for request in load_trace_file(packed).requests] == COPILOT_ORDER
     summary = _replayed(packed)
-    assert summary["completed"] == 10
+    assert summary["completed"] == 15
     # A record longer than the head detect_format reads is still told apart.
     record = json.loads(COPILOT.read_text().splitlines()[0])
     record["turns"][0]["llm_calls"][0]["message_metadata"] *= 2000
@@ -122,8 +212,8 @@ def test_copilot_window_speedup_sample_and_max_model_len():
     # The window keeps the sessions that start in it, whole; arrivals count from its start.
     trace, report = import_sessions("copilot", COPILOT, ImportOptions(window=(5.0, 60.0),
                                                                       speedup=2.0))
-    assert [request.id for request in trace.requests] == COPILOT_ORDER[5:]
-    assert report.skipped["outside --window"] == 5
+    assert [request.id for request in trace.requests] == COPILOT_ORDER[5:10]
+    assert report.skipped["outside --window"] == 10
     roots = [request for request in trace.requests if request.after is None]
     assert [request.arrival_s for request in roots] == [close(2.5), close(12.5)]
     # --speedup divides arrivals, not the think and tool time.
@@ -144,7 +234,7 @@ def test_copilot_window_speedup_sample_and_max_model_len():
         try:
             trace, _ = import_sessions("copilot", COPILOT, ImportOptions(sample=0.5, seed=seed))
         except TraceError as error:  # every session drawn out
-            assert "10 not in the --sample" in str(error)
+            assert "15 not in the --sample" in str(error)
             continue
         kept = {request.session for request in trace.requests}
         assert [r.id for r in trace.requests] == [r.id for r in full.requests
@@ -229,12 +319,12 @@ def test_mooncake_sessions_follow_genuine_continuations_only(tmp_path):
 # ---------------------------------------------------------------- the grouped layout
 
 @st.composite
-def _copilot_records(draw) -> list[dict]:
+def _copilot_records(draw, span: int = 600) -> list[dict]:
     records = []
     for number in range(draw(st.integers(1, 4))):
         calls = []
         for _ in range(draw(st.integers(1, 5))):
-            second = draw(st.integers(0, 600))
+            second = draw(st.integers(0, span))
             calls.append({"timestamp": f"2026-06-01T10:{second // 60:02d}:{second % 60:02d}Z",
                           "duration_ms": draw(st.integers(0, 20_000)),
                           "result": draw(st.sampled_from(["Success", "UserCancel"])),
@@ -270,6 +360,52 @@ def test_any_import_is_a_valid_grouped_stream(tmp_path_factory, records, window_
     out = source.with_name("out.jsonl")
     import_sessions_file("copilot", source, out, ImportOptions(window=(window_start, 300)))
     assert [request.id for request in _streamed(out)] == [r.id for r in trace.requests]
+
+
+def _reference_links(records: list[dict]) -> dict[str, tuple[str, float, int]]:
+    """The documented rule, directly: per session, each kept call (in time order, file order
+    among equal times) after the first follows the kept call of latest end (the later one among
+    equal ends) that ended by its start, else the session's first call."""
+    from datetime import datetime
+
+    expected = {}
+    for record_index, record in enumerate(records):
+        calls = []
+        for call_index, call in enumerate(record["turns"][0]["llm_calls"]):
+            tokens = call["tokens"]
+            if tokens["prompt"] < 1 or tokens["completion"] < 1:
+                continue
+            start = datetime.fromisoformat(call["timestamp"]).timestamp()
+            calls.append((start, start + call["duration_ms"] / 1000, tokens,
+                          f"copilot-{record_index}-0-{call_index}"))
+        calls.sort(key=lambda call: call[0])
+        for position, (start, _, tokens, name) in enumerate(calls[1:], start=1):
+            ended = [(calls[k][1], k) for k in range(position) if calls[k][1] <= start]
+            pred = max(ended)[1] if ended else 0
+            history = calls[pred][2]["prompt"] + calls[pred][2]["completion"]
+            prompt = tokens["prompt"]
+            prefix = history if prompt >= history else min(tokens["cached"], prompt, history)
+            expected[name] = (calls[pred][3], round(max(start - calls[pred][1], 0.0), 6), prefix)
+    return expected
+
+
+@settings(max_examples=examples(25))
+@given(records=_copilot_records(span=30))  # calls overlap often
+def test_each_call_follows_the_latest_call_ended_by_its_start(tmp_path_factory, records):
+    source = tmp_path_factory.mktemp("sessions") / "shard.jsonl"
+    source.write_text("".join(json.dumps(record) + "\n" for record in records))
+    try:
+        trace, report = import_sessions("copilot", source)
+    except TraceError as error:
+        assert "no request left to import" in str(error)
+        return
+    got = {request.id: (request.after, request.after_s, request.prefix_len)
+           for request in trace.requests if request.after is not None}
+    expected = _reference_links(records)
+    assert got.keys() == expected.keys()
+    for name, (after, after_s, prefix) in expected.items():
+        assert got[name] == (after, after_s, prefix), name  # after_s to the microsecond
+    assert report.fanned + report.joined + report.clipped <= report.follow_ups
 
 
 # ---------------------------------------------------------------- mistakes

@@ -3,8 +3,9 @@
 - `copilot`: the GitHub Copilot coding-agent traces (Azure/AzurePublicDataset, June 2026),
   JSON Lines (gzipped shards) of one agent session a line: `session_id`, `date`, `turns`, each
   turn's `llm_calls` with `timestamp`, `duration_ms`, `result` and `tokens` (prompt, completion,
-  cached). A session's calls in time order form a chain: call k follows call k-1, sent the tool
-  and think time after it ended (`after_s`), its prompt beginning with the history before it.
+  cached). A session's calls form a tree: each follows the latest-ending call that had ended by
+  its start, sent the tool and think time after it (`after_s`), its prompt beginning with that
+  call's history; calls the agent ran in parallel follow the same call and overlap in replay.
 - `mooncake --sessions`: the Mooncake/Kimi FAST'25 traces with sessions inferred from the hash
   chains: a request whose hash ids begin with all the full blocks of an earlier request's prompt
   follows it. The records have no latency, so `after_s` is an estimate: the arrival gap less an
@@ -20,6 +21,7 @@ The mapping is described in docs/traces.md, "Session imports".
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import json
 import math
@@ -128,6 +130,10 @@ class SessionImportReport(ImportReport):
         self.sessions = self.follow_ups = 0
         self.trimmed = 0  # follow-ups whose prompt is shorter than the history they follow
         self.clipped = 0  # follow-ups sent before their predecessor's (assumed) end: after_s 0
+        # copilot: calls begun before the kept call before them ended, which follow the latest
+        # call ended by their start (fan-out); calls that follow a parallel batch's latest-ending
+        # call rather than the call before them (join)
+        self.fanned = self.joined = 0
         self.inherited = self.follow_up_tokens = 0  # prefix_len and prompt_len of follow-ups
         self.not_success: Counter = Counter()  # kept copilot calls by result, other than Success
         self.estimate: tuple[float, float] | None = None  # mooncake's assumed (TTFT, TPOT)
@@ -160,9 +166,17 @@ class SessionImportReport(ImportReport):
                          f"(TTFT {ttft:g} s + TPOT {tpot:g} s a further output token)")
             if self.clipped:
                 extra.append(f"  {self.clipped:,} follow-ups arrived sooner than that: after_s 0")
-        elif self.clipped:
-            extra.append(f"  {self.clipped:,} calls began before their predecessor ended "
-                         f"(parallel calls): after_s 0, sent right after it")
+        else:
+            if self.fanned:
+                extra.append(f"  {self.fanned:,} calls began before the call before them ended "
+                             f"(parallel calls): each follows the latest call ended by its "
+                             f"start, fanning out with the calls begun alongside")
+            if self.joined:
+                extra.append(f"  {self.joined:,} calls after a parallel batch follow its "
+                             f"latest-ending call")
+            if self.clipped:
+                extra.append(f"  {self.clipped:,} calls began before any call of their session "
+                             f"ended: each follows the session's first call, after_s 0")
         if self.not_success:
             extra.append(f"  kept {sum(self.not_success.values()):,} calls that did not succeed "
                          f"but used tokens: " + ", ".join(
@@ -174,8 +188,9 @@ class SessionImportReport(ImportReport):
 class _Calls:
     """The calls (rows) of a session-shaped trace as columns, a few numbers each: the call's
     start and end on its own clock, its lengths, its predecessor before any is skipped (-1:
-    none), the reason it is skipped on its own (an index into `reasons`, 0: kept), and what
-    names it."""
+    none; copilot: the session's call before in time, the links being chosen from the times
+    once the kept calls are known, `_copilot_links`), the reason it is skipped on its own (an
+    index into `reasons`, 0: kept), and what names it."""
 
     def __init__(self) -> None:
         self.times, self.ends = array("d"), array("d")
@@ -226,6 +241,7 @@ class SessionStream:
         else:
             self.calls, self.hashes = _read_mooncake_sessions(path, options, session_options)
         self.rows = len(self.calls) + sum(self.skipped_at_read.values())
+        self.links = array("b")  # copilot: how each kept call was linked (`_copilot_links`)
 
     def requests(self, report: SessionImportReport) -> Iterator[TraceRequest]:
         """The kept calls as requests; each one not kept is counted in `report.skipped`. Held
@@ -240,21 +256,17 @@ class SessionStream:
         order = np.argsort(times, kind="stable")
         origin = float(times.min())
         reasons, names = self._row_reasons()
-        preds = calls.preds
-        # The predecessor each kept call follows: its own, or the kept turn before a skipped one.
-        kept_before = array("q", bytes(8 * count))  # the chain's latest kept call, + 1 (0: none)
-        linked = array("q", [-1]) * count
-        roots = array("q", [-1]) * count
         kept = (reasons == 0).tolist()
+        if self.format == "copilot":
+            linked, self.links = _copilot_links(calls, kept)
+        else:
+            linked = self._chain_links(order, kept)
+        roots = array("q", [-1]) * count
         for index in array("q", order.astype(np.int64).tobytes()):
-            pred = preds[index]
-            before = kept_before[pred] - 1 if pred >= 0 else -1
-            if not kept[index]:
-                kept_before[index] = before + 1
-                continue
-            linked[index], kept_before[index] = before, index + 1
-            roots[index] = index if before < 0 else roots[before]
-        del kept_before, kept
+            if kept[index]:  # a predecessor comes before its follower in time order
+                before = linked[index]
+                roots[index] = index if before < 0 else roots[before]
+        del kept
         # Whole sessions are kept or dropped: by the window their first turn arrives in, and by
         # one draw of the sample each, in order of their start.
         linked_np = np.frombuffer(linked, dtype=np.int64)
@@ -282,6 +294,21 @@ class SessionStream:
         rank[order] = np.arange(count, dtype=np.int64)
         grouped = members[np.lexsort((rank[members], rank[roots_np[members]]))]
         yield from self._made(grouped.tolist(), linked, roots, origin, start, report)
+
+    def _chain_links(self, order: np.ndarray, kept: list[bool]) -> array:
+        """The predecessor each kept row follows (-1: none): its own, or the kept turn before a
+        skipped one."""
+        preds, count = self.calls.preds, len(self.calls)
+        kept_before = array("q", bytes(8 * count))  # the chain's latest kept call, + 1 (0: none)
+        linked = array("q", [-1]) * count
+        for index in array("q", order.astype(np.int64).tobytes()):
+            pred = preds[index]
+            before = kept_before[pred] - 1 if pred >= 0 else -1
+            if not kept[index]:
+                kept_before[index] = before + 1
+                continue
+            linked[index], kept_before[index] = before, index + 1
+        return linked
 
     def _row_reasons(self) -> tuple[np.ndarray, list[str | None]]:
         """Why each call is skipped on its own, as a code per call (0: it is not), and the
@@ -320,6 +347,10 @@ class SessionStream:
             gap = calls.times[index] - calls.ends[pred]
             if gap < 0:
                 report.clipped += 1
+            elif not mooncake:
+                link = self.links[index]
+                report.fanned += link == _FANNED
+                report.joined += link == _JOINED
             history = calls.prompts[pred] + calls.outputs[pred]
             if mooncake:
                 prefix_len = min(self._shared_blocks(pred, index) * MOONCAKE_HASH_BLOCK,
@@ -422,6 +453,51 @@ def _unpacked(name: int) -> tuple[int, int, int]:
     return name >> 40, (name >> 20) & 0xFFFFF, name & 0xFFFFF
 
 
+# How `_copilot_links` linked a call: after the call before it (or the first of its session),
+# fanned out of a parallel batch, joined after a batch's latest-ending call, or begun before any
+# call of its session ended (it follows the first, after_s 0).
+_CHAINED, _FANNED, _JOINED, _EARLY = 0, 1, 2, 3
+
+
+def _copilot_links(calls: _Calls, kept: list[bool]) -> tuple[array, array]:
+    """The call each kept Copilot call follows (-1: it is its session's first kept call) and how
+    it was linked (`_CHAINED` ...). A call follows the latest-ending kept call of its session
+    that had ended by its start (the latest begun among equal ends), so calls the agent ran in
+    parallel follow the same call, and the call after a batch follows the batch's last to end;
+    one begun before any had ended follows the session's first call (a session has one first
+    turn; `after_s` 0). A record's calls are contiguous in the columns, in time order; held
+    besides: a heap of the session's calls not yet ended."""
+    count = len(calls)
+    linked = array("q", [-1]) * count
+    links = array("b", bytes(count))
+    times, ends, records = calls.times, calls.ends, calls.records
+    record = first = previous = -1
+    running: list[tuple[float, int]] = []  # (end, call) of the session's calls not yet ended
+    ended = (-math.inf, -1)  # (end, call) of the latest-ending call ended so far
+    for index in range(count):
+        if records[index] != record:
+            record, first, previous = records[index], -1, -1
+            running, ended = [], (-math.inf, -1)
+        if not kept[index]:
+            continue
+        start = times[index]
+        while running and running[0][0] <= start:
+            ended = max(ended, heapq.heappop(running))
+        if first < 0:
+            first = index
+        elif ended[1] < 0:
+            linked[index], links[index] = first, _EARLY
+        else:
+            linked[index] = ended[1]
+            if ends[previous] > start:
+                links[index] = _FANNED
+            elif ended[1] != previous:
+                links[index] = _JOINED
+        heapq.heappush(running, (ends[index], index))
+        previous = index
+    return linked, links
+
+
 def _read_copilot(path: str | os.PathLike[str], skipped: Counter, notes: list[str]) -> _Calls:
     source = str(path)
     calls = _Calls()
@@ -458,8 +534,8 @@ class _Where:
 
 def _copilot_session(obj: Any, record: int, where: _Where, calls: _Calls,
                      skipped: Counter) -> bool:
-    """Read one session record's calls into `calls` (in time order, each after the one before);
-    False when it has none."""
+    """Read one session record's calls into `calls` (in time order, `preds` the call before;
+    `_copilot_links` chooses whom each follows); False when it has none."""
     if not isinstance(obj, dict):
         raise where.fail("the record", "must be a JSON object (one agent session: session_id, "
                          "date, turns)", obj)
