@@ -1,9 +1,10 @@
 """Check the Triton paged-attention kernels against the torch reference in bfloat16 on a GPU, then time them.
 
-Part 1 compares ``store_kv``, ``paged_prefill_attention`` (with prefix-cached prompts) and ``paged_decode_attention``
-(automatic split, automatic split with a wide padded block table as a CUDA graph uses, and a forced
-many-partition split) with the references of ``zipage.kernels.attention_ref`` over random cases: GQA ratios 1/3/8,
-head_dim 64/128 (and 80, which is padded inside the kernels), block sizes 16/64/256, ragged context lengths.
+Part 1 compares ``store_kv``, ``store_queries``, ``paged_prefill_attention`` (with prefix-cached prompts) and
+``paged_decode_attention`` (automatic split, automatic split with a wide padded block table as a CUDA graph uses,
+and a forced many-partition split) with the references of ``zipage.kernels.attention_ref`` over random cases: GQA
+ratios 1/3/8, head_dim 64/128 (and 80, which is padded inside the kernels), block sizes 16/64/256, ragged context
+lengths.
 Part 2 times decode for a Qwen3-8B-shaped layer (32 query heads, 8 KV heads, head_dim 128) at batch 1/32/128/256 x
 2k contexts and at 32k contexts, and reports the bandwidth achieved on the KV bytes read against the measured
 device-to-device copy bandwidth, with tight and wide (``max_model_len`` = 40960) block tables; part 3 times one
@@ -29,12 +30,18 @@ import triton
 import triton.testing
 
 from zipage.kernels import attention_triton
-from zipage.kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref, store_kv_ref
+from zipage.kernels.attention_ref import (
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+    store_kv_ref,
+    store_queries_ref,
+)
 from zipage.kernels.attention_triton import (
     decode_num_partitions,
     paged_decode_attention_triton,
     paged_prefill_attention_triton,
     store_kv_triton,
+    store_queries_triton,
 )
 
 DEVICE = "cuda"
@@ -131,6 +138,16 @@ def check_configuration(group: int, head_dim: int, block_size: int, generator: t
     results.append(compare(f"store_kv {label}", stored, expected_stored, exact=True))
 
     q = torch.randn((sum(new_lens), num_heads, head_dim), generator=generator, device=DEVICE).to(DTYPE)
+    # Window queries (what a compression scores with): a cache [slots, window, heads, head_dim], every other
+    # token stored, each to a row of its own, the others skipped (-1).
+    query_cache = torch.randn((4, 16, num_heads, head_dim), generator=generator, device=DEVICE).to(DTYPE)
+    tokens = 2 * query_cache.shape[0] * query_cache.shape[1]
+    query_rows = torch.full((tokens,), -1, dtype=torch.long, device=DEVICE)
+    query_rows[0::2] = torch.randperm(tokens // 2, generator=generator, device=DEVICE)
+    expected_queries = query_cache.clone()
+    store_queries_ref(q[:tokens], expected_queries, query_rows)
+    store_queries_triton(q[:tokens], query_cache, query_rows)
+    results.append(compare(f"store_queries {label}", query_cache, expected_queries, exact=True))
     cu_seqlens_q = torch.tensor([0] + new_lens, device=DEVICE).cumsum(0).to(torch.int32)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
     arguments = (q, expected_k, expected_v, cu_seqlens_q, lens, block_tables, scale)
