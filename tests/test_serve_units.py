@@ -87,7 +87,19 @@ def _message(model, body: dict) -> str:
     ({"prompt": "x", "stop": [1]}, "stop"),
     ({"prompt": ""}, "prompt: expected non-empty text"),
     ({"prompt": [1, "a"]}, "prompt: expected"),
-    ({"prompt": ["a", "b"]}, "prompt: expected"),
+    ({"prompt": ["a", [1]]}, "prompt: expected"),  # a list of prompts: all of one kind
+    ({"prompt": ["a", ""]}, "prompt: expected"),
+    ({"prompt": [[1], []]}, "prompt: expected"),
+    ({"prompt": ["a"] * 1025}, "prompt: expected"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias: keys are token ids"),
+    ({"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias: keys are token ids"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias.5: Input should be less than"),
+    ({"prompt": "x", "logit_bias": {"5": "1"}}, "logit_bias.5: Input should be a valid number"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty: Input should be less than"),
+    ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty: Input should be greater"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty: Input should be greater"),
+    ({"prompt": "x", "min_p": 1.1}, "min_p: Input should be less than"),
+    ({"prompt": "x", "include_stop_str_in_output": "yes"}, "include_stop_str_in_output:"),
     ({}, "prompt:"),
 ])
 def test_invalid_completion_bodies_name_the_field(body, start):
@@ -112,6 +124,108 @@ def test_chat_bodies():
 def test_unsupported_fields_are_refused_by_name():
     with pytest.raises(ServeError, match="^best_of:"):
         CompletionRequest.model_validate({"prompt": "x", "best_of": 2}).check_unsupported()
+
+
+CHAT_BODY = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("model, field, value", [
+    (ChatRequest, "response_format", {"type": "json_object"}),
+    (ChatRequest, "response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
+    (ChatRequest, "tools", [{"type": "function", "function": {"name": "f"}}]),
+    (ChatRequest, "tool_choice", "auto"),
+    (ChatRequest, "parallel_tool_calls", True),
+    (ChatRequest, "functions", [{"name": "f"}]),
+    (ChatRequest, "function_call", "auto"),
+    (ChatRequest, "echo", True),
+    (ChatRequest, "continue_final_message", True),
+    (ChatRequest, "chat_template", "{{ x }}"),
+    (ChatRequest, "add_special_tokens", True),
+    (ChatRequest, "return_token_ids", True),
+    (CompletionRequest, "add_special_tokens", False),
+    (CompletionRequest, "suffix", "end"),
+    (CompletionRequest, "response_format", {"type": "json_object"}),
+    (CompletionRequest, "guided_json", {"type": "object"}),
+    (CompletionRequest, "stop_token_ids", [2]),
+    (CompletionRequest, "min_tokens", 3),
+    (CompletionRequest, "use_beam_search", True),
+    (CompletionRequest, "skip_special_tokens", False),
+    (CompletionRequest, "prompt_logprobs", 1),
+    (CompletionRequest, "allowed_token_ids", [1, 2]),
+    (CompletionRequest, "priority", 1),
+    (CompletionRequest, "length_penalty", 2.0),
+    (CompletionRequest, "min_tokens", True),  # true is not 0's neutral value
+])
+def test_known_but_unserved_fields_are_a_400_naming_them(model, field, value):
+    base = CHAT_BODY if model is ChatRequest else {"prompt": "x"}
+    body = model.model_validate({**base, field: value})
+    with pytest.raises(ServeError) as caught:
+        body.check_unsupported()
+    error = caught.value
+    assert (error.status, error.param) == (400, field)
+    assert error.message.startswith(f"{field}: not supported by this server")
+
+
+@pytest.mark.parametrize("field, value", [
+    ("response_format", {"type": "text"}), ("response_format", None), ("tools", []),
+    ("tool_choice", "none"), ("length_penalty", 1), ("min_tokens", 0),
+    ("skip_special_tokens", True), ("user", "u-1"), ("metadata", {"a": "b"}), ("store", True),
+    ("service_tier", "auto"), ("some_vendor_field", {"x": 1}),
+])
+def test_neutral_values_no_ops_and_unknown_fields_are_accepted(field, value):
+    ChatRequest.model_validate({**CHAT_BODY, field: value}).check_unsupported()
+    CompletionRequest.model_validate({"prompt": "x", field: value}).check_unsupported()
+
+
+def test_docs_list_every_refused_field():
+    from pathlib import Path
+
+    docs = (Path(__file__).parents[1] / "docs" / "serve.md").read_text()
+    section = docs[docs.index("### Fields served, refused and ignored"):]
+    for field in {**ChatRequest.refused, **CompletionRequest.refused}:
+        assert f"`{field}`" in section, field
+
+
+def test_continuous_usage_stats_is_refused():
+    body = CompletionRequest.model_validate({"prompt": "x", "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}})
+    with pytest.raises(ServeError, match="^stream_options.continuous_usage_stats: not supported"):
+        body.check_unsupported()
+
+
+def test_a_list_of_prompts_is_several_prompts():
+    assert CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompts == ["a", "b"]
+    assert CompletionRequest.model_validate({"prompt": [[1], [2, 3]]}).prompts == [[1], [2, 3]]
+    assert CompletionRequest.model_validate({"prompt": [1, 2]}).prompts == [[1, 2]]
+    assert CompletionRequest.model_validate({"prompt": "a"}).prompts == ["a"]
+    CompletionRequest.model_validate({"prompt": ["a"] * 8, "n": 128}).check_unsupported()
+    with pytest.raises(ServeError, match="^prompt: 9 prompts x n 128 = 1152 choices"):
+        CompletionRequest.model_validate({"prompt": ["a"] * 9, "n": 128}).check_unsupported()
+
+
+def test_penalties_bias_and_min_p_reach_the_body():
+    body = CompletionRequest.model_validate({
+        "prompt": "x", "presence_penalty": -2, "frequency_penalty": 1.5,
+        "repetition_penalty": 1.2, "min_p": 0.1, "logit_bias": {"7": 100, "12": -100.0},
+        "include_stop_str_in_output": True})
+    body.check_unsupported()
+    assert body.logit_bias_pairs == ((7, 100.0), (12, -100.0))
+    assert (body.presence_penalty, body.frequency_penalty, body.repetition_penalty,
+            body.min_p, body.include_stop_str_in_output) == (-2, 1.5, 1.2, 0.1, True)
+
+
+def test_a_stop_string_can_stay_in_the_text():
+    """vLLM's include_stop_str_in_output: the text ends after the stop string, streamed or not."""
+    tokenizer = ByteTokenizer()
+    for keep, expected in ((False, "héllo "), (True, "héllo wör")):
+        text = IncrementalText(tokenizer, stop=["wör", "wörld"], keep_stop=keep)
+        pieces = []
+        for token in tokenizer.encode(TEXT):
+            text.add([token])
+            pieces.append(text.new_text())
+        text.finish()
+        pieces.append(text.new_text(final=True))
+        assert text.stopped and text.text == expected == "".join(pieces)
 
 
 def test_samples_logprobs_and_echo_fields():

@@ -24,6 +24,12 @@ GREEDY_BELOW = 1e-5
 MAX_TEMPERATURE = 100.0
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit for chat's top_logprobs)
 MAX_SAMPLES = 128  # n: samples of one prompt (each is a running request)
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty: OpenAI's range is [-2, 2]
+# repetition_penalty: vLLM takes any positive value; past this every seen token is out anyway, and
+# a bounded factor keeps the penalised float32 logits finite.
+MAX_REPETITION_PENALTY = 100.0
+MAX_LOGIT_BIAS = 100.0  # logit_bias values: OpenAI's range is [-100, 100]
+MAX_LOGIT_BIAS_TOKENS = 1024  # logit_bias entries (each is a scatter into the row's logits)
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,15 @@ class SamplingParams:
     and that many most likely alternatives (0: the token's alone; None: nothing);
     `prompt_logprobs` the same for every prompt token after the first (the prompt is then
     computed whole, without the prefix cache). Log-probabilities are the model's own
-    log-softmax, before temperature and top-k / top-p.
+    log-softmax, before temperature and top-k / top-p (and before the penalties and bias below).
+    Logit adjustments, as vLLM applies them (to greedy rows too, before the argmax):
+    `logit_bias` ((token id, bias) pairs, bias in [-100, 100]) is added to those logits;
+    `repetition_penalty` (> 0, 1.0: off; HF/vLLM semantics) divides the positive logits and
+    multiplies the negative ones of every token in the prompt or the output so far;
+    `frequency_penalty` and `presence_penalty` ([-2, 2], 0: off; OpenAI semantics) subtract
+    penalty x count and penalty x (count > 0) of each token in the output so far. Then, for
+    sampled rows only, after the temperature: `min_p` ([0, 1], 0: off) drops every token whose
+    probability is below min_p x the most likely token's.
     `kv_budget` is the request's own KV budget (None: the engine's `kv_budget`); the core reads
     it from the request (`Sequence.kv_budget`), and refuses one that is not a multiple of the
     block size with the request's error. `compress_scope` is what its compressions may evict
@@ -78,6 +92,11 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self) -> None:
         self.check()
@@ -118,6 +137,37 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: {_short(getattr(self, name))} must be true or false")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ConfigError(f"{name}: {_short(value)} must be a finite number in "
+                                  f"[{-MAX_PENALTY:g}, {MAX_PENALTY:g}]; use 0 for none")
+        if (not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty
+                <= MAX_REPETITION_PENALTY):
+            raise ConfigError(f"repetition_penalty: {_short(self.repetition_penalty)} must be a "
+                              f"finite number in (0, {MAX_REPETITION_PENALTY:g}]; use 1.0 for "
+                              "none")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ConfigError(f"min_p: {_short(self.min_p)} must be a finite number in [0, 1]; "
+                              "use 0 to keep every token")
+        if self.logit_bias is not None:
+            self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, tuple) or len(bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ConfigError(f"logit_bias: must map at most {MAX_LOGIT_BIAS_TOKENS} token ids "
+                              "to biases")
+        for entry in bias:
+            if not isinstance(entry, tuple) or len(entry) != 2:
+                raise ConfigError(f"logit_bias: {_short(entry)} is not a (token id, bias) pair")
+            token, value = entry
+            if not _is_int(token) or not 0 <= token <= MAX_INT:
+                raise ConfigError(f"logit_bias: token id {_short(token)} must be an integer in "
+                                  f"[0, {MAX_INT}]")
+            if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ConfigError(f"logit_bias: bias {_short(value)} of token {token} must be a "
+                                  f"finite number in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
 
     def for_sample(self, index: int) -> "SamplingParams":
         """The settings of sample `index` of n: one sample each, no prompt log-probabilities
@@ -132,6 +182,17 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        """A penalty needs the request's token counts (the sampler's `history`)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """The logits change before the argmax or the draw (a penalty or a bias)."""
+        return self.penalized or bool(self.logit_bias)
 
 
 def _is_int(value) -> bool:

@@ -175,7 +175,10 @@ class ModelRunner:
             logits = torch.cat([logits, logits.index_select(0, rows)])
             sequences = sequences + [fork.seq for fork in plan.forks]
         params = [seq.sampling for seq in sequences]
-        sampled = sample(logits, params, [seq.num_output_tokens for seq in sequences])
+        # Penalties count the request's tokens: its ids so far and where its output starts.
+        history = ([(tokens[seq.seq_id], seq.prompt_len) for seq in sequences]
+                   if any(p.penalized for p in params) else None)
+        sampled = sample(logits, params, [seq.num_output_tokens for seq in sequences], history)
         wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
         if wanted:
             rows = torch.tensor(wanted, device=logits.device)

@@ -108,9 +108,18 @@ class Server:
                 max_tokens=default_max_tokens if limit is None else limit,
                 ignore_eos=body.ignore_eos, kv_budget=body.kv_budget,
                 compress_scope=body.compress_scope, n=body.n,
-                logprobs=body.output_logprobs, prompt_logprobs=body.prompt_logprobs)
+                logprobs=body.output_logprobs, prompt_logprobs=body.prompt_logprobs,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty, min_p=body.min_p,
+                logit_bias=body.logit_bias_pairs)
         except ZipageError as error:
             raise ServeError(400, str(error), str(error).split(":")[0]) from None
+        vocab = self.engine.info.vocab_size
+        if sampling.logit_bias and max(token for token, _ in sampling.logit_bias) >= vocab:
+            token = max(token for token, _ in sampling.logit_bias)
+            raise ServeError(400, f"logit_bias: token id {token} is outside the vocabulary "
+                                  f"(0..{vocab - 1})", "logit_bias")
         budget_reason = self.engine.admission.budget_reason(body.kv_budget)
         if budget_reason is not None:
             raise ServeError(400, budget_reason.replace("kv_budget ", "kv_budget: ", 1),
@@ -239,10 +248,11 @@ class Choice:
     log-probabilities of its tokens (one entry per generated token, if asked for)."""
 
     def __init__(self, server: Server, handle: RequestHandle, index: int, stop: list[str],
-                 echo_only: bool = False) -> None:
+                 echo_only: bool = False, keep_stop: bool = False, prompt: int = 0) -> None:
         self.handle = handle
         self.index = index
-        self.text = IncrementalText(server.tokenizer, stop)
+        self.prompt = prompt  # which of the request's prompts it samples (a list of prompts)
+        self.text = IncrementalText(server.tokenizer, stop, keep_stop)
         self.entries: list = []
         self.finish: str | None = None
         self.echo_only = echo_only
@@ -260,10 +270,13 @@ class Choice:
         return ids, entries
 
 
-def _choices(server: Server, handles: list[RequestHandle], stop: list[str],
+def _choices(server: Server, groups: list[list[RequestHandle]], body: SamplingFields,
              echo_only: bool = False) -> list[Choice]:
-    return [Choice(server, handle, index, stop, echo_only)
-            for index, handle in enumerate(handles)]
+    """One choice per handle; `groups[i]` are prompt i's n samples, so prompt i's sample j is
+    choice i * n + j (OpenAI's order for a list of prompts)."""
+    return [Choice(server, handle, len(group) * prompt + sample, body.stop_strings, echo_only,
+                   body.include_stop_str_in_output, prompt)
+            for prompt, group in enumerate(groups) for sample, handle in enumerate(group)]
 
 
 async def _merged(server: Server, choices: list[Choice]) -> AsyncIterator[tuple[Choice, str]]:
@@ -417,10 +430,17 @@ def build_app(engine: ReplicaSet, tokenizer, model_name: str, *,
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         server.check(body)
-        prompt_ids = await server.tokens(server.encode, body.prompt)
-        handles = server.prepare(body, prompt_ids, DEFAULT_COMPLETION_TOKENS)
-        choices = _choices(server, handles, body.stop_strings, echo_only=body.max_tokens == 0)
-        answer = CompletionAnswer(server, body, f"cmpl-{uuid.uuid4().hex}", prompt_ids, choices)
+        prompts = [await server.tokens(server.encode, prompt) for prompt in body.prompts]
+        groups: list[list[RequestHandle]] = []
+        try:
+            for prompt_ids in prompts:  # each prompt is n requests of its own
+                groups.append(server.prepare(body, prompt_ids, DEFAULT_COMPLETION_TOKENS))
+        except ServeError:  # one prompt refused: the request is, and none of it runs
+            for handle in (handle for group in groups for handle in group):
+                server.engine.abort(handle)
+            raise
+        choices = _choices(server, groups, body, echo_only=body.max_tokens == 0)
+        answer = CompletionAnswer(server, body, f"cmpl-{uuid.uuid4().hex}", prompts, choices)
         if body.stream:
             return _stream(server, choices, answer.events())
         return await _cancel_on_disconnect(request, answer.whole())
@@ -430,8 +450,8 @@ def build_app(engine: ReplicaSet, tokenizer, model_name: str, *,
         server.check(body)
         prompt_ids = await server.tokens(server.chat_prompt, body)
         handles = server.prepare(body, prompt_ids, server.default_output_limit(len(prompt_ids)))
-        choices = _choices(server, handles, body.stop_strings)
-        answer = ChatAnswer(server, body, f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, choices)
+        choices = _choices(server, [handles], body)
+        answer = ChatAnswer(server, body, f"chatcmpl-{uuid.uuid4().hex}", [prompt_ids], choices)
         if body.stream:
             return _stream(server, choices, answer.events())
         return await _cancel_on_disconnect(request, answer.whole())
@@ -542,13 +562,17 @@ class _Answer:
 
     object_whole = object_chunk = ""
 
-    def __init__(self, server: Server, body: SamplingFields, rid: str, prompt_ids: list[int],
-                 choices: list[Choice]) -> None:
+    def __init__(self, server: Server, body: SamplingFields, rid: str,
+                 prompts: list[list[int]], choices: list[Choice]) -> None:
         self.server = server
         self.body = body
         self.rid = rid
-        self.prompt_ids = prompt_ids
+        self.prompts = prompts  # each prompt's token ids (completions take several)
         self.choices = choices
+        # Each prompt's first sample: it computed the prompt (its cached tokens, its
+        # prompt log-probabilities); the others fork from it.
+        self.leaders = [next(choice for choice in choices if choice.prompt == prompt)
+                        for prompt in range(len(prompts))]
         self.text_of = server.token_text
         self.logprobs = body.output_logprobs is not None
 
@@ -557,9 +581,10 @@ class _Answer:
                 "model": self.server.model_name, "choices": choices}
 
     def usage(self) -> dict:
-        # The prompt counts once, as the first sample computed it (the others fork from it).
-        return _usage(len(self.prompt_ids), sum(choice.text.generated for choice in self.choices),
-                      self.choices[0].cached_tokens)
+        # Each prompt counts once, as its first sample computed it (the others fork from it).
+        return _usage(sum(map(len, self.prompts)),
+                      sum(choice.text.generated for choice in self.choices),
+                      sum(leader.cached_tokens for leader in self.leaders))
 
     async def whole(self) -> JSONResponse:
         async with aclosing(_merged(self.server, self.choices)) as updates:
@@ -591,26 +616,29 @@ class CompletionAnswer(_Answer):
         super().__init__(*args)
         body, server = self.body, self.server
         self.want_ids = body.return_token_ids or server.tokenizer is None
-        self.echo = ""
+        self.echo = [""] * len(self.prompts)  # each prompt's echoed text
         if body.echo:
-            self.echo = (body.prompt if isinstance(body.prompt, str)
-                         else server.tokenizer.decode(self.prompt_ids)
-                         if server.tokenizer is not None else "")
+            self.echo = [prompt if isinstance(prompt, str)
+                         else server.tokenizer.decode(ids) if server.tokenizer is not None
+                         else "" for prompt, ids in zip(body.prompts, self.prompts)]
 
-    def prompt_logprobs(self) -> dict:
-        """The echoed prompt's log-probabilities (the first sample's request computed them)."""
-        entries = self.choices[0].handle.prompt_logprobs
-        entries = list(entries) + [None] * (len(self.prompt_ids) - len(entries))
-        return completion_logprobs(self.text_of, self.prompt_ids, entries)
+    def prompt_logprobs(self, prompt: int) -> dict:
+        """An echoed prompt's log-probabilities (its first sample's request computed them)."""
+        ids = self.prompts[prompt]
+        entries = self.leaders[prompt].handle.prompt_logprobs
+        entries = list(entries) + [None] * (len(ids) - len(entries))
+        return completion_logprobs(self.text_of, ids, entries)
 
     def whole_choice(self, choice: Choice) -> dict:
         logprobs = None
+        echo = self.echo[choice.prompt]
         if self.logprobs:
             logprobs = completion_logprobs(self.text_of, choice.text.token_ids, choice.entries,
-                                           len(self.echo))
+                                           len(echo))
             if self.body.echo:
-                logprobs = join_completion_logprobs(self.prompt_logprobs(), logprobs)
-        reply = {"index": choice.index, "text": self.echo + choice.text.text,
+                logprobs = join_completion_logprobs(self.prompt_logprobs(choice.prompt),
+                                                    logprobs)
+        reply = {"index": choice.index, "text": echo + choice.text.text,
                  "logprobs": logprobs, "finish_reason": choice.finish}
         if self.want_ids:
             reply["token_ids"] = choice.text.token_ids
@@ -620,16 +648,18 @@ class CompletionAnswer(_Answer):
         piece = choice.text.new_text(final=finish is not None)
         ids, entries = choice.new_tokens()
         logprobs = None
+        echo = self.echo[choice.prompt]
         if self.logprobs:
             logprobs = completion_logprobs(self.text_of, ids, entries,
-                                           len(self.echo) + choice.sent_chars)
+                                           len(echo) + choice.sent_chars)
         choice.sent_chars += len(piece)
         if not choice.started:  # the echoed prompt leads the choice's first chunk
             choice.started = True
             if self.body.echo:
-                piece = self.echo + piece
+                piece = echo + piece
                 if self.logprobs:
-                    logprobs = join_completion_logprobs(self.prompt_logprobs(), logprobs)
+                    logprobs = join_completion_logprobs(self.prompt_logprobs(choice.prompt),
+                                                        logprobs)
         reply = {"index": choice.index, "text": piece, "logprobs": logprobs,
                  "finish_reason": finish}
         if self.want_ids:

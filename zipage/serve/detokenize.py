@@ -8,8 +8,9 @@ what it adds to the text of that window without them; while the window ends insi
 whole output is decoded once and any tail the window held back is appended, so the streamed text
 always equals the non-streamed one, which is `tokenizer.decode(output without its final EOS)`.
 
-Stop strings: the text is cut before the first stop string and the request ends with "stop"; a
-stream holds back the last len(longest stop) - 1 characters until they cannot start a stop string.
+Stop strings: the text is cut before the first stop string (after it with `keep_stop`, vLLM's
+`include_stop_str_in_output`) and the request ends with "stop"; a stream holds back the last
+len(longest stop) - 1 characters until they cannot start a stop string.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ REPLACEMENT = "\ufffd"
 
 
 class IncrementalText:
-    def __init__(self, tokenizer, stop: list[str] | None = None) -> None:
+    def __init__(self, tokenizer, stop: list[str] | None = None, keep_stop: bool = False) -> None:
         self.tokenizer = tokenizer
         self.token_ids: list[int] = []  # the output tokens that make the text (no final EOS)
         self.generated = 0  # tokens the request generated, EOS included (usage counts them)
         self.text = ""
         self.stop = [s for s in (stop or []) if s]
-        self.stopped = False  # a stop string was found; the text ends before it
+        self.keep_stop = keep_stop  # the text ends after the stop string found, not before
+        self.stopped = False  # a stop string was found; the text ends before it (or after)
         self._prefix = 0  # window start: tokens before it are in `text` for good
         self._read = 0  # tokens before it are in `text`
         self._sent = 0  # characters of `text` handed out by `new_text`
@@ -66,9 +68,11 @@ class IncrementalText:
         if not self.stop:
             return
         start = max(0, self._searched - max(map(len, self.stop)) + 1)
-        hits = [index for index in (self.text.find(s, start) for s in self.stop) if index >= 0]
+        hits = [(index, -len(s), s) for s, index in ((s, self.text.find(s, start))
+                                                     for s in self.stop) if index >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            index, _, found = min(hits)  # the first; of those starting there, the longest
+            self.text = self.text[:index + len(found) if self.keep_stop else index]
             self.stopped = True
         self._searched = len(self.text)
 

@@ -5,10 +5,17 @@ coercion. Every number has its range here (`Field` bounds, finite floats), the s
 `SamplingParams.check` enforces in the engine: a value the sampler or torch cannot take is a 400
 at the door, never an error inside an engine step. Text anywhere in the body must be valid
 Unicode (a lone UTF-16 surrogate such as "\\ud800" cannot be tokenized or written back as UTF-8).
-Fields the API has and Zipage does not implement are refused by name rather than ignored
-(`best_of` above 1); fields unknown to the API are ignored, as OpenAI-compatible servers do.
+The rule for fields (issue #48): a field OpenAI's API or vLLM's server has, that would change
+the output there and that Zipage does not implement, is a 400 naming it (`REFUSED`: `best_of`
+above 1, `response_format` other than text, tools, guided decoding, ...) when it carries anything
+but its neutral value; fields with no effect on the output by nature (`user`, `metadata`,
+`store`, `service_tier`, `request_id`, ...) and fields unknown to both APIs (another vendor's)
+are ignored, as vLLM ignores unknown fields. The models keep the unknown fields
+(`extra="allow"`) only so that `check_unsupported` can find the refused ones among them.
 `n`, `logprobs` (completions: an integer, the alternatives per token; chat: a boolean with
-`top_logprobs`) and `echo` (completions) are served. Extensions: `ignore_eos`, `kv_budget`,
+`top_logprobs`), `echo` (completions), `presence_penalty`, `frequency_penalty`, `logit_bias` and
+a list of prompts (completions) are served; so are vLLM's `top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos` and `include_stop_str_in_output`. Extensions: `kv_budget`,
 `session_id` (both endpoints: the conversation or agent run a request belongs to, which a router
 keeps on one replica) and `return_token_ids` (completions: each choice carries its output ids).
 """
@@ -17,18 +24,79 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from zipage.config import COMPRESS_SCOPES
-from zipage.core.sampling import MAX_INT, MAX_LOGPROBS, MAX_SAMPLES, MAX_TEMPERATURE, SEED_LIMIT
+from zipage.core.sampling import (
+    MAX_INT,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_SAMPLES,
+    MAX_TEMPERATURE,
+    SEED_LIMIT,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1000  # characters; each decoded piece is searched for every stop string
 MESSAGE_LIMIT = 500  # characters of an error message: user input in it is cut to fit
 MAX_SESSION_ID = 256  # characters of a `session_id`: a name, not a payload
+MAX_PROMPTS = 1024  # prompts in one /v1/completions request (a list of prompts)
+
+# Fields of OpenAI's API or vLLM's server that change the output there and that Zipage does not
+# implement: field -> the values that change nothing (null, and these), which are accepted.
+# Anything else is a 400 naming the field. ChatRequest and CompletionRequest add their own.
+REFUSED: dict[str, tuple] = {
+    # OpenAI
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (),
+    "functions": ([],),
+    "function_call": ("none",),
+    "suffix": ("",),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "reasoning_effort": (),
+    "verbosity": (),
+    "web_search_options": (),
+    # vLLM's extra sampling and request fields
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "stop_token_ids": ([],),
+    "min_tokens": (0,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
+    "prompt_logprobs": (),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+    "structured_outputs": (),
+    "logits_processors": (),
+    "priority": (0,),
+    "return_tokens_as_token_ids": (False,),
+    "prompt_embeds": (),
+    "cache_salt": (),
+    "kv_transfer_params": (),
+    "vllm_xargs": (),
+    "mm_processor_kwargs": (),
+}
+# Accepted and ignored by nature (no effect on the output), for the docs and the tests: unknown
+# fields are ignored anyway.
+NO_OPS = ("user", "metadata", "store", "service_tier", "request_id", "prompt_cache_key",
+          "safety_identifier")
 
 
 def short(value: Any, limit: int = 60) -> str:
@@ -120,17 +188,41 @@ def _unicode_problem(value: Any, path: str, depth: int = 0) -> str | None:
 
 
 Float = Annotated[float, Field(allow_inf_nan=False)]
+Bias = Annotated[float, Field(allow_inf_nan=False, ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+
+
+def _neutral(value: Any, accepted: tuple) -> bool:
+    """`value` is null or one of `accepted` (JSON's true is not 1 here, nor 1 true)."""
+    if value is None:
+        return True
+    for neutral in accepted:
+        if isinstance(value, bool) or isinstance(neutral, bool):
+            if value is neutral:
+                return True
+        elif value == neutral:
+            return True
+    return False
+
+
+def _refusal(field: str, accepted: tuple) -> ServeError:
+    allowed = "" if not accepted else " (only " + " or ".join(
+        json.dumps(value) for value in accepted) + " is accepted)"
+    return ServeError(400, f"{field}: not supported by this server{allowed}; leave it out "
+                           "(docs/serve.md lists the fields served)", field)
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (refused)
 
 
 class SamplingFields(BaseModel):
     """What both endpoints share: sampling, limits, streaming."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")
+    # This endpoint's refused fields and their neutral values (`REFUSED`, module docstring).
+    refused: ClassVar[dict[str, tuple]] = REFUSED
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
@@ -151,6 +243,13 @@ class SamplingFields(BaseModel):
     # server's --compress-scope).
     compress_scope: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_INT)
+    # Penalties, bias and min-p: SamplingParams' meaning (OpenAI's and vLLM's).
+    presence_penalty: Float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: Float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: Float = Field(1.0, gt=0, le=MAX_REPETITION_PENALTY)  # vLLM's
+    min_p: Float = Field(0.0, ge=0, le=1)  # vLLM's
+    logit_bias: dict[str, Bias] | None = None  # token id (as a string) -> bias
+    include_stop_str_in_output: bool = False  # vLLM's: a stop string found stays in the text
 
     @model_validator(mode="before")
     @classmethod
@@ -189,10 +288,37 @@ class SamplingFields(BaseModel):
         raise ValueError(f"expected a string of 1 to {MAX_SESSION_ID} characters naming the "
                          f"conversation or agent run, got {short(session_id)}")
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, bias):
+        if bias is None:
+            return bias
+        if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"got {len(bias)} token ids, at most {MAX_LOGIT_BIAS_TOKENS}")
+        for key in bias:
+            if not (key.isascii() and key.isdigit() and int(key) <= MAX_INT):
+                raise ValueError(f"keys are token ids, integers in 0..{MAX_INT} written as "
+                                 f"strings; got {short(key)}")
+        return bias
+
     def check_unsupported(self) -> None:
+        """A 400 naming the first field sent that this server does not implement."""
         if self.best_of not in (None, 1):
             raise ServeError(400, "best_of: not supported; leave it out (n samples: n)",
                              "best_of")
+        for field, value in (self.model_extra or {}).items():
+            accepted = self.refused.get(field)
+            if accepted is not None and not _neutral(value, accepted):
+                raise _refusal(field, accepted)
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise _refusal("stream_options.continuous_usage_stats", (False,))
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...] | None:
+        """`logit_bias` as SamplingParams takes it: (token id, bias) pairs."""
+        if not self.logit_bias:
+            return None
+        return tuple((int(key), float(value)) for key, value in self.logit_bias.items())
 
     # Per endpoint: alternatives per output token (None: no log-probabilities), and per prompt
     # token (completions' echo).
@@ -216,6 +342,7 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
+    refused: ClassVar[dict[str, tuple]] = {**REFUSED, "add_special_tokens": (True,)}
     prompt: Any
     # 0 only with echo: the prompt scored, nothing generated (lm-evaluation-harness).
     max_tokens: int | None = Field(None, ge=0, le=MAX_INT)
@@ -225,6 +352,10 @@ class CompletionRequest(SamplingFields):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
+        if len(self.prompts) * self.n > MAX_PROMPTS:
+            raise ServeError(400, f"prompt: {len(self.prompts)} prompts x n {self.n} = "
+                                  f"{len(self.prompts) * self.n} choices, at most {MAX_PROMPTS} "
+                                  "in one request; send fewer prompts or samples", "prompt")
         if self.max_tokens == 0 and not self.echo:
             raise ServeError(400, "max_tokens: 0 is allowed only with echo=true (score the "
                                   "prompt); send at least 1", "max_tokens")
@@ -239,18 +370,36 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, prompt):
-        """Text or token ids; the API's batch forms only with exactly one prompt in them."""
+    def _prompts(cls, prompt):
+        """Text or token ids, or a list of either (several prompts); a list of one prompt is
+        that prompt."""
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
-        if isinstance(prompt, str) and prompt:
+        if _one_prompt(prompt):
             return prompt
-        if (isinstance(prompt, list) and prompt
-                and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT
-                        for t in prompt)):
+        if (isinstance(prompt, list) and 1 < len(prompt) <= MAX_PROMPTS
+                and (all(isinstance(item, str) for item in prompt)
+                     or all(isinstance(item, list) for item in prompt))
+                and all(_one_prompt(item) for item in prompt)):
             return prompt
         raise ValueError(f"expected non-empty text or a non-empty list of token ids in "
-                         f"0..{MAX_INT} (one prompt per request)")
+                         f"0..{MAX_INT}, or a list of 2 to {MAX_PROMPTS} of either (all texts "
+                         "or all token lists)")
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one or several (a batch)."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+def _one_prompt(prompt: Any) -> bool:
+    if isinstance(prompt, str):
+        return bool(prompt)
+    return (isinstance(prompt, list) and bool(prompt)
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT
+                    for t in prompt))
 
 
 # The roles of OpenAI's chat API (vLLM takes the same): another is a client's mistake, which a
@@ -285,6 +434,12 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(SamplingFields):
+    # vLLM's chat fields that change the prompt or the answer.
+    refused: ClassVar[dict[str, tuple]] = {
+        **REFUSED, "echo": (False,), "add_generation_prompt": (True,),
+        "continue_final_message": (False,), "add_special_tokens": (False,),
+        "chat_template": (), "chat_template_kwargs": ({},), "documents": (),
+        "return_token_ids": (False,)}
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # max_tokens' newer name
     logprobs: bool = False
