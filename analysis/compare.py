@@ -317,6 +317,8 @@ def compare_runs(sim_dir: str | Path, real_dir: str | Path) -> dict:
                  if sim_lines is not None and real_lines is not None else None)
     comparison = {
         "runs": {"sim": str(sim_dir), "real": str(real_dir)},
+        # What each ran on: the simulated GPU, or the engine's device ("cpu", "NVIDIA H200").
+        "devices": {"sim": sim.summary.get("device"), "real": real.summary.get("device")},
         "labels": dict(zip(("sim", "real"), run_labels(sim.summary, real.summary))),
         "kinds": kinds,
         "no_decisions": {"sim": _no_decisions_reason(sim.summary, sim_lines),
@@ -345,7 +347,10 @@ def format_report(comparison: dict) -> str:
     runs = comparison["runs"]
     a, b = comparison.get("labels", {"sim": "sim", "real": "real"}).values()
     width = max(len(a), len(b)) + 1
-    lines = [f"{a + ':':<{width}} {runs['sim']}", f"{b + ':':<{width}} {runs['real']}"]
+    devices = comparison.get("devices", {})
+    lines = [f"{label + ':':<{width}} {runs[role]}"
+             + (f" (on {devices[role]})" if devices.get(role) else "")
+             for label, role in ((a, "sim"), (b, "real"))]
     served = [label for label, role in ((a, "sim"), (b, "real"))
               if comparison.get("kinds", {}).get(role) == SERVED]
     if served:

@@ -180,3 +180,20 @@ def test_llm_names_the_keyword_meant(keyword, hint):
     with pytest.raises(ConfigError, match="unknown keyword argument") as raised:
         LLM("random:smollm2-135m", device="cpu", **{keyword: 2048})
     assert hint in str(raised.value)
+
+
+@pytest.mark.parametrize("flag, value", [("--hardware", "h100"), ("--cost-model", "p.json")])
+def test_serve_refuses_the_simulator_flags(capsys, flag, value):
+    # Refused before the serve extra, torch or the model are looked at.
+    status, _, err = run_cli(capsys, "serve", "--model", "random:smollm2-135m", flag, value)
+    assert_one_line_error(status, err, f"{flag}: a simulator flag", "drop it")
+
+
+def test_serve_help_says_model_is_required_and_lists_no_simulator_flag(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "-h"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--model MODEL HF model directory, .gguf file or random:<preset> (required)" in text
+    assert "qwen3-8b" not in text
+    assert "--hardware" not in text and "--cost-model" not in text
+    assert "float32 on the CPU" in text  # --dtype's default follows the device

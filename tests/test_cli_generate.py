@@ -153,3 +153,49 @@ def test_generate_exits_3_when_a_prompt_fails(capsys, chat_model):
     out = capsys.readouterr().out
     assert status == EXIT_REQUESTS_FAILED
     assert "[failed]" in out and out.count("[failed]") == 1
+
+
+def test_an_empty_output_says_so_and_suggests_chat(capsys, llm, chat_model, tmp_path):
+    """An instruct model prompted without its chat template may end its turn at once: stdout
+    gets an empty line, stderr one line saying the output is empty and to add --chat. Generation
+    worked, so the exit status stays 0. Here the tokenizer's end of sequence is the word the
+    tiny model says first, so it stops at once."""
+    from zipage import SamplingParams
+
+    first = llm.generate(["hello w1"], SamplingParams(temperature=0.0, max_tokens=1,
+                                                      ignore_eos=True), progress=False)[0]
+    word = llm.tokenizer.convert_ids_to_tokens(first.token_ids[0])
+    save_tiny_qwen3(tmp_path)
+    tokenizer = llm.tokenizer.__class__.from_pretrained(chat_model)
+    tokenizer.eos_token = word
+    tokenizer.save_pretrained(tmp_path)
+    capsys.readouterr()  # the save's progress bar
+    status = main(["generate", "--model", str(tmp_path), *KNOBS, "--max-tokens", "3",
+                   "hello w1"])
+    out, err = capsys.readouterr()
+    assert status == 0 and out == "\n"
+    [line] = err.splitlines()
+    assert line.startswith("warning: the output is empty") and line.endswith("add --chat")
+    status = main(["generate", "--model", str(tmp_path), *KNOBS, "--max-tokens", "3",
+                   "hello w1", "w7 w8"])
+    out, err = capsys.readouterr()
+    assert status == 0 and "[2/2] w7 w8" in out
+    assert "the output of prompt 1 of 2 is empty" in err.splitlines()[0]
+
+
+def test_generate_defaults_to_float32_on_the_cpu(monkeypatch, capsys, chat_model):
+    """--dtype's default follows the device (zipage.cli.flags.default_dtype), as replay --engine
+    cpu and serve --engine cpu do."""
+    import zipage.engine.llm
+
+    seen = {}
+    real = zipage.engine.llm.LLM.__init__
+
+    def spy(self, model, **keywords):
+        seen.update(keywords)
+        real(self, model, **keywords)
+
+    monkeypatch.setattr(zipage.engine.llm.LLM, "__init__", spy)
+    assert main(["generate", "--model", str(chat_model), *KNOBS, "--max-tokens", "1",
+                 "hello"]) == 0
+    assert seen["dtype"] == "float32"

@@ -55,6 +55,71 @@ def test_json_names_trace_and_device(capsys):
     assert status == 0 and summary["trace"] == "tiny" and summary["device"] == "a100-80gb"
 
 
+def test_summary_has_request_input_and_total_throughput_and_p99_latencies(capsys, tmp_path):
+    """Issue #48: beside output tok/s, requests/s, input and total tok/s over the same makespan,
+    and p99 TTFT and TPOT, in the table and the JSON (the streamed run's too: it gathers its
+    summary without request records)."""
+    status, lines = table(capsys, *SMALL, "--json")
+    summary = json.loads("\n".join(lines))
+    prompts = sum(request.prompt_len for request in load_trace(TINY).requests)
+    makespan = summary["makespan_s"]
+    assert status == 0 and summary["completed"] == summary["requests"]
+    assert summary["input_tokens"] == prompts
+    assert summary["requests_per_s"] == pytest.approx(summary["completed"] / makespan)
+    assert summary["input_tps"] == pytest.approx(prompts / makespan)
+    assert summary["total_tps"] == pytest.approx(summary["tps"] + summary["input_tps"])
+    assert summary["ttft_p99_s"] >= summary["ttft_p90_s"] > 0
+    assert summary["tpot_p99_ms"] > 0
+    status, _ = table(capsys, *SMALL, "--out", str(tmp_path))
+    written = json.loads((tmp_path / "summary.json").read_text())
+    assert {key: written[key] for key in ("input_tokens", "requests_per_s", "total_tps")} == {
+        key: summary[key] for key in ("input_tokens", "requests_per_s", "total_tps")}
+    status, lines = table(capsys, *SMALL)
+    assert float(row(lines, "throughput (req/s)")) == pytest.approx(summary["requests_per_s"],
+                                                                    abs=0.005)
+    assert float(row(lines, "input throughput (tok/s)").replace(",", "")) == pytest.approx(
+        summary["input_tps"], abs=0.05)
+    assert float(row(lines, "total throughput (tok/s)").replace(",", "")) == pytest.approx(
+        summary["total_tps"], abs=0.05)
+    assert float(row(lines, "p99 TTFT (s)")) == pytest.approx(summary["ttft_p99_s"], abs=5e-4)
+    assert float(row(lines, "p99 TPOT (ms)")) == pytest.approx(summary["tpot_p99_ms"], abs=5e-3)
+    # The simulator's figures are predictions: its footer says how far to trust them.
+    assert lines[-1].strip().startswith("no validated error band (analytic cost model)")
+
+
+def test_summaries_of_a_failed_request_count_only_finished_prompts():
+    from zipage.core.metrics import summarize
+    from zipage.records import RequestRecord
+
+    done = RequestRecord("a", 0.0, 1.0, 3.0, 100, 5, 0, 0, 0, "finished", None)
+    rejected = RequestRecord("b", 0.0, None, None, 700, 9, 0, 0, 0, "rejected", "too long")
+    summary = summarize([], [done, rejected])
+    assert summary["input_tokens"] == 100 and summary["requests_per_s"] == pytest.approx(1 / 3)
+    assert summary["total_tps"] == pytest.approx(105 / 3)
+
+
+def test_dtype_defaults_to_bfloat16_except_on_the_cpu_engine():
+    """One rule (zipage.cli.flags.default_dtype): bfloat16 in the simulator and on a GPU,
+    float32 on the CPU, for replay, serve and generate alike."""
+    from zipage.cli.flags import default_dtype, settings_from_args
+    from zipage.cli.parser import build_parser
+
+    parser = build_parser()
+
+    def dtype(*argv: str) -> str:
+        return settings_from_args(parser.parse_args(list(argv))).dtype
+
+    assert dtype("replay", TINY) == "bfloat16"
+    assert dtype("replay", TINY, "--gpu") == "bfloat16"
+    assert dtype("replay", TINY, "--engine", "cpu") == "float32"
+    assert dtype("replay", TINY, "--engine", "cpu", "--dtype", "float16") == "float16"
+    assert dtype("serve", "--model", "m") == "bfloat16"
+    assert dtype("serve", "--model", "m", "--engine", "cpu") == "float32"
+    assert parser.parse_args(["generate", "--model", "m", "p"]).dtype is None  # device's default
+    assert (default_dtype("cpu"), default_dtype("cuda"), default_dtype(None)) == (
+        "float32", "bfloat16", "bfloat16")
+
+
 @pytest.mark.parametrize("decisions, expected", [("plain", "decisions.log"),
                                                  ("gzip", "decisions.log.gz"), ("none", None)])
 def test_decision_log_formats(capsys, tmp_path, decisions, expected):

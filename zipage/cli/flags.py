@@ -22,9 +22,37 @@ _BOOL_WORDS = {"on": True, "off": False}
 _METAVARS = {int: "N", float: "X"}
 
 
-def add_engine_flags(parser: argparse.ArgumentParser, axes: frozenset[str] = frozenset()) -> None:
-    """Model, memory and cost-model flags, then every knob."""
+# The element type of weights and caches when --dtype is not given, for every command that runs
+# the real engine: bfloat16 on a GPU and in the simulator (`ReplaySettings.dtype`'s default), so the
+# same flags give the same capacity in the simulator, `zipage replay --gpu` and the server
+# (docs/architecture.md, 'Memory planning'); float32 on the CPU, where the engine is the path
+# checked token for token against HF models in float32 (docs/tensor_parallel.md) and most CPUs
+# have no bfloat16 matmul to gain from (the CPU engine has no simulated twin to match: its
+# --kv-memory-gb already defaults to 1 GiB). `LLM(dtype="auto")` follows the same rule.
+CPU_DTYPE = "float32"
+DTYPE_HELP = ("weights and KV cache element type (default: bfloat16 on a GPU and in the "
+              f"simulator, {CPU_DTYPE} on the CPU)")
+
+
+def default_dtype(device_type: str | None) -> str:
+    """--dtype's default on `device_type` ("cpu", "cuda"/"gpu"; None or "sim": the simulator)."""
+    return CPU_DTYPE if device_type == "cpu" else declared_default("dtype")
+
+
+def declared_default(name: str):
+    """The default `ReplaySettings` declares for a deployment field."""
+    return next(f.default for f in fields(ReplaySettings) if f.name == name)
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, axes: frozenset[str] = frozenset(),
+                     device_dtype: bool = False) -> None:
+    """Model, memory and cost-model flags, then every knob. `device_dtype`: --dtype defaults to
+    `default_dtype` of the device the command runs on (`settings_from_args` reads it from
+    `args.engine`) rather than to bfloat16."""
     _add(parser.add_argument_group("model and memory"), ReplaySettings, axes)
+    if device_dtype:
+        dtype = next(action for action in parser._actions if action.dest == "dtype")
+        dtype.default, dtype.help = None, DTYPE_HELP
     add_knob_flags(parser, axes)
 
 
@@ -46,6 +74,8 @@ def settings_from_args(args: argparse.Namespace, axes: frozenset[str] = frozense
     replace single fields (`config` too)."""
     values = {f.name: getattr(args, f.name) for f in _declared(ReplaySettings)
               if f.name not in axes}
+    if values.get("dtype", "") is None:  # `add_engine_flags(device_dtype=True)`: not given
+        values["dtype"] = default_dtype(getattr(args, "engine", None))
     settings = ReplaySettings(**values, config=config_from_args(args, axes))
     return replace(settings, **overrides)
 

@@ -6,8 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from zipage.cli.flags import add_knob_flags, add_threads_flag, config_from_args
+from zipage.cli.flags import DTYPE_HELP, add_knob_flags, add_threads_flag, config_from_args, default_dtype
 from zipage.cli.output import EXIT_OK, EXIT_REQUESTS_FAILED
+from zipage.dtypes import DTYPE_BYTES
 from zipage.errors import ZipageError
 
 
@@ -37,8 +38,7 @@ def add_parser(commands) -> None:
     generate.add_argument("--model", required=True,
                           help="HF model directory, .gguf file or random:<preset>")
     generate.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
-    generate.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
-                          help="default: bfloat16 on the GPU, float32 on the CPU")
+    generate.add_argument("--dtype", default=None, choices=list(DTYPE_BYTES), help=DTYPE_HELP)
     generate.add_argument("--kv-memory-gb", type=float, default=None,
                           help="memory for KV blocks + query slots (default: 1 on the CPU; "
                                "what the GPU has left on the GPU)")
@@ -67,12 +67,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args)
     try:
         from zipage.core.sampling import SamplingParams
+        from zipage.engine.builder import resolve_device
         from zipage.engine.llm import LLM
     except ImportError as error:
         raise ZipageError("zipage generate needs the engine: pip install 'zipage[engine]'"
                           ) from error
     config = config_from_args(args)
-    llm = LLM(args.model, dtype="auto" if args.dtype is None else args.dtype,
+    dtype = args.dtype or default_dtype(resolve_device(args.device).type)
+    llm = LLM(args.model, dtype=dtype,
               device=args.device, kv_memory_gb=args.kv_memory_gb,
               gpu_memory_utilization=args.gpu_memory_utilization, threads=args.threads,
               tensor_parallel=args.tensor_parallel, **config.to_dict())
@@ -88,15 +90,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                 for prompt in prompts], params, progress=False)
         else:
             outputs = llm.generate(prompts, params, progress=False)
+    empty = []
     for index, (prompt, output) in enumerate(zip(prompts, outputs), start=1):
         if len(prompts) > 1:  # label each answer with its prompt, so they cannot run together
             print(f"{'' if index == 1 else chr(10)}[{index}/{len(prompts)}] {_short(prompt)}")
         if output.error is not None:
             print(f"[failed] {output.error}")
-        else:
-            print(output.text if output.text is not None else " ".join(map(str, output.token_ids)))
+            continue
+        text = output.text if output.text is not None else " ".join(map(str, output.token_ids))
+        print(text)
+        if not text.strip():
+            empty.append(index)
+    if empty:
+        print(f"warning: {_empty_output_line(empty, len(prompts), args.chat)}", file=sys.stderr)
     failed = sum(output.error is not None for output in outputs)
     return EXIT_OK if not failed else EXIT_REQUESTS_FAILED
+
+
+def _empty_output_line(empty: list[int], prompts: int, chat: bool) -> str:
+    """One line for answers with no text: generation worked (exit 0), but an empty line on
+    stdout says nothing. Most often an instruct model prompted without its chat template, which
+    ends its turn at once."""
+    which = ("the output is empty" if prompts == 1 else
+             f"the output{'s' * (len(empty) > 1)} of prompt{'s' * (len(empty) > 1)} "
+             f"{', '.join(map(str, empty))} of {prompts} {'are' if len(empty) > 1 else 'is'} empty")
+    if chat:
+        return f"{which}: the model produced no text"
+    return (f"{which}: the model produced no text; an instruct model prompted without its chat "
+            "template often ends at once: add --chat")
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str | list[int]]:

@@ -14,11 +14,19 @@ EXIT_GATE = 1  # zipage compare: a --max-error gate was exceeded
 EXIT_USAGE = 2
 EXIT_REQUESTS_FAILED = 3
 
+SIMULATOR = "simulator"  # the driver a simulated run's summary names
+
 SUMMARY_ROWS = [
     ("requests", "requests", "{}"), ("completed", "completed", "{}"), ("failed", "failed", "{}"),
     ("output tokens", "output_tokens", "{:,}"), ("makespan (s)", "makespan_s", "{:,.1f}"),
-    ("throughput (tok/s)", "tps", "{:,.1f}"), ("mean TTFT (s)", "mean_ttft_s", "{:,.3f}"),
-    ("p90 TTFT (s)", "ttft_p90_s", "{:,.3f}"), ("mean TPOT (ms)", "mean_tpot_ms", "{:.2f}"),
+    ("throughput (tok/s)", "tps", "{:,.1f}"),
+    # Over the same makespan: finished requests, prompt tokens, prompt + output tokens.
+    ("throughput (req/s)", "requests_per_s", "{:,.2f}"),
+    ("input throughput (tok/s)", "input_tps", "{:,.1f}"),
+    ("total throughput (tok/s)", "total_tps", "{:,.1f}"),
+    ("mean TTFT (s)", "mean_ttft_s", "{:,.3f}"), ("p90 TTFT (s)", "ttft_p90_s", "{:,.3f}"),
+    ("p99 TTFT (s)", "ttft_p99_s", "{:,.3f}"), ("mean TPOT (ms)", "mean_tpot_ms", "{:.2f}"),
+    ("p99 TPOT (ms)", "tpot_p99_ms", "{:.2f}"),
     ("peak running", "peak_running", "{}"), ("mean running", "mean_running", "{:.1f}"),
     ("preemptions", "preemptions", "{:,}"), ("compressions", "compressions", "{:,}"),
     ("max blocks after compression", "max_blocks_after_compress", "{}"),
@@ -54,9 +62,9 @@ def describe_run(summary: dict) -> str:
 
 def print_summary(summary: dict, title: str | None = None) -> None:
     """The summary's rows under `title` (default: `describe_run`, which needs the run's
-    settings; a served run has none). A simulated run says how far to trust its figures: the
-    validated band beside each one a validated profile priced, else one line that it has none
-    (zipage/cli/bands.py)."""
+    settings; a served run has none). A simulated run, and only a simulated run, says how far to
+    trust its figures: the validated band beside each one a validated profile priced, else one
+    line that it has none (zipage/cli/bands.py)."""
     from zipage.cli.bands import band_note, summary_rows, validation_lines
 
     print(title or describe_run(summary))
@@ -70,8 +78,11 @@ def print_summary(summary: dict, title: str | None = None) -> None:
     figures = max((len(text) for text, note in zip(texts, notes) if note), default=0)
     for (label, _, _), text, note in zip(rows, texts, notes):
         print(f"  {label:<{width}}  " + (f"{text:<{figures}}  {note}" if note else text))
-    for line in validation_lines(summary):
-        print(line)
+    # Only a simulation predicts: an engine run measured its figures (its summary's validation
+    # is None, to keep the simulator's key set), so it has no band to lack.
+    if summary.get("driver") == SIMULATOR:
+        for line in validation_lines(summary):
+            print(line)
 
 
 def progress_wanted(args: argparse.Namespace) -> bool:

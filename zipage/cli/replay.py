@@ -26,7 +26,7 @@ def add_parser(commands) -> None:
                "requests failed\n(their reasons are printed and in requests.csv).",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     replay.add_argument("trace", help="trace JSON (see docs/traces.md)")
-    add_engine_flags(replay)
+    add_engine_flags(replay, device_dtype=True)
     replay.add_argument("--gpu", action="store_true",
                         help="run the real engine on the GPU (same as --engine gpu)")
     replay.add_argument("--engine", choices=["sim", "gpu", "cpu"], default="sim",

@@ -10,6 +10,7 @@ from zipage.cli.flags import (
     add_engine_flags,
     add_graph_flags,
     add_threads_flag,
+    declared_default,
     engine_given,
     require_serve_extra,
     require_torch,
@@ -28,8 +29,13 @@ from zipage.serve import (
 def add_parser(commands) -> None:
     serve = commands.add_parser(
         "serve", help="an OpenAI-compatible HTTP server over the real engine (docs/serve.md)")
-    add_engine_flags(serve)
+    add_engine_flags(serve, device_dtype=True)
     serve.set_defaults(model=None, handler=cmd_serve)
+    for action in serve._actions:
+        if action.dest == "model":  # no preset default: a server serves the model it is given
+            action.help = "HF model directory, .gguf file or random:<preset> (required)"
+        elif action.dest in SIMULATOR_FLAGS:  # refused by `_check_serve_flags`, so not listed
+            action.default, action.help = None, argparse.SUPPRESS
     serve.add_argument("--engine", choices=["gpu", "cpu"], default=None,
                        help="run on the GPU (default) or on the CPU (small models; "
                             "--kv-memory-gb defaults to 1)")
@@ -89,6 +95,9 @@ def add_parser(commands) -> None:
 
 
 API_KEY_VARIABLE = "ZIPAGE_API_KEY"
+# Deployment flags only the simulator reads (`zipage replay` without --gpu, `zipage plan`): the GPU
+# it prices and its cost model. A server runs on the device it has.
+SIMULATOR_FLAGS = {"hardware": "--hardware", "cost_model": "--cost-model"}
 
 
 def api_key_from(args: argparse.Namespace, environ) -> str | None:
@@ -124,6 +133,11 @@ def _check_serve_flags(args: argparse.Namespace) -> str | None:
     if args.model is None:
         raise ZipageError("--model: required; a HF model directory, a .gguf file or "
                           "random:<preset>")
+    for dest, flag in SIMULATOR_FLAGS.items():
+        if getattr(args, dest) is not None:
+            raise ZipageError(f"{flag}: a simulator flag (zipage replay, zipage plan); zipage serve "
+                              "runs the real engine on the device it has: drop it")
+        setattr(args, dest, declared_default(dest))  # what the settings record
     if args.max_waiting is not None and args.max_waiting < 1:
         raise ZipageError(f"--max-waiting: got {args.max_waiting}, expected >= 1")
     if args.max_body_bytes < 1:

@@ -5,7 +5,9 @@ Every driver calls `MetricsRecorder.record_step(plan, result)` after `Scheduler.
 streamed run (records written out as they are made, docs/architecture.md, 'Simulator') needs
 none of them kept. `summarize` turns both into the summary every report
 prints (docs/architecture.md, 'Traces and metrics'): TPS = output tokens / (last finish - first
-arrival); TPOT of a request = (finish - first token) / (output_len - 1).
+arrival), and over the same makespan the finished requests per second and their prompt (input)
+and prompt + output (total) tokens per second, as vLLM's benchmark counts them; TPOT of a
+request = (finish - first token) / (output_len - 1).
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ class RunTotals:
     the same floats."""
 
     def __init__(self) -> None:
-        self.requests = self.done = self.aborted = self.output_tokens = 0
+        self.requests = self.done = self.aborted = self.output_tokens = self.input_tokens = 0
         self.first_arrival: float | None = None
         self.last_finish: float | None = None
         self.ttfts, self.tpots = array("d"), array("d")
@@ -124,7 +126,7 @@ class RunTotals:
     def add_request(self, r: RequestRecord) -> None:
         if r.status == FINISHED:
             self.add_done(r.arrival, r.first_token, r.finish, r.output_len, r.n_compressions,
-                          r.max_blocks_held_after_first_compression, r.kept_budget)
+                          r.max_blocks_held_after_first_compression, r.kept_budget, r.prompt_len)
             return
         self._add_arrival(r.arrival, r.n_compressions)
         if r.status == ABORTED:
@@ -132,12 +134,13 @@ class RunTotals:
 
     def add_done(self, arrival: float, first_token: float, finish: float, output_len: int,
                  n_compressions: int, max_blocks_after_compress: int,
-                 kept_budget: float | None) -> None:
+                 kept_budget: float | None, prompt_len: int) -> None:
         """A finished request's `RequestRecord` fields the summary reads (given one by one: a
         run that keeps no request records makes none for a finished request)."""
         self._add_arrival(arrival, n_compressions)
         self.done += 1
         self.output_tokens += output_len
+        self.input_tokens += prompt_len
         if self.last_finish is None or finish > self.last_finish:
             self.last_finish = finish
         ttft = first_token - arrival
@@ -180,6 +183,13 @@ class RunTotals:
             "output_tokens": self.output_tokens,
             "makespan_s": makespan,
             "tps": self.output_tokens / makespan if makespan > 0 else 0.0,
+            # Over the same makespan: finished requests, their prompt tokens (input) and prompt +
+            # output tokens (total) per second, as vLLM's benchmark reports them.
+            "input_tokens": self.input_tokens,
+            "requests_per_s": self.done / makespan if makespan > 0 else 0.0,
+            "input_tps": self.input_tokens / makespan if makespan > 0 else 0.0,
+            "total_tps": ((self.input_tokens + self.output_tokens) / makespan if makespan > 0
+                          else 0.0),
             "mean_tpot_ms": 1000.0 * self.tpot_sum / tpots if tpots else 0.0,
             "mean_ttft_s": self.ttft_sum / ttfts if ttfts else 0.0,
             **latency,

@@ -207,7 +207,7 @@ class StepRecorder:
         for seq in finished:
             add_done(seq.arrival_s, seq.first_token_time, seq.finish_time,
                      seq.settled_output_tokens, seq.num_compressions,
-                     seq.max_blocks_after_first_compression, seq.kept_budget)
+                     seq.max_blocks_after_first_compression, seq.kept_budget, seq.prompt_len)
 
     def forget(self) -> None:
         """Drop everything kept per step and per finished request for `result` (step records,

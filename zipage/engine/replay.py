@@ -47,6 +47,9 @@ def run_on_engine(engine: Engine, trace: Trace, settings: ReplaySettings, *,
     run = loop.run(sequences, users=settings.users)
     driver = f"engine-{engine.device.type}"
     summary = run_summary(run.summary, engine.capacity, config, settings, driver)
+    # What ran, by name (settings.hardware stays the flag's value: the GPU a simulation of these
+    # settings would price, which the engine ignores).
+    summary["device"] = device_name(engine.device, settings.tensor_parallel)
     # Which steps were graphed: `zipage compare` sets it beside a calibrated profile's; and the
     # buckets padded steps ran at, which a profile fitted from the run prices them by.
     summary["graphs"] = graphs
@@ -58,3 +61,14 @@ def run_on_engine(engine: Engine, trace: Trace, settings: ReplaySettings, *,
         # it for one whose batches were launched before their step's forward.
         summary["async_launch"] = "after-forward"
     return summary, run
+
+
+def device_name(device, ranks: int = 1) -> str:
+    """The device an engine ran on, as a run summary records it: "cpu", or the CUDA device's own
+    name ("NVIDIA H200"; "2 x NVIDIA H200" for a model sharded over two)."""
+    if device.type != "cuda":
+        return device.type
+    import torch
+
+    name = torch.cuda.get_device_name(device)
+    return name if ranks == 1 else f"{ranks} x {name}"
