@@ -77,6 +77,17 @@ def test_the_simulator_refuses_more_cache_memory_than_the_gpu_has(capsys, gigaby
     assert "give at most 63.9" in line
 
 
+def test_weights_larger_than_the_gpu_name_the_model_not_the_cache(capsys):
+    """Qwen3-32B's 61 GiB of bfloat16 weights on a GPU of 40 GiB: no --kv-memory-gb could help,
+    so the error names the model and what would."""
+    status, out, err = run(capsys, "replay", TINY, "--model", "qwen3-32b", "--hardware", "a100",
+                           "--gpu-memory-gb", "40", "--kv-memory-gb", "1")
+    line = one_line(err)
+    assert status == 2 and not out
+    assert line.startswith("zipage: error: --model: qwen3-32b's weights take"), line
+    assert "--tensor-parallel" in line
+
+
 def test_cache_memory_that_fits_next_to_the_weights_is_planned(capsys):
     status, _, err = run(capsys, "replay", TINY, "--hardware", "h100", "--kv-memory-gb", "60",
                          "--json")

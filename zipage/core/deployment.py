@@ -129,9 +129,14 @@ def check_kv_memory(settings: ReplaySettings, shape: ModelShape, gpu_memory_byte
     refuses the merely too tight."""
     weights = weight_bytes(shape, dtype_bytes(settings.dtype), settings.tensor_parallel)
     wanted = settings.kv_memory_gb * GIB
+    per_gpu = " per GPU" if settings.tensor_parallel > 1 else ""
+    if weights >= gpu_memory_bytes:  # no --kv-memory-gb could help: name the real cause
+        raise MemoryPlanError(
+            f"--model: {shape.name}'s weights take {weights / GIB:.1f} GiB{per_gpu} in "
+            f"{settings.dtype}, more than {device}'s {gpu_memory_bytes / GIB:.1f} GiB; use a "
+            "smaller model, a smaller --dtype, or more --tensor-parallel")
     if wanted + weights > gpu_memory_bytes:
-        room = max(0, gpu_memory_bytes - weights) / GIB
-        per_gpu = " per GPU" if settings.tensor_parallel > 1 else ""
+        room = (gpu_memory_bytes - weights) / GIB
         raise MemoryPlanError(
             f"--kv-memory-gb: got {settings.kv_memory_gb:g}, but {device} has "
             f"{gpu_memory_bytes / GIB:.1f} GiB and {shape.name}'s weights take "
