@@ -264,9 +264,14 @@ def test_min_p_follows_the_renormalised_softmax() -> None:
                                   "in [-100, 100]"),
     ("logit_bias", ((-1, 1.0),), "logit_bias: token id -1 must be an integer"),
     ("logit_bias", ((1.5, 1.0),), "logit_bias: token id 1.5 must be an integer"),
-    ("logit_bias", {1: 2.0}, "logit_bias: must map at most"),
+    ("logit_bias", [1, 2], "logit_bias: [1, 2] is not a {token id: bias} dict"),
+    ("logit_bias", tuple((token, 1.0) for token in range(1025)), "logit_bias: must map at most"),
 ])
 def test_new_settings_out_of_range_are_refused_by_name(field, value, message) -> None:
     with pytest.raises(ConfigError) as caught:
         SamplingParams(**{field: value})
     assert str(caught.value).startswith(message)
+
+
+def test_logit_bias_takes_openais_dict_shape() -> None:
+    assert SamplingParams(logit_bias={7: 5.0, 9: -3.0}).logit_bias == ((7, 5.0), (9, -3.0))

@@ -99,6 +99,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.logit_bias, dict):  # OpenAI's shape, {token id: bias}: kept as pairs
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
         self.check()
 
     def check(self) -> None:
@@ -155,7 +157,10 @@ class SamplingParams:
 
     def _check_logit_bias(self) -> None:
         bias = self.logit_bias
-        if not isinstance(bias, tuple) or len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        if not isinstance(bias, tuple):
+            raise ConfigError(f"logit_bias: {_short(bias)} is not a {{token id: bias}} dict or "
+                              "(token id, bias) pairs")
+        if len(bias) > MAX_LOGIT_BIAS_TOKENS:
             raise ConfigError(f"logit_bias: must map at most {MAX_LOGIT_BIAS_TOKENS} token ids "
                               "to biases")
         for entry in bias:
