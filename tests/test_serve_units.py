@@ -10,7 +10,7 @@ pytest.importorskip("pydantic")
 from pydantic import ValidationError  # noqa: E402
 
 from zipage.serve.detokenize import IncrementalText  # noqa: E402
-from zipage.serve.protocol import ChatRequest, CompletionRequest, ServeError, validation_message  # noqa: E402
+from zipage.serve.protocol import ChatMessage, ChatRequest, CompletionRequest, ServeError, validation_message  # noqa: E402
 
 
 class ByteTokenizer:
@@ -177,12 +177,30 @@ def test_neutral_values_no_ops_and_unknown_fields_are_accepted(field, value):
     CompletionRequest.model_validate({"prompt": "x", field: value}).check_unsupported()
 
 
+@pytest.mark.parametrize("field, value", [
+    ("tool_calls", [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]),
+    ("tool_call_id", "c1"), ("name", "alice"), ("function_call", {"name": "f", "arguments": "{}"}),
+])
+def test_message_fields_the_template_would_need_are_a_400_naming_them(field, value):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", field: value}]
+    body = ChatRequest.model_validate({"messages": messages})
+    with pytest.raises(ServeError) as caught:
+        body.check_unsupported()
+    assert (caught.value.status, caught.value.param) == (400, f"messages[1].{field}")
+    assert caught.value.message.startswith(f"messages[1].{field}: not supported by this server")
+
+
+def test_neutral_message_fields_are_accepted():
+    messages = [{"role": "assistant", "content": "a", "tool_calls": [], "refusal": None}]
+    ChatRequest.model_validate({"messages": messages}).check_unsupported()
+
+
 def test_docs_list_every_refused_field():
     from pathlib import Path
 
     docs = (Path(__file__).parents[1] / "docs" / "serve.md").read_text()
     section = docs[docs.index("### Fields served, refused and ignored"):]
-    for field in {**ChatRequest.refused, **CompletionRequest.refused}:
+    for field in {**ChatRequest.refused, **CompletionRequest.refused, **ChatMessage.refused}:
         assert f"`{field}`" in section, field
 
 

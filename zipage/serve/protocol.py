@@ -408,7 +408,11 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")
+    # A message's fields the chat template would need but this server does not render (tool
+    # calls and their results, a participant's name): refused, never dropped without a word.
+    refused: ClassVar[dict[str, tuple]] = {"tool_calls": ([],), "tool_call_id": (),
+                                           "name": (), "function_call": ()}
     role: str
     content: str | list[dict] | None = None
 
@@ -447,6 +451,11 @@ class ChatRequest(SamplingFields):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
+        for index, message in enumerate(self.messages):
+            for field, value in (message.model_extra or {}).items():
+                accepted = ChatMessage.refused.get(field)
+                if accepted is not None and not _neutral(value, accepted):
+                    raise _refusal(f"messages[{index}].{field}", accepted)
         if self.top_logprobs is not None and not self.logprobs:
             raise ServeError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
 
