@@ -182,11 +182,13 @@ def test_llm_names_the_keyword_meant(keyword, hint):
     assert hint in str(raised.value)
 
 
-@pytest.mark.parametrize("flag, value", [("--hardware", "h100"), ("--cost-model", "p.json")])
-def test_serve_refuses_the_simulator_flags(capsys, flag, value):
+@pytest.mark.parametrize("flag, value, why", [("--hardware", "h100", "a simulator flag"),
+                                               ("--cost-model", "p.json", "a simulator flag"),
+                                               ("--users", "8", "a trace replay's closed population")])
+def test_serve_refuses_the_simulator_flags(capsys, flag, value, why):
     # Refused before the serve extra, torch or the model are looked at.
     status, _, err = run_cli(capsys, "serve", "--model", "random:smollm2-135m", flag, value)
-    assert_one_line_error(status, err, f"{flag}: a simulator flag", "drop it")
+    assert_one_line_error(status, err, f"{flag}: {why}", "drop it")
 
 
 def test_serve_help_says_model_is_required_and_lists_no_simulator_flag(capsys):

@@ -34,7 +34,7 @@ def add_parser(commands) -> None:
     for action in serve._actions:
         if action.dest == "model":  # no preset default: a server serves the model it is given
             action.help = "HF model directory, .gguf file or random:<preset> (required)"
-        elif action.dest in SIMULATOR_FLAGS:  # refused by `_check_serve_flags`, so not listed
+        elif action.dest in REFUSED_FLAGS:  # refused by `_check_serve_flags`, so not listed
             action.default, action.help = None, argparse.SUPPRESS
     serve.add_argument("--engine", choices=["gpu", "cpu"], default=None,
                        help="run on the GPU (default) or on the CPU (small models; "
@@ -95,9 +95,14 @@ def add_parser(commands) -> None:
 
 
 API_KEY_VARIABLE = "ZIPAGE_API_KEY"
-# Deployment flags only the simulator reads (`zipage replay` without --gpu, `zipage plan`): the GPU
-# it prices and its cost model. A server runs on the device it has.
-SIMULATOR_FLAGS = {"hardware": "--hardware", "cost_model": "--cost-model"}
+# Deployment flags a server has no use for, and why: the simulator's (`zipage replay` without
+# --gpu, `zipage plan`: the GPU it prices and its cost model; a server runs on the device it has),
+# and a trace replay's closed population (a server serves whatever its clients send).
+_SIMULATOR = ("a simulator flag (zipage replay, zipage plan); zipage serve runs the real engine on "
+              "the device it has: drop it")
+REFUSED_FLAGS = {"hardware": ("--hardware", _SIMULATOR), "cost_model": ("--cost-model", _SIMULATOR),
+                   "users": ("--users", "a trace replay's closed population (zipage replay, zipage "
+                             "bench serve --users); a server serves what its clients send: drop it")}
 
 
 def api_key_from(args: argparse.Namespace, environ) -> str | None:
@@ -133,10 +138,9 @@ def _check_serve_flags(args: argparse.Namespace) -> str | None:
     if args.model is None:
         raise ZipageError("--model: required; a HF model directory, a .gguf file or "
                           "random:<preset>")
-    for dest, flag in SIMULATOR_FLAGS.items():
+    for dest, (flag, why) in REFUSED_FLAGS.items():
         if getattr(args, dest) is not None:
-            raise ZipageError(f"{flag}: a simulator flag (zipage replay, zipage plan); zipage serve "
-                              "runs the real engine on the device it has: drop it")
+            raise ZipageError(f"{flag}: {why}")
         setattr(args, dest, declared_default(dest))  # what the settings record
     if args.max_waiting is not None and args.max_waiting < 1:
         raise ZipageError(f"--max-waiting: got {args.max_waiting}, expected >= 1")
