@@ -111,11 +111,12 @@ class ArrivalQueue:
         due = self._due
         while due and due[0][0] <= now:
             due_time, _, seq, predecessor = heapq.heappop(due)
+            cause = None  # the chain's first failure, when `seq` fails with its predecessor
             if predecessor is None:
                 seq.arrival_s = due_time  # (a session a free user started later)
                 accepted = sink.add(seq)
             elif predecessor.error is not None:
-                accepted = False
+                accepted, cause = False, predecessor.error
                 seq.arrival_s = due_time
                 sink.refuse(seq, followed_failure(seq.seq_id, predecessor))
             else:
@@ -124,17 +125,21 @@ class ArrivalQueue:
                     self._on_release(seq, predecessor)
                 accepted = sink.add(seq)
             if not accepted:
-                self.done(seq, due_time)
+                self.done(seq, due_time, cause)
             self._read(now)
 
-    def done(self, seq: Sequence, time: float) -> None:
+    def done(self, seq: Sequence, time: float, cause: str | None = None) -> None:
         """`seq` finished or failed at `time`: its follow-ups come due then (plus their
-        `after_s`), or at once, to fail with it; the last turn of a session frees its user."""
+        `after_s`), or at once, to fail with it; the last turn of a session frees its user.
+        `cause`: the failure its session's chain started from, when it failed with its
+        predecessor; its follow-ups name that one, not its own message (nesting each
+        predecessor's message in the next would give a long failed session's n-th turn n
+        messages: quadratic memory)."""
         turn = seq.turn
         changed = False
         if turn is not None:
-            error = None if seq.status is SequenceStatus.FINISHED else _root_failure(
-                seq, seq.error or "aborted")
+            error = None if seq.status is SequenceStatus.FINISHED else (
+                cause or seq.error or "aborted")
             record = Done(seq.seq_id, time, error, seq.prompt_len, turn.reasoning_len)
             self._live.discard(seq.seq_id)
             self._done[seq.seq_id] = record
@@ -237,18 +242,6 @@ class ArrivalQueue:
 
 def followed_failure(seq_id: str, predecessor: Done) -> str:
     """Why a follow-up fails with its failed predecessor: the predecessor, and the failure its
-    session's chain started from (`Done.error` carries that one: `_root_failure`)."""
+    session's chain started from (`Done.error` carries that one: `ArrivalQueue.done`)."""
     return (f"request {seq_id}: the turn it follows, {predecessor.seq_id}, failed "
             f"({predecessor.error})")
-
-
-def _root_failure(seq: Sequence, error: str) -> str:
-    """The failure to hand a failed request's follow-ups: its own error, or, if it failed with
-    its predecessor, the cause its error carries. (Nesting each predecessor's message in the
-    next would make a session's n-th failed turn carry n messages: quadratic memory over a long
-    failed session.)"""
-    inherited = f"request {seq.seq_id}: the turn it follows, {seq.turn.follows}, failed ("
-    if seq.turn.follows is not None and error.startswith(inherited) and error.endswith(")"):
-        return error[len(inherited):-1]
-    return error
-
