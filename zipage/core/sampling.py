@@ -7,6 +7,7 @@ and the core can name the type without importing the engine.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, replace
 
@@ -30,6 +31,11 @@ MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty: OpenAI's range is [
 MAX_REPETITION_PENALTY = 100.0
 MAX_LOGIT_BIAS = 100.0  # logit_bias values: OpenAI's range is [-100, 100]
 MAX_LOGIT_BIAS_TOKENS = 1024  # logit_bias entries (each is a scatter into the row's logits)
+# Structured outputs: what a request's output must match (docs/serve.md, 'Structured outputs').
+# json: any JSON object (OpenAI's json_object); json_schema: the schema as JSON text; regex; choice:
+# one of a tuple of strings; grammar: an EBNF (GBNF) grammar whose start rule is `root`.
+STRUCTURED_KINDS = ("json", "json_schema", "regex", "choice", "grammar")
+MAX_CHOICES = 1024  # guided_choice alternatives
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,44 @@ class TokenLogprob:
             return None
         logprob, ids, values = entry
         return cls(token_id, logprob, tuple(zip(ids, values)))
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output, as a plain spec: the engine compiles it
+    (`zipage/engine/structured.py`), the core and the server only carry and check it. Frozen and
+    hashable: the engine's compile cache is keyed by it. `value`: None for json, the schema's
+    JSON text for json_schema (a dict is turned into it), the pattern for regex, a tuple of
+    strings for choice, the grammar text for grammar."""
+
+    kind: str
+    value: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind == "json_schema" and isinstance(self.value, dict):
+            # Key order kept: the output's properties follow the schema's order.
+            object.__setattr__(self, "value", json.dumps(self.value))
+        elif self.kind == "choice" and isinstance(self.value, list):
+            object.__setattr__(self, "value", tuple(self.value))
+        self.check()
+
+    def check(self) -> None:
+        """Raise `ConfigError` naming what is wrong with the spec's shape (whether a schema,
+        pattern or grammar compiles is the engine's question: `engine/structured.py`)."""
+        if self.kind not in STRUCTURED_KINDS:
+            raise ConfigError(f"structured_output: kind {_short(self.kind)} must be one of "
+                              f"{', '.join(STRUCTURED_KINDS)}")
+        if self.kind == "json":
+            if self.value is not None:
+                raise ConfigError("structured_output: json takes no value (any JSON object)")
+        elif self.kind == "choice":
+            if (not isinstance(self.value, tuple) or not 1 <= len(self.value) <= MAX_CHOICES
+                    or not all(isinstance(item, str) and item for item in self.value)):
+                raise ConfigError(f"structured_output: choice {_short(self.value)} must be 1 to "
+                                  f"{MAX_CHOICES} non-empty strings")
+        elif not isinstance(self.value, str) or not self.value:
+            raise ConfigError(f"structured_output: {self.kind} {_short(self.value)} must be a "
+                              "non-empty string")
 
 
 @dataclass(frozen=True)
@@ -76,6 +120,9 @@ class SamplingParams:
     it from the request (`Sequence.kv_budget`), and refuses one that is not a multiple of the
     block size with the request's error. `compress_scope` is what its compressions may evict
     ("all" or "output"; None: the engine's `compress_scope`).
+    `structured_output` constrains the output to a JSON schema, a regex, a choice or a grammar
+    (`StructuredOutput`; the engine masks every other token before sampling, and forces the
+    end-of-sequence token once the output is complete).
     Defaults are vLLM's sampling defaults except max_tokens; `zipage generate` uses its own
     (greedy, 128 tokens: see `zipage generate -h`).
     """
@@ -97,6 +144,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] | None = None
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, dict):  # OpenAI's shape, {token id: bias}: kept as pairs
@@ -154,6 +202,14 @@ class SamplingParams:
                               "use 0 to keep every token")
         if self.logit_bias is not None:
             self._check_logit_bias()
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise ConfigError(f"structured_output: {_short(self.structured_output)} is not a "
+                                  "StructuredOutput")
+            self.structured_output.check()
+            if self.ignore_eos:  # the grammar's end (its forced end-of-sequence) ends the request
+                raise ConfigError("structured_output: cannot be combined with ignore_eos; leave "
+                                  "ignore_eos out")
 
     def _check_logit_bias(self) -> None:
         bias = self.logit_bias

@@ -14,6 +14,7 @@ from zipage.core.sampling import SamplingParams, TokenLogprob
 from zipage.core.sequence import Sequence
 from zipage.engine.builder import build_engine, resolve_device
 from zipage.engine.loop import EngineLoop
+from zipage.engine.structured import StructuredOutputs
 from zipage.engine.threads import set_cpu_threads
 from zipage.errors import ConfigError
 
@@ -91,6 +92,10 @@ class LLM:
         self.engine = build_engine(settings, str(resolved), cuda_graphs, prefill_graphs)
         self.tokenizer = self.engine.tokenizer
         self.last_run: Run | None = None
+        # Grammar matchers and compiled grammars of `SamplingParams.structured_output`, kept
+        # across `generate` calls (compiling is the costly part).
+        self.structured = StructuredOutputs(self.tokenizer, self.engine.shape.vocab_size,
+                                            self._eos_ids())
 
     def close(self) -> None:
         """Free the engine's workers (tensor parallel) now; `with LLM(...) as llm:` does it."""
@@ -153,7 +158,7 @@ class LLM:
                   for index, (tokens, sampling) in enumerate(zip(token_lists, sampling_params))]
         eos_ids = self._eos_ids()
         loop = EngineLoop(self.engine.new_scheduler(), self.engine.runner,
-                          eos_token_ids=eos_ids, progress=progress)
+                          eos_token_ids=eos_ids, progress=progress, structured=self.structured)
         run = loop.run([seq for group in groups for seq in group])
         self.last_run = run
         outputs = []

@@ -24,6 +24,7 @@ from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.core.step import IDLE, StepPlan, StepResult
 from zipage.engine.runner import ModelRunner
+from zipage.engine.structured import StructuredOutputError, StructuredOutputs
 from zipage.sessions import follow_up_tokens
 
 
@@ -46,7 +47,8 @@ class EngineLoop:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, *,
                  eos_token_ids: frozenset[int] = frozenset(), check: bool = False,
                  log_decisions: bool = False, progress: bool = False,
-                 next_token: Callable[[str, int], int] | None = None) -> None:
+                 next_token: Callable[[str, int], int] | None = None,
+                 structured: StructuredOutputs | None = None) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.eos_token_ids = eos_token_ids
@@ -55,6 +57,9 @@ class EngineLoop:
         self.progress = progress
         # Teacher forcing: (request id, sampled token) -> the token to append instead.
         self.next_token = next_token
+        # The grammar matchers of constrained requests (`SamplingParams.structured_output`);
+        # None: the engine has no tokenizer to compile them with, and refuses such requests.
+        self.structured = structured
         self.recorder: StepRecorder | None = None
         # Prompt + output token ids of every request added (the runner reads them).
         self.tokens: dict[str, list[int]] = {}
@@ -80,6 +85,11 @@ class EngineLoop:
 
     def add(self, seq: Sequence) -> bool:
         """Queue a request; False if the core rejected it (`seq.error` says why)."""
+        if seq.sampling is not None and seq.sampling.structured_output is not None:
+            if self.structured is None:
+                raise StructuredOutputError("structured_output: this engine has no tokenizer to "
+                                            "compile a grammar with")
+            self.structured.prepare(seq)  # a spec that does not compile fails here, alone
         # A request without prompt tokens is one the scheduler rejects before it ever runs.
         if seq.prompt_token_ids is not None:
             self.tokens[seq.seq_id] = list(seq.prompt_token_ids)
@@ -87,6 +97,8 @@ class EngineLoop:
 
     def abort(self, seq_id: str) -> bool:
         """Drop a request between steps (`Scheduler.abort`); its blocks are freed."""
+        if self.structured is not None:
+            self.structured.release(seq_id)
         return self.scheduler.abort(seq_id)
 
     def step(self, started_at: float | None = None) -> StepOutput | None:
@@ -100,7 +112,8 @@ class EngineLoop:
         plan = self.recorder.schedule()
         if plan is None:
             return None
-        sampled = runner.execute(plan, self.tokens)
+        structured = self.structured
+        sampled = runner.execute(plan, self.tokens, structured)
         # An idle step exists only to wait for the in-flight compression batch.
         completed = (runner.compressor.completed(wait=plan.kind == IDLE)
                      if runner.compressor is not None else [])
@@ -114,9 +127,15 @@ class EngineLoop:
             produced.append((seq, token))
             if token in self.eos_token_ids and not seq.sampling.ignore_eos:
                 stopped.add(seq.seq_id)
+        if structured is not None and structured.matchers:
+            structured.advance(produced)
+            stopped.update(seq.seq_id for seq, _ in produced if structured.finished(seq.seq_id))
         finished_before = len(scheduler.finished)
         self.recorder.finish(plan, StepResult(step_id=plan.step_id, t_start=t_start, t_end=t_end,
                                               completed_batches=completed, stopped=stopped))
+        if structured is not None and structured.matchers:
+            for seq in scheduler.finished[finished_before:]:
+                structured.release(seq.seq_id)
         logprobs, prompt_logprobs = runner.last_logprobs, runner.last_prompt_logprobs
         if self.collect_logprobs:
             for seq_id, entry in logprobs.items():

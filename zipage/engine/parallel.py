@@ -421,11 +421,11 @@ class TensorParallelExecutor:
 
     # ------------------------------------------------------------------ the runner interface
 
-    def execute(self, plan: StepPlan, tokens: dict[str, list[int]]) -> list:
+    def execute(self, plan: StepPlan, tokens: dict[str, list[int]], structured=None) -> list:
         completed, self.completed_batches = self.completed_batches, []
         self._send(("step", encode_step(plan, tokens, completed)))
         with self._guard(), shard_group(self.group):
-            return self.runner.execute(plan, tokens)
+            return self.runner.execute(plan, tokens, structured)  # rank 0 samples
 
     @property
     def last_logits(self) -> torch.Tensor | None:

