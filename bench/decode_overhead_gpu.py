@@ -53,6 +53,24 @@ def torch_store_queries(query: torch.Tensor, query_cache: torch.Tensor, query_sl
     flat.index_copy_(0, indices, values)
 
 
+def decode_plan(engine, manager, batch: int, context: int, compress: bool) -> tuple[StepPlan, dict]:
+    """A decode step of `batch` sequences of `context` KV entries each (blocks from `manager`),
+    and each one's last token: what `ModelRunner.execute` takes."""
+    block_size = engine.config.block_size
+    blocks_each = -(-(context + 1) // block_size)
+    slots = engine.capacity.num_query_slots
+    greedy = SamplingParams(temperature=0.0)
+    sequences, tokens = [], {}
+    for index in range(batch):
+        seq = Sequence(f"s{index}", None, 16, prompt_len=context - 1, sampling=greedy)
+        seq.block_table = [manager.allocate() for _ in range(blocks_each)]
+        seq.set_counters(context - 1, 1)
+        seq.query_slot = index % slots if compress else None
+        sequences.append(seq)
+        tokens[seq.seq_id] = [index % engine.shape.vocab_size]
+    return StepPlan(step_id=0, kind=DECODE, decode=sequences), tokens
+
+
 def time_decode(model: str, variant: str, batches: list[int], context: int, block_size: int,
                 iterations: int) -> list[dict]:
     shape = get_preset(model)
@@ -72,22 +90,13 @@ def time_decode(model: str, variant: str, batches: list[int], context: int, bloc
         engine = build_engine(settings, "cuda", cuda_graphs=True)
     finally:
         layers.store_queries = saved
-    runner, scheduler = engine.runner, engine.new_scheduler()
-    manager = scheduler.block_manager
+    runner, manager = engine.runner, engine.new_scheduler().block_manager
     slots = engine.capacity.num_query_slots
-    greedy = SamplingParams(temperature=0.0)
     rows = []
     try:
         for batch in batches:
-            sequences, tokens = [], {}
-            for index in range(batch):
-                seq = Sequence(f"s{index}", None, 16, prompt_len=context - 1, sampling=greedy)
-                seq.block_table = [manager.allocate() for _ in range(blocks_each)]
-                seq.set_counters(context - 1, 1)
-                seq.query_slot = index % slots if compress else None
-                sequences.append(seq)
-                tokens[seq.seq_id] = [index % shape.vocab_size]
-            plan = StepPlan(step_id=0, kind=DECODE, decode=sequences)
+            plan, tokens = decode_plan(engine, manager, batch, context, compress)
+            sequences = plan.decode
             for _ in range(3):
                 runner.execute(plan, tokens)
             torch.cuda.synchronize()

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from zipage.config import ZipageConfig
@@ -54,6 +55,7 @@ from zipage.core.window import WindowLayout
 from zipage.engine.caches import KVCaches
 from zipage.engine.compressor import Compressor
 from zipage.engine.context import ForwardContext, forward_context
+from zipage.engine.host_tables import HostTables
 from zipage.engine.sampler import sample, token_logprobs
 from zipage.engine.structured import StructuredOutputs
 from zipage.kernels.attention import PrefillWork, prefill_tile_tokens, prefill_work, prefill_work_capacity
@@ -98,6 +100,7 @@ class ModelRunner:
         self.config = config
         self.block_size = config.block_size
         self.windows = WindowLayout(config.block_size, config.window)
+        self.host_tables = HostTables()  # decode steps' block tables, converted once per change
         self.dtype = dtype
         self.device = device
         self.caches = KVCaches.allocate(shape, capacity, config, dtype, device)
@@ -341,7 +344,8 @@ class ModelRunner:
         """
         b = self.block_size
         columns = [[], [], [], [], []]
-        tables = []
+        tables = np.empty((rows, width), dtype=np.int32)
+        self.host_tables.fill(sequences, tables)
         for seq in sequences:
             kv_len = seq.kv_len
             table = seq.block_table
@@ -351,13 +355,10 @@ class ModelRunner:
             columns[3].append(kv_len + 1)
             first, last = self.windows.query_range(seq.query_slot, kv_len, kv_len + 1)
             columns[4].append(self.windows.row(seq.query_slot, kv_len) if last > first else -1)
-            tables.append(table + [0] * (width - len(table)))
         padding = rows - len(sequences)
         for column, pad in zip(columns, (0, 0, -1, 1, -1)):
             column.extend([pad] * padding)
-        tables.extend([[0] * width] * padding)
-        return (torch.tensor(columns, dtype=torch.int64),
-                torch.tensor(tables, dtype=torch.int32).reshape(rows, width))
+        return torch.tensor(columns, dtype=torch.int64), torch.from_numpy(tables)
 
     def _decode(self, sequences: list[Sequence], tokens: dict[str, list[int]]) -> torch.Tensor:
         batch = len(sequences)

@@ -1,0 +1,143 @@
+"""GPU benchmark: where one decode step's time goes, kernel by kernel, against its roofline.
+
+For each model preset (random weights, Full KV) and batch of `--context`-token sequences, times a
+whole decode step (`ModelRunner.execute`: inputs, CUDA-graph replay, sampling, tokens on the host;
+the plan of bench/decode_overhead_gpu.py), then records `--iterations` steps under torch.profiler
+and sums the GPU kernels' time by kind (decode attention, GEMMs, fused norm/activation/RoPE, KV
+store, sampling, copies, other). The step minus its kernels is time the GPU waited on the host.
+The roofline is (weight bytes + KV bytes read) / measured copy bandwidth.
+
+    python bench/step_profile_gpu.py --models qwen2.5-7b,qwen3-8b,llama-3.1-8b --batches 128,256 --context 1212
+
+Prints a table last and writes step_profile.json under $OUT (or runs/step_profile/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from zipage.config import ZipageConfig
+from zipage.core.deployment import ReplaySettings
+from zipage.core.memory import GIB, weight_bytes
+from zipage.engine.builder import build_engine
+from zipage.presets import get_preset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_overhead_gpu import decode_plan  # noqa: E402  (a sibling script, not a package)
+from peer_tables import copy_bandwidth, kv_token_bytes  # noqa: E402
+
+# Kernel name fragments -> kind, first match wins (Triton kernels carry their Python names).
+KINDS = (
+    ("attention", ("decode", "attention", "attn", "merge_partitions")),
+    ("kv store", ("store_kv", "store_queries")),
+    ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90_xmma", "matmul", "splitk")),
+    ("norm/act/rope", ("rms", "norm", "silu", "rope", "rotary", "fused")),
+    ("sampling", ("argmax", "softmax", "exponential", "topk", "sort", "reduce")),
+    ("copy", ("memcpy", "memset", "copy", "fill", "index")),
+)
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    for kind, fragments in KINDS:
+        if any(fragment in lowered for fragment in fragments):
+            return kind
+    return "other"
+
+
+def profile_model(model: str, batches: list[int], context: int, block_size: int, iterations: int,
+                  bandwidth: float) -> list[dict]:
+    largest = max(batches)
+    blocks_each = -(-(context + 1) // block_size)
+    kv_gb = largest * (blocks_each + 2) * block_size * kv_token_bytes(model) / GIB + 0.5
+    config = ZipageConfig(compress=False, block_size=block_size, max_num_seqs=largest,
+                          max_model_len=(blocks_each + 2) * block_size)
+    settings = ReplaySettings(model=f"random:{model}", dtype="bfloat16", kv_memory_gb=kv_gb, config=config)
+    engine = build_engine(settings, "cuda", cuda_graphs=True)
+    manager = engine.new_scheduler().block_manager
+    weights = weight_bytes(get_preset(model), 2)
+    rows = []
+    try:
+        for batch in batches:
+            plan, tokens = decode_plan(engine, manager, batch, context, compress=False)
+            for _ in range(5):
+                engine.runner.execute(plan, tokens)
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            for _ in range(iterations):
+                engine.runner.execute(plan, tokens)
+            torch.cuda.synchronize()
+            step_ms = (time.perf_counter() - started) / iterations * 1000
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(iterations):
+                    engine.runner.execute(plan, tokens)
+                torch.cuda.synchronize()
+            by_kind: dict[str, float] = collections.defaultdict(float)
+            top: dict[str, float] = collections.defaultdict(float)
+            for event in prof.key_averages():
+                device_us = getattr(event, "device_time_total", None)
+                if device_us is None:
+                    device_us = event.cuda_time_total
+                if device_us <= 0:
+                    continue
+                by_kind[kind_of(event.key)] += device_us / iterations / 1000
+                top[event.key] += device_us / iterations / 1000
+            kernels_ms = sum(by_kind.values())
+            roofline_ms = (weights + batch * context * kv_token_bytes(model)) / bandwidth * 1000
+            row = {"model": model, "batch": batch, "context": context, "block_size": block_size,
+                   "step_ms": step_ms, "kernels_ms": kernels_ms, "host_wait_ms": step_ms - kernels_ms,
+                   "roofline_ms": roofline_ms, "share": roofline_ms / step_ms,
+                   "by_kind_ms": dict(by_kind),
+                   "top_kernels_ms": dict(sorted(top.items(), key=lambda item: -item[1])[:8])}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            for seq in plan.decode:
+                manager.release_all(seq.block_table)
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="qwen2.5-7b,qwen3-8b,llama-3.1-8b")
+    parser.add_argument("--batches", default="128,256")
+    parser.add_argument("--context", type=int, default=1212,
+                        help="KV entries a sequence holds (1212: the R-KV stress shape's mean, 700 + 1024 / 2)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--iterations", type=int, default=20)
+    args = parser.parse_args()
+    batches = [int(batch) for batch in args.batches.split(",")]
+    bandwidth = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for model in args.models.split(","):
+        rows += profile_model(model, batches, args.context, args.block_size, args.iterations, bandwidth)
+    out = Path(os.environ.get("OUT") or Path(__file__).resolve().parents[1] / "runs" / "step_profile")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "step_profile.json").write_text(json.dumps({"bandwidth_tbs": bandwidth / 1e12, "rows": rows}, indent=1))
+    kinds = [kind for kind, _ in KINDS] + ["other"]
+    print(f"\ndecode step, context {args.context}, block {args.block_size}, Full KV: ms per step")
+    print("| model | batch | step | roofline | share | host wait | " + " | ".join(kinds) + " |")
+    print("|---" * (6 + len(kinds)) + "|")
+    for row in rows:
+        cells = " | ".join(f"{row['by_kind_ms'].get(kind, 0.0):.2f}" for kind in kinds)
+        print(f"| {row['model']} | {row['batch']} | {row['step_ms']:.2f} | {row['roofline_ms']:.2f} | "
+              f"{row['share']:.0%} | {row['host_wait_ms']:.2f} | {cells} |")
+
+
+if __name__ == "__main__":
+    main()
