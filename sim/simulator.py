@@ -154,14 +154,20 @@ class Simulator:
         self._compression_done.succeed()
 
     def _step_time(self, plan: StepPlan, now: float) -> float:
-        """The step's duration; the part of it that runs beside an async compression batch
-        is stretched by the cost model's contention factor."""
-        cost = self.cost_model
-        duration = cost.step_time(plan)
-        overlap = self._compression_ends_at - now
-        if overlap > 0 and duration > 0:
-            duration *= cost.decode_contention(min(1.0, overlap / duration))
-        return duration
+        return step_duration(self.cost_model, plan, now, self._compression_ends_at)
+
+
+def step_duration(cost: CostModel, plan: StepPlan, now: float,
+                  compression_ends_at: float) -> float:
+    """A step's duration from `now`: the cost model's `step_time`, the part of it that runs
+    beside an async compression batch (in flight until `compression_ends_at`) stretched by the
+    cost model's contention factor. Every clock prices a step here (the live twin too,
+    sim/live.py); `_PlainClock` inlines it."""
+    duration = cost.step_time(plan)
+    overlap = compression_ends_at - now
+    if overlap > 0 and duration > 0:
+        duration *= cost.decode_contention(min(1.0, overlap / duration))
+    return duration
 
 
 def feed(env: simpy.Environment, arrivals: ArrivalQueue, sink):

@@ -197,5 +197,6 @@ def test_serve_help_says_model_is_required_and_lists_no_simulator_flag(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "--model MODEL HF model directory, .gguf file or random:<preset> (required)" in text
     assert "qwen3-8b" not in text
-    assert "--hardware" not in text and "--cost-model" not in text
+    # Not flags of their own: --simulate's help names them (refused without it).
+    assert "--hardware HARDWARE" not in text and "--cost-model COST_MODEL" not in text
     assert "float32 on the CPU" in text  # --dtype's default follows the device

@@ -2,9 +2,11 @@
 naming it, over real HTTP with the official `openai` client.
 
 The server and the in-process reference engine are test_serve.py's fixtures (SmolLM2 GGUF on
-the CPU engine). Refused: `response_format` other than text, tools and functions, `suffix`,
-vLLM's guided decoding and the other fields the server does not implement, each a 400 whose
-message and `param` name it. Served: `logit_bias` (a large bias makes greedy emit that token),
+the CPU engine). Refused: `functions`, tools without the server's tool-call parser, `suffix`,
+vLLM's `guided_decoding_backend` and `guided_whitespace_pattern` and the other fields the
+server does not implement, each a 400 whose message and `param` name it (structured outputs
+are tests/test_serve_structured.py's). Served: `logit_bias` (a large bias makes greedy emit
+that token),
 `frequency_penalty` / `presence_penalty` / `repetition_penalty` (they remove the repetition
 greedy shows on the tiny model, and equal the in-process engine's output under the same
 settings), `min_p` 1.0 (greedy), `include_stop_str_in_output` (the stop text stays, streamed or
@@ -62,18 +64,12 @@ def _reference(llm, prompt, max_tokens: int = 24, **fields):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema",
-                         "json_schema": {"name": "a", "schema": {"type": "object"}}}),
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("tool_choice", "auto"),
-    ("parallel_tool_calls", False),
+    # tools: tests/test_serve_tools.py and test_tools_need_the_servers_parser below
     ("functions", [{"name": "f", "parameters": {}}]),
     ("function_call", "auto"),
     ("reasoning_effort", "low"),
-    ("guided_json", {"type": "object"}),
-    ("guided_choice", ["yes", "no"]),
-    ("structured_outputs", {"json": {"type": "object"}}),
+    ("guided_decoding_backend", "outlines"),  # structured outputs: tests/test_serve_structured.py
+    ("guided_whitespace_pattern", " *"),
     ("stop_token_ids", [2]),
     ("min_tokens", 4),
     ("skip_special_tokens", False),
@@ -92,8 +88,6 @@ def test_chat_refuses_what_it_does_not_implement_by_name(client, field, value):
 
 @pytest.mark.parametrize("field, value", [
     ("suffix", " the end"),
-    ("response_format", {"type": "json_object"}),
-    ("guided_regex", "[a-z]+"),
     ("prompt_logprobs", 1),
     ("allowed_token_ids", [1, 2, 3]),
     ("add_special_tokens", False),
@@ -108,15 +102,23 @@ def test_completions_refuse_what_they_do_not_implement_by_name(client, field, va
 
 def test_typed_client_arguments_are_refused_too(client):
     """The client's own parameters (not extra_body) reach the same refusal."""
-    with pytest.raises(openai.BadRequestError, match="response_format: not supported"):
-        client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=4,
-                                       response_format={"type": "json_object"})
-    with pytest.raises(openai.BadRequestError, match="tools: not supported"):
-        client.chat.completions.create(
-            model="smollm2", messages=CHAT, max_tokens=4,
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
     with pytest.raises(openai.BadRequestError, match="suffix: not supported"):
         client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=4, suffix="x")
+
+
+def test_tools_need_the_servers_parser_and_a_template_that_renders_them(client):
+    """This server has no --tool-call-parser, and SmolLM2's own template renders no tools
+    (tests/test_serve_tools.py serves them)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=4, tools=tools)
+    assert caught.value.body["param"] == "tools"
+    assert "--enable-auto-tool-choice --tool-call-parser" in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=4, tools=tools,
+                                       tool_choice="none")
+    assert caught.value.body["param"] == "tools"
+    assert "chat template does not render tools" in caught.value.body["message"]
 
 
 def test_neutral_values_and_no_op_fields_are_served(client):

@@ -167,7 +167,9 @@ def test_dead_engine_fails_its_requests_is_restarted_and_the_bound_exits_1(tmp_p
     """A killed engine process: its requests in flight get a clean error, /health is 503 until
     a new engine process is ready, then requests succeed; past --max-engine-restarts the server
     exits 1 for its supervisor."""
-    with _server(tmp_path, "--max-engine-restarts", "1") as (process, url, engine, log):
+    # Without the access and stats lines, the fatal error is the log's last line.
+    with _server(tmp_path, "--max-engine-restarts", "1", "--disable-access-log",
+                 "--disable-log-stats") as (process, url, engine, log):
         async def main():
             async with httpx.AsyncClient(base_url=url, timeout=60) as http:
                 body = {"prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": True}

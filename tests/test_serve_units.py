@@ -130,11 +130,9 @@ CHAT_BODY = {"messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.mark.parametrize("model, field, value", [
-    (ChatRequest, "response_format", {"type": "json_object"}),
-    (ChatRequest, "response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
-    (ChatRequest, "tools", [{"type": "function", "function": {"name": "f"}}]),
-    (ChatRequest, "tool_choice", "auto"),
-    (ChatRequest, "parallel_tool_calls", True),
+    (CompletionRequest, "tools", [{"type": "function", "function": {"name": "f"}}]),
+    (CompletionRequest, "tool_choice", "auto"),
+    (CompletionRequest, "parallel_tool_calls", True),
     (ChatRequest, "functions", [{"name": "f"}]),
     (ChatRequest, "function_call", "auto"),
     (ChatRequest, "echo", True),
@@ -144,8 +142,7 @@ CHAT_BODY = {"messages": [{"role": "user", "content": "hi"}]}
     (ChatRequest, "return_token_ids", True),
     (CompletionRequest, "add_special_tokens", False),
     (CompletionRequest, "suffix", "end"),
-    (CompletionRequest, "response_format", {"type": "json_object"}),
-    (CompletionRequest, "guided_json", {"type": "object"}),
+    (CompletionRequest, "guided_decoding_backend", "outlines"),
     (CompletionRequest, "stop_token_ids", [2]),
     (CompletionRequest, "min_tokens", 3),
     (CompletionRequest, "use_beam_search", True),
@@ -177,9 +174,8 @@ def test_neutral_values_no_ops_and_unknown_fields_are_accepted(field, value):
     CompletionRequest.model_validate({"prompt": "x", field: value}).check_unsupported()
 
 
-@pytest.mark.parametrize("field, value", [
-    ("tool_calls", [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]),
-    ("tool_call_id", "c1"), ("name", "alice"), ("function_call", {"name": "f", "arguments": "{}"}),
+@pytest.mark.parametrize("field, value", [  # tool_calls, tool_call_id, name: test_serve_tools.py
+    ("function_call", {"name": "f", "arguments": "{}"}),
 ])
 def test_message_fields_the_template_would_need_are_a_400_naming_them(field, value):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", field: value}]
@@ -506,7 +502,8 @@ def _plan(step_id: int, hits: int, *items):
     """A stand-in `StepPlan`: (request, first admitted step, cached, computed) per prefill item."""
     from types import SimpleNamespace
 
-    prefill = [SimpleNamespace(seq=SimpleNamespace(seq_id=seq_id, first_admitted_step=admitted),
+    prefill = [SimpleNamespace(seq=SimpleNamespace(seq_id=seq_id, first_admitted_step=admitted,
+                                                   arrival_s=1.0),
                                num_cached_tokens=cached, num_new_tokens=computed)
                for seq_id, admitted, cached, computed in items]
     return SimpleNamespace(step_id=step_id, prefix_hit_tokens=hits, prefill=prefill)
@@ -529,6 +526,7 @@ def test_cached_tokens_reach_the_first_token_of_a_chunked_prompt_and_the_counter
 
     core = EngineCore.__new__(EngineCore)
     core.prefix_queries = core.prefix_hits = 0
+    core.step_started, core.queued = 1.25, {}  # the stand-in requests arrived at 1.0
     info = Ready("cpu", ZipageConfig(block_size=16, kv_budget=64, window=4),
                  MemoryPlan(1024, 64, 1, 1, 1024), 256, frozenset(), 1)
     client = EngineClient(SimpleNamespace(poll=lambda: None),
@@ -541,18 +539,22 @@ def test_cached_tokens_reach_the_first_token_of_a_chunked_prompt_and_the_counter
     def step(plan, seq_ids, tokens):
         hits = core._count_prompt_tokens(plan)
         stats = EngineStats(1, 0, 5, 0, 0, core.prefix_queries, core.prefix_hits)
-        client._receive(StepUpdate(seq_ids, tokens, {}, {}, stats, None, {}, hits))
+        client._receive(StepUpdate(seq_ids, tokens, {}, {}, stats, None, {}, hits,
+                                   queued=core.queued))
+        core.queued = {}
         return [handle.deltas.get_nowait() for _ in tokens]
 
     assert step(_plan(3, 32, (rid, 3, 32, 16)), [], []) == []  # admitted: 32 hit, 16 computed
     assert handle.cached_tokens == 32
     first, = step(_plan(4, 0, (rid, 3, 48, 22)), [rid], [7])  # the last chunk samples
     assert first.cached_tokens == 32
+    assert first.queued_s == pytest.approx(0.25, abs=1e-12)  # admission's step start - arrival
     second, = step(_plan(5, 0), [rid], [8])
     assert second.cached_tokens is None
     text = metrics.exposition().decode()
     assert 'zipage:prefix_cache_hits_total{model_name="m",replica="0"} 32.0' in text
     assert 'zipage:prefix_cache_queries_total{model_name="m",replica="0"} 70.0' in text
+    assert 'zipage:request_queue_time_seconds_count{model_name="m",replica="0"} 1.0' in text
 
 
 def test_prefix_cache_counters_are_per_replica_and_survive_a_restart():

@@ -21,9 +21,12 @@ from zipage.errors import ZipageError
 from zipage.serve import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_LOG_STATS_INTERVAL_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONNECTIONS,
 )
+from zipage.serve.reasoning import REASONING_PARSERS
+from zipage.serve.tool_parsers import TOOL_PARSERS
 
 
 def add_parser(commands) -> None:
@@ -77,6 +80,32 @@ def add_parser(commands) -> None:
                             f"(default {DEFAULT_MAX_CONNECTIONS})")
     serve.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
                        help="close an idle keep-alive connection after this long (default 5)")
+    logs = serve.add_argument_group("logs on stderr (docs/serve.md, 'Logs')")
+    logs.add_argument("--disable-access-log", "--disable-uvicorn-access-log",
+                      dest="disable_access_log", action="store_true",
+                      help="no line per request (method, path, status, latency, id, tokens); "
+                           "the second name is vLLM's")
+    logs.add_argument("--disable-log-stats", action="store_true",
+                      help="no periodic stats line (throughput, queues, KV cache use, "
+                           "prefix-cache hit rate)")
+    logs.add_argument("--log-stats-interval", type=float, default=DEFAULT_LOG_STATS_INTERVAL_S,
+                      metavar="SECONDS",
+                      help="seconds between stats lines, printed only while the server works "
+                           f"(default {DEFAULT_LOG_STATS_INTERVAL_S:g})")
+    chat = serve.add_argument_group(
+        "tool calling and reasoning (docs/serve.md, 'Tool calling and reasoning')")
+    chat.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help="serve tool_choice \"auto\": the output is searched for tool calls "
+                           "(needs --tool-call-parser)")
+    chat.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                      help="the format of the model's tool calls: hermes (Qwen2.5, Qwen3, "
+                           "Hermes: <tool_call> blocks), llama3_json (Llama 3.1/3.2 JSON calls)")
+    chat.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                      help="split the <think> reasoning of a thinking model into "
+                           "reasoning_content: qwen3, deepseek_r1 (the template opens <think>)")
+    chat.add_argument("--chat-template", default=None, metavar="PATH",
+                      help="a Jinja chat template file used instead of the model's own (e.g. "
+                           "one that renders tools)")
     parallel = serve.add_argument_group("replicas (docs/serve.md, 'Data parallel')")
     parallel.add_argument("--data-parallel", type=int, default=1, metavar="N",
                           help="serve N engine replicas behind this one server: one engine "
@@ -92,6 +121,17 @@ def add_parser(commands) -> None:
                                "one that dies; the OpenAI app is the ingress on --host/--port")
     add_graph_flags(serve)
     add_threads_flag(serve)
+    twin = serve.add_argument_group("a GPU-free twin (docs/serve.md, 'A GPU-free twin server')")
+    twin.add_argument("--simulate", action="store_true",
+                      help="serve from the simulator's twin stepping in real time instead of the "
+                           "engine (no GPU, no torch): each step lasts what the cost model says "
+                           "on the simulated GPU, taken from --hardware and --cost-model as "
+                           "`zipage replay` takes them; tokens come from a cheap generator and "
+                           "every request runs to its max_tokens")
+    twin.add_argument("--tokenizer", default=None, metavar="PATH",
+                      help="--simulate: the tokenizer of this HF model directory or .gguf file, "
+                           "for text prompts (default: --model's when it is a path; with a "
+                           "preset, prompts are token ids)")
 
 
 API_KEY_VARIABLE = "ZIPAGE_API_KEY"
@@ -99,7 +139,13 @@ API_KEY_VARIABLE = "ZIPAGE_API_KEY"
 # --gpu, `zipage plan`: the GPU it prices and its cost model; a server runs on the device it has),
 # and a trace replay's closed population (a server serves whatever its clients send).
 _SIMULATOR = ("a simulator flag (zipage replay, zipage plan); zipage serve runs the real engine on "
-              "the device it has: drop it")
+              "the device it has unless --simulate (the twin then prices its steps with it): "
+              "add --simulate or drop it")
+# What --simulate takes of those: the GPU it prices and its cost model.
+SIMULATE_FLAGS = ("hardware", "cost_model")
+# The engine's own flags, which the twin has no use for: dest -> flag.
+ENGINE_ONLY_FLAGS = {"engine": "--engine", "threads": "--threads",
+                     "no_cuda_graphs": "--no-cuda-graphs", "prefill_graphs": "--prefill-graphs"}
 REFUSED_FLAGS = {"hardware": ("--hardware", _SIMULATOR), "cost_model": ("--cost-model", _SIMULATOR),
                    "users": ("--users", "a trace replay's closed population (zipage replay, zipage "
                              "bench serve --users); a server serves what its clients send: drop it")}
@@ -139,9 +185,14 @@ def _check_serve_flags(args: argparse.Namespace) -> str | None:
         raise ZipageError("--model: required; a HF model directory, a .gguf file or "
                           "random:<preset>")
     for dest, (flag, why) in REFUSED_FLAGS.items():
-        if getattr(args, dest) is not None:
+        if args.simulate and dest in SIMULATE_FLAGS:
+            pass
+        elif getattr(args, dest) is not None:
             raise ZipageError(f"{flag}: {why}")
-        setattr(args, dest, declared_default(dest))  # what the settings record
+        if getattr(args, dest) is None:
+            setattr(args, dest, declared_default(dest))  # what the settings record
+    _check_simulate_flags(args)
+    _check_chat_flags(args)
     if args.max_waiting is not None and args.max_waiting < 1:
         raise ZipageError(f"--max-waiting: got {args.max_waiting}, expected >= 1")
     if args.max_body_bytes < 1:
@@ -153,7 +204,8 @@ def _check_serve_flags(args: argparse.Namespace) -> str | None:
     if args.max_engine_restarts < 0:
         raise ZipageError(f"--max-engine-restarts: got {args.max_engine_restarts}, "
                           "expected >= 0")
-    for flag in ("drain_timeout", "header_timeout", "body_timeout", "keep_alive_timeout"):
+    for flag in ("drain_timeout", "header_timeout", "body_timeout", "keep_alive_timeout",
+                 "log_stats_interval"):
         value = getattr(args, flag)
         if not value > 0:
             raise ZipageError(f"--{flag.replace('_', '-')}: got {value}, expected seconds > 0")
@@ -162,11 +214,62 @@ def _check_serve_flags(args: argparse.Namespace) -> str | None:
     return api_key_from(args, os.environ)
 
 
+def _check_simulate_flags(args: argparse.Namespace) -> None:
+    """The engine's own flags are refused with --simulate, and --tokenizer without it."""
+    if not args.simulate:
+        if args.tokenizer is not None:
+            raise ZipageError("--tokenizer: only with --simulate (the engine serves its "
+                              "--model's own tokenizer): add --simulate or drop it")
+        return
+    for dest, flag in ENGINE_ONLY_FLAGS.items():
+        if getattr(args, dest) not in (None, False):
+            raise ZipageError(f"{flag}: an engine flag; --simulate runs no engine (each step "
+                              "lasts what --cost-model says on --hardware): drop it")
+    if args.ray is not None:
+        raise ZipageError("--ray: not with --simulate: the Ray ingress loads its tokenizer "
+                          "through the engine's loader (torch; no --tokenizer, no bare preset); "
+                          "use --data-parallel N for N twins behind one server")
+
+
+def _check_chat_flags(args: argparse.Namespace) -> None:
+    """The tool-calling flags go together; --chat-template is read (and parsed) now."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ZipageError("--enable-auto-tool-choice: needs --tool-call-parser NAME "
+                          f"({', '.join(sorted(TOOL_PARSERS))})")
+    args.chat_template_text = None
+    if args.chat_template is None:
+        return
+    try:
+        text = Path(args.chat_template).read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ZipageError(f"--chat-template: cannot read {args.chat_template}: "
+                          f"{getattr(error, 'strerror', None) or error}") from None
+    try:
+        import jinja2
+    except ImportError:  # transformers brings it, and renders the template with it
+        raise ZipageError("--chat-template: needs jinja2 (pip install 'zipage[engine]')") from None
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as error:
+        raise ZipageError(f"--chat-template: {args.chat_template} line {error.lineno}: "
+                          f"{error.message}") from None
+    args.chat_template_text = text
+
+
+def _chat_options(args: argparse.Namespace) -> dict:
+    """`build_app`'s chat settings, from the tool-calling and reasoning flags."""
+    from zipage.serve.chat_output import ChatSettings
+
+    return {"chat": ChatSettings(args.tool_call_parser, args.enable_auto_tool_choice,
+                                 args.reasoning_parser, args.chat_template_text)}
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     api_key = _check_serve_flags(args)
     require_serve_extra()
-    given = engine_given(args)
-    require_torch(args.engine, given, "use --engine cpu (small models)")
+    if not args.simulate:  # the twin needs neither torch nor a GPU
+        given = engine_given(args)
+        require_torch(args.engine, given, "use --engine cpu (small models)")
     if args.ray is not None:
         return _serve_on_ray(args, api_key)
     from zipage.serve.listen import bind
@@ -180,12 +283,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, sock, api_key: str | None) -> int:
-    from zipage.engine.loader import load_tokenizer
     from zipage.serve.engine_client import EngineProcessError
     from zipage.serve.replicas import ReplicaSet, replica_setups
 
     settings = settings_from_args(args)
-    setup = _engine_setup(args, settings)
+    # The twin's tokenizer first: the twin must know its special tokens, never to make one.
+    tokenizer = twin_tokenizer(args.tokenizer, settings.model) if args.simulate else None
+    setup = _engine_setup(args, settings, tokenizer)
     setups = replica_setups(setup, args.data_parallel, settings.tensor_parallel)
     # Each engine runs in a process of its own (docs/serve.md, 'How it works'); the server
     # listens only once every replica has loaded the model.
@@ -195,7 +299,10 @@ def _serve(args: argparse.Namespace, sock, api_key: str | None) -> int:
         print(f"zipage: error: {error}", file=sys.stderr)
         return 1
     try:
-        tokenizer = load_tokenizer(settings.model)  # this process detokenizes
+        if not args.simulate:
+            from zipage.engine.loader import load_tokenizer
+
+            tokenizer = load_tokenizer(settings.model)  # this process detokenizes
         name = args.served_model_name or Path(settings.model).name  # a path's last part
         server = _http_server(args, engine, tokenizer, name, api_key)
         info, capacity = engine.info, engine.info.capacity
@@ -244,7 +351,9 @@ def _serve_on_ray(args: argparse.Namespace, api_key: str | None) -> int:
     try:
         info = deploy(setup, args.data_parallel, args.routing, name,
                       {"max_waiting": args.max_waiting, "api_key": api_key,
-                       "max_body_bytes": args.max_body_bytes}, args.host, args.port)
+                       "max_body_bytes": args.max_body_bytes, **_log_options(args),
+                       **_chat_options(args)},
+                      args.host, args.port)
         print(f"zipage serve: {name} on Ray ({args.ray}), {args.data_parallel} replicas routed "
               f"{args.routing}, each with {info.capacity.num_blocks} KV blocks of "
               f"{info.config.block_size} tokens; listening on http://{args.host}:{args.port}",
@@ -262,12 +371,23 @@ def _serve_on_ray(args: argparse.Namespace, api_key: str | None) -> int:
     return 0
 
 
-def _engine_setup(args: argparse.Namespace, settings):
-    """What each engine process is built from (one, a replica, or a Ray replica)."""
-    from zipage.serve.wire import Setup
+def _engine_setup(args: argparse.Namespace, settings, tokenizer=None):
+    """What each engine process is built from (one, a replica, or a Ray replica); under
+    --simulate the twin, on the CPU (a replica on its own slice of the cores)."""
+    from zipage.serve.wire import Setup, Simulate
 
+    if args.simulate:
+        special = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
+        return Setup(settings, "cpu", False, None, None, simulate=Simulate(special))
     return Setup(settings, "cuda" if args.engine == "gpu" else "cpu", not args.no_cuda_graphs,
                  args.prefill_graphs, args.threads)
+
+
+def _log_options(args: argparse.Namespace) -> dict:
+    """`build_app`'s access log and stats line, from --disable-access-log, --disable-log-stats
+    and --log-stats-interval."""
+    return {"access_log": not args.disable_access_log,
+            "log_stats_s": None if args.disable_log_stats else args.log_stats_interval}
 
 
 def _http_server(args: argparse.Namespace, engine, tokenizer, name: str, api_key: str | None):
@@ -278,8 +398,10 @@ def _http_server(args: argparse.Namespace, engine, tokenizer, name: str, api_key
     from zipage.serve.listen import DRAIN_GRACE_S, DrainingServer, guarded_protocol
 
     app = build_app(engine, tokenizer, name, max_waiting=args.max_waiting,
-                    api_key=api_key, max_body_bytes=args.max_body_bytes)
-    config = uvicorn.Config(app, log_level="warning",
+                    api_key=api_key, max_body_bytes=args.max_body_bytes,
+                    **_log_options(args), **_chat_options(args))
+    # uvicorn's own access log stays off: ours (zipage/serve/logs.py) has the id and tokens.
+    config = uvicorn.Config(app, log_level="warning", access_log=False,
                             http=guarded_protocol(args.header_timeout, args.body_timeout,
                                                   args.max_connections),
                             timeout_keep_alive=args.keep_alive_timeout,
@@ -299,3 +421,41 @@ def _serve_status(server, engine) -> int:
         print("zipage serve: stopped; requests still running at the drain deadline were "
               "failed", file=sys.stderr, flush=True)
     return 0
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def twin_tokenizer(tokenizer: str | None, model: str):
+    """--simulate's tokenizer: --tokenizer's, else --model's when it is a path; None for a preset
+    (prompts are then token ids). An HF directory's needs transformers alone; a .gguf file's
+    needs torch too (transformers reads GGUF files with it)."""
+    from zipage.errors import UnknownModelError
+
+    flag, spec = ("--tokenizer", tokenizer) if tokenizer is not None else ("--model", model)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        try:
+            from zipage.engine.loader import load_tokenizer
+        except ImportError:
+            raise ZipageError(f"{flag}: {spec}: a .gguf file's tokenizer needs torch (transformers "
+                              "reads GGUF with it); pip install torch, or pass the model's HF "
+                              "directory as --tokenizer") from None
+        return load_tokenizer(str(path))
+    if not path.is_dir():
+        if tokenizer is not None:
+            raise UnknownModelError(f"--tokenizer: {spec} is neither a HF model directory nor "
+                                    "a .gguf file")
+        return None  # a preset: its shape alone (a path that is neither fails as --model)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        if tokenizer is None:
+            return None  # a model directory without one: token ids, as on the engine
+        raise UnknownModelError(f"--tokenizer: {spec} has none of {', '.join(TOKENIZER_FILES)}")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as error:  # noqa: BLE001 - the directory is the user's input
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise UnknownModelError(f"{flag}: {spec} holds no tokenizer transformers can load "
+                                f"({reason})") from None

@@ -18,3 +18,5 @@ DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0  # an 8 MiB body (the default --max-body-bytes) at 2.3 Mbit/s
 DEFAULT_MAX_CONNECTIONS = 2048  # 4x the default --max-num-seqs of running requests
+# The stats line's period (`zipage serve --log-stats-interval`; zipage/serve/logs.py), vLLM's.
+DEFAULT_LOG_STATS_INTERVAL_S = 10.0

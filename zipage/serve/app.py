@@ -34,9 +34,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from zipage.core.sampling import SamplingParams
 from zipage.errors import ZipageError
 from zipage.serve import DEFAULT_MAX_BODY_BYTES
+from zipage.serve.chat_output import ChatSettings
 from zipage.serve.detokenize import IncrementalText
 from zipage.serve.engine_client import Delta, EngineStopped, RequestHandle
 from zipage.serve.logprobs import TokenText, chat_logprobs, completion_logprobs, join_completion_logprobs
+from zipage.serve.logs import AccessLog, StatsLine, note_answer
 from zipage.serve.metrics import CONTENT_TYPE, ServerMetrics
 from zipage.serve.protocol import (
     ChatRequest,
@@ -60,14 +62,16 @@ class Server:
     the tokenizer, the waiting cap, the API key."""
 
     def __init__(self, engine: ReplicaSet, tokenizer, model_name: str,
-                 max_waiting: int | None = None, api_key: str | None = None) -> None:
+                 max_waiting: int | None = None, api_key: str | None = None,
+                 chat: ChatSettings = ChatSettings()) -> None:
         self.engine = engine
+        self.chat = chat  # tool calling, reasoning, the chat template (chat_output.py)
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_waiting = max_waiting
         self.api_key = api_key
         self.metrics = ServerMetrics(model_name, engine.info.capacity.num_blocks,
-                                     engine.replicas)
+                                     engine.replicas, engine.info.config.max_model_len)
         self.eos = engine.info.eos_token_ids
         self.max_model_len = engine.info.config.max_model_len
         self.created = int(time.time())
@@ -101,6 +105,9 @@ class Server:
         limit = body.output_limit if isinstance(body, ChatRequest) else body.max_tokens
         if limit == 0:  # echo alone: one token is generated and left out of the answer
             limit = 1
+        structured, field = body.structured_output()
+        if structured is not None:
+            self.check_structured(structured, field, body)
         try:
             sampling = SamplingParams(
                 temperature=body.temperature, top_p=body.top_p,
@@ -112,7 +119,7 @@ class Server:
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty, min_p=body.min_p,
-                logit_bias=body.logit_bias_pairs)
+                logit_bias=body.logit_bias_pairs, structured_output=structured)
         except ZipageError as error:
             raise ServeError(400, str(error), str(error).split(":")[0]) from None
         vocab = self.engine.info.vocab_size
@@ -143,6 +150,26 @@ class Server:
         except EngineStopped as error:
             raise ServeError(503, str(error), None, "server_error") from None
 
+    def check_structured(self, spec, field: str, body: SamplingFields) -> None:
+        """A 400 naming `field` for a constraint the engine could not compile: a schema,
+        pattern or grammar that does not parse (parsed here, in milliseconds, without the
+        tokenizer's mask tables), a model without a tokenizer, the extra not installed."""
+        param = field.split(".")[0]
+        if body.ignore_eos:
+            raise ServeError(400, f"{field}: cannot be combined with ignore_eos (the end of the "
+                                  "grammar ends the output); leave ignore_eos out", param)
+        if self.tokenizer is None:
+            raise ServeError(400, f"{field}: this model has no tokenizer (random weights) to "
+                                  "build a grammar over; leave it out", param)
+        try:  # the engine's module: torch, absent on a `--simulate` host (its twin refuses)
+            from zipage.engine.structured import StructuredOutputError, check_spec
+        except ImportError:
+            return
+        try:
+            check_spec(spec)
+        except StructuredOutputError as error:
+            raise ServeError(400, f"{field}: {error}", param) from None
+
     def default_output_limit(self, prompt_len: int) -> int:
         """Chat's default max_tokens: whatever the context and memory leave (vLLM's rule)."""
         scheduler = self.engine.admission
@@ -170,15 +197,35 @@ class Server:
                              "prompt") from None
 
     def chat_prompt(self, body: ChatRequest) -> list[int]:
-        """The model's own chat template (GGUF files and HF directories both carry one)."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+        """The model's own chat template (GGUF files and HF directories both carry one), or
+        --chat-template's."""
+        template = self.chat.chat_template
+        if self.tokenizer is None or not (template or getattr(self.tokenizer, "chat_template",
+                                                                None)):
             raise ServeError(400, "messages: this model has no chat template; use "
                                   "/v1/completions", "messages")
+        if body.parses_tools and not (self.chat.auto_tool_choice and self.chat.tool_parser):
+            raise ServeError(400, "tools: tool_choice \"auto\" needs the server's tool-call "
+                                  "parser; start it with --enable-auto-tool-choice "
+                                  "--tool-call-parser NAME (or send tool_choice \"none\")",
+                             "tools")
+        messages = body.plain_messages()
         try:
             # The template renders once: its text is checked against the bound, then tokenized
             # as apply_chat_template(tokenize=True) does (no special tokens added).
-            text = self.tokenizer.apply_chat_template(body.plain_messages(),
-                                                      add_generation_prompt=True, tokenize=False)
+            text = self._render(messages, body.tool_dicts, template)
+            if body.tools and text == self._render(messages, None, template):
+                raise ServeError(400, "tools: this model's chat template does not render tools; "
+                                      "serve it with one that does (zipage serve "
+                                      "--chat-template FILE)", "tools")
+            for index, message in enumerate(messages):
+                if message.get("tool_calls") and text == self._render(
+                        [*messages[:index], {**message, "tool_calls": None},
+                         *messages[index + 1:]], body.tool_dicts, template):
+                    raise ServeError(400, f"messages[{index}].tool_calls: this model's chat "
+                                          "template does not render tool calls; serve it with "
+                                          "one that does (zipage serve --chat-template FILE)",
+                                     f"messages[{index}].tool_calls")
             self.refuse_if_too_long(text, "messages")
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         except ServeError:
@@ -187,6 +234,11 @@ class Server:
             raise ServeError(400, f"messages: the chat template refused them: {error}",
                              "messages") from None
         return list(ids)
+
+    def _render(self, messages: list[dict], tools: list[dict] | None,
+                template: str | None) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=template,
+                                                  add_generation_prompt=True, tokenize=False)
 
     def refuse_if_too_long(self, text: str, field: str) -> None:
         """A 400 for a text that is over the longest prompt whatever its tokens."""
@@ -356,15 +408,24 @@ async def _cancel_on_disconnect(request: Request, work):
 
 def build_app(engine: ReplicaSet, tokenizer, model_name: str, *,
               max_waiting: int | None = None, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, access_log: bool = False,
+              log_stats_s: float | None = None,
+              chat: ChatSettings = ChatSettings()) -> FastAPI:
     """The routes over started engine processes (`ReplicaSet.start`); the app's shutdown stops
-    them."""
-    server = Server(engine, tokenizer, model_name, max_waiting, api_key)
+    them. `access_log`: a line per request; `log_stats_s`: the stats line every so many seconds
+    (None: none); both on stderr (zipage/serve/logs.py). `chat`: tool calling, reasoning and
+    the chat template (chat_output.py)."""
+    server = Server(engine, tokenizer, model_name, max_waiting, api_key, chat)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.attach(server.metrics)
+        stats = (None if log_stats_s is None else
+                 asyncio.get_running_loop().create_task(
+                     StatsLine(server.metrics, log_stats_s).run()))
         yield
+        if stats is not None:
+            stats.cancel()
         engine.close()
         server.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(engine.stop_process)
@@ -372,6 +433,8 @@ def build_app(engine: ReplicaSet, tokenizer, model_name: str, *,
     app = FastAPI(title="Zipage", lifespan=lifespan)
     app.state.server = server
     app.add_middleware(_Gate, api_key=api_key, max_body_bytes=max_body_bytes)
+    if access_log:  # outside the gate: its 401s and 413s are logged too
+        app.add_middleware(AccessLog)
 
     # One error body for everything: OpenAI's clients read `error.message`, and docs/serve.md
     # promises that shape for every status.
@@ -575,6 +638,7 @@ class _Answer:
                         for prompt in range(len(prompts))]
         self.text_of = server.token_text
         self.logprobs = body.output_logprobs is not None
+        note_answer(rid, self.usage)  # the access log's id and tokens
 
     def envelope(self, kind: str, choices: list[dict]) -> dict:
         return {"id": self.rid, "object": kind, "created": int(time.time()),
@@ -670,20 +734,42 @@ class CompletionAnswer(_Answer):
 class ChatAnswer(_Answer):
     object_whole, object_chunk = "chat.completion", "chat.completion.chunk"
 
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        # Each choice's reasoning and tool-call parsers (None: its text is the content), and
+        # the text its stream has released (stop strings held back) for them to scan.
+        body = self.body
+        self.outputs = {choice.index: self.server.chat.output(
+            body.parses_tools, body.parallel_tool_calls is False) for choice in self.choices}
+        self.released = {choice.index: "" for choice in self.choices}
+
     def whole_choice(self, choice: Choice) -> dict:
         logprobs = (chat_logprobs(self.text_of, choice.text.token_ids, choice.entries)
                     if self.logprobs else None)
-        return {"index": choice.index,
-                "message": {"role": "assistant", "content": choice.text.text},
-                "logprobs": logprobs, "finish_reason": choice.finish}
+        output, finish = self.outputs[choice.index], choice.finish
+        if output is None:
+            message = {"role": "assistant", "content": choice.text.text}
+        else:
+            message = output.message(choice.text.text)
+            if "tool_calls" in message:
+                finish = "tool_calls"  # vLLM's and OpenAI's reason for an answer of calls
+        return {"index": choice.index, "message": message, "logprobs": logprobs,
+                "finish_reason": finish}
 
     def chunk(self, choice: Choice, finish: str | None) -> dict:
         piece = choice.text.new_text(final=finish is not None)
         ids, entries = choice.new_tokens()
-        delta = {"content": piece}
+        output = self.outputs[choice.index]
+        if output is None:
+            delta = {"content": piece}
+        else:
+            self.released[choice.index] += piece
+            delta = output.delta(self.released[choice.index], final=finish is not None)
+            if finish is not None and output.called:
+                finish = "tool_calls"
         if not choice.started:
             choice.started = True
-            delta = {"role": "assistant", "content": piece}
+            delta = {"role": "assistant", **delta}
         logprobs = chat_logprobs(self.text_of, ids, entries) if self.logprobs else None
         return {"index": choice.index, "delta": delta, "logprobs": logprobs,
                 "finish_reason": finish}

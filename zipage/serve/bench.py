@@ -38,9 +38,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import statistics
+import sys
 import time
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import httpx
 
@@ -69,32 +71,84 @@ LATE_S = 0.05
 FINISHED, FAILED = "finished", "failed"
 NO_TOKEN_IDS = ("the server sent back no generated token ids (return_token_ids), which the turns "
                 "that follow it are built from")
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+ENDPOINTS = (COMPLETIONS, CHAT)
+CHAT_NEEDS_TEXT = ("--endpoint /v1/chat/completions sends messages of text, and these prompts are "
+                   "token ids; use --endpoint /v1/completions, or a text dataset "
+                   "(--dataset-name sharegpt, or random with --tokenizer)")
+# Without a terminal, a progress line at least this often (while requests finish).
+LINE_EVERY_S = 10.0
 _COUNTER = re.compile(r"^zipage:(compressions|preemptions|prefix_cache_queries|prefix_cache_hits)"
                       r"_total\{[^}]*\}\s+(\S+)$", re.M)
 _ROUTED = re.compile(r'^zipage:requests_routed_total\{[^}]*replica="(\d+)"[^}]*\}\s+(\S+)$', re.M)
 
 
-async def bench_serve(trace: Trace, url: str, model: str | None = None, *,
-                      api_key: str | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE,
-                      progress: bool = False, users: int | None = None,
-                      transport: httpx.AsyncBaseTransport | None = None
+@dataclass(frozen=True)
+class ReportSpec:
+    """What the vLLM-style report holds: which latencies (`--percentile-metrics`), at which
+    percentiles (`--metric-percentiles`, beside mean, median and standard deviation), and the
+    service-level objectives in ms a request must all meet to count towards goodput
+    (`--goodput`; None: no goodput)."""
+
+    metrics: tuple[str, ...] = ("ttft", "tpot", "itl")
+    percentiles: tuple[float, ...] = (99.0,)
+    goodput: dict[str, float] | None = None
+
+
+@dataclass
+class Timing:
+    """One request as the client saw it: when it was sent, when each streamed chunk that
+    carried output came, and when its response fully came back."""
+
+    sent: float | None = None
+    chunks: list[float] = field(default_factory=list)
+    ended: float | None = None
+
+    def itls(self) -> list[float]:
+        """Inter-token latencies: every gap between successive output chunks (s)."""
+        return [later - earlier for earlier, later in zip(self.chunks, self.chunks[1:])]
+
+
+@dataclass
+class BenchResult:
+    summary: dict
+    records: list[RequestRecord]
+    timings: dict[str, Timing]  # by request id (those never sent have none)
+
+
+async def bench_serve(trace: Trace, url: str, model: str | None = None, **options
                       ) -> tuple[dict, list[RequestRecord]]:
     """Replay `trace` against the server at `url`; the run's summary and its request records
-    (in trace order). `users`: at most that many sessions at once (`ArrivalQueue`'s closed
-    population). `transport`: httpx's, to watch or fake the exchanges (tests)."""
+    (in trace order). The options are `run_bench`'s."""
+    result = await run_bench(trace, url, model, **options)
+    return result.summary, result.records
+
+
+async def run_bench(trace: Trace, url: str, model: str | None = None, *,
+                    api_key: str | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE,
+                    progress: bool = False, users: int | None = None,
+                    texts: dict[str, str] | None = None, endpoint: str = COMPLETIONS,
+                    max_concurrency: int | None = None, report: ReportSpec = ReportSpec(),
+                    transport: httpx.AsyncBaseTransport | None = None) -> BenchResult:
+    """Replay `trace` against the server at `url`. `users`: at most that many sessions at once
+    (`ArrivalQueue`'s closed population). `texts`: prompts to send as text, by request id (a
+    text dataset; the others go as token ids). `endpoint`: COMPLETIONS or CHAT (text prompts
+    only). `max_concurrency`: at most that many requests in flight. `transport`: httpx's, to
+    watch or fake the exchanges (tests)."""
+    if endpoint not in ENDPOINTS:
+        raise ZipageError(f"--endpoint: expected one of {', '.join(ENDPOINTS)}, got {endpoint!r}")
+    if endpoint == CHAT and (texts is None or any(r.id not in texts for r in trace.requests)):
+        raise ZipageError(CHAT_NEEDS_TEXT)
     base = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base, headers=headers, timeout=None, limits=limits,
                                  transport=transport) as client:
-        model = model or await _served_model(client, base)
+        model = await _served_model(client, base, model)
         counters_before = await _server_counters(client)
-        bar = None
-        if progress:
-            from zipage.core.recorder import progress_bar
-
-            bar = progress_bar(len(trace.requests), "requests", "req")
-        replay = _Replay(client, trace, model, vocab_size, bar, users)
+        bar = _Progress(len(trace.requests)) if progress else None
+        replay = _Replay(client, trace, model, vocab_size, bar, users, texts, endpoint,
+                         max_concurrency)
         started = time.perf_counter()
         try:
             records = await replay.run()
@@ -108,7 +162,41 @@ async def bench_serve(trace: Trace, url: str, model: str | None = None, *,
     summary.update(_session_summary(replay, records))
     summary.update(wall_s=wall, driver="served", kind=SERVED, url=base, model=model,
                    settings={})
-    return summary, records
+    summary["bench"] = bench_report(records, replay.timings, wall, report)
+    return BenchResult(summary, records, replay.timings)
+
+
+class _Progress:
+    """Requests done, on stderr: a bar on a terminal; into a file or a pipe, a plain line at
+    each tenth of the requests or LINE_EVERY_S after the last line (a bar's carriage returns
+    would fill a log with its every redraw)."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done = total, 0
+        self.bar = None
+        if sys.stderr.isatty():
+            from zipage.core.recorder import progress_bar
+
+            self.bar = progress_bar(total, "requests", "req")
+        self.started = self.last_line = time.perf_counter()
+        self.tenths = 0
+
+    def update(self) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            return
+        now = time.perf_counter()
+        tenths = 10 * self.done // max(self.total, 1)
+        if tenths > self.tenths or now - self.last_line >= LINE_EVERY_S:
+            self.tenths, self.last_line = tenths, now
+            print(f"bench serve: {self.done}/{self.total} requests done "
+                  f"({100 * self.done / max(self.total, 1):.0f} %) in {now - self.started:.1f} s",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 class _Replay:
@@ -117,8 +205,14 @@ class _Replay:
     that follow it due."""
 
     def __init__(self, client: httpx.AsyncClient, trace: Trace, model: str, vocab_size: int,
-                 bar, users: int | None = None) -> None:
+                 bar: _Progress | None, users: int | None = None,
+                 texts: dict[str, str] | None = None, endpoint: str = COMPLETIONS,
+                 max_concurrency: int | None = None) -> None:
         self.client, self.model, self.bar = client, model, bar
+        self.texts, self.endpoint = texts, endpoint
+        # In-flight requests at most (vLLM's --max-concurrency): a request waits for a slot
+        # once it is due, and its clock (TTFT, E2EL) starts when it has one, as vLLM's does.
+        self.slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         self.sequences = list(iter_trace_sequences(trace, vocab_size, need_tokens=True))
         # Turns that follow each request, still to come due: its history (prompt + generated
         # ids) is kept until the last of them was built from it.
@@ -130,6 +224,7 @@ class _Replay:
             self.depth[request.id] = (1 if request.after is None
                                       else self.depth.get(request.after, 1) + 1)
         self.records: dict[str, RequestRecord] = {}
+        self.timings: dict[str, Timing] = {}
         self.lags: list[float] = []  # per request sent: seconds from due to sent
         # Per request finished: its usage's prompt_tokens_details.cached_tokens (those whose
         # server sent it).
@@ -215,32 +310,78 @@ class _Replay:
     def _record(self, record: RequestRecord) -> None:
         self.records[record.id] = record
         if self.bar is not None:
-            self.bar.update(1)
+            self.bar.update()
 
     # ---- one request
 
-    async def _send(self, seq: Sequence) -> None:
-        followed = self.followers.get(seq.seq_id, 0) > 0  # a later turn is built from it
-        body = {"model": self.model, "prompt": seq.prompt_token_ids,
-                "max_tokens": seq.max_output_tokens, "temperature": 0.0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
+    def _body(self, seq: Sequence, followed: bool) -> dict:
+        text = self.texts.get(seq.seq_id) if self.texts is not None else None
+        body = {"model": self.model, "temperature": 0.0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        if self.endpoint == CHAT:
+            body["messages"] = [{"role": "user", "content": text}]
+            body["max_completion_tokens"] = seq.max_output_tokens
+        else:
+            body["prompt"] = text if text is not None else seq.prompt_token_ids
+            body["max_tokens"] = seq.max_output_tokens
         if seq.turn is not None and seq.turn.session:
             body["session_id"] = seq.turn.session
         if followed:
             body["return_token_ids"] = True
+        return body
+
+    async def _send(self, seq: Sequence) -> None:
+        followed = self.followers.get(seq.seq_id, 0) > 0  # a later turn is built from it
+        body = self._body(seq, followed)
         self.lags.append(self.now() - seq.arrival_s)
-        first = finish = None
-        chunks = 0
-        output_len = None
-        error = None
-        output_ids: list[int] = []
-        got_ids = False
-        cached = None
+        if self.slots is not None:
+            await self.slots.acquire()
         try:
-            async with self.client.stream("POST", "/v1/completions", json=body) as response:
+            outcome = await self._exchange(body)
+        finally:
+            if self.slots is not None:
+                self.slots.release()
+        timing, error = outcome.timing, outcome.error
+        self.timings[seq.seq_id] = timing
+        # A request's clock starts when it was due, or when it got its slot if it waited.
+        arrival = timing.sent if self.slots is not None else seq.arrival_s
+        first = timing.chunks[0] if timing.chunks else None
+        if error is None and first is None:
+            error = "the stream ended without a token"
+        if error is None and isinstance(outcome.cached, int):
+            self.cached[seq.seq_id] = outcome.cached
+        # The server's count of the prompt (a text prompt's tokens, a chat template's) where
+        # it says; else the workload's.
+        prompt_len = outcome.prompt_tokens if isinstance(outcome.prompt_tokens, int) \
+            else seq.prompt_len
+        self._record(RequestRecord(
+            id=seq.seq_id, arrival=arrival, first_token=first,
+            finish=timing.chunks[-1] if error is None else None, prompt_len=prompt_len,
+            output_len=(outcome.output_len if outcome.output_len is not None
+                        else len(timing.chunks)),
+            n_preempted=None, n_compressions=None, max_blocks_held_after_first_compression=None,
+            status=FINISHED if error is None else FAILED, error=error))
+        # What the queue tells the turns that follow: finished, or failed (and why).
+        if error is None and followed and not outcome.got_ids:
+            error = NO_TOKEN_IDS
+        if error is None:
+            seq.status = SequenceStatus.FINISHED
+            if followed:
+                self.histories[seq.seq_id] = list(seq.prompt_token_ids) + outcome.output_ids
+        else:
+            seq.status = SequenceStatus.REJECTED
+            seq.error = error
+        self.queue.done(seq, timing.ended)
+
+    async def _exchange(self, body: dict) -> _Outcome:
+        """One streamed request, read to its last byte: its timing, and what it said."""
+        outcome = _Outcome(Timing(sent=self.now()))
+        timing = outcome.timing
+        try:
+            async with self.client.stream("POST", self.endpoint, json=body) as response:
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")
-                    error = f"HTTP {response.status_code}: {_error_message(text)}"
+                    outcome.error = f"HTTP {response.status_code}: {_error_message(text)}"
                 else:
                     async for line in response.aiter_lines():
                         if not line.startswith("data:"):
@@ -250,47 +391,105 @@ class _Replay:
                             break
                         chunk = json.loads(data)
                         if "error" in chunk:
-                            error = _error_message(data)
+                            outcome.error = _error_message(data)
                             break
                         if chunk.get("choices"):
-                            now = self.now()
-                            first = now if first is None else first
-                            finish = now
-                            chunks += 1
+                            timing.chunks.append(self.now())
                             ids = chunk["choices"][0].get("token_ids")
                             if isinstance(ids, list):
-                                output_ids += ids
-                                got_ids = True
+                                outcome.output_ids += ids
+                                outcome.got_ids = True
                         if chunk.get("usage"):
-                            output_len = chunk["usage"]["completion_tokens"]
-                            cached = (chunk["usage"].get("prompt_tokens_details")
-                                      or {}).get("cached_tokens")
+                            usage = chunk["usage"]
+                            outcome.output_len = usage["completion_tokens"]
+                            outcome.prompt_tokens = usage.get("prompt_tokens")
+                            outcome.cached = (usage.get("prompt_tokens_details")
+                                              or {}).get("cached_tokens")
         except httpx.HTTPError as exc:
-            error = f"{type(exc).__name__}: {exc}"
+            outcome.error = f"{type(exc).__name__}: {exc}"
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            error = f"a malformed response ({type(exc).__name__}: {exc})"
-        ended = self.now()  # the response fully came back
-        if error is None and first is None:
-            error = "the stream ended without a token"
-        if error is None and isinstance(cached, int):
-            self.cached[seq.seq_id] = cached
-        self._record(RequestRecord(
-            id=seq.seq_id, arrival=seq.arrival_s, first_token=first,
-            finish=finish if error is None else None, prompt_len=seq.prompt_len,
-            output_len=output_len if output_len is not None else chunks,
-            n_preempted=None, n_compressions=None, max_blocks_held_after_first_compression=None,
-            status=FINISHED if error is None else FAILED, error=error))
-        # What the queue tells the turns that follow: finished, or failed (and why).
-        if error is None and followed and not got_ids:
-            error = NO_TOKEN_IDS
-        if error is None:
-            seq.status = SequenceStatus.FINISHED
-            if followed:
-                self.histories[seq.seq_id] = list(seq.prompt_token_ids) + output_ids
-        else:
-            seq.status = SequenceStatus.REJECTED
-            seq.error = error
-        self.queue.done(seq, ended)
+            outcome.error = f"a malformed response ({type(exc).__name__}: {exc})"
+        timing.ended = self.now()  # the response fully came back
+        return outcome
+
+
+@dataclass
+class _Outcome:
+    timing: Timing
+    error: str | None = None
+    output_len: int | None = None
+    prompt_tokens: int | None = None
+    cached: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    got_ids: bool = False
+
+
+def bench_report(records: list[RequestRecord], timings: dict[str, Timing], duration: float,
+                 spec: ReportSpec) -> dict:
+    """vLLM's `bench serve` result, under its key names: counts and throughputs over the
+    benchmark's wall duration, each latency's mean, median, standard deviation and percentiles
+    in ms over the finished requests (ITL over every gap between their chunks), goodput, and
+    the most requests this client had in flight at once (sent to response fully read)."""
+    done = [record for record in records if record.status == FINISHED]
+    per_request = {
+        "ttft": [record.first_token - record.arrival for record in done],
+        "tpot": [(record.finish - record.first_token) / (record.output_len - 1)
+                 for record in done if record.output_len > 1],
+        "itl": [gap for record in done for gap in timings[record.id].itls()],
+        "e2el": [record.finish - record.arrival for record in done],
+    }
+    input_tokens = sum(record.prompt_len for record in done)
+    output_tokens = sum(record.output_len for record in done)
+
+    def rate(count: int) -> float:
+        return count / duration if duration > 0 else 0.0
+
+    report = {
+        "duration": duration, "completed": len(done), "failed": len(records) - len(done),
+        "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
+        "request_throughput": rate(len(done)),
+        "request_goodput": rate(_good(done, spec.goodput)) if spec.goodput else None,
+        "output_throughput": rate(output_tokens),
+        "total_token_throughput": rate(input_tokens + output_tokens),
+        "max_concurrent_requests": peak_in_flight(timings.values()),
+    }
+    for metric in spec.metrics:
+        values = sorted(1000.0 * value for value in per_request[metric])
+        report[f"mean_{metric}_ms"] = statistics.fmean(values) if values else 0.0
+        report[f"median_{metric}_ms"] = percentile(values, 50, True)
+        report[f"std_{metric}_ms"] = statistics.pstdev(values) if values else 0.0
+        for percent in spec.percentiles:
+            report[f"p{percent_name(percent)}_{metric}_ms"] = percentile(values, percent, True)
+    return report
+
+
+def _good(done: list[RequestRecord], slos: dict[str, float]) -> int:
+    """Finished requests that met every objective (ms): TTFT, TPOT (0 for one token), E2EL."""
+    good = 0
+    for record in done:
+        observed = {"ttft": record.first_token - record.arrival,
+                    "tpot": ((record.finish - record.first_token) / (record.output_len - 1)
+                             if record.output_len > 1 else 0.0),
+                    "e2el": record.finish - record.arrival}
+        good += all(1000.0 * observed[name] <= limit for name, limit in slos.items())
+    return good
+
+
+def peak_in_flight(timings) -> int:
+    """The most requests in flight at once: each from sent to its response fully read (one
+    ending as another is sent counts apart)."""
+    events = sorted([(t.sent, 1) for t in timings if t.sent is not None]
+                    + [(t.ended, -1) for t in timings if t.ended is not None])
+    peak = current = 0
+    for _, step in events:  # at equal times an end (-1) sorts before a start
+        current += step
+        peak = max(peak, current)
+    return peak
+
+
+def percent_name(percent: float) -> str:
+    """99 -> "99", 99.9 -> "99.9": a percentile's name in keys and labels, as vLLM writes it."""
+    return str(int(percent)) if float(percent).is_integer() else str(percent)
 
 
 def _summary(records: list[RequestRecord], before: dict | None, after: dict | None) -> dict:
@@ -371,12 +570,21 @@ def _session_summary(replay: _Replay, records: list[RequestRecord]) -> dict:
     }
 
 
-async def _served_model(client: httpx.AsyncClient, base: str) -> str:
+async def _served_model(client: httpx.AsyncClient, base: str, model: str | None) -> str:
+    """`model`, or the server's first; a server nothing answers at is refused first, whether
+    or not `--model` was given (every request would fail alike)."""
     try:
         response = await client.get("/v1/models")
+    except httpx.TransportError as error:
+        raise ZipageError(f"--url: nothing answers at {base} ({type(error).__name__}: {error}); "
+                          "start the server first (zipage serve --model ...) or fix --url") \
+            from None
+    if model is not None:
+        return model  # a server may list no models: the name given is the one sent
+    try:
         response.raise_for_status()
         return response.json()["data"][0]["id"]
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as error:
+    except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as error:
         raise ZipageError(f"--url: no model list at {base}/v1/models ({error}); check the URL "
                           "or pass --model NAME") from None
 

@@ -63,9 +63,11 @@ class Delta:
     error: str | None = None
     status: int = 500
     logprobs: list | None = None  # beside token_ids, if the request asked for them
-    # On the request's first token: its prompt tokens found in the prefix cache. It rides on
-    # the delta, not the handle, so that it reaches the app through Ray's replicas too.
+    # On the request's first token: its prompt tokens found in the prefix cache, and its
+    # seconds in the engine's queue. They ride on the delta, not the handle, so that they reach
+    # the app through Ray's replicas too.
     cached_tokens: int | None = None
+    queued_s: float | None = None
 
 
 @dataclass
@@ -80,7 +82,11 @@ class RequestHandle:
     done: bool = False  # ended, failed or aborted: nothing more arrives
     waiting: bool = True  # no token yet and not ended (counts against --max-waiting)
     first_token_s: float | None = None
+    last_token_s: float | None = None  # when its latest token arrived (inter-token latency)
     num_tokens: int = 0
+    # Seconds in the engine's queue before its first admission (None: not admitted yet, or a
+    # forked sample, which never queues for a prefill of its own).
+    queued_s: float | None = None
     # Its prompt tokens found in the prefix cache, known when it is admitted (a chunked
     # prompt's first token comes steps later).
     cached_tokens: int = 0
@@ -259,26 +265,34 @@ class EngineClient:
             handle = handles.get(seq_id)
             if handle is not None:
                 handle.cached_tokens = cached
+        for seq_id, seconds in update.queued.items():
+            handle = handles.get(seq_id)
+            if handle is not None:
+                handle.queued_s = seconds
         logprobs = update.logprobs
         for index, (seq_id, token) in enumerate(zip(update.seq_ids, update.tokens)):
             handle = handles.get(seq_id)
             if handle is None:
                 continue  # aborted while the step ran
             handle.num_tokens += 1
-            cached = None
+            cached = queued = None
             if handle.first_token_s is None:
                 handle.first_token_s = now
-                cached = handle.cached_tokens
+                cached, queued = handle.cached_tokens, handle.queued_s
                 self._started(handle)
                 if metrics is not None:
                     metrics.first_token(handle)
+            elif metrics is not None:  # one observation per token after the first
+                metrics.itl.observe(now - handle.last_token_s)
+            handle.last_token_s = now
             reason = update.finished.get(seq_id)
             if reason is not None:
                 self._end(handle)
                 if metrics is not None:
                     metrics.finished_request(handle, reason, now)
             handle.deltas.put_nowait(Delta([token], reason, logprobs=None if logprobs is None
-                                           else [logprobs[index]], cached_tokens=cached))
+                                           else [logprobs[index]], cached_tokens=cached,
+                                           queued_s=queued))
         for seq_id, message in update.rejected.items():
             handle = handles.get(seq_id)
             if handle is not None:

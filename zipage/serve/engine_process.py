@@ -45,7 +45,7 @@ def main(fd: int) -> int:
     except (EOFError, OSError):
         return 1
     try:
-        engine, threads = build(setup)
+        loop, ready, close = build(setup)
     except ZipageError as error:  # the user's to fix: the HTTP process prints it in one line
         _send_quietly(connection, StartupFailed(str(error), user_error=True))
         return 2
@@ -54,44 +54,76 @@ def main(fd: int) -> int:
         _send_quietly(connection, StartupFailed(f"{type(error).__name__}: {error}",
                                                 user_error=False))
         return 1
-    core = EngineCore(engine, connection, engine.shape.vocab_size)
+    core = EngineCore(None, connection, ready.vocab_size, loop=loop)
     try:
-        connection.send(Ready(str(engine.device), engine.config, engine.capacity,
-                              engine.shape.vocab_size, core.loop.eos_token_ids, threads))
+        connection.send(ready)
     except OSError:
-        engine.close()
+        close()
         return 0
     try:
         return core.serve()
     finally:
-        engine.close()  # tensor parallel: stop the workers before the interpreter exits
+        close()  # tensor parallel: stop the workers before the interpreter exits
 
 
 def build(setup: Setup):
-    """The engine, and the torch thread count on the CPU (set before any torch work)."""
+    """The step loop this process serves, the `Ready` describing it, and what to call on exit:
+    the engine's `EngineLoop` (on the CPU the torch thread count is set before any torch work),
+    or under --simulate the live twin (sim/live.py), which needs no torch."""
+    if setup.cpus is not None:
+        os.sched_setaffinity(0, setup.cpus)  # before torch starts its threads
+    if setup.simulate is not None:
+        return build_twin(setup)
     from zipage.engine.builder import build_engine
 
     threads = None
-    if setup.cpus is not None:
-        os.sched_setaffinity(0, setup.cpus)  # before torch starts its threads
     if setup.device == "cpu":
         from zipage.engine.threads import set_cpu_threads
 
         threads = set_cpu_threads(setup.threads)  # zipage.engine.threads: why not torch's default
-    return build_engine(setup.settings, setup.device, cuda_graphs=setup.cuda_graphs,
-                        prefill_graphs=setup.prefill_graphs), threads
+    engine = build_engine(setup.settings, setup.device, cuda_graphs=setup.cuda_graphs,
+                          prefill_graphs=setup.prefill_graphs)
+    loop = engine_loop(engine)
+    ready = Ready(str(engine.device), engine.config, engine.capacity, engine.shape.vocab_size,
+                  loop.eos_token_ids, threads)
+    return loop, ready, engine.close
+
+
+def build_twin(setup: Setup):
+    """`build` under --simulate: the simulator's deployment of the same settings (model shape,
+    the GPU of --hardware, capacity, the --cost-model), stepped in real time."""
+    from zipage.core.deployment import run_device
+    from zipage.sim.live import LiveTwin
+    from zipage.sim.simulate import plan_deployment
+
+    settings = setup.settings
+    deployment = plan_deployment(settings)
+    twin = LiveTwin(deployment, setup.simulate.avoid_token_ids)
+    device = (f"a simulated {run_device(settings, 'simulator')} ({settings.cost_model} cost "
+              "model)")
+    ready = Ready(device, deployment.config, deployment.capacity, deployment.shape.vocab_size,
+                  twin.eos_token_ids, None)
+    return twin, ready, lambda: None
+
+
+def engine_loop(engine):
+    """The real engine's step loop, stopping at its tokenizer's end-of-sequence ids."""
+    from zipage.engine.loop import EngineLoop
+    from zipage.engine.structured import StructuredOutputs
+
+    eos = eos_token_ids(engine.tokenizer)
+    return EngineLoop(engine.new_scheduler(), engine.runner, eos_token_ids=eos,
+                      structured=StructuredOutputs(engine.tokenizer, engine.shape.vocab_size, eos))
 
 
 class EngineCore:
-    """The step loop fed from the socket."""
+    """The step loop fed from the socket: the engine's (`engine_loop(engine)`), or `loop` (the
+    live twin of --simulate, sim/live.py, which offers the same calls)."""
 
-    def __init__(self, engine, connection: Connection, vocab_size: int) -> None:
-        from zipage.engine.loop import EngineLoop
-
+    def __init__(self, engine, connection: Connection, vocab_size: int, loop=None) -> None:
         self.connection = connection
         self.vocab_size = vocab_size
-        self.loop = EngineLoop(engine.new_scheduler(), engine.runner,
-                               eos_token_ids=eos_token_ids(engine.tokenizer))
+        self.loop = loop if loop is not None else engine_loop(engine)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.rejected: dict[str, str] = {}
         self.changed = False  # an abort or rejection the HTTP side has no update of yet
@@ -99,6 +131,8 @@ class EngineCore:
         self.preemptions = 0
         self.prefix_queries = 0  # `EngineStats.prefix_query_tokens_total`
         self.prefix_hits = 0
+        self.step_started = 0.0  # when the latest step began (the loop's clock)
+        self.queued: dict[str, float] = {}  # `StepUpdate.queued` of the step being published
 
     def serve(self) -> int:
         self.loop.start()
@@ -106,7 +140,8 @@ class EngineCore:
         receiver.start()
         try:
             while self._apply(wait=not self.loop.scheduler.has_unfinished()):
-                output = self.loop.step()
+                self.step_started = self.loop.now()  # a queue time ends where its step began
+                output = self.loop.step(self.step_started)
                 if output is not None or self.changed:
                     self._publish(output)
         except ServerGone:
@@ -219,10 +254,11 @@ class EngineCore:
         scheduler = self.loop.scheduler
         stats = EngineStats(len(scheduler.running), len(scheduler.waiting),
                             scheduler.block_manager.num_used_blocks, self.compressions,
-                            self.preemptions, self.prefix_queries, self.prefix_hits)
+                            self.preemptions, self.prefix_queries, self.prefix_hits,
+                            twin_lag_seconds_total=getattr(self.loop, "lag_s", 0.0))  # the twin's
         update = StepUpdate(seq_ids, tokens, finished, self.rejected, stats, logprobs,
-                            prompt_logprobs, prefix_hits)
-        self.rejected, self.changed = {}, False
+                            prompt_logprobs, prefix_hits, queued=self.queued)
+        self.rejected, self.changed, self.queued = {}, False, {}
         self._forget_history()
         try:
             self.connection.send(update)
@@ -241,6 +277,7 @@ class EngineCore:
             computed += item.num_new_tokens
             if item.seq.first_admitted_step == plan.step_id:
                 hits[item.seq.seq_id] = item.num_cached_tokens
+                self.queued[item.seq.seq_id] = self.step_started - item.seq.arrival_s
         self.prefix_hits += plan.prefix_hit_tokens
         self.prefix_queries += plan.prefix_hit_tokens + computed
         return hits

@@ -7,7 +7,7 @@ at the door, never an error inside an engine step. Text anywhere in the body mus
 Unicode (a lone UTF-16 surrogate such as "\\ud800" cannot be tokenized or written back as UTF-8).
 The rule for fields (issue #48): a field OpenAI's API or vLLM's server has, that would change
 the output there and that Zipage does not implement, is a 400 naming it (`REFUSED`: `best_of`
-above 1, `response_format` other than text, tools, guided decoding, ...) when it carries anything
+above 1, `functions`, `guided_decoding_backend`, ...) when it carries anything
 but its neutral value; fields with no effect on the output by nature (`user`, `metadata`,
 `store`, `service_tier`, `request_id`, ...) and fields unknown to both APIs (another vendor's)
 are ignored, as vLLM ignores unknown fields. The models keep the unknown fields
@@ -15,7 +15,14 @@ are ignored, as vLLM ignores unknown fields. The models keep the unknown fields
 `n`, `logprobs` (completions: an integer, the alternatives per token; chat: a boolean with
 `top_logprobs`), `echo` (completions), `presence_penalty`, `frequency_penalty`, `logit_bias` and
 a list of prompts (completions) are served; so are vLLM's `top_k`, `min_p`,
-`repetition_penalty`, `ignore_eos` and `include_stop_str_in_output`. Extensions: `kv_budget`,
+`repetition_penalty`, `ignore_eos` and `include_stop_str_in_output`. Chat serves tools: `tools`,
+`tool_choice` "auto" or "none", `parallel_tool_calls`, and messages' `tool_calls`,
+`tool_call_id` and `name` (rendered by the chat template; the calls parsed from the output by
+the server's --tool-call-parser); `tool_choice` "required" or a named function is refused (it
+needs constrained decoding). Structured outputs, both endpoints: `response_format`
+(json_object, json_schema) and vLLM's `guided_json`, `guided_regex`, `guided_choice`,
+`guided_grammar` and `structured_outputs`, one per request (`structured_output()`; the spec is
+checked by `zipage.engine.structured.check_spec` in `Server.prepare`). Extensions: `kv_budget`,
 `session_id` (both endpoints: the conversation or agent run a request belongs to, which a router
 keeps on one replica) and `return_token_ids` (completions: each choice carries its output ids).
 """
@@ -24,7 +31,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -40,7 +47,9 @@ from zipage.core.sampling import (
     MAX_SAMPLES,
     MAX_TEMPERATURE,
     SEED_LIMIT,
+    StructuredOutput,
 )
+from zipage.errors import ConfigError
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1000  # characters; each decoded piece is searched for every stop string
@@ -53,10 +62,6 @@ MAX_PROMPTS = 1024  # prompts in one /v1/completions request (a list of prompts)
 # Anything else is a 400 naming the field. ChatRequest and CompletionRequest add their own.
 REFUSED: dict[str, tuple] = {
     # OpenAI
-    "response_format": ({"type": "text"},),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (),
     "functions": ([],),
     "function_call": ("none",),
     "suffix": ("",),
@@ -77,13 +82,8 @@ REFUSED: dict[str, tuple] = {
     "prompt_logprobs": (),
     "allowed_token_ids": (),
     "bad_words": ([],),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "guided_decoding_backend": (),
+    "guided_decoding_backend": (),  # one backend here (xgrammar): naming one changes nothing
     "guided_whitespace_pattern": (),
-    "structured_outputs": (),
     "logits_processors": (),
     "priority": (0,),
     "return_tokens_as_token_ids": (False,),
@@ -250,6 +250,14 @@ class SamplingFields(BaseModel):
     min_p: Float = Field(0.0, ge=0, le=1)  # vLLM's
     logit_bias: dict[str, Bias] | None = None  # token id (as a string) -> bias
     include_stop_str_in_output: bool = False  # vLLM's: a stop string found stays in the text
+    # Structured outputs (docs/serve.md, 'Structured outputs'): OpenAI's response_format and
+    # vLLM's names, each mapped to one `StructuredOutput` by `structured_output()`.
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     @model_validator(mode="before")
     @classmethod
@@ -313,6 +321,26 @@ class SamplingFields(BaseModel):
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             raise _refusal("stream_options.continuous_usage_stats", (False,))
 
+    def structured_output(self) -> tuple[StructuredOutput | None, str | None]:
+        """The request's output constraint and the field that set it ((None, None): none); a
+        400 naming the field for a malformed one, or for two constraints at once."""
+        found = []
+        if self.response_format is not None:
+            spec = _response_format(self.response_format)
+            if spec is not None:
+                found.append(("response_format", spec))
+        for field, kind in GUIDED_FIELDS.items():
+            value = getattr(self, field)
+            if value is not None:
+                found.append((field, _structured(field, kind, value)))
+        if self.structured_outputs is not None:
+            found.extend(_structured_outputs(self.structured_outputs))
+        if len(found) > 1:
+            (first, _), (second, _) = found[:2]
+            raise ServeError(400, f"{second}: a request takes one structured-output constraint "
+                                  f"and {first} already sets one; send only one", second)
+        return found[0][::-1] if found else (None, None)
+
     @property
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...] | None:
         """`logit_bias` as SamplingParams takes it: (token id, bias) pairs."""
@@ -342,7 +370,10 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    refused: ClassVar[dict[str, tuple]] = {**REFUSED, "add_special_tokens": (True,)}
+    # Tools are chat's (ChatRequest serves them); a completion has no template to render them.
+    refused: ClassVar[dict[str, tuple]] = {**REFUSED, "add_special_tokens": (True,),
+                                           "tools": ([],), "tool_choice": ("none",),
+                                           "parallel_tool_calls": ()}
     prompt: Any
     # 0 only with echo: the prompt scored, nothing generated (lm-evaluation-harness).
     max_tokens: int | None = Field(None, ge=0, le=MAX_INT)
@@ -394,6 +425,82 @@ class CompletionRequest(SamplingFields):
         return list(self.prompt)
 
 
+# vLLM's guided decoding fields -> the kind of constraint each sets; `structured_outputs`
+# takes the same under these keys.
+GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex",
+                 "guided_choice": "choice", "guided_grammar": "grammar"}
+STRUCTURED_OUTPUTS_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice",
+                           "grammar": "grammar"}
+# structured_outputs' options whose values here change nothing (a single backend, and the
+# defaults): any other value is refused by name.
+STRUCTURED_OUTPUTS_NEUTRAL = {"disable_fallback": (True, False), "disable_any_whitespace": (False,),
+                              "disable_additional_properties": (False,),
+                              "whitespace_pattern": (), "structural_tag": (), "json_object": (False,)}
+
+
+def _response_format(value: Any) -> StructuredOutput | None:
+    """OpenAI's response_format: text (None), json_object, or json_schema with its schema."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json")
+    if kind != "json_schema":
+        raise ServeError(400, f"response_format: {short(value)} is not a response format; send "
+                              '{"type": "text"}, {"type": "json_object"} or {"type": '
+                              '"json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+                         "response_format")
+    wrapper = value.get("json_schema")
+    schema = wrapper.get("schema") if isinstance(wrapper, dict) else None
+    if not isinstance(schema, dict):
+        raise ServeError(400, "response_format.json_schema.schema: required, the JSON schema "
+                              "(an object) the output must match", "response_format")
+    return _structured("response_format", "json_schema", schema)
+
+
+def _structured(field: str, kind: str, value: Any) -> StructuredOutput:
+    """A `StructuredOutput` of `kind` from a request field's value (a schema may come as JSON
+    text, as vLLM takes it); its shape checked, a 400 naming `field` if it is wrong."""
+    if kind == "json_schema" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            value = None
+    if kind == "json_schema" and not isinstance(value, dict):
+        raise ServeError(400, f"{field}: expected a JSON schema (an object, or its JSON text)",
+                         field.split(".")[0])
+    try:
+        return StructuredOutput(kind, value)
+    except ConfigError as error:
+        raise ServeError(400, str(error).replace("structured_output", field, 1),
+                         field.split(".")[0]) from None
+
+
+def _structured_outputs(value: Any) -> list[tuple[str, StructuredOutput]]:
+    """vLLM's structured_outputs object: json, regex, choice, grammar or json_object."""
+    if not isinstance(value, dict):
+        raise ServeError(400, "structured_outputs: expected an object such as {\"json\": {...}}, "
+                              '{"regex": "..."}, {"choice": [...]} or {"grammar": "..."}',
+                         "structured_outputs")
+    found = []
+    for key, item in value.items():
+        field = f"structured_outputs.{key}"
+        if key in STRUCTURED_OUTPUTS_KEYS:
+            if item is not None:
+                found.append((field, _structured(field, STRUCTURED_OUTPUTS_KEYS[key], item)))
+        elif key == "json_object" and item is True:
+            found.append((field, StructuredOutput("json")))
+        elif key in STRUCTURED_OUTPUTS_NEUTRAL:
+            if not _neutral(item, STRUCTURED_OUTPUTS_NEUTRAL[key]):
+                refusal = _refusal(field, STRUCTURED_OUTPUTS_NEUTRAL[key])
+                refusal.param = "structured_outputs"
+                raise refusal
+        else:
+            raise ServeError(400, f"{field}: not a structured_outputs option; use json, regex, "
+                                  "choice, grammar or json_object", "structured_outputs")
+    return found
+
+
 def _one_prompt(prompt: Any) -> bool:
     if isinstance(prompt, str):
         return bool(prompt)
@@ -407,14 +514,64 @@ def _one_prompt(prompt: Any) -> bool:
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    arguments: str  # JSON text of an object, as OpenAI's API sends it
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, arguments):
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise ValueError(f"expected the JSON text of an object, got {short(arguments)}")
+        return arguments
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message made (its result comes back in a `tool` message)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]  # OpenAI's rule
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: dict[str, str]  # {"name": ...}
+
+
+TOOL_CHOICES = ("none", "auto", "required")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
-    # A message's fields the chat template would need but this server does not render (tool
-    # calls and their results, a participant's name): refused, never dropped without a word.
-    refused: ClassVar[dict[str, tuple]] = {"tool_calls": ([],), "tool_call_id": (),
-                                           "name": (), "function_call": ()}
+    # A message's fields the chat template would need but this server does not render (the
+    # deprecated function_call): refused, never dropped without a word.
+    refused: ClassVar[dict[str, tuple]] = {"function_call": ()}
     role: str
     content: str | list[dict] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None  # a participant's (or a tool's) name, for the template
 
     @field_validator("role")
     @classmethod
@@ -448,6 +605,19 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)  # max_tokens' newer name
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # Tool calling (docs/serve.md, 'Tool calling and reasoning').
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = None  # false: only the first call is kept
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, choice):
+        if isinstance(choice, str) and choice not in TOOL_CHOICES:
+            raise ValueError(f"expected one of {', '.join(map(repr, TOOL_CHOICES))} or "
+                             f'{{"type": "function", "function": {{"name": ...}}}}, got '
+                             f"{short(choice)}")
+        return choice
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -456,6 +626,14 @@ class ChatRequest(SamplingFields):
                 accepted = ChatMessage.refused.get(field)
                 if accepted is not None and not _neutral(value, accepted):
                     raise _refusal(f"messages[{index}].{field}", accepted)
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ServeError(400, "tool_choice: needs tools; send the functions in `tools`, or "
+                                  "leave tool_choice out", "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
+            # A forced call needs the output constrained to the calls' JSON schema.
+            raise ServeError(400, "tool_choice: \"required\" and a named function are not "
+                                  "supported by this server (they need constrained decoding); "
+                                  "use \"auto\" or \"none\"", "tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise ServeError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
 
@@ -471,7 +649,35 @@ class ChatRequest(SamplingFields):
         return messages
 
     def plain_messages(self) -> list[dict]:
-        return [{"role": message.role, "content": message.text()} for message in self.messages]
+        """The messages as a chat template takes them; a call's arguments as an object (the
+        templates write them with `tojson`, vLLM hands them over the same way)."""
+        plain = []
+        for message in self.messages:
+            item = {"role": message.role, "content": message.text()}
+            if message.tool_calls:
+                item["tool_calls"] = [
+                    {"id": call.id, "type": call.type, "function": {
+                        "name": call.function.name,
+                        "arguments": json.loads(call.function.arguments)}}
+                    for call in message.tool_calls]
+            for field in ("tool_call_id", "name"):
+                if getattr(message, field) is not None:
+                    item[field] = getattr(message, field)
+            plain.append(item)
+        return plain
+
+    @property
+    def tool_dicts(self) -> list[dict] | None:
+        """The tools as a chat template takes them (None: no tools)."""
+        if not self.tools:
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    @property
+    def parses_tools(self) -> bool:
+        """The output is searched for tool calls (tool_choice "auto"; "none" renders the tools
+        but never parses, as vLLM does)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @property
     def output_limit(self) -> int | None:

@@ -309,8 +309,12 @@ class RayEngines:
                 metrics.generation_tokens.inc(len(delta.token_ids))
             if handle.first_token_s is None:
                 handle.first_token_s, handle.waiting = now, False
+                handle.queued_s = delta.queued_s
                 if metrics is not None:
                     metrics.first_token(handle)
+            elif metrics is not None:  # as `EngineClient` observes it: one per later delta
+                metrics.itl.observe(now - handle.last_token_s)
+            handle.last_token_s = now
         if delta.finish_reason is not None or delta.error is not None:
             handle.done, handle.waiting = True, False
             if metrics is not None and delta.finish_reason is not None:

@@ -35,6 +35,18 @@ class Setup:
     # GPU under --data-parallel: the CUDA_VISIBLE_DEVICES of this replica's process (its GPUs,
     # seen as cuda:0..); None: the parent's.
     visible_devices: str | None = None
+    # `zipage serve --simulate`: the live twin instead of the engine (sim/live.py), its GPU and
+    # cost model those `settings` name; None: the real engine.
+    simulate: Simulate | None = None
+
+
+@dataclass
+class Simulate:
+    """The live twin's part of a `Setup` beyond the deployment's settings."""
+
+    # Token ids the twin never generates: the tokenizer's special tokens (end-of-sequence among
+    # them), so that every request runs to its max_tokens and its text has no control tokens.
+    avoid_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -92,6 +104,9 @@ class EngineStats:
     # an offline run's `prefill_tokens` + `prefix_hit_tokens` and its `prefix_hit_tokens`.
     prefix_query_tokens_total: int = 0
     prefix_hit_tokens_total: int = 0
+    # `--simulate`: seconds the twin's steps ended after their predicted end (the host fell
+    # behind the cost model; sim/live.py); always 0 for the real engine.
+    twin_lag_seconds_total: float = 0.0
 
 
 IDLE = EngineStats(0, 0, 0, 0, 0)  # an engine before its first step
@@ -112,6 +127,10 @@ class StepUpdate:
     # request -> its prompt tokens found in the prefix cache, for the requests first admitted in
     # the step (OpenAI's `usage.prompt_tokens_details.cached_tokens`).
     prefix_hits: dict[str, int] = field(default_factory=dict)
+    # request -> seconds it waited in the engine's queue, from its arrival in the engine process
+    # to the start of the step that first admitted it, for the requests first admitted in the
+    # step (vLLM's `request_queue_time_seconds`).
+    queued: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
