@@ -15,8 +15,9 @@ The study (docs/fidelity.md has the method and the numbers):
 
 Scoring variants are `Variant`s: a set of pipeline knobs (attention only, + global score,
 + lightning / flash redundancy, pooling first / always / off, the redundancy weight lambda) or one
-of our two baseline eviction policies, `sink_recent_compress` (the first 4 entries and the most
-recent ones, as StreamingLLM) and `RandomEviction` (seeded random scores). All variants of one
+of two baseline scoring policies of the registry (`kernels/scoring`): `streaming` (the first 4
+entries and the most recent ones, as StreamingLLM) and `random` (seeded random scores), run by
+`BaselineEviction` whatever the engine's `--scoring`. All variants of one
 budget decode side by side in one engine, each prompt once per variant: the model's weights are
 read once per step for all of them, which is what makes a 1k-token study of eight variants
 affordable on a CPU. `VariantDispatcher` is the engine's `compress_fn` that sends each request to
@@ -52,11 +53,10 @@ from zipage.engine.loader import load_model
 from zipage.engine.loop import EngineLoop
 from zipage.engine.runner import ModelRunner
 from zipage.kernels.compress import compress
-from zipage.kernels.compress_ref import CompressionParams, kept_entries, write_kept_entries
+from zipage.kernels.compress_ref import CompressionParams
 from zipage.shape import ModelShape
 
 GIB = 1024**3
-SINK_ENTRIES = 4  # StreamingLLM's attention sinks: the first four tokens
 DEFAULT_PROMPTS = (
     "Write a long, detailed story about a lighthouse keeper who finds a message in a bottle.",
     "Explain in detail how a compiler turns source code into machine code, step by step.",
@@ -71,75 +71,34 @@ REPEAT_NGRAM = 5
 
 # --------------------------------------------------------------------------- eviction policies
 
-def compress_with_scores(score_fn: Callable[[int, int], torch.Tensor],
-                         k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         score_cache: torch.Tensor | None, query_cache: torch.Tensor,
-                         source_tables: torch.Tensor, num_source_blocks: torch.Tensor,
-                         target_tables: torch.Tensor, query_slots: torch.Tensor,
-                         is_compressed: torch.Tensor, params: CompressionParams,
-                         scale: float, num_target_blocks: torch.Tensor | None = None) -> None:
-    """The pipeline's top-k and compaction (`kept_entries`, `write_kept_entries`) with the scores of
-    `score_fn(length, kv_heads)` instead of the pipeline's.
+class BaselineEviction:
+    """A compress_fn that scores with the registered policy `scoring` (kernels/scoring), seeded
+    with `seed`, whatever the engine's knobs. A baseline keeps no global scores, so the score
+    cache is neither read nor written."""
 
-    The window always scores +inf, as in the pipeline, so a baseline differs from it only in which
-    older entries it keeps. Global scores are neither read nor written: baselines never use them.
-    """
-    for request in range(source_tables.shape[0]):
-        source = source_tables[request, :int(num_source_blocks[request])].long()
-        targets = (target_tables.shape[1] if num_target_blocks is None
-                   else int(num_target_blocks[request]))
-        target = target_tables[request, :targets].long()
-        keep = targets * params.block_size
-        length = len(source) * params.block_size
-        for layer in range(k_cache.shape[0]):
-            scores = score_fn(length, k_cache.shape[3]).clone()
-            scores[:, -params.window:] = float("inf")
-            write_kept_entries(k_cache[layer], v_cache[layer], None, source, target,
-                               kept_entries(scores, keep), None)
+    def __init__(self, scoring: str, seed: int = 0) -> None:
+        self.scoring, self.seed = scoring, seed
+
+    def __call__(self, k_cache, v_cache, score_cache, query_cache, *,
+                 params: CompressionParams, **rows) -> None:
+        compress(k_cache, v_cache, None, query_cache,
+                 params=dataclasses.replace(params, scoring=self.scoring, seed=self.seed), **rows)
 
 
-def sink_recent_compress(k_cache, v_cache, score_cache, query_cache, source_tables,
-                         num_source_blocks, target_tables, query_slots, is_compressed,
-                         params: CompressionParams, scale: float,
-                         num_target_blocks: torch.Tensor | None = None) -> None:
-    """Baseline: keep the first `SINK_ENTRIES` entries and the most recent ones (StreamingLLM).
-
-    Kept entries stay in order, so after a compression the first entries are still the prompt's
-    first tokens and the entry index still orders by recency.
-    """
-    def scores(length: int, kv_heads: int) -> torch.Tensor:
-        recency = torch.arange(length, dtype=torch.float32).expand(kv_heads, length)
-        return recency.masked_fill(torch.arange(length) < SINK_ENTRIES, float("inf"))
-
-    compress_with_scores(scores, k_cache, v_cache, score_cache, query_cache, source_tables,
-                         num_source_blocks, target_tables, query_slots, is_compressed, params,
-                         scale, num_target_blocks)
+# The two baselines of the study by their old names: StreamingLLM's sinks + recent, and random.
+sink_recent_compress = BaselineEviction("streaming")
 
 
-class RandomEviction:
-    """Baseline: keep the window and a uniformly random choice of the other entries, drawn per
-    (layer, kv head) from one seeded generator (same run, same choices)."""
-
-    def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def __call__(self, k_cache, v_cache, score_cache, query_cache, source_tables,
-                 num_source_blocks, target_tables, query_slots, is_compressed,
-                 params: CompressionParams, scale: float,
-                 num_target_blocks: torch.Tensor | None = None) -> None:
-        def scores(length: int, kv_heads: int) -> torch.Tensor:
-            return torch.rand(kv_heads, length, generator=self.generator)
-
-        compress_with_scores(scores, k_cache, v_cache, score_cache, query_cache, source_tables,
-                             num_source_blocks, target_tables, query_slots, is_compressed,
-                             params, scale, num_target_blocks)
+def RandomEviction(seed: int = 0) -> BaselineEviction:  # named as the class it was
+    return BaselineEviction("random", seed)
 
 
 # --------------------------------------------------------------------------- variants
 
 @dataclass(frozen=True)
 class Variant:
-    """One scoring variant: pipeline knobs, or a baseline policy ("sink-recent" or "random")."""
+    """One scoring variant: pipeline knobs, or a baseline scoring policy of the registry
+    ("streaming" or "random")."""
 
     name: str
     global_score: bool = True
@@ -150,11 +109,7 @@ class Variant:
 
     def policy(self, seed: int) -> Callable | None:
         """The compress_fn of a baseline, or None for the pipeline (`kernels.compress`)."""
-        if self.baseline == "sink-recent":
-            return sink_recent_compress
-        if self.baseline == "random":
-            return RandomEviction(seed)
-        return None
+        return None if self.baseline is None else BaselineEviction(self.baseline, seed)
 
 
 RECOMMENDED = "recommended"
@@ -166,14 +121,14 @@ VARIANTS = (
     # The paper's defaults: alpha 0.8, lightning, lambda 0.2, tau 0.4, p 0.5, pooling first.
     Variant(RECOMMENDED, redundancy="lightning", pooling="first"),
     Variant("recommended, pool always", redundancy="lightning", pooling="always"),
-    Variant("baseline: sink 4 + recent", baseline="sink-recent"),
+    Variant("baseline: sink 4 + recent", baseline="streaming"),
     Variant("baseline: random", baseline="random"),
 )
 # Follow-up: how much weight the redundancy score should get on this model (lambda 1: none).
 LAMBDA_SWEEP = tuple(
     Variant(RECOMMENDED if weight == 0.2 else f"recommended, lambda {weight}",
             lambda_weight=weight) for weight in (0.2, 0.5, 0.8, 1.0)
-) + (Variant("baseline: sink 4 + recent", baseline="sink-recent"),)
+) + (Variant("baseline: sink 4 + recent", baseline="streaming"),)
 VARIANT_SETS = {"ablation": VARIANTS, "lambda": LAMBDA_SWEEP}
 
 
@@ -196,7 +151,8 @@ class VariantDispatcher:
     def __call__(self, k_cache, v_cache, score_cache, query_cache, source_tables,
                  num_source_blocks, target_tables, query_slots, is_compressed,
                  params: CompressionParams, scale: float,
-                 num_target_blocks: torch.Tensor | None = None) -> None:
+                 num_target_blocks: torch.Tensor | None = None,
+                 seeds: torch.Tensor | None = None) -> None:
         assert len(self.current_requests) == source_tables.shape[0], "rows and jobs differ"
         groups: dict[str, list[int]] = {}
         for row, request_id in enumerate(self.current_requests):
@@ -209,7 +165,8 @@ class VariantDispatcher:
                            target_tables=target_tables[index], query_slots=query_slots[index],
                            is_compressed=is_compressed[index],
                            num_target_blocks=(None if num_target_blocks is None
-                                              else num_target_blocks[index]))
+                                              else num_target_blocks[index]),
+                           seeds=None if seeds is None else seeds[index])
             policy = self.policies[name]
             if policy is not None:
                 policy(k_cache, v_cache, None, query_cache, params=params, scale=scale,
@@ -277,7 +234,8 @@ class RecordingRunner:
         """The output position the current step's logits of this request predict."""
         return len(tokens[request_id]) - self.prompt_lengths[request_id]
 
-    def execute(self, plan: StepPlan, tokens: dict[str, list[int]]) -> list[tuple[Sequence, int]]:
+    def execute(self, plan: StepPlan, tokens: dict[str, list[int]],
+                structured=None) -> list[tuple[Sequence, int]]:
         # Async batches would finish after this step; the study compresses synchronously so the
         # step at which a request's cache changes is exact.
         assert plan.compress_launch is None, "run the fidelity study with async_compress=False"
@@ -286,7 +244,7 @@ class RecordingRunner:
             self.dispatcher.current_requests = compressing
         for request_id in compressing:
             self.first_compression.setdefault(request_id, self.output_index(request_id, tokens))
-        sampled = self.runner.execute(plan, tokens)
+        sampled = self.runner.execute(plan, tokens, structured)
         if sampled:
             request_ids = [seq.seq_id for seq, _ in sampled]
             self.on_logits(request_ids, [self.output_index(request_id, tokens)

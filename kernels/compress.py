@@ -1,10 +1,11 @@
 """The compression pipeline's entry point (docs/architecture.md, 'Compression pipeline').
 
 `compress(...)` compresses a batch of requests over a group of layers; see `kernels/compress_ref.py` for the
-exact arguments and semantics. It follows the one dispatch rule (`kernels/dispatch.py`): the Triton kernels of
-`compress_triton.py` on CUDA tensors, or on the CPU when `TRITON_INTERPRET=1` is set (the Triton interpreter);
-the pure-torch reference otherwise, including on a machine without Triton. The Triton module is imported only
-when first needed.
+exact arguments and semantics. The scoring policy `params.scoring` (`kernels/scoring`) ranks the entries. It
+follows the one dispatch rule (`kernels/dispatch.py`): the policy's fast path (the Triton kernels of
+`compress_triton.py` for the default) on CUDA tensors, or on the CPU when `TRITON_INTERPRET=1` is set (the Triton
+interpreter); the pure-torch reference otherwise, for a policy without a fast path, and on a machine without
+Triton. The Triton module is imported only when first needed.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from zipage.kernels.compress_ref import CompressionParams, compress_ref
 from zipage.kernels.dispatch import use_triton
+from zipage.kernels.scoring import scoring_policy
 
 
 @dataclasses.dataclass
@@ -39,6 +41,8 @@ class CompressionInputs:
     # float32 [L, num_blocks, b, Hkv]: an fp8 cache's scales (kernels/kv_quant_ref.py); keywords too.
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    # int64 [R]: each compression's own seed (the random scoring policy's); a keyword too.
+    seeds: torch.Tensor | None = None
 
     def arguments(self, params: CompressionParams, scale: float) -> tuple:
         """The positional arguments of `compress`; `num_target_blocks` and the scales go by keyword."""
@@ -51,6 +55,8 @@ class CompressionInputs:
         values = {"num_target_blocks": self.num_target_blocks}
         if self.k_scale is not None:
             values.update(k_scale=self.k_scale, v_scale=self.v_scale)
+        if self.seeds is not None:
+            values.update(seeds=self.seeds)
         return values
 
     def clone(self) -> "CompressionInputs":
@@ -62,7 +68,7 @@ class CompressionInputs:
             v_scale=None if self.v_scale is None else self.v_scale.clone())
 
 
-_KEYWORDS = ("num_target_blocks", "k_scale", "v_scale")
+_KEYWORDS = ("num_target_blocks", "k_scale", "v_scale", "seeds")
 
 
 def compress(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Tensor | None,
@@ -70,10 +76,14 @@ def compress(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Te
              target_tables: torch.Tensor, query_slots: torch.Tensor, is_compressed: torch.Tensor,
              params: CompressionParams, scale: float, reduce_group_max=None, *,
              num_target_blocks: torch.Tensor | None = None,
-             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+             seeds: torch.Tensor | None = None) -> None:
     """Compress the requests of `source_tables` into `target_tables` (request r into its first
-    `num_target_blocks[r]`, all of them when None), in place in the caches; an fp8 cache comes
-    with its scales `k_scale`/`v_scale`."""
+    `num_target_blocks[r]`, all of them when None), in place in the caches, keeping the entries
+    the scoring policy `params.scoring` ranks highest; an fp8 cache comes with its scales
+    `k_scale`/`v_scale`; `seeds` [R] seed each compression (the random policy)."""
+    policy = scoring_policy(params.scoring)
+    params = policy.fixed(params)
     # Only for an fp8 cache: a cache in the compute dtype makes the call it always made.
     scales = {} if k_scale is None and v_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
     arguments = (k_cache, v_cache, score_cache, query_cache, source_tables, num_source_blocks,
@@ -81,14 +91,14 @@ def compress(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Te
     if reduce_group_max is not None:
         # Tensor parallelism with replicated KV heads: the GQA max spans ranks. The Triton
         # kernels fuse it with the window mean, so only the reference takes the hook.
-        compress_ref(*arguments, reduce_group_max, num_target_blocks=num_target_blocks, **scales)
+        compress_ref(*arguments, reduce_group_max, num_target_blocks=num_target_blocks, **scales,
+                     seeds=seeds, scorer=policy.reference)
         return
-    if not use_triton(k_cache):
-        compress_ref(*arguments, num_target_blocks=num_target_blocks, **scales)
+    if policy.triton is None or not use_triton(k_cache):
+        compress_ref(*arguments, num_target_blocks=num_target_blocks, **scales, seeds=seeds,
+                     scorer=policy.reference)
         return
-    from zipage.kernels.compress_triton import compress_triton
-
-    compress_triton(*arguments, num_target_blocks=num_target_blocks, **scales)
+    policy.triton(*arguments, num_target_blocks=num_target_blocks, **scales)
 
 
 __all__ = ["CompressionParams", "compress"]

@@ -21,6 +21,11 @@ in the group, R requests, N source blocks at most, b the block size, w the windo
                                                  (kernels/kv_quant_ref.py); the scores read the
                                                  dequantized keys, the compaction moves the fp8
                                                  bytes and their scales unchanged
+- seeds             int64 [R], keyword, optional     each compression's own seed (the random
+                                                 scoring policy's; None: 0)
+- scorer            keyword, optional                the reference scorer of the scoring policy
+                                                 (`kernels/scoring`); None: the pipeline below,
+                                                 `params.scoring` = "zipage"
 
 Every step is computed in float32 per (layer, request, kv head), then the top k_r = T_r * b
 entries are kept in their original order and written densely into the request's target blocks.
@@ -30,12 +35,14 @@ block.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
 
 from zipage.config import ZipageConfig, window_violation
 from zipage.kernels.kv_quant_ref import dequantize_kv
+from zipage.scoring import DEFAULT_SCORING
 
 _KNOBS = ZipageConfig()  # the knobs' defaults are declared once, on ZipageConfig
 
@@ -54,6 +61,8 @@ class CompressionParams:
     tau: float = _KNOBS.tau
     similarity_threshold: float = _KNOBS.similarity_threshold
     pool_kernel: int = 5  # the paper's max-pooling width; not a user knob
+    scoring: str = _KNOBS.scoring  # the policy that ranks the entries (kernels/scoring)
+    seed: int = 0  # added to every compression's own seed (the random policy's); not a knob
 
     def __post_init__(self) -> None:
         # Beyond half a block the Triton kernels and this reference disagree (3.4e-2 on the
@@ -163,6 +172,34 @@ def final_scores(keys: torch.Tensor, queries: torch.Tensor, previous: torch.Tens
     return scores, stored
 
 
+@dataclass(frozen=True)
+class ScoreInputs:
+    """What a scoring policy's reference scorer reads of one (layer, request) (kernels/scoring):
+    keys [T, Hkv, d] (dequantized), the window queries [w, Hq, d], the stored global scores
+    [Hkv, T] (None: none kept), whether it was compressed before, the attention scale, its seed,
+    the tensor-parallel group-max hook, and its values [T, Hkv, d], gathered only when read."""
+
+    keys: torch.Tensor
+    queries: torch.Tensor
+    previous: torch.Tensor | None
+    compressed: bool
+    scale: float
+    seed: int
+    reduce_group_max: Callable | None
+    gather_values: Callable[[], torch.Tensor]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.gather_values()
+
+
+def pipeline_scorer(inputs: ScoreInputs, params: CompressionParams
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The paper's pipeline as a scorer: `final_scores` of the inputs."""
+    return final_scores(inputs.keys, inputs.queries, inputs.previous, inputs.compressed, params,
+                        inputs.scale, inputs.reduce_group_max)
+
+
 def kept_entries(scores: torch.Tensor, keep: int | torch.Tensor,
                  width: int | None = None) -> torch.Tensor:
     """Indices [..., width] of the `keep` highest scores of each row (the last dim), in their
@@ -225,7 +262,13 @@ def compress_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torc
                  query_slots: torch.Tensor, is_compressed: torch.Tensor,
                  params: CompressionParams, scale: float, reduce_group_max=None, *,
                  num_target_blocks: torch.Tensor | None = None,
-                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 seeds: torch.Tensor | None = None, scorer: Callable | None = None) -> None:
+    if scorer is None:
+        if params.scoring != DEFAULT_SCORING:
+            raise ValueError(f"scoring {params.scoring!r}: pass its scorer (kernels/scoring), "
+                             "or call kernels.compress.compress, which looks it up")
+        scorer = pipeline_scorer
     if params.global_score and score_cache is None:
         raise ValueError("the global score is on but score_cache is None")
     # Without the global score the score cache (if any) is neither read nor written.
@@ -243,16 +286,29 @@ def compress_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torc
         keep = targets * params.block_size
         slot = int(query_slots[request])
         compressed = bool(is_compressed[request])
+        seed = params.seed + (0 if seeds is None else int(seeds[request]))
         for layer in range(k_cache.shape[0]):
-            keys = k_cache[layer, source].flatten(0, 1)  # [N*b, Hkv, d]
-            if k_scale is not None:  # fp8: score the dequantized keys
-                keys = dequantize_kv(keys, k_scale[layer, source].flatten(0, 1))
+            keys = _entries(k_cache, k_scale, layer, source)  # [N*b, Hkv, d]
             previous = (score_cache[layer, source].flatten(0, 1).transpose(0, 1)
                         if score_cache is not None else None)
-            scores, stored = final_scores(keys, query_cache[layer, slot], previous, compressed,
-                                          params, scale, reduce_group_max)
+            inputs = ScoreInputs(
+                keys, query_cache[layer, slot], previous, compressed, scale,
+                # One seed per (compression, layer of the group).
+                seed * 1_000_003 + layer, reduce_group_max,
+                lambda layer=layer: _entries(v_cache, v_scale, layer, source))
+            scores, stored = scorer(inputs, params)
             write_kept_entries(k_cache[layer], v_cache[layer],
                                score_cache[layer] if score_cache is not None else None,
                                source, target, kept_entries(scores, keep), stored,
                                k_scale=None if k_scale is None else k_scale[layer],
                                v_scale=None if v_scale is None else v_scale[layer])
+
+
+def _entries(cache: torch.Tensor, scales: torch.Tensor | None, layer: int,
+             source: torch.Tensor) -> torch.Tensor:
+    """The K or V entries [N*b, Hkv, d] of one layer's blocks `source`; an fp8 cache's
+    dequantized (the scores read values, the compaction moves the stored bytes)."""
+    entries = cache[layer, source].flatten(0, 1)
+    if scales is None:
+        return entries
+    return dequantize_kv(entries, scales[layer, source].flatten(0, 1))

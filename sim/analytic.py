@@ -20,6 +20,7 @@ from zipage.dtypes import DTYPE_BYTES
 from zipage.errors import ConfigError
 from zipage.hardware import GPUSpec
 from zipage.profile import COST_KNOBS, PROFILE_VERSION
+from zipage.scoring import DEFAULT_SCORING, ScoringCost, scoring_spec
 from zipage.shape import ModelShape
 from zipage.sim.cost_model import CostModel, StepWork
 
@@ -72,9 +73,10 @@ COMPRESS_BATCH_OVERHEAD_S = 0.5e-3
 # Fp32 passes over the (padded) attention logits w x q_heads x N*b: the score kernel writes them,
 # softmax reads and writes them, the max over each group's query heads reads them.
 SCORE_LOGIT_PASSES = 4
-# Fp32 passes over the per-kv-head scores N*b: mean over the window, pooling, window fill,
-# redundancy normalisation and softmax, the lambda combination, top-k input and keep-mask output.
-SCORE_ELEMENT_PASSES = 10
+# Fp32 passes over the per-kv-head scores N*b and launches per group are the scoring policy's
+# (`ScoringCost`, zipage/scoring.py; the pipeline's: 10 passes — mean over the window, pooling,
+# window fill, redundancy normalisation and softmax, the lambda combination, top-k input and
+# keep-mask output — and 8 launches, `compression_launches_per_group`).
 # Tensor parallelism: ring all-reduce over NVLink at this share of the link rate, plus a fixed
 # latency per all-reduce (NCCL inside a CUDA graph). 25 us is what two H200s measured: with it,
 # Qwen3-8B TP=2 decode steps (batch 32/128/256, 2k contexts) sit 1.10/1.05/1.11x above this
@@ -106,10 +108,12 @@ def launch_groups(num_layers: int, layer_stride: int) -> int:
     return math.ceil(num_layers / layer_stride)
 
 
-def compression_launches_per_group(redundancy: str, global_score: bool) -> int:
-    """Kernel launches (besides top-k) that one launch group of the section-7 pipeline issues."""
-    # score kernel, softmax, group max, window mean, pooling, window fill, keep mask, K/V compaction
-    launches = 8
+def compression_launches_per_group(redundancy: str, global_score: bool,
+                                   cost: ScoringCost | None = None) -> int:
+    """Kernel launches (besides top-k) that one launch group of a compression issues: the scoring
+    policy's own (the pipeline's: score kernel, softmax, group max, window mean, pooling, window
+    fill, keep mask, K/V compaction), then the global score's and the redundancy's."""
+    launches = (cost or scoring_spec(DEFAULT_SCORING).cost).launches
     if global_score:
         launches += 2  # global-score update, F compaction
     if redundancy != "off":
@@ -126,19 +130,26 @@ class AnalyticCostModel(CostModel):
                  block_size: int = 256, window: int = 16, kv_budget: int = 2048,
                  redundancy: str = "lightning", layer_stride: int = 8, global_score: bool = True,
                  tensor_parallel: int = 1, contention_factor: float | None = None,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", scoring: str = DEFAULT_SCORING) -> None:
         _check_knobs(shape, dtype_bytes, block_size, window, kv_budget, redundancy, layer_stride,
                      tensor_parallel, contention_factor)
         self.shape, self.gpu = shape, gpu
         self.dtype_bytes, self.block_size, self.window = dtype_bytes, block_size, window
         self.kv_budget, self.redundancy, self.layer_stride = kv_budget, redundancy, layer_stride
         self.global_score, self.tensor_parallel = global_score, tensor_parallel
+        # The scoring policy's kernels (zipage/scoring.py): the knobs above as the default
+        # pipeline runs them, or the policy's own fixed modes.
+        self.scoring = scoring
+        policy = scoring_spec(scoring)
+        self.scoring_cost = cost = policy.cost
+        self.redundancy_mode = redundancy if cost.redundancy is None else cost.redundancy
+        self.keeps_global_scores = global_score and policy.global_scores
         # K (or V) bytes of one entry and KV head: an fp8 cache reads one byte per value plus
         # its scale, so attention and compression read about half the bytes of bfloat16.
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_entry_bytes = kv_entry_bytes(shape.head_dim, kv_cache_dtype, dtype_bytes)
-        self.contention_factor = (DEFAULT_CONTENTION[redundancy] if contention_factor is None
-                                  else contention_factor)
+        self.contention_factor = (DEFAULT_CONTENTION[self.redundancy_mode]
+                                  if contention_factor is None else contention_factor)
 
         layers, head_dim = shape.num_layers, shape.head_dim
         self.q_heads = heads_per_gpu(shape.num_heads, tensor_parallel)
@@ -183,7 +194,8 @@ class AnalyticCostModel(CostModel):
 
         self.num_launch_groups = launch_groups(layers, layer_stride)
         self.compress_fixed_s = COMPRESS_BATCH_OVERHEAD_S + self.num_launch_groups * (
-            compression_launches_per_group(redundancy, global_score) * KERNEL_LAUNCH_S
+            compression_launches_per_group(self.redundancy_mode, self.keeps_global_scores, cost)
+            * KERNEL_LAUNCH_S
             + TOPK_CALL_S
         )
 
@@ -246,8 +258,9 @@ class AnalyticCostModel(CostModel):
             kept_tokens = sum(min(self.kv_budget, count * block_size) for count in blocks)
         else:
             kept_tokens = sum(kept_blocks) * block_size
-        return (self.compress_fixed_s
-                + self._attention_score_s(tokens, padded_tokens, len(blocks))
+        attention = (self._attention_score_s(tokens, padded_tokens, len(blocks))
+                     if self.scoring_cost.attention else 0.0)
+        return (self.compress_fixed_s + attention
                 + self._score_elementwise_s(tokens, padded_tokens)
                 + self._redundancy_s(blocks)
                 + self._compaction_s(tokens, kept_tokens))
@@ -264,19 +277,23 @@ class AnalyticCostModel(CostModel):
         return _roofline(memory / self.gpu.achievable_bandwidth, flops / self.gpu.achievable_flops)
 
     def _score_elementwise_s(self, tokens: int, padded_tokens: int) -> float:
-        """Steps 2-6 outside the kernels: global score, pooling, window, softmaxes, top-k input."""
-        per_layer = SCORE_ELEMENT_PASSES * padded_tokens * self.kv_heads * FLOAT32_BYTES
-        if self.global_score:
+        """Steps 2-6 outside the kernels: global score, pooling, window, softmaxes, top-k input,
+        and the passes of a policy that reads the keys or values themselves."""
+        cost = self.scoring_cost
+        per_layer = cost.score_passes * padded_tokens * self.kv_heads * FLOAT32_BYTES
+        per_layer += ((cost.key_passes + cost.value_passes)
+                      * tokens * self.kv_heads * self.kv_entry_bytes)
+        if self.keeps_global_scores:
             per_layer += 2 * tokens * self.kv_heads * self.dtype_bytes  # read and write F
         return self.shape.num_layers * per_layer / self.gpu.achievable_bandwidth
 
     def _redundancy_s(self, blocks: Sequence[int]) -> float:
         """Step 4: cosine similarity of keys, within each block (lightning) or all pairs (flash)."""
-        if self.redundancy == "off":
+        if self.redundancy_mode == "off":
             return 0.0
         shape, block_size = self.shape, self.block_size
         key_bytes = block_size * self.kv_entry_bytes
-        if self.redundancy == "lightning":
+        if self.redundancy_mode == "lightning":
             block_pairs = sum(blocks)  # each block against itself
             # Keys read once; one fp32 row sum per key written.
             per_head = sum(blocks) * (key_bytes + block_size * FLOAT32_BYTES)
@@ -294,7 +311,7 @@ class AnalyticCostModel(CostModel):
         """Step 7: two-pointer move of the kept K, V (and F) entries into the target blocks."""
         shape, size = self.shape, self.dtype_bytes
         per_entry = 2 * 2 * self.kv_entry_bytes  # K and V (and their scales), read and written
-        if self.global_score:
+        if self.keeps_global_scores:
             per_entry += 2 * size
         per_layer = self.kv_heads * (kept_tokens * per_entry + tokens)  # + the one-byte keep mask
         return shape.num_layers * per_layer / self.gpu.achievable_bandwidth

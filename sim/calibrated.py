@@ -16,6 +16,7 @@ import numpy as np
 from zipage.errors import ConfigError
 from zipage.hardware import GPUSpec
 from zipage.profile import Validation, check_header, read_points, read_profile, read_validation
+from zipage.scoring import DEFAULT_SCORING, SCORING_POLICIES
 from zipage.shape import ModelShape
 from zipage.sim.analytic import DEFAULT_CONTENTION
 from zipage.sim.cost_model import CostModel, StepWork
@@ -76,7 +77,19 @@ class CalibratedCostModel(CostModel):
         source, data = read_profile(profile)
         header = check_header(source, data, shape, gpu, knobs)
         validation = read_validation(source, data)
-        redundancy = header.get("redundancy", "lightning")
+        # A profile from before the scoring knob measured the default pipeline: its compression
+        # fit prices no other policy.
+        scoring = header.get("scoring", DEFAULT_SCORING)
+        if scoring not in SCORING_POLICIES:
+            raise ConfigError(f"{source}: scoring: got {scoring!r}, expected one of "
+                              f"{', '.join(SCORING_POLICIES)}")
+        if knobs.get("scoring", scoring) != scoring:
+            raise ConfigError(f"{source}: scoring: measured with {scoring!r}, but this run uses "
+                              f"{knobs['scoring']!r}; measure a profile for this setup, or use "
+                              "--cost-model analytic")
+        # The redundancy the measured policy ran: the knob's, or the policy's own.
+        redundancy = (SCORING_POLICIES[scoring].cost.redundancy
+                      or header.get("redundancy", "lightning"))
         decode_rows = read_points(source, data, "decode", ("batch", "context_tokens"),
                                   DECODE_DEFAULTS)
         decode = _decode_fit(source, decode_rows)

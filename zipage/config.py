@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 from zipage.errors import ConfigError
+from zipage.scoring import DEFAULT_SCORING, SCORING_POLICIES
 
 POOLING_MODES = ("first", "always", "off")
 REDUNDANCY_MODES = ("lightning", "flash", "off")
@@ -79,6 +80,12 @@ class ZipageConfig:
     tau: float = knob(0.4, "--tau", "softmax temperature of the redundancy score (> 0)")
     similarity_threshold: float = knob(0.5, "--similarity-threshold", "keys above this cosine "
                                        "similarity count as near-duplicates (-1 to 1)")
+    # Which entries a compression keeps (zipage/scoring.py, kernels/scoring/): the knobs from
+    # --no-global-score to --similarity-threshold shape the default pipeline only.
+    scoring: str = knob(DEFAULT_SCORING, "--scoring", "eviction scoring policy: "
+                        + "; ".join(f"{name}: {spec.summary}"
+                                    for name, spec in SCORING_POLICIES.items()),
+                        cost=True, choices=tuple(SCORING_POLICIES))
     layer_stride: int = knob(8, "--layer-stride", "layers compressed per launch (cross-layer "
                              "parallel compression)", cost=True)
     max_num_seqs: int = knob(512, "--max-num-seqs", "most requests running at once")
@@ -122,6 +129,13 @@ class ZipageConfig:
         """Most blocks a request holds while decoding: the budget plus one block for new tokens."""
         return self.kv_budget // self.block_size + 1
 
+    @property
+    def keeps_global_scores(self) -> bool:
+        """Whether compressions keep a global score per entry: the score cache the memory
+        planner counts in every block and the engine allocates."""
+        return (self.compress and self.global_score
+                and SCORING_POLICIES[self.scoring].global_scores)
+
     def validate(self) -> None:
         b = self.block_size
         if not isinstance(b, int) or b < 16 or b > 1024 or b & (b - 1):
@@ -141,6 +155,16 @@ class ZipageConfig:
             _bad("pooling", self.pooling, f"one of {', '.join(POOLING_MODES)}")
         if self.redundancy not in REDUNDANCY_MODES:
             _bad("redundancy", self.redundancy, f"one of {', '.join(REDUNDANCY_MODES)}")
+        if self.scoring not in SCORING_POLICIES:
+            _bad("scoring", self.scoring, f"one of {', '.join(SCORING_POLICIES)}")
+        if self.scoring != DEFAULT_SCORING:
+            # Another policy fixes its own constants; a pipeline knob set beside it would be
+            # ignored without a word.
+            for name in PIPELINE_KNOBS:
+                if getattr(self, name) != _DEFAULTS[name]:
+                    raise ConfigError(f"{name}: shapes the {DEFAULT_SCORING} scoring policy only, "
+                                      f"but scoring is {self.scoring!r}; drop it, or use "
+                                      f"--scoring {DEFAULT_SCORING}")
         for name in ("alpha", "lambda_weight"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
@@ -182,6 +206,12 @@ class ZipageConfig:
             raise ConfigError(f"unknown config field(s) {', '.join(unknown)}; known: "
                               f"{', '.join(sorted(known))}")
         return cls(**values)
+
+
+# The knobs of the default scoring pipeline, which other scoring policies do not read.
+PIPELINE_KNOBS = ("global_score", "alpha", "pooling", "redundancy", "lambda_weight", "tau",
+                  "similarity_threshold")
+_DEFAULTS = {f.name: f.default for f in fields(ZipageConfig)}
 
 
 def window_violation(block_size: int, window) -> str | None:

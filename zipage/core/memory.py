@@ -59,7 +59,7 @@ def block_bytes(shape: ModelShape, config: ZipageConfig, dtype_bytes: int,
     kv_heads = heads_per_gpu(shape.num_kv_heads, tensor_parallel)
     per_token = 2 * shape.num_layers * kv_heads * kv_entry_bytes(
         shape.head_dim, config.kv_cache_dtype, dtype_bytes)
-    if config.compress and config.global_score:
+    if config.keeps_global_scores:
         # One score per (layer, kv head, token), in the compute dtype (also with an fp8 KV
         # cache): the paper's (1 + 1/(2d)).
         per_token += shape.num_layers * kv_heads * dtype_bytes

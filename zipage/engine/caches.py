@@ -48,7 +48,7 @@ class KVCaches:
         if config.compress:
             query = torch.zeros(shape.num_layers, capacity.num_query_slots, config.window,
                                 shape.num_heads, shape.head_dim, dtype=dtype, device=device)
-            if config.global_score:
+            if config.keeps_global_scores:
                 # In the KV dtype: the memory planner counts it in every block (the paper's
                 # 1 + 1/(2d) factor).
                 score = torch.zeros(shape.num_layers, capacity.num_blocks, config.block_size,

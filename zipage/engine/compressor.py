@@ -14,6 +14,8 @@ fewer, larger launches.
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from zipage.config import ZipageConfig
@@ -28,7 +30,8 @@ class Compressor:
                  device: torch.device) -> None:
         self.caches = caches
         self.device = device
-        # The pipeline itself; analysis swaps in baseline eviction policies of the same signature.
+        # The pipeline, scoring with the policy `config.scoring` names (kernels/scoring); analysis
+        # swaps in a dispatcher of the same signature that scores each request its own way.
         self.compress_fn = compress
         # Tensor parallelism with replicated KV heads sets this (`engine/parallel.py`): the max
         # over a KV head's query heads, reduced across the ranks that hold some of them.
@@ -79,16 +82,19 @@ class Compressor:
         # Tensor parallelism with replicated KV heads: the GQA max spans ranks.
         extra = {} if self.reduce_group_max is None else {"reduce_group_max": self.reduce_group_max}
         layers = caches.num_layers
+        seeds = tables.pop("seeds")
         for first in range(0, layers, self.layer_stride):
             group = slice(first, min(first + self.layer_stride, layers))
             inputs = CompressionInputs(
                 caches.kv[0, group], caches.kv[1, group],
                 caches.score[group] if caches.score is not None else None,
-                caches.query[group], **tables, **caches.layer_scales(group))
+                caches.query[group], **tables, **caches.layer_scales(group),
+                # Each group's layers draw apart from the other groups' (the random policy).
+                seeds=seeds * 131 + first)
             # By keyword, the contract of a compress_fn; the fp8 scales only for an fp8 cache
             # (`CompressionInputs.keywords`), so a policy that knows none still runs on others.
             arguments = {name: value for name, value in vars(inputs).items()
-                         if name not in ("num_target_blocks", "k_scale", "v_scale")}
+                         if name not in ("num_target_blocks", "k_scale", "v_scale", "seeds")}
             self.compress_fn(**arguments, **inputs.keywords(), params=self.params,
                              scale=self.scale, **extra)
 
@@ -106,12 +112,14 @@ class Compressor:
                                [job.query_slot for job in jobs],
                                [not job.is_first for job in jobs],
                                [len(job.target_blocks) for job in jobs]], dtype=torch.int32)
+        seeds = torch.tensor([job_seed(job) for job in jobs], dtype=torch.int64)
         if self.on_gpu:
-            source, target, counts = (tensor.pin_memory().to(self.device, non_blocking=True)
-                                      for tensor in (source, target, counts))
+            source, target, counts, seeds = (
+                tensor.pin_memory().to(self.device, non_blocking=True)
+                for tensor in (source, target, counts, seeds))
         return dict(source_tables=source, num_source_blocks=counts[0],
                     target_tables=target, query_slots=counts[1].long(),
-                    is_compressed=counts[2].bool(), num_target_blocks=counts[3])
+                    is_compressed=counts[2].bool(), num_target_blocks=counts[3], seeds=seeds)
 
     def launch(self, batch: CompressionBatch) -> None:
         assert self.in_flight is None, "the core allows one compression batch in flight"
@@ -140,6 +148,14 @@ class Compressor:
             torch.cuda.current_stream().wait_event(done)
         self.in_flight = None
         return [batch_id]
+
+
+def job_seed(job: CompressionJob) -> int:
+    """A compression's own seed: a checksum of what it reads and writes (its blocks and slot),
+    so the same request and step draw the same on every run and every tensor-parallel rank
+    (whose jobs carry no request), and two requests of one step differ."""
+    numbers = [*job.source_table, -1, *job.target_blocks, -1, job.query_slot]
+    return zlib.crc32(torch.tensor(numbers, dtype=torch.int64).numpy().tobytes())
 
 
 def _padded(rows: list[list[int]]) -> torch.Tensor:
