@@ -26,6 +26,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -39,24 +40,8 @@ from zipage.engine.replay import replay_on_engine
 from zipage.presets import get_preset
 from zipage.trace import Trace, TraceRequest
 
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a large device-to-device copy (read + write counted)."""
-    source = torch.empty(2 * GIB, dtype=torch.uint8, device="cuda")
-    target = torch.empty_like(source)
-    for _ in range(3):
-        target.copy_(source)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        target.copy_(source)
-    end.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1000 / 10
-    del source, target
-    torch.cuda.empty_cache()
-    return 2 * 2 * GIB / seconds
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_gpu import copy_bandwidth  # noqa: E402  (a sibling script, not a package)
 
 
 def workload(table: dict, row: dict) -> Trace:

@@ -34,7 +34,8 @@ from zipage.presets import get_preset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_overhead_gpu import decode_plan  # noqa: E402  (a sibling script, not a package)
-from peer_tables import copy_bandwidth, kv_token_bytes  # noqa: E402
+from engine_gpu import copy_bandwidth  # noqa: E402
+from peer_tables import kv_token_bytes  # noqa: E402
 
 # Kernel name fragments -> kind, first match wins (Triton kernels carry their Python names).
 KINDS = (

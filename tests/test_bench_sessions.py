@@ -135,7 +135,7 @@ class _Tee(httpx.AsyncByteStream):
 
 
 class Watched(httpx.AsyncHTTPTransport):
-    """The real transport, recording each completion request: when it was sent, its body, its
+    """The real transport, recording each completion (or chat) request: when it was sent, its body, its
     status, its response's bytes and when the response ended."""
 
     def __init__(self) -> None:
@@ -145,7 +145,7 @@ class Watched(httpx.AsyncHTTPTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         sent = time.perf_counter()
         response = await super().handle_async_request(request)
-        if request.url.path == "/v1/completions":
+        if request.url.path.endswith("completions"):  # /v1/completions, /v1/chat/completions
             exchange = SimpleNamespace(sent=sent, body=json.loads(request.content),
                                        status=response.status_code, raw=b"", ended=None)
             self.exchanges.append(exchange)
