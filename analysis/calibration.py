@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from zipage.analysis.compare import compare_runs
+from zipage.analysis.compare import KS_METRICS, compare_runs
 from zipage.calibration_traces import (
     DEFAULT_FIT_SECONDS,
     DEFAULT_VALIDATION_SECONDS,
@@ -166,7 +166,8 @@ def simulate_run(trace: Trace, settings: ReplaySettings, cost_model: str,
 def twin_errors(trace: Trace, engine_run: Path, settings: ReplaySettings, profile: dict,
                 root: Path) -> dict[str, dict[str, float | None]]:
     """The errors of the simulation of `trace` against its engine run, with `profile` and with
-    the analytic model: {"profile": {metric: error}, "analytic": {...}}."""
+    the analytic model: {"profile": {metric: error}, "analytic": {...}}; the KS distances of the
+    TTFT and TPOT distributions too (`ks_ttft`, `ks_tpot`)."""
     path = write_profile(profile, root / f"{trace.name}-profile.json")
     errors = {}
     for name, spec in (("profile", str(path)), ("analytic", ANALYTIC)):
@@ -174,6 +175,8 @@ def twin_errors(trace: Trace, engine_run: Path, settings: ReplaySettings, profil
         comparison = compare_runs(simulated, engine_run)
         _same_capacity(comparison)
         errors[name] = {metric: comparison["errors"][key] for metric, key in VALIDATED.items()}
+        # How far the TTFT and TPOT distributions are apart, beside their percentiles' errors.
+        errors[name].update({key: comparison["errors"][key] for key in KS_METRICS})
     return errors
 
 
@@ -197,7 +200,10 @@ def validation_record(trace: Trace, errors: dict) -> dict:
         if ours is not None and analytic is not None and abs(ours) > abs(analytic) + WORSE_BY:
             warnings.append(f"{metric}: the profile ({ours:+.1%}) is worse than the analytic "
                             f"model ({analytic:+.1%})")
-    return {"workload": trace.name, "requests": len(trace.requests), "errors": errors,
+    # A profile records the validated errors only (the distances are `zipage fidelity`'s).
+    recorded = {name: {metric: value for metric, value in values.items()
+                       if metric not in KS_METRICS} for name, values in errors.items()}
+    return {"workload": trace.name, "requests": len(trace.requests), "errors": recorded,
             "recommended": "profile" if means["profile"] <= means["analytic"] else "analytic",
             "warnings": warnings}
 
@@ -285,9 +291,11 @@ def within_targets(row: dict) -> dict[str, bool | None]:
 
 def format_table(rows: list[dict]) -> str:
     """The error table: one line per trace and model, errors in percent, '*' where a target is
-    missed."""
+    missed, then the KS distances of the TTFT and TPOT distributions ('-': a side without
+    values)."""
     metrics = list(TARGETS)
-    header = f"{'trace':<22} {'model':<9} " + " ".join(f"{m:>10}" for m in metrics)
+    header = (f"{'trace':<22} {'model':<9} " + " ".join(f"{m:>10}" for m in metrics) + " "
+              + " ".join(f"{key:>8}" for key in KS_METRICS))
     lines = [header, "-" * len(header)]
     for row in rows:
         verdicts = within_targets(row)
@@ -297,8 +305,11 @@ def format_table(rows: list[dict]) -> str:
             text = "-" if value is None else (f"{100 * value:.1f}%" if metric == "e2e_mape"
                                               else f"{100 * value:+.1f}%")
             cells.append(f"{text + ('*' if verdicts[metric] is False else ' '):>10}")
+        cells += [f"{'-' if row.get(key) is None else format(row[key], '.3f'):>8}"
+                  for key in KS_METRICS]
         lines.append(f"{row['trace']:<22} {row['model']:<9} " + " ".join(cells))
     targets = ", ".join(f"{m} {100 * t:g}%" for m, t in TARGETS.items() if t is not None)
     lines.append(f"errors: (simulated - engine) / engine; e2e_mape per request; * misses its "
-                 f"target ({targets})")
+                 f"target ({targets}); ks_*: the largest gap of the two runs' CDFs (0.1: never "
+                 f"more than 10 points apart)")
     return "\n".join(lines)

@@ -7,9 +7,11 @@ engine-cuda, ...), or A and B when both have the same. In the results the first 
 must be identical with synchronous compression since both drivers run the same core; (b) the cost
 model's accuracy: relative error of every step's duration, overall and per step kind, and of the
 total time; (c) per-request errors of TTFT, TPOT and finish time; (d) the summaries side by side;
-(f) where each run's time went: steps and seconds per step kind (compressing steps apart) and the
-host gaps between steps, which attribute a makespan error to its parts even when the two runs'
-steps differ (step-by-step matching in (b) compares different steps once decisions drift).
+(e) run-level errors: of the summaries' percentiles, and the Kolmogorov-Smirnov distance of each
+run's TTFT and TPOT distribution (`ks_distance`: the shape, not three points of it); (f) where
+each run's time went: steps and seconds per step kind (compressing steps apart) and the host gaps
+between steps, which attribute a makespan error to its parts even when the two runs' steps differ
+(step-by-step matching in (b) compares different steps once decisions drift).
 Errors are always sim against real: (sim - real) / real, so a positive bias means the simulator
 is slow. `format_report` turns the result into the text the CLI prints.
 """
@@ -172,22 +174,55 @@ def compare_time_by_kind(sim_steps: pd.DataFrame, real_steps: pd.DataFrame) -> d
     return {"sim": sim, "real": real, "share_of_real_time": share}
 
 
+def request_latencies(requests: pd.DataFrame, suffix: str = "") -> dict[str, pd.Series]:
+    """TTFT, TPOT and finish time (from arrival) of each row of `requests`, read from the columns
+    named with `suffix` ("_sim" in a joined frame)."""
+    arrival = requests[f"arrival{suffix}"]
+    first_token = requests[f"first_token{suffix}"]
+    finish = requests[f"finish{suffix}"]
+    output_len = requests[f"output_len{suffix}"]
+    # TPOT is undefined for one-token outputs (docs/architecture.md, 'Traces and metrics'): NaN, hence excluded.
+    decode_tokens = (output_len - 1).where(output_len > 1)
+    return {"ttft": first_token - arrival, "tpot": (finish - first_token) / decode_tokens,
+            "finish": finish - arrival}
+
+
+def ks_distance(first: np.ndarray, second: np.ndarray) -> float | None:
+    """The two-sample Kolmogorov-Smirnov distance of two samples without NaN: the largest gap
+    max |F1(x) - F2(x)| between their empirical CDFs, in [0, 1] (0: the same distribution of
+    values, 1: every value of one below every value of the other). None when a sample is empty.
+
+    A step function changes only at its sample's values, so the gap is largest at one of the
+    pooled values; `searchsorted(side="right")` counts the values <= x of each sorted sample."""
+    if len(first) == 0 or len(second) == 0:
+        return None
+    first, second = np.sort(first), np.sort(second)
+    pooled = np.concatenate([first, second])
+    cdf_first = np.searchsorted(first, pooled, side="right") / first.size
+    cdf_second = np.searchsorted(second, pooled, side="right") / second.size
+    return float(np.max(np.abs(cdf_first - cdf_second)))
+
+
+def compare_distributions(sim_requests: pd.DataFrame, real_requests: pd.DataFrame) -> dict:
+    """The KS distance of each run's TTFT and TPOT distribution, over every request it finished
+    (not only those finished in both: a request one run never finished still shapes the other's
+    distribution), and how many values each side had (a one-token output has no TPOT)."""
+    def values(requests: pd.DataFrame) -> dict[str, np.ndarray]:
+        latencies = request_latencies(requests[requests["status"] == FINISHED])
+        return {metric: latencies[metric].dropna().to_numpy(dtype=float)
+                for metric in DISTRIBUTED}
+
+    sim, real = values(sim_requests), values(real_requests)
+    return {metric: {"ks": ks_distance(sim[metric], real[metric]),
+                     "n": {"sim": len(sim[metric]), "real": len(real[metric])}}
+            for metric in DISTRIBUTED}
+
+
 def compare_request_times(sim_requests: pd.DataFrame, real_requests: pd.DataFrame) -> dict:
     """TTFT, TPOT and finish time (from arrival) of the requests finished in both runs."""
     joined = sim_requests.merge(real_requests, on="id", suffixes=("_sim", "_real"))
     finished = joined[(joined["status_sim"] == FINISHED) & (joined["status_real"] == FINISHED)]
-
-    def per_run(run: str) -> dict[str, pd.Series]:
-        arrival = finished[f"arrival_{run}"]
-        first_token = finished[f"first_token_{run}"]
-        finish = finished[f"finish_{run}"]
-        # TPOT is undefined for one-token outputs (docs/architecture.md, 'Traces and metrics'): NaN, hence excluded.
-        decode_tokens = (finished[f"output_len_{run}"] - 1).where(
-            finished[f"output_len_{run}"] > 1)
-        return {"ttft": first_token - arrival, "tpot": (finish - first_token) / decode_tokens,
-                "finish": finish - arrival}
-
-    sim, real = per_run("sim"), per_run("real")
+    sim, real = request_latencies(finished, "_sim"), request_latencies(finished, "_real")
     return {
         "matched_requests": len(joined),
         "sim_only_requests": len(sim_requests) - len(joined),
@@ -205,14 +240,20 @@ GATED_SUMMARY_KEYS = {
     **{f"{metric}_p{p}": f"{metric}_p{p}_{unit}" for metric, unit in (("ttft", "s"), ("tpot", "ms"))
        for p in (50, 90, 99)},
 }
-GATED_METRICS = (*GATED_SUMMARY_KEYS, "e2e_mape", "decisions")
+# Per-request metrics whose distributions are compared, each by its KS distance `ks_<metric>`.
+DISTRIBUTED = ("ttft", "tpot")
+KS_METRICS = tuple(f"ks_{metric}" for metric in DISTRIBUTED)
+GATED_METRICS = (*GATED_SUMMARY_KEYS, *KS_METRICS, "e2e_mape", "decisions")
 
 
 def latency_errors(comparison: dict, sim_summary: dict, real_summary: dict) -> dict:
-    """Relative errors (fractions) of the run-level numbers, per-request end-to-end MAPE, the
-    finish-order rank correlation and the share of decision lines that differ."""
+    """Relative errors (fractions) of the run-level numbers, the KS distances of the TTFT and
+    TPOT distributions, per-request end-to-end MAPE and the share of decision lines that
+    differ."""
     errors = {name: _relative_error(sim_summary.get(key), real_summary.get(key))
               for name, key in GATED_SUMMARY_KEYS.items()}
+    errors.update({f"ks_{metric}": distance["ks"]
+                   for metric, distance in comparison["distributions"].items()})
     errors["e2e_mape"] = comparison["request_time"]["finish"]["mape"]
     decisions = comparison["decisions"]  # None when a run wrote no decision log
     errors["decisions"] = None if decisions is None else 1.0 - decisions["identical_fraction"]
@@ -329,6 +370,7 @@ def compare_runs(sim_dir: str | Path, real_dir: str | Path) -> dict:
         "step_time": compare_step_times(sim.steps, real.steps) if steps_known else None,
         "time_by_kind": compare_time_by_kind(sim.steps, real.steps) if steps_known else None,
         "request_time": compare_request_times(sim.requests, real.requests),
+        "distributions": compare_distributions(sim.requests, real.requests),
         "summary": compare_summaries(sim.summary, real.summary, both_only=not steps_known),
         "finish_order_correlation": finish_order_correlation(sim.requests, real.requests),
     }
@@ -428,6 +470,11 @@ def _format_requests_and_summary(comparison: dict, a: str, b: str) -> list[str]:
                                        "tpot_p50", "tpot_p90", "tpot_p99"))
               + f"; end-to-end MAPE {_percent(errors['e2e_mape'])}; finish-order rank correlation "
               + (f"{correlation:.3f}" if correlation is not None else "-")]
+    lines.append(f"  distributions, KS distance (the largest gap of the two CDFs: 0 the same, 1 "
+                 f"disjoint; n = {a} | {b}): " + ", ".join(
+                     f"{metric} {_distance(distance['ks'])} (n={distance['n']['sim']} | "
+                     f"{distance['n']['real']})"
+                     for metric, distance in comparison["distributions"].items()))
     lines += _format_time_by_kind(comparison.get("time_by_kind"), a, b)
     column = max(14, len(a), len(b))
     lines += ["", f"(d) {'summary':<14} {a:>{column}} {b:>{column}} {'ratio':>9}"
@@ -467,6 +514,10 @@ def _percent(fraction: float | None, signed: bool = False) -> str:
     if fraction is None:
         return "-"
     return f"{100 * fraction:+.2f}%" if signed else f"{100 * fraction:.2f}%"
+
+
+def _distance(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _number(value: object) -> str:

@@ -83,8 +83,24 @@ def test_fidelity_checks_fresh_traces_and_given_files(calibrated, tmp_path, caps
         ("check-conv", "profile"), ("check-conv", "analytic"), ("given", "profile"),
         ("given", "analytic")]
     assert all(row["makespan"] is not None for row in report["rows"])
+    assert all(0 <= row["ks_ttft"] <= 1 and 0 <= row["ks_tpot"] <= 1 for row in report["rows"])
     printed = capsys.readouterr().out
-    assert "check-conv" in printed and "misses its target" in printed
+    assert "check-conv" in printed and "misses its target" in printed and "ks_tpot" in printed
+
+
+def test_fidelity_prints_the_distances_and_profiles_do_not_record_them():
+    from zipage.analysis.calibration import format_table, validation_record
+    from zipage.trace import Trace
+
+    errors = {"makespan": 0.02, "ttft_p50": -0.2, "e2e_mape": 0.05, "ks_ttft": 0.125,
+              "ks_tpot": None}
+    row = {"trace": "check-conv", "requests": 9, "model": "profile", **errors}
+    header, _, line, legend = format_table([row]).splitlines()
+    assert header.split()[-2:] == ["ks_ttft", "ks_tpot"]
+    assert line.split()[-2:] == ["0.125", "-"]  # '-': no TPOT on one side
+    assert "-20.0%*" in line and "ks_*" in legend
+    record = validation_record(Trace("held-out", []), {"profile": errors, "analytic": errors})
+    assert set(record["errors"]["profile"]) == {"makespan", "ttft_p50", "e2e_mape"}
 
 
 def test_loop_calibration_refuses_bad_input_before_the_engine(tmp_path, capsys):

@@ -52,6 +52,33 @@ def test_finish_order_that_differs(tmp_path):
     assert comparison["finish_order_correlation"] == pytest.approx(0.5)
 
 
+def test_distributions_of_ttft_and_tpot(tmp_path):
+    comparison = runs(tmp_path, sim_finish=[8.0, 13.1, 4.0], sim_summary={})
+    distributions = comparison["distributions"]
+    # TTFT 2, 1, 4 in both runs; TPOT 2, 2.22 against 2, 2 (the one-token request has none): at
+    # x = 2 the real CDF is at 1, the simulated one at 1/2.
+    assert distributions["ttft"]["n"] == {"sim": 3, "real": 3}
+    assert distributions["tpot"]["n"] == {"sim": 2, "real": 2}
+    assert abs(comparison["errors"]["ks_ttft"]) <= 1e-12
+    assert abs(comparison["errors"]["ks_tpot"] - 0.5) <= 1e-12
+    assert "ttft 0.000 (n=3 | 3), tpot 0.500 (n=2 | 2)" in format_report(comparison)
+    failed = exceeded(comparison["errors"], parse_max_errors(["ks_ttft=1", "ks_tpot=40"]))
+    assert failed == ["ks_tpot: error +50.00% exceeds 40%"]
+
+
+def test_a_side_without_values_has_no_distance(tmp_path):
+    real = write_run_dir(tmp_path / "real", make_steps(REAL_KINDS, REAL_DURATIONS),
+                         real_requests(), REAL_SUMMARY, REAL_DECISIONS)
+    one_token = make_requests(arrival=[0.0, 1.0], first_token=[2.0, 2.0], finish=[2.0, 2.0],
+                              output_len=[1, 1])
+    sim = write_run_dir(tmp_path / "sim", make_steps(REAL_KINDS, REAL_DURATIONS), one_token,
+                        REAL_SUMMARY, REAL_DECISIONS)
+    comparison = compare_runs(sim, real)
+    assert comparison["distributions"]["tpot"] == {"ks": None, "n": {"sim": 0, "real": 2}}
+    assert comparison["errors"]["ks_tpot"] is None
+    assert "tpot - (n=0 | 2)" in format_report(comparison)
+
+
 @pytest.mark.parametrize("item", ["latency=5", "tps", "tps=fast", "tps=-1"])
 def test_bad_gate_names_the_fix(item):
     with pytest.raises(ZipageError, match="--max-error"):

@@ -31,8 +31,9 @@ def add_parser(commands) -> None:
         "--max-error", action="append", default=[], metavar="METRIC=PCT",
         help="fail (exit 1) when |error| of METRIC exceeds PCT percent, or cannot be measured; "
              "repeat for several. METRIC: makespan, tps, ttft_p50/p90/p99, tpot_p50/p90/p99, "
-             "e2e_mape (per-request end-to-end latency), decisions (share of decision lines "
-             "that differ)")
+             "ks_ttft/ks_tpot (KS distance of the two distributions, in points: 10 = the CDFs "
+             "never differ by more than 0.10), e2e_mape (per-request end-to-end latency), "
+             "decisions (share of decision lines that differ)")
     compare.set_defaults(handler=cmd_compare)
 
 
