@@ -9,6 +9,9 @@ conversation whose history holds four earlier calls and their results (rendered 
 from `tool_calls` and `tool` messages) steers greedy decoding into a real `<tool_call>` block,
 parsed into message.tool_calls, whole and streamed. The stop string "</" ends the call where the
 135M model would ramble on; an output that ends inside its last call is still that call.
+Forced calls (tool_choice "required" or a named function, constrained to the calls' JSON): the
+schemas and refusals, whole and streamed at every cut of sample outputs, and end to end a named
+call whose arguments fit its schema (streamed the same), "required" calls of the tools.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from hypothesis_profiles import examples
 
-from zipage.serve.chat_output import ChatOutput
+from zipage.serve.chat_output import ChatOutput, ForcedCalls
 from zipage.serve.protocol import ChatRequest, CompletionRequest, ServeError
 from zipage.serve.reasoning import DeepSeekR1Parser, Qwen3Parser
 from zipage.serve.tool_parsers import HermesParser, Llama3JsonParser
@@ -163,6 +166,7 @@ def test_a_stream_cut_anywhere_adds_up_to_the_whole(sample, fractions):
 
 # ---------------------------------------------------------------- requests
 
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
 CALL = {"id": "call_1", "type": "function",
         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 TOOLS = [{"type": "function", "function": {
@@ -191,16 +195,72 @@ def test_tool_messages_reach_the_template_with_arguments_as_objects():
 
 @pytest.mark.parametrize("fields, param", [
     ({"tool_choice": "auto"}, "tool_choice"),  # no tools
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+     "tool_choice"),  # not among the tools
     ({"functions": [{"name": "f"}]}, "functions"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format"),  # two constraints
+    ({"tools": TOOLS, "tool_choice": NAMED, "guided_regex": "a+"}, "guided_regex"),
+    ({"tools": TOOLS, "tool_choice": NAMED, "structured_outputs": {"choice": ["a"]}},
+     "structured_outputs"),
 ])
 def test_tool_fields_not_served_are_a_400_naming_them(fields, param):
     with pytest.raises(ServeError) as caught:
-        _chat(**fields).check_unsupported()
+        body = _chat(**fields)
+        body.check_unsupported()
+        body.structured_output()
     assert (caught.value.status, caught.value.param) == (400, param)
-    assert caught.value.message.startswith(f"{param}: ")
+    assert caught.value.message.split(":")[0].split(".")[0] == param  # the field leads
+
+
+def test_forced_tool_choice_constrains_to_the_calls_json():
+    spec, field = _chat(tools=TOOLS, tool_choice=NAMED).structured_output()
+    assert (spec.kind, field) == ("json_schema", "tool_choice")
+    assert json.loads(spec.value) == TOOLS[0]["function"]["parameters"]
+    tools = [*TOOLS, {"type": "function", "function": {"name": "get_time"}}]
+    for parallel, most in ((None, None), (False, 1)):
+        body = _chat(tools=tools, tool_choice="required", parallel_tool_calls=parallel)
+        schema = json.loads(body.structured_output()[0].value)
+        assert (schema["minItems"], schema.get("maxItems")) == (1, most)
+        shapes = schema["items"]["anyOf"]
+        assert [shape["properties"]["name"]["enum"] for shape in shapes] == [
+            ["get_weather"], ["get_time"]]
+        assert shapes[1]["properties"]["parameters"] == {"type": "object", "properties": {}}
+        assert not body.parses_tools  # read as JSON, never by the tool-call parser
+
+
+REQUIRED_OUTPUT = ('[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+                   '{"name": "get_time", "parameters": {}}, {"name": "get_we')
+
+
+@pytest.mark.parametrize("name, text, calls", [
+    ("get_weather", '{"city": "Rome"}', [("get_weather", '{"city": "Rome"}')]),
+    (None, REQUIRED_OUTPUT, [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
+    (None, '[{"name": "get_time", "para', []),  # cut before a call was complete: content
+])
+def test_forced_calls_whole_and_streamed_at_every_cut(name, text, calls):
+    whole = ForcedCalls(name).message(text)
+    assert _calls(whole) == calls
+    assert whole["content"] == (None if calls else text)
+    for cut in range(len(text) + 1):
+        output = ForcedCalls(name)
+        deltas = [output.delta(text[:cut], False), output.delta(text, True)]
+        streamed: dict = {}
+        for piece in (piece for delta in deltas for piece in delta.get("tool_calls", [])):
+            call = streamed.setdefault(piece["index"], ["", ""])
+            call[0] += piece["function"].get("name", "")
+            call[1] += piece["function"]["arguments"]
+        assert [tuple(streamed[index]) for index in sorted(streamed)] == calls
+        assert "".join(delta.get("content", "") for delta in deltas) == (whole["content"] or "")
+
+
+def test_forced_finish_reasons_follow_vllm():
+    named, required = ForcedCalls("f"), ForcedCalls(None)
+    assert named.finish_reason("stop", True) == "stop"  # OpenAI's for a named call
+    assert required.finish_reason("stop", True) == "tool_calls"
+    assert required.finish_reason("length", True) == "length"
+    assert required.finish_reason("stop", False) == "stop"
 
 
 @pytest.mark.parametrize("fields", [
@@ -368,8 +428,72 @@ def test_a_steered_call_is_parsed_whole_and_streamed(tool_client):
     assert len(single.choices[0].message.tool_calls) == 1
 
 
-def test_required_tool_choice_is_refused_by_name(tool_client):
+# A city of at most 12 characters: the constraint must close the string, then the object,
+# well within max_tokens.
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"]}
+FORCED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}},
+                {"type": "function", "function": {"name": "get_time"}}]
+ROME = [{"role": "user", "content": "What is the weather in Rome?"}]
+
+
+def _force(client, tool_choice, **fields):
+    return client.chat.completions.create(model="smollm2", messages=ROME, tools=FORCED_TOOLS,
+                                          tool_choice=tool_choice, max_tokens=40,
+                                          temperature=0, **fields)
+
+
+def _valid_city(arguments: str) -> None:
+    value = json.loads(arguments)
+    assert set(value) == {"city"} and isinstance(value["city"], str)
+    assert len(value["city"]) <= 12
+
+
+def test_a_named_function_is_one_call_of_it_whole_and_streamed(tool_client):
+    reply = _force(tool_client, NAMED)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop"  # vLLM's and OpenAI's for a named call
+    assert choice.message.content is None and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.id.startswith("call_") and call.function.name == "get_weather"
+    _valid_city(call.function.arguments)
+
+    names, arguments, finish = [], "", None
+    for chunk in _force(tool_client, NAMED, stream=True):
+        delta = chunk.choices[0].delta
+        assert not delta.content
+        for piece in delta.tool_calls or []:
+            assert piece.index == 0
+            if piece.id is not None:
+                names.append(piece.function.name)
+            arguments += piece.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert (names, arguments, finish) == (["get_weather"], call.function.arguments, "stop")
+
+
+def test_required_tool_choice_is_calls_of_the_tools(tool_client):
+    for parallel in (None, False):
+        choice = _force(tool_client, "required", parallel_tool_calls=parallel).choices[0]
+        calls = choice.message.tool_calls
+        assert len(calls) >= 1 and choice.message.content is None
+        for call in calls:
+            assert call.function.name in ("get_weather", "get_time")
+            if call.function.name == "get_weather":
+                _valid_city(call.function.arguments)
+            else:
+                assert json.loads(call.function.arguments) == {}
+        if parallel is False:  # one call at most: the array closes and the output stops
+            assert choice.finish_reason == "tool_calls" and len(calls) == 1
+        else:  # the model may go on listing calls until max_tokens
+            assert choice.finish_reason in ("tool_calls", "length")
+
+
+def test_forced_tool_choice_errors_name_the_field(tool_client):
     openai = _served().openai
-    with pytest.raises(openai.BadRequestError) as caught:
-        _ask(tool_client, STEERED, tools=TOOLS, tool_choice="required")
-    assert caught.value.body["param"] == "tool_choice"
+    for tool_choice, fields, param in [
+            ({"type": "function", "function": {"name": "get_forecast"}}, {}, "tool_choice"),
+            ("required", {"response_format": {"type": "json_object"}}, "response_format"),
+            (NAMED, {"extra_body": {"guided_regex": "a+"}}, "guided_regex")]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            _force(tool_client, tool_choice, **fields)
+        assert caught.value.body["param"] == param

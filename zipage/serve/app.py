@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from zipage.core.sampling import SamplingParams
 from zipage.errors import ZipageError
 from zipage.serve import DEFAULT_MAX_BODY_BYTES
-from zipage.serve.chat_output import ChatSettings
+from zipage.serve.chat_output import ChatOutput, ChatSettings, ForcedCalls
 from zipage.serve.detokenize import IncrementalText
 from zipage.serve.engine_client import Delta, EngineStopped, RequestHandle
 from zipage.serve.logprobs import TokenText, chat_logprobs, completion_logprobs, join_completion_logprobs
@@ -738,10 +738,14 @@ class ChatAnswer(_Answer):
         super().__init__(*args)
         # Each choice's reasoning and tool-call parsers (None: its text is the content), and
         # the text its stream has released (stop strings held back) for them to scan.
-        body = self.body
-        self.outputs = {choice.index: self.server.chat.output(
-            body.parses_tools, body.parallel_tool_calls is False) for choice in self.choices}
+        self.outputs = {choice.index: self.output() for choice in self.choices}
         self.released = {choice.index: "" for choice in self.choices}
+
+    def output(self) -> ChatOutput | ForcedCalls | None:
+        body, chat = self.body, self.server.chat
+        if body.forces_tools:  # the output is the calls' JSON (its constraint's)
+            return ForcedCalls(body.named_tool, chat.reasoning_parser is not None)
+        return chat.output(body.parses_tools, body.parallel_tool_calls is False)
 
     def whole_choice(self, choice: Choice) -> dict:
         logprobs = (chat_logprobs(self.text_of, choice.text.token_ids, choice.entries)
@@ -751,8 +755,7 @@ class ChatAnswer(_Answer):
             message = {"role": "assistant", "content": choice.text.text}
         else:
             message = output.message(choice.text.text)
-            if "tool_calls" in message:
-                finish = "tool_calls"  # vLLM's and OpenAI's reason for an answer of calls
+            finish = output.finish_reason(finish, "tool_calls" in message)
         return {"index": choice.index, "message": message, "logprobs": logprobs,
                 "finish_reason": finish}
 
@@ -765,8 +768,8 @@ class ChatAnswer(_Answer):
         else:
             self.released[choice.index] += piece
             delta = output.delta(self.released[choice.index], final=finish is not None)
-            if finish is not None and output.called:
-                finish = "tool_calls"
+            if finish is not None:
+                finish = output.finish_reason(finish, output.called)
         if not choice.started:
             choice.started = True
             delta = {"role": "assistant", **delta}

@@ -11,11 +11,12 @@ what was sent of it stands.
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
 
 from zipage.serve.reasoning import REASONING_PARSERS, ReasoningParser
-from zipage.serve.tool_parsers import TOOL_PARSERS, Call, ToolParser
+from zipage.serve.tool_parsers import TOOL_PARSERS, Call, ToolParser, _skip
 
 
 @dataclass(frozen=True)
@@ -108,10 +109,95 @@ class ChatOutput:
             delta["tool_calls"] = pieces
         return delta
 
+    def finish_reason(self, reason: str, called: bool) -> str:
+        """An answer of calls finishes with "tool_calls" (vLLM's and OpenAI's reason)."""
+        return "tool_calls" if called else reason
+
     @property
     def called(self) -> bool:
         """The stream sent a tool call (its finish reason is "tool_calls")."""
         return bool(self.sent_calls)
+
+
+class ForcedCalls:
+    """A choice whose output was constrained to its tool calls' JSON (tool_choice "required"
+    or a named function), read as vLLM reads it: no tool-call parser, and no reasoning (the
+    constraint holds from the first token). Named (`name`): the whole text is the function's
+    arguments, streamed as they arrive. "required" (`name` None): a JSON array of {"name",
+    "parameters"}; each element becomes a call once it is complete (whole in the stream too),
+    its arguments the parameters re-serialised. An output cut before any complete element has
+    no calls: its text is the content."""
+
+    def __init__(self, name: str | None, reasoning: bool = False) -> None:
+        self.name = name
+        self.reasoning = reasoning  # the server has a reasoning parser: the field is sent
+        self.sent_calls: list[tuple[str, Call]] = []
+        self.sent_content = False
+
+    def calls(self, text: str) -> list[Call]:
+        if self.name is not None:
+            return [Call(self.name, text)]
+        return [Call(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+                for item in _complete_items(text)
+                if isinstance(item, dict) and isinstance(item.get("name"), str)
+                and isinstance(item.get("parameters"), dict)]
+
+    def message(self, text: str) -> dict:
+        calls = self.calls(text)
+        message: dict = {"role": "assistant", "content": None if calls else text}
+        if self.reasoning:
+            message["reasoning_content"] = None
+        if calls:
+            message["tool_calls"] = [_call(call_id(), call) for call in calls]
+        return message
+
+    def delta(self, text: str, final: bool) -> dict:
+        calls = self.calls(text)
+        pieces = []
+        for index, call in enumerate(calls):
+            if index == len(self.sent_calls):
+                self.sent_calls.append((call_id(), call))
+                pieces.append({"index": index, **_call(self.sent_calls[index][0], call)})
+                continue
+            identifier, sent = self.sent_calls[index]
+            piece = _added(call.arguments, sent.arguments)  # named: the arguments grow
+            if piece:
+                self.sent_calls[index] = (identifier, call)
+                pieces.append({"index": index, "function": {"arguments": piece}})
+        if pieces:
+            return {"tool_calls": pieces}
+        if final and not self.sent_calls and text and not self.sent_content:
+            self.sent_content = True  # no complete call: the text is the content, as whole
+            return {"content": text}
+        return {}
+
+    def finish_reason(self, reason: str, called: bool) -> str:
+        """vLLM's: "tool_calls" for "required" when the output ended by itself; a named call
+        keeps the engine's reason ("stop"), as OpenAI's API does."""
+        return "tool_calls" if called and self.name is None and reason == "stop" else reason
+
+    @property
+    def called(self) -> bool:
+        return bool(self.sent_calls)
+
+
+def _complete_items(text: str) -> list:
+    """The complete elements at the start of a JSON array's text (which may be cut short)."""
+    decoder, items = json.JSONDecoder(), []
+    index = _skip(text, 0)
+    if not text.startswith("[", index):
+        return items
+    index += 1
+    while True:
+        try:
+            item, index = decoder.raw_decode(text, _skip(text, index))
+        except ValueError:
+            return items
+        items.append(item)
+        index = _skip(text, index)
+        if not text.startswith(",", index):
+            return items
+        index += 1
 
 
 def _call(identifier: str, call: Call) -> dict:

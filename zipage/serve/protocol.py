@@ -18,11 +18,12 @@ a list of prompts (completions) are served; so are vLLM's `top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos` and `include_stop_str_in_output`. Chat serves tools: `tools`,
 `tool_choice` "auto" or "none", `parallel_tool_calls`, and messages' `tool_calls`,
 `tool_call_id` and `name` (rendered by the chat template; the calls parsed from the output by
-the server's --tool-call-parser); `tool_choice` "required" or a named function is refused (it
-needs constrained decoding). Structured outputs, both endpoints: `response_format`
-(json_object, json_schema) and vLLM's `guided_json`, `guided_regex`, `guided_choice`,
-`guided_grammar` and `structured_outputs`, one per request (`structured_output()`; the spec is
-checked by `zipage.engine.structured.check_spec` in `Server.prepare`). Extensions: `kv_budget`,
+the server's --tool-call-parser); `tool_choice` "required" or a named function constrains the
+output to the calls' JSON instead (`ChatRequest.structured_output`). Structured outputs, both
+endpoints: `response_format` (json_object, json_schema) and vLLM's `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar` and `structured_outputs`, one per request
+(`structured_output()`; the spec is checked by `zipage.engine.structured.check_spec` in
+`Server.prepare`). Extensions: `kv_budget`,
 `session_id` (both endpoints: the conversation or agent run a request belongs to, which a router
 keeps on one replica) and `return_token_ids` (completions: each choice carries its output ids).
 """
@@ -629,17 +630,57 @@ class ChatRequest(SamplingFields):
         if self.tool_choice not in (None, "none") and not self.tools:
             raise ServeError(400, "tool_choice: needs tools; send the functions in `tools`, or "
                                   "leave tool_choice out", "tool_choice")
-        if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
-            # A forced call needs the output constrained to the calls' JSON schema.
-            raise ServeError(400, "tool_choice: \"required\" and a named function are not "
-                                  "supported by this server (they need constrained decoding); "
-                                  "use \"auto\" or \"none\"", "tool_choice")
+        named = self.named_tool
+        if named is not None and named not in {tool.function.name for tool in self.tools}:
+            raise ServeError(400, f"tool_choice: names the function {short(named)}, which is "
+                                  "not among `tools`; name one of them, or send it in `tools`",
+                             "tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise ServeError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
 
     @property
     def output_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def named_tool(self) -> str | None:
+        """The function a named tool_choice forces (None: none is named)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.get("name", "")
+        return None
+
+    @property
+    def forces_tools(self) -> bool:
+        """tool_choice "required" or a named function: the output is constrained to the calls'
+        JSON (vLLM's way), which is parsed as such, with no tool-call parser."""
+        return self.tool_choice == "required" or self.named_tool is not None
+
+    def structured_output(self) -> tuple[StructuredOutput | None, str | None]:
+        """A forced tool choice is the request's constraint; it takes no other."""
+        spec, field = super().structured_output()
+        if not self.forces_tools:
+            return spec, field
+        if spec is not None:
+            raise ServeError(400, f"{field}: a request takes one structured-output constraint "
+                                  "and tool_choice already sets one (the calls' JSON); send "
+                                  "only one", field.split(".")[0])
+        return _structured("tool_choice", "json_schema", self._calls_schema()), "tool_choice"
+
+    def _calls_schema(self) -> dict:
+        """vLLM's schemas: a named function's arguments; for "required", an array of one or
+        more {"name", "parameters"} objects, one shape per tool (one item at most with
+        parallel_tool_calls false: the model stops after it instead of being cut)."""
+        parameters = {tool.function.name: tool.function.parameters
+                      or {"type": "object", "properties": {}} for tool in self.tools}
+        named = self.named_tool
+        if named is not None:
+            return parameters[named]
+        schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+            {"properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
+             "required": ["name", "parameters"]} for name, schema in parameters.items()]}}
+        if self.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return schema
 
     @field_validator("messages")
     @classmethod
@@ -675,9 +716,10 @@ class ChatRequest(SamplingFields):
 
     @property
     def parses_tools(self) -> bool:
-        """The output is searched for tool calls (tool_choice "auto"; "none" renders the tools
-        but never parses, as vLLM does)."""
-        return bool(self.tools) and self.tool_choice != "none"
+        """The output is searched for tool calls by the server's parser (tool_choice "auto";
+        "none" renders the tools but never parses, as vLLM does; a forced choice's output is
+        the calls' JSON, read without the parser)."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     @property
     def output_limit(self) -> int | None:
