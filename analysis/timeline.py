@@ -3,12 +3,15 @@
 A run directory (written by `zipage replay TRACE --out DIR`, by the simulator and the real engine
 alike) holds `summary.json`, `steps.csv`, `requests.csv` and `decisions.log`. `load_run`
 (`zipage.rundir`, re-exported here) reads the first three into a `RunData`; `plot_timeline`
-draws three stacked panels over time: (a) real-time decode throughput (decode and mixed steps)
+draws four stacked panels over time: (a) real-time decode throughput (decode and mixed steps)
 with the time of prefill steps shaded (decoding waits) and, with chunked prefill, that of mixed
-steps, (b) running and waiting requests, (c) block occupancy and query slots used. Every curve
+steps, (b) running and waiting requests and the preemptions per bin, (c) block occupancy and
+query slots used, (d) each request's TTFT at its arrival and TPOT at its finish. Every curve
 is a time-weighted aggregate over fixed-width time bins, computed exactly from the
 piecewise-constant step records, so a 100k-step run draws as fast as a 5-step one; `plot_run`
-reads a run's steps.csv a chunk at a time, so a run of millions of steps plots in bounded memory.
+reads a run's steps.csv and requests.csv a chunk at a time, so a run of millions of steps and
+requests plots in bounded memory (panel (d) draws an even sample of at most
+`MAX_LATENCY_POINTS` requests).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from zipage.rundir import (  # noqa: F401 - load_run, RunData and the file names
     STEPS_FILE,
     SUMMARY_FILE,
     RunData,
+    iter_request_chunks,
     iter_step_chunks,
     load_run,
     read_summary,
@@ -39,6 +43,14 @@ DEFAULT_BINS = 1000
 # The throughput curve is smoothed over this share of the run's duration: enough to hide the
 # step-to-step jitter of async compression, short enough to keep the preemption waves visible.
 SMOOTHING_FRACTION = 0.02
+# Panel (d) draws one dot per request up to this many, an even sample beyond: more dots only
+# overplot, and a day of traffic (millions of requests) would take minutes to draw.
+MAX_LATENCY_POINTS = 20_000
+# Latencies spanning more than this ratio (a TPOT of 20 ms beside a TTFT of minutes) go on a log
+# axis, where both stay readable.
+LOG_SCALE_RATIO = 30.0
+# The request columns panel (d) is computed from.
+LATENCY_COLUMNS = ["arrival", "first_token", "finish", "output_len"]
 
 
 @dataclass
@@ -54,6 +66,23 @@ class _BinnedSteps:
     waiting: np.ndarray
     block_occupancy_percent: np.ndarray
     slots_used: np.ndarray
+    preemptions: np.ndarray  # requests preempted by the steps starting in the bin
+
+
+@dataclass
+class _Latencies:
+    """Panel (d)'s dots: TTFT at arrival, TPOT at finish (NaN where undefined), of `shown` of the
+    run's `total` requests."""
+
+    arrival: np.ndarray
+    ttft: np.ndarray
+    finish: np.ndarray
+    tpot: np.ndarray
+    total: int
+
+    @property
+    def shown(self) -> int:
+        return len(self.arrival)
 
 
 # The per-step values whose time integrals per bin the panels are drawn from.
@@ -61,7 +90,7 @@ _RATES = ("covered", "decode_tokens", "decode_seconds", "prefill", "mixed", "run
           "occupancy", "slots_used")
 # The columns of steps.csv they are computed from.
 BINNED_COLUMNS = ["step_id", "t_start", "t_end", "kind", "n_decode", "n_running", "n_waiting",
-                  "blocks_used", "blocks_total", "slots_used"]
+                  "blocks_used", "blocks_total", "slots_used", "preempted"]
 
 
 def _bin_steps(steps: pd.DataFrame, bins: int) -> _BinnedSteps:
@@ -83,10 +112,14 @@ def _bin_step_chunks(chunks: Callable[[], Iterable[pd.DataFrame]], bins: int) ->
     # A run of zero-duration steps still needs a non-empty axis.
     edges = origin + np.linspace(0.0, span if span > 0 else 1.0, bins + 1)
     integrals = {name: np.zeros(bins) for name in _RATES}
+    preemptions = np.zeros(bins)
     for chunk in chunks():
         if len(chunk):
             for name, integral in _chunk_integrals(chunk, edges).items():
                 integrals[name] += integral
+            # A preemption is an event, not a rate: counted in the bin where its step starts.
+            preemptions += np.histogram(chunk["t_start"], bins=edges,
+                                        weights=chunk["preempted"])[0]
     covered = integrals["covered"]
 
     def time_weighted_mean(name: str) -> np.ndarray:
@@ -109,7 +142,29 @@ def _bin_step_chunks(chunks: Callable[[], Iterable[pd.DataFrame]], bins: int) ->
         waiting=time_weighted_mean("waiting"),
         block_occupancy_percent=time_weighted_mean("occupancy"),
         slots_used=time_weighted_mean("slots_used"),
+        preemptions=preemptions,
     )
+
+
+def _latencies(chunks: Iterable[pd.DataFrame], total: int | None) -> _Latencies:
+    """TTFT and TPOT of every `stride`-th request of `chunks` (request rows in file order), so
+    at most about MAX_LATENCY_POINTS are kept whatever the run's length; `total` is the row
+    count summary.json records (None: older runs, all rows kept)."""
+    stride = max(1, -(-(total or 0) // MAX_LATENCY_POINTS))
+    kept, seen = [], 0
+    for chunk in chunks:
+        rows = np.arange(seen, seen + len(chunk))
+        seen += len(chunk)
+        kept.append(chunk[rows % stride == 0])
+    requests = pd.concat(kept) if kept else pd.DataFrame(columns=LATENCY_COLUMNS)
+    arrival, first, finish, output = (requests[name].to_numpy(dtype=float)
+                                      for name in LATENCY_COLUMNS)
+    # TPOT is the mean gap between output tokens: undefined for a one-token request (NaN, like an
+    # unfinished request's times, is not drawn).
+    with np.errstate(divide="ignore", invalid="ignore"):
+        tpot = np.where(output > 1, (finish - first) / (output - 1), np.nan)
+    return _Latencies(arrival=arrival, ttft=first - arrival, finish=finish, tpot=tpot,
+                      total=seen)
 
 
 def _chunk_integrals(chunk: pd.DataFrame, edges: np.ndarray) -> dict[str, np.ndarray]:
@@ -169,14 +224,21 @@ def _smoothed_rate(tokens: np.ndarray, seconds: np.ndarray, window_bins: int) ->
 
 
 def plot_run(directory: str | Path, bins: int = DEFAULT_BINS) -> Path:
-    """Write `timeline.png` into a run directory (`zipage.rundir`). steps.csv is read a chunk at
-    a time, twice (`_bin_step_chunks`), so a run of millions of steps plots in bounded memory."""
+    """Write `timeline.png` into a run directory (`zipage.rundir`)."""
     directory = Path(directory)
+    return _save(run_figure(directory, bins), directory / "timeline.png")
+
+
+def run_figure(directory: str | Path, bins: int = DEFAULT_BINS) -> Figure:
+    """The timeline figure of a run directory. steps.csv is read a chunk at a time, twice
+    (`_bin_step_chunks`), and requests.csv once, sampled, so a run of millions of steps and
+    requests plots in bounded memory."""
     summary = read_summary(directory)
     binned = _bin_step_chunks(
         lambda: iter_step_chunks(directory, summary, columns=BINNED_COLUMNS), bins)
-    return _plot(binned, directory / "timeline.png", run_title(summary),
-                 summary["max_concurrency"])
+    latencies = _latencies(iter_request_chunks(directory, summary, columns=LATENCY_COLUMNS),
+                           summary.get("rows", {}).get(REQUESTS_FILE))
+    return _figure(binned, latencies, run_title(summary), summary["max_concurrency"])
 
 
 def run_title(summary: dict) -> str:
@@ -198,23 +260,41 @@ def run_title(summary: dict) -> str:
 
 
 def plot_timeline(steps: pd.DataFrame, path: str | Path, title: str | None = None, *,
-                  max_concurrency: int | None = None, bins: int = DEFAULT_BINS) -> Path:
-    """Write the three-panel timeline PNG of a run's step records to `path`.
+                  requests: pd.DataFrame | None = None, max_concurrency: int | None = None,
+                  bins: int = DEFAULT_BINS) -> Path:
+    """Write the four-panel timeline PNG of a run's step records (and request records, for
+    panel (d)) to `path`.
 
     `max_concurrency` (the run's query slots M, `summary["max_concurrency"]`) draws the slot limit
     in panel (c) when given. Returns the path written.
     """
+    return _save(timeline_figure(steps, title, requests=requests,
+                                 max_concurrency=max_concurrency, bins=bins), path)
+
+
+def timeline_figure(steps: pd.DataFrame, title: str | None = None, *,
+                    requests: pd.DataFrame | None = None, max_concurrency: int | None = None,
+                    bins: int = DEFAULT_BINS) -> Figure:
+    """The figure `plot_timeline` writes."""
     binned = None if steps.empty else _bin_steps(steps, bins)
-    return _plot(binned, path, title, max_concurrency)
+    latencies = None if requests is None else _latencies([requests[LATENCY_COLUMNS]],
+                                                         len(requests))
+    return _figure(binned, latencies, title, max_concurrency)
 
 
-def _plot(binned: _BinnedSteps | None, path: str | Path, title: str | None,
-          max_concurrency: int | None) -> Path:
+def _save(figure: Figure, path: str | Path) -> Path:
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    return path
+
+
+def _figure(binned: _BinnedSteps | None, latencies: _Latencies | None, title: str | None,
+            max_concurrency: int | None) -> Figure:
     # A bare Figure on an Agg canvas: no pyplot, so no display and no global figure registry.
-    figure = Figure(figsize=(11, 8), layout="constrained")
+    figure = Figure(figsize=(11, 10.5), layout="constrained")
     FigureCanvasAgg(figure)
-    throughput_axis, queue_axis, memory_axis = figure.subplots(3, 1, sharex=True)
+    throughput_axis, queue_axis, memory_axis, latency_axis = figure.subplots(4, 1, sharex=True)
     if title:
         figure.suptitle(title)
     if binned is None:
@@ -222,10 +302,12 @@ def _plot(binned: _BinnedSteps | None, path: str | Path, title: str | None,
                              transform=throughput_axis.transAxes)
     else:
         _draw_panels(binned, throughput_axis, queue_axis, memory_axis, max_concurrency)
-    memory_axis.set_xlabel("time since the first step (s)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    return path
+    # Requests share the steps' clock; a run without steps counts from its first arrival.
+    origin = (binned.edges[0] if binned is not None else
+              np.nanmin(latencies.arrival) if latencies is not None and latencies.shown else 0.0)
+    _draw_latencies(latencies, latency_axis, origin)
+    latency_axis.set_xlabel("time since the first step (s)")
+    return figure
 
 
 def _per_bin(values: np.ndarray) -> np.ndarray:
@@ -275,7 +357,17 @@ def _draw_panels(binned: _BinnedSteps, throughput_axis: Axes, queue_axis: Axes,
     queue_axis.set_ylabel("requests")
     queue_axis.set_ylim(bottom=0)
     queue_axis.set_title("(b) running and waiting requests", loc="left", fontsize=10)
-    _legend_outside(queue_axis)
+    # Preemptions as one stem per bin on an axis of their own: AMC23 at the defaults preempts
+    # 4,314 times, which a marker per event would draw as a smear; a per-bin count keeps the
+    # waves readable beside the waiting queue they refill.
+    preemption_axis = queue_axis.twinx()
+    preempting = binned.preemptions > 0
+    preemption_axis.vlines(centres[preempting], 0, binned.preemptions[preempting],
+                           color="black", linewidth=0.8, alpha=0.7,
+                           label=f"preemptions per bin ({int(binned.preemptions.sum()):,} in all)")
+    preemption_axis.set_ylabel("preemptions per bin")
+    preemption_axis.set_ylim(0, max(1.0, 1.08 * binned.preemptions.max()))
+    _legend_outside(queue_axis, preemption_axis)
 
     # Block occupancy as a filled area, so the slot line on the twin axis cannot hide it.
     occupancy = _per_bin(binned.block_occupancy_percent)
@@ -297,6 +389,37 @@ def _draw_panels(binned: _BinnedSteps, throughput_axis: Axes, queue_axis: Axes,
     slot_axis.set_ylim(0, max(1.0, 1.08 * top))
     memory_axis.set_title("(c) block occupancy and query slots", loc="left", fontsize=10)
     _legend_outside(memory_axis, slot_axis)
+
+
+def _draw_latencies(latencies: _Latencies | None, axis: Axes, origin: float) -> None:
+    axis.set_title("(d) request latency: TTFT at arrival, TPOT at finish"
+                   + (f" (an even sample of {latencies.shown:,} of {latencies.total:,} requests)"
+                      if latencies is not None and latencies.shown < latencies.total else ""),
+                   loc="left", fontsize=10)
+    if latencies is None or not (np.isfinite(latencies.ttft).any()
+                                 or np.isfinite(latencies.tpot).any()):
+        axis.text(0.5, 0.5, "no request latencies recorded", ha="center", va="center",
+                  transform=axis.transAxes)
+        return
+    # Rasterized: tens of thousands of dots stay one image, not one path each; smaller dots
+    # when there are many, so a dense run reads as a band rather than a blot.
+    size = 14 if latencies.shown < 2_000 else 3
+    for at, value, colour, label in ((latencies.arrival, latencies.ttft, "tab:red",
+                                      "TTFT, at arrival"),
+                                     (latencies.finish, latencies.tpot, "tab:blue",
+                                      "TPOT, at finish")):
+        defined = np.isfinite(value)  # unfinished, or one token: no TPOT
+        axis.scatter(at[defined] - origin, value[defined], s=size, linewidths=0, color=colour,
+                     alpha=0.6, rasterized=True, label=label)
+    values = np.concatenate([latencies.ttft, latencies.tpot])
+    positive = values[np.isfinite(values) & (values > 0)]
+    if positive.size and positive.max() > LOG_SCALE_RATIO * positive.min():
+        axis.set_yscale("log")
+        axis.set_ylabel("latency (s, log scale)")
+    else:
+        axis.set_ylim(bottom=0)
+        axis.set_ylabel("latency (s)")
+    _legend_outside(axis)
 
 
 def _legend_outside(*axes: Axes) -> None:

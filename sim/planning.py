@@ -82,7 +82,8 @@ RESULT_COLUMNS = [
     "rank", "status", "reason", "hardware", "budget", "budget_policy", "block_size", "hybrid",
     "replicas",
     "routing", "kv_memory_gb", "gpu_memory_utilization", "rate_qps", "speedup", "users",
-    "objective", "objective_value", "pareto", "tps", "tps_per_dollar", "max_rate_qps",
+    "objective", "objective_value", "pareto", "arrival_capped", "tps", "tps_per_dollar",
+    "max_rate_qps",
     # max-users: the answer, the trace's sessions (a request in no session is one) and, with
     # `users` above, the count the row's metrics were simulated at.
     "max_users", "sessions", "gpus",
@@ -335,11 +336,32 @@ def evaluate_point(trace: Trace, task: PointTask) -> dict:
         return {"feasible": False, "reason": str(error), "simulations": 1}
 
 
+# A point is arrival-capped (`arrival_capped`) when its arrival span (first to last arrival)
+# covers at least ARRIVAL_CAP_SHARE of its makespan, i.e. its tok/s is within 10 % of the trace's
+# offered output tokens / arrival span. No deployment finishes before the last arrival, so no
+# deployment, however fast, could raise that tok/s by more than 1 / 0.9 - 1 = 11 %: the figure
+# measures the trace's pace, not the deployment. An all-at-once trace (span 0) never is. Rules
+# that allowed for the last requests' own decoding (at the run's TPOT) flagged overloaded points
+# too: a slow deployment's TPOT stretches that allowance with its makespan.
+ARRIVAL_CAP_SHARE = 0.9
+
+
+def arrival_capped(trace: Trace, makespan_s: float) -> bool:
+    """Whether the trace's arrival times capped a run's throughput (the rule above). A
+    follow-up turn's `arrival_s` is its session's start, earlier than it comes due in any run,
+    so a trace of sessions is judged on a span no deployment can beat either."""
+    if not trace.requests or makespan_s <= 0:
+        return False
+    arrivals = [request.arrival_s for request in trace.requests]
+    return max(arrivals) - min(arrivals) >= ARRIVAL_CAP_SHARE * makespan_s
+
+
 def _simulate(trace: Trace, point: PlanPoint) -> dict:
     from zipage.sim.cluster import simulate_cluster
 
     summary = simulate_cluster(trace, point.settings(), point.replicas, point.routing)
     outcome = {key: summary[key] for key in METRIC_KEYS}
+    outcome["arrival_capped"] = arrival_capped(trace, summary["makespan_s"])
     # The cost model's validated errors, where the point was priced with a validated profile.
     outcome["validation"] = summary["validation"]
     if summary["failed"]:

@@ -26,7 +26,16 @@ from zipage.analysis.ablation import (
     write_ablation_report,
 )
 from zipage.analysis.compare import DIFFERENCE_CONTEXT, compare_runs, excerpt, format_report
-from zipage.analysis.timeline import _bin_step_chunks, _bin_steps, load_run, plot_run, plot_timeline, run_title
+from zipage.analysis.timeline import (
+    _bin_step_chunks,
+    _bin_steps,
+    load_run,
+    plot_run,
+    plot_timeline,
+    run_figure,
+    run_title,
+    timeline_figure,
+)
 from zipage.errors import ZipageError
 from zipage.records import REQUEST_COLUMN_DEFAULTS, REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS, STEP_COLUMNS
 
@@ -163,6 +172,68 @@ def test_timeline_counts_the_decodes_of_mixed_steps(tmp_path):
     assert_png(plot_timeline(steps, tmp_path / "mixed.png"))
 
 
+def labelled(figure, prefix: str):
+    """The one artist of `figure` whose legend label starts with `prefix`."""
+    found = [artist for axis in figure.axes for artist in [*axis.collections, *axis.lines]
+             if artist.get_label().startswith(prefix)]
+    assert len(found) == 1, [artist.get_label() for artist in found]
+    return found[0]
+
+
+def dots(figure, prefix: str) -> np.ndarray:
+    """The (x, y) of the scatter labelled `prefix`, as a plain array."""
+    return np.asarray(labelled(figure, prefix).get_offsets())
+
+
+def test_timeline_marks_preemptions_and_draws_request_latencies(tmp_path):
+    """A replay whose small KV memory preempts: panel (b) counts the preemptions per bin (the
+    stems add up to the run's total), panel (d) has a dot per request's TTFT at its arrival and
+    per multi-token request's TPOT at its finish."""
+    from zipage.cli.parser import main
+
+    run = tmp_path / "tiny"
+    assert main(["replay", str(ROOT / "traces" / "tiny.json"), "--out", str(run),
+                 "--no-progress", "--no-async", "--decisions", "none", "--block-size", "16",
+                 "--window", "4", "--budget", "64", "--kv-memory-gb", "0.05"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["preemptions"] > 0
+    figure = run_figure(run, bins=50)
+    titles = [axis.get_title(loc="left") for axis in figure.axes]
+    assert titles.count("(d) request latency: TTFT at arrival, TPOT at finish") == 1
+    stems = labelled(figure, "preemptions per bin")
+    assert stems.get_label().endswith(f"({summary['preemptions']:,} in all)")
+    # Each stem runs from 0 to its bin's count: the counts are whole numbers, summed exactly.
+    assert sum(segment[1][1] for segment in stems.get_segments()) == summary["preemptions"]
+
+    requests = pd.read_csv(run / "requests.csv")
+    origin = pd.read_csv(run / "steps.csv")["t_start"].min()
+    ttft = dots(figure, "TTFT, at arrival")
+    np.testing.assert_allclose(ttft[:, 0], requests["arrival"] - origin, atol=1e-9)
+    np.testing.assert_allclose(ttft[:, 1], requests["first_token"] - requests["arrival"],
+                               atol=1e-9)
+    several = requests[requests["output_len"] > 1]
+    tpot = dots(figure, "TPOT, at finish")
+    np.testing.assert_allclose(tpot[:, 1], (several["finish"] - several["first_token"])
+                               / (several["output_len"] - 1), rtol=1e-9)
+    latency_axis = figure.axes[titles.index("(d) request latency: TTFT at arrival, "
+                                            "TPOT at finish")]
+    assert latency_axis.get_ylabel().startswith("latency (s")
+
+
+def test_timeline_latencies_skip_undefined_tpot_and_sample_long_runs(monkeypatch):
+    # TTFT 2, 1, 4; TPOT 2, 2 and none for the one-token request.
+    figure = timeline_figure(make_steps(REAL_KINDS, REAL_DURATIONS), requests=real_requests())
+    assert dots(figure, "TTFT, at arrival")[:, 1].tolist() == pytest.approx([2, 1, 4])
+    assert dots(figure, "TPOT, at finish")[:, 1].tolist() == pytest.approx([2, 2])
+    assert labelled(figure, "preemptions per bin").get_label().endswith("(0 in all)")
+    # Past MAX_LATENCY_POINTS requests, an even sample is drawn and the title says so.
+    monkeypatch.setattr("zipage.analysis.timeline.MAX_LATENCY_POINTS", 2)
+    figure = timeline_figure(make_steps(REAL_KINDS, REAL_DURATIONS), requests=real_requests())
+    assert dots(figure, "TTFT, at arrival")[:, 1].tolist() == pytest.approx([2, 4])
+    assert any("an even sample of 2 of 3 requests" in axis.get_title(loc="left")
+               for axis in figure.axes)
+
+
 def test_timeline_bins_chunk_by_chunk_as_whole():
     # plot_run reads steps.csv in chunks: the sums over chunks are the whole run's, with steps
     # longer than a bin and chunks ending inside a bin.
@@ -179,7 +250,7 @@ def test_timeline_bins_chunk_by_chunk_as_whole():
         chunked = _bin_step_chunks(
             lambda: [steps.iloc[i:i + size] for i in range(0, count, size)], bins=37)
         for name in ("edges", "decode_tokens", "decode_seconds", "prefill_share", "mixed_share",
-                     "running", "waiting", "block_occupancy_percent", "slots_used"):
+                     "running", "waiting", "block_occupancy_percent", "slots_used", "preemptions"):
             np.testing.assert_allclose(getattr(chunked, name), getattr(whole, name), rtol=1e-9,
                                        atol=1e-9, equal_nan=True, err_msg=name)
 

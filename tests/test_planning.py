@@ -14,11 +14,24 @@ from tolerance import assert_close, close
 
 from zipage.cli.plan import add_parser as add_plan_command
 from zipage.cli.plan import parse_rates, parse_replicas
+from zipage.cli.plan_report import format_report
 from zipage.core.deployment import ReplaySettings
 from zipage.errors import ConfigError
 from zipage.records import StepRecord
 from zipage.sim.cluster import peak_concurrent_running, simulate_cluster
-from zipage.sim.planning import INFEASIBLE, LOCAL, MAX_RATE, OK, RAY, SERIAL, SLO, TPS_PER_DOLLAR, PlanSpec, run_plan
+from zipage.sim.planning import (
+    INFEASIBLE,
+    LOCAL,
+    MAX_RATE,
+    OK,
+    RAY,
+    SERIAL,
+    SLO,
+    TPS_PER_DOLLAR,
+    PlanSpec,
+    arrival_capped,
+    run_plan,
+)
 from zipage.sim.simulate import simulate
 from zipage.trace import Trace, TraceRequest, load_trace, stamp_arrivals
 
@@ -304,6 +317,40 @@ def test_zipage_plan_prints_the_table_and_writes_the_results(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- a production trace's load
+
+def paced_trace(gap_s: float) -> Trace:
+    """Eight short requests `gap_s` apart: at 30 s apart any GPU serves each long before the next
+    arrives, so the last arrival sets the makespan; at 0 they all arrive at once."""
+    return Trace("paced", [TraceRequest(f"r{index}", gap_s * index, prompt_len=64, output_len=16)
+                           for index in range(8)])
+
+
+def test_arrival_capped_points_are_marked_and_noted():
+    spec = PlanSpec(hardware=["h100", "a100"], kv_memory_gb=[1.0])
+    capped = run_plan(paced_trace(30.0), spec, executor=SERIAL)
+    # Arrivals span 210 s; each point finishes its last request well under a second later.
+    assert all(row["arrival_capped"] for row in capped.rows)
+    report = format_report(capped, spec)
+    assert ("note: every point served the trace as fast as it arrived (2/2 points "
+            "arrival-capped: tok/s within 10% of the trace's output tokens / arrival span)"
+            in report)
+    assert "--objective max-rate" in report
+    header, *table = report.splitlines()[1:4]
+    assert "capped" in header.split() and all(" yes " in line for line in table)
+
+    at_once = run_plan(paced_trace(0.0), spec, executor=SERIAL)
+    assert not any(row["arrival_capped"] for row in at_once.rows)
+    report = format_report(at_once, spec)
+    assert "arrival-capped" not in report and "capped" not in report.splitlines()[1].split()
+
+
+def test_the_arrival_cap_rule_is_the_arrival_span_against_the_makespan():
+    trace = paced_trace(30.0)  # arrivals span 210 s: capped while the makespan is <= 210 / 0.9
+    assert arrival_capped(trace, 210.0 / 0.9 - 1e-6)
+    assert not arrival_capped(trace, 210.0 / 0.9 + 1e-6)
+    assert not arrival_capped(paced_trace(0.0), 1.0)
+    assert not arrival_capped(trace, 0.0)  # (nothing finished)
+
 
 def test_speedup_plays_the_traces_own_arrivals_faster(small_trace):
     online = stamp_arrivals(small_trace, 2.0)

@@ -399,7 +399,8 @@ def read_table(directory: str | Path, name: str, summary: dict, flag: str | None
     return frame
 
 
-# Rows of steps.csv read at a time by `iter_step_chunks`: ~20 MB of frame, whatever the run's length.
+# Rows of steps.csv (or requests.csv) read at a time by `iter_step_chunks`: ~20 MB of frame,
+# whatever the run's length.
 STEP_CHUNK_ROWS = 200_000
 
 
@@ -410,19 +411,37 @@ def iter_step_chunks(directory: str | Path, summary: dict, flag: str | None = No
     reads it in bounded memory); only `columns` when given. Checked as `load_run` checks it:
     the last line complete, the columns there (older runs' missing ones filled with their
     defaults), and, once read through, as many rows as the run wrote."""
+    return _iter_chunks(directory, STEPS_FILE, STEP_COLUMNS, STEP_COLUMN_DEFAULTS, summary, flag,
+                        columns, rows)
+
+
+def iter_request_chunks(directory: str | Path, summary: dict, flag: str | None = None,
+                        columns: list[str] | None = None,
+                        rows: int | None = None) -> Iterator[pd.DataFrame]:
+    """requests.csv as `iter_step_chunks` reads steps.csv (a day of traffic has millions)."""
+    return _iter_chunks(directory, REQUESTS_FILE, REQUEST_COLUMNS, REQUEST_COLUMN_DEFAULTS,
+                        summary, flag, columns, rows, dtype={"id": str, "status": str,
+                                                             "error": str})
+
+
+def _iter_chunks(directory: str | Path, name: str, all_columns: list[str], column_defaults: dict,
+                 summary: dict, flag: str | None, columns: list[str] | None, rows: int | None,
+                 dtype: dict | None = None) -> Iterator[pd.DataFrame]:
     import pandas as pd
 
-    path = run_file(directory, STEPS_FILE, flag)
+    path = run_file(directory, name, flag)
     _check_complete_last_line(path, flag)
-    wanted = STEP_COLUMNS if columns is None else columns
-    defaults = {column: STEP_COLUMN_DEFAULTS[column] for column in wanted
-                if column in STEP_COLUMN_DEFAULTS}
+    wanted = all_columns if columns is None else columns
+    defaults = {column: column_defaults[column] for column in wanted
+                if column in column_defaults}
     found = 0
     with _readable_csv(path, flag):
         header = list(pd.read_csv(path, nrows=0).columns)
         _require_columns(header + list(defaults), wanted, path, flag)
         present = [column for column in wanted if column in header]
-        for chunk in pd.read_csv(path, usecols=present, chunksize=rows or STEP_CHUNK_ROWS):
+        dtype = {column: kind for column, kind in (dtype or {}).items() if column in present}
+        for chunk in pd.read_csv(path, usecols=present, chunksize=rows or STEP_CHUNK_ROWS,
+                                 dtype=dtype or None):
             found += len(chunk)
             for column, default in defaults.items():  # runs written before the column
                 if column not in chunk.columns:

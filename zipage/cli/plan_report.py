@@ -12,6 +12,7 @@ from pathlib import Path
 
 from zipage.cli.bands import no_band_line, validated_lines
 from zipage.sim.planning import (
+    ARRIVAL_CAP_SHARE,
     MAX_RATE,
     MAX_USERS,
     OK,
@@ -42,6 +43,7 @@ def format_report(result: PlanResult, spec: PlanSpec, top: int = 20) -> str:
              + (f" (top {top} of {len(ranked)})" if len(ranked) > top else "")]
     lines += format_table([header for header, _ in columns],
                           [[cell(row) for _, cell in columns] for row in ranked[:top]])
+    lines += _arrival_cap_lines(ranked, spec)
     missed = [row for row in ranked[:top] if row["status"] != OK]
     for row in missed:
         verb = "may miss" if row["status"] == SLO_UNCERTAIN else "misses"
@@ -189,11 +191,38 @@ def _table_columns(spec: PlanSpec, ranked: list[dict]) -> list[tuple[str, object
     if len(spec.budget_policies) > 1:
         # What the requests kept on average: the budget under "fixed", more under "elastic".
         columns.append(("kept", lambda row: _number(row["mean_kept_budget"])))
+    if _capped(ranked, spec):
+        columns.append(("capped", lambda row: "yes" if row["arrival_capped"] else "-"))
     columns += [
                 ("M", lambda row: row["max_concurrency"] if row["max_concurrency"] is not None
                  else "-"),
                 ("status", lambda row: row["status"] + (" *" if row["pareto"] else ""))]
     return columns
+
+
+def _capped(ranked: list[dict], spec: PlanSpec) -> list[dict]:
+    """The rows whose throughput the trace's arrivals capped (sim/planning.py's rule); none under
+    max-rate and max-users, which choose the load themselves."""
+    if spec.objective in SEARCHED:
+        return []
+    return [row for row in ranked if row.get("arrival_capped")]
+
+
+def _arrival_cap_lines(ranked: list[dict], spec: PlanSpec) -> list[str]:
+    """One note, when some point served the trace as fast as it arrived: its tok/s is the
+    trace's arrival rate, the same for any deployment fast enough, so ranking by it compares
+    nothing."""
+    capped = len(_capped(ranked, spec))
+    if not capped:
+        return []
+    who = ("every point" if capped == len(ranked) else
+           f"{capped} point{'s' if capped > 1 else ''} (capped: yes)")
+    return [f"  note: {who} served the trace as fast as it arrived ({capped}/{len(ranked)} "
+            f"points arrival-capped: tok/s within {1 - ARRIVAL_CAP_SHARE:.0%} of the trace's "
+            "output tokens / arrival span):",
+            "  throughput there measures the trace, not the deployment; to compare deployments "
+            "use --objective max-rate, --speedup to play the trace faster, or an all-at-once "
+            "trace"]
 
 
 def _banded(header: str, rows: list[dict], key: str | None) -> str:
