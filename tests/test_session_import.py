@@ -213,7 +213,7 @@ def test_copilot_window_speedup_sample_and_max_model_len():
     trace, report = import_sessions("copilot", COPILOT, ImportOptions(window=(5.0, 60.0),
                                                                       speedup=2.0))
     assert [request.id for request in trace.requests] == COPILOT_ORDER[5:10]
-    assert report.skipped["outside --window"] == 10
+    assert report.skipped["outside --span"] == 10
     roots = [request for request in trace.requests if request.after is None]
     assert [request.arrival_s for request in roots] == [close(2.5), close(12.5)]
     # --speedup divides arrivals, not the think and tool time.

@@ -75,7 +75,7 @@ def test_window_speedup_sample_and_max_model_len():
     assert [r.id for r in windowed.requests] == [r.id for r in expected]
     assert [r.arrival_s for r in windowed.requests] == pytest.approx(
         [(r.arrival_s - 60.0) / 4.0 for r in expected], abs=2 * ARRIVAL_ATOL)
-    assert report.skipped["outside --window"] == 200 - len(expected)
+    assert report.skipped["outside --span"] == 200 - len(expected)
 
     sampled, report = import_trace("azure", AZURE_2023, ImportOptions(sample=0.5, seed=3))
     again, _ = import_trace("azure", AZURE_2023, ImportOptions(sample=0.5, seed=3))
@@ -98,7 +98,7 @@ def test_parse_window(text, expected):
 
 @pytest.mark.parametrize("text", ["3600", "a:b", "0:0", "-1:5", "1:2:3", "inf:5"])
 def test_parse_window_refuses(text):
-    with pytest.raises(TraceError, match="--window"):
+    with pytest.raises(TraceError, match="--span"):
         parse_window(text)
 
 

@@ -161,10 +161,10 @@ def parse_window(text: str) -> tuple[float, float]:
     """`START:DURATION` in seconds (each may end in s, m or h) -> (start_s, duration_s)."""
     parts = text.split(":")
     if len(parts) != 2:
-        raise TraceError(f"--window: got {text!r}, expected START:DURATION, e.g. 0:3600 or 2h:30m")
+        raise TraceError(f"--span: got {text!r}, expected START:DURATION, e.g. 0:3600 or 2h:30m")
     start, duration = (_seconds(part, text) for part in parts)
     if duration <= 0:
-        raise TraceError(f"--window: the duration must be > 0, got {text!r}")
+        raise TraceError(f"--span: the duration must be > 0, got {text!r}")
     return start, duration
 
 
@@ -175,10 +175,10 @@ def _seconds(part: str, text: str) -> float:
     try:
         value = float(number) * (scale or 1.0)
     except ValueError:
-        raise TraceError(f"--window: {part!r} in {text!r} is not a time such as 90, 90s, "
+        raise TraceError(f"--span: {part!r} in {text!r} is not a time such as 90, 90s, "
                          f"15m or 2h") from None
     if not math.isfinite(value) or value < 0:
-        raise TraceError(f"--window: times must be finite and >= 0, got {part!r}")
+        raise TraceError(f"--span: times must be finite and >= 0, got {part!r}")
     return value
 
 
@@ -226,7 +226,7 @@ def _text_lines(file: IO[bytes], source: str) -> Iterator[str]:
 def _skip_reason(prompt_len: int, output_len: int, offset: float, duration: float, draw: float,
                  options: ImportOptions) -> str | None:
     if not 0 <= offset < duration:
-        return "outside --window"
+        return "outside --span"
     if draw >= options.sample:
         return "not in the --sample"
     if prompt_len < 1:

@@ -13,7 +13,7 @@
 
 Each call or row is kept as a few numbers (`_Calls`); the predecessors are linked, rows that
 cannot become a request are counted by reason (a follow-up of a skipped one follows the kept turn
-before it), whole sessions are kept or dropped by `--window` (by their first turn) and
+before it), whole sessions are kept or dropped by `--span` (by their first turn) and
 `--sample`, and the requests are made in the grouped layout: sessions in order of their start,
 each session's turns right after its first, so `zipage replay` streams the written trace exactly.
 The mapping is described in docs/traces.md, "Session imports".
@@ -79,7 +79,7 @@ _NO_DURATION = "no duration_ms (the tool time after it is unknown)"
 _CLOCK_SKEW = "timestamp more than a day outside its session's date (client clock skew)"
 _NO_PROMPT = "no prompt tokens"
 _NO_OUTPUT = "no output tokens (a failed request in the source)"
-_OUTSIDE = "outside --window"
+_OUTSIDE = "outside --span"
 _UNSAMPLED = "not in the --sample"
 
 _SHOWN = reprlib.Repr()

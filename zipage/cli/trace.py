@@ -43,9 +43,12 @@ def add_parser(commands) -> None:
     imported.add_argument("file", help="the production trace (CSV or JSON Lines, optionally .gz)")
     imported.add_argument("-o", "--output", required=True,
                           help="the trace to write: .json, .jsonl or .jsonl.gz")
-    imported.add_argument("--window", default=None, metavar="START:DURATION",
+    # --window, its first name, stays an alias: `zipage replay --window` is the compression
+    # window (tokens), a different thing.
+    imported.add_argument("--span", "--window", dest="window", default=None,
+                          metavar="START:DURATION",
                           help="only requests arriving in this span from the first one, e.g. "
-                               "0:3600 or 2h:30m")
+                               "0:3600 or 2h:30m (--window: the same, its former name)")
     imported.add_argument("--speedup", type=float, default=1.0, metavar="X",
                           help="compress time: arrivals X times closer together (default 1)")
     imported.add_argument("--sample", type=float, default=1.0, metavar="P",
