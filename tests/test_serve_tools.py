@@ -497,3 +497,11 @@ def test_forced_tool_choice_errors_name_the_field(tool_client):
         with pytest.raises(openai.BadRequestError) as caught:
             _force(tool_client, tool_choice, **fields)
         assert caught.value.body["param"] == param
+    # A parameters schema that does not compile is the tools' fault, named as such.
+    broken = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "pattern": "(unclosed"}}}}}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        tool_client.chat.completions.create(model="smollm2", messages=ROME, tools=broken,
+                                            tool_choice="required", max_tokens=5)
+    assert caught.value.body["param"] == "tools"
+    assert "a function's parameters" in caught.value.body["message"]

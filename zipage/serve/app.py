@@ -168,6 +168,9 @@ class Server:
         try:
             check_spec(spec)
         except StructuredOutputError as error:
+            if field == "tool_choice":  # the schema is built from the tools' parameters
+                raise ServeError(400, f"tools: a function's parameters (which tool_choice "
+                                      f"forces) are {error}", "tools") from None
             raise ServeError(400, f"{field}: {error}", param) from None
 
     def default_output_limit(self, prompt_len: int) -> int:
