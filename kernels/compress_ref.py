@@ -227,6 +227,17 @@ def kept_entries(scores: torch.Tensor, keep: int | torch.Tensor,
     return torch.searchsorted(counts, ranks.contiguous()).clamp_(max=scores.shape[-1] - 1)
 
 
+def batch_kept_entries(final: torch.Tensor, width: int, block_size: int,
+                       num_target_blocks: torch.Tensor | None) -> torch.Tensor:
+    """`kept_entries` of a batch's final scores [L, R, Hkv, T]: the top `width` of each row, or
+    each request's own `num_target_blocks[r]` blocks' worth (its budget), one top-k of the widest
+    cut per row on the device."""
+    if num_target_blocks is None:
+        return kept_entries(final, width)
+    counts = (num_target_blocks.to(torch.int64) * block_size).view(1, -1, 1, 1)
+    return kept_entries(final, counts.expand(*final.shape[:-1], 1), width)
+
+
 def write_kept_entries(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Tensor | None,
                        source: torch.Tensor, target: torch.Tensor, kept: torch.Tensor,
                        stored: torch.Tensor | None, *, k_scale: torch.Tensor | None = None,

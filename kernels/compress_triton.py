@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from zipage.kernels.compress_ref import CompressionParams, kept_entries
+from zipage.kernels.compress_ref import CompressionParams, batch_kept_entries
 
 _LOG2_E = 1.4426950408889634
 # tl.dot on tensor cores needs every dimension to be at least 16.
@@ -1072,12 +1072,7 @@ def compress_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: t
         raise ValueError(f"a {k_cache.dtype} KV cache takes {needed} k_scale and v_scale")
     final, scores = compression_scores_triton(k_cache, score_cache, query_cache, source_tables, num_source_blocks,
                                               query_slots, is_compressed, params, scale, k_scale)
-    width = target_tables.shape[1] * params.block_size
-    if num_target_blocks is None:
-        kept = kept_entries(final, width)
-    else:
-        # Each request keeps its own count (its budget): one top-k of the widest, cut per row on the device.
-        counts = (num_target_blocks.to(torch.int64) * params.block_size).view(1, -1, 1, 1)
-        kept = kept_entries(final, counts.expand(*final.shape[:-1], 1), width)
+    kept = batch_kept_entries(final, target_tables.shape[1] * params.block_size, params.block_size,
+                              num_target_blocks)
     compact_triton(k_cache, v_cache, score_cache, source_tables, num_source_blocks, target_tables, kept, scores,
                    params.global_score, num_target_blocks, k_scale, v_scale)

@@ -53,15 +53,11 @@ def keep_and_compact(final: torch.Tensor, stored: torch.Tensor | None, k_cache: 
     """Steps 6-7 of a fast path on a batch's final scores [L, R, Hkv, N b] (-inf past each
     request's length): the top k_r of each row (`kept_entries`) moved by the compaction kernels,
     nothing read back to the host. `stored`: the global scores to keep, or None."""
-    from zipage.kernels.compress_ref import kept_entries
+    from zipage.kernels.compress_ref import batch_kept_entries
     from zipage.kernels.compress_triton import compact_triton
 
-    width = target_tables.shape[1] * params.block_size
-    if num_target_blocks is None:
-        kept = kept_entries(final, width)
-    else:
-        counts = (num_target_blocks.to(torch.int64) * params.block_size).view(1, -1, 1, 1)
-        kept = kept_entries(final, counts.expand(*final.shape[:-1], 1), width)
+    kept = batch_kept_entries(final, target_tables.shape[1] * params.block_size, params.block_size,
+                              num_target_blocks)
     global_score = stored is not None
     compact_triton(k_cache, v_cache, score_cache if global_score else None, source_tables,
                    num_source_blocks, target_tables, kept, stored if global_score else final,
