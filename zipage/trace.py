@@ -801,6 +801,13 @@ def stamp_arrivals(
         burst_gaps = generator.exponential(burst_size / rate_qps, size=num_bursts)
         burst_gaps[0] = 0.0
         arrivals = np.repeat(np.cumsum(burst_gaps), burst_size)[:num_requests]
+    return restamp(trace, arrivals)
+
+
+def restamp(trace: Trace, arrivals) -> Trace:
+    """A copy of `trace` whose requests that follow none arrive at `arrivals` (one time each, in
+    trace order). A session's follow-ups keep their closed loop (`after`, `after_s`); their
+    `arrival_s`, a lower bound drivers only sort by, becomes their session's new start."""
     stamped = iter(arrivals)
     start: dict[str, float] = {}  # request of a session -> its session's new start
     requests = []

@@ -13,20 +13,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from zipage.errors import ZipageError
-from zipage.trace import (
-    ARRIVAL_DECIMALS,
-    DEFAULT_VOCAB_SIZE,
-    SYNTHETIC_TOKEN_HIGH,
-    SYNTHETIC_TOKEN_LOW,
-    Trace,
-    TraceRequest,
-)
+from zipage.trace import DEFAULT_VOCAB_SIZE, SYNTHETIC_TOKEN_HIGH, SYNTHETIC_TOKEN_LOW, Trace, TraceRequest, restamp
 
 DATASETS = ("trace", "random", "sharegpt")
 # vLLM's defaults for its synthetic and sampled datasets.
@@ -148,15 +141,7 @@ def retime(trace: Trace, rate: float, burstiness: float, seed: int) -> Trace:
         gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), size=opening)
         gaps[:1] = 0.0
         arrivals = np.cumsum(gaps)
-    stamped = iter(arrivals.tolist())
-    start: dict[str, float] = {}
-    requests = []
-    for request in trace.requests:
-        arrival = (round(next(stamped), ARRIVAL_DECIMALS) if request.after is None
-                   else start[request.after])
-        start[request.id] = arrival
-        requests.append(replace(request, arrival_s=arrival))
-    return Trace(name=trace.name, requests=requests)
+    return restamp(trace, arrivals)
 
 
 def _lengths(rng: np.random.Generator, mean: int, ratio: float, count: int,
