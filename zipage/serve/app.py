@@ -214,8 +214,9 @@ class Server:
                              "tools")
         messages = body.plain_messages()
         try:
-            # The template renders once: its text is checked against the bound, then tokenized
-            # as apply_chat_template(tokenize=True) does (no special tokens added).
+            # The text is checked against the bound, then tokenized as
+            # apply_chat_template(tokenize=True) does (no special tokens added). Tools and tool
+            # calls render again without them, to find a template that drops them.
             text = self._render(messages, body.tool_dicts, template)
             if body.tools and text == self._render(messages, None, template):
                 raise ServeError(400, "tools: this model's chat template does not render tools; "
