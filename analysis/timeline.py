@@ -1,7 +1,7 @@
 """Loading a run directory and drawing its timeline, like the paper's appendix figures.
 
 A run directory (written by `zipage replay TRACE --out DIR`, by the simulator and the real engine
-alike) holds `summary.json`, `steps.csv`, `requests.csv` and `decisions.log`. `load_run`
+alike) holds `summary.json`, `steps.csv`, `requests.csv` and `decisions.log[.gz]`. `load_run`
 (`zipage.rundir`, re-exported here) reads the first three into a `RunData`; `plot_timeline`
 draws four stacked panels over time: (a) real-time decode throughput (decode and mixed steps)
 with the time of prefill steps shaded (decoding waits) and, with chunked prefill, that of mixed

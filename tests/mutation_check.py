@@ -55,11 +55,14 @@ class Mutation:
 
 SCHEDULER = "zipage/core/scheduler.py"
 BLOCKS = "zipage/core/block_manager.py"
+WAITING = "zipage/core/waiting.py"
+ADMISSION = "zipage/core/admission.py"
 # The core property tests and the preemption witnesses run no chunked prefill, no per-request
 # budget, no elastic policy and no abort, so against a break of those rules they can only pass;
 # such a mutation runs the rule witnesses alone (a minute less each on a loaded 2-core machine).
 RULE_WITNESSES = ("rule witnesses",)
 FORK_WITNESSES = ("fork witnesses",)  # the samples rule: only its own witnesses reach it
+PROPERTY_TESTS = ("property tests",)  # the priority modes draw priorities; no witness does
 
 MUTATIONS = [
     # ---- the four breaks of issue 11
@@ -67,9 +70,8 @@ MUTATIONS = [
              "        self.waiting.appendleft(seq)\n        plan.preempted.append(seq)",
              "        self.waiting.append(seq)\n        plan.preempted.append(seq)"),
     Mutation("prefix cache: the victim may be a compressed request", SCHEDULER,
-             "                if seq.num_compressions == 0 and not seq.compressing and "
-             "self.can_recompute(seq):",
-             "                if not seq.compressing and self.can_recompute(seq):"),
+             "                    if seq.num_compressions == 0 and not seq.compressing\n",
+             "                    if not seq.compressing\n"),
     Mutation("constrained scheduling also preempts slot holders", SCHEDULER,
              "        if self.config.prefix_cache:\n            # Compression may need fresh",
              "        if self.config.prefix_cache or not self.config.hybrid:\n"
@@ -85,15 +87,15 @@ MUTATIONS = [
              "        return -(-seq.num_tokens // self.block_size) <= self.block_manager.num_blocks",
              "        return True"),
     # ---- the rules the audit found guarded
-    Mutation("N_max off by one (the scheduler's cap)", SCHEDULER,
-             "        return budget // self.block_size + 1 + self._pinned_of(seq)\n",
-             "        return budget // self.block_size + 2 + self._pinned_of(seq)\n"),
+    Mutation("N_max off by one (the scheduler's cap)", ADMISSION,
+             "        return budget // self.block_size + 1 + self.pinned_of(seq)\n",
+             "        return budget // self.block_size + 2 + self.pinned_of(seq)\n"),
     # ---- the compression scope (docs/architecture.md, 'Compression scope')
     Mutation("output scope: a compression rewrites the prompt's blocks", SCHEDULER,
              "        pinned = seq.pinned\n        table = seq.block_table\n",
              "        pinned = 0\n        table = seq.block_table\n"),
-    Mutation("output scope: the prompt's blocks not counted in N_max", SCHEDULER,
-             "        return budget // self.block_size + 1 + self._pinned_of(seq)\n",
+    Mutation("output scope: the prompt's blocks not counted in N_max", ADMISSION,
+             "        return budget // self.block_size + 1 + self.pinned_of(seq)\n",
              "        return budget // self.block_size + 1\n"),
     Mutation("compression trigger off by one (N > N_max instead of N >= N_max)", SCHEDULER,
              "            if self.compress and len(table) >= seq.n_max:",
@@ -161,7 +163,7 @@ MUTATIONS = [
              "            seq.set_counters(item.num_tokens, seq.settled_output_tokens)\n"
              "            self._pending.append(seq)\n"
              "            return\n", tests=RULE_WITNESSES),
-    Mutation("chunked: a prompt longer than the step budget is rejected", SCHEDULER,
+    Mutation("chunked: a prompt longer than the step budget is rejected", ADMISSION,
              "        if not self.config.chunked_prefill and prompt > "
              "self.step_tokens:",
              "        if prompt > self.step_tokens:", tests=RULE_WITNESSES),
@@ -171,7 +173,7 @@ MUTATIONS = [
              "        self._release_slot(seq)\n", tests=RULE_WITNESSES),
     # ---- per-request and elastic budgets (docs/architecture.md, 'Per-request and elastic
     # budgets')
-    Mutation("budget: a request's own budget ignored in its N_max", SCHEDULER,
+    Mutation("budget: a request's own budget ignored in its N_max", ADMISSION,
              "        budget = self.config.kv_budget if seq.kv_budget is None else seq.kv_budget",
              "        budget = self.config.kv_budget", tests=RULE_WITNESSES),
     Mutation("budget: a slot reserves the default N_max, not its holder's", SCHEDULER,
@@ -258,6 +260,24 @@ MUTATIONS = [
     Mutation("longest decode context: kept after the request that held it left", SCHEDULER,
              "                self._steady_max_offset = None  # it held the largest",
              "                pass  # it held the largest"),
+    # ---- waiting-queue policies (docs/architecture.md, 'Waiting-queue policies')
+    Mutation("priority: the waiting queue ignores the class (arrival order)", WAITING,
+             "    return seq.priority * aging_s + seq.arrival_s\n",
+             "    return seq.arrival_s\n", tests=PROPERTY_TESTS),
+    Mutation("priority: no aging (the class alone, then arrival)", WAITING,
+             "    return seq.priority * aging_s + seq.arrival_s\n",
+             "    return seq.priority * 1e9 + seq.arrival_s\n", tests=PROPERTY_TESTS),
+    Mutation("priority: a preempted request goes to the front", WAITING,
+             "    appendleft = append  # a preempted request",
+             "    def appendleft(self, seq):\n"
+             "        seq.queue_key = (float('-inf'), -self._queued)\n"
+             "        self._queued += 1\n"
+             "        self.append(seq)\n"
+             "    # a preempted request", tests=PROPERTY_TESTS),
+    Mutation("priority: the victim is the last admitted, whatever its class", SCHEDULER,
+             "        if self.by_priority:\n            aging = self.config.priority_aging_s",
+             "        if False:\n            aging = self.config.priority_aging_s",
+             tests=PROPERTY_TESTS),
 ]
 
 # The CI property tests of the core and the witness traces, run separately so the report says

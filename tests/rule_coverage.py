@@ -38,6 +38,8 @@ RULES = {
     "slots exhausted": "every query slot is held while requests wait",
     "waits for slot": "a running request without a slot is held back until it gets one",
     "slot handout": "a freed slot goes to a running request without one",
+    "priority overtakes": "a request is admitted while one that arrived before it waits (the "
+                          "priority policy)",
 }
 
 # The share of a mode's examples that must reach each of its rules: about a third of the fewer
@@ -60,6 +62,8 @@ MIN_SHARE = {
                                 "slot handout": 0.1},
     "output_scope": {"preempt": 0.2, "preempt several": 0.04, "slots exhausted": 0.09,
                      "waits for slot": 0.015, "slot handout": 0.15},
+    "priority": {"preempt": 0.05, "victim not last": 0.005, "priority overtakes": 0.1},
+    "priority_full_kv": {"preempt": 0.1, "victim not last": 0.02, "priority overtakes": 0.1},
 }
 assert all(set(floors) <= set(RULES) for floors in MIN_SHARE.values())
 
@@ -130,6 +134,11 @@ class RuleObserver:
                 hits.add("victim not last")
             if any(before.holds_slot[seq] for seq in plan.preempted):
                 hits.add("preempt slot holder")
+        if plan.prefill and before.waiting:
+            first_arrival = min(seq.arrival_s for seq in before.waiting)
+            if any(item.seq in before.waiting and item.seq.arrival_s > first_arrival
+                   for item in plan.prefill):
+                hits.add("priority overtakes")
         if any(holds and seq not in had_slot for seq, holds in before.holds_slot.items()):
             hits.add("slot handout")
         if not scheduler.compress:

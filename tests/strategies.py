@@ -33,6 +33,11 @@ MODES = {
     "full_kv": dict(compress=False, hybrid=False, prefix_cache=True),
     # Compressions never touch the prompt (docs/architecture.md, 'Compression scope').
     "output_scope": dict(compress=True, hybrid=True, prefix_cache=True, compress_scope="output"),
+    # Priority classes with aging (docs/architecture.md, 'Waiting-queue policies'): the queue's
+    # order, the victim order and the starvation bound (checked at the end of every run).
+    "priority": dict(compress=True, hybrid=True, prefix_cache=True, scheduling_policy="priority"),
+    "priority_full_kv": dict(compress=False, hybrid=False, prefix_cache=True,
+                             scheduling_policy="priority"),
 }
 
 
@@ -56,10 +61,14 @@ class Case:
     delay: tuple[int, int]
     requests: list[tuple[str, list[int], int, int]]  # id, prompt tokens, output_len, arrival
     shape: str = "spread"  # which trace shape drew it (see SHAPES)
+    priorities: list[int] | None = None  # each request's class (the priority modes)
 
     def sequences(self) -> list[Sequence]:
-        return [Sequence(seq_id, list(tokens), output, arrival_s=arrival)
-                for seq_id, tokens, output, arrival in self.requests]
+        sequences = [Sequence(seq_id, list(tokens), output, arrival_s=arrival)
+                     for seq_id, tokens, output, arrival in self.requests]
+        for seq, priority in zip(sequences, self.priorities or ()):
+            seq.priority = priority
+        return sequences
 
 
 # Trace shapes. "spread": independent requests over 40 steps, the generic case. "crowd": three to
@@ -76,6 +85,8 @@ SHAPES = {
     "constrained_prefix": ["spread", "crowd", "family", "family", "family"],
     "hybrid_prefix": ["spread", "crowd", "crowd", "family", "family", "family"],
     "output_scope": ["spread", "crowd", "family", "family"],
+    "priority": ["spread", "crowd", "crowd", "family"],
+    "priority_full_kv": ["spread", "crowd", "crowd"],
 }
 
 
@@ -94,6 +105,10 @@ def cases(draw, mode: str) -> Case:
         max_num_batched_tokens=draw(st.sampled_from(
             [4 * block_size, 16384] if shape == "spread" else [16384])),
         **MODES[mode],
+        # Short aging lets late requests of a low class overtake, long aging lets classes rule
+        # (drawn only where it matters: the other modes keep their examples).
+        **({"priority_aging_s": draw(st.sampled_from([0.5, 3.0, 1000.0]))}
+           if MODES[mode].get("scheduling_policy") == "priority" else {}),
     )
     n_max = config.n_max
     num_slots = draw(st.integers(1, 4) if shape == "spread" else st.integers(2, 4))
@@ -117,7 +132,11 @@ def cases(draw, mode: str) -> Case:
             more = config.hybrid and shape == "crowd"
             count = num_slots + (draw(st.integers(0, 2)) if more else 0)
         num_blocks = max(floor, _distinct_blocks(first[:count], b)) + draw(st.integers(0, 1))
-    return Case(config, num_blocks, num_slots, delay, requests, shape)
+    priorities = None
+    if config.scheduling_policy == "priority":
+        priorities = draw(st.lists(st.integers(-1, 3), min_size=len(requests),
+                                   max_size=len(requests)))
+    return Case(config, num_blocks, num_slots, delay, requests, shape, priorities)
 
 
 def _distinct_blocks(requests: list, block_size: int) -> int:

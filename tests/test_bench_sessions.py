@@ -26,12 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import re
-import socket
-import subprocess
-import sys
 import time
 from types import SimpleNamespace
 
@@ -42,6 +38,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 httpx = pytest.importorskip("httpx")
+
+from serve_helpers import serving  # noqa: E402
 
 VOCAB = 256  # the tiny model's
 MAX_MODEL_LEN = 256
@@ -67,46 +65,15 @@ TRACE = """\
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
     from tiny_models import save_tiny_qwen3
 
     directory = tmp_path_factory.mktemp("bench-sessions")
     save_tiny_qwen3(directory / "model")
-    port, log = _free_port(), directory / "server.log"
-    with log.open("w") as handle:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "zipage.cli", "serve", "--model", str(directory / "model"),
-             *FLAGS, "--port", str(port)], stdout=handle, stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    address = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while not _healthy(address):
-            assert process.poll() is None, "zipage serve exited:\n" + log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "not healthy:\n" + log.read_text()[-3000:]
-            time.sleep(0.2)
-        yield address
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    with serving(["--model", str(directory / "model"), *FLAGS], directory / "server.log",
+                 180) as served:
+        yield served.url
 
 
 @pytest.fixture

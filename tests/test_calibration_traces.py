@@ -33,7 +33,7 @@ def test_every_request_fits_the_deployment(speed):
     scheduler = Scheduler(config, speed.kv_tokens // speed.block_size, speed.concurrency)
     for trace in every_trace(speed):
         for seq in trace_sequences(trace, 32_000, need_tokens=False, scheduler=scheduler):
-            assert scheduler.rejection_reason(seq) is None, trace.name
+            assert scheduler.admission.rejection_reason(seq) is None, trace.name
         assert len(trace.requests) >= 6, trace.name
         arrivals = [request.arrival_s for request in trace.requests]
         assert arrivals == sorted(arrivals) and arrivals[0] == 0.0

@@ -100,9 +100,11 @@ def test_summaries_of_a_failed_request_count_only_finished_prompts():
 
 def test_dtype_defaults_to_bfloat16_except_on_the_cpu_engine():
     """One rule (zipage.cli.flags.default_dtype): bfloat16 in the simulator and on a GPU,
-    float32 on the CPU, for replay, serve and generate alike."""
+    float32 on the CPU, for every command that runs the engine alike (calibrate and fidelity
+    took bfloat16 on the CPU before), and the simulator's commands."""
     from zipage.cli.flags import default_dtype, settings_from_args
     from zipage.cli.parser import build_parser
+    from zipage.cli.plan import PLAN_AXES
 
     parser = build_parser()
 
@@ -115,15 +117,27 @@ def test_dtype_defaults_to_bfloat16_except_on_the_cpu_engine():
     assert dtype("replay", TINY, "--engine", "cpu", "--dtype", "float16") == "float16"
     assert dtype("serve", "--model", "m") == "bfloat16"
     assert dtype("serve", "--model", "m", "--engine", "cpu") == "float32"
+    for command in ("calibrate", "fidelity"):
+        given = (command, "--model", "m", "--out", "p.json")
+        assert dtype(*given, "--engine", "cpu") == "float32"
+        assert dtype(*given, "--engine", "cpu", "--dtype", "bfloat16") == "bfloat16"
+        assert dtype(*given, "--engine", "gpu") == "bfloat16"
+        assert dtype(*given, "--gpu") == "bfloat16"
+        assert dtype(*given) == "bfloat16"  # the GPU is their default
+    assert dtype("report", "ablation", TINY, "--out", "runs/a") == "bfloat16"
+    assert settings_from_args(parser.parse_args(["plan", TINY]), axes=PLAN_AXES).dtype == \
+        "bfloat16"
     assert parser.parse_args(["generate", "--model", "m", "p"]).dtype is None  # device's default
     assert (default_dtype("cpu"), default_dtype("cuda"), default_dtype(None)) == (
         "float32", "bfloat16", "bfloat16")
 
 
-@pytest.mark.parametrize("decisions, expected", [("plain", "decisions.log"),
-                                                 ("gzip", "decisions.log.gz"), ("none", None)])
+@pytest.mark.parametrize("decisions, expected", [
+    (None, "decisions.log.gz"),  # the default: 2.7 MB rather than 140 MB for amc23.json
+    ("plain", "decisions.log"), ("gzip", "decisions.log.gz"), ("none", None)])
 def test_decision_log_formats(capsys, tmp_path, decisions, expected):
-    status, lines = table(capsys, *SMALL, "--out", str(tmp_path), "--decisions", decisions)
+    flag = [] if decisions is None else ["--decisions", decisions]
+    status, lines = table(capsys, *SMALL, "--out", str(tmp_path), *flag)
     assert status == 0
     logs = sorted(path.name for path in tmp_path.glob("decisions.log*"))
     assert logs == ([expected] if expected else [])

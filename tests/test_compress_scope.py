@@ -53,7 +53,7 @@ def test_a_request_is_accounted_as_its_prompt_plus_its_budget():
     for scope, refused in (("output", True), ("all", False)):
         scheduler = _scheduler(scope, num_blocks=22)
         seq = Sequence("long", None, 10 * B, prompt_len=20 * B)
-        reason = scheduler.rejection_reason(seq)
+        reason = scheduler.admission.rejection_reason(seq)
         assert (reason is not None) == refused, (scope, reason)
         if refused:
             assert "needs 23 KV blocks at its peak but only 22 exist" in reason

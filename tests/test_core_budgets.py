@@ -97,7 +97,7 @@ def check_outcome(scheduler: Scheduler, sequences: list[Sequence], result) -> No
             assert seq.kv_budget % b or seq.kv_budget < b
         else:  # too big for the pool at its own N_max, or for max_num_batched_tokens
             budget = config.kv_budget if seq.kv_budget is None else seq.kv_budget
-            peak = scheduler.peak_blocks(seq.prompt_len, seq.max_output_tokens,
+            peak = scheduler.admission.peak_blocks(seq.prompt_len, seq.max_output_tokens,
                                          budget // b + 1 + pinned(seq, config))
             assert peak > scheduler.block_manager.num_blocks or "max_num" in seq.error
     for seq in accepted:

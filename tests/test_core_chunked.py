@@ -84,8 +84,8 @@ def test_long_prompt_is_split_and_decodes_share_its_steps():
 def test_unchunked_rejects_what_chunked_serves():
     config = chunked(max_num_batched_tokens=32)
     seq = Sequence("long", list(range(100)), 3)
-    assert Scheduler(replace(config, chunked_prefill=False), 64, 4).rejection_reason(seq)
-    assert Scheduler(config, 64, 4).rejection_reason(seq) is None
+    assert Scheduler(replace(config, chunked_prefill=False), 64, 4).admission.rejection_reason(seq)
+    assert Scheduler(config, 64, 4).admission.rejection_reason(seq) is None
     _, result = run(config, [Sequence("long", list(range(100)), 3)])
     assert result.summary["completed"] == 1
     kinds = [step.kind for step in result.steps]

@@ -52,7 +52,7 @@ def test_invariants_hold(mode):
         assert all(seq.num_output_tokens == seq.max_output_tokens for seq in accepted)
         config = case.config
         for seq in rejected:
-            assert "request" in seq.error and scheduler.peak_blocks(
+            assert "request" in seq.error and scheduler.admission.peak_blocks(
                 seq.prompt_len, seq.max_output_tokens, config.n_max + pinned(seq, config)
             ) > case.num_blocks or "max_num" in seq.error
         if not config.compress:

@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 from tiny_models import save_tiny_qwen3  # noqa: E402
 
 from zipage import LLM, SamplingParams  # noqa: E402
+from zipage.rundir import read_decisions  # noqa: E402
 from zipage.trace import Trace, TraceRequest, save_trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,8 +130,8 @@ def test_engine_and_simulator_make_the_same_decisions(tiny_model, tmp_path):
     assert set(runs["sim"]) == set(runs["cpu"])
     assert runs["sim"]["num_blocks"] == runs["cpu"]["num_blocks"]
     assert runs["cpu"]["preemptions"] > 0  # the cache is small enough to force recompute
-    sim_log = (tmp_path / "sim" / "decisions.log").read_text()
-    assert sim_log == (tmp_path / "cpu" / "decisions.log").read_text()
+    sim_log = read_decisions(tmp_path / "sim")
+    assert sim_log and sim_log == read_decisions(tmp_path / "cpu")
     for name in ("steps.csv", "requests.csv", "timeline.png", "summary.json"):
         assert (tmp_path / "cpu" / name).stat().st_size > 0
 

@@ -25,6 +25,7 @@ from test_models_hf_parity import _tiny_hf_model  # noqa: E402
 from zipage import LLM  # noqa: E402
 from zipage.engine import loader  # noqa: E402
 from zipage.engine.runner import ModelRunner  # noqa: E402
+from zipage.rundir import read_decisions  # noqa: E402
 
 # Module-wide: torch on one thread (tests/conftest.py, `one_cpu_thread`).
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -133,5 +134,5 @@ def test_replay_with_prefill_graphs(tiny_model, tmp_path, monkeypatch):  # noqa:
                               "--prefill-graphs")
     assert runs["cpu"]["graphs"] == {"decode": False, "prefill": False}
     assert runs["sim"]["graphs"] is None  # the analytic model times no engine path
-    logs = [(tmp_path / name / "decisions.log").read_text() for name in ("sim", "cpu")]
+    logs = ["\n".join(read_decisions(tmp_path / name)) for name in ("sim", "cpu")]
     assert " mixed " in logs[1] and logs[0] == logs[1]

@@ -25,6 +25,7 @@ from zipage.kernels.compress import CompressionInputs  # noqa: E402
 from zipage.kernels.compress_ref import CompressionParams, compress_ref  # noqa: E402
 from zipage.kernels.kv_quant_ref import FP8_DTYPE, FP8_MAX, SCALE_CANDIDATES, dequantize_kv, quantize_kv  # noqa: E402
 from zipage.presets import get_preset  # noqa: E402
+from zipage.rundir import read_decisions  # noqa: E402
 from zipage.trace import Trace, TraceRequest, save_trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -282,4 +283,4 @@ def test_cpu_engine_and_simulator_make_the_same_decisions_with_fp8(tiny_model, t
     assert runs["sim"]["max_concurrency"] == runs["cpu"]["max_concurrency"]
     assert runs["cpu"]["compressions"] > 0
     assert runs["cpu"]["settings"]["config"]["kv_cache_dtype"] == "fp8"
-    assert (tmp_path / "sim" / "decisions.log").read_text() == (tmp_path / "cpu" / "decisions.log").read_text()
+    assert read_decisions(tmp_path / "sim") == read_decisions(tmp_path / "cpu")

@@ -37,9 +37,14 @@ MODES = {
     # Compressions keep every prompt whole (docs/architecture.md, 'Compression scope').
     "hybrid_prefix_output": dict(hybrid=True, prefix_cache=True, compress_scope="output",
                                  num_blocks=16, **WHOLE),
+    # Priority classes (PRIORITIES) with 2 steps of aging a class (docs/architecture.md,
+    # 'Waiting-queue policies'): later requests of a better class overtake, victims by class.
+    "hybrid_prefix_priority": dict(hybrid=True, prefix_cache=True, priorities=True,
+                                   scheduling_policy="priority", priority_aging_s=2.0, **WHOLE),
 }
 # Budgets of 1 to 3 blocks (N_max 2 to 4) around the default 32 (N_max 3); None keeps the default.
 MIXED_BUDGETS = {"a": 48, "b": 16, "c": None, "d": 16, "e": 48, "f": None}
+PRIORITIES = {"a": 2, "b": 1, "c": 2, "d": 0, "e": -1, "f": 0}
 
 
 def golden_trace() -> list[Sequence]:
@@ -62,12 +67,16 @@ def decision_log(mode: str) -> str:
     knobs = dict(MODES[mode])
     num_blocks = knobs.pop("num_blocks", 10)
     budgets = knobs.pop("budgets", False)
+    priorities = knobs.pop("priorities", False)
     config = ZipageConfig(block_size=16, window=4, kv_budget=32, async_compress=False, **knobs)
     scheduler = Scheduler(config, num_blocks=num_blocks, num_query_slots=2)
     sequences = golden_trace()
     if budgets:
         for seq in sequences:
             seq.kv_budget = MIXED_BUDGETS[seq.seq_id]
+    if priorities:
+        for seq in sequences:
+            seq.priority = PRIORITIES[seq.seq_id]
     run = InstantDriver(scheduler, check=True, log_decisions=True).run(sequences)
     assert run.summary["completed"] == 6
     return "\n".join(run.decision_log) + "\n"

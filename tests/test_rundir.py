@@ -40,10 +40,11 @@ def simulated():
     return {"trace": trace.name, **summary}, run
 
 
-def write_simulated(directory: Path, simulated, **summary_changes) -> Path:
+def write_simulated(directory: Path, simulated, decisions: str = "gzip",
+                    **summary_changes) -> Path:
     summary, run = simulated
     return write_run(directory, {**summary, **summary_changes}, run.steps, run.requests,
-                     run.decision_log)
+                     run.decision_log, decisions=decisions)
 
 
 def write_served(directory: Path, simulated) -> Path:
@@ -188,7 +189,9 @@ def test_rewriting_a_run_replaces_it_and_refuses_a_foreign_directory(tmp_path, s
 
 @pytest.fixture
 def two_runs(tmp_path, simulated):
-    return write_simulated(tmp_path / "a", simulated), write_simulated(tmp_path / "b", simulated)
+    """A run with a plain decision log (the one damaged), and one with the default gzip."""
+    return (write_simulated(tmp_path / "a", simulated, decisions="plain"),
+            write_simulated(tmp_path / "b", simulated))
 
 
 @pytest.mark.parametrize("name, cut, fragment", [
@@ -235,10 +238,22 @@ def test_a_missing_decision_log_is_told_from_one_not_written(tmp_path, simulated
     report = format_report(compare_runs(skipped, skipped))
     assert "not compared (A: written with --decisions none; B: written with --decisions none)" \
         in report
-    lost = write_simulated(tmp_path / "lost", simulated)
-    (lost / "decisions.log").unlink()
-    err = one_line_error(capsys, "compare", str(skipped), str(lost))
-    assert "lost/decisions.log: file not found, but summary.json says the run wrote it" in err
+    for decisions, name in (("plain", "decisions.log"), ("gzip", "decisions.log.gz")):
+        lost = write_simulated(tmp_path / f"lost-{decisions}", simulated, decisions=decisions)
+        (lost / name).unlink()
+        err = one_line_error(capsys, "compare", str(skipped), str(lost))
+        assert f"lost-{decisions}/{name}: file not found, but summary.json says the run " \
+               "wrote it" in err
+
+
+def test_the_default_log_is_gzipped_and_reads_as_the_plain_one(tmp_path, simulated):
+    summary, run = simulated
+    packed = write_run(tmp_path / "gz", summary, run.steps, run.requests, run.decision_log)
+    plain = write_simulated(tmp_path / "plain", simulated, decisions="plain")
+    assert sorted(path.name for path in packed.glob("decisions.log*")) == ["decisions.log.gz"]
+    assert json.loads((packed / "summary.json").read_text())["decision_log"] == "gzip"
+    assert read_decisions(packed) == read_decisions(plain) == run.decision_log
+    assert compare_runs(plain, packed)["decisions"]["identical_fraction"] == pytest.approx(1.0)
 
 
 def test_a_truncated_gzipped_log_is_an_error(tmp_path, simulated, capsys):
@@ -278,7 +293,7 @@ def test_calibrate_names_what_an_engine_run_summary_lacks(tmp_path, simulated, c
 def test_compare_against_a_served_run_compares_requests_only(tmp_path, simulated):
     sim = write_simulated(tmp_path / "sim", simulated)
     served = write_served(tmp_path / "served", simulated)
-    assert not (served / "decisions.log").exists()
+    assert not list(served.glob("decisions.log*"))
     assert json.loads((served / "summary.json").read_text())["kind"] == "served"
     comparison = compare_runs(sim, served)
     assert comparison["kinds"] == {"sim": "simulated", "real": "served"}

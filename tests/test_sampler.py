@@ -115,7 +115,10 @@ def test_invalid_params_name_the_field(changes: dict, field: str) -> None:
     ("max_tokens", 0, "max_tokens: 0 must be"),
     ("seed", 2**32, "seed: 4294967296 must be an integer in [0, 2**32)"),
     ("seed", -1, "seed: -1 must be"),
-    ("kv_budget", 2**31, "kv_budget: 2147483648 must be a positive integer"),
+    ("kv_budget", 2**31, "kv_budget: must be an integer between 1 and 2147483647 (the KV "),
+    ("compress_scope", "prompt", "compress_scope: must be one of 'all', 'output'"),
+    ("priority", 1.5, "priority: must be an integer between -1000000 and 1000000"),
+    ("priority", True, "priority: must be an integer"),
     ("ignore_eos", 1, "ignore_eos: 1 must be true or false"),
 ])
 def test_every_setting_out_of_range_is_refused_by_name(field, value, message) -> None:

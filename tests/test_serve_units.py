@@ -149,7 +149,6 @@ CHAT_BODY = {"messages": [{"role": "user", "content": "hi"}]}
     (CompletionRequest, "skip_special_tokens", False),
     (CompletionRequest, "prompt_logprobs", 1),
     (CompletionRequest, "allowed_token_ids", [1, 2]),
-    (CompletionRequest, "priority", 1),
     (CompletionRequest, "length_penalty", 2.0),
     (CompletionRequest, "min_tokens", True),  # true is not 0's neutral value
 ])

@@ -258,7 +258,7 @@ def test_cli_json_prints_exactly_one_object(tmp_path):
                 "max_blocks_after_compress", "n_max", "max_concurrency", "num_blocks", "steps",
                 "wall_s"}
     assert required <= set(summary)
-    for name in ("summary.json", "steps.csv", "requests.csv", "decisions.log", "timeline.png"):
+    for name in ("summary.json", "steps.csv", "requests.csv", "decisions.log.gz", "timeline.png"):
         assert (tmp_path / "run" / name).stat().st_size > 0
 
 

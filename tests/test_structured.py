@@ -6,7 +6,10 @@ vocabulary finds (choice, regex); masking leaves unconstrained rows and the mode
 they were; a matcher ends its request once its grammar is complete and is dropped after. On the
 CPU engine (`LLM`, SmolLM2 GGUF): a JSON schema's output validates, each of n forked samples
 matches its regex, a free request beside constrained ones gets the tokens it gets alone, no
-matcher outlives its request, and a bad pattern fails with the field's name.
+matcher outlives its request, and a bad pattern fails with the field's name. In the server's
+engine process (`EngineCore`, driven in this process): a grammar held compiling stalls no other
+request's steps, and its request joins once it is ready; one aborted meanwhile never runs, and
+one that does not compile is refused alone.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -261,3 +266,106 @@ def test_engine_refuses_a_pattern_that_does_not_compile_by_name(llm):
         llm.generate(["hi"], SamplingParams(
             max_tokens=4, structured_output=StructuredOutput("regex", "(unclosed")),
             progress=False)
+
+
+# ---------------------------------------------------------------- the server's engine process
+
+
+class _Updates:
+    """The HTTP process's end of the socket: keeps each request's tokens and refusals."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+        self.rejected: dict[str, str] = {}
+        self.waiting = 0
+
+    def send(self, update) -> None:
+        for seq_id, token in zip(update.seq_ids, update.tokens):
+            self.tokens.setdefault(seq_id, []).append(token)
+        self.rejected.update(update.rejected)
+        self.waiting = update.stats.waiting
+
+
+def _core_with_held_compiles(llm, monkeypatch):
+    """An engine process's core in this process, whose compile thread holds every regex until
+    the returned event is set (a slow schema, for as long as the test wants)."""
+    from zipage.serve.engine_process import EngineCore
+
+    updates = _Updates()
+    core = EngineCore(llm.engine, updates, llm.engine.shape.vocab_size)
+    core.loop.start()
+    release = threading.Event()
+    structured, compile = core.loop.structured, core.loop.structured.compile
+
+    def held(spec):
+        if spec.kind == "regex":  # compiled inside the step loop, this holds every request up
+            assert release.wait(20), "the compile was never released"
+        return compile(spec)
+
+    monkeypatch.setattr(structured, "compile", held)
+    return core, updates, release
+
+
+def _steps(core, until) -> None:
+    """The engine process's loop (`EngineCore.serve`), until `until()` or 200 iterations."""
+    for _ in range(200):
+        if until():
+            return
+        core._apply(wait=False)
+        output = core.loop.step()
+        if output is not None or core.changed:
+            core._publish(output)
+        time.sleep(0.005 if output is None else 0)
+    raise AssertionError("the requests did not get there in 200 iterations")
+
+
+@needs_smollm2
+def test_a_slow_grammar_compiles_off_the_step_loop_and_joins_when_ready(llm, monkeypatch):
+    from zipage.serve.wire import Add
+
+    core, updates, release = _core_with_held_compiles(llm, monkeypatch)
+    pattern = r" \d{3}-\d{4}"
+    slow = SamplingParams(temperature=0, max_tokens=12,
+                          structured_output=StructuredOutput("regex", pattern))
+    core._add(Add("slow", llm.tokenizer.encode("Call me at"), slow))
+    core._add(Add("free", llm.tokenizer.encode("The capital of France is"),
+                  SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))
+    _steps(core, lambda: not core.loop.scheduler.has_unfinished())
+    # The free request ran to its end while the grammar compiled; the other waited outside
+    # the scheduler (and counts as waiting).
+    assert len(updates.tokens["free"]) == 8 and "slow" not in updates.tokens
+    assert list(core.compiling) == ["slow"] and "slow" not in core.loop.tokens
+    assert updates.waiting == 1
+    release.set()
+    _steps(core, lambda: "slow" in updates.tokens and not core.loop.scheduler.has_unfinished())
+    text = llm.tokenizer.decode(updates.tokens["slow"], skip_special_tokens=True)
+    assert re.fullmatch(pattern, text), text
+    assert not core.compiling and not core.loop.structured._soon and not updates.rejected
+
+
+@needs_smollm2
+def test_a_request_aborted_or_refused_while_its_grammar_compiles_is_dropped_alone(
+        llm, monkeypatch):
+    from zipage.serve.wire import Abort, Add
+
+    core, updates, release = _core_with_held_compiles(llm, monkeypatch)
+    prompt = llm.tokenizer.encode("Call me at")
+    core._add(Add("gone", prompt, SamplingParams(
+        temperature=1.0, seed=3, n=2, max_tokens=6,
+        structured_output=StructuredOutput("regex", r"\d+")), sample_ids=["gone#1"]))
+    core._add(Add("bad", prompt, SamplingParams(
+        max_tokens=4, structured_output=StructuredOutput("regex", "(unclosed"))))
+    core._add(Add("half", prompt, SamplingParams(
+        temperature=1.0, seed=4, n=2, max_tokens=6,
+        structured_output=StructuredOutput("regex", r"\d+")), sample_ids=["half#1"]))
+    for seq_id in ("gone", "gone#1", "half#1"):
+        core.inbox.put(Abort(seq_id))
+    core._apply(wait=False)
+    release.set()
+    _steps(core, lambda: not core.compiling and not core.loop.scheduler.has_unfinished()
+           and "half" in updates.tokens)
+    assert "gone" not in updates.tokens and "gone#1" not in updates.tokens
+    assert updates.rejected.keys() == {"bad"}
+    assert "structured_output: not a valid regular expression" in updates.rejected["bad"]
+    assert len(updates.tokens["half"]) >= 1 and "half#1" not in updates.tokens
+    assert not core.aborted_compiling and not core.loop.tokens

@@ -30,6 +30,7 @@ from zipage.engine.sharding import ShardLayout, _random_full_tensors, check_tens
 from zipage.errors import ConfigError  # noqa: E402
 from zipage.kernels.compress_ref import CompressionParams, compress_ref  # noqa: E402
 from zipage.presets import get_preset  # noqa: E402
+from zipage.rundir import read_decisions  # noqa: E402
 from zipage.trace import Trace, TraceRequest, save_trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -274,8 +275,7 @@ def test_engine_tp2_makes_the_simulators_decisions(tiny_models, tmp_path):
         runs[name] = json.loads(result.stdout)
     assert runs["cpu"]["compressions"] > 0
     assert runs["sim"]["num_blocks"] == runs["cpu"]["num_blocks"]
-    assert (tmp_path / "sim" / "decisions.log").read_text() == \
-        (tmp_path / "cpu" / "decisions.log").read_text()
+    assert read_decisions(tmp_path / "sim") == read_decisions(tmp_path / "cpu")
 
 
 @pytest.mark.parametrize("action,message", [("raise", "rank 1 failed: RuntimeError: injected"),

@@ -128,7 +128,7 @@ def test_replay_of_a_stream_is_the_replay_of_the_loaded_trace(tmp_path, capsys):
         assert main(["replay", str(path), "--json", "--no-progress", "--out", str(out)]) == 0
         runs[path] = out
     capsys.readouterr()
-    for name in ("steps.csv", "requests.csv", "decisions.log"):
+    for name in ("steps.csv", "requests.csv", "decisions.log.gz"):
         assert (runs[streamed] / name).read_bytes() == (runs[whole] / name).read_bytes(), name
 
 
@@ -192,7 +192,7 @@ def test_replay_streams_a_production_file_to_the_loaded_trace_s_run(tmp_path, ca
         assert main(["replay", str(path), "--no-progress", "--out", str(runs[path])]) == 0
     capsys.readouterr()
     assert [isinstance(trace, TraceStream) for trace in given] == [True, False]
-    for name in ("steps.csv", "requests.csv", "decisions.log"):
+    for name in ("steps.csv", "requests.csv", "decisions.log.gz"):
         assert (runs[production] / name).read_bytes() == (runs[whole] / name).read_bytes(), name
 
 

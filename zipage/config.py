@@ -27,6 +27,11 @@ WHOLE_PROMPT_STEP_TOKENS = 16384
 # in the compute dtype; "fp8" in float8 e4m3 with one float32 scale per (entry, KV head), the
 # least-error one of a small search around amax / 448 (kernels/kv_quant_ref.py).
 KV_CACHE_DTYPES = ("auto", "fp8")
+# The waiting queue's order (docs/architecture.md, 'Waiting-queue policies'): arrival ("fcfs"), or
+# each request's `priority` class aged by its waiting time ("priority").
+SCHEDULING_POLICIES = ("fcfs", "priority")
+# A day: longer aging is no aging at all for any trace, and keeps the queue's key finite.
+MAX_AGING_S = 86400.0
 
 
 def knob(default, flag: str, help: str, *, cost: bool = False, choices: tuple | None = None):
@@ -65,6 +70,14 @@ class ZipageConfig:
                                    "backs at the budget, the paper's maximum concurrency); the "
                                    "memory of fewer goes to KV blocks. For sessions under "
                                    "--compress-scope output, where few requests outgrow their budget")
+    scheduling_policy: str = knob("fcfs", "--scheduling-policy", "order of the waiting queue: "
+                                  "fcfs (arrival), or priority (each request's priority class, "
+                                  "lower first, aged so nothing starves; victims are chosen "
+                                  "lowest class first)", choices=SCHEDULING_POLICIES)
+    priority_aging_s: float = knob(10.0, "--priority-aging-s", "under --scheduling-policy "
+                                   "priority: seconds of waiting worth one priority class (a "
+                                   "request is never passed by one that arrived more than "
+                                   "(its class - the other's) x this later)")
     async_compress: bool = knob(True, "--no-async", "compress synchronously, before the step's "
                                 "decode (default: on a side stream, overlapping decode)")
     global_score: bool = knob(True, "--no-global-score", "score with this compression's "
@@ -149,6 +162,13 @@ class ZipageConfig:
             _bad("budget_policy", self.budget_policy, f"one of {', '.join(BUDGET_POLICIES)}")
         if self.compress_scope not in COMPRESS_SCOPES:
             _bad("compress_scope", self.compress_scope, f"one of {', '.join(COMPRESS_SCOPES)}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            _bad("scheduling_policy", self.scheduling_policy,
+                 f"one of {', '.join(SCHEDULING_POLICIES)}")
+        if not (isinstance(self.priority_aging_s, (int, float)) and 0 < self.priority_aging_s
+                <= MAX_AGING_S):
+            _bad("priority_aging_s", self.priority_aging_s,
+                 f"a number of seconds in (0, {MAX_AGING_S:g}]")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             _bad("kv_cache_dtype", self.kv_cache_dtype, f"one of {', '.join(KV_CACHE_DTYPES)}")
         if self.pooling not in POOLING_MODES:

@@ -60,6 +60,7 @@ class RequestRecord:
     # (`Scheduler._kept_budget`; empty if its budget never bound it).
     kv_budget: int | None = None
     kept_budget: float | None = None
+    priority: int = 0  # its class under the priority policy (0 in runs written before it)
 
 
 STEP_COLUMNS = [f.name for f in fields(StepRecord)]

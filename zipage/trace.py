@@ -33,7 +33,7 @@ from typing import IO, Any, Callable, Iterable, Iterator
 import numpy as np
 import xxhash
 
-from zipage.config import COMPRESS_SCOPES
+from zipage import request_fields
 from zipage.errors import ConfigError, TraceError
 from zipage.rundir import write_file_atomically
 
@@ -55,8 +55,10 @@ REQUEST_FIELDS = (
     "after_s",
     "reasoning_len",
     "compress_scope",
+    "priority",
 )
 _REQUEST_FIELD_SET = frozenset(REQUEST_FIELDS)
+_FIELD_DEFAULTS = {field.name: field.default for field in request_fields.FIELDS}
 # The fields of most requests of a production-shaped trace: they take `_plain_request`'s path.
 _PLAIN_FIELD_SET = frozenset(("id", "arrival_s", "prompt_len", "output_len"))
 
@@ -117,7 +119,8 @@ class TraceRequest:
     output without the first `reasoning_len` tokens (the thinking the next turn does not see).
     `session` names the conversation or agent run (a follow-up's is its predecessor's).
     `compress_scope` is what the request's compressions may evict (None: the deployment's
-    `--compress-scope`).
+    `--compress-scope`); `priority` its class under `--scheduling-policy priority` (lower
+    first). Both, and `kv_budget`, are declared in `zipage/request_fields.py`.
     """
 
     id: str
@@ -135,6 +138,7 @@ class TraceRequest:
     after_s: float = 0.0
     reasoning_len: int = 0
     compress_scope: str | None = None
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -1029,11 +1033,13 @@ def _parse_request(raw: Any, index: int, source: str, hash_block_size: int = 0) 
         raise fail(f"output_len must be an integer between 1 and {MAX_LENGTH}, "
                    f"got {_show(output_len)}")
 
-    kv_budget = raw.get("kv_budget")
-    if "kv_budget" in raw and (type(kv_budget) is not int or not 1 <= kv_budget <= MAX_LENGTH):
-        raise fail(f"kv_budget must be an integer between 1 and {MAX_LENGTH} (the KV entries the "
-                   f"request keeps, a multiple of the block size; leave it out for --budget), "
-                   f"got {_show(kv_budget)}")
+    own = dict(_FIELD_DEFAULTS)  # the request's scheduling fields (zipage/request_fields.py)
+    for field in request_fields.FIELDS:
+        if field.name in raw:
+            value = own[field.name] = raw[field.name]
+            reason = field.reason(value)
+            if reason is not None:
+                raise fail(reason)
 
     reasoning_len = raw.get("reasoning_len", 0)
     if "reasoning_len" in raw and (type(reasoning_len) is not int
@@ -1041,12 +1047,6 @@ def _parse_request(raw: Any, index: int, source: str, hash_block_size: int = 0) 
         raise fail(f"reasoning_len must be an integer between 0 and output_len ({output_len}): "
                    f"the output tokens that are thinking, which the next turn does not see, "
                    f"got {_show(reasoning_len)}")
-
-    scope = raw.get("compress_scope")
-    if "compress_scope" in raw and scope not in COMPRESS_SCOPES:
-        raise fail(f"compress_scope must be one of {', '.join(map(repr, COMPRESS_SCOPES))} (what "
-                   f"the request's compressions may evict; leave it out for --compress-scope), "
-                   f"got {_show(scope)}")
 
     return _validated_request(
         id=request_id,
@@ -1056,14 +1056,13 @@ def _parse_request(raw: Any, index: int, source: str, hash_block_size: int = 0) 
         prompt_token_ids=token_ids,
         prefix_group=group,
         prefix_len=prefix_len,
-        kv_budget=kv_budget,
         block_hashes=block_hashes,
         hash_block_size=hash_block_size if block_hashes is not None else 0,
         session=session,
         after=after,
         after_s=float(after_s),
         reasoning_len=reasoning_len,
-        compress_scope=scope,
+        **own,
     )
 
 
@@ -1081,8 +1080,8 @@ def _plain_request(raw: dict) -> TraceRequest | None:
         return _validated_request(
             id=request_id, arrival_s=float(arrival), prompt_len=prompt_len,
             output_len=output_len, prompt_token_ids=None, prefix_group=None, prefix_len=0,
-            kv_budget=None, block_hashes=None, hash_block_size=0, session=None, after=None,
-            after_s=0.0, reasoning_len=0, compress_scope=None)
+            block_hashes=None, hash_block_size=0, session=None, after=None,
+            after_s=0.0, reasoning_len=0, **_FIELD_DEFAULTS)
     return None
 
 
@@ -1138,9 +1137,9 @@ def plain_requests(text: str) -> list[TraceRequest] | None:
         request = new(TraceRequest)  # `_validated_request`, inline: run once a request
         request.__dict__.update(
             id=request_id, arrival_s=arrival, prompt_len=prompt_len, output_len=output_len,
-            prompt_token_ids=None, prefix_group=None, prefix_len=0, kv_budget=None,
+            prompt_token_ids=None, prefix_group=None, prefix_len=0,
             block_hashes=None, hash_block_size=0, session=None, after=None, after_s=0.0,
-            reasoning_len=0, compress_scope=None)
+            reasoning_len=0, **_FIELD_DEFAULTS)
         requests.append(request)
     return requests
 
@@ -1210,10 +1209,10 @@ def _request_to_json(request: TraceRequest) -> dict[str, Any]:
     obj["output_len"] = request.output_len
     if request.reasoning_len:
         obj["reasoning_len"] = request.reasoning_len
-    if request.kv_budget is not None:
-        obj["kv_budget"] = request.kv_budget
-    if request.compress_scope is not None:
-        obj["compress_scope"] = request.compress_scope
+    for field in request_fields.FIELDS:
+        value = getattr(request, field.name)
+        if value != field.default:
+            obj[field.name] = value
     return obj
 
 

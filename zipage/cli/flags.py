@@ -23,7 +23,9 @@ _METAVARS = {int: "N", float: "X"}
 
 
 # The element type of weights and caches when --dtype is not given, for every command that runs
-# the real engine: bfloat16 on a GPU and in the simulator (`ReplaySettings.dtype`'s default), so the
+# the real engine (generate, serve, replay, calibrate, fidelity: `add_engine_flags` and
+# `settings_from_args` give every command with those flags this one rule, from its --engine or
+# --device): bfloat16 on a GPU and in the simulator (`ReplaySettings.dtype`'s default), so the
 # same flags give the same capacity in the simulator, `zipage replay --gpu` and the server
 # (docs/architecture.md, 'Memory planning'); float32 on the CPU, where the engine is the path
 # checked token for token against HF models in float32 (docs/tensor_parallel.md) and most CPUs
@@ -44,13 +46,12 @@ def declared_default(name: str):
     return next(f.default for f in fields(ReplaySettings) if f.name == name)
 
 
-def add_engine_flags(parser: argparse.ArgumentParser, axes: frozenset[str] = frozenset(),
-                     device_dtype: bool = False) -> None:
-    """Model, memory and cost-model flags, then every knob. `device_dtype`: --dtype defaults to
-    `default_dtype` of the device the command runs on (`settings_from_args` reads it from
-    `args.engine`) rather than to bfloat16."""
+def add_engine_flags(parser: argparse.ArgumentParser, axes: frozenset[str] = frozenset()) -> None:
+    """Model, memory and cost-model flags, then every knob. --dtype defaults to `default_dtype`
+    of the device the command runs on (`settings_from_args` reads it from `args.engine`; the
+    simulator's commands have none: bfloat16)."""
     _add(parser.add_argument_group("model and memory"), ReplaySettings, axes)
-    if device_dtype:
+    if "dtype" not in axes:
         dtype = next(action for action in parser._actions if action.dest == "dtype")
         dtype.default, dtype.help = None, DTYPE_HELP
     add_knob_flags(parser, axes)
@@ -74,7 +75,7 @@ def settings_from_args(args: argparse.Namespace, axes: frozenset[str] = frozense
     replace single fields (`config` too)."""
     values = {f.name: getattr(args, f.name) for f in _declared(ReplaySettings)
               if f.name not in axes}
-    if values.get("dtype", "") is None:  # `add_engine_flags(device_dtype=True)`: not given
+    if values.get("dtype", "") is None:  # not given: the device's (`add_engine_flags`)
         values["dtype"] = default_dtype(getattr(args, "engine", None))
     settings = ReplaySettings(**values, config=config_from_args(args, axes))
     return replace(settings, **overrides)

@@ -32,7 +32,7 @@ from zipage.serve.tool_parsers import TOOL_PARSERS
 def add_parser(commands) -> None:
     serve = commands.add_parser(
         "serve", help="an OpenAI-compatible HTTP server over the real engine (docs/serve.md)")
-    add_engine_flags(serve, device_dtype=True)
+    add_engine_flags(serve)
     serve.set_defaults(model=None, handler=cmd_serve)
     for action in serve._actions:
         if action.dest == "model":  # no preset default: a server serves the model it is given

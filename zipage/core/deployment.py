@@ -19,6 +19,7 @@ from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence, Turn
 from zipage.dtypes import DTYPE_BYTES
 from zipage.errors import ConfigError, MemoryPlanError
+from zipage.request_fields import copy_fields
 from zipage.sessions import SessionKeys, own_tokens
 from zipage.shape import ModelShape
 from zipage.trace import Trace, TraceRequest, prompt_block_keys, prompt_token_ids
@@ -199,11 +200,11 @@ def iter_trace_sequences(trace: Trace | TraceStream, vocab_size: int, need_token
     # A session's turns: their prompts begin with their predecessors' (zipage/sessions.py).
     sessions = SessionKeys(key_block_size, block_keys_of) if key_block_size else None
     # Bound once, and the keys made in the loop: both run once a request.
-    rejection_reason = scheduler.rejection_reason if scheduler is not None else None
+    rejection_reason = scheduler.admission.rejection_reason if scheduler is not None else None
     for request in requests:
         seq = Sequence(request.id, None, request.output_len, request.arrival_s,
-                       request.prompt_len, None, request.kv_budget)  # arrival, length, sampling
-        seq.compress_scope = request.compress_scope
+                       request.prompt_len)  # arrival, length
+        copy_fields(seq, request)
         session_turn = None
         if request.session is not None or request.after is not None:  # (a loaded follow-up
             # has its predecessor's session; one built by hand may not)

@@ -94,6 +94,8 @@ class InvariantChecker:
         # window index -> KV entry whose query it holds.
         self.window_queries: dict[Sequence, dict[int, int]] = {}
         self.accepted_order: list = []  # ids of accepted requests, in the order they arrived
+        self.accepted: dict[str, Sequence] = {}
+        self.accepted_rank: dict[str, int] = {}  # their places in that order
         self.before: QueueSnapshot | None = None  # taken by before_schedule, used once
         # Block -> hash of the full prompt block it holds (None: anything else), from the writes
         # the driver computed and the compressions planned; the prefix index must agree.
@@ -205,14 +207,25 @@ class InvariantChecker:
             if seq.seq_id not in stopped_early and seq.num_output_tokens != seq.max_output_tokens:
                 self.fail(f"{seq.seq_id} finished with {seq.num_output_tokens} tokens, "
                           f"expected {seq.max_output_tokens}")
-        arrival_rank = {seq_id: rank for rank, seq_id in enumerate(self.accepted_order)}
+        if scheduler.by_priority:
+            self._check_starvation_bound()
+            return
+        arrival_rank = self.accepted_rank
         ranks = [arrival_rank[seq_id] for seq_id in scheduler.admission_order]
         if ranks != sorted(ranks):
             self.fail(f"first admissions out of arrival order: {scheduler.admission_order}")
 
     def note_added(self, seq: Sequence) -> None:
         if seq.status is not SequenceStatus.REJECTED:
+            self.accepted_rank[seq.seq_id] = len(self.accepted_order)
             self.accepted_order.append(seq.seq_id)
+            self.accepted[seq.seq_id] = seq
+
+    def queue_order(self, seq: Sequence) -> tuple[float, int]:
+        """A request's place under the priority policy, from its own fields: priority x aging
+        + arrival, then arrival order (docs/architecture.md, 'Waiting-queue policies')."""
+        aging = self.scheduler.config.priority_aging_s
+        return seq.priority * aging + seq.arrival_s, self.accepted_rank[seq.seq_id]
 
     # ---- the checks ----
 
@@ -260,7 +273,8 @@ class InvariantChecker:
         self.window_queries.pop(seq, None)
 
     def _check_victims(self, plan: StepPlan, before: QueueSnapshot) -> None:
-        """Each victim is the last running request the mode's rule allows, re-chosen after every
+        """Each victim is the last running request the mode's rule allows (under the priority
+        policy: the last in queue order, the last admitted of equals), re-chosen after every
         preemption of the step. Within a decode step the allowed set does not change before a
         victim is chosen (a request compressed earlier in the step sits before the requester,
         which is itself allowed), so the victims are exactly the last allowed requests of the
@@ -269,18 +283,46 @@ class InvariantChecker:
             return
         rule, allowed = victim_rule(self.scheduler)
         candidates = [seq for seq in before.running if allowed(seq, before)]
+        if self.scheduler.by_priority:
+            self._check_priority_victims(plan, candidates)
+            return
         expected = candidates[::-1][:len(plan.preempted)]
         if plan.preempted != expected:
             self.fail(f"preempted {_ids(plan.preempted)}, but the victim rule ({rule}, re-chosen "
                       f"after each preemption) picks {_ids(expected)}")
 
+    def _check_priority_victims(self, plan: StepPlan, candidates: list[Sequence]) -> None:
+        """Priority policy: each victim is the last allowed request in priority order but for
+        the one that needs the blocks (which the checker cannot name): at most one allowed
+        request still running comes after it. A request this step compresses may have left the
+        allowed set before a victim was chosen (in running order that cannot matter, in
+        priority order it can), so it does not count."""
+        def order(seq: Sequence) -> tuple:
+            return self.queue_order(seq)[0], seq.running_rank
+
+        compressed = {job.seq for job in plan.compressions}
+        remaining = set(candidates) - compressed
+        for victim in plan.preempted:
+            if victim not in remaining:
+                self.fail(f"preempted {victim.seq_id}, which the victim rule does not allow")
+            later = [seq.seq_id for seq in remaining if order(seq) > order(victim)]
+            if len(later) > 1:
+                self.fail(f"preempted {victim.seq_id}, but {later} come after it in priority "
+                          "order (the victim is the last, the requester aside)")
+            remaining.discard(victim)
+
     def _check_waiting(self, plan: StepPlan, before: QueueSnapshot) -> None:
-        """FCFS admission from the head of `waiting`; preempted requests go to its front."""
+        """FCFS admission from the head of `waiting`; preempted requests go to its front. Under
+        the priority policy: admission from the head of the queue in priority order, preempted
+        requests back in their places."""
         preempted = set(plan.preempted)
         was_running = set(before.running)
         admitted = sorted([item.seq for item in plan.prefill
                            if item.seq not in was_running or item.seq in preempted]
                           + [fork.seq for fork in plan.forks], key=lambda seq: seq.running_rank)
+        if self.scheduler.by_priority:
+            self._check_priority_waiting(plan, before, admitted)
+            return
         # Each victim is put at the front as it is preempted: the last one heads the queue.
         queue = plan.preempted[::-1] + before.waiting
         if admitted and admitted not in (before.waiting[:len(admitted)], queue[:len(admitted)]):
@@ -295,6 +337,56 @@ class InvariantChecker:
         if list(self.scheduler.waiting) != expected:
             self.fail(f"waiting is {_ids(self.scheduler.waiting)}, expected {_ids(expected)}: "
                       "preempted requests go to the front of waiting, the last preempted first")
+
+    def _check_priority_waiting(self, plan: StepPlan, before: QueueSnapshot,
+                                admitted: list[Sequence]) -> None:
+        queue = sorted(before.waiting + plan.preempted, key=self.queue_order)
+        if admitted != queue[:len(admitted)]:
+            self.fail(f"admitted {_ids(admitted)}, not the head of waiting in priority order "
+                      f"{_ids(queue)}")
+        if admitted and plan.preempted:
+            self.fail(f"admitted {_ids(admitted)} in a step that preempted "
+                      f"{_ids(plan.preempted)}")
+        expected = queue[len(admitted):]
+        if list(self.scheduler.waiting) != expected:
+            self.fail(f"waiting is {_ids(self.scheduler.waiting)}, expected {_ids(expected)}: "
+                      "the priority order (priority x aging + arrival, then arrival order)")
+
+    def _check_starvation_bound(self) -> None:
+        """Priority policy: no request is first admitted before one that arrived no later and
+        comes before it in priority order. With the order's aging this is the starvation bound:
+        a request is never passed by one arriving more than (its priority - the other's) x
+        aging seconds after it. O(n log n): requests by arrival, a prefix maximum (a Fenwick
+        tree) over their places in priority order of the admission positions seen so far."""
+        position = {seq_id: index for index, seq_id in enumerate(self.scheduler.admission_order)}
+        admitted = [self.accepted[seq_id] for seq_id in position]
+        by_order = sorted(admitted, key=self.queue_order)
+        place = {seq.seq_id: index + 1 for index, seq in enumerate(by_order)}
+        tree = [-1] * (len(admitted) + 1)
+        by_arrival = sorted(admitted, key=lambda seq: (seq.arrival_s, self.accepted_rank[seq.seq_id]))
+        start = 0
+        while start < len(by_arrival):
+            end = start
+            while end < len(by_arrival) and by_arrival[end].arrival_s == by_arrival[start].arrival_s:
+                end += 1
+            group = sorted(by_arrival[start:end], key=self.queue_order)
+            group_latest = -1  # of the group's requests before this one in priority order
+            for seq in group:  # against those that arrived earlier, then its own arrival group
+                index, latest = place[seq.seq_id] - 1, group_latest
+                while index > 0:
+                    latest = max(latest, tree[index])
+                    index -= index & -index
+                group_latest = max(group_latest, position[seq.seq_id])
+                if position[seq.seq_id] < latest:
+                    self.fail(f"{seq.seq_id} (priority {seq.priority}, arrived "
+                              f"{seq.arrival_s:g}) was first admitted before a request that "
+                              "arrived no later and comes before it in priority order")
+            for seq in group:
+                index = place[seq.seq_id]
+                while index < len(tree):
+                    tree[index] = max(tree[index], position[seq.seq_id])
+                    index += index & -index
+            start = end
 
     def _check_slot_handout(self, plan: StepPlan, before: QueueSnapshot) -> None:
         """Slots move only at the step start, to the foremost running requests without one."""

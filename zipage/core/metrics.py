@@ -69,7 +69,8 @@ def request_record(seq: Sequence) -> RequestRecord:
         # A rejected request never ran: its row keeps the output length it asked for.
         seq.max_output_tokens if seq.error is not None else seq.settled_output_tokens,
         seq.num_preemptions, seq.num_compressions, seq.max_blocks_after_first_compression,
-        seq.status._value_, seq.error, seq.kv_budget, seq.kept_budget)  # (`value`, a call)
+        seq.status._value_, seq.error, seq.kv_budget, seq.kept_budget,  # (`value`, a call)
+        seq.priority)
 
 
 def request_records(sequences: list[Sequence]) -> list[RequestRecord]:

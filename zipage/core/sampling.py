@@ -11,7 +11,7 @@ import json
 import math
 from dataclasses import dataclass, replace
 
-from zipage.config import COMPRESS_SCOPES
+from zipage import request_fields
 from zipage.errors import ConfigError
 
 SEED_LIMIT = 2**32  # seed and token index are packed into one 64-bit generator seed
@@ -119,7 +119,9 @@ class SamplingParams:
     `kv_budget` is the request's own KV budget (None: the engine's `kv_budget`); the core reads
     it from the request (`Sequence.kv_budget`), and refuses one that is not a multiple of the
     block size with the request's error. `compress_scope` is what its compressions may evict
-    ("all" or "output"; None: the engine's `compress_scope`).
+    ("all" or "output"; None: the engine's `compress_scope`); `priority` its class in the
+    waiting queue under the priority scheduling policy (lower first). These three are declared
+    in `zipage/request_fields.py`.
     `structured_output` constrains the output to a JSON schema, a regex, a choice or a grammar
     (`StructuredOutput`; the engine masks every other token before sampling, and forces the
     end-of-sequence token once the output is complete).
@@ -136,6 +138,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     kv_budget: int | None = None
     compress_scope: str | None = None
+    priority: int = 0
     n: int = 1
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -169,14 +172,10 @@ class SamplingParams:
                               f"[1, {MAX_INT}]")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
             raise ConfigError(f"seed: {_short(self.seed)} must be an integer in [0, 2**32) or None")
-        if self.kv_budget is not None and (not _is_int(self.kv_budget)
-                                           or not 1 <= self.kv_budget <= MAX_INT):
-            raise ConfigError(f"kv_budget: {_short(self.kv_budget)} must be a positive integer (KV "
-                              "entries the request keeps, a multiple of the block size) or None "
-                              "for the engine's default")
-        if self.compress_scope is not None and self.compress_scope not in COMPRESS_SCOPES:
-            raise ConfigError(f"compress_scope: {_short(self.compress_scope)} must be one of "
-                              f"{', '.join(COMPRESS_SCOPES)} or None for the engine's default")
+        for field in request_fields.FIELDS:
+            broken = field.rule_broken(getattr(self, field.name))
+            if broken is not None:
+                raise ConfigError(f"{field.name}: {broken}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_SAMPLES:
             raise ConfigError(f"n: {_short(self.n)} must be an integer in [1, {MAX_SAMPLES}]")
         for name in ("logprobs", "prompt_logprobs"):

@@ -6,10 +6,11 @@ one step), the driver executes it, `finish(result)` applies it. The rules are
 docs/architecture.md, 'Rules', 'Scheduling' and 'Chunked prefill'; this module is the only place
 they live.
 
-Queues: `waiting` (FCFS; preempted requests go back to its front) and `running` (admission
-order). Query slots: M of them; a request needs one to write the window queries a compression
-reads. Full KV (`compress` off) is plain PagedAttention with vLLM-style preemption of the last
-running request.
+Queues: `waiting` (its order is the waiting policy's, zipage/core/waiting.py: FCFS, preempted
+requests back at its front; or priority classes with aging) and `running` (admission order).
+Query slots: M of them; a request needs one to write the window queries a compression reads.
+Full KV (`compress` off) is plain PagedAttention with vLLM-style preemption of the last running
+request.
 
 Speed: a request with nothing to decide ("steady") is decoded every decode step without being
 touched; the scheduler keeps, per future decode tick, the requests that will then need a decision
@@ -20,10 +21,11 @@ will finish. A step costs O(requests with an event), not O(running requests).
 from __future__ import annotations
 
 import heapq
-from collections import defaultdict, deque
+from collections import defaultdict
 from operator import attrgetter
 
-from zipage.config import ZipageConfig, budget_violation
+from zipage.config import ZipageConfig
+from zipage.core.admission import Admission
 from zipage.core.block_manager import BlockManager, prompt_block_hashes
 from zipage.core.sequence import DecodeClock, Sequence, SequenceStatus
 from zipage.core.step import (
@@ -38,6 +40,7 @@ from zipage.core.step import (
     StepPlan,
     StepResult,
 )
+from zipage.core.waiting import priority_key, waiting_queue
 from zipage.core.window import WindowLayout
 from zipage.errors import ConfigError
 
@@ -63,11 +66,6 @@ _RUNNING_RANK = attrgetter("running_rank")  # a sort key without a Python call p
 RUNNING, FINISHED = SequenceStatus.RUNNING, SequenceStatus.FINISHED
 
 
-def _refused(seq: Sequence, reason: str) -> str:
-    # Formatted only when refused: `rejection_reason` runs twice for every request.
-    return f"request {seq.seq_id}: {reason}"
-
-
 class SchedulerStuck(RuntimeError):
     """No request can make progress and nothing is in flight: a deadlock, i.e. a bug."""
 
@@ -81,17 +79,18 @@ class Scheduler:
         self.windows = WindowLayout(config.block_size, config.window)
         self.n_max = config.n_max  # of the default budget; a request's own is `seq.n_max`
         self.compress = config.compress
-        # Resolved once: `step_tokens` is a property of the (frozen) config, read every step.
-        self.step_tokens = config.step_tokens
+        # What can ever be served here, and each request's N_max (pure: docs/architecture.md,
+        # 'Scheduling'); `step_tokens` is resolved there once, read here every step.
+        self.admission = Admission(config, num_blocks)
+        self.step_tokens = self.admission.step_tokens
         # docs/architecture.md, 'Per-request and elastic budgets'.
         self.elastic = config.compress and config.budget_policy == "elastic"
-        # docs/architecture.md, 'Compression scope': the default keeps every prompt whole.
-        self.pins_prompts = config.compress and config.compress_scope == "output"
         self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_cache)
         self.num_query_slots = num_query_slots if config.compress else 0
         self.free_slots = list(range(self.num_query_slots))  # a min-heap: lowest slot first
 
-        self.waiting: deque[Sequence] = deque()
+        self.by_priority = config.scheduling_policy == "priority"
+        self.waiting = waiting_queue(config.scheduling_policy, config.priority_aging_s)
         self.running: dict[Sequence, None] = {}  # insertion-ordered: admission order
         # Chunked prefill: running requests whose prompt (or recomputation) is only partly
         # computed, in admission order; each continues with its next chunk before new admissions.
@@ -148,7 +147,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> bool:
         """Queue a request; a request that can never be served is rejected alone (False)."""
-        reason = self.rejection_reason(seq)
+        reason = self.admission.rejection_reason(seq)
         if reason is not None:
             self.refuse(seq, reason)
             return False
@@ -161,8 +160,8 @@ class Scheduler:
             seq.prompt_block_hashes = prompt_block_hashes(seq.prompt_token_ids, self.block_size)
         if seq.kv_budget is None:
             seq.kv_budget = self.config.kv_budget
-        seq.n_max = self._n_max_of(seq)
-        seq.pinned = self._pinned_of(seq) if self.compress else 0
+        seq.n_max = self.admission.n_max_of(seq)
+        seq.pinned = self.admission.pinned_of(seq) if self.compress else 0
         # Blocks a query slot reserves for its holder: its N_max, or all it can ever hold if
         # fewer. The holders' reservations never exceed the pool, which is what keeps any mix
         # of budgets deadlock-free (docs/architecture.md, 'Deadlock freedom'). Fixed from here
@@ -181,80 +180,6 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
-
-    def rejection_reason(self, seq: Sequence) -> str | None:
-        """Why `seq` can never be served here, or None. O(1) from its lengths alone, so a driver
-        can ask before building a prompt it would throw away (a 10^9-token one)."""
-        prompt, output = seq.prompt_len, seq.max_output_tokens
-        if prompt < 1 or output < 1:
-            return _refused(seq, "prompt_len and output_len must be >= 1 "
-                                 f"(got {prompt}, {output})")
-        n_max = None  # the default budget's
-        if seq.kv_budget is not None:  # its own budget (most requests bring none)
-            budget_reason = self.budget_reason(seq.kv_budget)
-            if budget_reason is not None:
-                return _refused(seq, budget_reason)
-            n_max = self._n_max_of(seq)
-        elif self.pins_prompts or seq.compress_scope is not None:
-            n_max = self._n_max_of(seq)  # its prompt's blocks besides the budget's
-        limit = self.config.max_model_len
-        if limit is not None and prompt + output > limit:
-            return _refused(seq, f"prompt_len + output_len = {prompt + output} exceeds "
-                                 f"max_model_len {limit}; shorten the request or raise "
-                                 "--max-model-len")
-        if not self.config.chunked_prefill and prompt > self.step_tokens:
-            return _refused(seq, f"prompt_len {prompt} exceeds max_num_batched_tokens "
-                                 f"{self.step_tokens}; raise --max-num-batched-tokens or turn "
-                                 "chunked prefill back on (--chunked-prefill)")
-        peak = self.peak_blocks(prompt, output, n_max)
-        if peak > self.block_manager.num_blocks:
-            return _refused(seq, f"needs {peak} KV blocks at its peak but only "
-                                 f"{self.block_manager.num_blocks} exist; give more KV memory"
-                                 + (" or enable compression" if not self.compress else ""))
-        return None
-
-    def budget_reason(self, kv_budget: int | None) -> str | None:
-        """Why a request's own `kv_budget` is refused here, or None (None means the default)."""
-        if kv_budget is None:
-            return None
-        expected = budget_violation(self.block_size, kv_budget)
-        if expected is None:
-            return None
-        b = self.block_size
-        near = max(b, kv_budget // b * b) if isinstance(kv_budget, int) else self.config.kv_budget
-        return (f"kv_budget {kv_budget!r} must be {expected} (N_max = kv_budget / "
-                f"{b} + 1 >= 2 blocks); use e.g. {near}, or leave it out for the default "
-                f"{self.config.kv_budget}")
-
-    def _n_max_of(self, seq: Sequence) -> int:
-        """The request's N_max: its own budget's, or the default's (checked by `budget_reason`),
-        plus the blocks its compressions never touch (`_pinned_of`)."""
-        budget = self.config.kv_budget if seq.kv_budget is None else seq.kv_budget
-        return budget // self.block_size + 1 + self._pinned_of(seq)
-
-    def _pinned_of(self, seq: Sequence) -> int:
-        """Leading blocks no compression of `seq` touches: its whole prompt when its scope is
-        "output" (docs/architecture.md, 'Compression scope'), else none."""
-        scope = self.config.compress_scope if seq.compress_scope is None else seq.compress_scope
-        return -(-seq.prompt_len // self.block_size) if scope == "output" else 0
-
-    def peak_blocks(self, prompt_len: int, output_len: int, n_max: int | None = None) -> int:
-        """Most blocks a request must hold at once when it runs alone.
-
-        All its KV (prompt + output - 1 entries: the last token is never cached) under Full KV;
-        with compression it stops growing at max(prompt blocks, N_max) (the request's own N_max;
-        an elastic request grows past it only while blocks are spare, so this is its need).
-        """
-        whole = -(-(prompt_len + output_len - 1) // self.block_size)
-        if not self.compress:
-            return whole
-        n_max = self.n_max if n_max is None else n_max
-        # min(whole, max(prompt blocks, n_max)), written out: twice a request, and a call of
-        # the builtin min or max costs ten comparisons.
-        cap = -(-prompt_len // self.block_size)
-        if n_max > cap:
-            cap = n_max
-        return whole if whole < cap else cap
 
     # ------------------------------------------------------------------ the step protocol
 
@@ -674,7 +599,7 @@ class Scheduler:
         while self.block_manager.num_free_blocks < blocks_needed():
             victim = None
             if not (self.elastic and self._reclaimable_borrower(seq)):
-                victim = self._pick_victim()
+                victim = self._pick_victim(seq)
             if victim is None:
                 self._block(seq)
                 self._starved.add(seq)
@@ -684,22 +609,39 @@ class Scheduler:
                 return False
         return True
 
-    def _pick_victim(self) -> Sequence | None:
-        """The request to preempt when blocks run out (docs/architecture.md, 'Scheduling'), or None."""
+    def _pick_victim(self, requester: Sequence) -> Sequence | None:
+        """The request to preempt when blocks run out (docs/architecture.md, 'Scheduling'), or
+        None: of the requests the mode allows, the last admitted. Under the priority policy the
+        one the waiting queue would serve last (the latest admitted of equals), the requester
+        only when no other is allowed: a slot holder of a low class preempting itself could
+        leave a step with nothing to run while the requests it blocked wait for its slot
+        (docs/architecture.md, 'Waiting-queue policies')."""
+        candidates = self._victim_candidates()
+        if self.by_priority:
+            aging = self.config.priority_aging_s
+            others = [seq for seq in candidates if seq is not requester]
+            if not others:
+                return requester if self._may_be_victim(requester) else None
+            return max(others, key=lambda seq: (priority_key(seq, aging), seq.running_rank))
+        return next(candidates, None)
+
+    def _may_be_victim(self, seq: Sequence) -> bool:
+        return any(candidate is seq for candidate in self._victim_candidates())
+
+    def _victim_candidates(self):
+        """The running requests the mode may preempt, last admitted first."""
         if not self.compress:
-            return next(reversed(self.running), None)
+            return reversed(self.running)
         if self.config.prefix_cache:
             # Compression may need fresh target blocks, so only preempting uncompressed requests
             # (slot or not) keeps prefix sharing deadlock-free.
-            for seq in reversed(self.running):
-                if seq.num_compressions == 0 and not seq.compressing and self.can_recompute(seq):
-                    return seq
-            return None
+            return (seq for seq in reversed(self.running)
+                    if seq.num_compressions == 0 and not seq.compressing
+                    and self.can_recompute(seq))
         if self.config.hybrid:
-            for seq in reversed(self.running):
-                if seq.query_slot is None and self.can_recompute(seq):
-                    return seq
-        return None
+            return (seq for seq in reversed(self.running)
+                    if seq.query_slot is None and self.can_recompute(seq))
+        return iter(())
 
     def can_recompute(self, seq: Sequence) -> bool:
         """A preempted request recomputes its prompt and outputs: one block more than it held
@@ -710,7 +652,8 @@ class Scheduler:
         return -(-seq.num_tokens // self.block_size) <= self.block_manager.num_blocks
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
-        """Free every block of `seq` and send it to the front of `waiting` (recompute later)."""
+        """Free every block of `seq` and send it back to `waiting` (recompute later): to its front,
+        or under the priority policy to its own place."""
         self._leave_steady(seq)
         self._forget_blocked(seq)
         self.block_manager.release_table(seq.block_table)

@@ -62,7 +62,7 @@ class Sequence:
         "first_admitted_step", "first_token_time", "finish_time", "num_preemptions",
         "max_blocks_after_first_compression", "sampling", "kv_budget", "n_max", "slot_blocks",
         "kept_tokens", "kept_budget", "fork_of", "prompt_logits", "turn", "compress_scope",
-        "pinned",
+        "pinned", "priority", "queue_key",
     )
 
     def __init__(
@@ -134,6 +134,10 @@ class Sequence:
         # scheduler adds it (docs/architecture.md, 'Compression scope').
         self.compress_scope: str | None = None
         self.pinned = 0
+        # Its class under the priority policy (lower first; zipage/request_fields.py), and its
+        # place in the waiting queue, fixed when first queued (zipage/core/waiting.py).
+        self.priority = 0
+        self.queue_key: tuple | None = None
 
     # ---- counters (derived from the decode clock while steady) ----
 

@@ -17,6 +17,7 @@ from zipage.engine.loop import EngineLoop
 from zipage.engine.structured import StructuredOutputs
 from zipage.engine.threads import set_cpu_threads
 from zipage.errors import ConfigError
+from zipage.request_fields import copy_fields
 
 
 def sample_sequences(seq_id: str, prompt_token_ids: list[int],
@@ -28,8 +29,8 @@ def sample_sequences(seq_id: str, prompt_token_ids: list[int],
     for index in range(sampling.n):
         own = sampling.for_sample(index)
         seq = Sequence(seq_id if index == 0 else f"{seq_id}#{index}", prompt_token_ids,
-                       own.max_tokens, sampling=own, kv_budget=own.kv_budget)
-        seq.compress_scope = own.compress_scope
+                       own.max_tokens, sampling=own)
+        copy_fields(seq, own)
         if index == 0:
             seq.prompt_logits = own.prompt_logprobs is not None
         else:

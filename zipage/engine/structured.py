@@ -3,10 +3,12 @@
 A request's `SamplingParams.structured_output` (a plain spec from the core) is compiled once per
 distinct spec (an LRU cache keyed by the spec) against the model's tokenizer, with xgrammar (the
 `structured` extra; docs/BENCHMARKS.md, 'Structured outputs: grammar library cost', says why
-this library). A request gets its own matcher when it first samples, so the samples of one
-prompt (n > 1, forked at that step) each get theirs; the matcher is advanced by every token the
-request samples and dropped when it finishes or is aborted. A preemption keeps the request's
-output tokens (they are recomputed), so it keeps the matcher too.
+this library). The server compiles on a thread of its own (`compile_soon`; xgrammar lets go of
+the GIL while it compiles) and adds the request to the step loop once its grammar is ready, so a
+slow schema holds up no other request's steps. A request gets its own matcher when it first
+samples, so the samples of one prompt (n > 1, forked at that step) each get theirs; the matcher
+is advanced by every token the request samples and dropped when it finishes or is aborted. A
+preemption keeps the request's output tokens (they are recomputed), so it keeps the matcher too.
 
 Before sampling, the rows of constrained requests get every token their grammar does not allow
 set to -inf (on a copy: the model's logits stay as they were for log-probabilities), on the
@@ -20,9 +22,12 @@ enters this module.
 from __future__ import annotations
 
 import json
+import queue
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable
+from concurrent.futures import Future
 
 import torch
 
@@ -81,6 +86,11 @@ class StructuredOutputs:
         self.stop_token_ids = sorted(stop_token_ids)
         self._compiler = None  # built on the first constrained request (~0.3 s for 49k tokens)
         self._compiled: OrderedDict[StructuredOutput, object] = OrderedDict()
+        # The compile thread (`compile_soon`) and the step loop share the cache and the compiler.
+        self._lock = threading.Lock()
+        self._compiler_lock = threading.Lock()
+        self._soon: dict[StructuredOutput, Future] = {}  # specs queued or compiling there
+        self._jobs: queue.SimpleQueue | None = None
         self.matchers: dict[str, object] = {}
         self.done: set[str] = set()  # requests whose grammar is complete (or broke)
 
@@ -88,10 +98,11 @@ class StructuredOutputs:
 
     def compile(self, spec: StructuredOutput):
         """The compiled grammar of `spec`, from the cache when it was compiled before."""
-        compiled = self._compiled.get(spec)
-        if compiled is not None:
-            self._compiled.move_to_end(spec)
-            return compiled
+        with self._lock:
+            compiled = self._compiled.get(spec)
+            if compiled is not None:
+                self._compiled.move_to_end(spec)
+                return compiled
         compiler = self._grammar_compiler()
         try:
             if spec.kind in ("json", "json_schema"):
@@ -106,32 +117,76 @@ class StructuredOutputs:
         except Exception as failure:  # noqa: BLE001 - the library's own error types vary
             raise StructuredOutputError(f"not a valid {KIND_NAMES[spec.kind]}: "
                                         f"{_reason(failure)}") from None
-        self._compiled[spec] = compiled
-        if len(self._compiled) > COMPILE_CACHE:
-            self._compiled.popitem(last=False)
+        with self._lock:
+            self._compiled[spec] = compiled
+            if len(self._compiled) > COMPILE_CACHE:
+                self._compiled.popitem(last=False)
         return compiled
 
     def _grammar_compiler(self):
-        if self._compiler is None:
-            xgrammar = _xgrammar()
-            if self.tokenizer is None:
-                raise StructuredOutputError("structured outputs need the model's tokenizer, and "
-                                            "this model has none (random weights)")
-            info = xgrammar.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size,
-                stop_token_ids=self.stop_token_ids or None)
-            # One thread: it compiles inside the engine's step loop, beside torch's threads.
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
-        return self._compiler
+        with self._compiler_lock:
+            if self._compiler is None:
+                xgrammar = _xgrammar()
+                if self.tokenizer is None:
+                    raise StructuredOutputError("structured outputs need the model's tokenizer, "
+                                                "and this model has none (random weights)")
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size,
+                    stop_token_ids=self.stop_token_ids or None)
+                # One thread: compiling runs beside torch's threads (the step loop's, or the
+                # compile thread's while steps run).
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+            return self._compiler
 
     def prepare(self, seq: Sequence) -> None:
         """Compile a request's spec as it is added (a bad one fails there, alone)."""
         spec = seq.sampling.structured_output
         if spec is not None:
+            self._compile_named(spec)
+
+    def _compile_named(self, spec: StructuredOutput):
+        try:
+            return self.compile(spec)
+        except StructuredOutputError as error:
+            raise StructuredOutputError(f"structured_output: {error}") from None
+
+    def ready(self, spec: StructuredOutput) -> bool:
+        """`spec` is compiled: `prepare` finds it in the cache at once."""
+        with self._lock:
+            return spec in self._compiled
+
+    def compile_soon(self, spec: StructuredOutput) -> Future:
+        """Compile `spec` on the compile thread; the future ends with the compiled grammar or
+        with `prepare`'s error. Requests waiting on one spec share its future (and its one
+        compile). One thread, in order: compiling a grammar is CPU work beside the steps'."""
+        with self._lock:
+            future = self._soon.get(spec)
+            if future is not None:
+                return future
+            future = self._soon[spec] = Future()
+            if self._jobs is None:
+                self._jobs = queue.SimpleQueue()
+                # A daemon: an exiting engine does not wait for a long compile to end.
+                threading.Thread(target=self._compile_jobs, args=(self._jobs,),
+                                 name="zipage-grammar", daemon=True).start()
+        self._jobs.put((spec, future))
+        return future
+
+    def _compile_jobs(self, jobs: queue.SimpleQueue) -> None:
+        while True:
+            spec, future = jobs.get()
             try:
-                self.compile(spec)
-            except StructuredOutputError as error:
-                raise StructuredOutputError(f"structured_output: {error}") from None
+                compiled = self._compile_named(spec)
+            except Exception as failure:  # noqa: BLE001 - the request's error, alone
+                outcome, failed = failure, True
+            else:
+                outcome, failed = compiled, False
+            with self._lock:  # a later request for it compiles again, or finds it cached
+                del self._soon[spec]
+            if failed:
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
 
     # ------------------------------------------------------------------ each step
 

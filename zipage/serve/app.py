@@ -114,7 +114,7 @@ class Server:
                 top_k=0 if body.top_k == -1 else body.top_k, seed=body.seed,
                 max_tokens=default_max_tokens if limit is None else limit,
                 ignore_eos=body.ignore_eos, kv_budget=body.kv_budget,
-                compress_scope=body.compress_scope, n=body.n,
+                compress_scope=body.compress_scope, priority=body.priority, n=body.n,
                 logprobs=body.output_logprobs, prompt_logprobs=body.prompt_logprobs,
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
@@ -131,8 +131,10 @@ class Server:
         if budget_reason is not None:
             raise ServeError(400, budget_reason.replace("kv_budget ", "kv_budget: ", 1),
                              "kv_budget")
-        reason = self.engine.rejection_reason(len(prompt_ids), sampling.max_tokens,
-                                              body.kv_budget, body.compress_scope)
+        priority_reason = self.engine.admission.priority_reason(body.priority)
+        if priority_reason is not None:
+            raise ServeError(400, f"priority: {priority_reason}", "priority")
+        reason = self.engine.rejection_reason(len(prompt_ids), sampling)
         if reason is not None:
             self.metrics.rejected.inc()
             reason = reason.split(": ", 1)[-1].replace("output_len", "max_tokens")
@@ -215,21 +217,9 @@ class Server:
         messages = body.plain_messages()
         try:
             # The text is checked against the bound, then tokenized as
-            # apply_chat_template(tokenize=True) does (no special tokens added). Tools and tool
-            # calls render again without them, to find a template that drops them.
+            # apply_chat_template(tokenize=True) does (no special tokens added).
             text = self._render(messages, body.tool_dicts, template)
-            if body.tools and text == self._render(messages, None, template):
-                raise ServeError(400, "tools: this model's chat template does not render tools; "
-                                      "serve it with one that does (zipage serve "
-                                      "--chat-template FILE)", "tools")
-            for index, message in enumerate(messages):
-                if message.get("tool_calls") and text == self._render(
-                        [*messages[:index], {**message, "tool_calls": None},
-                         *messages[index + 1:]], body.tool_dicts, template):
-                    raise ServeError(400, f"messages[{index}].tool_calls: this model's chat "
-                                          "template does not render tool calls; serve it with "
-                                          "one that does (zipage serve --chat-template FILE)",
-                                     f"messages[{index}].tool_calls")
+            self._refuse_dropped_tools(text, messages, body, template)
             self.refuse_if_too_long(text, "messages")
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         except ServeError:
@@ -238,6 +228,40 @@ class Server:
             raise ServeError(400, f"messages: the chat template refused them: {error}",
                              "messages") from None
         return list(ids)
+
+    def _refuse_dropped_tools(self, text: str, messages: list[dict], body: ChatRequest,
+                              template: str | None) -> None:
+        """A 400 for `tools`, or for a message's `tool_calls`, that the template drops (the
+        prompt is the same without them). One more render, however many calls the
+        conversation holds: rendering once more per call made an agent's session quadratic.
+
+        That render has no tools, and each message's calls carry a mark of their own after
+        their names. A mark that does not show is a message whose calls the template dropped;
+        with the marks taken out, the text is the prompt without tools (names are written
+        as they are, and the marks are letters and digits, which no escaping changes)."""
+        called = [index for index, message in enumerate(messages) if message.get("tool_calls")]
+        if not body.tools and not called:
+            return
+        nonce = secrets.token_hex(4)  # no text of the request can hold a mark by chance
+        marks = {index: f"zpg{nonce}m{index}e" for index in called}
+        probe = [message if index not in marks else {**message, "tool_calls": [
+            {**call, "function": {**call["function"],
+                                  "name": call["function"]["name"] + marks[index]}}
+            for call in message["tool_calls"]]} for index, message in enumerate(messages)]
+        marked = self._render(probe, None, template)
+        unmarked = marked
+        for mark in marks.values():
+            unmarked = unmarked.replace(mark, "")
+        if body.tools and text == unmarked:
+            raise ServeError(400, "tools: this model's chat template does not render tools; "
+                                  "serve it with one that does (zipage serve --chat-template "
+                                  "FILE)", "tools")
+        for index in called:
+            if marks[index] not in marked:
+                raise ServeError(400, f"messages[{index}].tool_calls: this model's chat "
+                                      "template does not render tool calls; serve it with one "
+                                      "that does (zipage serve --chat-template FILE)",
+                                 f"messages[{index}].tool_calls")
 
     def _render(self, messages: list[dict], tools: list[dict] | None,
                 template: str | None) -> str:

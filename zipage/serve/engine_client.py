@@ -30,10 +30,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
+from zipage.core.admission import Admission
 from zipage.core.routing import ReplicaLoad
-from zipage.core.scheduler import Scheduler
+from zipage.core.sampling import SamplingParams
 from zipage.core.sequence import Sequence
 from zipage.errors import ZipageError
+from zipage.request_fields import copy_fields
 from zipage.serve.channel import EngineChannel
 from zipage.serve.metrics import ServerMetrics
 from zipage.serve.wire import IDLE, Abort, Add, EngineFailed, Ready, Setup, StartupFailed, StepUpdate, Stop
@@ -115,8 +117,7 @@ class EngineClient:
         self._closing = False
         self._died = ""  # why the latest engine process stopped
         # The core's admission rule, asked before a request is sent (pure: the configuration).
-        self.admission = Scheduler(info.config, info.capacity.num_blocks,
-                                   info.capacity.num_query_slots)
+        self.admission = Admission(info.config, info.capacity.num_blocks)
         self.metrics: ServerMetrics | None = None
         self.error: str | None = None  # why the engine stopped, once it did
         self.num_waiting = 0  # requests sent that have no token yet
@@ -186,11 +187,10 @@ class EngineClient:
 
     # ---------------------------------------------------------------- requests
 
-    def rejection_reason(self, prompt_len: int, max_tokens: int, kv_budget: int | None = None,
-                         compress_scope: str | None = None) -> str | None:
-        """Why the core would refuse such a request (`Scheduler.rejection_reason`)."""
-        seq = Sequence("request", None, max_tokens, prompt_len=prompt_len, kv_budget=kv_budget)
-        seq.compress_scope = compress_scope
+    def rejection_reason(self, prompt_len: int, sampling: SamplingParams) -> str | None:
+        """Why the core would refuse such a request (`Admission.rejection_reason`)."""
+        seq = Sequence("request", None, sampling.max_tokens, prompt_len=prompt_len)
+        copy_fields(seq, sampling)
         return self.admission.rejection_reason(seq)
 
     def submit(self, prompt_token_ids: list[int], sampling) -> list[RequestHandle]:

@@ -24,15 +24,28 @@ import socket
 import sys
 import threading
 import traceback
+from concurrent.futures import Future
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from zipage.core.sampling import StructuredOutput
 from zipage.core.sequence import Sequence
 from zipage.errors import ZipageError
+from zipage.request_fields import copy_fields
 from zipage.serve.wire import Abort, Add, EngineFailed, EngineStats, Ready, Setup, StartupFailed, StepUpdate, Stop
 
 
 class ServerGone(Exception):
     """The HTTP process closed its end of the socket."""
+
+
+@dataclass
+class GrammarReady:
+    """From the compile thread, into the inbox (never over the socket): the grammar `command`
+    waited for is compiled, or failed (`future`)."""
+
+    command: Add
+    future: Future
 
 
 def main(fd: int) -> int:
@@ -133,6 +146,10 @@ class EngineCore:
         self.prefix_hits = 0
         self.step_started = 0.0  # when the latest step began (the loop's clock)
         self.queued: dict[str, float] = {}  # `StepUpdate.queued` of the step being published
+        # Requests whose grammar is compiling (`_compile_first`): leader id -> its command, and
+        # the ids among them aborted meanwhile.
+        self.compiling: dict[str, Add] = {}
+        self.aborted_compiling: set[str] = set()
 
     def serve(self) -> int:
         self.loop.start()
@@ -188,8 +205,44 @@ class EngineCore:
                 self._add(command)
             elif isinstance(command, Abort):
                 self._abort(command.seq_id)
+            elif isinstance(command, GrammarReady):
+                self._grammar_ready(command)
 
     def _add(self, command: Add) -> None:
+        """Queue the request, or refuse it alone; one whose grammar is not compiled yet waits
+        for it off the step loop first (`_compile_first`)."""
+        if not self._compile_first(command):
+            self._add_now(command)
+
+    def _compile_first(self, command: Add) -> bool:
+        """True when the request's grammar went to the compile thread: the request joins the
+        step loop when it is ready (`_grammar_ready`), as an arrival of that moment (the core
+        never sees it before), so a slow schema stalls no other request's steps."""
+        spec = getattr(command.sampling, "structured_output", None)
+        structured = getattr(self.loop, "structured", None)  # None: the twin (--simulate)
+        if not isinstance(spec, StructuredOutput) or structured is None or structured.ready(spec):
+            return False  # (a malformed spec is `_add_now`'s to refuse)
+        self.compiling[command.seq_id] = command
+        structured.compile_soon(spec).add_done_callback(
+            lambda future: self.inbox.put(GrammarReady(command, future)))
+        return True
+
+    def _grammar_ready(self, ready: GrammarReady) -> None:
+        command = self.compiling.pop(ready.command.seq_id)
+        seq_ids = [command.seq_id, *command.sample_ids]
+        aborted = [seq_id for seq_id in seq_ids if seq_id in self.aborted_compiling]
+        self.aborted_compiling.difference_update(aborted)
+        if len(aborted) == len(seq_ids):
+            return
+        error = ready.future.exception()
+        if error is not None:  # as `_add_now` refuses a spec that does not compile
+            self._refuse(seq_ids, f"the engine refused the request: {error}")
+            return
+        self._add_now(command)
+        for seq_id in aborted:  # samples aborted while the grammar compiled
+            self._abort(seq_id)
+
+    def _add_now(self, command: Add) -> None:
         """Queue the request, or refuse it alone. The HTTP side validated it already; this is
         the engine's own check, because a value that reached a step (a token id outside the
         vocabulary, a top_k torch cannot hold) would raise there and stop every request."""
@@ -206,9 +259,8 @@ class EngineCore:
             group = []
             for index, seq_id in enumerate(seq_ids):  # docs/architecture.md, 'Samples of ...'
                 own = command.sampling.for_sample(index)
-                seq = Sequence(seq_id, ids, own.max_tokens, arrival_s=now, sampling=own,
-                               kv_budget=own.kv_budget)
-                seq.compress_scope = own.compress_scope
+                seq = Sequence(seq_id, ids, own.max_tokens, arrival_s=now, sampling=own)
+                copy_fields(seq, own)
                 if index == 0:
                     seq.prompt_logits = own.prompt_logprobs is not None
                 else:
@@ -222,12 +274,19 @@ class EngineCore:
         except Exception as failure:  # noqa: BLE001 - whatever it is, it is this request's
             added, error = False, f"the engine refused the request: {failure}"
         if not added:  # the HTTP side asked the same rule first: rare
-            for seq_id in seq_ids:
-                self.loop.tokens.pop(seq_id, None)
-                self.rejected[seq_id] = error
-            self.changed = True
+            self._refuse(seq_ids, error)
+
+    def _refuse(self, seq_ids: list[str], error: str) -> None:
+        for seq_id in seq_ids:
+            self.loop.tokens.pop(seq_id, None)
+            self.rejected[seq_id] = error
+        self.changed = True
 
     def _abort(self, seq_id: str) -> None:
+        if any(seq_id == command.seq_id or seq_id in command.sample_ids
+               for command in self.compiling.values()):
+            self.aborted_compiling.add(seq_id)  # not in the loop yet: `_grammar_ready` drops it
+            return
         if self.loop.abort(seq_id):  # False: it finished before the abort arrived
             self.loop.tokens.pop(seq_id, None)
             self.changed = True
@@ -252,7 +311,8 @@ class EngineCore:
             if output.plan.prefill:
                 prefix_hits = self._count_prompt_tokens(output.plan)
         scheduler = self.loop.scheduler
-        stats = EngineStats(len(scheduler.running), len(scheduler.waiting),
+        compiling = sum(1 + len(command.sample_ids) for command in self.compiling.values())
+        stats = EngineStats(len(scheduler.running), len(scheduler.waiting) + compiling,
                             scheduler.block_manager.num_used_blocks, self.compressions,
                             self.preemptions, self.prefix_queries, self.prefix_hits,
                             twin_lag_seconds_total=getattr(self.loop, "lag_s", 0.0))  # the twin's

@@ -37,7 +37,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from zipage.config import COMPRESS_SCOPES
+from zipage import request_fields
 from zipage.core.sampling import (
     MAX_INT,
     MAX_LOGIT_BIAS,
@@ -86,7 +86,6 @@ REFUSED: dict[str, tuple] = {
     "guided_decoding_backend": (),  # one backend here (xgrammar): naming one changes nothing
     "guided_whitespace_pattern": (),
     "logits_processors": (),
-    "priority": (0,),
     "return_tokens_as_token_ids": (False,),
     "prompt_embeds": (),
     "cache_salt": (),
@@ -236,13 +235,16 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_SAMPLES)
     ignore_eos: bool = False  # vLLM's extension: generate through end-of-sequence tokens
-    kv_budget: int | None = Field(None, ge=1, le=MAX_INT)  # extension: this request's KV budget
+    # Extensions checked by their one declaration (zipage/request_fields.py, `_request_field`):
+    kv_budget: int | None = None  # this request's KV budget
     # Extension: the session (chat, agent run) the request is a turn of; a router keeps a
     # session's turns on one replica, whose prefix cache holds their history. None: none.
     session_id: str | None = None
     # Extension: what this request's compressions may evict ("all" or "output"; None: the
     # server's --compress-scope).
     compress_scope: str | None = None
+    # vLLM's: the request's class under --scheduling-policy priority (lower first).
+    priority: int = 0
     best_of: int | None = Field(None, ge=1, le=MAX_INT)
     # Penalties, bias and min-p: SamplingParams' meaning (OpenAI's and vLLM's).
     presence_penalty: Float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
@@ -280,13 +282,13 @@ class SamplingFields(BaseModel):
             raise ValueError(f"each stop string must have 1 to {MAX_STOP_LENGTH} characters")
         return stop
 
-    @field_validator("compress_scope", mode="before")
+    @field_validator(*request_fields.NAMES, mode="before")
     @classmethod
-    def _scope(cls, scope):
-        if scope is None or scope in COMPRESS_SCOPES:
-            return scope
-        raise ValueError(f"expected one of {', '.join(map(repr, COMPRESS_SCOPES))} (what this "
-                         f"request's compressions may evict), got {short(scope)}")
+    def _request_field(cls, value, info):
+        broken = request_fields.BY_NAME[info.field_name].rule_broken(value)
+        if broken is None:
+            return value
+        raise ValueError(broken)
 
     @field_validator("session_id", mode="before")
     @classmethod

@@ -32,9 +32,9 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, RequestRouter
 
+from zipage.core.admission import Admission
 from zipage.core.block_manager import prompt_block_hashes
 from zipage.core.routing import DOWN, ReplicaLoad, choose_up, make_policy
-from zipage.core.scheduler import Scheduler
 from zipage.serve.engine_client import Delta, EngineClient, EngineStopped, RequestHandle
 from zipage.serve.wire import EngineStats, Ready, Setup
 
@@ -200,8 +200,7 @@ class RayEngines:
         self.handle = handle.options(stream=True)
         self.info = info
         self.replicas = replicas
-        self.admission = Scheduler(info.config, info.capacity.num_blocks,
-                                   info.capacity.num_query_slots)
+        self.admission = Admission(info.config, info.capacity.num_blocks)
         self.alive = True  # Ray keeps the replicas up; a request learns of a dead one
         self.error = None
         self.fatal = None
@@ -212,12 +211,12 @@ class RayEngines:
         self._ids = 0
         self._serving: list = [None] * replicas  # the Ray replica id last reporting as each rank
 
-    def rejection_reason(self, prompt_len: int, max_tokens: int, kv_budget: int | None = None,
-                         compress_scope: str | None = None):
+    def rejection_reason(self, prompt_len: int, sampling):
         from zipage.core.sequence import Sequence
+        from zipage.request_fields import copy_fields
 
-        seq = Sequence("request", None, max_tokens, prompt_len=prompt_len, kv_budget=kv_budget)
-        seq.compress_scope = compress_scope
+        seq = Sequence("request", None, sampling.max_tokens, prompt_len=prompt_len)
+        copy_fields(seq, sampling)
         return self.admission.rejection_reason(seq)
 
     @property

@@ -111,10 +111,8 @@ class ReplicaSet:
     def pids(self) -> list[int]:
         return [client.pid for client in self.clients]
 
-    def rejection_reason(self, prompt_len: int, max_tokens: int, kv_budget: int | None = None,
-                         compress_scope: str | None = None) -> str | None:
-        return self.clients[0].rejection_reason(prompt_len, max_tokens, kv_budget,
-                                                compress_scope)
+    def rejection_reason(self, prompt_len: int, sampling) -> str | None:
+        return self.clients[0].rejection_reason(prompt_len, sampling)
 
     def attach(self, metrics) -> None:
         self.metrics = metrics

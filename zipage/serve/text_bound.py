@@ -18,7 +18,7 @@ otherwise: then every prompt is tokenized, as before.
 
 from __future__ import annotations
 
-from zipage.core.scheduler import Scheduler
+from zipage.core.admission import Admission
 from zipage.core.sequence import Sequence
 
 # Whitespace runs, tabs and line ends, case, composed and decomposed accents, a ligature NFKC
@@ -46,7 +46,7 @@ def _keeps_every_byte(tokenizer) -> bool:
         return False
 
 
-def max_prompt_tokens(admission: Scheduler, limit: int = 2**31 - 1) -> int:
+def max_prompt_tokens(admission: Admission, limit: int = 2**31 - 1) -> int:
     """The longest prompt `admission` (the core's own rule, not a copy of it) accepts with one
     output token and the deployment's budget: the rule refuses longer prompts from some length
     on, so a binary search over `rejection_reason` finds it in ~31 questions."""

@@ -1,0 +1,116 @@
+"""Admission's pure rules: whether a request can ever be served by a deployment, and its N_max.
+
+They read only the knobs and the pool's size, never the queues, so the scheduler asks them when a
+request arrives and the server asks them before it sends a request to its engine process, without
+building a scheduler (`Admission(config, num_blocks)`). What may start *now* (blocks, slots, the
+head of the waiting queue) is the scheduler's question (docs/architecture.md, 'Scheduling').
+"""
+
+from __future__ import annotations
+
+from zipage.config import ZipageConfig, budget_violation
+from zipage.core.sequence import Sequence
+
+
+def _refused(seq: Sequence, reason: str) -> str:
+    # Formatted only when refused: `rejection_reason` runs twice for every request.
+    return f"request {seq.seq_id}: {reason}"
+
+
+class Admission:
+    def __init__(self, config: ZipageConfig, num_blocks: int) -> None:
+        self.config = config
+        self.num_blocks = num_blocks
+        self.block_size = config.block_size
+        self.compress = config.compress
+        self.n_max = config.n_max  # of the default budget
+        # Resolved once: `step_tokens` is a property of the (frozen) config.
+        self.step_tokens = config.step_tokens
+        # docs/architecture.md, 'Compression scope': the default keeps every prompt whole.
+        self.pins_prompts = config.compress and config.compress_scope == "output"
+        self.by_priority = config.scheduling_policy == "priority"
+
+    def rejection_reason(self, seq: Sequence) -> str | None:
+        """Why `seq` can never be served here, or None. O(1) from its lengths alone, so a driver
+        can ask before building a prompt it would throw away (a 10^9-token one)."""
+        prompt, output = seq.prompt_len, seq.max_output_tokens
+        if prompt < 1 or output < 1:
+            return _refused(seq, "prompt_len and output_len must be >= 1 "
+                                 f"(got {prompt}, {output})")
+        if seq.priority and not self.by_priority:
+            return _refused(seq, self.priority_reason(seq.priority))
+        n_max = None  # the default budget's
+        if seq.kv_budget is not None:  # its own budget (most requests bring none)
+            budget_reason = self.budget_reason(seq.kv_budget)
+            if budget_reason is not None:
+                return _refused(seq, budget_reason)
+            n_max = self.n_max_of(seq)
+        elif self.pins_prompts or seq.compress_scope is not None:
+            n_max = self.n_max_of(seq)  # its prompt's blocks besides the budget's
+        limit = self.config.max_model_len
+        if limit is not None and prompt + output > limit:
+            return _refused(seq, f"prompt_len + output_len = {prompt + output} exceeds "
+                                 f"max_model_len {limit}; shorten the request or raise "
+                                 "--max-model-len")
+        if not self.config.chunked_prefill and prompt > self.step_tokens:
+            return _refused(seq, f"prompt_len {prompt} exceeds max_num_batched_tokens "
+                                 f"{self.step_tokens}; raise --max-num-batched-tokens or turn "
+                                 "chunked prefill back on (--chunked-prefill)")
+        peak = self.peak_blocks(prompt, output, n_max)
+        if peak > self.num_blocks:
+            return _refused(seq, f"needs {peak} KV blocks at its peak but only "
+                                 f"{self.num_blocks} exist; give more KV memory"
+                                 + (" or enable compression" if not self.compress else ""))
+        return None
+
+    def budget_reason(self, kv_budget: int | None) -> str | None:
+        """Why a request's own `kv_budget` is refused here, or None (None means the default)."""
+        if kv_budget is None:
+            return None
+        expected = budget_violation(self.block_size, kv_budget)
+        if expected is None:
+            return None
+        b = self.block_size
+        near = max(b, kv_budget // b * b) if isinstance(kv_budget, int) else self.config.kv_budget
+        return (f"kv_budget {kv_budget!r} must be {expected} (N_max = kv_budget / "
+                f"{b} + 1 >= 2 blocks); use e.g. {near}, or leave it out for the default "
+                f"{self.config.kv_budget}")
+
+    def priority_reason(self, priority: int) -> str | None:
+        """Why a request's `priority` is refused here, or None: a class other than 0 needs the
+        priority policy (vLLM's rule: a priority the deployment would ignore is an error)."""
+        if not priority or self.by_priority:
+            return None
+        return (f"priority {priority} needs --scheduling-policy priority (this deployment serves "
+                "in arrival order); leave priority out, or serve with --scheduling-policy "
+                "priority")
+
+    def n_max_of(self, seq: Sequence) -> int:
+        """The request's N_max: its own budget's, or the default's (checked by `budget_reason`),
+        plus the blocks its compressions never touch (`pinned_of`)."""
+        budget = self.config.kv_budget if seq.kv_budget is None else seq.kv_budget
+        return budget // self.block_size + 1 + self.pinned_of(seq)
+
+    def pinned_of(self, seq: Sequence) -> int:
+        """Leading blocks no compression of `seq` touches: its whole prompt when its scope is
+        "output" (docs/architecture.md, 'Compression scope'), else none."""
+        scope = self.config.compress_scope if seq.compress_scope is None else seq.compress_scope
+        return -(-seq.prompt_len // self.block_size) if scope == "output" else 0
+
+    def peak_blocks(self, prompt_len: int, output_len: int, n_max: int | None = None) -> int:
+        """Most blocks a request must hold at once when it runs alone.
+
+        All its KV (prompt + output - 1 entries: the last token is never cached) under Full KV;
+        with compression it stops growing at max(prompt blocks, N_max) (the request's own N_max;
+        an elastic request grows past it only while blocks are spare, so this is its need).
+        """
+        whole = -(-(prompt_len + output_len - 1) // self.block_size)
+        if not self.compress:
+            return whole
+        n_max = self.n_max if n_max is None else n_max
+        # min(whole, max(prompt blocks, n_max)), written out: twice a request, and a call of
+        # the builtin min or max costs ten comparisons.
+        cap = -(-prompt_len // self.block_size)
+        if n_max > cap:
+            cap = n_max
+        return whole if whole < cap else cap
