@@ -34,9 +34,10 @@ from zipage.calibration_traces import (
 from zipage.core.deployment import ReplaySettings
 from zipage.engine.builder import Engine, build_engine, device_memory
 from zipage.engine.calibrate import Bench, decode_points, hardware_name, prefill_points, probe_speed
+from zipage.engine.machine import machine_record
 from zipage.engine.replay import run_on_engine
 from zipage.errors import ConfigError
-from zipage.profile import write_profile
+from zipage.profile import MACHINE, SETTINGS, write_profile
 from zipage.rundir import write_run
 from zipage.sim.cost_model import ANALYTIC
 from zipage.sim.profile_from_runs import profile_from_runs
@@ -101,7 +102,7 @@ def calibrate_in_loop(twin: Twin, *, fit_seconds: float = DEFAULT_FIT_SECONDS,
     one more; `runs_dir` keeps the run directories (default: a temporary directory)."""
     if not fit_seconds > 0 or not validation_seconds > 0:
         raise ConfigError("--fit-seconds / --validation-seconds: expected seconds > 0")
-    with _runs_directory(runs_dir) as root:
+    with runs_directory(runs_dir) as root:
         speed = measure_speed(twin, report)
         _warm_up(twin, speed, root, report)
         runs = []
@@ -117,6 +118,9 @@ def calibrate_in_loop(twin: Twin, *, fit_seconds: float = DEFAULT_FIT_SECONDS,
                   f"{_device_name(twin)}, {datetime.date.today().isoformat()}: "
                   f"{', '.join(run.name for run in runs)}; "
                   f"{grid} isolated grid point(s) beyond them; {profile['note']}"))
+        # Where and how it was measured: what `zipage calibrate --quick` checks and rebuilds.
+        profile.update({MACHINE: machine_record(twin.engine.device),
+                        SETTINGS: twin.settings.to_dict()})
         trace = validation_trace(speed, validation_seconds, seed)
         engine_run = run_engine(twin, trace, twin.settings, root / trace.name, progress, report)
         errors = twin_errors(trace, engine_run, twin.settings, profile, root)
@@ -164,13 +168,17 @@ def simulate_run(trace: Trace, settings: ReplaySettings, cost_model: str,
 
 
 def twin_errors(trace: Trace, engine_run: Path, settings: ReplaySettings, profile: dict,
-                root: Path) -> dict[str, dict[str, float | None]]:
+                root: Path, others: dict[str, Path] | None = None
+                ) -> dict[str, dict[str, float | None]]:
     """The errors of the simulation of `trace` against its engine run, with `profile` and with
     the analytic model: {"profile": {metric: error}, "analytic": {...}}; the KS distances of the
-    TTFT and TPOT distributions too (`ks_ttft`, `ks_tpot`)."""
+    TTFT and TPOT distributions too (`ks_ttft`, `ks_tpot`). `others` adds a row per named profile
+    file (`zipage fidelity --quick-correct`: the profile re-scaled to this machine)."""
     path = write_profile(profile, root / f"{trace.name}-profile.json")
     errors = {}
-    for name, spec in (("profile", str(path)), ("analytic", ANALYTIC)):
+    models = [("profile", str(path)), *((name, str(other)) for name, other in
+                                        (others or {}).items()), ("analytic", ANALYTIC)]
+    for name, spec in models:
         simulated = simulate_run(trace, settings, spec, root / f"{trace.name}-sim-{name}")
         comparison = compare_runs(simulated, engine_run)
         _same_capacity(comparison)
@@ -233,7 +241,7 @@ def _device_name(twin: Twin) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-class _runs_directory:
+class runs_directory:
     """The given directory, or a temporary one removed afterwards."""
 
     def __init__(self, path: str | Path | None) -> None:
@@ -254,15 +262,16 @@ class _runs_directory:
 # ---------------------------------------------------------------- zipage fidelity
 
 def check_twin(twin: Twin, profile_path: Path, traces: list[Trace], root: Path,
-               progress: bool = False, report: Report = print) -> list[dict]:
-    """Each trace through the engine, then simulated with the profile and the analytic model:
-    one row per trace and model, its errors."""
+               progress: bool = False, report: Report = print,
+               others: dict[str, Path] | None = None) -> list[dict]:
+    """Each trace through the engine, then simulated with the profile, each of `others` (named
+    profile files) and the analytic model: one row per trace and model, its errors."""
     rows = []
     profile = _read(profile_path)
     for trace in traces:
         engine_run = run_engine(twin, trace, twin.settings, root / trace.name / "engine",
                                 progress, report)
-        errors = twin_errors(trace, engine_run, twin.settings, profile, root / trace.name)
+        errors = twin_errors(trace, engine_run, twin.settings, profile, root / trace.name, others)
         for model, values in errors.items():
             rows.append({"trace": trace.name, "requests": len(trace.requests), "model": model,
                          **values})

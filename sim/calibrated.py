@@ -15,7 +15,16 @@ import numpy as np
 
 from zipage.errors import ConfigError
 from zipage.hardware import GPUSpec
-from zipage.profile import Validation, check_header, read_points, read_profile, read_validation
+from zipage.profile import (
+    CORRECTION,
+    MACHINE,
+    Validation,
+    check_header,
+    read_points,
+    read_profile,
+    read_record,
+    read_validation,
+)
 from zipage.scoring import DEFAULT_SCORING, SCORING_POLICIES
 from zipage.shape import ModelShape
 from zipage.sim.analytic import DEFAULT_CONTENTION
@@ -59,6 +68,8 @@ class CalibratedCostModel(CostModel):
         self.launch_floor_s, self.launch_extra_s = launch_floor_s, launch_extra_s
         self.header, self.source = header, source
         self.validation = validation
+        self.machine: dict | None = None
+        self.correction: dict | None = None
         self.measured_graphs = header.get("graphs")
         self.prefill_buckets = tuple(header.get("prefill_buckets") or ())
         self._decode_a, self._decode_b, self._decode_c = decode.coefficients[:3]
@@ -127,6 +138,10 @@ class CalibratedCostModel(CostModel):
                               "expected a number >= 1")
         model = cls(decode, prefill, mixed, compress, float(contention), header, source,
                     validation)
+        # Where it was measured and how it was re-scaled since (None: not recorded); they change
+        # no prediction (the points were re-scaled), so they are only carried.
+        model.machine = read_record(source, data, MACHINE)
+        model.correction = read_record(source, data, CORRECTION)
         if "launch" in data:
             launch_rows = read_points(source, data, "launch", ("batch", "context_tokens"),
                                       DECODE_DEFAULTS)

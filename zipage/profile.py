@@ -5,7 +5,8 @@ Its one owner: `zipage calibrate --gpu` (zipage/engine/calibrate.py) and `--from
 (sim/calibrated.py) reads them through it. A profile is a JSON object (optionally gzipped): a
 header naming the setup it was measured on (model, GPU, dtype, the knobs that change a step's
 cost, tensor parallelism) and lists of measured points per section, and optionally the record of
-its validation on a held-out workload (`Validation`: how far to trust what it predicts). Every
+its validation on a held-out workload (`Validation`: how far to trust what it predicts), the
+machine and deployment it was measured on and a quick correction's record (`read_record`). Every
 field is described in docs/cost_model.md. Reading refuses, with one `ConfigError` naming the
 field, a malformed profile and a profile measured for another setup than the run's.
 """
@@ -35,6 +36,14 @@ PROFILE_SECTIONS = ("decode", "prefill", "mixed", "compress", "launch")
 # The optional record of the profile's check on a held-out workload: not part of the header (it
 # says nothing about the setup measured) and not a section of points. Older readers ignore it.
 VALIDATION = "validation"
+# Optional records beside it, none of them part of the header (no setup check reads them, no
+# prediction changes with them), each an object that older readers ignore: the machine the points
+# were measured on (GPU, driver, torch, host CPU: what moves a profile between machines of one
+# kind), the deployment calibrate ran (`ReplaySettings.to_dict()`: what `zipage calibrate --quick`
+# rebuilds to re-measure it), and the quick correction that re-scaled a profile measured on
+# another machine (sim/quick_correction.py).
+MACHINE, SETTINGS, CORRECTION = "machine", "settings", "correction"
+RECORDS = (VALIDATION, MACHINE, SETTINGS, CORRECTION)
 # What a cost model is built for: the knobs that change a step's duration (declared with
 # `cost=True` on ZipageConfig), the element size, the sharding and the contention factor. A
 # profile's header records the knobs it was measured with.
@@ -79,7 +88,7 @@ def check_header(source: str, data: dict, shape: ModelShape | None, gpu: GPUSpec
             raise ConfigError(f"{source}: {name}: expected a string naming the "
                               f"{'model preset' if name == 'model' else 'GPU'} it was measured on")
     header = {key: value for key, value in data.items()
-              if key not in PROFILE_SECTIONS and key != VALIDATION}
+              if key not in PROFILE_SECTIONS and key not in RECORDS}
     if header.get("redundancy", "lightning") not in REDUNDANCY_MODES:
         raise ConfigError(f"{source}: redundancy: got {header['redundancy']!r}, expected one of "
                           f"{', '.join(REDUNDANCY_MODES)}")
@@ -279,6 +288,29 @@ def read_validation(source: str, data: dict) -> Validation | None:
     return Validation(workload, requests, checked, recommended, tuple(warnings))
 
 
+def read_record(source: str, data: dict, name: str) -> dict | None:
+    """The profile's `machine`, `settings` or `correction` record (None: it has none, as every
+    profile written before them). Only its being an object is checked: what is in it describes
+    the profile, and a newer writer may add to it."""
+    if name not in (MACHINE, SETTINGS, CORRECTION):
+        raise ValueError(f"not a profile record: {name!r}")
+    record = data.get(name)
+    if record is None:
+        return None
+    if not isinstance(record, dict):
+        raise ConfigError(f"{source}: {name}: expected an object, got {_json_type(record)}; "
+                          "re-run `zipage calibrate` to write it, or delete the field")
+    if name == CORRECTION:
+        scales = record.get("scales")
+        if not isinstance(scales, dict) or not scales or not all(
+                not isinstance(value, bool) and isinstance(value, (int, float))
+                and math.isfinite(value) and value > 0 for value in scales.values()):
+            raise ConfigError(f"{source}: {CORRECTION}.scales: expected an object of positive "
+                              f"factors per term group, got {_json_text(scales)}; re-run "
+                              "`zipage calibrate --quick`, or delete the field")
+    return record
+
+
 def _error(where: str, value: Any, metric: str, fix: str) -> float | None:
     if value is None:
         return None
@@ -323,6 +355,8 @@ def write_profile(profile: dict, path: str | Path) -> Path:
     if isinstance(profile.get(VALIDATION), Validation):
         profile = {**profile, VALIDATION: profile[VALIDATION].record()}
     read_validation(f"profile {path}", profile)
+    for name in (MACHINE, SETTINGS, CORRECTION):
+        read_record(f"profile {path}", profile, name)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     text = profile_text(profile)

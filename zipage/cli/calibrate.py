@@ -40,6 +40,7 @@ def add_parser(commands) -> None:
                                 "loop and no validation (faster, and less faithful: "
                                 "docs/cost_model.md)")
     add_loop_flags(calibrate)
+    add_quick_flags(calibrate)
     calibrate.add_argument("--repeats", type=int, default=5,
                            help="with --grid: timed repeats per point; the median is kept "
                                 "(default 5)")
@@ -48,7 +49,77 @@ def add_parser(commands) -> None:
     calibrate.set_defaults(handler=cmd_calibrate)
 
 
+def add_quick_flags(parser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help="re-scale --profile (measured on another machine of this kind) "
+                             "from a few anchor steps run here, in about a minute, instead of "
+                             "measuring a profile (docs/cost_model.md, 'Quick correction')")
+    parser.add_argument("--profile", default=None, metavar="PROFILE",
+                        help="with --quick: the profile to re-scale (a file, or the name of one "
+                             "in sim/profiles/); the engine flags must be the ones it was "
+                             "measured with")
+    add_quick_limits(parser)
+
+
+def add_quick_limits(parser) -> None:
+    """When a quick correction is refused (`zipage calibrate --quick`, `zipage fidelity
+    --quick-correct`)."""
+    from zipage.sim.quick_correction import MAX_RESIDUAL, MAX_SCALE
+
+    parser.add_argument("--max-residual", type=float, default=MAX_RESIDUAL, metavar="X",
+                        help="refuse a quick correction whose re-scaled profile still misses an "
+                             f"anchor by more than this fraction (default {MAX_RESIDUAL:g})")
+    parser.add_argument("--max-scale", type=float, default=MAX_SCALE, metavar="X",
+                        help="refuse a quick correction's scale beyond X (or below 1/X): a machine "
+                             "that much faster or slower is not of the profile's kind (default "
+                             f"{MAX_SCALE:g})")
+
+
+def check_quick_flags(args: argparse.Namespace) -> None:
+    """One line naming the flag for a --quick invocation that cannot work."""
+    from zipage.errors import ConfigError
+
+    if not args.quick:
+        if args.profile is not None:
+            raise ConfigError("--profile: only read with --quick (re-scale that profile); add "
+                              "--quick, or drop --profile to measure a new one")
+        return
+    if args.profile is None:
+        raise ConfigError("--quick: name the profile to re-scale with --profile PROFILE (e.g. "
+                          "--profile qwen3-8b-h200-b64-k512-zipage)")
+    for flag, given in (("--from-run", args.from_run), ("--grid", args.grid)):
+        if given:
+            raise ConfigError(f"{flag}: not with --quick (a quick correction measures its own "
+                              f"anchors); drop {flag} or --quick")
+    check_quick_limits(args)
+
+
+def check_quick_limits(args: argparse.Namespace) -> None:
+    from zipage.errors import ConfigError
+
+    if not 0.0 < args.max_residual < float("inf"):
+        raise ConfigError(f"--max-residual: got {args.max_residual:g}, expected a fraction "
+                          "above 0 (e.g. 0.15)")
+    if not 1.0 < args.max_scale < float("inf"):
+        raise ConfigError(f"--max-scale: got {args.max_scale:g}, expected a factor above 1 "
+                          "(e.g. 2)")
+
+
+def shipped_path(spec: str) -> str:
+    """A profile file, or the name of one shipped in sim/profiles/ (as --cost-model takes it)."""
+    from pathlib import Path
+
+    from zipage.sim.cost_model import PROFILES_DIR
+
+    if not Path(spec).exists() and (PROFILES_DIR / f"{spec}.json").exists():
+        return str(PROFILES_DIR / f"{spec}.json")
+    return spec
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    check_quick_flags(args)
+    if args.quick:
+        return cmd_quick(args)
     if args.from_run:
         from zipage.sim.profile_from_runs import profile_from_runs
 
@@ -86,6 +157,50 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     status = save_profile(profile, args.out)
     print_validation(profile["validation"])
     return status
+
+
+def cmd_quick(args: argparse.Namespace) -> int:
+    """`zipage calibrate --quick`: build the engine, run the anchors, write the re-scaled
+    profile, or refuse (exit 2) in one line when no re-scaling explains the anchors."""
+    import time
+
+    from zipage.errors import ConfigError
+    from zipage.profile import read_profile
+
+    started = time.perf_counter()
+    args.profile = shipped_path(args.profile)
+    read_profile(args.profile)  # a missing or unreadable file is refused before the slow build
+    given = "--gpu" if args.gpu else engine_given(args)
+    engine = "gpu" if args.gpu else args.engine
+    require_torch(engine, given, "use --engine cpu for the CPU path (small models)")
+    from zipage.analysis.calibration import open_twin
+    from zipage.analysis.quick_calibration import anchor_table, quick_correct
+    from zipage.engine.threads import set_cpu_threads
+
+    if engine == "cpu":
+        set_cpu_threads(args.threads)
+    settings = replace(settings_from_args(args), hardware=args.hardware or "a100-80gb")
+    twin = open_twin(settings, "cuda" if engine == "gpu" else "cpu", hardware=args.hardware,
+                     cuda_graphs=not args.no_cuda_graphs, prefill_graphs=args.prefill_graphs)
+    built = time.perf_counter() - started
+    _say(f"engine built in {built:.1f} s")
+    try:
+        result = quick_correct(twin, args.profile, max_residual=args.max_residual,
+                               max_scale=args.max_scale, runs_dir=args.runs_dir, report=_say)
+    finally:
+        twin.close()
+    print(anchor_table(result.correction))
+    elapsed = time.perf_counter() - started
+    timing = f"{elapsed:.1f} s in all (engine build {built:.1f} s, anchors {result.elapsed_s:.1f} s)"
+    if result.correction.refusal is not None:
+        _say(timing)
+        raise ConfigError(f"calibrate --quick: refused for {args.profile}: "
+                          f"{result.correction.refusal}; measure this machine with a full "
+                          "`zipage calibrate` instead")
+    result.profile["correction"]["elapsed_s"] = round(elapsed, 1)
+    save_profile(result.profile, args.out)
+    _say(timing)
+    return 0
 
 
 def add_loop_flags(parser) -> None:

@@ -10,7 +10,14 @@ import random
 from dataclasses import replace
 from pathlib import Path
 
-from zipage.cli.calibrate import add_loop_flags, print_validation, save_profile
+from zipage.cli.calibrate import (
+    add_loop_flags,
+    add_quick_limits,
+    check_quick_limits,
+    print_validation,
+    save_profile,
+    shipped_path,
+)
 from zipage.cli.flags import (
     add_engine_flags,
     add_graph_flags,
@@ -35,6 +42,8 @@ def add_parser(commands) -> None:
                "  zipage fidelity --gpu --model random:qwen3-8b --kv-memory-gb 6 --block-size 64 "
                "--budget 512 --out runs/fidelity\n"
                "  zipage fidelity --gpu ... --trace azure-window.jsonl   # your traffic too\n"
+               "  zipage fidelity --gpu ... --cost-model qwen3-8b-h200-b64-k512-zipage "
+               "--quick-correct --traces 0 --trace traces/amc23-headline.json\n"
                "\nExit status: 0 done (whatever the errors); 2 a mistake in the input.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_flags(fidelity)
@@ -58,6 +67,11 @@ def add_parser(commands) -> None:
                                f"{DEFAULT_TRACE_SECONDS:g})")
     fidelity.add_argument("--check-seed", type=int, default=None,
                           help="seed of the fresh traces (default: a new one each time, printed)")
+    fidelity.add_argument("--quick-correct", action="store_true",
+                          help="with --cost-model PROFILE (measured on another machine of this "
+                               "kind): also re-scale it to this machine (`zipage calibrate "
+                               "--quick`) and simulate every trace with both, side by side")
+    add_quick_limits(fidelity)
     fidelity.add_argument("--out", required=True,
                           help="directory for profile.json, fidelity.json and every run")
     fidelity.set_defaults(handler=cmd_fidelity)
@@ -71,6 +85,10 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         raise ConfigError("--traces: expected a count >= 1 (or 0 with --trace FILE)")
     if not args.trace_seconds > 0:
         raise ConfigError("--trace-seconds: expected seconds > 0")
+    if args.quick_correct and args.cost_model in (None, "analytic"):
+        raise ConfigError("--quick-correct: give --cost-model PROFILE, the profile measured on "
+                          "another machine to re-scale to this one")
+    check_quick_limits(args)
     given = "--gpu" if args.gpu else engine_given(args)
     engine = "gpu" if args.gpu else args.engine
     require_torch(engine, given, "use --engine cpu for the CPU path (small models)")
@@ -98,19 +116,44 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
             save_profile(profile, profile_path)
             print_validation(profile["validation"])
         else:
-            profile_path = Path(args.cost_model)
+            profile_path = Path(shipped_path(args.cost_model))
+        others, correction = {}, None
+        if args.quick_correct:
+            others, correction = _quick_correct(twin, profile_path, out, args)
         traces = fresh_traces(twin, args.trace_seconds, seed, args.traces, _say) + files
         _say(f"checking on {len(traces)} trace(s), seed {seed}")
         rows = check_twin(twin, profile_path, traces, out / "runs",
-                          progress=progress_wanted(args), report=_say)
+                          progress=progress_wanted(args), report=_say, others=others)
     finally:
         twin.close()
     table = format_table(rows)
     (out / "fidelity.json").write_text(json.dumps(
-        {"profile": str(profile_path), "check_seed": seed, "rows": rows}, indent=1) + "\n")
+        {"profile": str(profile_path), "check_seed": seed, "rows": rows,
+         **({"correction": correction} if args.quick_correct else {})}, indent=1) + "\n")
     print(table)
     print(f"wrote {out}/fidelity.json (every run under {out}/runs)")
     return 0
+
+
+def _quick_correct(twin, profile_path: Path, out: Path,
+                   args: argparse.Namespace) -> tuple[dict[str, Path], dict]:
+    """The profile re-scaled to this machine on the twin's engine (`zipage calibrate --quick`),
+    as the extra model "corrected" of the table, and the correction's summary; no extra model
+    where the correction is refused (the summary says why)."""
+    from zipage.analysis.quick_calibration import anchor_table, describe, quick_correct
+
+    result = quick_correct(twin, profile_path, max_residual=args.max_residual,
+                           max_scale=args.max_scale, runs_dir=out / "quick", report=_say)
+    print(anchor_table(result.correction))
+    summary = describe(result)
+    if result.correction.refusal is not None:
+        _say(f"quick correction refused: {result.correction.refusal}; the table has the "
+             "profile as it is")
+        return {}, summary
+    path = out / "profile-corrected.json"
+    save_profile(result.profile, path)
+    summary["profile"] = str(path)
+    return {"corrected": path}, summary
 
 
 def _say(line: str) -> None:

@@ -11,12 +11,12 @@ import argparse
 import os
 import sys
 
-from zipage.cli import bench, calibrate, compare, fidelity, generate, plan, replay, report, serve, trace
+from zipage.cli import bench, calibrate, compare, fidelity, generate, plan, quality, replay, report, serve, trace
 from zipage.cli.output import EXIT_USAGE, close_progress_bars
 from zipage.errors import ZipageError
 
 # In the order `zipage --help` lists them.
-COMMANDS = (replay, calibrate, fidelity, generate, trace, report, compare, plan, serve, bench)
+COMMANDS = (replay, calibrate, fidelity, quality, generate, trace, report, compare, plan, serve, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

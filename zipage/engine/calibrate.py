@@ -26,9 +26,10 @@ from zipage.core.sampling import SamplingParams
 from zipage.core.sequence import Sequence
 from zipage.core.step import DECODE, MIXED, PREFILL, CompressionBatch, CompressionJob, PrefillItem, StepPlan
 from zipage.engine.builder import Engine, build_engine
+from zipage.engine.machine import machine_record
 from zipage.errors import ConfigError
 from zipage.presets import model_label
-from zipage.profile import PROFILE_VERSION
+from zipage.profile import MACHINE, PROFILE_VERSION, SETTINGS
 
 DECODE_BATCHES = (1, 4, 16, 32, 64, 128, 256)
 FULL_KV_CONTEXTS = (512, 2048, 8192)
@@ -416,6 +417,9 @@ def _measure(engine: Engine, bench: Bench, settings: ReplaySettings, gpu: str, r
         if factor is not None:
             profile["contention_factor"] = factor
             report(f"contention factor: {factor}", flush=True)
+    # Where and how it was measured: what `zipage calibrate --quick` checks and rebuilds.
+    profile[MACHINE] = machine_record(engine.device)
+    profile[SETTINGS] = settings.to_dict()
     return profile
 
 
