@@ -58,6 +58,8 @@ def main() -> None:
                         help="cpu: the dry run (its own small profile, a small trace)")
     parser.add_argument("--model", default="random:qwen3-8b")
     parser.add_argument("--kv-memory-gb", type=float, default=6.0)
+    parser.add_argument("--max-scale", type=float, default=None,
+                        help="passed to calibrate --quick and fidelity (default: theirs)")
     parser.add_argument("--trace", default=str(HEADLINE),
                         help="the trace fidelity checks on (default the headline)")
     parser.add_argument("--out", default=os.environ.get("OUT"),
@@ -79,6 +81,8 @@ def main() -> None:
     for mode in modes:
         flags = deployment(args, mode)
         profile = SHIPPED[mode] if args.engine == "gpu" else cpu_profile(flags, out)
+        if args.max_scale is not None:
+            flags = flags + ["--max-scale", f"{args.max_scale:g}"]
         results[mode] = run_mode(mode, profile, flags, trace, out)
     (out / "quick_calibrate.json").write_text(json.dumps(results, indent=1) + "\n")
     print_table(results)

@@ -11,6 +11,7 @@ machine is refused in one line, exit 2."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -33,6 +34,7 @@ from zipage.sim.quick_correction import (
 )
 
 SHIPPED = PROFILES_DIR / "qwen3-8b-h200-b64-k512-zipage.json"
+ROOT = Path(__file__).resolve().parents[1]
 # Shares of the anchors a Qwen3-8B engine on an H200 runs (host, memory, compute of the shipped
 # profile's predictions: one request's decode to long prompt chunks; printed by
 # `step_shares` for the anchor plan's shapes).
@@ -179,10 +181,16 @@ def test_a_decode_step_of_the_8b_is_mostly_its_weights():
 
 
 def test_old_profiles_have_no_records_and_still_load():
-    source, data = read_profile(SHIPPED)
+    old = ROOT / "tests/golden/profiles/before-host-tables/qwen3-8b-h200-b64-k512-zipage.json"
+    source, data = read_profile(old)
     assert read_record(source, data, "machine") is None
-    model = CalibratedCostModel.from_profile(SHIPPED)
+    model = CalibratedCostModel.from_profile(old)
     assert model.machine is None and model.correction is None
+
+
+def test_the_shipped_profile_records_its_machine():
+    model = CalibratedCostModel.from_profile(SHIPPED)
+    assert "H200" in model.machine["gpu_name"] and model.correction is None
 
 
 def test_records_are_checked_when_written(tmp_path):
