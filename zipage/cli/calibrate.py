@@ -116,6 +116,21 @@ def shipped_path(spec: str) -> str:
     return spec
 
 
+def engine_settings(args: argparse.Namespace):
+    """The device the flags ask for ("cuda" or "cpu", torch checked, the CPU's threads set) and
+    the deployment. The hardware table entry is only the profile's label here (None: named after
+    the GPU); the engine plans its caches from the device it runs on."""
+    given = "--gpu" if args.gpu else engine_given(args)
+    engine = "gpu" if args.gpu else args.engine
+    require_torch(engine, given, "use --engine cpu for the CPU path (small models)")
+    from zipage.engine.threads import set_cpu_threads
+
+    if engine == "cpu":
+        set_cpu_threads(args.threads)
+    return ("cuda" if engine == "gpu" else "cpu",
+            replace(settings_from_args(args), hardware=args.hardware or "a100-80gb"))
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     check_quick_flags(args)
     if args.quick:
@@ -125,19 +140,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
         return save_profile(profile_from_runs(args.from_run, gpu=args.hardware,
                                                 stall_factor=args.stall_factor), args.out)
-    given = "--gpu" if args.gpu else engine_given(args)
-    engine = "gpu" if args.gpu else args.engine
-    require_torch(engine, given, "use --engine cpu for the CPU path (small models)")
+    device, settings = engine_settings(args)
     from zipage.engine.calibrate import calibrate
-    from zipage.engine.threads import set_cpu_threads
 
-    if engine == "cpu":
-        set_cpu_threads(args.threads)
-
-    # The hardware table entry is only the profile's label here (None: named after the GPU);
-    # the engine plans its caches from the device it runs on.
-    settings = replace(settings_from_args(args), hardware=args.hardware or "a100-80gb")
-    device = "cuda" if engine == "gpu" else "cpu"
     if args.grid:
         profile = calibrate(settings, device, hardware=args.hardware, repeats=args.repeats,
                             progress=progress_wanted(args), cuda_graphs=not args.no_cuda_graphs,
@@ -170,17 +175,11 @@ def cmd_quick(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     args.profile = shipped_path(args.profile)
     read_profile(args.profile)  # a missing or unreadable file is refused before the slow build
-    given = "--gpu" if args.gpu else engine_given(args)
-    engine = "gpu" if args.gpu else args.engine
-    require_torch(engine, given, "use --engine cpu for the CPU path (small models)")
+    device, settings = engine_settings(args)
     from zipage.analysis.calibration import open_twin
     from zipage.analysis.quick_calibration import anchor_table, quick_correct
-    from zipage.engine.threads import set_cpu_threads
 
-    if engine == "cpu":
-        set_cpu_threads(args.threads)
-    settings = replace(settings_from_args(args), hardware=args.hardware or "a100-80gb")
-    twin = open_twin(settings, "cuda" if engine == "gpu" else "cpu", hardware=args.hardware,
+    twin = open_twin(settings, device, hardware=args.hardware,
                      cuda_graphs=not args.no_cuda_graphs, prefill_graphs=args.prefill_graphs)
     built = time.perf_counter() - started
     _say(f"engine built in {built:.1f} s")
