@@ -133,6 +133,13 @@ class AnalyticCostModel(CostModel):
                  kv_cache_dtype: str = "auto", scoring: str = DEFAULT_SCORING) -> None:
         _check_knobs(shape, dtype_bytes, block_size, window, kv_budget, redundancy, layer_stride,
                      tensor_parallel, contention_factor)
+        # The same deployment with another scoring policy prices a request that asks for that
+        # one (`compress_time_for`'s `scoring`): built on first use, by name.
+        self._knobs = dict(dtype_bytes=dtype_bytes, block_size=block_size, window=window,
+                           kv_budget=kv_budget, redundancy=redundancy, layer_stride=layer_stride,
+                           global_score=global_score, tensor_parallel=tensor_parallel,
+                           contention_factor=contention_factor, kv_cache_dtype=kv_cache_dtype)
+        self._with_scoring: dict[str, AnalyticCostModel] = {scoring: self}
         self.shape, self.gpu = shape, gpu
         self.dtype_bytes, self.block_size, self.window = dtype_bytes, block_size, window
         self.kv_budget, self.redundancy, self.layer_stride = kv_budget, redundancy, layer_stride
@@ -248,8 +255,10 @@ class AnalyticCostModel(CostModel):
                          + tokens * self._prefill_token_flop_s
                          + sampled_chunks * self._sampled_chunk_flop_s)
 
-    def compress_time_for(self, blocks: Sequence[int],
-                          kept_blocks: Sequence[int] | None = None) -> float:
+    def compress_time_for(self, blocks: Sequence[int], kept_blocks: Sequence[int] | None = None,
+                          scoring: str | None = None) -> float:
+        if scoring is not None and scoring != self.scoring:
+            return self.with_scoring(scoring).compress_time_for(blocks, kept_blocks)
         block_size = self.block_size
         tokens = sum(blocks) * block_size
         # Torch ops between the kernels run on the batch padded to its longest request.
@@ -264,6 +273,15 @@ class AnalyticCostModel(CostModel):
                 + self._score_elementwise_s(tokens, padded_tokens)
                 + self._redundancy_s(blocks)
                 + self._compaction_s(tokens, kept_tokens))
+
+    def with_scoring(self, scoring: str) -> "AnalyticCostModel":
+        """This deployment's model with the scoring policy `scoring`, asked only for the cost of
+        that policy's compressions (a decode step's contention stays this deployment's)."""
+        model = self._with_scoring.get(scoring)
+        if model is None:
+            model = self._with_scoring[scoring] = AnalyticCostModel(
+                self.shape, self.gpu, **self._knobs, scoring=scoring)
+        return model
 
     def _attention_score_s(self, tokens: int, padded_tokens: int, requests: int) -> float:
         """Step 1: w window queries per query head against every cached key, all layers."""

@@ -27,7 +27,7 @@ from zipage.profile import (
 )
 from zipage.scoring import DEFAULT_SCORING, SCORING_POLICIES
 from zipage.shape import ModelShape
-from zipage.sim.analytic import DEFAULT_CONTENTION
+from zipage.sim.analytic import DEFAULT_CONTENTION, AnalyticCostModel
 from zipage.sim.cost_model import CostModel, StepWork
 from zipage.sim.decode_host import fit_host_floor
 from zipage.sim.linear_fit import LinearFit, fit_linear
@@ -55,7 +55,11 @@ class CalibratedCostModel(CostModel):
     A profile with `prefill_buckets` measured an engine that pads prefill and mixed steps of
     up to its largest bucket to the next bucket (its prefill graphs): there new_tokens is the
     padded row count less the decode rows, in the fits and in the predictions alike.
-    compress: a + b * blocks [+ c * blocks_squared with the flash redundancy score]
+    compress: a + b * blocks [+ c * blocks_squared with the flash redundancy score], for the
+              scoring policy the profile measured; a request with another policy of its own
+              (`Sequence.scoring`) costs that times the analytic model's ratio of its policy to
+              the measured one on the same jobs (the profile scales the analytic cost of its
+              policy; the other policy's is assumed scaled alike)
     """
 
     def __init__(self, decode: LinearFit, prefill: PrefillFit, mixed: MixedFit,
@@ -67,9 +71,16 @@ class CalibratedCostModel(CostModel):
         self.contention_factor = contention_factor
         self.launch_floor_s, self.launch_extra_s = launch_floor_s, launch_extra_s
         self.header, self.source = header, source
+        # The policy its compressions were measured with (a profile from before the knob: the
+        # default's); `from_profile` refuses a deployment of another.
+        self.scoring = header.get("scoring", DEFAULT_SCORING)
         self.validation = validation
         self.machine: dict | None = None
         self.correction: dict | None = None
+        # The run's model, GPU and knobs where the profile is loaded for a run (else None), and
+        # the analytic model built from them when a request first brings another scoring policy.
+        self.run_setup: tuple[ModelShape, GPUSpec, dict[str, Any]] | None = None
+        self.analytic: AnalyticCostModel | None = None
         self.measured_graphs = header.get("graphs")
         self.prefill_buckets = tuple(header.get("prefill_buckets") or ())
         self._decode_a, self._decode_b, self._decode_c = decode.coefficients[:3]
@@ -138,6 +149,8 @@ class CalibratedCostModel(CostModel):
                               "expected a number >= 1")
         model = cls(decode, prefill, mixed, compress, float(contention), header, source,
                     validation)
+        if shape is not None and gpu is not None:
+            model.run_setup = (shape, gpu, {**knobs, "scoring": scoring})
         # Where it was measured and how it was re-scaled since (None: not recorded); they change
         # no prediction (the points were re-scaled), so they are only carried.
         model.machine = read_record(source, data, MACHINE)
@@ -185,15 +198,28 @@ class CalibratedCostModel(CostModel):
                                         work.attention_pairs, work.num_prefill,
                                         work.decode_max_context or work.decode_context_tokens / batch)
 
-    def compress_time_for(self, blocks: Sequence[int],
-                          kept_blocks: Sequence[int] | None = None) -> float:
+    def compress_time_for(self, blocks: Sequence[int], kept_blocks: Sequence[int] | None = None,
+                          scoring: str | None = None) -> float:
         # The fit prices the blocks read (what a profile measures); what is kept is not a
         # feature of it, so `kept_blocks` does not change the estimate.
         if self.compress_fit is None:
             raise ConfigError(f"{self.source}: the profile has no \"compress\" section, so it "
                               "cannot time compressions; measure one, or run with compression off "
                               "or the analytic cost model")
-        return self.compress_fit.predict(sum(blocks), sum(count * count for count in blocks))
+        measured = self.compress_fit.predict(sum(blocks), sum(count * count for count in blocks))
+        if scoring is None or scoring == self.scoring:
+            return measured
+        analytic = self.analytic
+        if analytic is None:
+            if self.run_setup is None:
+                raise ConfigError(f"{self.source}: scoring: measured with {self.scoring!r}, but "
+                                  f"a request asks for {scoring!r}; load the profile with the "
+                                  "run's model and GPU (to scale the analytic cost of that "
+                                  "policy), or use --cost-model analytic")
+            shape, gpu, knobs = self.run_setup
+            analytic = self.analytic = AnalyticCostModel(shape, gpu, **knobs)
+        return measured * (analytic.compress_time_for(blocks, kept_blocks, scoring)
+                           / analytic.compress_time_for(blocks, kept_blocks))
 
 
 def longest_excess(max_context: float, context_tokens: float, batch: float) -> float:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from zipage.core.step import causal_pairs
+from zipage.scoring import DEFAULT_SCORING, jobs_by_scoring
 
 if TYPE_CHECKING:
     from zipage.core.step import CompressionBatch, CompressionJob, StepPlan
@@ -93,6 +94,9 @@ class CostModel(ABC):
     # How far to trust what the model predicts: a profile's record of its errors on a held-out
     # workload (zipage/profile.py). None for the analytic model and an unvalidated profile.
     validation: Validation | None = None
+    # The deployment's scoring policy (--scoring): what a compression of a request without a
+    # policy of its own (`Sequence.scoring`) is priced with.
+    scoring: str = DEFAULT_SCORING
 
     def step_time(self, plan: StepPlan) -> float:
         """A step of any kind: its sync compressions run first, then one forward over its decode
@@ -110,12 +114,13 @@ class CostModel(ABC):
     def compress_time(self, jobs: Iterable[CompressionJob] | CompressionBatch) -> float:
         """Duration of one compression batch (the jobs of a plan, or a `CompressionBatch`), each
         job priced by its own size: the blocks it reads and the blocks it keeps (a request's own
-        budget, or its elastic cap)."""
+        budget, or its elastic cap). The engine runs the jobs of each scoring policy as a batch
+        of their own, one after the other, so each group is priced with its policy and the
+        durations add up."""
         jobs = getattr(jobs, "jobs", jobs)
-        blocks = [job.num_source_blocks for job in jobs]
-        if not blocks:
-            return 0.0
-        return self.compress_time_for(blocks, [len(job.target_blocks) for job in jobs])
+        return sum((self.compress_time_for([job.num_source_blocks for job in group],
+                                           [len(job.target_blocks) for job in group], scoring)
+                    for scoring, group in jobs_by_scoring(jobs, self.scoring).items()), 0.0)
 
     def decode_contention(self, overlap_fraction: float) -> float:
         """Multiplier of a step whose `overlap_fraction` (0..1) ran beside a compression."""
@@ -147,7 +152,8 @@ class CostModel(ABC):
             cached_tokens, attention_pairs, decode_max_context, shared_kv_tokens))
 
     @abstractmethod
-    def compress_time_for(self, blocks: Sequence[int],
-                          kept_blocks: Sequence[int] | None = None) -> float:
+    def compress_time_for(self, blocks: Sequence[int], kept_blocks: Sequence[int] | None = None,
+                          scoring: str | None = None) -> float:
         """A compression batch of requests holding `blocks[i]` source blocks each and keeping
-        `kept_blocks[i]` (None: the configured budget, N_max - 1 blocks, each)."""
+        `kept_blocks[i]` (None: the configured budget, N_max - 1 blocks, each), all scored by
+        the policy `scoring` (None: the deployment's, `self.scoring`)."""

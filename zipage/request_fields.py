@@ -16,6 +16,7 @@ import reprlib
 from dataclasses import dataclass
 
 from zipage.config import COMPRESS_SCOPES
+from zipage.scoring import SCORING_POLICIES
 
 MAX_FIELD_INT = 2**31 - 1
 # Priority classes are small integers in practice (vLLM's `priority`); the bound keeps the waiting
@@ -69,6 +70,8 @@ FIELDS: tuple[RequestField, ...] = (
     RequestField("priority", 0, "its class in the waiting queue, lower first, under "
                  "--scheduling-policy priority", "leave it out for 0",
                  -MAX_PRIORITY, MAX_PRIORITY),
+    RequestField("scoring", None, "the eviction scoring policy of its compressions",
+                 "leave it out for --scoring", choices=tuple(SCORING_POLICIES)),
 )
 BY_NAME = {field.name: field for field in FIELDS}
 NAMES = tuple(BY_NAME)

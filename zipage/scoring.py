@@ -78,3 +78,20 @@ def scoring_spec(name: str) -> ScoringSpec:
     except KeyError:
         raise KeyError(f"unknown scoring policy {name!r}; known: "
                        f"{', '.join(SCORING_POLICIES)}") from None
+
+
+def scoring_of(job, default: str) -> str:
+    """The policy that scores compression `job`: its request's own (`Sequence.scoring`, a request
+    field of zipage/request_fields.py), or `default`, the deployment's, when it brings none."""
+    own = getattr(getattr(job, "seq", None), "scoring", None)
+    return default if own is None else own
+
+
+def jobs_by_scoring(jobs, default: str) -> dict[str, list]:
+    """`jobs` grouped by the policy that scores each (`scoring_of`), in order of first
+    appearance: the engine runs each group as one batch, so a policy's fast path stays batched,
+    and the cost models price each group as the engine runs it."""
+    groups: dict[str, list] = {}
+    for job in jobs:
+        groups.setdefault(scoring_of(job, default), []).append(job)
+    return groups

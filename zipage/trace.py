@@ -56,6 +56,7 @@ REQUEST_FIELDS = (
     "reasoning_len",
     "compress_scope",
     "priority",
+    "scoring",
 )
 _REQUEST_FIELD_SET = frozenset(REQUEST_FIELDS)
 _FIELD_DEFAULTS = {field.name: field.default for field in request_fields.FIELDS}
@@ -120,7 +121,8 @@ class TraceRequest:
     `session` names the conversation or agent run (a follow-up's is its predecessor's).
     `compress_scope` is what the request's compressions may evict (None: the deployment's
     `--compress-scope`); `priority` its class under `--scheduling-policy priority` (lower
-    first). Both, and `kv_budget`, are declared in `zipage/request_fields.py`.
+    first); `scoring` the eviction scoring policy of its compressions (None: the deployment's
+    `--scoring`). These, and `kv_budget`, are declared in `zipage/request_fields.py`.
     """
 
     id: str
@@ -139,6 +141,7 @@ class TraceRequest:
     reasoning_len: int = 0
     compress_scope: str | None = None
     priority: int = 0
+    scoring: str | None = None
 
 
 @dataclass(frozen=True)

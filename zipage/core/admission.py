@@ -8,8 +8,10 @@ head of the waiting queue) is the scheduler's question (docs/architecture.md, 'S
 
 from __future__ import annotations
 
+from zipage import request_fields
 from zipage.config import ZipageConfig, budget_violation
 from zipage.core.sequence import Sequence
+from zipage.scoring import SCORING_POLICIES
 
 
 def _refused(seq: Sequence, reason: str) -> str:
@@ -29,6 +31,14 @@ class Admission:
         # docs/architecture.md, 'Compression scope': the default keeps every prompt whole.
         self.pins_prompts = config.compress and config.compress_scope == "output"
         self.by_priority = config.scheduling_policy == "priority"
+        # The policies a request may not ask for here: those that would keep a global score per
+        # entry (the pipeline under --global-score) when the deployment's own policy keeps none,
+        # so no score cache was allocated (`ZipageConfig.keeps_global_scores`). Running them
+        # without it would be another policy than the one asked for, so they are refused.
+        self.unallocated_scorings = frozenset(
+            name for name, spec in SCORING_POLICIES.items()
+            if config.compress and config.global_score and spec.global_scores
+            and not config.keeps_global_scores)
 
     def rejection_reason(self, seq: Sequence) -> str | None:
         """Why `seq` can never be served here, or None. O(1) from its lengths alone, so a driver
@@ -39,6 +49,10 @@ class Admission:
                                  f"(got {prompt}, {output})")
         if seq.priority and not self.by_priority:
             return _refused(seq, self.priority_reason(seq.priority))
+        if seq.scoring is not None:  # its own policy (most requests bring none)
+            scoring_reason = self.scoring_reason(seq.scoring)
+            if scoring_reason is not None:
+                return _refused(seq, scoring_reason)
         n_max = None  # the default budget's
         if seq.kv_budget is not None:  # its own budget (most requests bring none)
             budget_reason = self.budget_reason(seq.kv_budget)
@@ -84,6 +98,22 @@ class Admission:
         return (f"priority {priority} needs --scheduling-policy priority (this deployment serves "
                 "in arrival order); leave priority out, or serve with --scheduling-policy "
                 "priority")
+
+    def scoring_reason(self, scoring: str | None) -> str | None:
+        """Why a request's own `scoring` is refused here, or None (None means the deployment's):
+        a name the registry does not know, or a policy that needs a global score cache this
+        deployment did not allocate (docs/compression.md, 'Scoring policies')."""
+        if scoring is None:
+            return None
+        if scoring not in SCORING_POLICIES:
+            return request_fields.reason("scoring", scoring)
+        if scoring not in self.unallocated_scorings:
+            return None
+        usable = ", ".join(name for name in SCORING_POLICIES
+                           if name not in self.unallocated_scorings)
+        return (f"scoring {scoring!r} keeps a global score per KV entry, but this deployment "
+                f"(--scoring {self.config.scoring}) allocated no score cache; ask for one of "
+                f"{usable}, leave scoring out, or serve with --scoring {scoring}")
 
     def n_max_of(self, seq: Sequence) -> int:
         """The request's N_max: its own budget's, or the default's (checked by `budget_reason`),

@@ -120,8 +120,9 @@ class SamplingParams:
     it from the request (`Sequence.kv_budget`), and refuses one that is not a multiple of the
     block size with the request's error. `compress_scope` is what its compressions may evict
     ("all" or "output"; None: the engine's `compress_scope`); `priority` its class in the
-    waiting queue under the priority scheduling policy (lower first). These three are declared
-    in `zipage/request_fields.py`.
+    waiting queue under the priority scheduling policy (lower first); `scoring` the eviction
+    scoring policy of its compressions (a name of `zipage/scoring.py`; None: the engine's
+    `scoring`). These four are declared in `zipage/request_fields.py`.
     `structured_output` constrains the output to a JSON schema, a regex, a choice or a grammar
     (`StructuredOutput`; the engine masks every other token before sampling, and forces the
     end-of-sequence token once the output is complete).
@@ -139,6 +140,7 @@ class SamplingParams:
     kv_budget: int | None = None
     compress_scope: str | None = None
     priority: int = 0
+    scoring: str | None = None
     n: int = 1
     logprobs: int | None = None
     prompt_logprobs: int | None = None

@@ -62,7 +62,7 @@ class Sequence:
         "first_admitted_step", "first_token_time", "finish_time", "num_preemptions",
         "max_blocks_after_first_compression", "sampling", "kv_budget", "n_max", "slot_blocks",
         "kept_tokens", "kept_budget", "fork_of", "prompt_logits", "turn", "compress_scope",
-        "pinned", "priority", "queue_key",
+        "pinned", "priority", "queue_key", "scoring",
     )
 
     def __init__(
@@ -138,6 +138,10 @@ class Sequence:
         # place in the waiting queue, fixed when first queued (zipage/core/waiting.py).
         self.priority = 0
         self.queue_key: tuple | None = None
+        # The eviction scoring policy its compressions use (zipage/scoring.py; None: the
+        # deployment's --scoring). Only the drivers that score and price compressions read it;
+        # admission refuses one that needs state the deployment did not allocate.
+        self.scoring: str | None = None
 
     # ---- counters (derived from the decode clock while steady) ----
 

@@ -9,11 +9,14 @@ reads or writes are held by the core until then, so no other request can touch t
 an async batch simply runs at launch and is done at the next poll.
 
 Layers are compressed `layer_stride` at a time (the paper's cross-layer parallel compression):
-fewer, larger launches.
+fewer, larger launches. Each request is scored by its own policy (`Sequence.scoring`, or the
+deployment's `--scoring`): a batch runs as one batch per policy, so each policy's fast path stays
+batched (docs/compression.md, 'Scoring policies').
 """
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import torch
@@ -23,6 +26,7 @@ from zipage.core.step import CompressionBatch, CompressionJob
 from zipage.engine.caches import KVCaches
 from zipage.errors import ConfigError
 from zipage.kernels.compress import CompressionInputs, CompressionParams, compress
+from zipage.scoring import jobs_by_scoring, scoring_spec
 
 
 class Compressor:
@@ -30,8 +34,9 @@ class Compressor:
                  device: torch.device) -> None:
         self.caches = caches
         self.device = device
-        # The pipeline, scoring with the policy `config.scoring` names (kernels/scoring); analysis
-        # swaps in a dispatcher of the same signature that scores each request its own way.
+        # The pipeline, scoring with the policy `params.scoring` names (kernels/scoring): called
+        # once per policy of a batch. Analysis swaps in a dispatcher of the same signature that
+        # scores each request with variants the registry does not hold.
         self.compress_fn = compress
         # Tensor parallelism with replicated KV heads sets this (`engine/parallel.py`): the max
         # over a KV head's query heads, reduced across the ranks that hold some of them.
@@ -76,7 +81,26 @@ class Compressor:
         self.stream = self.green_context.Stream()
 
     def run(self, jobs: list[CompressionJob]) -> None:
-        """Compress `jobs` now, on the current stream."""
+        """Compress `jobs` now, on the current stream: the jobs of each scoring policy together,
+        as one batch (requests write disjoint blocks, so the batches' order is free)."""
+        for scoring, group in jobs_by_scoring(jobs, self.params.scoring).items():
+            self.run_policy(group, self.params_of(scoring))
+
+    def params_of(self, scoring: str) -> CompressionParams:
+        """The deployment's parameters with `scoring`'s policy (which fixes its own constants in
+        `compress`); the pipeline's knobs are the deployment's."""
+        if scoring == self.params.scoring:
+            return self.params
+        params = dataclasses.replace(self.params, scoring=scoring)
+        # Admission refuses a policy that needs a score cache the deployment did not allocate
+        # (`Admission.scoring_reason`); scoring without it would crash inside a kernel.
+        assert self.caches.score is not None or not (
+            params.global_score and scoring_spec(scoring).global_scores), \
+            f"scoring {scoring!r} needs the global score cache this deployment lacks"
+        return params
+
+    def run_policy(self, jobs: list[CompressionJob], params: CompressionParams) -> None:
+        """Compress `jobs`, all scored by the policy of `params`, as one batch."""
         caches = self.caches
         tables = self.tables(jobs)
         # Tensor parallelism with replicated KV heads: the GQA max spans ranks.
@@ -95,7 +119,7 @@ class Compressor:
             # (`CompressionInputs.keywords`), so a policy that knows none still runs on others.
             arguments = {name: value for name, value in vars(inputs).items()
                          if name not in ("num_target_blocks", "k_scale", "v_scale", "seeds")}
-            self.compress_fn(**arguments, **inputs.keywords(), params=self.params,
+            self.compress_fn(**arguments, **inputs.keywords(), params=params,
                              scale=self.scale, **extra)
 
     def tables(self, jobs: list[CompressionJob]) -> dict[str, torch.Tensor]:
@@ -153,7 +177,8 @@ class Compressor:
 def job_seed(job: CompressionJob) -> int:
     """A compression's own seed: a checksum of what it reads and writes (its blocks and slot),
     so the same request and step draw the same on every run and every tensor-parallel rank
-    (whose jobs carry no request), and two requests of one step differ."""
+    (whose jobs carry no more of their request than its policy), and two requests of one step
+    differ."""
     numbers = [*job.source_table, -1, *job.target_blocks, -1, job.query_slot]
     return zlib.crc32(torch.tensor(numbers, dtype=torch.int64).numpy().tobytes())
 

@@ -38,6 +38,7 @@ import weakref
 from dataclasses import dataclass, field
 from functools import partial
 from multiprocessing.connection import Connection, wait
+from typing import NamedTuple
 
 import torch
 
@@ -119,14 +120,23 @@ def encode_step(plan: StepPlan, tokens: dict[str, list[int]], completed: list[in
             plan.block_copies)
 
 
+class ShardJobRequest(NamedTuple):
+    """What a worker rank knows of a compression's request: the policy that scores it (its
+    own, or None for the deployment's), read where rank 0 reads `Sequence.scoring`."""
+
+    scoring: str | None
+
+
 def encode_jobs(jobs: list[CompressionJob]) -> list[tuple]:
-    return [(job.source_table, job.target_blocks, job.query_slot, job.is_first) for job in jobs]
+    return [(job.source_table, job.target_blocks, job.query_slot, job.is_first,
+             getattr(job.seq, "scoring", None)) for job in jobs]
 
 
 def decode_jobs(jobs: list[tuple]) -> list[CompressionJob]:
-    return [CompressionJob(seq=None, source_table=source, target_blocks=target, new_block=-1,
-                           released=[], query_slot=slot, is_first=first)
-            for source, target, slot, first in jobs]
+    return [CompressionJob(seq=ShardJobRequest(scoring), source_table=source,
+                           target_blocks=target, new_block=-1, released=[], query_slot=slot,
+                           is_first=first)
+            for source, target, slot, first, scoring in jobs]
 
 
 def decode_step(message: tuple) -> tuple[StepPlan, dict[str, list[int]], list[int]]:

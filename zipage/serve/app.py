@@ -114,7 +114,8 @@ class Server:
                 top_k=0 if body.top_k == -1 else body.top_k, seed=body.seed,
                 max_tokens=default_max_tokens if limit is None else limit,
                 ignore_eos=body.ignore_eos, kv_budget=body.kv_budget,
-                compress_scope=body.compress_scope, priority=body.priority, n=body.n,
+                compress_scope=body.compress_scope, priority=body.priority,
+                scoring=body.scoring, n=body.n,
                 logprobs=body.output_logprobs, prompt_logprobs=body.prompt_logprobs,
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
@@ -134,6 +135,9 @@ class Server:
         priority_reason = self.engine.admission.priority_reason(body.priority)
         if priority_reason is not None:
             raise ServeError(400, f"priority: {priority_reason}", "priority")
+        scoring_reason = self.engine.admission.scoring_reason(body.scoring)
+        if scoring_reason is not None:
+            raise ServeError(400, f"scoring: {scoring_reason}", "scoring")
         reason = self.engine.rejection_reason(len(prompt_ids), sampling)
         if reason is not None:
             self.metrics.rejected.inc()

@@ -23,7 +23,7 @@ output to the calls' JSON instead (`ChatRequest.structured_output`). Structured 
 endpoints: `response_format` (json_object, json_schema) and vLLM's `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar` and `structured_outputs`, one per request
 (`structured_output()`; the spec is checked by `zipage.engine.structured.check_spec` in
-`Server.prepare`). Extensions: `kv_budget`,
+`Server.prepare`). Extensions: `kv_budget`, `compress_scope`, `scoring`,
 `session_id` (both endpoints: the conversation or agent run a request belongs to, which a router
 keeps on one replica) and `return_token_ids` (completions: each choice carries its output ids).
 """
@@ -245,6 +245,9 @@ class SamplingFields(BaseModel):
     compress_scope: str | None = None
     # vLLM's: the request's class under --scheduling-policy priority (lower first).
     priority: int = 0
+    # Extension: the eviction scoring policy of this request's compressions (a --scoring name;
+    # None: the server's --scoring).
+    scoring: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_INT)
     # Penalties, bias and min-p: SamplingParams' meaning (OpenAI's and vLLM's).
     presence_penalty: Float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
