@@ -38,9 +38,9 @@ httpx = pytest.importorskip("httpx")
 from serve_helpers import healthy, serving  # noqa: E402
 
 from zipage.config import ZipageConfig  # noqa: E402
+from zipage.core.admission import Admission  # noqa: E402
 from zipage.core.memory import MemoryPlan  # noqa: E402
 from zipage.core.sampling import SamplingParams  # noqa: E402
-from zipage.core.scheduler import Scheduler  # noqa: E402
 from zipage.core.sequence import Sequence  # noqa: E402
 from zipage.serve.channel import FrameReader, frame  # noqa: E402
 from zipage.serve.engine_client import EngineClient  # noqa: E402
@@ -441,7 +441,7 @@ def _server(tokenizer, max_model_len: int = 256):
 
     config = ZipageConfig(block_size=16, kv_budget=64, window=4, max_model_len=max_model_len)
     info = Ready("cpu", config, MemoryPlan(1024, 64, 1, 1, 1024), 400, frozenset(), 1)
-    admission = Scheduler(config, info.capacity.num_blocks, info.capacity.num_query_slots)
+    admission = Admission(config, info.capacity.num_blocks)
     engine = SimpleNamespace(info=info, replicas=1, admission=admission)
     return Server(engine, tokenizer, "tiny")
 
@@ -493,7 +493,7 @@ def test_the_longest_prompt_is_the_core_rules_own():
                                                (True, None, 30), (True, 300, 25)):
         config = ZipageConfig(block_size=16, kv_budget=64, window=4, max_model_len=max_model_len,
                               chunked_prefill=chunked)
-        admission = Scheduler(config, num_blocks, 1)
+        admission = Admission(config, num_blocks)
         longest = max_prompt_tokens(admission)
 
         def refused(prompt_len):
