@@ -56,11 +56,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from zipage.trace_import import load_trace_file, stream_trace_file
 
     engine = "gpu" if args.gpu else args.engine
-    # The simulator streams its run into --out itself (`_simulate_streamed`), and reads a JSON
-    # Lines or production trace as its clock reaches the requests (docs/traces.md, 'Streamed
-    # traces').
-    streamed = engine == "sim" and args.step_times is None
-    trace = stream_trace_file(args.trace) if streamed else load_trace_file(args.trace)
+    # Both twins stream their run into --out as it is made (`_run_streamed`); the simulator also
+    # reads a JSON Lines or production trace as its clock reaches the requests (docs/traces.md,
+    # 'Streamed traces'). Step-time replay compares its whole decision log with the engine's, so
+    # it keeps its run and writes it at the end.
+    streamed = args.step_times is None
+    trace = (stream_trace_file(args.trace) if streamed and engine == "sim"
+             else load_trace_file(args.trace))
     settings = settings_from_args(args)
     if args.out is not None:
         from zipage.rundir import check_run_out_dir
@@ -72,10 +74,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         from zipage.sim.step_replay import replay_step_times
 
         summary, run = replay_step_times(trace, args.step_times, progress=show_progress)
-    elif streamed:
-        summary, run = _simulate_streamed(trace, settings, args, show_progress)
     else:
-        summary, run = _replay_on_engine(trace, settings, engine, args, show_progress)
+        summary, run = _run_streamed(trace, settings, engine, args, show_progress)
     summary = {"trace": trace.name, **summary}
     if args.out is not None and not streamed:
         from zipage.analysis.timeline import plot_run
@@ -111,22 +111,22 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return run_status(summary)
 
 
-def _simulate_streamed(trace, settings, args: argparse.Namespace, progress: bool):
-    """The simulator's run, streamed: with --out its records are written to the run directory
-    as they are made (summary.json and the timeline at the end), without it only the summary is
-    gathered, so memory follows the requests in flight, not the trace's length."""
+def _run_streamed(trace, settings, engine: str, args: argparse.Namespace, progress: bool):
+    """Either twin's run, streamed the same way: with --out its records are written to the run
+    directory as they are made (summary.json and the timeline at the end); without it the
+    simulator gathers only the summary, so memory follows the requests in flight, not the
+    trace's length (the engine keeps its requests' tokens anyway)."""
     from zipage.core.recorder import RecordSink
-    from zipage.sim.simulate import simulate
 
     if args.out is None:
-        return simulate(trace, settings, progress=progress, sink=RecordSink())
+        sink = RecordSink() if engine == "sim" else None
+        return _run(trace, settings, engine, args, progress, sink)
     from zipage.analysis.timeline import plot_run
-    from zipage.rundir import RunWriter
+    from zipage.rundir import ENGINE, SIMULATED, RunWriter
 
-    writer = RunWriter(args.out, args.decisions)
+    writer = RunWriter(args.out, args.decisions, kind=SIMULATED if engine == "sim" else ENGINE)
     try:
-        summary, run = simulate(trace, settings, progress=progress,
-                                log_decisions=_log_decisions(args), sink=writer)
+        summary, run = _run(trace, settings, engine, args, progress, writer)
     except BaseException:
         writer.discard()
         raise
@@ -134,7 +134,12 @@ def _simulate_streamed(trace, settings, args: argparse.Namespace, progress: bool
     return summary, run
 
 
-def _replay_on_engine(trace, settings, engine: str, args, progress: bool):
+def _run(trace, settings, engine: str, args: argparse.Namespace, progress: bool, sink):
+    if engine == "sim":
+        from zipage.sim.simulate import simulate
+
+        return simulate(trace, settings, progress=progress, log_decisions=_log_decisions(args),
+                        sink=sink)
     require_torch(engine)
     from zipage.engine.replay import replay_on_engine
 
@@ -142,11 +147,10 @@ def _replay_on_engine(trace, settings, engine: str, args, progress: bool):
         from zipage.engine.threads import set_cpu_threads
 
         set_cpu_threads(args.threads)
-
     return replay_on_engine(trace, settings, "cuda" if engine == "gpu" else "cpu",
                             cuda_graphs=not args.no_cuda_graphs,
                             prefill_graphs=args.prefill_graphs, progress=progress,
-                            log_decisions=_log_decisions(args))
+                            log_decisions=_log_decisions(args), sink=sink)
 
 
 def _log_decisions(args: argparse.Namespace) -> bool:

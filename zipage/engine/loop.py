@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from zipage.core.arrivals import ArrivalQueue, Done
-from zipage.core.recorder import Run, StepRecorder
+from zipage.core.recorder import RecordSink, Run, StepRecorder
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.core.step import IDLE, StepPlan, StepResult
@@ -48,7 +48,8 @@ class EngineLoop:
                  eos_token_ids: frozenset[int] = frozenset(), check: bool = False,
                  log_decisions: bool = False, progress: bool = False,
                  next_token: Callable[[str, int], int] | None = None,
-                 structured: StructuredOutputs | None = None) -> None:
+                 structured: StructuredOutputs | None = None,
+                 sink: RecordSink | None = None) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.eos_token_ids = eos_token_ids
@@ -60,6 +61,9 @@ class EngineLoop:
         # The grammar matchers of constrained requests (`SamplingParams.structured_output`);
         # None: the engine has no tokenizer to compile them with, and refuses such requests.
         self.structured = structured
+        # Where the run's records go as they are made (a `RunWriter`: `zipage replay --out`
+        # streams both twins' runs the same way); None: kept in the `Run`.
+        self.sink = sink
         self.recorder: StepRecorder | None = None
         # Prompt + output token ids of every request added (the runner reads them).
         self.tokens: dict[str, list[int]] = {}
@@ -75,7 +79,7 @@ class EngineLoop:
         """Open a run: a fresh recorder, and the clock at 0 (`run` does it; a server once)."""
         self.recorder = StepRecorder(self.scheduler, check=self.check,
                                      log_decisions=self.log_decisions,
-                                     progress=self.progress, total=total)
+                                     progress=self.progress, total=total, sink=self.sink)
         self.tokens = {}
         self._started = time.perf_counter()
 

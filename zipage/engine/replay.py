@@ -9,7 +9,7 @@ two side by side.
 from __future__ import annotations
 
 from zipage.core.deployment import ReplaySettings, effective_config, run_summary, trace_sequences
-from zipage.core.recorder import Run
+from zipage.core.recorder import RecordSink, Run
 from zipage.core.sampling import SamplingParams
 from zipage.core.scheduler import Scheduler
 from zipage.engine.builder import Engine, build_engine
@@ -19,17 +19,21 @@ from zipage.trace import Trace
 
 def replay_on_engine(trace: Trace, settings: ReplaySettings, device: str | None = None, *,
                      cuda_graphs: bool = True, prefill_graphs: bool | None = None,
-                     progress: bool = False, log_decisions: bool = False) -> tuple[dict, Run]:
+                     progress: bool = False, log_decisions: bool = False,
+                     sink: RecordSink | None = None) -> tuple[dict, Run]:
+    """`run_on_engine` on an engine built for `settings`; with a `sink` the run's records go to
+    it as they are made (`zipage.rundir.RunWriter`), as the simulator's do."""
     engine = build_engine(settings, device, cuda_graphs, prefill_graphs)
     try:
         return run_on_engine(engine, trace, settings, progress=progress,
-                             log_decisions=log_decisions)
+                             log_decisions=log_decisions, sink=sink)
     finally:
         engine.close()  # tensor parallel: the workers stop here, not at some later collection
 
 
 def run_on_engine(engine: Engine, trace: Trace, settings: ReplaySettings, *,
-                  progress: bool = False, log_decisions: bool = False) -> tuple[dict, Run]:
+                  progress: bool = False, log_decisions: bool = False,
+                  sink: RecordSink | None = None) -> tuple[dict, Run]:
     """`trace` through an engine already built (one engine serves many runs: `zipage
     calibrate`). `settings` may change knobs that only the scheduler reads (chunked prefill,
     the step's token limit) from those the engine was built with; its summary records them."""
@@ -43,7 +47,8 @@ def run_on_engine(engine: Engine, trace: Trace, settings: ReplaySettings, *,
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
     for seq in sequences:
         seq.sampling = greedy
-    loop = EngineLoop(scheduler, engine.runner, progress=progress, log_decisions=log_decisions)
+    loop = EngineLoop(scheduler, engine.runner, progress=progress, log_decisions=log_decisions,
+                      sink=sink)
     run = loop.run(sequences, users=settings.users)
     driver = f"engine-{engine.device.type}"
     summary = run_summary(run.summary, engine.capacity, config, settings, driver)
