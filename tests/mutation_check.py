@@ -56,6 +56,7 @@ class Mutation:
 SCHEDULER = "zipage/core/scheduler.py"
 BLOCKS = "zipage/core/block_manager.py"
 WAITING = "zipage/core/waiting.py"
+STEADY = "zipage/core/steady.py"
 ADMISSION = "zipage/core/admission.py"
 # The core property tests and the preemption witnesses run no chunked prefill, no per-request
 # budget, no elastic policy and no abort, so against a break of those rules they can only pass;
@@ -129,7 +130,7 @@ MUTATIONS = [
     Mutation("chunked: prompt chunks planned before the decodes", SCHEDULER,
              "        self._schedule_decode(plan)\n"
              "        budget = self.step_tokens - plan.num_decode\n",
-             "        budget = self.step_tokens - len(self._steady)\n"
+             "        budget = self.step_tokens - len(self.steady)\n"
              "        self._schedule_chunks_first(plan, budget)\n"
              "        self._schedule_decode(plan)\n"
              "        return\n"
@@ -266,8 +267,8 @@ MUTATIONS = [
     Mutation("shared KV: a released shared block keeps its extra holder", BLOCKS,
              "            else:\n                self.extra_holders -= 1\n",
              "\n", tests=FORK_WITNESSES),
-    Mutation("longest decode context: kept after the request that held it left", SCHEDULER,
-             "                self._steady_max_offset = None  # it held the largest",
+    Mutation("longest decode context: kept after the request that held it left", STEADY,
+             "                self._max_offset = None  # it held the largest",
              "                pass  # it held the largest"),
     # ---- waiting-queue policies (docs/architecture.md, 'Waiting-queue policies')
     Mutation("priority: the waiting queue ignores the class (arrival order)", WAITING,

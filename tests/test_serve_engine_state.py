@@ -65,7 +65,7 @@ def _sizes(core) -> dict[str, int]:
     loop = core.loop
     owners = {"core": core, "loop": loop, "scheduler": loop.scheduler,
               "block_manager": loop.scheduler.block_manager, "recorder": loop.recorder,
-              "metrics": loop.recorder.metrics, "clock": loop.scheduler.clock,
+              "metrics": loop.recorder.metrics, "clock": loop.scheduler.steady.clock,
               "runner": loop.runner, "compressor": loop.runner.compressor}
     sizes = {}
     for owner_name, owner in owners.items():

@@ -13,21 +13,20 @@ Full KV (`compress` off) is plain PagedAttention with vLLM-style preemption of t
 request.
 
 Speed: a request with nothing to decide ("steady") is decoded every decode step without being
-touched; the scheduler keeps, per future decode tick, the requests that will then need a decision
-(their last block is full, they reach the window of a block that may compress and hold no slot) or
-will finish. A step costs O(requests with an event), not O(running requests).
+touched (zipage/core/steady.py keeps, per future decode tick, who then needs a decision or
+finishes); a step costs O(requests with an event), not O(running requests).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import defaultdict
 from operator import attrgetter
 
 from zipage.config import ZipageConfig
 from zipage.core.admission import Admission
 from zipage.core.block_manager import BlockManager, prompt_block_hashes
-from zipage.core.sequence import DecodeClock, Sequence, SequenceStatus
+from zipage.core.sequence import Sequence, SequenceStatus
+from zipage.core.steady import SteadyDecoding
 from zipage.core.step import (
     DECODE,
     IDLE,
@@ -102,19 +101,8 @@ class Scheduler:
         self._abort_after_batch: set[Sequence] = set()
         self.admission_order: list[str] = []  # first admissions, for the FCFS invariant
 
-        self.clock = DecodeClock()
-        # The steady requests (in the order they joined) and each one's kv_len - clock.ticks,
-        # constant while it decodes steadily; and the sum of those.
-        self._steady: dict[Sequence, int] = {}
-        self._steady_kv_offset_sum = 0
-        # The largest of those offsets (a decode step's time follows its longest context too),
-        # or None when the request that held it left: worked out again at the next decode step.
-        # Every steady offset stays what it was while its request decodes, so only a join can
-        # raise the largest and only the leave of one that holds it can lower it (the longest
-        # request leaves every few hundred steps; a rescan is one C-level max over the batch).
-        self._steady_max_offset: int | None = None
-        self._decision_due: defaultdict[int, list] = defaultdict(list)
-        self._finish_due: defaultdict[int, list] = defaultdict(list)
+        # The requests decoding every step with nothing to decide, and the decode clock.
+        self.steady = SteadyDecoding()
         self._pending: list[Sequence] = []  # need a decision at the next decode step
         self._blocked: dict[Sequence, int] = {}  # request -> resource version when it blocked
         # Requests waiting for a query slot (hybrid): only a slot hand-out can release them, so
@@ -237,10 +225,8 @@ class Scheduler:
         if plan.kind in (DECODE, MIXED):
             for job in plan.compress_sync:
                 self._complete_compression(job, swap_table=False)
-            self.clock.ticks += 1
-            for seq, epoch in self._finish_due.pop(self.clock.ticks, ()):
-                if seq.steady_epoch == epoch:  # still in the steady run the entry was made in
-                    self._finish_sequence(seq, result.t_end)
+            for seq in self.steady.tick():
+                self._finish_sequence(seq, result.t_end)
             if result.stopped:
                 assert self.decode_lists, "a request stopped early, but the plan lists no decodes"
                 for seq in plan.decode:
@@ -421,10 +407,7 @@ class Scheduler:
     # ------------------------------------------------------------------ decode
 
     def _schedule_decode(self, plan: StepPlan) -> None:
-        for seq, epoch in self._decision_due.pop(self.clock.ticks, ()):
-            if seq.steady_epoch == epoch:  # still in the steady run the entry was made in
-                self._leave_steady(seq)
-                self._pending.append(seq)
+        self._pending.extend(self.steady.due_decisions())
         candidates = self._pending
         self._pending = []
         if self._blocked:
@@ -448,19 +431,13 @@ class Scheduler:
                 self._next_batch_id += 1
             else:
                 plan.compress_sync = jobs
-        steady = self._steady
+        steady = self.steady.offsets
         plan.num_decode = len(steady)
         if not steady:
             return
         if self.decode_lists:
             plan.decode = list(steady)
-        # Each decode request attends its cached entries plus the token it decodes now.
-        ticks = self.clock.ticks
-        plan.decode_context_tokens = self._steady_kv_offset_sum + len(steady) * (ticks + 1)
-        longest = self._steady_max_offset
-        if longest is None:
-            longest = self._steady_max_offset = max(steady.values())
-        plan.decode_max_context = longest + ticks + 1
+        plan.decode_context_tokens, plan.decode_max_context = self.steady.context_tokens()
 
     def _decide(self, seq: Sequence, plan: StepPlan, jobs: list[CompressionJob]) -> None:
         """Settle what a request that is not steady does this step, then let it decode."""
@@ -681,7 +658,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Free every block of `seq` and send it back to `waiting` (recompute later): to its front,
         or under the priority policy to its own place."""
-        self._leave_steady(seq)
+        self.steady.leave(seq)
         self._forget_blocked(seq)
         self.block_manager.release_table(seq.block_table)
         seq.block_table = []
@@ -704,33 +681,14 @@ class Scheduler:
     # ------------------------------------------------------------------ steady decoding
 
     def _join_steady(self, seq: Sequence) -> None:
-        """Decode `seq` every step from now on until its next event."""
-        ticks = self.clock.ticks
+        """Decode `seq` every step from now on until its next event: its last block is full,
+        or it reaches the window of a block that may compress while it holds no slot."""
         kv_len = seq.settled_kv_len  # not steady yet: settled
-        remaining = seq.max_output_tokens - seq.settled_output_tokens
-        seq.join_steady(self.clock)
-        offset = kv_len - ticks
-        self._steady[seq] = offset
-        self._steady_kv_offset_sum += offset
-        longest = self._steady_max_offset
-        if longest is not None and offset > longest:
-            self._steady_max_offset = offset
         steps_to_decision = len(seq.block_table) * self.block_size - kv_len
         if self.compress and seq.query_slot is None:
             steps_to_decision = min(steps_to_decision,
                                     self._first_slot_token(kv_len, seq.n_max) - kv_len)
-        if remaining <= steps_to_decision:
-            self._finish_due[ticks + remaining].append((seq, seq.steady_epoch))
-        else:
-            self._decision_due[ticks + steps_to_decision].append((seq, seq.steady_epoch))
-
-    def _leave_steady(self, seq: Sequence) -> None:
-        offset = self._steady.pop(seq, None)  # None: not steady
-        if offset is not None:
-            self._steady_kv_offset_sum -= offset
-            if offset == self._steady_max_offset:
-                self._steady_max_offset = None  # it held the largest: rescan when next asked
-            seq.settle()
+        self.steady.join(seq, steps_to_decision)
 
     # ------------------------------------------------------------------ query slots
 
@@ -845,7 +803,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence, status: SequenceStatus, into: list[Sequence]) -> None:
         """A running request leaves for good (finished or aborted): blocks and slot are freed."""
-        self._leave_steady(seq)
+        self.steady.leave(seq)
         self._forget_blocked(seq)
         self.block_manager.release_table(seq.block_table)
         seq.block_table = []
