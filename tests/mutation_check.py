@@ -181,19 +181,10 @@ MUTATIONS = [
              "        seq.slot_blocks = seq.n_max if seq.n_max < whole else whole",
              "        seq.slot_blocks = self.n_max if self.n_max < whole else whole",
              tests=RULE_WITNESSES),
-    # (No row breaks the hand-out's own check of the pool, `_hand_out_slots`: since the hybrid
-    # admission rule below it never binds, a request without a slot having reserved its peak,
-    # at least its slot's blocks, so breaking it changes nothing. The foremost the pool cannot
-    # back now waits at the head of `waiting`: the next row.)
-    Mutation("budget: an admission takes a slot the pool cannot back", SCHEDULER,
-             "                and self._slot_reserved + seq.slot_blocks <= "
-             "self.block_manager.num_blocks)",
-             "                )", tests=RULE_WITNESSES),
-    # ---- hybrid admission beyond the slots (docs/architecture.md, 'Scheduling')
-    Mutation("hybrid: a request admitted without a slot into blocks others reserved", SCHEDULER,
-             "        return (self._slot_reserved + self._slotless_reserved + "
-             "self._slotless_blocks(seq)\n",
-             "        return (self._slot_reserved + self._slotless_blocks(seq)\n"),
+    Mutation("budget: a later request overtakes the foremost the pool cannot back", SCHEDULER,
+             "                    return  # the foremost waits until enough holders finish",
+             "                    continue  # the foremost waits until enough holders finish",
+             tests=RULE_WITNESSES),
     Mutation("elastic: borrowed blocks kept although somebody needs memory", SCHEDULER,
              "        if not self.elastic or self._memory_demand():",
              "        if not self.elastic:", tests=RULE_WITNESSES),
@@ -250,15 +241,15 @@ MUTATIONS = [
              "            takes_slot = self.compress and self._can_take_slot(seq)\n"
              "            if self.compress and not takes_slot and (\n"
              "                    not self.config.hybrid or self._needs_slot_to_start(seq, "
-             "prompt_len)\n",
+             "prompt_len)):",
              "            takes_slot = self.compress and self._can_take_slot(seq)\n"
              "            if self.compress and not takes_slot and (\n"
              "                    not self.config.hybrid or self._needs_slot_to_start(seq, "
-             "prompt_len)\n", tests=FORK_WITNESSES),
+             "prompt_len)):", tests=FORK_WITNESSES),
     Mutation("fork: constrained scheduling forks without a query slot", SCHEDULER,
              "                    not self.config.hybrid or self._needs_slot_to_start(seq, "
-             "prompt_len)\n",
-             "                    self._needs_slot_to_start(seq, prompt_len)\n",
+             "prompt_len)):",
+             "                    self._needs_slot_to_start(seq, prompt_len)):",
              tests=FORK_WITNESSES),
     Mutation("fork: a request that needs its prompt's logits maps prefix-cache blocks", BLOCKS,
              "        if not self.prefix_cache or seq.prompt_logits:",

@@ -56,20 +56,12 @@ MIN_SHARE = {
     "full_kv": {"preempt": 0.25, "preempt several": 0.03},
     "constrained": {"blocked": 0.08, "slots exhausted": 0.3},
     "constrained_prefix": _PREFIX,
-    # Hybrid admits a request without a slot only while its peak fits beside the slot holders'
-    # reservations (docs/architecture.md, 'Scheduling'), so blocks run out only while a holder
-    # with a prompt above the cap keeps its extra blocks: preemption is rarer by design (40 and
-    # 6 examples of 200 with hogs as the holders, tests/strategies.py HOG_HOLDERS, against 88
-    # and 14 before the rule); the floors are a third of that, as for the other rules.
-    "hybrid": {"preempt": 0.07, "preempt several": 0.01, "blocked": 0.04,
-               "slots exhausted": 0.3, "waits for slot": 0.1, "slot handout": 0.2},
+    "hybrid": {"preempt": 0.2, "preempt several": 0.03, "blocked": 0.04, "slots exhausted": 0.3,
+               "waits for slot": 0.1, "slot handout": 0.2},
     "hybrid_prefix": _PREFIX | {"victim not last": 0.005, "waits for slot": 0.05,
                                 "slot handout": 0.1},
-    # No preemption floor: under the "output" scope a request's N_max counts its prompt's
-    # blocks, so no request holds more than its reservation (its slot's, or its peak without
-    # one), compressions never touch the (only shared) prompt blocks, and with hybrid admission
-    # keeping the reservations within the pool blocks never run out.
-    "output_scope": {"slots exhausted": 0.09, "waits for slot": 0.015, "slot handout": 0.15},
+    "output_scope": {"preempt": 0.2, "preempt several": 0.04, "slots exhausted": 0.09,
+                     "waits for slot": 0.015, "slot handout": 0.15},
     "priority": {"preempt": 0.05, "victim not last": 0.005, "priority overtakes": 0.1},
     "priority_full_kv": {"preempt": 0.1, "victim not last": 0.02, "priority overtakes": 0.1},
 }

@@ -89,16 +89,6 @@ SHAPES = {
     "priority_full_kv": ["spread", "crowd", "crowd"],
 }
 
-# Hybrid scheduling admits a request without a slot only while its peak fits beside the slot
-# holders' reservations (docs/architecture.md, 'Scheduling'), so blocks run out (and a request
-# without a slot is preempted) only while holders hold more than their slots reserve: prompts
-# above the cap, before their first compression. In these modes a crowd may start with a hog per
-# slot, so the holders are hogs, and the tight pool is sized for more requests beside them.
-HOG_HOLDERS = {"hybrid"}
-# Under the "output" scope a request's N_max, so its slot's reservation, includes its prompt's
-# blocks (docs/architecture.md, 'Compression scope'); these modes' tight pools get room for them.
-PINNED_ROOM = {"output_scope"}
-
 
 @st.composite
 def cases(draw, mode: str) -> Case:
@@ -128,8 +118,7 @@ def cases(draw, mode: str) -> Case:
     if shape == "spread":
         requests = draw(_spread(config))
     else:
-        requests = draw(_family(config, num_slots) if shape == "family"
-                        else _crowd(config, num_slots, mode in HOG_HOLDERS))
+        requests = draw((_family if shape == "family" else _crowd)(config, num_slots))
     floor = num_slots * n_max if config.compress else 2
     if shape == "spread":
         num_blocks = floor + draw(st.integers(0, 12))
@@ -141,15 +130,8 @@ def cases(draw, mode: str) -> Case:
             count = draw(st.integers(2, 4))
         else:
             more = config.hybrid and shape == "crowd"
-            extra = 6 if mode in HOG_HOLDERS else 2
-            count = num_slots + (draw(st.integers(0, extra)) if more else 0)
+            count = num_slots + (draw(st.integers(0, 2)) if more else 0)
         num_blocks = max(floor, _distinct_blocks(first[:count], b)) + draw(st.integers(0, 1))
-        if mode in PINNED_ROOM:
-            # The slot holders' reservations include their prompts' blocks (pinned), which the
-            # tight pool above leaves no room beside: add up to those plus N_max per holder, so
-            # requests run without a slot (and wait for one) there too.
-            pinned = sum(-(-len(tokens) // b) for _, tokens, _, _ in first[:num_slots])
-            num_blocks += draw(st.integers(0, pinned + 2 * n_max * num_slots))
     priorities = None
     if config.scheduling_policy == "priority":
         priorities = draw(st.lists(st.integers(-1, 3), min_size=len(requests),
@@ -218,17 +200,13 @@ def _output_lengths(config: ZipageConfig):
 
 
 @st.composite
-def _crowd(draw, config: ZipageConfig, num_slots: int, hog_holders: bool = False) -> list:
+def _crowd(draw, config: ZipageConfig, num_slots: int) -> list:
     b, n_max = config.block_size, config.n_max
     prompt_lengths, output_lengths = _prompt_lengths(config), _output_lengths(config)
     count = draw(st.integers(3, 10))
     # Half the crowds start with a hog: a prompt above the cap, one token into a block, that
     # holds its extra blocks for almost a block of decoding while the others need theirs.
-    # `hog_holders` (HOG_HOLDERS): up to one per slot, often one per slot.
-    if hog_holders:
-        hog = draw(st.one_of(st.just(num_slots), st.integers(0, num_slots)))
-    else:
-        hog = int(draw(st.booleans()))  # the index of the first request that may get a twin
+    hog = int(draw(st.booleans()))  # the index of the first request that may get a twin
     requests = []
     for index in range(count):
         if index < hog:

@@ -113,13 +113,10 @@ def test_engine_and_simulator_fork_alike(tmp_path_factory, one_cpu_thread):
 
     directory = tmp_path_factory.mktemp("tiny-qwen3")
     save_tiny_qwen3(directory)
-    # 12 blocks of 16 tokens, 4 slots (N_max 3): nine samples cannot all keep their KV, and a
-    # compression that needs fresh targets beside the shared prompt blocks preempts (with more
-    # memory the hybrid admission rule, which lends no block a slot holder reserved, leaves no
-    # preemption to witness).
+    # 14 blocks of 16 tokens, 2 slots (N_max 3): eight samples cannot all keep their KV.
     block_bytes = 2 * 2 * 2 * 32 * 4 * 16
     llm = LLM(str(directory), block_size=16, kv_budget=32, window=4, async_compress=False,
-              kv_memory_gb=14 * block_bytes / 1024**3, threads=1)
+              kv_memory_gb=16 * block_bytes / 1024**3, threads=1)
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (21, 7, 32)]
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

@@ -22,16 +22,6 @@ def slot_blocks(seq: Sequence, config: ZipageConfig) -> int:
     return min(seq.kv_budget // block_size + 1 + pinned_blocks(seq, config), whole)
 
 
-def slotless_peak(seq: Sequence, config: ZipageConfig) -> int:
-    """Blocks a request without a query slot reserves under hybrid scheduling: the most it may
-    hold before it needs a slot, all its KV or max(prompt blocks, N_max) if fewer, N_max from
-    its budget and scope (worked out here, not with the scheduler's `Admission`)."""
-    block_size = config.block_size
-    whole = -(-(seq.prompt_len + seq.max_output_tokens - 1) // block_size)
-    n_max = seq.kv_budget // block_size + 1 + pinned_blocks(seq, config)
-    return min(whole, max(-(-seq.prompt_len // block_size), n_max))
-
-
 def pinned_blocks(seq: Sequence, config: ZipageConfig) -> int:
     """The leading blocks no compression of `seq` may touch: its prompt's, under the "output"
     scope (docs/architecture.md, 'Compression scope'); worked out here, not read from the
@@ -68,8 +58,6 @@ class BudgetInvariants:
 
     def after_schedule(self, plan: StepPlan) -> None:
         scheduler = self.scheduler
-        # Admissions, slot hand-outs and preemptions all happen in `schedule`.
-        self.check_reservations(plan)
         for job in plan.compressions:  # (fixed: rule 3 in InvariantChecker._check_compression)
             seq, kept = job.seq, len(job.target_blocks)
             floor = seq.n_max - 1 - len(job.kept_blocks)  # (the blocks its scope keeps aside)
@@ -95,38 +83,8 @@ class BudgetInvariants:
                               f"while {seq.seq_id} held {len(seq.block_table)} blocks above "
                               f"its N_max {seq.n_max} that it could give back")
 
-    def check_reservations(self, plan: StepPlan | None = None) -> None:
-        """Hybrid admission beyond the slots (docs/architecture.md, 'Scheduling'): the
-        scheduler's count of the slotless requests' peaks equals the sum recomputed from the
-        running requests, and the holders' reservations plus those peaks fit the pool. Only an
-        admission raises the sum (one with a slot only while nobody runs without one); a
-        hand-out swaps a peak for `slot_blocks`, never more, and a leave lowers it. So a sum
-        above the pool means a request was admitted without a slot into reserved blocks."""
-        scheduler = self.scheduler
-        config = scheduler.config
-        if not config.compress:
-            return
-        held = lent = 0
-        for seq in scheduler.running:
-            if seq.query_slot is None:
-                lent += slotless_peak(seq, config)
-            else:
-                held += slot_blocks(seq, config)
-        if scheduler._slotless_reserved != lent:
-            self.fail(f"the scheduler counts {scheduler._slotless_reserved} blocks reserved by "
-                      f"requests without a slot; their peaks sum to {lent}")
-        pool = scheduler.block_manager.num_blocks
-        if held + lent > pool:
-            slotless_now = [] if plan is None else [
-                seq.seq_id for seq in [item.seq for item in plan.prefill]
-                + [fork.seq for fork in plan.forks] if seq.query_slot is None]
-            self.fail(f"slot holders reserve {held} blocks and requests without a slot {lent}, "
-                      f"above the pool of {pool}: a request was admitted without a slot into "
-                      f"reserved blocks (this step prefills without a slot: {slotless_now})")
-
     def after_finish(self) -> None:
         scheduler = self.scheduler
-        self.check_reservations()
         b = scheduler.block_size
         backed = 0
         for seq in scheduler.running:

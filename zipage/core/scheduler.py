@@ -114,12 +114,6 @@ class Scheduler:
         # Blocks reserved for the slot holders: the sum of their `slot_blocks`, never above
         # num_blocks (with one budget, the planner's N_total >= M N_max makes this automatic).
         self._slot_reserved = 0
-        # Blocks reserved for the running requests without a slot (hybrid): the sum of their
-        # peaks (`_slotless_blocks`). A request is admitted without a slot only while its peak
-        # fits beside both reservations (`_fits_without_slot`), so a slot holder never needs a
-        # block a slotless request holds and never preempts one to get it back
-        # (docs/architecture.md, 'Scheduling', hybrid scheduling; issue #47).
-        self._slotless_reserved = 0
         # Running requests holding more blocks than their N_max (elastic borrowers, and prompts
         # longer than N_max blocks), and requests blocked because no block was free.
         self._borrowers: dict[Sequence, None] = {}
@@ -260,10 +254,8 @@ class Scheduler:
             takes_slot = self.compress and self._can_take_slot(seq)
             if self.compress and not takes_slot:
                 # Hybrid scheduling admits a request without a slot only if it will not write
-                # window queries before a slot can reach it, and only into blocks no running
-                # request's reservation claims.
-                if (not config.hybrid or self._needs_slot_to_start(seq, num_tokens)
-                        or not self._fits_without_slot(seq)):
+                # window queries before a slot can reach it.
+                if not config.hybrid or self._needs_slot_to_start(seq, num_tokens):
                     break
             if not self.block_manager.can_allocate_prefill(cached, num_tokens):
                 break
@@ -345,8 +337,7 @@ class Scheduler:
                 break
             takes_slot = self.compress and self._can_take_slot(seq)
             if self.compress and not takes_slot and (
-                    not self.config.hybrid or self._needs_slot_to_start(seq, prompt_len)
-                    or not self._fits_without_slot(seq)):
+                    not self.config.hybrid or self._needs_slot_to_start(seq, prompt_len)):
                 break
             partial = prompt_len % b != 0
             if partial and manager.num_free_blocks < 1:
@@ -381,7 +372,6 @@ class Scheduler:
         self.running[seq] = None
         if self.compress and slot is None:
             self._num_slotless_running += 1
-            self._slotless_reserved += self._slotless_blocks(seq)
         if seq.first_admitted_step is None:
             seq.first_admitted_step = self._step_id
             self.admission_order.append(seq.seq_id)
@@ -497,8 +487,7 @@ class Scheduler:
         head = self.waiting[0]
         tokens = head.num_tokens
         if self.compress and not self._can_take_slot(head) and (
-                not self.config.hybrid or self._needs_slot_to_start(head, tokens)
-                or not self._fits_without_slot(head)):
+                not self.config.hybrid or self._needs_slot_to_start(head, tokens)):
             return False
         manager = self.block_manager
         return not manager.can_allocate_prefill(manager.cached_prefix_blocks(head, tokens), tokens)
@@ -531,22 +520,6 @@ class Scheduler:
     def _take_slot(self, seq: Sequence) -> int:
         self._slot_reserved += seq.slot_blocks
         return heapq.heappop(self.free_slots)
-
-    def _slotless_blocks(self, seq: Sequence) -> int:
-        """Blocks a request without a slot reserves: its peak (`Admission.peak_blocks`, its own
-        N_max, a long prompt's blocks included), the most it can hold before it needs a slot.
-        Fixed for the request, so what its admission added its slot or its leaving takes off."""
-        return self.admission.peak_blocks(seq.prompt_len, seq.max_output_tokens, seq.n_max)
-
-    def _fits_without_slot(self, seq: Sequence) -> bool:
-        """Hybrid admission beyond the slots: `seq`'s peak fits beside the slot holders'
-        reservations and the peaks of the requests already running without a slot. The holders
-        grow towards their N_max (the planner sizes the pool to M x N_max), so a block lent
-        beyond those reservations is one a holder would claim back by preemption: on amc23 that
-        lending preempted 4,314 times for 3 % less throughput (docs/architecture.md,
-        'Scheduling')."""
-        return (self._slot_reserved + self._slotless_reserved + self._slotless_blocks(seq)
-                <= self.block_manager.num_blocks)
 
     # ------------------------------------------------------------------ compression
 
@@ -725,15 +698,10 @@ class Scheduler:
             return
         for seq in self.running:
             if seq.query_slot is None:
-                # Never binds while admission beyond the slots reserves each request's peak
-                # (>= its slot_blocks, `_fits_without_slot`); kept as the one guard of the
-                # holders' reservations at hand-out, whatever the admission rule.
                 if self._slot_reserved + seq.slot_blocks > self.block_manager.num_blocks:
                     return  # the foremost waits until enough holders finish; nobody overtakes
                 seq.query_slot = self._take_slot(seq)
                 self._num_slotless_running -= 1
-                # Its reservation falls from its peak to `slot_blocks` (never more).
-                self._slotless_reserved -= self._slotless_blocks(seq)
                 self._resource_version += 1
                 if seq in self._waiting_for_slot:
                     self._waiting_for_slot.discard(seq)
@@ -748,7 +716,6 @@ class Scheduler:
             seq.query_slot = None
         elif self.compress:
             self._num_slotless_running -= 1
-            self._slotless_reserved -= self._slotless_blocks(seq)
 
     # ------------------------------------------------------------------ completion
 
