@@ -49,14 +49,11 @@ REQUEST_FIELDS = (
     "prefix_len",
     "block_hashes",
     "output_len",
-    "kv_budget",
     "session",
     "after",
     "after_s",
     "reasoning_len",
-    "compress_scope",
-    "priority",
-    "scoring",
+    *request_fields.NAMES,  # kv_budget, compress_scope, priority, scoring: declared there once
 )
 _REQUEST_FIELD_SET = frozenset(REQUEST_FIELDS)
 _FIELD_DEFAULTS = {field.name: field.default for field in request_fields.FIELDS}

@@ -93,9 +93,9 @@ class InvariantChecker:
         # Window queries written into each request's slot since its last compression:
         # window index -> KV entry whose query it holds.
         self.window_queries: dict[Sequence, dict[int, int]] = {}
-        self.accepted_order: list = []  # ids of accepted requests, in the order they arrived
+        # Accepted requests by id, in the order they arrived, and their places in that order.
         self.accepted: dict[str, Sequence] = {}
-        self.accepted_rank: dict[str, int] = {}  # their places in that order
+        self.accepted_rank: dict[str, int] = {}
         self.before: QueueSnapshot | None = None  # taken by before_schedule, used once
         # Block -> hash of the full prompt block it holds (None: anything else), from the writes
         # the driver computed and the compressions planned; the prefix index must agree.
@@ -217,8 +217,7 @@ class InvariantChecker:
 
     def note_added(self, seq: Sequence) -> None:
         if seq.status is not SequenceStatus.REJECTED:
-            self.accepted_rank[seq.seq_id] = len(self.accepted_order)
-            self.accepted_order.append(seq.seq_id)
+            self.accepted_rank[seq.seq_id] = len(self.accepted)
             self.accepted[seq.seq_id] = seq
 
     def queue_order(self, seq: Sequence) -> tuple[float, int]:

@@ -596,14 +596,12 @@ class Scheduler:
         candidates = self._victim_candidates()
         if self.by_priority:
             aging = self.config.priority_aging_s
-            others = [seq for seq in candidates if seq is not requester]
+            allowed = list(candidates)
+            others = [seq for seq in allowed if seq is not requester]
             if not others:
-                return requester if self._may_be_victim(requester) else None
+                return allowed[0] if allowed else None  # the requester, or nobody
             return max(others, key=lambda seq: (priority_key(seq, aging), seq.running_rank))
         return next(candidates, None)
-
-    def _may_be_victim(self, seq: Sequence) -> bool:
-        return any(candidate is seq for candidate in self._victim_candidates())
 
     def _victim_candidates(self):
         """The running requests the mode may preempt, last admitted first."""
