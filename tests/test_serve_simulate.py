@@ -230,7 +230,6 @@ def test_data_parallel_twins_and_a_tokenizer_for_text(no_torch, tmp_path):
     (["--simulate", "--engine", "cpu"], ["--engine: an engine flag; --simulate runs no engine"]),
     (["--simulate", "--threads", "2"], ["--threads: an engine flag"]),
     (["--simulate", "--no-cuda-graphs"], ["--no-cuda-graphs: an engine flag"]),
-    (["--simulate", "--ray", "local"], ["--ray: not with --simulate", "--data-parallel N"]),
 ])
 def test_flags_of_one_mode_only_are_one_line(capsys, argv, fragments):
     status, _, err = run_cli(capsys, "serve", "--model", MODEL, *argv)

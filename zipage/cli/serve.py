@@ -24,8 +24,10 @@ from zipage.serve import (
     DEFAULT_LOG_STATS_INTERVAL_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONNECTIONS,
+    TWIN_NUM_CPUS,
 )
 from zipage.serve.reasoning import REASONING_PARSERS
+from zipage.serve.tokenizer import TokenizerSource
 from zipage.serve.tool_parsers import TOOL_PARSERS
 
 
@@ -117,7 +119,8 @@ def add_parser(commands) -> None:
     parallel.add_argument("--ray", default=None, metavar="ADDRESS",
                           help="run the replicas as Ray Serve deployments on the Ray cluster at "
                                "ADDRESS ('auto', 'ray://HOST:10001', or 'local' for a new local "
-                               "instance): Ray places one replica per GPU (or CPU) and replaces "
+                               "instance): Ray places one replica per GPU (or CPU; with "
+                               f"--simulate, a twin asks for {TWIN_NUM_CPUS:g} CPU) and replaces "
                                "one that dies; the OpenAI app is the ingress on --host/--port")
     add_graph_flags(serve)
     add_threads_flag(serve)
@@ -225,10 +228,6 @@ def _check_simulate_flags(args: argparse.Namespace) -> None:
         if getattr(args, dest) not in (None, False):
             raise ZipageError(f"{flag}: an engine flag; --simulate runs no engine (each step "
                               "lasts what --cost-model says on --hardware): drop it")
-    if args.ray is not None:
-        raise ZipageError("--ray: not with --simulate: the Ray ingress loads its tokenizer "
-                          "through the engine's loader (torch; no --tokenizer, no bare preset); "
-                          "use --data-parallel N for N twins behind one server")
 
 
 def _check_chat_flags(args: argparse.Namespace) -> None:
@@ -287,8 +286,9 @@ def _serve(args: argparse.Namespace, sock, api_key: str | None) -> int:
     from zipage.serve.replicas import ReplicaSet, replica_setups
 
     settings = settings_from_args(args)
+    source = _tokenizer_source(args, settings)
     # The twin's tokenizer first: the twin must know its special tokens, never to make one.
-    tokenizer = twin_tokenizer(args.tokenizer, settings.model) if args.simulate else None
+    tokenizer = source.load() if args.simulate else None
     setup = _engine_setup(args, settings, tokenizer)
     setups = replica_setups(setup, args.data_parallel, settings.tensor_parallel)
     # Each engine runs in a process of its own (docs/serve.md, 'How it works'); the server
@@ -300,9 +300,7 @@ def _serve(args: argparse.Namespace, sock, api_key: str | None) -> int:
         return 1
     try:
         if not args.simulate:
-            from zipage.engine.loader import load_tokenizer
-
-            tokenizer = load_tokenizer(settings.model)  # this process detokenizes
+            tokenizer = source.load()  # this process detokenizes
         name = args.served_model_name or Path(settings.model).name  # a path's last part
         server = _http_server(args, engine, tokenizer, name, api_key)
         info, capacity = engine.info, engine.info.capacity
@@ -337,7 +335,10 @@ def _serve_on_ray(args: argparse.Namespace, api_key: str | None) -> int:
     from zipage.serve.ray_serve import deploy
 
     settings = settings_from_args(args)
-    setup = _engine_setup(args, settings)
+    source = _tokenizer_source(args, settings)
+    # The twin's tokenizer here too (its special tokens, which the twins never make; a bad
+    # --tokenizer is an error before Ray starts); the ingress loads its own from `source`.
+    setup = _engine_setup(args, settings, source.load() if args.simulate else None)
     local = args.ray == LOCAL
     if local:  # the workers a new local instance starts import this checkout, as this process
         root = str(Path(__file__).resolve().parents[2])
@@ -353,9 +354,10 @@ def _serve_on_ray(args: argparse.Namespace, api_key: str | None) -> int:
                       {"max_waiting": args.max_waiting, "api_key": api_key,
                        "max_body_bytes": args.max_body_bytes, **_log_options(args),
                        **_chat_options(args)},
-                      args.host, args.port)
+                      args.host, args.port, source)
+        each = f"each {info.device}" if args.simulate else "each"  # a twin: the GPU it plays
         print(f"zipage serve: {name} on Ray ({args.ray}), {args.data_parallel} replicas routed "
-              f"{args.routing}, each with {info.capacity.num_blocks} KV blocks of "
+              f"{args.routing}, {each} with {info.capacity.num_blocks} KV blocks of "
               f"{info.config.block_size} tokens; listening on http://{args.host}:{args.port}",
               file=sys.stderr, flush=True)
         stop.wait()
@@ -369,6 +371,12 @@ def _serve_on_ray(args: argparse.Namespace, api_key: str | None) -> int:
                 serve.delete(app)
         ray.shutdown()
     return 0
+
+
+def _tokenizer_source(args: argparse.Namespace, settings) -> TokenizerSource:
+    """The HTTP side's tokenizer: the model's own, or under --simulate the twin's (--tokenizer,
+    else --model's when it is a path, else none)."""
+    return TokenizerSource(settings.model, args.tokenizer, args.simulate)
 
 
 def _engine_setup(args: argparse.Namespace, settings, tokenizer=None):
@@ -421,41 +429,3 @@ def _serve_status(server, engine) -> int:
         print("zipage serve: stopped; requests still running at the drain deadline were "
               "failed", file=sys.stderr, flush=True)
     return 0
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-def twin_tokenizer(tokenizer: str | None, model: str):
-    """--simulate's tokenizer: --tokenizer's, else --model's when it is a path; None for a preset
-    (prompts are then token ids). An HF directory's needs transformers alone; a .gguf file's
-    needs torch too (transformers reads GGUF files with it)."""
-    from zipage.errors import UnknownModelError
-
-    flag, spec = ("--tokenizer", tokenizer) if tokenizer is not None else ("--model", model)
-    path = Path(spec).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        try:
-            from zipage.engine.loader import load_tokenizer
-        except ImportError:
-            raise ZipageError(f"{flag}: {spec}: a .gguf file's tokenizer needs torch (transformers "
-                              "reads GGUF with it); pip install torch, or pass the model's HF "
-                              "directory as --tokenizer") from None
-        return load_tokenizer(str(path))
-    if not path.is_dir():
-        if tokenizer is not None:
-            raise UnknownModelError(f"--tokenizer: {spec} is neither a HF model directory nor "
-                                    "a .gguf file")
-        return None  # a preset: its shape alone (a path that is neither fails as --model)
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        if tokenizer is None:
-            return None  # a model directory without one: token ids, as on the engine
-        raise UnknownModelError(f"--tokenizer: {spec} has none of {', '.join(TOKENIZER_FILES)}")
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as error:  # noqa: BLE001 - the directory is the user's input
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise UnknownModelError(f"{flag}: {spec} holds no tokenizer transformers can load "
-                                f"({reason})") from None

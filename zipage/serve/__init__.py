@@ -20,3 +20,7 @@ DEFAULT_BODY_TIMEOUT_S = 30.0  # an 8 MiB body (the default --max-body-bytes) at
 DEFAULT_MAX_CONNECTIONS = 2048  # 4x the default --max-num-seqs of running requests
 # The stats line's period (`zipage serve --log-stats-interval`; zipage/serve/logs.py), vLLM's.
 DEFAULT_LOG_STATS_INTERVAL_S = 10.0
+# What a twin replica (`zipage serve --simulate --ray`) asks Ray for: a quarter of a CPU. Its
+# engine process sleeps through most of each simulated step, so four share a core (and two fit
+# a 2-core machine beside the ingress); an engine replica asks for a whole CPU (or its GPUs).
+TWIN_NUM_CPUS = 0.25

@@ -4,13 +4,17 @@ Two Serve applications on the Ray cluster:
 
 - `zipage-engine`: the `ZipageEngine` deployment, N replicas, each asking Ray for its GPUs
   (`--tensor-parallel` of them) or one CPU, so Ray places them. A replica runs one engine process
-  (`EngineClient`, the single-engine path unchanged) and streams each request's deltas back. It
-  reports its engine's latest step report (`record_routing_stats`: requests running and
-  waiting, KV blocks in use) and fails Ray's health check once its engine process is gone, so
-  Ray replaces the replica; its requests in flight fail alone, with the same 503 as one engine's.
+  (`EngineClient`, the single-engine path unchanged; under `--simulate` that process steps the
+  live twin, sim/live.py, and the replica asks for `TWIN_NUM_CPUS` of a CPU, no GPU, no torch)
+  and streams each request's deltas back. It reports its engine's latest step report
+  (`record_routing_stats`: requests running and waiting, KV blocks in use) and fails Ray's
+  health check once its engine process is gone, so Ray replaces the replica; its requests in
+  flight fail alone, with the same 503 as one engine's.
 - `zipage`: the `ZipageIngress` deployment, the OpenAI app of `zipage/serve/app.py` itself as the
   HTTP ingress (Ray's proxy listens on --host/--port). Its engine is `RayEngines`, which offers
   the app what a `ReplicaSet` does and sends each request through a handle to `ZipageEngine`.
+  Its tokenizer is the one the HTTP process would load (`TokenizerSource`: the model's, or the
+  twin's).
 
 Routing: `ZipageRouter`, a Ray Serve request router, applies the `--routing` policy of
 `zipage.core.routing` (the code `zipage plan --routing` simulates and `--data-parallel` on one host
@@ -35,7 +39,9 @@ from ray.serve.request_router import FIFOMixin, RequestRouter
 from zipage.core.admission import Admission
 from zipage.core.block_manager import prompt_block_hashes
 from zipage.core.routing import DOWN, ReplicaLoad, choose_up, make_policy
+from zipage.serve import TWIN_NUM_CPUS
 from zipage.serve.engine_client import Delta, EngineClient, EngineStopped, RequestHandle
+from zipage.serve.tokenizer import TokenizerSource
 from zipage.serve.wire import EngineStats, Ready, Setup
 
 ENGINE_APP, INGRESS_APP = "zipage-engine", "zipage"
@@ -354,14 +360,12 @@ def _cause(error: BaseException) -> str:
 
 
 class ZipageIngress:
-    def __init__(self, info: Ready, replicas: int, tokenizer_spec: str, name: str,
+    def __init__(self, info: Ready, replicas: int, tokenizer: TokenizerSource, name: str,
                  options: dict) -> None:
-        from zipage.engine.loader import load_tokenizer
-
         global _ingress_engines
         handle = serve.get_deployment_handle(ENGINE, app_name=ENGINE_APP)
         self.engines = _ingress_engines = RayEngines(handle, info, replicas)
-        self.tokenizer = load_tokenizer(tokenizer_spec)
+        self.tokenizer = tokenizer.load()
         self.name, self.options = name, options
 
     def __serve_build_asgi_app__(self):
@@ -374,11 +378,11 @@ class ZipageIngress:
 
 
 def deploy(setup: Setup, replicas: int, routing: str, name: str, options: dict,
-           host: str, port: int) -> Ready:
-    """Start both applications on the connected Ray cluster; the engine's description."""
+           host: str, port: int, tokenizer: TokenizerSource | None = None) -> Ready:
+    """Start both applications on the connected Ray cluster; the engine's description.
+    `tokenizer`: the ingress's (default: the model's own)."""
     serve.start(http_options={"host": host, "port": port})
-    resources = ({"num_gpus": setup.settings.tensor_parallel, "num_cpus": 1}
-                 if setup.device == "cuda" else {"num_cpus": 1})
+    resources = replica_resources(setup)
     router = RequestRouterConfig(
         request_router_class=ZipageRouter,
         request_router_kwargs={"routing": routing, "replicas": replicas,
@@ -395,6 +399,17 @@ def deploy(setup: Setup, replicas: int, routing: str, name: str, options: dict,
     info = handle.describe.remote().result()
     ingress = serve.deployment(serve.ingress()(ZipageIngress), name=INGRESS,
                                ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
-    serve.run(ingress.bind(info, replicas, setup.settings.model, name, options),
+    tokenizer = tokenizer or TokenizerSource(setup.settings.model)
+    serve.run(ingress.bind(info, replicas, tokenizer, name, options),
               name=INGRESS_APP, route_prefix="/")
     return info
+
+
+def replica_resources(setup: Setup) -> dict:
+    """What one engine replica asks Ray for: its GPUs and a CPU; a twin (--simulate), a share
+    of a CPU (it sleeps through most of each simulated step)."""
+    if setup.simulate is not None:
+        return {"num_cpus": TWIN_NUM_CPUS}
+    if setup.device == "cuda":
+        return {"num_gpus": setup.settings.tensor_parallel, "num_cpus": 1}
+    return {"num_cpus": 1}
