@@ -20,6 +20,8 @@ from zipage.shape import ModelShape
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# The files that make a HF model directory's tokenizer (any one of them).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 # The value transformers' config class gives a field that config.json omits, where it is not the
 # generic reading below (head_dim = hidden_size / num_attention_heads, num_key_value_heads =

@@ -30,7 +30,7 @@ from zipage.engine.layers import FusedLinear, RMSNorm
 from zipage.engine.models import MODEL_CLASSES
 from zipage.engine.models.llama import LlamaForCausalLM
 from zipage.errors import UnknownModelError
-from zipage.model_spec import ModelSpec, resolve_model
+from zipage.model_spec import TOKENIZER_FILES, ModelSpec, resolve_model
 from zipage.presets import PRESETS, get_preset
 from zipage.shape import ModelShape
 
@@ -49,7 +49,6 @@ _FUSED_PROJECTIONS = {
     "gate_proj": ("gate_up_proj", "gate"),
     "up_proj": ("gate_up_proj", "up"),
 }
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def load_model(
@@ -221,7 +220,7 @@ def _hf_tokenizer(directory: Path) -> PreTrainedTokenizerBase | None:
     """A model directory's tokenizer; None if it ships no tokenizer files."""
     from transformers import AutoTokenizer
 
-    if not any((directory / file).is_file() for file in _TOKENIZER_FILES):
+    if not any((directory / file).is_file() for file in TOKENIZER_FILES):
         return None
     with _user_file(directory, "a tokenizer transformers can load"):
         return AutoTokenizer.from_pretrained(directory)

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zipage.errors import UnknownModelError, ZipageError
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+from zipage.model_spec import TOKENIZER_FILES
 
 
 @dataclass(frozen=True)
