@@ -54,6 +54,10 @@ class Mutation:
 
 
 SCHEDULER = "zipage/core/scheduler.py"
+SLOTS = "zipage/core/slots.py"
+VICTIMS = "zipage/core/victims.py"
+COMPRESSIONS = "zipage/core/compressions.py"
+PREFILL = "zipage/core/prefill.py"
 BLOCKS = "zipage/core/block_manager.py"
 WAITING = "zipage/core/waiting.py"
 STEADY = "zipage/core/steady.py"
@@ -70,21 +74,21 @@ MUTATIONS = [
     Mutation("preempted request to the back of waiting", SCHEDULER,
              "        self.waiting.appendleft(seq)\n        plan.preempted.append(seq)",
              "        self.waiting.append(seq)\n        plan.preempted.append(seq)"),
-    Mutation("prefix cache: the victim may be a compressed request", SCHEDULER,
+    Mutation("prefix cache: the victim may be a compressed request", VICTIMS,
              "                    if seq.num_compressions == 0 and not seq.compressing\n",
              "                    if not seq.compressing\n"),
-    Mutation("constrained scheduling also preempts slot holders", SCHEDULER,
+    Mutation("constrained scheduling also preempts slot holders", VICTIMS,
              "        if self.config.prefix_cache:\n            # Compression may need fresh",
              "        if self.config.prefix_cache or not self.config.hybrid:\n"
              "            # Compression may need fresh"),
-    Mutation("hybrid scheduling also preempts slot holders", SCHEDULER,
+    Mutation("hybrid scheduling also preempts slot holders", VICTIMS,
              "        if self.config.prefix_cache:\n            # Compression may need fresh",
              "        if self.config.prefix_cache or self.config.hybrid:\n"
              "            # Compression may need fresh"),
-    Mutation("prefix-cache deadlock-avoidance preemption removed", SCHEDULER,
+    Mutation("prefix-cache deadlock-avoidance preemption removed", VICTIMS,
              "        if self.config.prefix_cache:\n            # Compression may need fresh",
              "        if False:\n            # Compression may need fresh"),
-    Mutation("a victim whose recomputation cannot fit the pool", SCHEDULER,
+    Mutation("a victim whose recomputation cannot fit the pool", VICTIMS,
              "        return -(-seq.num_tokens // self.block_size) <= self.block_manager.num_blocks",
              "        return True"),
     # ---- the rules the audit found guarded
@@ -92,7 +96,7 @@ MUTATIONS = [
              "        return budget // self.block_size + 1 + self.pinned_of(seq)\n",
              "        return budget // self.block_size + 2 + self.pinned_of(seq)\n"),
     # ---- the compression scope (docs/architecture.md, 'Compression scope')
-    Mutation("output scope: a compression rewrites the prompt's blocks", SCHEDULER,
+    Mutation("output scope: a compression rewrites the prompt's blocks", COMPRESSIONS,
              "        pinned = seq.pinned\n        table = seq.block_table\n",
              "        pinned = 0\n        table = seq.block_table\n"),
     Mutation("output scope: the prompt's blocks not counted in N_max", ADMISSION,
@@ -104,10 +108,10 @@ MUTATIONS = [
     Mutation("refcount decrement skipped for a shared block", BLOCKS,
              "            count = refcount[block] - 1\n",
              "            count = refcount[block] - (1 if refcount[block] == 1 else 0)\n"),
-    Mutation("freed slot given to the last request without one", SCHEDULER,
-             "        for seq in self.running:\n            if seq.query_slot is None:\n",
-             "        for seq in reversed(self.running):\n            if seq.query_slot is None:\n"),
-    Mutation("window-slot rule off by one (offset > b - w)", SCHEDULER,
+    Mutation("freed slot given to the last request without one", SLOTS,
+             "        for seq in running:\n            if seq.query_slot is None:\n",
+             "        for seq in reversed(running):\n            if seq.query_slot is None:\n"),
+    Mutation("window-slot rule off by one (offset > b - w)", SLOTS,
              "                and token_index % b >= b - self.window)",
              "                and token_index % b > b - self.window)"),
     Mutation("compression targets not dropped from the prefix index", BLOCKS,
@@ -148,11 +152,11 @@ MUTATIONS = [
              "            self._schedule_prefill(plan, budget)\n"
              "            budget -= sum(item.num_new_tokens for item in plan.prefill)\n"
              "        for seq in continuing:\n", tests=RULE_WITNESSES),
-    Mutation("chunked: a chunk one token short of the last samples", SCHEDULER,
+    Mutation("chunked: a chunk one token short of the last samples", PREFILL,
              "        samples = end == seq.prompt_len + seq.settled_output_tokens  # (`num_tokens`)\n",
              "        samples = end >= seq.prompt_len + seq.settled_output_tokens - 1\n",
              tests=RULE_WITNESSES),
-    Mutation("chunked: a chunk indexes the prompt block it has not completed", SCHEDULER,
+    Mutation("chunked: a chunk indexes the prompt block it has not completed", PREFILL,
              "        self.block_manager.register_prompt_blocks(seq, start // self.block_size,\n"
              "                                                  end // self.block_size)",
              "        self.block_manager.register_prompt_blocks(seq, start // self.block_size,\n"
@@ -170,37 +174,37 @@ MUTATIONS = [
              "        if prompt > self.step_tokens:", tests=RULE_WITNESSES),
     Mutation("chunked: a request leaving running keeps its place among the running prompts",
              SCHEDULER,
-             "        self.prefilling.pop(seq, None)\n        self._release_slot(seq)\n",
-             "        self._release_slot(seq)\n", tests=RULE_WITNESSES),
+             "        self.prefilling.pop(seq, None)\n        self.slots.release(seq)\n",
+             "        self.slots.release(seq)\n", tests=RULE_WITNESSES),
     # ---- per-request and elastic budgets (docs/architecture.md, 'Per-request and elastic
     # budgets')
     Mutation("budget: a request's own budget ignored in its N_max", ADMISSION,
              "        budget = self.config.kv_budget if seq.kv_budget is None else seq.kv_budget",
              "        budget = self.config.kv_budget", tests=RULE_WITNESSES),
-    Mutation("budget: a slot reserves the default N_max, not its holder's", SCHEDULER,
+    Mutation("budget: a slot reserves the default N_max, not its holder's", ADMISSION,
              "        seq.slot_blocks = seq.n_max if seq.n_max < whole else whole",
              "        seq.slot_blocks = self.n_max if self.n_max < whole else whole",
              tests=RULE_WITNESSES),
-    Mutation("budget: a later request overtakes the foremost the pool cannot back", SCHEDULER,
-             "                    return  # the foremost waits until enough holders finish",
+    Mutation("budget: a later request overtakes the foremost the pool cannot back", SLOTS,
+             "                    break  # the foremost waits until enough holders finish",
              "                    continue  # the foremost waits until enough holders finish",
              tests=RULE_WITNESSES),
-    Mutation("elastic: borrowed blocks kept although somebody needs memory", SCHEDULER,
-             "        if not self.elastic or self._memory_demand():",
+    Mutation("elastic: borrowed blocks kept although somebody needs memory", COMPRESSIONS,
+             "        if not self.elastic or memory_demand():",
              "        if not self.elastic:", tests=RULE_WITNESSES),
     Mutation("elastic: the head of waiting short of blocks is no demand", SCHEDULER,
-             "        return bool(self._starved) or self.head_short_of_blocks()",
+             "        return bool(self._starved) or self.prefill.head_short_of_blocks()",
              "        return bool(self._starved)", tests=RULE_WITNESSES),
-    Mutation("elastic: grows without a free block left per running request", SCHEDULER,
+    Mutation("elastic: grows without a free block left per running request", COMPRESSIONS,
              "        if manager.num_free_blocks - 1 >= len(self.running):",
              "        if manager.num_free_blocks >= 1:", tests=RULE_WITNESSES),
-    Mutation("elastic: a shrink without demand goes below the floor", SCHEDULER,
+    Mutation("elastic: a shrink without demand goes below the floor", COMPRESSIONS,
              "            return held\n        return floor\n",
              "            return held\n        return floor - 1\n", tests=RULE_WITNESSES),
     Mutation("elastic: preempts although a borrower could give blocks back", SCHEDULER,
-             "            if not (self.elastic and self._reclaimable_borrower(seq)):",
+             "            if not (self.elastic and self.compressions.reclaimable_borrower(seq)):",
              "            if True:", tests=RULE_WITNESSES),
-    Mutation("elastic: holds although holding needs fresh blocks", SCHEDULER,
+    Mutation("elastic: holds although holding needs fresh blocks", COMPRESSIONS,
              "        if held > floor and self.fresh_for_compression(seq, held) == 0:",
              "        if held > floor:", tests=RULE_WITNESSES),
     # ---- aborts (Scheduler.abort)
@@ -208,7 +212,10 @@ MUTATIONS = [
              "                else:\n"
              "                    self._release(seq, SequenceStatus.ABORTED, self.aborted)\n",
              "                else:\n"
-             "                    self._remove_from_running(seq)\n"
+             "                    del self.running[seq]\n"
+             "                    self.prefilling.pop(seq, None)\n"
+             "                    self.slots.release(seq)\n"
+             "                    self._resource_version += 1\n"
              "                    seq.status = SequenceStatus.ABORTED\n"
              "                    self.aborted.append(seq)\n", tests=RULE_WITNESSES),
     Mutation("abort: a request inside the in-flight batch is released at once", SCHEDULER,
@@ -223,7 +230,7 @@ MUTATIONS = [
              "                self.waiting.remove(seq)\n",
              "                pass\n", tests=RULE_WITNESSES),
     # ---- samples of one prompt (forks)
-    Mutation("fork: the leader's partial last block shared instead of copied", SCHEDULER,
+    Mutation("fork: the leader's partial last block shared instead of copied", PREFILL,
              "            table = leader.block_table[:full]\n"
              "            manager.share(table)\n"
              "            copy = None\n"
@@ -232,24 +239,24 @@ MUTATIONS = [
              "            manager.share(table)\n"
              "            copy = None\n"
              "            if False:", tests=FORK_WITNESSES),
-    Mutation("fork: a prompt that wrote window queries is forked", SCHEDULER,
-             "        if self.compress and prompt_len > self._first_slot_token(0, leader.n_max):",
+    Mutation("fork: a prompt that wrote window queries is forked", PREFILL,
+             "        if self.compress and prompt_len > slots.first_slot_token(0, leader.n_max):",
              "        if False:", tests=FORK_WITNESSES),
-    Mutation("fork: forks overtake max_num_seqs", SCHEDULER,
+    Mutation("fork: forks overtake max_num_seqs", PREFILL,
              "            if len(self.running) >= self.config.max_num_seqs:\n"
              "                break\n"
-             "            takes_slot = self.compress and self._can_take_slot(seq)\n"
+             "            takes_slot = self.compress and slots.can_take(seq)\n"
              "            if self.compress and not takes_slot and (\n"
-             "                    not self.config.hybrid or self._needs_slot_to_start(seq, "
+             "                    not self.config.hybrid or slots.needs_slot_to_start(seq, "
              "prompt_len)):",
-             "            takes_slot = self.compress and self._can_take_slot(seq)\n"
+             "            takes_slot = self.compress and slots.can_take(seq)\n"
              "            if self.compress and not takes_slot and (\n"
-             "                    not self.config.hybrid or self._needs_slot_to_start(seq, "
+             "                    not self.config.hybrid or slots.needs_slot_to_start(seq, "
              "prompt_len)):", tests=FORK_WITNESSES),
-    Mutation("fork: constrained scheduling forks without a query slot", SCHEDULER,
-             "                    not self.config.hybrid or self._needs_slot_to_start(seq, "
+    Mutation("fork: constrained scheduling forks without a query slot", PREFILL,
+             "                    not self.config.hybrid or slots.needs_slot_to_start(seq, "
              "prompt_len)):",
-             "                    self._needs_slot_to_start(seq, prompt_len)):",
+             "                    slots.needs_slot_to_start(seq, prompt_len)):",
              tests=FORK_WITNESSES),
     Mutation("fork: a request that needs its prompt's logits maps prefix-cache blocks", BLOCKS,
              "        if not self.prefix_cache or seq.prompt_logits:",
@@ -275,7 +282,7 @@ MUTATIONS = [
              "        self._queued += 1\n"
              "        self.append(seq)\n"
              "    # a preempted request", tests=PROPERTY_TESTS),
-    Mutation("priority: the victim is the last admitted, whatever its class", SCHEDULER,
+    Mutation("priority: the victim is the last admitted, whatever its class", VICTIMS,
              "        if self.by_priority:\n            aging = self.config.priority_aging_s",
              "        if False:\n            aging = self.config.priority_aging_s",
              tests=PROPERTY_TESTS),

@@ -143,14 +143,14 @@ class RuleObserver:
             hits.add("slot handout")
         if not scheduler.compress:
             return
-        if plan.slots_used == scheduler.num_query_slots and scheduler.waiting:
+        if plan.slots_used == scheduler.slots.num_query_slots and scheduler.waiting:
             hits.add("slots exhausted")
         if plan.kind == DECODE:
             decoding = set(plan.decode)
             for seq in scheduler.running:
                 if seq in decoding or seq.compressing:
                     continue
-                if seq.query_slot is None and scheduler.needs_slot(seq.kv_len):
+                if seq.query_slot is None and scheduler.slots.needs_slot(seq.kv_len):
                     hits.add("waits for slot")
                 elif self._short_of_blocks(seq):
                     hits.add("blocked")

@@ -85,11 +85,11 @@ def test_abort_running_frees_blocks_and_slot_at_once():
     assert a.status is SequenceStatus.RUNNING and len(a.block_table) == 2
     free_before = scheduler.block_manager.num_free_blocks
     slot = a.query_slot
-    assert slot is not None and slot not in scheduler.free_slots
+    assert slot is not None and slot not in scheduler.slots.free
     assert scheduler.abort("a")
     assert a.status is SequenceStatus.ABORTED and a.block_table == []
     assert scheduler.block_manager.num_free_blocks == free_before + 2
-    assert slot in scheduler.free_slots and a.query_slot is None
+    assert slot in scheduler.slots.free and a.query_slot is None
     assert list(scheduler.running) == [b]
     assert not scheduler.abort("a")  # already gone
     while scheduler.has_unfinished():
@@ -115,7 +115,7 @@ def test_abort_inside_async_batch_waits_for_the_batch():
     while plan.compress_launch is None:
         plan = _step(scheduler)
     batch = plan.compress_launch.batch_id
-    assert a.compressing and scheduler.in_flight is not None
+    assert a.compressing and scheduler.compressions.in_flight is not None
     assert scheduler.abort("a")
     # The batch still reads a's query slot and writes its target blocks: nothing is freed yet.
     assert a.status is SequenceStatus.RUNNING and a.block_table
@@ -124,5 +124,5 @@ def test_abort_inside_async_batch_waits_for_the_batch():
     assert plan.kind == "idle"
     assert a.status is SequenceStatus.ABORTED and a.block_table == []
     assert scheduler.block_manager.num_free_blocks == 10
-    assert sorted(scheduler.free_slots) == [0, 1]
+    assert sorted(scheduler.slots.free) == [0, 1]
     assert not scheduler.has_unfinished()

@@ -272,7 +272,7 @@ def test_hybrid_hand_out_waits_for_the_foremost_request_to_fit():
         scheduler.add(seq)
     plan = scheduler.schedule()
     assert [item.seq.query_slot for item in plan.prefill] == [0, None, None]
-    assert scheduler.free_slots == [1]
+    assert scheduler.slots.free == [1]
 
 
 # ---------------------------------------------------------------------- elastic

@@ -331,7 +331,7 @@ def test_abort_of_a_running_request_frees_its_blocks_and_slot_at_once():
     assert scheduler.abort("a")
     assert a.status is SequenceStatus.ABORTED and a.block_table == []
     assert scheduler.block_manager.num_free_blocks == free + held
-    assert slot in scheduler.free_slots
+    assert slot in scheduler.slots.free
     stepper.run_out()
     assert b.num_output_tokens == 30
 
@@ -347,7 +347,7 @@ def test_abort_inside_the_in_flight_batch_waits_for_the_batch():
     held = len(a.block_table)
     assert scheduler.abort("a")
     assert a.status is SequenceStatus.RUNNING and len(a.block_table) == held
-    assert a.query_slot is not None and a.query_slot not in scheduler.free_slots
+    assert a.query_slot is not None and a.query_slot not in scheduler.slots.free
     plan = stepper.step([plan.compress_launch.batch_id])
     assert a not in plan.decode
     assert a.status is SequenceStatus.ABORTED and a.block_table == []

@@ -169,7 +169,7 @@ def _scheduler(**knobs):
 def test_needs_slot_only_in_windows_of_blocks_that_may_compress():
     scheduler = _scheduler()
     # N_max = 3: blocks 2, 3, ... may trigger compression; the window is offsets 12..15.
-    assert [t for t in range(64) if scheduler.needs_slot(t)] == [
+    assert [t for t in range(64) if scheduler.slots.needs_slot(t)] == [
         44, 45, 46, 47, 60, 61, 62, 63]
 
 
@@ -177,11 +177,12 @@ def test_window_queries_only_for_the_final_block():
     scheduler = _scheduler()
     seq = Sequence("a", list(range(40)), 4)
     seq.query_slot = 0
-    assert scheduler.window_query_range(seq, 0, 40) == (40, 40)  # final block ends at offset 7
-    assert scheduler.window_query_range(seq, 0, 48) == (44, 48)
-    assert scheduler.window_query_range(seq, 46, 47) == (46, 47)
+    slots = scheduler.slots
+    assert slots.window_query_range(seq, 0, 40) == (40, 40)  # final block ends at offset 7
+    assert slots.window_query_range(seq, 0, 48) == (44, 48)
+    assert slots.window_query_range(seq, 46, 47) == (46, 47)
     seq.query_slot = None
-    assert scheduler.window_query_range(seq, 0, 48) == (48, 48)
+    assert slots.window_query_range(seq, 0, 48) == (48, 48)
 
 
 def test_capacity_must_back_every_slot():

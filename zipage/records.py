@@ -57,7 +57,7 @@ class RequestRecord:
     status: str
     error: str | None
     # The request's KV budget (its own or the default) and the budget it actually kept
-    # (`Scheduler._kept_budget`; empty if its budget never bound it).
+    # (`Compressions.kept_budget`; empty if its budget never bound it).
     kv_budget: int | None = None
     kept_budget: float | None = None
     priority: int = 0  # its class under the priority policy (0 in runs written before it)

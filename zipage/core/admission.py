@@ -2,14 +2,16 @@
 
 They read only the knobs and the pool's size, never the queues, so the scheduler asks them when a
 request arrives and the server asks them before it sends a request to its engine process, without
-building a scheduler (`Admission(config, num_blocks)`). What may start *now* (blocks, slots, the
-head of the waiting queue) is the scheduler's question (docs/architecture.md, 'Scheduling').
+building a scheduler (`Admission(config, num_blocks)`). `prepare` fixes what follows from them
+for a request the scheduler queues. What may start *now* (blocks, slots, the head of the waiting
+queue) is the scheduler's question (docs/architecture.md, 'Scheduling').
 """
 
 from __future__ import annotations
 
 from zipage import request_fields
 from zipage.config import ZipageConfig, budget_violation
+from zipage.core.block_manager import prompt_block_hashes
 from zipage.core.sequence import Sequence
 from zipage.scoring import SCORING_POLICIES
 
@@ -76,6 +78,28 @@ class Admission:
                                  f"{self.num_blocks} exist; give more KV memory"
                                  + (" or enable compression" if not self.compress else ""))
         return None
+
+    def prepare(self, seq: Sequence) -> None:
+        """Fix, for a request about to be queued, what it keeps from here on: its prompt blocks'
+        hashes (prefix cache), its budget, N_max, pinned blocks and the blocks its query slot
+        reserves."""
+        # A driver may give the blocks' hashes itself (the simulator's keys); a prompt shorter
+        # than a block has none to give.
+        if (self.config.prefix_cache and not seq.prompt_block_hashes
+                and seq.prompt_len >= self.block_size):
+            if seq.prompt_token_ids is None:
+                raise ValueError(f"request {seq.seq_id}: prefix caching needs prompt_token_ids")
+            seq.prompt_block_hashes = prompt_block_hashes(seq.prompt_token_ids, self.block_size)
+        if seq.kv_budget is None:
+            seq.kv_budget = self.config.kv_budget
+        seq.n_max = self.n_max_of(seq)
+        seq.pinned = self.pinned_of(seq) if self.compress else 0
+        # Blocks a query slot reserves for its holder: its N_max, or all it can ever hold if
+        # fewer. The holders' reservations never exceed the pool, which is what keeps any mix
+        # of budgets deadlock-free (docs/architecture.md, 'Deadlock freedom'). Fixed from here
+        # on, so worked out once (slots are taken and given back several times a request).
+        whole = -(-(seq.prompt_len + seq.max_output_tokens - 1) // self.block_size)
+        seq.slot_blocks = seq.n_max if seq.n_max < whole else whole  # (min, written out)
 
     def budget_reason(self, kv_budget: int | None) -> str | None:
         """Why a request's own `kv_budget` is refused here, or None (None means the default)."""

@@ -46,7 +46,7 @@ class BudgetInvariants:
             return
         running = list(scheduler.running)
         # Within a step that preempts nobody, the head's shortage can only persist.
-        self.demand_before = scheduler.head_short_of_blocks()
+        self.demand_before = scheduler.prefill.head_short_of_blocks()
         self.blocks_before = {seq: len(seq.block_table) for seq in running}
         # Borrowers that can give their extra blocks back at their next full block without a
         # free one (elastic waits for them before preempting anybody).
@@ -54,7 +54,7 @@ class BudgetInvariants:
             seq for seq in running
             if len(seq.block_table) > seq.n_max and seq.query_slot is not None
             and not seq.compressing and seq not in scheduler.prefilling
-            and scheduler.fresh_for_compression(seq, seq.n_max) == 0}
+            and scheduler.compressions.fresh_for_compression(seq, seq.n_max) == 0}
 
     def after_schedule(self, plan: StepPlan) -> None:
         scheduler = self.scheduler

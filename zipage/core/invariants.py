@@ -43,7 +43,7 @@ class QueueSnapshot:
     def take(cls, scheduler: Scheduler) -> "QueueSnapshot":
         running = list(scheduler.running)
         holds_slot = {seq: seq.query_slot is not None for seq in running}
-        free = len(scheduler.free_slots)
+        free = len(scheduler.slots.free)
         # A slot also reserves its holder's N_max blocks; the hand-out stops at the foremost
         # request the pool cannot back (docs/architecture.md, 'Per-request and elastic budgets').
         pool = scheduler.block_manager.num_blocks
@@ -164,8 +164,8 @@ class InvariantChecker:
 
     def record_computed(self, seq: Sequence, start: int, end: int) -> None:
         """A driver computed KV entries [start, end) of `seq` (and wrote their window queries)."""
-        first, last = self.scheduler.window_query_range(seq, start, end)
-        layout = self.scheduler.windows
+        first, last = self.scheduler.slots.window_query_range(seq, start, end)
+        layout = self.scheduler.slots.windows
         written = self.window_queries.setdefault(seq, {})
         for entry in range(first, last):
             written[layout.index(entry)] = entry
@@ -201,7 +201,7 @@ class InvariantChecker:
         manager = scheduler.block_manager
         if manager.num_free_blocks != manager.num_blocks or any(manager.refcount):
             self.fail(f"leak: {manager.num_blocks - manager.num_free_blocks} blocks still held")
-        if len(scheduler.free_slots) != scheduler.num_query_slots:
+        if len(scheduler.slots.free) != scheduler.slots.num_query_slots:
             self.fail("leak: query slots still held")
         for seq in scheduler.finished:
             if seq.seq_id not in stopped_early and seq.num_output_tokens != seq.max_output_tokens:
@@ -261,7 +261,7 @@ class InvariantChecker:
                 self.fail(f"compression target {block} of {seq.seq_id} is shared "
                           f"(refcount {manager.refcount[block]})")
         # Rule 7: all w window queries of the final (full) block were written since it filled.
-        b, w = scheduler.block_size, scheduler.window
+        b, w = scheduler.block_size, scheduler.config.window
         final_start = (len(job.kept_blocks) + len(job.source_table) - 1) * b
         written = self.window_queries.get(seq, {})
         for index in range(w):
@@ -489,7 +489,7 @@ class InvariantChecker:
             if seq.block_table != expected:
                 self.fail(f"{seq.seq_id}: forked with blocks {seq.block_table}, expected "
                           f"{expected} (the leader's prompt blocks)")
-            if scheduler.compress and any(scheduler.needs_slot(t, leader.n_max)
+            if scheduler.compress and any(scheduler.slots.needs_slot(t, leader.n_max)
                                           for t in range(prompt_len)):
                 self.fail(f"{seq.seq_id} is forked from a prompt that wrote window queries")
 
@@ -576,7 +576,7 @@ class InvariantChecker:
         holders: Counter = Counter()
         for seq in self.scheduler.running:
             holders.update(seq.block_table)
-        for job in self.scheduler.in_flight_jobs():
+        for job in self.scheduler.compressions.in_flight_jobs():
             in_table = set(job.seq.block_table)
             involved = set(job.source_table) | set(job.target_blocks) | {job.new_block}
             holders.update(involved - in_table)
@@ -613,13 +613,13 @@ class InvariantChecker:
     def _check_slots(self) -> None:
         scheduler = self.scheduler
         slots = [seq.query_slot for seq in scheduler.running if seq.query_slot is not None]
-        if len(slots) != len(set(slots)) or len(slots) > scheduler.num_query_slots:
+        if len(slots) != len(set(slots)) or len(slots) > scheduler.slots.num_query_slots:
             self.fail(f"query slots double-booked or over M: {slots}")
-        if len(slots) + len(scheduler.free_slots) != scheduler.num_query_slots:
+        if len(slots) + len(scheduler.slots.free) != scheduler.slots.num_query_slots:
             self.fail("query slots leaked")
         if scheduler.compress and scheduler.config.hybrid:
             for position, seq in enumerate(scheduler.running):
-                if seq.query_slot is not None and position >= scheduler.num_query_slots:
+                if seq.query_slot is not None and position >= scheduler.slots.num_query_slots:
                     self.fail(f"{seq.seq_id} holds a slot at running position {position} >= M")
         elif scheduler.compress:
             if any(seq.query_slot is None for seq in scheduler.running):
