@@ -98,6 +98,8 @@ def main() -> None:
         "full-kv": dict(compress=False),
         "zipage": dict(),
         "zipage-sync": dict(async_compress=False),
+        # Admission stops at the M query slots (hybrid scheduling off).
+        "zipage-constrained": dict(hybrid=False),
         "zipage-elastic": dict(budget_policy="elastic"),
         "zipage-elastic-sync": dict(budget_policy="elastic", async_compress=False),
         # Whole prompts in prefill-only steps (the default until chunked prefill took over).

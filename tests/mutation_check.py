@@ -68,6 +68,7 @@ ADMISSION = "zipage/core/admission.py"
 RULE_WITNESSES = ("rule witnesses",)
 FORK_WITNESSES = ("fork witnesses",)  # the samples rule: only its own witnesses reach it
 PROPERTY_TESTS = ("property tests",)  # the priority modes draw priorities; no witness does
+SCORING_TESTS = ("scoring tests",)  # the policies' own tests; no scheduling trace reaches them
 
 MUTATIONS = [
     # ---- the four breaks of issue 11
@@ -85,6 +86,9 @@ MUTATIONS = [
              "        if self.config.prefix_cache:\n            # Compression may need fresh",
              "        if self.config.prefix_cache or self.config.hybrid:\n"
              "            # Compression may need fresh"),
+    Mutation("hybrid: a preempted request borrows reserved blocks again", PREFILL,
+             "return not seq.num_preemptions or lending.fits_unreserved(",
+             "return True or lending.fits_unreserved(", tests=("witness traces",)),
     Mutation("prefix-cache deadlock-avoidance preemption removed", VICTIMS,
              "        if self.config.prefix_cache:\n            # Compression may need fresh",
              "        if False:\n            # Compression may need fresh"),
@@ -248,15 +252,15 @@ MUTATIONS = [
              "            takes_slot = self.compress and slots.can_take(seq)\n"
              "            if self.compress and not takes_slot and (\n"
              "                    not self.config.hybrid or slots.needs_slot_to_start(seq, "
-             "prompt_len)):",
+             "prompt_len)\n",
              "            takes_slot = self.compress and slots.can_take(seq)\n"
              "            if self.compress and not takes_slot and (\n"
              "                    not self.config.hybrid or slots.needs_slot_to_start(seq, "
-             "prompt_len)):", tests=FORK_WITNESSES),
+             "prompt_len)\n", tests=FORK_WITNESSES),
     Mutation("fork: constrained scheduling forks without a query slot", PREFILL,
              "                    not self.config.hybrid or slots.needs_slot_to_start(seq, "
-             "prompt_len)):",
-             "                    slots.needs_slot_to_start(seq, prompt_len)):",
+             "prompt_len)\n",
+             "                    slots.needs_slot_to_start(seq, prompt_len)\n",
              tests=FORK_WITNESSES),
     Mutation("fork: a request that needs its prompt's logits maps prefix-cache blocks", BLOCKS,
              "        if not self.prefix_cache or seq.prompt_logits:",
@@ -286,6 +290,31 @@ MUTATIONS = [
              "        if self.by_priority:\n            aging = self.config.priority_aging_s",
              "        if False:\n            aging = self.config.priority_aging_s",
              tests=PROPERTY_TESTS),
+    # ---- scoring policies (kernels/scoring, zipage/scoring.py): each policy's reference keeps
+    # what its paper keeps, and a request is scored with its own policy
+    Mutation("scoring: streaming keeps no sink entries", "kernels/scoring/streaming.py",
+             'scores = recency.masked_fill(positions < SINK_ENTRIES, float("inf"))',
+             "scores = recency", tests=SCORING_TESTS),
+    Mutation("scoring: keydiff keeps the keys most like the mean", "kernels/scoring/keydiff.py",
+             "return with_window(-similarity.transpose(0, 1), params.window), None",
+             "return with_window(similarity.transpose(0, 1), params.window), None",
+             tests=SCORING_TESTS),
+    Mutation("scoring: vnorm keeps the smallest values", "kernels/scoring/vnorm.py",
+             "return with_window(norms.transpose(0, 1), params.window), None",
+             "return with_window(-norms.transpose(0, 1), params.window), None",
+             tests=SCORING_TESTS),
+    Mutation("scoring: snapkv max-pools instead of averaging", "kernels/scoring/snapkv.py",
+             "pooled = torch.nn.functional.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2)",
+             "pooled = torch.nn.functional.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)",
+             tests=SCORING_TESTS),
+    Mutation("scoring: rkv weighs attention and redundancy the other way round",
+             "kernels/scoring/rkv.py", "lambda_weight=RKV_LAMBDA,", "lambda_weight=1 - RKV_LAMBDA,",
+             tests=SCORING_TESTS),
+    Mutation("scoring: random draws the same for every head", "kernels/scoring/random_choice.py",
+             "state = (seed & _MASK) ^ ((head << 40) + position)",
+             "state = (seed & _MASK) ^ (head * 0 + position)", tests=SCORING_TESTS),
+    Mutation("scoring: a request's own policy ignored (the deployment's runs)", "zipage/scoring.py",
+             "return default if own is None else own", "return default", tests=SCORING_TESTS),
 ]
 
 # The CI property tests of the core and the witness traces, run separately so the report says
@@ -294,7 +323,8 @@ MUTATIONS = [
 TESTS = {"property tests": "tests/test_core_properties.py",
          "witness traces": "tests/test_preemption_witnesses.py",
          "rule witnesses": "tests/test_core_rules_witnesses.py",
-         "fork witnesses": "tests/test_core_forks.py"}
+         "fork witnesses": "tests/test_core_forks.py",
+         "scoring tests": "tests/test_scoring.py tests/test_scoring_per_request.py"}
 TIMEOUT_S = 900
 
 
@@ -342,11 +372,11 @@ def make_copy(tmp: Path) -> tuple[Path, Path]:
 
 
 def run_tests(tmp: Path, src: Path, tests: str) -> tuple[bool, str]:
-    """Run a test file against the copy; (passed, the first failure and why)."""
+    """Run test files (space-separated) against the copy; (passed, the first failure and why)."""
     env = dict(os.environ, PYTHONPATH=str(src), PYTHONDONTWRITEBYTECODE="1", COLUMNS="250",
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-               "-o", "addopts=", "-rfE", "--hypothesis-profile=mutation", tests]
+               "-o", "addopts=", "-rfE", "--hypothesis-profile=mutation", *tests.split()]
     try:
         result = subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True,
                                 timeout=TIMEOUT_S)

@@ -145,6 +145,22 @@ def test_a_freed_slot_goes_to_the_foremost_request_without_one():
     assert trace.preemptions() == []
 
 
+def test_hybrid_lends_a_request_reserved_blocks_once():
+    """One slot: a holds it (N_max 5 blocks: the whole pool) and grows; b and c borrow the blocks
+    a has not claimed yet. At step 13 a needs one: c, the last without a slot, is preempted. When
+    b finishes (step 20) its blocks are still a's reservation, so c, preempted once, is not
+    re-admitted into them (it would be preempted again at step 26): it waits until blocks nobody
+    reserved are free, when a is done (docs/architecture.md, 'Scheduling': a request borrows
+    once, zipage/core/lending.py)."""
+    trace = run_trace([("a", own("a", 8), 60, 0), ("b", own("b", 4), 20, 0),
+                       ("c", own("c", 20), 20, 0)],
+                      budget=4 * B, num_blocks=5, num_slots=1, hybrid=True)
+    assert trace.preemptions() == [(13, ["c"])]
+    readmitted = [step for step in trace.steps
+                  if any(item.seq.seq_id == "c" for item in step.plan.prefill)][1]
+    assert readmitted.plan.step_id > 20 and "a" not in readmitted.running
+
+
 # ---------------------------------------------------------------- prefix cache
 
 

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable
 
 from zipage.config import ZipageConfig
+from zipage.core import lending
 from zipage.core.block_manager import BlockManager
 from zipage.core.sequence import Sequence
 from zipage.core.slots import QuerySlots
@@ -65,8 +66,10 @@ class PrefillPlanner:
             takes_slot = self.compress and self.slots.can_take(seq)
             if self.compress and not takes_slot:
                 # Hybrid scheduling admits a request without a slot only if it will not write
-                # window queries before a slot can reach it.
-                if not config.hybrid or self.slots.needs_slot_to_start(seq, num_tokens):
+                # window queries before a slot can reach it (and, after a preemption, only into
+                # blocks nobody reserved: `may_borrow`).
+                if (not config.hybrid or self.slots.needs_slot_to_start(seq, num_tokens)
+                        or not self.may_borrow(seq, cached)):
                     return seq
             if not self.block_manager.can_allocate_prefill(cached, num_tokens):
                 return seq
@@ -91,11 +94,20 @@ class PrefillPlanner:
             return False
         head = self.waiting[0]
         tokens = head.num_tokens
-        if self.compress and not self.slots.can_take(head) and (
-                not self.config.hybrid or self.slots.needs_slot_to_start(head, tokens)):
-            return False
         manager = self.block_manager
-        return not manager.can_allocate_prefill(manager.cached_prefix_blocks(head, tokens), tokens)
+        cached = manager.cached_prefix_blocks(head, tokens)
+        if self.compress and not self.slots.can_take(head) and (
+                not self.config.hybrid or self.slots.needs_slot_to_start(head, tokens)
+                or not self.may_borrow(head, cached)):
+            return False
+        return not manager.can_allocate_prefill(cached, tokens)
+
+    def may_borrow(self, seq: Sequence, cached: list[int]) -> bool:
+        """Hybrid admission without a slot: a first admission may take blocks the slot holders
+        reserved; a request preempted before only blocks nobody reserved (zipage/core/lending.py:
+        re-admitted on the same terms it is preempted again, up to 20 times on amc23)."""
+        return not seq.num_preemptions or lending.fits_unreserved(
+            seq, cached, self.running, self.block_manager)
 
     def plan_chunk(self, plan: StepPlan, seq: Sequence, end: int) -> None:
         """Compute entries [seq.kv_len, end) of `seq` in this step.
@@ -144,7 +156,8 @@ class PrefillPlanner:
                 break
             takes_slot = self.compress and slots.can_take(seq)
             if self.compress and not takes_slot and (
-                    not self.config.hybrid or slots.needs_slot_to_start(seq, prompt_len)):
+                    not self.config.hybrid or slots.needs_slot_to_start(seq, prompt_len)
+                    or not self.may_borrow(seq, leader.block_table[:full])):
                 break
             partial = prompt_len % b != 0
             if partial and manager.num_free_blocks < 1:
