@@ -9,6 +9,7 @@ tail of that log (the server's own error).
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -111,3 +112,13 @@ def serving(args: list[str], log: Path, timeout_s: float, poll_s: float = 0.2,
         yield served
     finally:
         stop_server(served)
+
+
+def replica_series(url: str, name: str) -> dict[str, float]:
+    """replica -> value of one zipage: metric of a replicated server (summed over its other labels)."""
+    values: dict[str, float] = {}
+    text = httpx.get(url + "/metrics", timeout=10).text
+    for labels, value in re.findall(rf"^zipage:{name}\{{([^}}]*)\}}\s+(\S+)$", text, re.M):
+        replica = re.search(r'replica="(\d+)"', labels).group(1)
+        values[replica] = values.get(replica, 0.0) + float(value)
+    return values

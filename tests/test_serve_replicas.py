@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from zipage.core.routing import ReplicaLoad
 pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
-from serve_helpers import free_port  # noqa: E402
+from serve_helpers import free_port, replica_series  # noqa: E402
 from test_serve_process import ENV, FLAGS, MODEL, _alive, _children, _wait_for  # noqa: E402
 
 from zipage.errors import ConfigError  # noqa: E402
@@ -204,16 +203,6 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _series(url: str, name: str) -> dict[str, float]:
-    """replica -> value of one metric (summed over its other labels)."""
-    values: dict[str, float] = {}
-    text = httpx.get(url + "/metrics", timeout=10).text
-    for labels, value in re.findall(rf"^zipage:{name}\{{([^}}]*)\}}\s+(\S+)$", text, re.M):
-        replica = re.search(r'replica="(\d+)"', labels).group(1)
-        values[replica] = values.get(replica, 0.0) + float(value)
-    return values
-
-
 def _complete(url: str, prompt: list[int], tokens: int = 2) -> dict:
     reply = httpx.post(url + "/v1/completions", timeout=120, json={
         "prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "temperature": 0})
@@ -231,12 +220,12 @@ def test_health_lists_each_replica(served):
 
 
 def test_shared_prefix_stays_on_one_replica_and_metrics_add_up(served):
-    before = _series(served.url, "requests_routed_total")
-    finished_before = sum(_series(served.url, "request_success_total").values())
+    before = replica_series(served.url, "requests_routed_total")
+    finished_before = sum(replica_series(served.url, "request_success_total").values())
     system = list(range(1, 3 * BLOCK + 1))
     for turn in range(5):
         _complete(served.url, system + [100 + turn] * 5)
-    after = _series(served.url, "requests_routed_total")
+    after = replica_series(served.url, "requests_routed_total")
     moved = {replica: after[replica] - before.get(replica, 0.0) for replica in after}
     assert sorted(moved.values()) == [0.0, 5.0], moved  # all five on one replica
     # Two requests at once with nothing shared: the second goes to the other (least loaded).
@@ -248,11 +237,11 @@ def test_shared_prefix_stays_on_one_replica_and_metrics_add_up(served):
                                           for body in bodies))
 
     assert [reply.status_code for reply in asyncio.run(both())] == [200, 200]
-    last = _series(served.url, "requests_routed_total")
+    last = replica_series(served.url, "requests_routed_total")
     assert all(last[replica] - after[replica] == 1.0 for replica in ("0", "1")), (after, last)
-    finished = sum(_series(served.url, "request_success_total").values())
+    finished = sum(replica_series(served.url, "request_success_total").values())
     assert finished - finished_before == 7
-    tokens = _series(served.url, "generation_tokens_total")
+    tokens = replica_series(served.url, "generation_tokens_total")
     assert set(tokens) == {"0", "1"} and all(value > 0 for value in tokens.values())
 
 
@@ -270,7 +259,7 @@ def test_a_killed_replica_fails_alone_and_comes_back(served):
                 lines = [first.aiter_lines(), second.aiter_lines()]
                 heads = [await anext(lines[0]), await anext(lines[1])]
                 # Each stream runs on its own replica (least loaded, nothing shared).
-                running = _series(url, "num_requests_running")
+                running = replica_series(url, "num_requests_running")
                 assert running == {"0": 1.0, "1": 1.0}, running
                 os.kill(pids[0], signal.SIGKILL)
                 health = (await http.get("/health")).json()
@@ -292,12 +281,12 @@ def test_a_killed_replica_fails_alone_and_comes_back(served):
     _wait_for(lambda: _healthy(url), 120, "the killed replica to come back")
     replicas = httpx.get(url + "/health", timeout=10).json()["replicas"]
     assert replicas[0]["pid"] != pids[0] and replicas[1]["pid"] == pids[1]
-    assert _series(url, "engine_restarts_total") == {"0": 1.0, "1": 0.0}
+    assert replica_series(url, "engine_restarts_total") == {"0": 1.0, "1": 0.0}
     assert "replica 0: engine process" in served.log.read_text()
-    before = _series(url, "requests_routed_total")
+    before = replica_series(url, "requests_routed_total")
     for index in range(2):  # one after the other: each ties on load and goes to replica 0
         _complete(url, [400 + index] * 3, tokens=4)
-    after = _series(url, "requests_routed_total")
+    after = replica_series(url, "requests_routed_total")
     assert after["0"] - before["0"] == 2  # the new engine process serves
 
 
@@ -319,12 +308,12 @@ def test_a_session_stays_on_its_replica_over_http(tmp_path):
 
         def turn(session: str | None, token: int) -> str:
             """The replica that served one request of `session`."""
-            before = _series(url, "requests_routed_total")
+            before = replica_series(url, "requests_routed_total")
             body = {"prompt": [token] * 20, "max_tokens": 1, "ignore_eos": True,
                     "session_id": session}
             reply = httpx.post(url + "/v1/completions", timeout=120, json=body)
             assert reply.status_code == 200, reply.text
-            after = _series(url, "requests_routed_total")
+            after = replica_series(url, "requests_routed_total")
             (replica,) = [name for name in after if after[name] != before.get(name, 0.0)]
             return replica
 
@@ -337,12 +326,12 @@ def test_a_session_stays_on_its_replica_over_http(tmp_path):
                 async with http.stream("POST", "/v1/completions", json=body) as stream:
                     lines = stream.aiter_lines()
                     await anext(lines)  # running (on replica 0: a tie goes to the lowest)
-                    busy = {name for name, value in _series(url, "num_requests_running").items()
+                    busy = {name for name, value in replica_series(url, "num_requests_running").items()
                             if value}
                     sent = await asyncio.to_thread(lambda: (
                         [turn("chat-a", 12 + index) for index in range(2)],
                         turn("chat-b", 21)))
-                    running = _series(url, "num_requests_running")[first]
+                    running = replica_series(url, "num_requests_running")[first]
             return busy, sent, running
 
         busy, (a_turns, b_first), running = asyncio.run(while_busy())

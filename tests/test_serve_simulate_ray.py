@@ -31,7 +31,7 @@ httpx = pytest.importorskip("httpx")
 if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("tokenizers") is None:
     pytest.skip("the twin's tokenizer needs transformers (pip install 'zipage[serve]')",
                 allow_module_level=True)
-from serve_helpers import Served, free_port, one_thread_env, wait_healthy  # noqa: E402
+from serve_helpers import Served, free_port, one_thread_env, replica_series, wait_healthy  # noqa: E402
 from test_cli_errors import assert_one_line_error, run_cli  # noqa: E402
 
 # Ports a new local Ray instance takes for itself once started (its dashboard agent's), which a
@@ -104,16 +104,6 @@ def served(tmp_path_factory):
                 served.process.wait()
 
 
-def _series(url: str, name: str) -> dict[str, float]:
-    """replica -> value of one zipage: metric (summed over its other labels)."""
-    values: dict[str, float] = {}
-    text = httpx.get(url + "/metrics", timeout=10).text
-    for labels, value in re.findall(rf"^zipage:{name}\{{([^}}]*)\}}\s+(\S+)$", text, re.M):
-        replica = re.search(r'replica="(\d+)"', labels).group(1)
-        values[replica] = values.get(replica, 0.0) + float(value)
-    return values
-
-
 def _post(url: str, route: str, body: dict) -> tuple[list[int], str, str, dict]:
     """(token ids (completions only), text, finish reason, usage) of one request's only choice,
     streamed or not."""
@@ -148,7 +138,7 @@ def test_twins_on_ray_serve_completions_and_chat(served):
                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w3"}],
                                           "stream": True,
                                           "stream_options": {"include_usage": True}})]
-    before = {name: _series(url, name) for name in ("requests_routed_total",
+    before = {name: replica_series(url, name) for name in ("requests_routed_total",
                                                      "generation_tokens_total")}
     for route, body in requests:
         ids, text, finish, usage = _post(url, route, {**body, "max_tokens": tokens})
@@ -160,15 +150,15 @@ def test_twins_on_ray_serve_completions_and_chat(served):
         if route == "/v1/completions":
             assert len(ids) == tokens and max(ids) < VOCAB - len(SPECIAL), ids
     # Round-robin: the four requests went two to each replica, whose twins made their tokens.
-    routed, generated = (_series(url, name) for name in ("requests_routed_total",
+    routed, generated = (replica_series(url, name) for name in ("requests_routed_total",
                                                           "generation_tokens_total"))
     for replica in ("0", "1"):
         assert routed[replica] - before["requests_routed_total"].get(replica, 0) == 2, routed
         assert (generated[replica] - before["generation_tokens_total"].get(replica, 0)
                 == 2 * tokens), generated
     # The engine's /metrics, the twin's lag among them: each rank's, from its replica's reports.
-    assert set(_series(url, "twin_lag_seconds_total")) == {"0", "1"}
-    assert _series(url, "replica_healthy") == {"0": 1.0, "1": 1.0}
+    assert set(replica_series(url, "twin_lag_seconds_total")) == {"0", "1"}
+    assert replica_series(url, "replica_healthy") == {"0": 1.0, "1": 1.0}
 
 
 def test_the_twin_refuses_logprobs_through_ray(served):
