@@ -98,7 +98,7 @@ def compress(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torch.Te
         compress_ref(*arguments, num_target_blocks=num_target_blocks, **scales, seeds=seeds,
                      scorer=policy.reference)
         return
-    policy.triton(*arguments, num_target_blocks=num_target_blocks, **scales)
+    policy.triton(*arguments, num_target_blocks=num_target_blocks, **scales, seeds=seeds)
 
 
 __all__ = ["CompressionParams", "compress"]

@@ -1063,9 +1063,10 @@ def compress_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: t
                     target_tables: torch.Tensor, query_slots: torch.Tensor, is_compressed: torch.Tensor,
                     params: CompressionParams, scale: float, *,
                     num_target_blocks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> None:
+                    v_scale: torch.Tensor | None = None, seeds: torch.Tensor | None = None) -> None:
     """Compress a batch of requests over a group of layers; arguments and semantics of ``compress_ref`` (an FP8
-    cache comes with its scales: the scores read the keys with theirs, the compaction moves both)."""
+    cache comes with its scales: the scores read the keys with theirs, the compaction moves both). `seeds`:
+    the requests' seeds, which every fast path takes (the pipeline draws nothing; the random policy's uses them)."""
     _check_inputs(k_cache, v_cache, score_cache, query_cache, params)
     if (k_cache.dtype == torch.float8_e4m3fn) != (k_scale is not None) or (k_scale is None) != (v_scale is None):
         needed = "both" if k_cache.dtype == torch.float8_e4m3fn else "no"

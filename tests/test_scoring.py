@@ -239,20 +239,118 @@ def test_fast_paths_under_the_interpreter():
     run_test_file_under_interpreter(__file__)
 
 
-@under_interpreter
-@pytest.mark.parametrize("name", [name for name, policy in SCORERS.items()
-                                  if policy.triton is not None and name != "zipage"])
-def test_fast_path_matches_the_reference(name):
-    batch = numbered_batch()
+def ragged_batch(layers: int = 2, seed: int = 3) -> CompressionInputs:
+    """Three requests of 2, 4 and 3 source blocks (2 and 3 kept in place, 1 to 3 targets) over a
+    random cache whose block 0, which no request owns but every padded table entry (-1) would
+    read, holds NaN: a fast path that let padding into a score, a mean or a norm would differ."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (layers, 12, BLOCK, KV_HEADS, DIM)
+    keys, values = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+    keys[:, 0], values[:, 0] = float("nan"), float("nan")
+    return CompressionInputs(
+        k_cache=keys, v_cache=values, score_cache=None,
+        query_cache=torch.randn(layers, 3, WINDOW, HEADS, DIM, generator=generator),
+        source_tables=torch.tensor([[2, 3, -1, -1], [4, 5, 6, 7], [8, 9, 10, -1]],
+                                   dtype=torch.int32),
+        num_source_blocks=torch.tensor([2, 4, 3], dtype=torch.int32),
+        target_tables=torch.tensor([[11, -1, -1], [4, 5, 6], [1, 8, -1]], dtype=torch.int32),
+        query_slots=torch.tensor([0, 1, 2]), is_compressed=torch.tensor([False, True, False]),
+        num_target_blocks=torch.tensor([1, 3, 2], dtype=torch.int32),
+        seeds=torch.tensor([5, 6, 7]))
+
+
+FAST_PATHS = [name for name, policy in SCORERS.items()
+              if policy.triton is not None and name != "zipage"]
+
+
+@in_parent
+def test_every_policy_has_a_fast_path():
+    assert all(policy.triton is not None for policy in SCORERS.values())
+
+
+@in_parent
+def test_keydiff_batched_anchor_leaves_out_each_requests_padding():
+    """`keydiff.batch_scores` on a padded batch equals the reference on each request's own keys,
+    whatever the padding holds (here keys far larger than the real ones, all one way)."""
+    from zipage.kernels.scoring import keydiff
+
+    generator = torch.Generator().manual_seed(4)
+    lengths = (2 * BLOCK, 4 * BLOCK, 3 * BLOCK)
+    keys = 1e3 * torch.ones(len(lengths), 4 * BLOCK, KV_HEADS, DIM)
+    own = [torch.randn(length, KV_HEADS, DIM, generator=generator) for length in lengths]
+    for request, request_keys in enumerate(own):
+        keys[request, :len(request_keys)] = request_keys
+    valid = torch.arange(4 * BLOCK)[None, :] < torch.tensor(lengths)[:, None]
+    batched = keydiff.batch_scores(keys, valid)
+    for request, request_keys in enumerate(own):
+        inputs = dataclasses.replace(score_inputs(), keys=request_keys)
+        expected, _ = keydiff.reference(inputs, params("keydiff"))
+        length = len(request_keys)
+        torch.testing.assert_close(batched[request, :, :length - WINDOW],
+                                   expected[:, :-WINDOW], rtol=0, atol=ATOL)
+
+
+def compressed_both_ways(batch: CompressionInputs, name: str
+                         ) -> tuple[CompressionInputs, CompressionInputs]:
     fast = run(batch, name)  # TRITON_INTERPRET=1: the policy's fast path
     reference = batch.clone()
-    own = params(name)
-    compress_ref(*reference.arguments(own, DIM**-0.5), num_target_blocks=reference.num_target_blocks,
+    compress_ref(*reference.arguments(params(name), DIM**-0.5),
+                 num_target_blocks=reference.num_target_blocks, seeds=reference.seeds,
+                 k_scale=reference.k_scale, v_scale=reference.v_scale,
                  scorer=SCORERS[name].reference)
-    # The scores differ by float32 rounding, far from any tie at the cut on random keys, so the
-    # kept sets and the moved entries are the same.
-    for name_ in ("k_cache", "v_cache", "score_cache"):
-        assert torch.equal(getattr(fast, name_), getattr(reference, name_))
+    return fast, reference
+
+
+def assert_same_caches(fast: CompressionInputs, reference: CompressionInputs) -> None:
+    """The compaction moves entries without arithmetic, so the same kept sets give the same
+    bytes: the caches are compared exactly (tolerance 0; NaN, in blocks no request owns, equals
+    NaN)."""
+    for name in ("k_cache", "v_cache", "score_cache", "k_scale", "v_scale"):
+        if getattr(reference, name) is None:
+            continue
+        torch.testing.assert_close(getattr(fast, name).float(), getattr(reference, name).float(),
+                                   rtol=0, atol=0, equal_nan=True)
+
+
+@under_interpreter
+@pytest.mark.parametrize("name", FAST_PATHS)
+def test_fast_path_matches_the_reference(name):
+    # The scores differ by float32 rounding at most (ATOL), far from any tie at the cut on these
+    # keys, so the kept sets and the moved entries are the same.
+    assert_same_caches(*compressed_both_ways(numbered_batch(), name))
+
+
+@under_interpreter
+@pytest.mark.parametrize("name", FAST_PATHS)
+def test_fast_path_matches_the_reference_on_ragged_requests(name):
+    batch = ragged_batch()
+    fast, reference = compressed_both_ways(batch, name)
+    assert_same_caches(fast, reference)
+    # The compression did move entries (the comparison is not of two untouched caches).
+    assert not torch.equal(fast.k_cache[:, 11], batch.k_cache[:, 11])
+
+
+@under_interpreter
+@pytest.mark.parametrize("name", ["streaming", "random", "keydiff", "vnorm"])
+def test_fast_path_matches_the_reference_on_an_fp8_cache(name):
+    from zipage.kernels.kv_quant_ref import quantize_kv
+
+    batch = ragged_batch()
+    batch.k_cache[:, 0], batch.v_cache[:, 0] = 0.0, 0.0  # e4m3fn has no NaN to spare
+    (k_cache, k_scale), (v_cache, v_scale) = quantize_kv(batch.k_cache), quantize_kv(batch.v_cache)
+    fp8 = dataclasses.replace(batch, k_cache=k_cache, v_cache=v_cache, k_scale=k_scale,
+                              v_scale=v_scale)
+    assert_same_caches(*compressed_both_ways(fp8, name))
+
+
+@under_interpreter
+def test_random_fast_path_seeds_each_request_and_layer():
+    batch = numbered_batch()
+    first = run(batch, "random")
+    other = run(dataclasses.replace(batch, seeds=torch.tensor([11, 13])), "random")
+    assert kept_positions(other, 0, 0, 0) == kept_positions(first, 0, 0, 0)
+    assert kept_positions(other, 1, 0, 0) != kept_positions(first, 1, 0, 0)
+    assert kept_positions(first, 0, 0, 0) != kept_positions(first, 0, 1, 0)
 
 
 # ------------------------------------------------------------------ the knob, memory, cost

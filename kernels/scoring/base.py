@@ -72,3 +72,35 @@ def batch_window(scores: torch.Tensor, num_source_blocks: torch.Tensor,
     lengths = (num_source_blocks.to(torch.int64) * params.block_size).view(1, -1, 1, 1)
     scores = scores.masked_fill(positions >= lengths - params.window, float("inf"))
     return scores.masked_fill(positions >= lengths, float("-inf"))
+
+
+def check_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                 v_scale: torch.Tensor | None) -> None:
+    """An fp8 cache comes with both scales, any other with none (as `compress_triton` checks)."""
+    from zipage.kernels.kv_quant_ref import is_fp8
+
+    if is_fp8(k_cache) != (k_scale is not None) or (k_scale is None) != (v_scale is None):
+        needed = "both" if is_fp8(k_cache) else "no"
+        raise ValueError(f"a {k_cache.dtype} KV cache takes {needed} k_scale and v_scale")
+
+
+def batch_entries(cache: torch.Tensor, scales: torch.Tensor | None, source_tables: torch.Tensor,
+                  layer: int) -> torch.Tensor:
+    """float32 [R, N b, Hkv, d]: the K or V entries of one layer of the group (`cache`
+    [L, num_blocks, b, Hkv, d]) for every request's source blocks, gathered on the device; an fp8
+    cache's dequantized with its `scales` [L, num_blocks, b, Hkv] (as the reference reads them).
+    A request's padding (-1 past its own blocks) reads block 0: mask it by the request's length."""
+    from zipage.kernels.kv_quant_ref import dequantize_kv
+
+    tables = source_tables.clamp(min=0).long()
+    entries = cache[layer][tables]  # [R, N, b, Hkv, d]
+    entry_scales = None if scales is None else scales[layer][tables]
+    return dequantize_kv(entries, entry_scales).flatten(1, 2)
+
+
+def batch_valid(num_source_blocks: torch.Tensor, width: int, params: CompressionParams
+                ) -> torch.Tensor:
+    """bool [R, width]: which positions of each request lie within its own length (on the device)."""
+    positions = torch.arange(width, device=num_source_blocks.device)
+    lengths = num_source_blocks.to(torch.int64) * params.block_size
+    return positions[None, :] < lengths[:, None]

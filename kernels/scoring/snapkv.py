@@ -42,7 +42,7 @@ def reference(inputs: ScoreInputs, params: CompressionParams):
 
 def triton(k_cache, v_cache, score_cache, query_cache, source_tables, num_source_blocks,
            target_tables, query_slots, is_compressed, params, scale, *, num_target_blocks=None,
-           k_scale=None, v_scale=None) -> None:
+           k_scale=None, v_scale=None, seeds=None) -> None:
     """The attention kernel of the pipeline, the pooling in torch on the whole batch."""
     from zipage.kernels.compress_triton import attention_scores_triton
 
