@@ -30,10 +30,10 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("ray.serve")
 httpx = pytest.importorskip("httpx")
-from serve_helpers import free_port  # noqa: E402
+from serve_helpers import free_port, replica_series  # noqa: E402
 from test_serve import GGUF  # noqa: E402
 from test_serve_process import ENV, MODEL, _wait_for  # noqa: E402
-from test_serve_replicas import BLOCK, _complete, _series, start_two_replicas  # noqa: E402
+from test_serve_replicas import BLOCK, _complete, start_two_replicas  # noqa: E402
 
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_free")
 
@@ -114,17 +114,17 @@ def served(tmp_path_factory):
 def test_ray_replicas_route_by_policy_and_report_metrics(served):
     url = served.url
     assert _running(url) == 2 and len(_engines(served.process.pid)) == 2
-    before = _series(url, "requests_routed_total")
+    before = replica_series(url, "requests_routed_total")
     system = list(range(1, 3 * BLOCK + 1))
     for turn in range(4):
         _complete(url, system + [100 + turn] * 5)
-    after = _series(url, "requests_routed_total")
+    after = replica_series(url, "requests_routed_total")
     moved = sorted(after.get(replica, 0.0) - before.get(replica, 0.0) for replica in ("0", "1"))
     assert moved == [0.0, 4.0], (before, after)
 
 
 def _gauges(url: str) -> dict[str, dict[str, float]]:
-    return {name: _series(url, name) for name in GAUGES}
+    return {name: replica_series(url, name) for name in GAUGES}
 
 
 def test_ray_gauges_follow_each_replica(served):
@@ -146,14 +146,14 @@ def test_ray_gauges_follow_each_replica(served):
     async def main():
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
             async with two_streams(http, first_token=700, prompt_len=40, max_tokens=3000) as (lines, heads):
-                routed = _series(url, "requests_routed_total")
+                routed = replica_series(url, "requests_routed_total")
                 deadline, during = time.monotonic() + 20, _gauges(url)
                 while not all_replicas(during, 1, True) and time.monotonic() < deadline:
                     await asyncio.sleep(0.3)
                     during = _gauges(url)
             return heads, routed, during  # leaving the streams aborts both requests
 
-    before = _series(url, "requests_routed_total")
+    before = replica_series(url, "requests_routed_total")
     heads, routed, during = asyncio.run(main())
     assert all(head.startswith("data: {") for head in heads)
     assert all(routed[replica] - before.get(replica, 0.0) == 1.0 for replica in ("0", "1"))
@@ -172,8 +172,8 @@ def test_n_samples_run_on_one_ray_replica(served, route):
             else {"messages": [{"role": "user", "content": "Name three colours."}]})
     body.update(n=3, max_tokens=tokens, ignore_eos=True, temperature=1.0)
     for stream in (False, True):
-        routed, generated = (_series(url, "requests_routed_total"),
-                             _series(url, "generation_tokens_total"))
+        routed, generated = (replica_series(url, "requests_routed_total"),
+                             replica_series(url, "generation_tokens_total"))
         reply = httpx.post(url + route, json={**body, "stream": stream}, timeout=120)
         assert reply.status_code == 200, reply.text
         if stream:
@@ -189,8 +189,8 @@ def test_n_samples_run_on_one_ray_replica(served, route):
                         for choice in reply.json()["choices"]}
         assert finished == {0: "length", 1: "length", 2: "length"}, (stream, reply.text[-2000:])
         # One request routed, its three samples' tokens all generated on that replica.
-        routed_now = _series(url, "requests_routed_total")
-        generated_now = _series(url, "generation_tokens_total")
+        routed_now = replica_series(url, "requests_routed_total")
+        generated_now = replica_series(url, "generation_tokens_total")
         moved = {replica: (routed_now[replica] - routed.get(replica, 0.0),
                            generated_now.get(replica, 0.0) - generated.get(replica, 0.0))
                  for replica in ("0", "1")}
@@ -204,13 +204,13 @@ def test_a_killed_ray_replica_fails_alone_and_is_replaced(served):
     async def main():
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
             async with two_streams(http, first_token=300, prompt_len=20, max_tokens=150) as (lines, heads):
-                routed = _series(url, "requests_routed_total")
+                routed = replica_series(url, "requests_routed_total")
                 os.kill(engines[0], signal.SIGKILL)
                 rests = [[line async for line in stream if line] for stream in lines]
             return heads, routed, rests
 
-    before = _series(url, "requests_routed_total")
-    restarts = _series(url, "engine_restarts_total")
+    before = replica_series(url, "requests_routed_total")
+    restarts = replica_series(url, "engine_restarts_total")
     heads, routed, rests = asyncio.run(main())
     assert all(head.startswith("data: {") for head in heads)
     # Least-loaded (nothing shared): one stream on each replica.
@@ -227,8 +227,8 @@ def test_a_killed_ray_replica_fails_alone_and_is_replaced(served):
     for index in range(3):
         assert _complete(url, [500 + index] * 3)["choices"][0]["finish_reason"] == "length"
     # /metrics counts the replacement as that rank's restart, and both ranks healthy again.
-    _wait_for(lambda: sum(_series(url, "engine_restarts_total").values())
-              - sum(restarts.values()) == 1 and _series(url, "replica_healthy") == {
+    _wait_for(lambda: sum(replica_series(url, "engine_restarts_total").values())
+              - sum(restarts.values()) == 1 and replica_series(url, "replica_healthy") == {
                   "0": 1.0, "1": 1.0}, 30, "/metrics to count the replaced replica")
 
 
