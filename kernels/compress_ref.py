@@ -45,6 +45,8 @@ from zipage.kernels.kv_quant_ref import dequantize_kv
 from zipage.scoring import DEFAULT_SCORING
 
 _KNOBS = ZipageConfig()  # the knobs' defaults are declared once, on ZipageConfig
+# A compression's seed for layer l of its group: seed * LAYER_SEED_STRIDE + l (one per layer).
+LAYER_SEED_STRIDE = 1_000_003
 
 
 @dataclass(frozen=True)
@@ -304,8 +306,7 @@ def compress_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, score_cache: torc
                         if score_cache is not None else None)
             inputs = ScoreInputs(
                 keys, query_cache[layer, slot], previous, compressed, scale,
-                # One seed per (compression, layer of the group).
-                seed * 1_000_003 + layer, reduce_group_max,
+                seed * LAYER_SEED_STRIDE + layer, reduce_group_max,
                 lambda layer=layer: _entries(v_cache, v_scale, layer, source))
             scores, stored = scorer(inputs, params)
             write_kept_entries(k_cache[layer], v_cache[layer],

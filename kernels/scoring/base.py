@@ -64,6 +64,19 @@ def keep_and_compact(final: torch.Tensor, stored: torch.Tensor | None, k_cache: 
                    global_score, num_target_blocks, k_scale, v_scale)
 
 
+def compact_by_scores(scores: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      score_cache: torch.Tensor | None, source_tables: torch.Tensor,
+                      num_source_blocks: torch.Tensor, target_tables: torch.Tensor,
+                      params: CompressionParams, num_target_blocks: torch.Tensor | None,
+                      k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    """The end of a fast path that keeps no global scores: a batch's scores [L, R, Hkv, N b]
+    windowed (`batch_window`), then top-k and the compaction (`keep_and_compact`)."""
+    final = batch_window(scores, num_source_blocks, params)
+    keep_and_compact(final, None, k_cache, v_cache, score_cache, source_tables,
+                     num_source_blocks, target_tables, params, num_target_blocks, k_scale,
+                     v_scale)
+
+
 def batch_window(scores: torch.Tensor, num_source_blocks: torch.Tensor,
                  params: CompressionParams) -> torch.Tensor:
     """A batch's scores [L, R, Hkv, N b] with each request's last w entries at +inf and the

@@ -19,9 +19,8 @@ from zipage.kernels.scoring.base import (
     ScoringPolicy,
     batch_entries,
     batch_valid,
-    batch_window,
     check_scales,
-    keep_and_compact,
+    compact_by_scores,
     with_window,
     without_global_score,
 )
@@ -57,10 +56,9 @@ def batched_torch(k_cache, v_cache, score_cache, query_cache, source_tables, num
     scores = torch.stack([
         batch_scores(batch_entries(k_cache, k_scale, source_tables, layer), valid)
         for layer in range(k_cache.shape[0])])  # [L, R, Hkv, N b]
-    final = batch_window(scores, num_source_blocks, params)
-    keep_and_compact(final, None, k_cache, v_cache, score_cache, source_tables,
-                     num_source_blocks, target_tables, params, num_target_blocks, k_scale,
-                     v_scale)
+    compact_by_scores(scores, k_cache, v_cache, score_cache, source_tables,
+                      num_source_blocks, target_tables, params, num_target_blocks, k_scale,
+                      v_scale)
 
 
 POLICY = ScoringPolicy("keydiff", reference, without_global_score, batched_torch)

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from zipage.kernels.compress_ref import CompressionParams, ScoreInputs
+from zipage.kernels.compress_ref import LAYER_SEED_STRIDE, CompressionParams, ScoreInputs
 from zipage.kernels.scoring.base import (
     ScoringPolicy,
-    batch_window,
     check_scales,
-    keep_and_compact,
+    compact_by_scores,
     with_window,
     without_global_score,
 )
@@ -28,8 +27,6 @@ from zipage.kernels.scoring.base import (
 _MASK = (1 << 62) - 1  # keeps every intermediate non-negative, so shifts are logical
 _MULTIPLIER = 0x5851F42D4C957F2D & _MASK  # odd: a bijection modulo 2^62
 _FRACTION_BITS = 24  # a float32 holds 24 bits exactly
-# A compression's seed for layer l of its group is seed * _LAYER_STRIDE + l (`compress_ref`).
-_LAYER_STRIDE = 1_000_003
 
 
 def uniform_hash(seed: int | torch.Tensor, kv_heads: int, length: int,
@@ -66,12 +63,11 @@ def batched_torch(k_cache, v_cache, score_cache, query_cache, source_tables, num
     own = (torch.zeros(requests, dtype=torch.int64, device=device) if seeds is None
            else seeds.to(device=device, dtype=torch.int64))
     layer = torch.arange(layers, dtype=torch.int64, device=device)[:, None]
-    seed = ((params.seed + own)[None, :] * _LAYER_STRIDE + layer).view(layers, requests, 1, 1)
+    seed = ((params.seed + own)[None, :] * LAYER_SEED_STRIDE + layer).view(layers, requests, 1, 1)
     scores = uniform_hash(seed, kv_heads, width, device)
-    final = batch_window(scores, num_source_blocks, params)
-    keep_and_compact(final, None, k_cache, v_cache, score_cache, source_tables,
-                     num_source_blocks, target_tables, params, num_target_blocks, k_scale,
-                     v_scale)
+    compact_by_scores(scores, k_cache, v_cache, score_cache, source_tables,
+                      num_source_blocks, target_tables, params, num_target_blocks, k_scale,
+                      v_scale)
 
 
 POLICY = ScoringPolicy("random", reference, without_global_score, batched_torch)

@@ -17,7 +17,7 @@ import dataclasses
 import torch
 
 from zipage.kernels.compress_ref import CompressionParams, ScoreInputs, attention_scores
-from zipage.kernels.scoring.base import ScoringPolicy, batch_window, keep_and_compact, with_window
+from zipage.kernels.scoring.base import ScoringPolicy, compact_by_scores, with_window
 
 SNAPKV_POOL_KERNEL = 5
 
@@ -53,10 +53,9 @@ def triton(k_cache, v_cache, score_cache, query_cache, source_tables, num_source
     positions = torch.arange(scores.shape[-1], device=scores.device)
     lengths = (num_source_blocks.to(torch.int64) * params.block_size).view(1, -1, 1, 1)
     scores = scores.masked_fill(positions >= lengths, 0.0)
-    final = batch_window(average_pool(scores, params.pool_kernel), num_source_blocks, params)
-    keep_and_compact(final, None, k_cache, v_cache, score_cache, source_tables,
-                     num_source_blocks, target_tables, params, num_target_blocks, k_scale,
-                     v_scale)
+    compact_by_scores(average_pool(scores, params.pool_kernel), k_cache, v_cache, score_cache,
+                      source_tables, num_source_blocks, target_tables, params,
+                      num_target_blocks, k_scale, v_scale)
 
 
 POLICY = ScoringPolicy("snapkv", reference, fixed, triton)

@@ -16,9 +16,8 @@ import torch
 from zipage.kernels.compress_ref import CompressionParams, ScoreInputs
 from zipage.kernels.scoring.base import (
     ScoringPolicy,
-    batch_window,
     check_scales,
-    keep_and_compact,
+    compact_by_scores,
     with_window,
     without_global_score,
 )
@@ -49,10 +48,9 @@ def batched_torch(k_cache, v_cache, score_cache, query_cache, source_tables, num
     layers, kv_heads = k_cache.shape[0], k_cache.shape[3]
     requests, width = source_tables.shape[0], source_tables.shape[1] * params.block_size
     scores = recency_scores(width, k_cache.device).expand(layers, requests, kv_heads, width)
-    final = batch_window(scores, num_source_blocks, params)
-    keep_and_compact(final, None, k_cache, v_cache, score_cache, source_tables,
-                     num_source_blocks, target_tables, params, num_target_blocks, k_scale,
-                     v_scale)
+    compact_by_scores(scores, k_cache, v_cache, score_cache, source_tables,
+                      num_source_blocks, target_tables, params, num_target_blocks, k_scale,
+                      v_scale)
 
 
 POLICY = ScoringPolicy("streaming", reference, without_global_score, batched_torch)

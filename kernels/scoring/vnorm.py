@@ -18,9 +18,8 @@ from zipage.kernels.compress_ref import CompressionParams, ScoreInputs
 from zipage.kernels.scoring.base import (
     ScoringPolicy,
     batch_entries,
-    batch_window,
     check_scales,
-    keep_and_compact,
+    compact_by_scores,
     with_window,
     without_global_score,
 )
@@ -40,10 +39,9 @@ def batched_torch(k_cache, v_cache, score_cache, query_cache, source_tables, num
     norms = torch.stack([
         batch_entries(v_cache, v_scale, source_tables, layer).norm(dim=-1).transpose(1, 2)
         for layer in range(v_cache.shape[0])])  # [L, R, Hkv, N b]
-    final = batch_window(norms, num_source_blocks, params)
-    keep_and_compact(final, None, k_cache, v_cache, score_cache, source_tables,
-                     num_source_blocks, target_tables, params, num_target_blocks, k_scale,
-                     v_scale)
+    compact_by_scores(norms, k_cache, v_cache, score_cache, source_tables,
+                      num_source_blocks, target_tables, params, num_target_blocks, k_scale,
+                      v_scale)
 
 
 POLICY = ScoringPolicy("vnorm", reference, without_global_score, batched_torch)
