@@ -18,20 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from zipage.core.admission import Admission
 from zipage.core.block_manager import BlockManager
 from zipage.core.sequence import Sequence
 
 
-def reservation(seq: Sequence, block_size: int) -> int:
+def reservation(seq: Sequence, admission: Admission) -> int:
     """The most blocks `seq` holds at once from here on: its slot's `slot_blocks`, or without a
-    slot its peak before it needs one (all its KV, or max(prompt blocks, N_max) if fewer)."""
+    slot its peak before it needs one (`Admission.peak_blocks` at its own N_max)."""
     if seq.query_slot is not None:
         return seq.slot_blocks
-    whole = -(-(seq.prompt_len + seq.max_output_tokens - 1) // block_size)
-    cap = -(-seq.prompt_len // block_size)
-    if seq.n_max > cap:
-        cap = seq.n_max
-    return whole if whole < cap else cap
+    return admission.peak_blocks(seq.prompt_len, seq.max_output_tokens, seq.n_max)
 
 
 def keeps_shared(seq: Sequence, block_size: int) -> int:
@@ -43,20 +40,20 @@ def keeps_shared(seq: Sequence, block_size: int) -> int:
     return len(seq.block_table) if whole <= seq.n_max else seq.pinned
 
 
-def future_blocks(seq: Sequence, refcount: list[int], block_size: int) -> int:
+def future_blocks(seq: Sequence, refcount: list[int], admission: Admission) -> int:
     """Blocks `seq` may still take from the free pool before it leaves: its reservation less the
     blocks it holds that stay its own."""
     table = seq.block_table
-    kept = min(keeps_shared(seq, block_size), len(table))
+    kept = min(keeps_shared(seq, admission.block_size), len(table))
     for block in table[kept:]:
         if refcount[block] == 1:
             kept += 1
-    grow = reservation(seq, block_size) - kept
+    grow = reservation(seq, admission) - kept
     return grow if grow > 0 else 0
 
 
 def fits_unreserved(seq: Sequence, cached: list[int], running: Iterable[Sequence],
-                    manager: BlockManager) -> bool:
+                    manager: BlockManager, admission: Admission) -> bool:
     """`seq` (waiting, `cached` its prefix blocks in the index) fits in the blocks that neither a
     running request holds nor one will take: the blocks in use plus every running request's
     `future_blocks` plus `seq`'s own need stay within the pool. O(blocks held): asked only for
@@ -64,9 +61,9 @@ def fits_unreserved(seq: Sequence, cached: list[int], running: Iterable[Sequence
     b, refcount = manager.block_size, manager.refcount
     committed = manager.num_used_blocks
     for other in running:
-        committed += future_blocks(other, refcount, b)
+        committed += future_blocks(other, refcount, admission)
     # Blocks another request holds that `seq` will map and keep are in use already.
     whole = -(-(seq.prompt_len + seq.max_output_tokens - 1) // b)
     keep = len(cached) if whole <= seq.n_max else min(seq.pinned, len(cached))
-    need = reservation(seq, b) - sum(1 for block in cached[:keep] if refcount[block] > 0)
+    need = reservation(seq, admission) - sum(1 for block in cached[:keep] if refcount[block] > 0)
     return committed + need <= manager.num_blocks

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from zipage.config import ZipageConfig
 from zipage.core import lending
+from zipage.core.admission import Admission
 from zipage.core.block_manager import BlockManager
 from zipage.core.sequence import Sequence
 from zipage.core.slots import QuerySlots
@@ -28,7 +29,7 @@ from zipage.core.waiting import PriorityWaiting
 
 class PrefillPlanner:
     def __init__(self, config: ZipageConfig, step_tokens: int, block_manager: BlockManager,
-                 slots: QuerySlots, waiting: deque[Sequence] | PriorityWaiting,
+                 admission: Admission, slots: QuerySlots, waiting: deque[Sequence] | PriorityWaiting,
                  running: dict[Sequence, None], prefilling: dict[Sequence, None],
                  admit: Callable[[Sequence, bool], None]) -> None:
         self.config = config
@@ -36,6 +37,7 @@ class PrefillPlanner:
         self.compress = config.compress
         self.step_tokens = step_tokens
         self.block_manager = block_manager
+        self.admission = admission  # its peak rule prices what a borrower reserves (lending)
         self.slots = slots
         # The scheduler's queues (`waiting` in the policy's order, `running` in admission
         # order, `prefilling` its part-way prompts), and how it puts a request, its block table
@@ -107,7 +109,7 @@ class PrefillPlanner:
         reserved; a request preempted before only blocks nobody reserved (zipage/core/lending.py:
         re-admitted on the same terms it is preempted again, up to 20 times on amc23)."""
         return not seq.num_preemptions or lending.fits_unreserved(
-            seq, cached, self.running, self.block_manager)
+            seq, cached, self.running, self.block_manager, self.admission)
 
     def plan_chunk(self, plan: StepPlan, seq: Sequence, end: int) -> None:
         """Compute entries [seq.kv_len, end) of `seq` in this step.

@@ -111,7 +111,8 @@ class Scheduler:
         self.victims = Victims(config, self.block_manager, self.running)
         self.compressions = Compressions(config, self.block_manager, self.running, self.prefilling)
         # Which prompts a step computes, admitted from the head of `waiting` into `running`.
-        self.prefill = PrefillPlanner(config, self.step_tokens, self.block_manager, self.slots,
+        self.prefill = PrefillPlanner(config, self.step_tokens, self.block_manager,
+                                      self.admission, self.slots,
                                       self.waiting, self.running, self.prefilling, self._admit)
         # Aborted while their async compression batch runs: released when the batch completes.
         self._abort_after_batch: set[Sequence] = set()
