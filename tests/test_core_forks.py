@@ -140,6 +140,21 @@ def test_a_sample_whose_leader_already_ran_prefills_alone():
     stepper.run_out()
 
 
+def test_forks_sharing_a_prompt_without_the_prefix_cache_never_stall():
+    """Two slot holders forked from one prompt, elastic, prefix cache off, have grown past their
+    N_max and each needs a fresh target block to compress its shared prompt blocks out of. Only
+    preempting one (uncompressed, so its blocks are the other's alone again) lets them go on:
+    the uncompressed-victim rule holds whenever a block is shared at a step's start, not only
+    with the prefix cache (docs/architecture.md, 'Deadlock freedom'). Without it this run
+    stopped with SchedulerStuck at step 57."""
+    for hybrid in (True, False):
+        _, result = run(samples("a", own("a", 56), 3, 60), num_blocks=12, num_slots=3,
+                        hybrid=hybrid, prefix_cache=False, window=8, kv_budget=48,
+                        budget_policy="elastic", max_num_seqs=2)
+        assert result.summary["completed"] == 3
+        assert result.summary["preemptions"] >= 1
+
+
 MODES = {
     "full_kv": dict(compress=False, prefix_cache=True),
     "constrained": dict(hybrid=False, prefix_cache=False),
@@ -148,6 +163,10 @@ MODES = {
     "chunked": dict(hybrid=True, prefix_cache=True, chunked_prefill=True,
                     max_num_batched_tokens=48),
     "async": dict(hybrid=True, prefix_cache=True, async_compress=True),
+    # Forks share their leader's prompt blocks without the prefix cache too; an elastic request
+    # grows past N_max into blocks it must compress out of later (the fork stall below).
+    "hybrid_elastic": dict(hybrid=True, prefix_cache=False, budget_policy="elastic"),
+    "constrained_elastic": dict(hybrid=False, prefix_cache=False, budget_policy="elastic"),
 }
 
 

@@ -38,6 +38,9 @@ class QueueSnapshot:
     # Running requests neither compressed nor being compressed before the step: the only ones
     # the prefix-cache rule may preempt.
     uncompressed: set[Sequence]
+    # Whether some block was held by two requests before the step (forks share their leader's
+    # prompt blocks even without the prefix cache): the uncompressed-victim rule then applies.
+    shared: bool
 
     @classmethod
     def take(cls, scheduler: Scheduler) -> "QueueSnapshot":
@@ -59,7 +62,8 @@ class QueueSnapshot:
         return cls(
             running=running, waiting=list(scheduler.waiting), holds_slot=holds_slot,
             uncompressed={seq for seq in running
-                          if seq.num_compressions == 0 and not seq.compressing})
+                          if seq.num_compressions == 0 and not seq.compressing},
+            shared=any(count > 1 for count in scheduler.block_manager.refcount))
 
 
 def victim_rule(scheduler: Scheduler) -> tuple[str, Callable[[Sequence, QueueSnapshot], bool]]:
@@ -75,15 +79,24 @@ def victim_rule(scheduler: Scheduler) -> tuple[str, Callable[[Sequence, QueueSna
     def recomputable(seq: Sequence) -> bool:
         return seq.num_tokens <= pool_tokens
 
+    uncompressed = ("the last running request neither compressed nor being compressed whose "
+                    "recomputation fits the pool")
     if config.prefix_cache:
-        return ("prefix cache: the last running request neither compressed nor being compressed "
-                "whose recomputation fits the pool",
+        return (f"prefix cache: {uncompressed}",
                 lambda seq, before: seq in before.uncompressed and recomputable(seq))
+
+    def shared_or(otherwise: Callable[[Sequence, QueueSnapshot], bool]):
+        # Forks share blocks without the prefix cache; while any block was shared at the step's
+        # start, the uncompressed rule holds instead of the mode's own.
+        return lambda seq, before: (seq in before.uncompressed if before.shared
+                                    else otherwise(seq, before)) and recomputable(seq)
+
     if config.hybrid:
-        return ("hybrid: the last running request without a query slot whose recomputation "
-                "fits the pool",
-                lambda seq, before: not before.holds_slot[seq] and recomputable(seq))
-    return "constrained: nobody is preempted", lambda seq, before: False
+        return (f"hybrid: the last running request without a query slot whose recomputation "
+                f"fits the pool (blocks shared at the step's start: {uncompressed})",
+                shared_or(lambda seq, before: not before.holds_slot[seq]))
+    return (f"constrained: nobody is preempted (blocks shared at the step's start: "
+            f"{uncompressed})", shared_or(lambda seq, before: False))
 
 
 class InvariantChecker:

@@ -164,6 +164,7 @@ class Scheduler:
         assert self._plan is None, "finish() the previous plan before scheduling again"
         if not (self.waiting or self.running):  # (`has_unfinished`, inline: once a step)
             return None
+        self.victims.begin_step()
         slots = self.slots
         if slots.free and slots.num_slotless:  # rare: no call otherwise
             for seq in slots.hand_out(self.running):

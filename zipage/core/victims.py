@@ -2,8 +2,8 @@
 
 The mode decides who may be preempted (docs/architecture.md, 'Scheduling', the table of who is
 preempted when blocks run out): under Full KV any running request (vLLM's rule); constrained
-scheduling nobody; hybrid scheduling the requests without a query slot; with the prefix cache the
-uncompressed ones. Of those, the last admitted, or under the priority policy the one the waiting
+scheduling nobody; hybrid scheduling the requests without a query slot; where blocks may be shared
+(the prefix cache, or forks holding their leader's prompt blocks) the uncompressed ones. Of those, the last admitted, or under the priority policy the one the waiting
 queue would serve last. A request whose recomputation would not fit the pool is never one. The
 scheduler asks and does the preempting; this module only chooses.
 """
@@ -25,6 +25,14 @@ class Victims:
         self.compress = config.compress
         self.by_priority = config.scheduling_policy == "priority"
         self.running = running  # the scheduler's, in admission order
+        # Whether some block was held twice when the step began (`begin_step`): without the
+        # prefix cache only forks share blocks, and while they do, hybrid's rule is not enough.
+        self.shared = False
+
+    def begin_step(self) -> None:
+        """Read, once a step before anything is planned, whether blocks are shared: the rule
+        holds for a whole step, so the invariant checker can re-derive it from its snapshot."""
+        self.shared = self.block_manager.extra_holders > 0
 
     def pick(self, requester: Sequence) -> Sequence | None:
         """The request to preempt when blocks run out (docs/architecture.md, 'Scheduling'), or
@@ -47,9 +55,11 @@ class Victims:
         """The running requests the mode may preempt, last admitted first."""
         if not self.compress:
             return reversed(self.running)
-        if self.config.prefix_cache:
-            # Compression may need fresh target blocks, so only preempting uncompressed requests
-            # (slot or not) keeps prefix sharing deadlock-free.
+        if self.config.prefix_cache or self.shared:
+            # Compressing a shared block needs a fresh target block, so only preempting
+            # uncompressed requests (slot or not) keeps sharing deadlock-free: two slot holders
+            # sharing a fork's prompt could otherwise each wait for a target the other holds
+            # (docs/architecture.md, 'Deadlock freedom').
             return (seq for seq in reversed(self.running)
                     if seq.num_compressions == 0 and not seq.compressing
                     and self.can_recompute(seq))
