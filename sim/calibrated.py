@@ -13,11 +13,17 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from zipage.errors import ConfigError
-from zipage.hardware import GPUSpec
+from zipage.core.memory import heads_per_gpu
+from zipage.decode_grid import decode_num_partitions
+from zipage.errors import ConfigError, UnknownModelError
+from zipage.hardware import GPUSpec, get_hardware
+from zipage.presets import get_preset
 from zipage.profile import (
     CORRECTION,
+    DECODE_EXCESS,
     MACHINE,
+    PER_ENTRY,
+    PER_PARTITION,
     Validation,
     check_header,
     read_points,
@@ -39,7 +45,9 @@ class CalibratedCostModel(CostModel):
     """Linear models fitted to a measured profile (format and fits: docs/cost_model.md).
 
     decode:   a + b * batch + c * context_tokens [+ d * longest_excess, when the points carry
-              max_context: the longest request's entries beyond the mean, max - sum / batch]
+              max_context: the longest request's entries beyond the mean, max - sum / batch;
+              with the header's decode_excess "per_partition" that excess over the split-K
+              kernel's partitions at the batch, d * partition_excess]
               [+ e * shared_tokens, e < 0, when points share prefix blocks: an entry read by a
               second request in the same step costs c + e, not c]; that line under a host
               floor, max(h_d, line), where the points determine one (sim/decode_host.py)
@@ -65,7 +73,8 @@ class CalibratedCostModel(CostModel):
     def __init__(self, decode: LinearFit, prefill: PrefillFit, mixed: MixedFit,
                  compress: LinearFit | None, contention_factor: float, header: dict[str, Any],
                  source: str, validation: Validation | None = None,
-                 launch_floor_s: float = 0.0, launch_extra_s: float = 0.0) -> None:
+                 launch_floor_s: float = 0.0, launch_extra_s: float = 0.0,
+                 partitions: DecodePartitions | None = None) -> None:
         self.decode_fit, self.prefill_fit, self.mixed_fit = decode, prefill, mixed
         self.compress_fit = compress
         self.contention_factor = contention_factor
@@ -85,9 +94,11 @@ class CalibratedCostModel(CostModel):
         self.prefill_buckets = tuple(header.get("prefill_buckets") or ())
         self._decode_a, self._decode_b, self._decode_c = decode.coefficients[:3]
         terms = dict(zip(decode.feature_names, decode.coefficients))
-        # Per KV entry the longest request holds beyond the mean, and per entry a second holder
-        # reads of a shared block (0 when not fitted).
-        self._decode_excess = terms.get(LONGEST_EXCESS, 0.0)
+        # Per KV entry the longest request holds beyond the mean (per entry of its partition,
+        # where `partitions` is given: the profile's decode_excess is "per_partition"), and per
+        # entry a second holder reads of a shared block (0 when not fitted).
+        self._decode_excess = terms.get(LONGEST_EXCESS, terms.get(PARTITION_EXCESS, 0.0))
+        self.decode_partitions = partitions
         self._decode_shared = terms.get(SHARED_TOKENS, 0.0)
         # A host-bound decode step (sim/decode_host.py) costs at least the host's time.
         self._decode_floor = max(decode.floor_s, getattr(decode, "host_s", 0.0))
@@ -114,7 +125,9 @@ class CalibratedCostModel(CostModel):
                       or header.get("redundancy", "lightning"))
         decode_rows = read_points(source, data, "decode", ("batch", "context_tokens"),
                                   DECODE_DEFAULTS)
-        decode = _decode_fit(source, decode_rows)
+        partitions = (decode_partitions(source, header)
+                      if header.get(DECODE_EXCESS, PER_ENTRY) == PER_PARTITION else None)
+        decode = _decode_fit(source, decode_rows, partitions)
         prefill_rows = read_points(source, data, "prefill", ("new_tokens",), PREFILL_DEFAULTS)
         buckets = tuple(header.get("prefill_buckets") or ())
         prefill = fit_prefill_points(source, data["version"], prefill_rows, buckets)
@@ -148,7 +161,7 @@ class CalibratedCostModel(CostModel):
             raise ConfigError(f"{source}: contention_factor: got {contention!r}, "
                               "expected a number >= 1")
         model = cls(decode, prefill, mixed, compress, float(contention), header, source,
-                    validation)
+                    validation, partitions=partitions)
         if shape is not None and gpu is not None:
             model.run_setup = (shape, gpu, {**knobs, "scoring": scoring})
         # Where it was measured and how it was re-scaled since (None: not recorded); they change
@@ -182,8 +195,10 @@ class CalibratedCostModel(CostModel):
             context = work.decode_context_tokens
             value = self._decode_a + self._decode_b * batch + self._decode_c * context
             if self._decode_excess and work.decode_max_context:
-                value += self._decode_excess * longest_excess(work.decode_max_context, context,
-                                                              batch)
+                excess = longest_excess(work.decode_max_context, context, batch)
+                if self.decode_partitions is not None:
+                    excess /= self.decode_partitions(batch)
+                value += self._decode_excess * excess
             if self._decode_shared and work.shared_kv_tokens:
                 value += self._decode_shared * min(work.shared_kv_tokens, context)
             return value if value > self._decode_floor else self._decode_floor
@@ -230,6 +245,48 @@ def longest_excess(max_context: float, context_tokens: float, batch: float) -> f
     return excess if excess > 0.0 else 0.0
 
 
+class DecodePartitions:
+    """The split-K decode kernel's partitions per sequence at a batch size (its grid rule,
+    zipage/decode_grid.py) for one model and GPU, remembered per batch: the simulator prices
+    millions of decode steps over a few hundred batch sizes."""
+
+    def __init__(self, kv_heads: int, streaming_multiprocessors: int) -> None:
+        self.kv_heads, self.streaming_multiprocessors = kv_heads, streaming_multiprocessors
+        self._at: dict[int, int] = {}
+
+    def __call__(self, batch: int) -> int:
+        count = self._at.get(batch)
+        if count is None:
+            count = self._at[batch] = decode_num_partitions(
+                int(batch), self.kv_heads, self.streaming_multiprocessors)
+        return count
+
+
+def decode_partitions(source: str, header: dict[str, Any]) -> DecodePartitions:
+    """The partitions the profile's engine gave a decode step's sequences, as the analytic model
+    counts them for the same setup: the model preset's KV heads per GPU (under the header's
+    tensor parallelism) and the GPU table's streaming multiprocessors. From the header alone,
+    so that a profile prices a step the same whichever run loads it."""
+    try:
+        shape, gpu = get_preset(header["model"]), get_hardware(header["gpu"])
+    except (ConfigError, UnknownModelError) as error:
+        raise ConfigError(f"{source}: {DECODE_EXCESS}: \"{PER_PARTITION}\" needs the decode "
+                          f"kernel's partitions, from the model's KV heads and the GPU's SMs "
+                          f"({error}); remove the field to price the excess per entry") from None
+    kv_heads = heads_per_gpu(shape.num_kv_heads, int(header.get("tensor_parallel") or 1))
+    return DecodePartitions(kv_heads, gpu.streaming_multiprocessors)
+
+
+def partition_geometry_known(header: dict[str, Any]) -> bool:
+    """Whether `decode_partitions` can count the header's partitions (a preset model and a GPU
+    of the table): what a writer asks before it writes decode_excess "per_partition"."""
+    try:
+        decode_partitions("profile", header)
+    except ConfigError:
+        return False
+    return True
+
+
 # A longest-request term is fitted only if some decode points hold one request this far (KV
 # entries) beyond the mean: balanced steps cannot separate it from the context slope.
 MIN_LONGEST_EXCESS = 1024
@@ -238,6 +295,10 @@ MIN_LONGEST_EXCESS = 1024
 MIN_SHARED_POINTS = 8
 MIN_SHARED_FRACTION = 0.1
 LONGEST_EXCESS, SHARED_TOKENS = "longest_excess", "shared_tokens"
+# The longest-request term priced per entry of the longest request's partition (a profile of
+# decode_excess "per_partition"): its excess over the mean divided by its decode partitions.
+PARTITION_EXCESS = "partition_excess"
+EXCESS_TERMS = (LONGEST_EXCESS, PARTITION_EXCESS)
 # Optional fields of a decode (or launch) point: the step's longest context and shared entries.
 DECODE_DEFAULTS = {"max_context": None, SHARED_TOKENS: 0}
 
@@ -248,10 +309,12 @@ def _decode_work(row: dict[str, Any]) -> StepWork:
                     shared_kv_tokens=int(row[SHARED_TOKENS]))
 
 
-def _decode_fit(source: str, rows: list[dict[str, Any]]) -> LinearFit:
+def _decode_fit(source: str, rows: list[dict[str, Any]],
+                partitions: DecodePartitions | None = None) -> LinearFit:
     """a + b * batch + c * context_tokens, plus the optional terms the points support:
     d * longest_excess when every point says its longest request (`max_context`: profiles
-    fitted from runs whose steps.csv records it), some are unbalanced and the fit finds d > 0;
+    fitted from runs whose steps.csv records it), some are unbalanced and the fit finds d > 0
+    (with `partitions`, d * partition_excess: the excess over the step's decode partitions);
     e * shared_tokens when enough points share prefix blocks and the fit finds a shared entry
     cheaper than an unshared one but not free (-c <= e < 0). A term the fit rejects is dropped
     and the rest refitted; with neither, the three-term fit, as always. Then the host floor
@@ -262,8 +325,12 @@ def _decode_fit(source: str, rows: list[dict[str, Any]]) -> LinearFit:
     if rows and all(row["max_context"] is not None for row in rows):
         excess = [longest_excess(row["max_context"], row["context_tokens"], row["batch"])
                   for row in rows]
-        if max(excess) >= MIN_LONGEST_EXCESS:
-            extra[LONGEST_EXCESS] = excess
+        if max(excess) >= MIN_LONGEST_EXCESS:  # KV entries, whatever the pricing
+            if partitions is None:
+                extra[LONGEST_EXCESS] = excess
+            else:
+                extra[PARTITION_EXCESS] = [value / partitions(row["batch"])
+                                           for value, row in zip(excess, rows)]
     shared = [min(row[SHARED_TOKENS], row["context_tokens"]) for row in rows]
     sharing = sum(1 for value, row in zip(shared, rows)
                   if value > 0 and value >= MIN_SHARED_FRACTION * row["context_tokens"])
@@ -276,7 +343,7 @@ def _decode_fit(source: str, rows: list[dict[str, Any]]) -> LinearFit:
                           for index, point in enumerate(features)], times)
         terms = dict(zip(fit.feature_names, fit.coefficients))
         rejected = [name for name in extra if not (
-            terms[name] > 0 if name == LONGEST_EXCESS
+            terms[name] > 0 if name in EXCESS_TERMS
             else -terms["context_tokens"] <= terms[name] < 0)]
         if not rejected:
             columns = np.column_stack([np.asarray(features, float).reshape(len(rows), 2)]

@@ -10,6 +10,9 @@ form fits them apart:
 
     time = max(h, a + b * batch + c * context_tokens [+ d * longest_excess] [+ e * shared_tokens])
 
+(or d * partition_excess, the excess over the step's decode partitions, for a profile of
+decode_excess "per_partition": one more column, fitted here as any other cost)
+
 with the line's own terms (sim/calibrated.py decides which), fitted like the prefill's bound
 (`fit_host_or_device`: non-negative, relative error; the shared term, a saving, enters negated).
 It replaces the line only where the points determine it: at least MIN_REGIME_POINTS on each side

@@ -48,9 +48,9 @@ import pandas as pd
 from zipage.core.step import causal_pairs
 from zipage.errors import ConfigError
 from zipage.presets import model_label
-from zipage.profile import PROFILE_VERSION
+from zipage.profile import DECODE_EXCESS, PER_PARTITION, PROFILE_VERSION
 from zipage.records import STEP_COLUMN_DEFAULTS
-from zipage.sim.calibrated import CalibratedCostModel
+from zipage.sim.calibrated import CalibratedCostModel, partition_geometry_known
 from zipage.sim.cost_model import StepWork
 
 FLAG = "--from-run"  # the option naming the run directories, in every error
@@ -240,6 +240,14 @@ def _header(runs: list[tuple[dict, pd.DataFrame]], gpu: str | None) -> dict:
         header["graphs"] = known[0]
     if buckets and buckets[0]:
         header["prefill_buckets"] = buckets[0]
+    # A new fit prices the longest request over its decode partitions, as the split-K kernel
+    # runs it, wherever the header names the partitions (a preset model, a GPU of the table):
+    # always, not the better of the two forms on the fit's own points, because those points
+    # favour it anyway (5.1 -> 2.9 % on the 8B H200 runs) and cannot say whether the context
+    # slope it leaves is right; only long uncompressed contexts can (`zipage calibrate` runs
+    # fit-longctx for them). docs/cost_model.md, 'Decode: the longest request'.
+    if partition_geometry_known(header):
+        header[DECODE_EXCESS] = PER_PARTITION
     return {"version": PROFILE_VERSION, "source": "runs",
             "note": f"fitted by `zipage calibrate --from-run` from {len(runs)} run(s)", **header}
 

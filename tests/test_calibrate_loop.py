@@ -22,7 +22,7 @@ from zipage.trace import load_trace  # noqa: E402
 
 KNOBS = ["--block-size", "16", "--window", "4", "--budget", "64", "--kv-memory-gb", "0.01",
          "--hardware", "h200", "--threads", "1"]
-FITTED = ("fit-online", "fit-long", "fit-pressure", "fit-shared", "fit-ingest")
+FITTED = ("fit-online", "fit-long", "fit-pressure", "fit-shared", "fit-ingest", "fit-longctx")
 
 
 @pytest.fixture(scope="module")

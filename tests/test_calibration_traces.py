@@ -6,10 +6,19 @@ from __future__ import annotations
 
 import pytest
 
-from zipage.calibration_traces import MAX_REQUESTS, EngineSpeed, check_traces, fit_traces, validation_trace
+from zipage.calibration_traces import (
+    LONG_CHAINS,
+    LONG_PROMPTS,
+    MAX_REQUESTS,
+    EngineSpeed,
+    check_traces,
+    fit_traces,
+    validation_trace,
+)
 from zipage.config import ZipageConfig
-from zipage.core.deployment import trace_sequences
+from zipage.core.deployment import ReplaySettings, trace_sequences
 from zipage.core.scheduler import Scheduler
+from zipage.sim.simulate import simulate
 from zipage.trace import load_trace, prompt_block_keys, save_trace
 
 # The probe of Qwen3-8B on an H200 (6 GB of KV, block 64, budget 512), and of its Full KV twin.
@@ -72,6 +81,39 @@ def test_the_fitting_traces_cover_what_a_profile_needs():
     assert all(request.prefix_len % ZIPAGE.block_size == 0 for request in shared)
     ingest = traces["fit-ingest"][0].requests
     assert all(request.output_len <= 64 for request in ingest)
+    assert set(traces) == {"fit-online", "fit-long", "fit-pressure", "fit-shared", "fit-ingest",
+                           "fit-longctx"}
+
+
+@pytest.mark.parametrize("speed", [ZIPAGE, FULL_KV], ids=["zipage", "full-kv"])
+def test_the_long_context_trace_holds_whole_long_prompts_at_small_batches(speed):
+    # What pins the decode fit's context slope beside the longest request's term: chains of
+    # long prompts, kept whole on a compressing deployment, beside a few short requests.
+    trace, changes = dict((trace.name, (trace, changes))
+                          for trace, changes in fit_traces(speed, 120.0))["fit-longctx"]
+    assert changes == {}
+    chained = [request for request in trace.requests if request.session is not None]
+    assert sum(request.after is None for request in chained) == LONG_CHAINS
+    assert all(request.prefix_len == 0 for request in chained if request.after is not None)
+    cap = min(LONG_PROMPTS[1], speed.prompt_cap)
+    assert all(min(LONG_PROMPTS[0], cap) <= request.prompt_len <= cap for request in chained)
+    assert {request.compress_scope for request in chained} == (
+        {"output"} if speed.compresses else {None})
+    short = [request for request in trace.requests if request.session is None]
+    assert len(short) >= 20
+    assert all(request.output_len <= (speed.kv_budget or 512) for request in short)
+    # Through the simulator (analytic costs of the deployment the speed was probed on): nearly
+    # every decode step holds a long context, at a small batch, and nothing is preempted.
+    settings = ReplaySettings(model="qwen3-8b", hardware="h200", kv_memory_gb=6.0,
+                              config=ZipageConfig(block_size=speed.block_size, kv_budget=512,
+                                                  compress=speed.compresses))
+    summary, run = simulate(trace, settings)
+    assert summary["preemptions"] == 0
+    decode = [step for step in run.steps if step.kind == "decode"]
+    long = [step for step in decode if step.decode_max_context >= LONG_PROMPTS[0]]
+    assert len(decode) > 1000 and len(long) >= 0.9 * len(decode)
+    batches = sorted(step.n_decode for step in decode)
+    assert batches[0] == 1 and 4 <= batches[-1] <= 16  # the partitions vary with the batch
 
 
 def test_checking_traces_are_fresh_and_reproducible(tmp_path):

@@ -36,6 +36,12 @@ DEFAULT_FIT_SECONDS = 120.0
 DEFAULT_VALIDATION_SECONDS = 30.0
 # Tokens one block hash names in the Mooncake-shaped trace (its traces' own size).
 HASH_BLOCK_TOKENS = 512
+# The long-context fitting trace (`_long_contexts`): prompts from 4k to 24k tokens (clipped to the
+# deployment), in this many chains that each send their next request when the last one ends,
+# beside short requests arriving at a rate that keeps about SHORT_RUNNING of them decoding.
+LONG_PROMPTS = (4096, 24_576)
+LONG_CHAINS = 2
+SHORT_RUNNING = 4
 
 
 @dataclass(frozen=True)
@@ -146,9 +152,10 @@ def fit_traces(speed: EngineSpeed, seconds: float, seed: int = 0) -> list[tuple[
     requests; long prompts (unchunked: the prefill points of whole long prompts); a burst beyond
     the KV pool (preemption and recompute; compression batches); documents shared by many
     questions (decode steps that read shared prefix blocks); documents read in with short
-    answers (prefill-heavy: prompt chunks beside few decodes). `seconds` is the whole fitting
-    time, shared among them."""
-    each = seconds / 5
+    answers (prefill-heavy: prompt chunks beside few decodes); long uncompressed contexts at
+    small batches (what pins the decode fit's context slope beside the longest request's term).
+    `seconds` is the whole fitting time, shared among them equally."""
+    each = seconds / 6
     budget_out = 4 * (speed.kv_budget or 512)
     online = _lengths(speed, lognormal(400, 700), lognormal(180, 300), output_cap=budget_out)
     long_cap = min(speed.prompt_cap, 16_384)
@@ -166,7 +173,58 @@ def fit_traces(speed: EngineSpeed, seconds: float, seed: int = 0) -> list[tuple[
                      burst=32), {}),
         (sized_trace("fit-shared", speed, each, 0.8, _documents(speed), seed), {}),
         (sized_trace("fit-ingest", speed, each, 0.9, ingest, seed), {}),
+        (_long_contexts("fit-longctx", speed, each, seed), {}),
     ]
+
+
+def _long_contexts(name: str, speed: EngineSpeed, seconds: float, seed: int) -> Trace:
+    """Long uncompressed contexts at small batches: LONG_CHAINS chains of requests with long
+    prompts (LONG_PROMPTS, log-uniform, clipped to the deployment) and outputs of 1-3 budgets,
+    each sent when the one before it in its chain finishes (a session's next turn that shares
+    nothing of it), so that decode steps hold one or two long contexts whatever the engine's
+    speed; beside them short requests, Poisson, at a rate that keeps about SHORT_RUNNING decoding
+    (about 0-8 at a time), so the batch varies from 1 to ~16 and with it the decode kernel's
+    partitions. The other traces compress nearly everything (98 % of their decode steps hold
+    <= 1.5k entries a request on an 8B H200 calibration), which leaves the context slope to the
+    longest-request term; these steps tell them apart. On a compressing deployment the long
+    requests compress their outputs only (`compress_scope` "output": the prompt is pinned,
+    docs/architecture.md 'Compression scope'), so their prompts stay whole. Each chain runs
+    about `seconds` of engine time at the probe's speed (its step at full concurrency: small
+    batches decode faster, so a little less)."""
+    rng = np.random.default_rng([seed, stable_hash(name)])
+    top = min(speed.prompt_cap, LONG_PROMPTS[1])
+    low = min(LONG_PROMPTS[0], top)
+    long_output = _long_outputs(speed, 1.0, 3.0)
+    pinned = {"compress_scope": "output"} if speed.compresses else {}
+    chain_cap = MAX_REQUESTS // (2 * LONG_CHAINS)  # half the trace at most: shorts fill the rest
+    requests: list[TraceRequest] = []
+    for chain in range(LONG_CHAINS):
+        spent, previous = 0.0, None
+        for turn in range(chain_cap):
+            prompt_len = _clip(math.exp(rng.uniform(math.log(low), math.log(top))), 1, top)
+            output_len = _clip(long_output(rng), 1, speed.max_model_len - prompt_len - 1)
+            request_id = f"{name}-long{chain}-{turn}"
+            follows = ({"after": previous, "prefix_len": 0} if previous is not None else {})
+            requests.append(TraceRequest(id=request_id, arrival_s=0.0, prompt_len=prompt_len,
+                                         output_len=output_len, session=f"{name}-chain{chain}",
+                                         **follows, **pinned))
+            previous = request_id
+            spent += prompt_len * speed.prefill_token_s + output_len * speed.decode_step_s
+            if spent >= seconds:
+                break
+    short = _lengths(speed, lognormal(200, 300), lognormal(120, 180),
+                     output_cap=speed.kv_budget or 512)
+    sample = [short(rng, -1) for _ in range(512)]
+    output = float(np.mean([o for _, o, _ in sample]))
+    rate = SHORT_RUNNING / (output * speed.decode_step_s)
+    count = int(min(MAX_REQUESTS - len(requests),
+                    max(MIN_REQUESTS - len(requests), round(rate * seconds))))
+    times = np.cumsum(rng.exponential(1.0 / rate, size=count))
+    for index, time in enumerate(times - times[0] if count else times):
+        prompt_len, output_len, extra = short(rng, index)
+        requests.append(TraceRequest(id=f"{name}-short-{index}", arrival_s=round(float(time), 6),
+                                     prompt_len=prompt_len, output_len=output_len, **extra))
+    return Trace(name=name, requests=requests)
 
 
 def _documents(speed: EngineSpeed, documents: int = 4) -> Draw:

@@ -49,6 +49,16 @@ RECORDS = (VALIDATION, MACHINE, SETTINGS, CORRECTION)
 # profile's header records the knobs it was measured with.
 COST_KNOBS = tuple(ZipageConfig().cost_knobs())
 COST_MODEL_KNOBS = ("dtype_bytes", *COST_KNOBS, "tensor_parallel", "contention_factor")
+# How the decode fit prices the longest request's entries beyond its batch's mean (a header
+# field, since 2026-11-29): "per_entry", one cost an entry whatever the batch (every profile
+# written before the field, which reads as it); "per_partition", that excess divided by the
+# split-K decode kernel's partitions at the step's batch (zipage/decode_grid.py, from the
+# header's model and GPU), as the kernel runs it. It decides how the decode points are fitted,
+# and the compress points of a profile are residuals over that decode model: a writer sets it
+# when it fits, and a reader never changes it (docs/cost_model.md, 'Decode: the longest request').
+DECODE_EXCESS = "decode_excess"
+PER_ENTRY, PER_PARTITION = "per_entry", "per_partition"
+DECODE_EXCESS_MODES = (PER_ENTRY, PER_PARTITION)
 
 
 def read_profile(profile: str | Path | dict) -> tuple[str, dict]:
@@ -104,6 +114,10 @@ def check_header(source: str, data: dict, shape: ModelShape | None, gpu: GPUSpec
         raise ConfigError(f"{source}: prefill_buckets: got {buckets!r}, expected increasing "
                           "positive token counts: the buckets the measured engine padded prefill "
                           "and mixed steps to (or leave the field out: steps were not padded)")
+    if header.get(DECODE_EXCESS, PER_ENTRY) not in DECODE_EXCESS_MODES:
+        raise ConfigError(f"{source}: {DECODE_EXCESS}: got {header[DECODE_EXCESS]!r}, expected "
+                          f"one of {', '.join(map(repr, DECODE_EXCESS_MODES))}: how the decode "
+                          "fit prices the longest request (or leave the field out: per entry)")
     graphs = header.get("graphs")
     if graphs is not None and not (isinstance(graphs, dict) and set(graphs) == {"decode", "prefill"}
                                    and all(isinstance(value, bool) for value in graphs.values())):
