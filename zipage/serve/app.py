@@ -6,8 +6,8 @@ type is a 400 naming the field), and the OpenAI clients already speak its server
 
 Each request: the API key and the body's size (`_Gate`, before a byte of the body is parsed) ->
 validate -> tokens (on a worker thread: a long prompt never holds the event loop) ->
-`SamplingParams` -> the core's own admission check (a prompt that can never fit is a 400 naming
-the limit) -> the waiting cap (429) -> the engine process (`engine_client`). Every error, whoever
+`SamplingParams` -> the core's own admission check (`admission_error`: a request it refuses is a
+400 naming the field) -> the waiting cap (429) -> the engine process (`engine_client`). Every error, whoever
 raises it (a route, FastAPI, Starlette's router, a bug), leaves as OpenAI's error body. Token ids
 come back after every step, are detokenized here and sent as they come (`stream: true`) or at
 the end. A client that disconnects aborts its request at once: the engine frees its blocks
@@ -31,7 +31,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from zipage import request_fields
+from zipage.core.admission import Admission
 from zipage.core.sampling import SamplingParams
+from zipage.core.sequence import Sequence
 from zipage.errors import ZipageError
 from zipage.serve import DEFAULT_MAX_BODY_BYTES
 from zipage.serve.chat_output import ChatOutput, ChatSettings, ForcedCalls
@@ -128,21 +131,11 @@ class Server:
             token = max(token for token, _ in sampling.logit_bias)
             raise ServeError(400, f"logit_bias: token id {token} is outside the vocabulary "
                                   f"(0..{vocab - 1})", "logit_bias")
-        budget_reason = self.engine.admission.budget_reason(body.kv_budget)
-        if budget_reason is not None:
-            raise ServeError(400, budget_reason.replace("kv_budget ", "kv_budget: ", 1),
-                             "kv_budget")
-        priority_reason = self.engine.admission.priority_reason(body.priority)
-        if priority_reason is not None:
-            raise ServeError(400, f"priority: {priority_reason}", "priority")
-        scoring_reason = self.engine.admission.scoring_reason(body.scoring)
-        if scoring_reason is not None:
-            raise ServeError(400, f"scoring: {scoring_reason}", "scoring")
-        reason = self.engine.rejection_reason(len(prompt_ids), sampling)
-        if reason is not None:
-            self.metrics.rejected.inc()
-            reason = reason.split(": ", 1)[-1].replace("output_len", "max_tokens")
-            raise ServeError(400, f"prompt: too long for this server: {reason}", "prompt")
+        refusal = admission_error(self.engine.admission, len(prompt_ids), sampling)
+        if refusal is not None:
+            if refusal.param == "prompt":  # the counter's meaning (docs/serve.md): too long
+                self.metrics.rejected.inc()
+            raise refusal
         waiting = self.engine.num_waiting
         if self.max_waiting is not None and waiting >= self.max_waiting:
             self.metrics.rejected.inc()
@@ -552,6 +545,27 @@ def build_app(engine: ReplicaSet, tokenizer, model_name: str, *,
         return await _cancel_on_disconnect(request, answer.whole())
 
     return app
+
+
+def admission_error(admission: Admission, prompt_len: int,
+                    sampling: SamplingParams) -> ServeError | None:
+    """The core's own admission rule (`Admission.rejection_reason`), asked before a request is
+    sent, as the 400 every refused field gets: "<field>: <why>; <fix>", `param` the field.
+
+    The one path for a request the rule refuses, whichever field it refuses for: the rule's
+    reason for a request field starts with the field's name (zipage/request_fields.py), so that
+    name is the `param`; any other reason is the prompt's, too long for this deployment."""
+    seq = Sequence("request", None, sampling.max_tokens, prompt_len=prompt_len)
+    request_fields.copy_fields(seq, sampling)
+    reason = admission.rejection_reason(seq)
+    if reason is None:
+        return None
+    why = reason.split(": ", 1)[-1]  # without the core's "request <id>: "
+    name, _, rest = why.partition(" ")
+    if name in request_fields.BY_NAME:
+        return ServeError(400, f"{name}: {rest}", name)
+    why = why.replace("output_len", "max_tokens")  # the HTTP field's name
+    return ServeError(400, f"prompt: too long for this server: {why}", "prompt")
 
 
 _KINDS = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}

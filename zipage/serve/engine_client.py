@@ -32,10 +32,7 @@ from multiprocessing.connection import Connection
 
 from zipage.core.admission import Admission
 from zipage.core.routing import ReplicaLoad
-from zipage.core.sampling import SamplingParams
-from zipage.core.sequence import Sequence
 from zipage.errors import ZipageError
-from zipage.request_fields import copy_fields
 from zipage.serve.channel import EngineChannel
 from zipage.serve.metrics import ServerMetrics
 from zipage.serve.wire import IDLE, Abort, Add, EngineFailed, Ready, Setup, StartupFailed, StepUpdate, Stop
@@ -186,12 +183,6 @@ class EngineClient:
         return ReplicaLoad(len(self._handles), self.stats.blocks_used)
 
     # ---------------------------------------------------------------- requests
-
-    def rejection_reason(self, prompt_len: int, sampling: SamplingParams) -> str | None:
-        """Why the core would refuse such a request (`Admission.rejection_reason`)."""
-        seq = Sequence("request", None, sampling.max_tokens, prompt_len=prompt_len)
-        copy_fields(seq, sampling)
-        return self.admission.rejection_reason(seq)
 
     def submit(self, prompt_token_ids: list[int], sampling) -> list[RequestHandle]:
         """Send a request to the engine; it arrives now (its TTFT counts from here). One handle

@@ -217,14 +217,6 @@ class RayEngines:
         self._ids = 0
         self._serving: list = [None] * replicas  # the Ray replica id last reporting as each rank
 
-    def rejection_reason(self, prompt_len: int, sampling):
-        from zipage.core.sequence import Sequence
-        from zipage.request_fields import copy_fields
-
-        seq = Sequence("request", None, sampling.max_tokens, prompt_len=prompt_len)
-        copy_fields(seq, sampling)
-        return self.admission.rejection_reason(seq)
-
     @property
     def num_waiting(self) -> int:
         return sum(handle.waiting for handles, _ in self._requests.values()

@@ -111,9 +111,6 @@ class ReplicaSet:
     def pids(self) -> list[int]:
         return [client.pid for client in self.clients]
 
-    def rejection_reason(self, prompt_len: int, sampling) -> str | None:
-        return self.clients[0].rejection_reason(prompt_len, sampling)
-
     def attach(self, metrics) -> None:
         self.metrics = metrics
         for client in self.clients:
