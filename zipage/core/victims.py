@@ -3,9 +3,10 @@
 The mode decides who may be preempted (docs/architecture.md, 'Scheduling', the table of who is
 preempted when blocks run out): under Full KV any running request (vLLM's rule); constrained
 scheduling nobody; hybrid scheduling the requests without a query slot; where blocks may be shared
-(the prefix cache, or forks holding their leader's prompt blocks) the uncompressed ones. Of those, the last admitted, or under the priority policy the one the waiting
-queue would serve last. A request whose recomputation would not fit the pool is never one. The
-scheduler asks and does the preempting; this module only chooses.
+(the prefix cache, or forks holding their leader's prompt blocks) the uncompressed ones. Of those,
+the last admitted, or under the priority policy the one the waiting queue would serve last. A
+request whose recomputation would not fit the pool is never one. The scheduler asks and does the
+preempting; this module only chooses.
 """
 
 from __future__ import annotations
