@@ -14,9 +14,17 @@ from zipage.cli.output import EXIT_OK, progress_wanted
 from zipage.errors import ZipageError
 
 OUT_SUFFIXES = (".csv", ".json")
-# Integer flags that are `QualitySettings` fields of the same name.
-SETTINGS = ("prompts", "continuation_len", "needles", "prompt_tokens", "block_size", "window",
-            "seed")
+# Integer flags that are `QualitySettings` fields of the same name (--prompt-tokens for
+# prompt_tokens), with their help.
+SETTINGS = {
+    "prompts": "prompts forced along Full KV's continuation",
+    "continuation_len": "tokens of each forced continuation",
+    "needles": "pass-key prompts",
+    "prompt_tokens": "length of every prompt, a multiple of --block-size",
+    "block_size": "tokens per KV block",
+    "window": "observation window, at most half the block",
+    "seed": "pass keys and the random policy's draws",
+}
 DEFAULTS = QualitySettings()
 
 
@@ -45,21 +53,9 @@ def add_parser(commands) -> None:
     quality.add_argument("--budgets", default=",".join(map(str, DEFAULTS.budgets)),
                          help="comma list of KV budgets, multiples of --block-size "
                               "(default %(default)s)")
-    quality.add_argument("--prompts", type=int, default=DEFAULTS.prompts,
-                         help="prompts forced along Full KV's continuation (default %(default)s)")
-    quality.add_argument("--continuation-len", type=int, default=DEFAULTS.continuation_len,
-                         help="tokens of each forced continuation (default %(default)s)")
-    quality.add_argument("--needles", type=int, default=DEFAULTS.needles,
-                         help="pass-key prompts (default %(default)s)")
-    quality.add_argument("--prompt-tokens", type=int, default=DEFAULTS.prompt_tokens,
-                         help="length of every prompt, a multiple of --block-size "
-                              "(default %(default)s)")
-    quality.add_argument("--block-size", type=int, default=DEFAULTS.block_size,
-                         help="tokens per KV block (default %(default)s)")
-    quality.add_argument("--window", type=int, default=DEFAULTS.window,
-                         help="observation window, at most half the block (default %(default)s)")
-    quality.add_argument("--seed", type=int, default=DEFAULTS.seed,
-                         help="pass keys and the random policy's draws (default %(default)s)")
+    for name, text in SETTINGS.items():
+        quality.add_argument(f"--{name.replace('_', '-')}", type=int,
+                             default=getattr(DEFAULTS, name), help=f"{text} (default %(default)s)")
     quality.add_argument("--out", type=Path, default=None,
                          help="also write the table to this .csv or .json file")
     quality.add_argument("--no-progress", action="store_true")
