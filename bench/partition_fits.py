@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 
-from zipage.profile import DECODE_EXCESS, read_profile
+from zipage.profile import DECODE_EXCESS, DECODE_EXCESS_MODES, read_profile
 from zipage.sim.calibrated import CalibratedCostModel
 from zipage.sim.cost_model import StepWork
 from zipage.sim.profile_from_runs import forward_points
@@ -25,13 +25,10 @@ BATCHES = ((1, 2), (2, 5), (5, 17), (17, 34), (34, 10_000))
 
 
 def models(path: str) -> dict[str, CalibratedCostModel]:
+    """The profile's decode model fitted each way, whichever way it was written."""
     _, data = read_profile(path)
-    written = data.get(DECODE_EXCESS, "per_entry")
-    other = {key: value for key, value in data.items() if key != DECODE_EXCESS}
-    if written != "per_partition":
-        other[DECODE_EXCESS] = "per_partition"
-    return {written: CalibratedCostModel.from_profile(data),
-            other.get(DECODE_EXCESS, "per_entry"): CalibratedCostModel.from_profile(other)}
+    return {mode: CalibratedCostModel.from_profile({**data, DECODE_EXCESS: mode})
+            for mode in DECODE_EXCESS_MODES}
 
 
 def errors(model: CalibratedCostModel, points: list[dict]) -> str:
