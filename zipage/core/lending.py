@@ -31,20 +31,20 @@ def reservation(seq: Sequence, admission: Admission) -> int:
     return admission.peak_blocks(seq.prompt_len, seq.max_output_tokens, seq.n_max)
 
 
-def keeps_shared(seq: Sequence, block_size: int) -> int:
-    """How many of `seq`'s leading blocks stay in its table for good even when shared: all of
-    them if it never compresses (all its KV fits its N_max), else its pinned prompt's (the
-    "output" scope). A compression replaces any other shared block with a fresh one
-    (`BlockManager.plan_compression`), so those count as blocks it will still take."""
+def keeps_shared(seq: Sequence, blocks: int, block_size: int) -> int:
+    """How many of the first `blocks` leading blocks of `seq`'s table stay in it for good even
+    when shared: all of them if it never compresses (all its KV fits its N_max), else those of
+    its pinned prompt (the "output" scope). A compression replaces any other shared block with a
+    fresh one (`BlockManager.plan_compression`), so those count as blocks it will still take."""
     whole = -(-(seq.prompt_len + seq.max_output_tokens - 1) // block_size)
-    return len(seq.block_table) if whole <= seq.n_max else seq.pinned
+    return blocks if whole <= seq.n_max else min(seq.pinned, blocks)
 
 
 def future_blocks(seq: Sequence, refcount: list[int], admission: Admission) -> int:
     """Blocks `seq` may still take from the free pool before it leaves: its reservation less the
     blocks it holds that stay its own."""
     table = seq.block_table
-    kept = min(keeps_shared(seq, admission.block_size), len(table))
+    kept = keeps_shared(seq, len(table), admission.block_size)
     for block in table[kept:]:
         if refcount[block] == 1:
             kept += 1
@@ -58,12 +58,11 @@ def fits_unreserved(seq: Sequence, cached: list[int], running: Iterable[Sequence
     running request holds nor one will take: the blocks in use plus every running request's
     `future_blocks` plus `seq`'s own need stay within the pool. O(blocks held): asked only for
     requests that were preempted, a few a run."""
-    b, refcount = manager.block_size, manager.refcount
+    refcount = manager.refcount
     committed = manager.num_used_blocks
     for other in running:
         committed += future_blocks(other, refcount, admission)
     # Blocks another request holds that `seq` will map and keep are in use already.
-    whole = -(-(seq.prompt_len + seq.max_output_tokens - 1) // b)
-    keep = len(cached) if whole <= seq.n_max else min(seq.pinned, len(cached))
+    keep = keeps_shared(seq, len(cached), manager.block_size)
     need = reservation(seq, admission) - sum(1 for block in cached[:keep] if refcount[block] > 0)
     return committed + need <= manager.num_blocks
