@@ -161,8 +161,7 @@ def test_dead_engine_fails_its_requests_is_restarted_and_the_bound_exits_1(tmp_p
                                        json={**body, "stream": True}) as reply:
                     lines = reply.aiter_lines()
                     first = await anext(lines)
-                    while await _running(http) < 2:  # both requests are in the engine
-                        await asyncio.sleep(0.05)
+                    await _until_running(http, 2)  # both requests are in the engine
                     os.kill(engine, signal.SIGKILL)
                     rest = [line async for line in lines if line]
                 return first, rest, await plain, await http.get("/health")
@@ -196,6 +195,15 @@ async def _running(http) -> float:
     line = next(line for line in text.splitlines()
                 if line.startswith("zipage:num_requests_running{"))
     return float(line.split()[-1])
+
+
+async def _until_running(http, count: int, timeout: float = 60) -> None:
+    """Poll /metrics until `count` requests run in the engine; a bounded wait, so a request that
+    came and went between two polls fails the test instead of hanging it."""
+    deadline = time.monotonic() + timeout
+    while await _running(http) < count:
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {count} running"
+        await asyncio.sleep(0.05)
 
 
 def test_tensor_parallel_server_matches_one_rank_and_stops_every_rank(tmp_path):
@@ -326,14 +334,15 @@ def test_sigterm_drains_then_fails_what_outlives_the_drain_deadline_and_exits_0(
     with _server(tmp_path, "--drain-timeout", "8") as (process, url, engine, log):
         async def main():
             async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-                short = {"prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True}
+                # Long enough to be seen running (the gauge moves once a step) and short enough
+                # to finish well inside the drain: 3 tokens can come and go between two polls (CI hung here).
+                short = {"prompt": [1, 2, 3], "max_tokens": 24, "ignore_eos": True}
                 long = {**short, "max_tokens": 2000, "stream": True}
                 async with http.stream("POST", "/v1/completions", json=long) as reply:
                     lines = reply.aiter_lines()
                     await anext(lines)
                     finishing = asyncio.create_task(http.post("/v1/completions", json=short))
-                    while await _running(http) < 2:
-                        await asyncio.sleep(0.05)
+                    await _until_running(http, 2)
                     process.send_signal(signal.SIGTERM)
                     stopped = time.monotonic()
                     rest = [line async for line in lines if line]
@@ -341,7 +350,7 @@ def test_sigterm_drains_then_fails_what_outlives_the_drain_deadline_and_exits_0(
 
         finished, rest, took = asyncio.run(main())
         assert finished.status_code == 200  # drained: it ran to its end
-        assert len(finished.json()["choices"][0]["token_ids"]) == 3
+        assert len(finished.json()["choices"][0]["token_ids"]) == 24
         assert rest[-1] == "data: [DONE]"
         error = json.loads(rest[-2].removeprefix("data: "))["error"]
         assert "--drain-timeout 8" in error["message"] and error["code"] == 503
