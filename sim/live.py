@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from zipage.core.recorder import StepRecorder
 from zipage.core.sequence import Sequence
 from zipage.core.step import IDLE, StepPlan, StepResult
-from zipage.errors import ConfigError, ZipageError
+from zipage.errors import ConfigError, FieldError
 from zipage.sim.simulate import SimulatedDeployment
 from zipage.sim.simulator import step_duration
 
@@ -112,13 +112,14 @@ class LiveTwin:
         sampling = seq.sampling
         if sampling is not None and (sampling.logprobs is not None
                                      or sampling.prompt_logprobs is not None):
-            raise ZipageError("logprobs: a simulated server (zipage serve --simulate) has no "
-                              "model to take log-probabilities from; leave logprobs (and "
-                              "echo's prompt log-probabilities) out")
+            raise FieldError("logprobs", "a simulated server (zipage serve --simulate) has no "
+                                         "model to take log-probabilities from; leave logprobs "
+                                         "(and echo's prompt log-probabilities) out")
         if sampling is not None and sampling.structured_output is not None:
-            raise ZipageError("structured outputs: a simulated server (zipage serve --simulate) "
-                              "generates tokens without a model and cannot follow a grammar; "
-                              "leave response_format and guided_* out")
+            raise FieldError("structured_output", "a simulated server (zipage serve "
+                                                  "--simulate) generates tokens without a model "
+                                                  "and cannot follow a grammar; leave "
+                                                  "response_format and guided_* out")
         self.tokens[seq.seq_id] = []
         return self.recorder.add(seq)
 

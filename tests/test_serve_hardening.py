@@ -170,7 +170,7 @@ def test_the_http_side_keeps_no_handle_of_a_request_that_ended_or_was_aborted():
         client.abort(aborted[0])
         ids = [handle.seq_id for handle in finished]
         update = StepUpdate(ids, [9, 9], {seq_id: "length" for seq_id in ids},
-                            {rejected[0].seq_id: "refused"}, IDLE)
+                            {rejected[0].seq_id: ("refused", None)}, IDLE)
         await asyncio.to_thread(theirs.sendall, frame(update))
         await _until(lambda: all(handle.done for handle in finished + rejected))
         assert client._handles == {} and client.num_waiting == 0

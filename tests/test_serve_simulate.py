@@ -174,8 +174,10 @@ def test_responses_are_well_formed_and_logprobs_refused(served):
     for choice in reply.choices:
         assert choice.finish_reason == "length"
         assert len(choice.model_extra["token_ids"]) == 7  # no tokenizer: ids always come back
-    with pytest.raises(openai.BadRequestError, match="logprobs: a simulated server"):
+    # The twin (in the engine process) refuses it: the 400 names the field as the HTTP side's do.
+    with pytest.raises(openai.BadRequestError, match="logprobs: a simulated server") as refused:
         client.completions.create(model=MODEL, prompt=[1, 2], max_tokens=3, logprobs=1)
+    assert refused.value.body["param"] == "logprobs"
     with pytest.raises(openai.BadRequestError, match="send token ids"):
         client.completions.create(model=MODEL, prompt="text needs a tokenizer", max_tokens=3)
     metrics = httpx.get(served + "/metrics").text
@@ -212,9 +214,11 @@ def test_data_parallel_twins_and_a_tokenizer_for_text(no_torch, tmp_path):
                                         extra_body={"return_token_ids": True})
         assert not special & set(ids.choices[0].model_extra["token_ids"])  # never a special token
         # No model to follow a grammar: the twin refuses the request, alone.
-        with pytest.raises(openai.BadRequestError, match="structured outputs: a simulated server"):
+        with pytest.raises(openai.BadRequestError,
+                           match="structured_output: a simulated server") as refused:
             client.completions.create(model="random:smollm2-135m", prompt="hi", max_tokens=5,
                                       extra_body={"guided_regex": "[ab]+"})
+        assert refused.value.body["param"] == "structured_output"
         metrics = httpx.get(url + "/metrics").text
         for replica, count in (("0", 3), ("1", 3)):  # six requests, in turn
             assert (f'zipage:requests_routed_total{{model_name="random:smollm2-135m",'

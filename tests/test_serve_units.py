@@ -455,8 +455,57 @@ def test_engine_refuses_a_bad_request_alone():
     core._add(Add("good", [1, 2], SamplingParams(max_tokens=4)))
     assert core.loop.added == ["good"]
     assert set(core.rejected) == {"bad", "outside"} and core.changed
-    assert "top_k: 9223372036854775808 must be an integer" in core.rejected["bad"]
-    assert "prompt: token ids must be in 0..99" in core.rejected["outside"]
+    message, param = core.rejected["bad"]  # the field named, as the HTTP side names it
+    assert message.startswith("top_k: 9223372036854775808 must be an integer") and param == "top_k"
+    message, param = core.rejected["outside"]
+    assert message.startswith("prompt: token ids must be in 0..99") and param == "prompt"
+
+
+class _SchedulerLoop(_FakeLoop):
+    """A loop whose `add` is the core's: `Scheduler.add`, its admission rule and all."""
+
+    def __init__(self, config):
+        from zipage.core.scheduler import Scheduler
+
+        super().__init__()
+        self.scheduler = Scheduler(config, num_blocks=64, num_query_slots=8)
+
+    def add(self, seq):
+        added = self.scheduler.add(seq)
+        if added:
+            self.added.append(seq.seq_id)
+        return added
+
+
+def test_the_engine_process_words_an_admission_refusal_as_the_http_side_does():
+    """The HTTP side asks the admission rule first, so the engine process refusing by it is rare
+    (a request sent before a restart changed the deployment); when it does, the 400 is the
+    same: "<field>: <why>" with `param` the field, and the prompt's lengths as the prompt's."""
+    from zipage.config import ZipageConfig
+    from zipage.core.admission import Admission
+    from zipage.core.sampling import SamplingParams
+    from zipage.serve.app import admission_error
+    from zipage.serve.wire import Add
+
+    config = ZipageConfig(block_size=16, window=4, kv_budget=64, max_model_len=64)
+    core = _core()
+    core.loop = _SchedulerLoop(config)
+    requests = {"budget": ([1, 2], SamplingParams(max_tokens=4, kv_budget=100)),
+                "long": ([1, 2], SamplingParams(max_tokens=63)),
+                "good": ([1, 2], SamplingParams(max_tokens=4))}
+    for seq_id, (prompt, sampling) in requests.items():
+        core._add(Add(seq_id, prompt, sampling))
+    assert core.loop.added == ["good"] and set(core.rejected) == {"budget", "long"}
+    admission = Admission(config, 64)
+    for seq_id in ("budget", "long"):
+        prompt, sampling = requests[seq_id]
+        http = admission_error(admission, len(prompt), sampling)
+        assert core.rejected[seq_id] == (http.message, http.param)
+    assert core.rejected["budget"][1] == "kv_budget"
+    assert core.rejected["budget"][0].startswith("kv_budget: 100 must be a positive multiple")
+    assert core.rejected["long"] == ("prompt: too long for this server: prompt_len + max_tokens "
+                                     "= 65 exceeds max_model_len 64; shorten the request or "
+                                     "raise --max-model-len", "prompt")
 
 
 # ---------------------------------------------------------------- one error body for everything

@@ -353,6 +353,6 @@ def test_a_request_aborted_or_refused_while_its_grammar_compiles_is_dropped_alon
            and "half" in updates.tokens)
     assert "gone" not in updates.tokens and "gone#1" not in updates.tokens
     assert updates.rejected.keys() == {"bad"}
-    assert "structured_output: not a valid regular expression" in updates.rejected["bad"]
+    assert "structured_output: not a valid regular expression" in updates.rejected["bad"][0]
     assert len(updates.tokens["half"]) >= 1 and "half#1" not in updates.tokens
     assert not core.aborted_compiling and not core.loop.tokens

@@ -18,6 +18,16 @@ class ConfigError(ZipageError):
     """A knob has an invalid value or the knobs contradict each other."""
 
 
+class FieldError(ConfigError):
+    """One named field of a request (or a knob) has a value this deployment cannot take: `field`
+    names it, so a server can report it as the error's `param` without reading the message."""
+
+    def __init__(self, field: str, why: str) -> None:
+        super().__init__(f"{field}: {why}")
+        self.field = field
+        self.why = why
+
+
 class MemoryPlanError(ZipageError):
     """The memory available cannot hold the requested configuration."""
 

@@ -9,16 +9,30 @@ queue) is the scheduler's question (docs/architecture.md, 'Scheduling').
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from zipage import request_fields
 from zipage.config import ZipageConfig, budget_violation
 from zipage.core.block_manager import prompt_block_hashes
 from zipage.core.sequence import Sequence
 from zipage.scoring import SCORING_POLICIES
 
+# The field a refusal names when the request's lengths, not one of its fields, are at fault.
+PROMPT = "prompt"
 
-def _refused(seq: Sequence, reason: str) -> str:
-    # Formatted only when refused: `rejection_reason` runs twice for every request.
-    return f"request {seq.seq_id}: {reason}"
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a request can never be served here: `field`, the request field at fault (a name of
+    zipage/request_fields.py, or PROMPT when its lengths are), and `why`, what is wrong and the
+    fix, without the field's name: each reader words the pair its own way (the core's log and
+    requests.csv below; the server's 400, its `param` the field)."""
+
+    field: str
+    why: str
+
+    def text(self) -> str:
+        return self.why if self.field == PROMPT else f"{self.field} {self.why}"
 
 
 class Admission:
@@ -43,40 +57,45 @@ class Admission:
             and not config.keeps_global_scores)
 
     def rejection_reason(self, seq: Sequence) -> str | None:
+        """Why `seq` can never be served here, in words ("request <id>: ..."), or None."""
+        refusal = self.refusal(seq)
+        return None if refusal is None else f"request {seq.seq_id}: {refusal.text()}"
+
+    def refusal(self, seq: Sequence) -> Refusal | None:
         """Why `seq` can never be served here, or None. O(1) from its lengths alone, so a driver
         can ask before building a prompt it would throw away (a 10^9-token one)."""
         prompt, output = seq.prompt_len, seq.max_output_tokens
         if prompt < 1 or output < 1:
-            return _refused(seq, "prompt_len and output_len must be >= 1 "
-                                 f"(got {prompt}, {output})")
+            return Refusal(PROMPT, f"prompt_len and output_len must be >= 1 (got {prompt}, "
+                                   f"{output})")
         if seq.priority and not self.by_priority:
-            return _refused(seq, self.priority_reason(seq.priority))
+            return Refusal("priority", self.priority_reason(seq.priority))
         if seq.scoring is not None:  # its own policy (most requests bring none)
             scoring_reason = self.scoring_reason(seq.scoring)
             if scoring_reason is not None:
-                return _refused(seq, scoring_reason)
+                return Refusal("scoring", scoring_reason)
         n_max = None  # the default budget's
         if seq.kv_budget is not None:  # its own budget (most requests bring none)
             budget_reason = self.budget_reason(seq.kv_budget)
             if budget_reason is not None:
-                return _refused(seq, budget_reason)
+                return Refusal("kv_budget", budget_reason)
             n_max = self.n_max_of(seq)
         elif self.pins_prompts or seq.compress_scope is not None:
             n_max = self.n_max_of(seq)  # its prompt's blocks besides the budget's
         limit = self.config.max_model_len
         if limit is not None and prompt + output > limit:
-            return _refused(seq, f"prompt_len + output_len = {prompt + output} exceeds "
-                                 f"max_model_len {limit}; shorten the request or raise "
-                                 "--max-model-len")
+            return Refusal(PROMPT, f"prompt_len + output_len = {prompt + output} exceeds "
+                                   f"max_model_len {limit}; shorten the request or raise "
+                                   "--max-model-len")
         if not self.config.chunked_prefill and prompt > self.step_tokens:
-            return _refused(seq, f"prompt_len {prompt} exceeds max_num_batched_tokens "
-                                 f"{self.step_tokens}; raise --max-num-batched-tokens or turn "
-                                 "chunked prefill back on (--chunked-prefill)")
+            return Refusal(PROMPT, f"prompt_len {prompt} exceeds max_num_batched_tokens "
+                                   f"{self.step_tokens}; raise --max-num-batched-tokens or turn "
+                                   "chunked prefill back on (--chunked-prefill)")
         peak = self.peak_blocks(prompt, output, n_max)
         if peak > self.num_blocks:
-            return _refused(seq, f"needs {peak} KV blocks at its peak but only "
-                                 f"{self.num_blocks} exist; give more KV memory"
-                                 + (" or enable compression" if not self.compress else ""))
+            return Refusal(PROMPT, f"needs {peak} KV blocks at its peak but only "
+                                   f"{self.num_blocks} exist; give more KV memory"
+                                   + (" or enable compression" if not self.compress else ""))
         return None
 
     def prepare(self, seq: Sequence) -> None:
@@ -102,7 +121,8 @@ class Admission:
         seq.slot_blocks = seq.n_max if seq.n_max < whole else whole  # (min, written out)
 
     def budget_reason(self, kv_budget: int | None) -> str | None:
-        """Why a request's own `kv_budget` is refused here, or None (None means the default)."""
+        """Why a request's own `kv_budget` is refused here (without the field's name), or None
+        (None means the default)."""
         if kv_budget is None:
             return None
         expected = budget_violation(self.block_size, kv_budget)
@@ -110,32 +130,34 @@ class Admission:
             return None
         b = self.block_size
         near = max(b, kv_budget // b * b) if isinstance(kv_budget, int) else self.config.kv_budget
-        return (f"kv_budget {kv_budget!r} must be {expected} (N_max = kv_budget / "
+        return (f"{kv_budget!r} must be {expected} (N_max = kv_budget / "
                 f"{b} + 1 >= 2 blocks); use e.g. {near}, or leave it out for the default "
                 f"{self.config.kv_budget}")
 
     def priority_reason(self, priority: int) -> str | None:
-        """Why a request's `priority` is refused here, or None: a class other than 0 needs the
-        priority policy (vLLM's rule: a priority the deployment would ignore is an error)."""
+        """Why a request's `priority` is refused here (without the field's name), or None: a class
+        other than 0 needs the priority policy (vLLM's rule: a priority the deployment would
+        ignore is an error)."""
         if not priority or self.by_priority:
             return None
-        return (f"priority {priority} needs --scheduling-policy priority (this deployment serves "
+        return (f"{priority} needs --scheduling-policy priority (this deployment serves "
                 "in arrival order); leave priority out, or serve with --scheduling-policy "
                 "priority")
 
     def scoring_reason(self, scoring: str | None) -> str | None:
-        """Why a request's own `scoring` is refused here, or None (None means the deployment's):
-        a name the registry does not know, or a policy that needs a global score cache this
-        deployment did not allocate (docs/compression.md, 'Scoring policies')."""
+        """Why a request's own `scoring` is refused here (without the field's name), or None (None
+        means the deployment's): a name the registry does not know, or a policy that needs a
+        global score cache this deployment did not allocate (docs/compression.md, 'Scoring
+        policies')."""
         if scoring is None:
             return None
         if scoring not in SCORING_POLICIES:
-            return request_fields.reason("scoring", scoring)
+            return request_fields.BY_NAME["scoring"].rule_broken(scoring)
         if scoring not in self.unallocated_scorings:
             return None
         usable = ", ".join(name for name in SCORING_POLICIES
                            if name not in self.unallocated_scorings)
-        return (f"scoring {scoring!r} keeps a global score per KV entry, but this deployment "
+        return (f"{scoring!r} keeps a global score per KV entry, but this deployment "
                 f"(--scoring {self.config.scoring}) allocated no score cache; ask for one of "
                 f"{usable}, leave scoring out, or serve with --scoring {scoring}")
 

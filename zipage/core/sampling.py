@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, replace
 
 from zipage import request_fields
-from zipage.errors import ConfigError
+from zipage.errors import FieldError
 
 SEED_LIMIT = 2**32  # seed and token index are packed into one 64-bit generator seed
 # Integer settings become int64 tensors or index math: anything past int32 is no real request and
@@ -76,22 +76,22 @@ class StructuredOutput:
         self.check()
 
     def check(self) -> None:
-        """Raise `ConfigError` naming what is wrong with the spec's shape (whether a schema,
+        """Raise `FieldError` naming what is wrong with the spec's shape (whether a schema,
         pattern or grammar compiles is the engine's question: `engine/structured.py`)."""
         if self.kind not in STRUCTURED_KINDS:
-            raise ConfigError(f"structured_output: kind {_short(self.kind)} must be one of "
-                              f"{', '.join(STRUCTURED_KINDS)}")
+            raise FieldError("structured_output", f"kind {_short(self.kind)} must be one of "
+                                                  f"{', '.join(STRUCTURED_KINDS)}")
         if self.kind == "json":
             if self.value is not None:
-                raise ConfigError("structured_output: json takes no value (any JSON object)")
+                raise FieldError("structured_output", "json takes no value (any JSON object)")
         elif self.kind == "choice":
             if (not isinstance(self.value, tuple) or not 1 <= len(self.value) <= MAX_CHOICES
                     or not all(isinstance(item, str) and item for item in self.value)):
-                raise ConfigError(f"structured_output: choice {_short(self.value)} must be 1 to "
-                                  f"{MAX_CHOICES} non-empty strings")
+                raise FieldError("structured_output", f"choice {_short(self.value)} must be 1 to "
+                                                      f"{MAX_CHOICES} non-empty strings")
         elif not isinstance(self.value, str) or not self.value:
-            raise ConfigError(f"structured_output: {self.kind} {_short(self.value)} must be a "
-                              "non-empty string")
+            raise FieldError("structured_output", f"{self.kind} {_short(self.value)} must be a "
+                                                  "non-empty string")
 
 
 @dataclass(frozen=True)
@@ -157,79 +157,82 @@ class SamplingParams:
         self.check()
 
     def check(self) -> None:
-        """Raise `ConfigError` naming the first setting out of range. The engine process calls it
+        """Raise `FieldError` naming the first setting out of range. The engine process calls it
         again on what arrives over its socket (unpickling skips `__post_init__`), so a bad
         request fails alone instead of inside a step."""
         if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
-            raise ConfigError(f"temperature: {_short(self.temperature)} must be a finite number in "
-                              f"[0, {MAX_TEMPERATURE:g}]; use 0 for greedy decoding")
+            raise FieldError("temperature",
+                             f"{_short(self.temperature)} must be a finite number in "
+                             f"[0, {MAX_TEMPERATURE:g}]; use 0 for greedy decoding")
         if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_INT:
-            raise ConfigError(f"top_k: {_short(self.top_k)} must be an integer in [0, {MAX_INT}]; "
-                              "use 0 to keep every token")
+            raise FieldError("top_k", f"{_short(self.top_k)} must be an integer in [0, {MAX_INT}]; "
+                                      "use 0 to keep every token")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p: {_short(self.top_p)} must be a finite number in (0, 1]; use "
-                              "1.0 to keep every token")
+            raise FieldError("top_p", f"{_short(self.top_p)} must be a finite number in (0, 1]; "
+                                      "use 1.0 to keep every token")
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT:
-            raise ConfigError(f"max_tokens: {_short(self.max_tokens)} must be an integer in "
-                              f"[1, {MAX_INT}]")
+            raise FieldError("max_tokens", f"{_short(self.max_tokens)} must be an integer in "
+                                           f"[1, {MAX_INT}]")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
-            raise ConfigError(f"seed: {_short(self.seed)} must be an integer in [0, 2**32) or None")
+            raise FieldError("seed", f"{_short(self.seed)} must be an integer in [0, 2**32) or "
+                                     "None")
         for field in request_fields.FIELDS:
             broken = field.rule_broken(getattr(self, field.name))
             if broken is not None:
-                raise ConfigError(f"{field.name}: {broken}")
+                raise FieldError(field.name, broken)
         if not _is_int(self.n) or not 1 <= self.n <= MAX_SAMPLES:
-            raise ConfigError(f"n: {_short(self.n)} must be an integer in [1, {MAX_SAMPLES}]")
+            raise FieldError("n", f"{_short(self.n)} must be an integer in [1, {MAX_SAMPLES}]")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
-                raise ConfigError(f"{name}: {_short(value)} must be an integer in "
-                                  f"[0, {MAX_LOGPROBS}] or None")
+                raise FieldError(name, f"{_short(value)} must be an integer in "
+                                       f"[0, {MAX_LOGPROBS}] or None")
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}: {_short(getattr(self, name))} must be true or false")
+                raise FieldError(name, f"{_short(getattr(self, name))} must be true or false")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
-                raise ConfigError(f"{name}: {_short(value)} must be a finite number in "
-                                  f"[{-MAX_PENALTY:g}, {MAX_PENALTY:g}]; use 0 for none")
+                raise FieldError(name, f"{_short(value)} must be a finite number in "
+                                       f"[{-MAX_PENALTY:g}, {MAX_PENALTY:g}]; use 0 for none")
         if (not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty
                 <= MAX_REPETITION_PENALTY):
-            raise ConfigError(f"repetition_penalty: {_short(self.repetition_penalty)} must be a "
-                              f"finite number in (0, {MAX_REPETITION_PENALTY:g}]; use 1.0 for "
-                              "none")
+            raise FieldError("repetition_penalty",
+                             f"{_short(self.repetition_penalty)} must be a finite number in "
+                             f"(0, {MAX_REPETITION_PENALTY:g}]; use 1.0 for none")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
-            raise ConfigError(f"min_p: {_short(self.min_p)} must be a finite number in [0, 1]; "
-                              "use 0 to keep every token")
+            raise FieldError("min_p", f"{_short(self.min_p)} must be a finite number in [0, 1]; "
+                                      "use 0 to keep every token")
         if self.logit_bias is not None:
             self._check_logit_bias()
         if self.structured_output is not None:
             if not isinstance(self.structured_output, StructuredOutput):
-                raise ConfigError(f"structured_output: {_short(self.structured_output)} is not a "
-                                  "StructuredOutput")
+                raise FieldError("structured_output", f"{_short(self.structured_output)} is not a "
+                                                      "StructuredOutput")
             self.structured_output.check()
             if self.ignore_eos:  # the grammar's end (its forced end-of-sequence) ends the request
-                raise ConfigError("structured_output: cannot be combined with ignore_eos; leave "
-                                  "ignore_eos out")
+                raise FieldError("structured_output", "cannot be combined with ignore_eos; leave "
+                                                      "ignore_eos out")
 
     def _check_logit_bias(self) -> None:
         bias = self.logit_bias
         if not isinstance(bias, tuple):
-            raise ConfigError(f"logit_bias: {_short(bias)} is not a {{token id: bias}} dict or "
-                              "(token id, bias) pairs")
+            raise FieldError("logit_bias", f"{_short(bias)} is not a {{token id: bias}} dict or "
+                                           "(token id, bias) pairs")
         if len(bias) > MAX_LOGIT_BIAS_TOKENS:
-            raise ConfigError(f"logit_bias: must map at most {MAX_LOGIT_BIAS_TOKENS} token ids "
-                              "to biases")
+            raise FieldError("logit_bias", f"must map at most {MAX_LOGIT_BIAS_TOKENS} token ids "
+                                           "to biases")
         for entry in bias:
             if not isinstance(entry, tuple) or len(entry) != 2:
-                raise ConfigError(f"logit_bias: {_short(entry)} is not a (token id, bias) pair")
+                raise FieldError("logit_bias", f"{_short(entry)} is not a (token id, bias) pair")
             token, value = entry
             if not _is_int(token) or not 0 <= token <= MAX_INT:
-                raise ConfigError(f"logit_bias: token id {_short(token)} must be an integer in "
-                                  f"[0, {MAX_INT}]")
+                raise FieldError("logit_bias", f"token id {_short(token)} must be an integer in "
+                                               f"[0, {MAX_INT}]")
             if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-                raise ConfigError(f"logit_bias: bias {_short(value)} of token {token} must be a "
-                                  f"finite number in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+                raise FieldError("logit_bias",
+                                 f"bias {_short(value)} of token {token} must be a finite number "
+                                 f"in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
 
     def for_sample(self, index: int) -> "SamplingParams":
         """The settings of sample `index` of n: one sample each, no prompt log-probabilities

@@ -35,7 +35,7 @@ from zipage import request_fields
 from zipage.core.admission import Admission
 from zipage.core.sampling import SamplingParams
 from zipage.core.sequence import Sequence
-from zipage.errors import ZipageError
+from zipage.errors import FieldError
 from zipage.serve import DEFAULT_MAX_BODY_BYTES
 from zipage.serve.chat_output import ChatOutput, ChatSettings, ForcedCalls
 from zipage.serve.detokenize import IncrementalText
@@ -56,6 +56,7 @@ from zipage.serve.protocol import (
 )
 from zipage.serve.replicas import ReplicaSet
 from zipage.serve.text_bound import max_prompt_tokens, max_token_bytes, too_long_reason
+from zipage.serve.wire import refusal_words
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
@@ -124,8 +125,8 @@ class Server:
                 frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty, min_p=body.min_p,
                 logit_bias=body.logit_bias_pairs, structured_output=structured)
-        except ZipageError as error:
-            raise ServeError(400, str(error), str(error).split(":")[0]) from None
+        except FieldError as error:
+            raise ServeError(400, str(error), error.field) from None
         vocab = self.engine.info.vocab_size
         if sampling.logit_bias and max(token for token, _ in sampling.logit_bias) >= vocab:
             token = max(token for token, _ in sampling.logit_bias)
@@ -295,7 +296,7 @@ class Server:
         tokens = [token for delta in batch for token in delta.token_ids]
         last = batch[-1]
         if last.error is not None:
-            raise ServeError(last.status, last.error, None,
+            raise ServeError(last.status, last.error, last.param,
                              "invalid_request_error" if last.status < 500 else "server_error")
         if batch[0].cached_tokens is not None:  # the request's first token leads its first batch
             choice.cached_tokens = batch[0].cached_tokens
@@ -552,20 +553,13 @@ def admission_error(admission: Admission, prompt_len: int,
     """The core's own admission rule (`Admission.rejection_reason`), asked before a request is
     sent, as the 400 every refused field gets: "<field>: <why>; <fix>", `param` the field.
 
-    The one path for a request the rule refuses, whichever field it refuses for: the rule's
-    reason for a request field starts with the field's name (zipage/request_fields.py), so that
-    name is the `param`; any other reason is the prompt's, too long for this deployment."""
+    The one path for a request the rule refuses, whichever field it refuses for: the rule names
+    the field (`Refusal.field`), and `refusal_words` words it as the engine process does when the
+    rule refuses there."""
     seq = Sequence("request", None, sampling.max_tokens, prompt_len=prompt_len)
     request_fields.copy_fields(seq, sampling)
-    reason = admission.rejection_reason(seq)
-    if reason is None:
-        return None
-    why = reason.split(": ", 1)[-1]  # without the core's "request <id>: "
-    name, _, rest = why.partition(" ")
-    if name in request_fields.BY_NAME:
-        return ServeError(400, f"{name}: {rest}", name)
-    why = why.replace("output_len", "max_tokens")  # the HTTP field's name
-    return ServeError(400, f"prompt: too long for this server: {why}", "prompt")
+    refusal = admission.refusal(seq)
+    return None if refusal is None else ServeError(400, *refusal_words(refusal))
 
 
 _KINDS = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}

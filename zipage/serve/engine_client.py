@@ -67,6 +67,7 @@ class Delta:
     # the app through Ray's replicas too.
     cached_tokens: int | None = None
     queued_s: float | None = None
+    param: str | None = None  # beside `error`: the request field at fault, where one is
 
 
 @dataclass
@@ -284,11 +285,11 @@ class EngineClient:
             handle.deltas.put_nowait(Delta([token], reason, logprobs=None if logprobs is None
                                            else [logprobs[index]], cached_tokens=cached,
                                            queued_s=queued))
-        for seq_id, message in update.rejected.items():
+        for seq_id, (message, param) in update.rejected.items():
             handle = handles.get(seq_id)
             if handle is not None:
                 self._end(handle)
-                handle.deltas.put_nowait(Delta([], None, message, 400))
+                handle.deltas.put_nowait(Delta([], None, message, 400, param=param))
         self.stats = update.stats
         if metrics is not None:
             metrics.engine_stats(update.stats, len(update.tokens))

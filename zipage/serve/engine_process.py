@@ -30,9 +30,20 @@ from multiprocessing.connection import Connection
 
 from zipage.core.sampling import StructuredOutput
 from zipage.core.sequence import Sequence
-from zipage.errors import ZipageError
+from zipage.errors import FieldError, ZipageError
 from zipage.request_fields import copy_fields
-from zipage.serve.wire import Abort, Add, EngineFailed, EngineStats, Ready, Setup, StartupFailed, StepUpdate, Stop
+from zipage.serve.wire import (
+    Abort,
+    Add,
+    EngineFailed,
+    EngineStats,
+    Ready,
+    Setup,
+    StartupFailed,
+    StepUpdate,
+    Stop,
+    refusal_words,
+)
 
 
 class ServerGone(Exception):
@@ -138,7 +149,7 @@ class EngineCore:
         self.vocab_size = vocab_size
         self.loop = loop if loop is not None else engine_loop(engine)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.rejected: dict[str, str] = {}
+        self.rejected: dict[str, tuple[str, str | None]] = {}
         self.changed = False  # an abort or rejection the HTTP side has no update of yet
         self.compressions = 0
         self.preemptions = 0
@@ -236,7 +247,7 @@ class EngineCore:
             return
         error = ready.future.exception()
         if error is not None:  # as `_add_now` refuses a spec that does not compile
-            self._refuse(seq_ids, f"the engine refused the request: {error}")
+            self._refuse(seq_ids, f"the engine refused the request: {error}", None)
             return
         self._add_now(command)
         for seq_id in aborted:  # samples aborted while the grammar compiled
@@ -245,16 +256,17 @@ class EngineCore:
     def _add_now(self, command: Add) -> None:
         """Queue the request, or refuse it alone. The HTTP side validated it already; this is
         the engine's own check, because a value that reached a step (a token id outside the
-        vocabulary, a top_k torch cannot hold) would raise there and stop every request."""
+        vocabulary, a top_k torch cannot hold) would raise there and stop every request. A
+        refusal names its field as the HTTP side's does (`param`), where there is one."""
         seq_ids = [command.seq_id, *command.sample_ids]
         try:
             command.sampling.check()
             if len(seq_ids) != command.sampling.n:
-                raise ZipageError(f"n: {command.sampling.n} samples but {len(seq_ids)} ids")
+                raise FieldError("n", f"{command.sampling.n} samples but {len(seq_ids)} ids")
             ids = command.prompt_token_ids
             if not ids or min(ids) < 0 or max(ids) >= self.vocab_size:
-                raise ZipageError(f"prompt: token ids must be in 0..{self.vocab_size - 1} and "
-                                  "there must be at least one")
+                raise FieldError("prompt", f"token ids must be in 0..{self.vocab_size - 1} and "
+                                           "there must be at least one")
             now = self.loop.now()
             group = []
             for index, seq_id in enumerate(seq_ids):  # docs/architecture.md, 'Samples of ...'
@@ -267,19 +279,24 @@ class EngineCore:
                     seq.fork_of = group[0]
                 group.append(seq)
             added = self.loop.add(group[0])  # the samples share its lengths, and its fate
-            error = group[0].error
             if added:
                 for seq in group[1:]:
                     self.loop.add(seq)
+            else:  # the HTTP side asked the same rule first: rare. Asked again for its field.
+                refusal = self.loop.scheduler.admission.refusal(group[0])
+                error, param = (refusal_words(refusal) if refusal is not None
+                                else (group[0].error, None))
+        except FieldError as failure:
+            added, error, param = False, str(failure), failure.field
         except Exception as failure:  # noqa: BLE001 - whatever it is, it is this request's
-            added, error = False, f"the engine refused the request: {failure}"
-        if not added:  # the HTTP side asked the same rule first: rare
-            self._refuse(seq_ids, error)
+            added, error, param = False, f"the engine refused the request: {failure}", None
+        if not added:
+            self._refuse(seq_ids, error, param)
 
-    def _refuse(self, seq_ids: list[str], error: str) -> None:
+    def _refuse(self, seq_ids: list[str], error: str, param: str | None) -> None:
         for seq_id in seq_ids:
             self.loop.tokens.pop(seq_id, None)
-            self.rejected[seq_id] = error
+            self.rejected[seq_id] = (error, param)
         self.changed = True
 
     def _abort(self, seq_id: str) -> None:

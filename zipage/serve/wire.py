@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from zipage.core.admission import PROMPT, Refusal
+
 if TYPE_CHECKING:
     from zipage.config import ZipageConfig
     from zipage.core.deployment import ReplaySettings
@@ -117,7 +119,8 @@ class StepUpdate:
     seq_ids: list[str]  # one entry per token the step produced, beside `tokens`
     tokens: list[int]
     finished: dict[str, str]  # request -> "stop" (end-of-sequence token) or "length"
-    rejected: dict[str, str]  # request -> why the core refused it (it never ran)
+    # request -> (why it was refused, the request field at fault or None): it never ran.
+    rejected: dict[str, tuple[str, str | None]]
     stats: EngineStats
     # Beside `tokens` when a request of the step asked for log-probabilities (else None): per
     # token (log-probability, top ids, top log-probabilities) or None.
@@ -138,3 +141,13 @@ class EngineFailed:
     """A step raised (a bug): the engine process exits after sending this."""
 
     message: str
+
+
+def refusal_words(refusal: Refusal) -> tuple[str, str]:
+    """The core's admission refusal as the server's 400 says it, whichever process asked:
+    "<field>: <why>" and the field as `param`; a refusal of the lengths is the prompt's, too long
+    for this server, with the HTTP name of the output's length."""
+    if refusal.field == PROMPT:
+        why = refusal.why.replace("output_len", "max_tokens")
+        return f"{PROMPT}: too long for this server: {why}", PROMPT
+    return f"{refusal.field}: {refusal.why}", refusal.field
