@@ -24,8 +24,9 @@ from zipage.config import ZipageConfig
 from zipage.core.deployment import ReplaySettings, effective_config, plan_capacity, trace_sequences
 from zipage.core.sampling import SamplingParams
 from zipage.core.scheduler import Scheduler
+from zipage.decode_grid import GRAPH_BATCH_SIZES
 from zipage.engine.loop import EngineLoop
-from zipage.engine.runner import GRAPH_BATCH_SIZES, ModelRunner
+from zipage.engine.runner import ModelRunner
 from zipage.presets import get_preset
 from zipage.workloads import make_trace
 

@@ -14,13 +14,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from zipage.core.memory import heads_per_gpu
-from zipage.decode_grid import decode_num_partitions
+from zipage.decode_grid import decode_num_partitions, graph_batch
 from zipage.errors import ConfigError, UnknownModelError
 from zipage.hardware import GPUSpec, get_hardware
 from zipage.presets import get_preset
 from zipage.profile import (
     CORRECTION,
     DECODE_EXCESS,
+    DECODE_GRAPH_SIZES,
     MACHINE,
     PER_ENTRY,
     PER_PARTITION,
@@ -50,7 +51,10 @@ class CalibratedCostModel(CostModel):
               kernel's partitions at the batch, d * partition_excess]
               [+ e * shared_tokens, e < 0, when points share prefix blocks: an entry read by a
               second request in the same step costs c + e, not c]; that line under a host
-              floor, max(h_d, line), where the points determine one (sim/decode_host.py)
+              floor, max(h_d, line), where the points determine one (sim/decode_host.py).
+              With the header's decode_graph_sizes, batch (and the batch the partitions are
+              counted at) is the captured graph's padded size, `DecodeRows`; the excess is
+              still over the live requests' mean
     launch:   a decode step that launches an async compression batch lasts max(h_l, forward +
               x_l): the host enqueues the batch's kernels behind the forward (a floor), and the
               batch's first kernels start beside the forward's last ones (an extra), when the
@@ -74,7 +78,8 @@ class CalibratedCostModel(CostModel):
                  compress: LinearFit | None, contention_factor: float, header: dict[str, Any],
                  source: str, validation: Validation | None = None,
                  launch_floor_s: float = 0.0, launch_extra_s: float = 0.0,
-                 partitions: DecodePartitions | None = None) -> None:
+                 partitions: DecodePartitions | None = None,
+                 rows: DecodeRows | None = None) -> None:
         self.decode_fit, self.prefill_fit, self.mixed_fit = decode, prefill, mixed
         self.compress_fit = compress
         self.contention_factor = contention_factor
@@ -99,6 +104,7 @@ class CalibratedCostModel(CostModel):
         # entry a second holder reads of a shared block (0 when not fitted).
         self._decode_excess = terms.get(LONGEST_EXCESS, terms.get(PARTITION_EXCESS, 0.0))
         self.decode_partitions = partitions
+        self.decode_rows = rows or DecodeRows(())
         self._decode_shared = terms.get(SHARED_TOKENS, 0.0)
         # A host-bound decode step (sim/decode_host.py) costs at least the host's time.
         self._decode_floor = max(decode.floor_s, getattr(decode, "host_s", 0.0))
@@ -127,7 +133,8 @@ class CalibratedCostModel(CostModel):
                                   DECODE_DEFAULTS)
         partitions = (decode_partitions(source, header)
                       if header.get(DECODE_EXCESS, PER_ENTRY) == PER_PARTITION else None)
-        decode = _decode_fit(source, decode_rows, partitions)
+        rows = DecodeRows(tuple(header.get(DECODE_GRAPH_SIZES) or ()))
+        decode = _decode_fit(source, decode_rows, partitions, rows)
         prefill_rows = read_points(source, data, "prefill", ("new_tokens",), PREFILL_DEFAULTS)
         buckets = tuple(header.get("prefill_buckets") or ())
         prefill = fit_prefill_points(source, data["version"], prefill_rows, buckets)
@@ -161,7 +168,7 @@ class CalibratedCostModel(CostModel):
             raise ConfigError(f"{source}: contention_factor: got {contention!r}, "
                               "expected a number >= 1")
         model = cls(decode, prefill, mixed, compress, float(contention), header, source,
-                    validation, partitions=partitions)
+                    validation, partitions=partitions, rows=rows)
         if shape is not None and gpu is not None:
             model.run_setup = (shape, gpu, {**knobs, "scoring": scoring})
         # Where it was measured and how it was re-scaled since (None: not recorded); they change
@@ -193,11 +200,12 @@ class CalibratedCostModel(CostModel):
             if not batch:
                 return 0.0
             context = work.decode_context_tokens
-            value = self._decode_a + self._decode_b * batch + self._decode_c * context
+            rows = self.decode_rows(batch)  # a captured graph's padded size, else the batch
+            value = self._decode_a + self._decode_b * rows + self._decode_c * context
             if self._decode_excess and work.decode_max_context:
                 excess = longest_excess(work.decode_max_context, context, batch)
                 if self.decode_partitions is not None:
-                    excess /= self.decode_partitions(batch)
+                    excess /= self.decode_partitions(rows)
                 value += self._decode_excess * excess
             if self._decode_shared and work.shared_kv_tokens:
                 value += self._decode_shared * min(work.shared_kv_tokens, context)
@@ -262,6 +270,25 @@ class DecodePartitions:
         return count
 
 
+class DecodeRows:
+    """The rows a decode step of a batch computes on the measured engine: the smallest of its
+    captured graph sizes that holds the batch (zipage/decode_grid.py `graph_batch`), or the batch
+    itself (no sizes: an eager engine, or a profile from before the field), remembered per
+    batch as `DecodePartitions` is."""
+
+    def __init__(self, sizes: tuple[int, ...]) -> None:
+        self.sizes = sizes
+        self._at: dict[int, int] = {}
+
+    def __call__(self, batch: int) -> int:
+        if not self.sizes:
+            return batch
+        rows = self._at.get(batch)
+        if rows is None:
+            rows = self._at[batch] = graph_batch(int(batch), self.sizes)
+        return rows
+
+
 def decode_partitions(source: str, header: dict[str, Any]) -> DecodePartitions:
     """The partitions the profile's engine gave a decode step's sequences, as the analytic model
     counts them for the same setup: the model preset's KV heads per GPU (under the header's
@@ -310,7 +337,8 @@ def _decode_work(row: dict[str, Any]) -> StepWork:
 
 
 def _decode_fit(source: str, rows: list[dict[str, Any]],
-                partitions: DecodePartitions | None = None) -> LinearFit:
+                partitions: DecodePartitions | None = None,
+                padded: DecodeRows | None = None) -> LinearFit:
     """a + b * batch + c * context_tokens, plus the optional terms the points support:
     d * longest_excess when every point says its longest request (`max_context`: profiles
     fitted from runs whose steps.csv records it), some are unbalanced and the fit finds d > 0
@@ -318,8 +346,10 @@ def _decode_fit(source: str, rows: list[dict[str, Any]],
     e * shared_tokens when enough points share prefix blocks and the fit finds a shared entry
     cheaper than an unshared one but not free (-c <= e < 0). A term the fit rejects is dropped
     and the rest refitted; with neither, the three-term fit, as always. Then the host floor
-    over the accepted terms, where the points determine it (`fit_host_floor`)."""
-    features = [[row["batch"], row["context_tokens"]] for row in rows]
+    over the accepted terms, where the points determine it (`fit_host_floor`). With `padded`
+    (a profile's decode_graph_sizes), batch is the rows its graph computed, as predicted."""
+    padded = padded or DecodeRows(())
+    features = [[padded(row["batch"]), row["context_tokens"]] for row in rows]
     times = [row["time_s"] for row in rows]
     extra: dict[str, list[float]] = {}
     if rows and all(row["max_context"] is not None for row in rows):
@@ -329,7 +359,7 @@ def _decode_fit(source: str, rows: list[dict[str, Any]],
             if partitions is None:
                 extra[LONGEST_EXCESS] = excess
             else:
-                extra[PARTITION_EXCESS] = [value / partitions(row["batch"])
+                extra[PARTITION_EXCESS] = [value / partitions(padded(row["batch"]))
                                            for value, row in zip(excess, rows)]
     shared = [min(row[SHARED_TOKENS], row["context_tokens"]) for row in rows]
     sharing = sum(1 for value, row in zip(shared, rows)

@@ -48,7 +48,7 @@ import pandas as pd
 from zipage.core.step import causal_pairs
 from zipage.errors import ConfigError
 from zipage.presets import model_label
-from zipage.profile import DECODE_EXCESS, PER_PARTITION, PROFILE_VERSION
+from zipage.profile import DECODE_EXCESS, DECODE_GRAPH_SIZES, PER_PARTITION, PROFILE_VERSION
 from zipage.records import STEP_COLUMN_DEFAULTS
 from zipage.sim.calibrated import CalibratedCostModel, partition_geometry_known
 from zipage.sim.cost_model import StepWork
@@ -225,12 +225,17 @@ def _header(runs: list[tuple[dict, pd.DataFrame]], gpu: str | None) -> dict:
     # The token buckets padded steps ran at (engine runs record them since they were added).
     buckets = [summary["prefill_buckets"] for summary, _ in runs
                if summary.get("prefill_buckets") is not None]
+    # The decode graphs' batch sizes (engine runs record them since 2026-11-29).
+    graph_sizes = [summary[DECODE_GRAPH_SIZES] for summary, _ in runs
+                   if summary.get(DECODE_GRAPH_SIZES) is not None]
     for other in headers[1:]:
         differ = [key for key in headers[0] if other[key] != headers[0][key]]
         if any(graphs != known[0] for graphs in known[1:]):
             differ.append("graphs")
         if any(value != buckets[0] for value in buckets[1:]):
             differ.append("prefill_buckets")
+        if any(value != graph_sizes[0] for value in graph_sizes[1:]):
+            differ.append(DECODE_GRAPH_SIZES)
         if differ:
             raise ConfigError(f"--from-run: the runs differ in {', '.join(differ)}; fit one "
                               "profile per setup")
@@ -240,6 +245,8 @@ def _header(runs: list[tuple[dict, pd.DataFrame]], gpu: str | None) -> dict:
         header["graphs"] = known[0]
     if buckets and buckets[0]:
         header["prefill_buckets"] = buckets[0]
+    if graph_sizes and graph_sizes[0] and header.get("graphs", {}).get("decode"):
+        header[DECODE_GRAPH_SIZES] = graph_sizes[0]
     # A new fit prices the longest request over its decode partitions, as the split-K kernel
     # runs it, wherever the header names the partitions (a preset model, a GPU of the table):
     # always, not the better of the two forms on the fit's own points, because those points

@@ -1,9 +1,24 @@
-"""The split-K decode kernel's grid rule, without torch: the Triton kernel launches by it and the
-analytic cost model prices a decode step's longest sequence by it (a sequence's K/V is cut into
-this many partitions, one program each, so the longest one bounds the kernel when the batch
-fills the GPU with one partition per sequence)."""
+"""The decode step's shape on the GPU, without torch: the split-K kernel's grid rule (the Triton
+kernel launches by it and the analytic cost model prices a decode step's longest sequence by it: a
+sequence's K/V is cut into this many partitions, one program each, so the longest one bounds the
+kernel when the batch fills the GPU with one partition per sequence), and the batch sizes the
+engine captures decode CUDA graphs at (a step replays the smallest that holds its batch, padded:
+the calibrated cost model prices it at that size)."""
 
 from __future__ import annotations
+
+from bisect import bisect_left
+
+# The decode graphs' batch sizes, up to --max-num-seqs (zipage/engine/runner.py captures them):
+# dense where batches are small and a padded row costs the most, coarser above.
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+
+
+def graph_batch(batch: int, sizes: tuple[int, ...] | list[int]) -> int:
+    """The rows a decode step of `batch` requests computes: the smallest captured graph size
+    that holds it (increasing `sizes`), or the batch itself above the largest (run eagerly)."""
+    index = bisect_left(sizes, batch)
+    return sizes[index] if index < len(sizes) else batch
 
 # Decode aims for at most this many programs per streaming multiprocessor: as many as fit on an SM
 # at once, so that a batch of equal-length sequences runs in one wave with no short last wave.

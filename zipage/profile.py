@@ -59,6 +59,11 @@ COST_MODEL_KNOBS = ("dtype_bytes", *COST_KNOBS, "tensor_parallel", "contention_f
 DECODE_EXCESS = "decode_excess"
 PER_ENTRY, PER_PARTITION = "per_entry", "per_partition"
 DECODE_EXCESS_MODES = (PER_ENTRY, PER_PARTITION)
+# The batch sizes the measured engine captured decode CUDA graphs at (a header field, since
+# 2026-11-29; zipage/decode_grid.py): a decode step replays the smallest that holds its batch, so
+# its rows, and its kernel's partitions, are that size's; the decode fit and its predictions read
+# the padded size. Absent (profiles written before it, eager engines): the live batch.
+DECODE_GRAPH_SIZES = "decode_graph_sizes"
 
 
 def read_profile(profile: str | Path | dict) -> tuple[str, dict]:
@@ -106,11 +111,7 @@ def check_header(source: str, data: dict, shape: ModelShape | None, gpu: GPUSpec
         raise ConfigError(f"{source}: dtype: got {header['dtype']!r}, expected one of "
                           f"{', '.join(DTYPE_BYTES)}")
     buckets = header.get("prefill_buckets")
-    if buckets is not None and not (
-            isinstance(buckets, list) and buckets
-            and all(isinstance(size, int) and not isinstance(size, bool) and size > 0
-                    for size in buckets)
-            and all(a < b for a, b in zip(buckets, buckets[1:]))):
+    if buckets is not None and not _increasing_sizes(buckets):
         raise ConfigError(f"{source}: prefill_buckets: got {buckets!r}, expected increasing "
                           "positive token counts: the buckets the measured engine padded prefill "
                           "and mixed steps to (or leave the field out: steps were not padded)")
@@ -124,6 +125,13 @@ def check_header(source: str, data: dict, shape: ModelShape | None, gpu: GPUSpec
         raise ConfigError(f"{source}: graphs: got {graphs!r}, expected {{\"decode\": true|false, "
                           "\"prefill\": true|false}: which engine steps replayed CUDA graphs "
                           "when it was measured")
+    sizes = header.get(DECODE_GRAPH_SIZES)
+    if sizes is not None and not (_increasing_sizes(sizes)
+                                  and (graphs or {}).get("decode")):
+        raise ConfigError(f"{source}: {DECODE_GRAPH_SIZES}: got {sizes!r}, expected increasing "
+                          "positive batch sizes, with graphs.decode true: the decode graphs the "
+                          "measured engine captured (or leave the field out: decode steps are "
+                          "priced at their live batch)")
     fix = "measure a profile for this setup, or use --cost-model analytic"
     if shape is not None and model_identity(data["model"]) != model_identity(shape.name):
         raise ConfigError(f"{source}: model: measured on {data['model']!r}, but this run uses "
@@ -379,3 +387,10 @@ def write_profile(profile: dict, path: str | Path) -> Path:
     else:
         out.write_text(text)
     return out
+
+
+def _increasing_sizes(sizes: Any) -> bool:
+    return (isinstance(sizes, list) and bool(sizes)
+            and all(isinstance(size, int) and not isinstance(size, bool) and size > 0
+                    for size in sizes)
+            and all(a < b for a, b in zip(sizes, sizes[1:])))

@@ -29,7 +29,7 @@ from zipage.engine.builder import Engine, build_engine
 from zipage.engine.machine import machine_record
 from zipage.errors import ConfigError
 from zipage.presets import model_label
-from zipage.profile import MACHINE, PROFILE_VERSION, SETTINGS
+from zipage.profile import DECODE_GRAPH_SIZES, MACHINE, PROFILE_VERSION, SETTINGS
 
 DECODE_BATCHES = (1, 4, 16, 32, 64, 128, 256)
 FULL_KV_CONTEXTS = (512, 2048, 8192)
@@ -407,6 +407,8 @@ def _measure(engine: Engine, bench: Bench, settings: ReplaySettings, gpu: str, r
     if engine.runner.prefill_buckets:
         # Steps up to the largest bucket computed their bucket's rows: the fits price them so.
         profile["prefill_buckets"] = list(engine.runner.prefill_buckets)
+    if engine.runner.decode_graph_sizes:  # decode steps computed their graph's padded rows
+        profile[DECODE_GRAPH_SIZES] = engine.runner.decode_graph_sizes
     for name, measure in sections:
         started = time.perf_counter()
         profile[name] = measure(bench)

@@ -461,6 +461,10 @@ class TensorParallelExecutor:
     def prefill_buckets(self) -> tuple[int, ...]:
         return self.runner.prefill_buckets
 
+    @property
+    def decode_graph_sizes(self) -> list[int]:
+        return self.runner.decode_graph_sizes
+
     def gather_caches(self) -> list[dict[str, torch.Tensor | None]]:
         """Every rank's caches on the CPU, by rank (tests compare them with a one-rank run)."""
         self._send(("caches",))

@@ -39,6 +39,7 @@ def run_on_engine(engine: Engine, trace: Trace, settings: ReplaySettings, *,
     the step's token limit) from those the engine was built with; its summary records them."""
     graphs = engine.runner.graphed_steps  # now: closing a tensor-parallel engine drops its graphs
     buckets = engine.runner.prefill_buckets
+    decode_graph_sizes = engine.runner.decode_graph_sizes
     config = effective_config(settings, engine.shape)
     scheduler = Scheduler(config, engine.capacity.num_blocks, engine.capacity.num_query_slots)
     # A request the scheduler will reject gets no prompt (it may be 10^9 tokens long).
@@ -59,6 +60,9 @@ def run_on_engine(engine: Engine, trace: Trace, settings: ReplaySettings, *,
     # buckets padded steps ran at, which a profile fitted from the run prices them by.
     summary["graphs"] = graphs
     summary["prefill_buckets"] = list(buckets)
+    # The batch sizes decode graphs were captured at: a decode step computes its graph's padded
+    # rows, and a profile fitted from the run prices it so (docs/cost_model.md).
+    summary["decode_graph_sizes"] = decode_graph_sizes
     summary["validation"] = None  # measured, not predicted: no error band (a simulation's is)
     compressor = engine.runner.compressor
     if compressor is not None and config.async_compress:

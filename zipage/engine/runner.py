@@ -52,6 +52,7 @@ from zipage.core.memory import MemoryPlan
 from zipage.core.sequence import Sequence
 from zipage.core.step import StepPlan
 from zipage.core.window import WindowLayout
+from zipage.decode_grid import GRAPH_BATCH_SIZES
 from zipage.engine.caches import KVCaches
 from zipage.engine.compressor import Compressor
 from zipage.engine.context import ForwardContext, forward_context
@@ -61,8 +62,6 @@ from zipage.engine.structured import StructuredOutputs
 from zipage.kernels.attention import PrefillWork, prefill_tile_tokens, prefill_work, prefill_work_capacity
 from zipage.prefill_buckets import bucket_of, buckets_up_to
 from zipage.shape import ModelShape
-
-GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
 
 @dataclass
@@ -456,6 +455,12 @@ class ModelRunner:
         """Which steps replay CUDA graphs: decode steps, prefill and mixed steps (what a run
         summary and a calibrated profile record as `graphs`: the two paths cost differently)."""
         return {"decode": bool(self.graphs), "prefill": bool(self.prefill_graphs)}
+
+    @property
+    def decode_graph_sizes(self) -> list[int]:
+        """The batch sizes decode graphs were captured at (none: decode runs eagerly): a decode
+        step computes the smallest that holds its batch (what a profile records)."""
+        return sorted(self.graphs)
 
     def enable_prefill_graphs(self, capture: bool = True) -> None:
         """Run prefill and mixed steps of up to the largest bucket through the padded layout, and
