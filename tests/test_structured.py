@@ -65,6 +65,7 @@ pytest.importorskip("gguf")
 
 from zipage.core.sequence import Sequence  # noqa: E402
 from zipage.engine.structured import StructuredOutputError, StructuredOutputs, check_spec  # noqa: E402
+from zipage.errors import FieldError  # noqa: E402
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -248,11 +249,11 @@ def test_engine_cuts_a_constrained_output_at_max_tokens_as_length(llm):
 
 @needs_smollm2
 def test_engine_refuses_a_pattern_that_does_not_compile_by_name(llm):
-    with pytest.raises(StructuredOutputError,
-                       match="structured_output: not a valid regular expression"):
+    with pytest.raises(FieldError, match="structured_output: not a valid regular expression") as caught:
         llm.generate(["hi"], SamplingParams(
             max_tokens=4, structured_output=StructuredOutput("regex", "(unclosed")),
             progress=False)
+    assert caught.value.field == "structured_output"
 
 
 # ---------------------------------------------------------------- the server's engine process
@@ -354,5 +355,6 @@ def test_a_request_aborted_or_refused_while_its_grammar_compiles_is_dropped_alon
     assert "gone" not in updates.tokens and "gone#1" not in updates.tokens
     assert updates.rejected.keys() == {"bad"}
     assert "structured_output: not a valid regular expression" in updates.rejected["bad"][0]
+    assert updates.rejected["bad"][1] == "structured_output"  # the field, as the HTTP side names it
     assert len(updates.tokens["half"]) >= 1 and "half#1" not in updates.tokens
     assert not core.aborted_compiling and not core.loop.tokens

@@ -24,7 +24,8 @@ from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.core.step import IDLE, StepPlan, StepResult
 from zipage.engine.runner import ModelRunner
-from zipage.engine.structured import StructuredOutputError, StructuredOutputs
+from zipage.engine.structured import StructuredOutputs
+from zipage.errors import FieldError
 from zipage.sessions import follow_up_tokens
 
 
@@ -91,8 +92,8 @@ class EngineLoop:
         """Queue a request; False if the core rejected it (`seq.error` says why)."""
         if seq.sampling is not None and seq.sampling.structured_output is not None:
             if self.structured is None:
-                raise StructuredOutputError("structured_output: this engine has no tokenizer to "
-                                            "compile a grammar with")
+                raise FieldError("structured_output", "this engine has no tokenizer to compile a "
+                                                      "grammar with")
             self.structured.prepare(seq)  # a spec that does not compile fails here, alone
         # A request without prompt tokens is one the scheduler rejects before it ever runs.
         if seq.prompt_token_ids is not None:

@@ -33,7 +33,7 @@ import torch
 
 from zipage.core.sampling import StructuredOutput
 from zipage.core.sequence import Sequence
-from zipage.errors import ZipageError
+from zipage.errors import FieldError, ZipageError
 
 EXTRA_HINT = "install it with pip install 'zipage[structured]'"
 # The JSON schema of OpenAI's response_format json_object (any object), as vLLM compiles it.
@@ -145,10 +145,11 @@ class StructuredOutputs:
             self._compile_named(spec)
 
     def _compile_named(self, spec: StructuredOutput):
+        """`compile`, its error naming the request's field (a server's `param`)."""
         try:
             return self.compile(spec)
         except StructuredOutputError as error:
-            raise StructuredOutputError(f"structured_output: {error}") from None
+            raise FieldError("structured_output", str(error)) from None
 
     def ready(self, spec: StructuredOutput) -> bool:
         """`spec` is compiled: `prepare` finds it in the cache at once."""

@@ -246,7 +246,10 @@ class EngineCore:
         if len(aborted) == len(seq_ids):
             return
         error = ready.future.exception()
-        if error is not None:  # as `_add_now` refuses a spec that does not compile
+        if isinstance(error, FieldError):  # as `_add_now` refuses a spec that does not compile
+            self._refuse(seq_ids, str(error), error.field)
+            return
+        if error is not None:
             self._refuse(seq_ids, f"the engine refused the request: {error}", None)
             return
         self._add_now(command)
