@@ -105,6 +105,8 @@ def main() -> None:
         # Whole prompts in prefill-only steps (the default until chunked prefill took over).
         "zipage-unchunked": dict(chunked_prefill=False),
         "full-kv-unchunked": dict(compress=False, chunked_prefill=False),
+        # FP8 KV cache: the headline check of the shipped FP8 profile (issue #49).
+        "zipage-fp8": dict(kv_cache_dtype="fp8"),
     }
     if args.head is not None:
         trace = Trace(trace.name, trace.requests[:args.head])
