@@ -33,7 +33,7 @@ from zipage.calibration_traces import (
 )
 from zipage.core.deployment import ReplaySettings
 from zipage.engine.builder import Engine, build_engine, device_memory
-from zipage.engine.calibrate import Bench, decode_points, hardware_name, prefill_points, probe_speed
+from zipage.engine.calibrate import Bench, chunk_points, decode_points, hardware_name, prefill_points, probe_speed
 from zipage.engine.machine import machine_record
 from zipage.engine.replay import run_on_engine
 from zipage.errors import ConfigError
@@ -223,15 +223,23 @@ def _mean_error(errors: dict[str, float | None]) -> float:
 
 def _beyond_the_runs(twin: Twin, profile: dict) -> int:
     """Isolated grid points where the runs could not reach: decode batches larger than any run
-    decoded, prefill steps longer than any run's. Added to the profile's sections; their count."""
+    decoded, prefill steps longer than any run's, prefill and mixed steps of more prompt chunks
+    than any run's (`chunk_points`: a burst of short prompts). Added to the profile's sections;
+    their count."""
     bench = Bench(twin.engine, repeats=3)
     decode = decode_points(bench, above_batch=max(
         (point["batch"] for point in profile["decode"]), default=0))
     prefill = prefill_points(bench, above_tokens=max(
         (point["new_tokens"] * point["requests"] for point in profile["prefill"]), default=0))
+    mixed_runs = profile.get("mixed")
+    chunked, mixed = chunk_points(
+        bench, above_prefill=max((point["requests"] for point in profile["prefill"]), default=0),
+        above_mixed=None if mixed_runs is None else max(point["requests"] for point in mixed_runs))
     profile["decode"] += decode
-    profile["prefill"] += prefill
-    return len(decode) + len(prefill)
+    profile["prefill"] += prefill + chunked
+    if mixed:
+        profile["mixed"] += mixed
+    return len(decode) + len(prefill) + len(chunked) + len(mixed)
 
 
 def _device_name(twin: Twin) -> str:

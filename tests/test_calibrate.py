@@ -121,6 +121,47 @@ def test_mixed_grid_on_an_engine_that_runs_mixed_steps():
     assert CalibratedCostModel.from_profile(profile).mixed_fit.num_points == 24
 
 
+def test_chunk_grid_times_many_prompts_in_one_step_beyond_what_the_runs_held():
+    """`chunk_points`: prefill steps of 8-64 whole prompts sharing 512 or 2,048 tokens, and mixed
+    steps of as many beside 16 decodes, only above the chunk counts the runs reached (what
+    `zipage calibrate` adds to a profile fitted through the loop, so the per-chunk term is
+    measured where a burst of short prompts lands); none where the engine runs no mixed steps."""
+    from types import SimpleNamespace
+
+    from zipage.core.scheduler import Scheduler
+    from zipage.core.step import MIXED, PREFILL
+    from zipage.engine.calibrate import Bench, chunk_points
+
+    config = ZipageConfig(**KNOBS, max_model_len=512)
+    capacity = SimpleNamespace(num_blocks=2000, num_query_slots=80)
+    runner = MixedStepRunner(config)
+    engine = SimpleNamespace(config=config, capacity=capacity, runner=runner,
+                             new_scheduler=lambda: Scheduler(config, 2000, 80))
+    bench = Bench(engine, repeats=1)
+    prefill, mixed = chunk_points(bench, above_prefill=8, above_mixed=4)
+    assert bench.blocks.num_free_blocks == 2000  # every point frees what it took
+    # 16, 32 and 64 prompts of 512 / count and 2,048 / count tokens (at least 16 each).
+    assert [(p["requests"], p["new_tokens"]) for p in prefill] == [
+        (16, 32), (16, 128), (32, 16), (32, 64), (64, 32)]
+    # Beside 16 decodes the full step leaves 2,032 tokens; 64 + 16 requests fill the 80 slots.
+    assert [(p["requests"], p["new_tokens"], p["batch"]) for p in mixed] == [
+        (8, 64, 16), (8, 254, 16), (16, 32, 16), (16, 127, 16), (32, 16, 16), (32, 63, 16),
+        (64, 31, 16)]
+    steps = runner.plans
+    assert {len(plan.prefill) for plan in steps if plan.kind == PREFILL} == {16, 32, 64}
+    assert all(len(plan.decode) == 16 for plan in steps if plan.kind == MIXED)
+    assert all(point["time_s"] > 0 for point in prefill + mixed)
+    runner.plans.clear()
+    assert chunk_points(bench, above_prefill=64, above_mixed=None) == ([], [])
+    assert not runner.plans
+    # The profile takes them: the prefill fit sees chunk counts 16-64 beside the runs' one.
+    rows = [{"new_tokens": n, "requests": 1, "time_s": 2e-3 + 1e-6 * n * n} for n in (16, 64, 255)]
+    profile = {"version": 3, "model": "tiny", "gpu": "h200", "prefill": rows * 2 + prefill,
+               "decode": [{"batch": b, "context_tokens": b * c, "time_s": 1e-3 + 1e-6 * b * c}
+                          for b in (1, 4, 16) for c in (8, 72)]}
+    assert CalibratedCostModel.from_profile(profile).prefill_fit.num_points == 6 + len(prefill)
+
+
 def test_simulator_accepts_the_profile_for_the_same_setup_only(profile, tiny_model, tmp_path):  # noqa: F811
     directory, _ = tiny_model
     path = tmp_path / "tiny-h200.json"

@@ -39,6 +39,11 @@ PREFILL_REQUESTS = (4, 16)
 # Mixed steps: decode batches (at the smallest and largest decode context) x prompt-chunk tokens.
 MIXED_BATCHES = (1, 16, 64)
 MIXED_CHUNK_TOKENS = (128, 512, 2048)
+# Many prompt chunks in one step (`chunk_points`): what pins the per-chunk cost where a burst of
+# short prompts arrives at once (the headline's first steps hold 39-51), which runs seldom reach.
+CHUNK_COUNTS = (8, 16, 32, 64)
+CHUNK_STEP_TOKENS = (512, 2048)  # the chunks' tokens in all: short (host-bound) and a full step
+CHUNK_DECODES = 16  # decode rows beside the chunks of a mixed step
 COMPRESS_REQUESTS = (1, 2, 4, 8)
 # The profile's `gpu` field names an entry of the hardware table; these substrings of the CUDA
 # device name pick it when --hardware is not given.
@@ -233,6 +238,52 @@ def mixed_points(bench: Bench) -> list[dict]:
                                    "new_tokens": new, "cached_tokens": cached, "requests": 1,
                                    "time_s": round(bench.median(step), 9)})
     return points
+
+
+def chunk_points(bench: Bench, above_prefill: int = 0, above_mixed: int | None = 0
+                 ) -> tuple[list[dict], list[dict]]:
+    """Prefill steps of CHUNK_COUNTS whole prompts sharing CHUNK_STEP_TOKENS, and mixed steps of
+    as many prompts beside CHUNK_DECODES decodes at the smallest decode context: only counts
+    above `above_prefill` / `above_mixed` (what runs through the loop held; None: no mixed
+    points, the engine runs none). A step the pool, the query slots or the step's token limit
+    cannot hold is skipped."""
+    config = bench.config
+    context = decode_contexts(config)[0]
+    longest = config.max_model_len - 1  # one prompt's tokens at most
+    prefill, mixed, seen = [], [], set()
+    for count in CHUNK_COUNTS:
+        for total in CHUNK_STEP_TOKENS:
+            new = min(min(total, config.step_tokens) // count, longest)
+            if (count > above_prefill and new >= 16 and ("prefill", count, new) not in seen
+                    and bench.fits((count, new + 1))):
+                seen.add(("prefill", count, new))
+                prefill.append({"new_tokens": new, "cached_tokens": 0, "requests": count,
+                                "time_s": round(bench.median(lambda: _chunks_step(
+                                    bench, count, new)), 9)})
+            decodes = min(CHUNK_DECODES, config.max_num_seqs - count)
+            new = min(min(total, config.step_tokens - decodes) // count, longest)
+            if (above_mixed is not None and count > above_mixed and decodes >= 1 and new >= 16
+                    and ("mixed", count, new) not in seen
+                    and bench.fits((decodes, context + 1), (count, new + 1))):
+                seen.add(("mixed", count, new))
+                mixed.append({"batch": decodes, "context_tokens": decodes * (context + 1),
+                              "new_tokens": new, "cached_tokens": 0, "requests": count,
+                              "time_s": round(bench.median(lambda: _chunks_step(
+                                  bench, count, new, decodes, context)), 9)})
+    return prefill, mixed
+
+
+def _chunks_step(bench: Bench, count: int, new: int, decodes: int = 0, context: int = 0) -> float:
+    """One step of `count` whole prompts of `new` tokens (beside `decodes` requests decoding at
+    `context` entries: a mixed step); its wall seconds."""
+    decode = bench.make_requests(decodes, context) if decodes else []
+    chunks = [chunk_request(bench, new, query_slot=decodes + index) for index in range(count)]
+    items = [PrefillItem(seq, 0, new) for seq in chunks]
+    plan = (dict(kind=MIXED, prefill=items, decode=decode) if decodes
+            else dict(kind=PREFILL, prefill=items))
+    seconds = bench.execute(plan, decode + chunks)
+    bench.free()
+    return seconds
 
 
 def compression_jobs(bench: Bench, requests: int, blocks_each: int) -> list[CompressionJob]:
