@@ -105,6 +105,7 @@ class CalibratedCostModel(CostModel):
         self._decode_excess = terms.get(LONGEST_EXCESS, terms.get(PARTITION_EXCESS, 0.0))
         self.decode_partitions = partitions
         self.decode_rows = rows or DecodeRows(())
+        self.decode_graph_sizes = self.decode_rows.sizes
         self._decode_shared = terms.get(SHARED_TOKENS, 0.0)
         # A host-bound decode step (sim/decode_host.py) costs at least the host's time.
         self._decode_floor = max(decode.floor_s, getattr(decode, "host_s", 0.0))

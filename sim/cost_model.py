@@ -91,6 +91,8 @@ class CostModel(ABC):
     measured_graphs: dict[str, bool] | None = None
     # The token buckets the measured engine padded prefill and mixed steps to (none: unpadded).
     prefill_buckets: tuple[int, ...] = ()
+    # The batch sizes the measured engine captured decode graphs at (none: priced at the batch).
+    decode_graph_sizes: tuple[int, ...] = ()
     # How far to trust what the model predicts: a profile's record of its errors on a held-out
     # workload (zipage/profile.py). None for the analytic model and an unvalidated profile.
     validation: Validation | None = None

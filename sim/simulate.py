@@ -52,6 +52,7 @@ class SimulatedDeployment:
         summary = run_summary(metrics, self.capacity, self.config, settings, "simulator")
         summary["graphs"] = self.cost_model.measured_graphs  # None: the analytic model's
         summary["prefill_buckets"] = list(self.cost_model.prefill_buckets)
+        summary["decode_graph_sizes"] = list(self.cost_model.decode_graph_sizes)
         validation = self.cost_model.validation
         summary["validation"] = None if validation is None else validation.summary()
         return summary

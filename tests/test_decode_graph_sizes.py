@@ -110,3 +110,24 @@ def test_the_partition_count_is_the_kernels_at_the_padded_rows():
     """What a graph captured at 48 rows launches (8 KV heads, 132 SMs): 48 rows' partitions,
     not the 33 live requests'."""
     assert partitions(graph_batch(33, SIZES)) == partitions(48) != partitions(33)
+
+
+def test_a_simulation_priced_with_the_profile_reports_its_graphs_sizes(tmp_path):
+    """As `graphs` and `prefill_buckets`: a simulated run's summary has the keys an engine run's
+    has, the sizes its profile measured (none for the analytic model)."""
+    from zipage.config import ZipageConfig
+    from zipage.core.deployment import ReplaySettings
+    from zipage.sim.simulate import simulate
+    from zipage.trace import Trace, TraceRequest
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(graphed(decode_graph_sizes=SIZES)))
+    trace = Trace("t", [TraceRequest(f"r{i}", 0.0, 100, 20) for i in range(4)])
+    config = ZipageConfig(block_size=64, kv_budget=512, compress=False)
+    summaries = {}
+    for name, cost_model in (("profile", str(path)), ("analytic", "analytic")):
+        settings = ReplaySettings(model="qwen3-8b", hardware="h200", kv_memory_gb=2.0,
+                                  cost_model=cost_model, config=config)
+        summaries[name], _ = simulate(trace, settings)
+    assert summaries["profile"]["decode_graph_sizes"] == SIZES
+    assert summaries["analytic"]["decode_graph_sizes"] == []
