@@ -95,19 +95,26 @@ class MixedStepRunner:
         return [(seq, 0) for seq in plan.sampled]
 
 
-def test_mixed_grid_on_an_engine_that_runs_mixed_steps():
+def _mixed_step_bench():
+    """A `Bench` on a `MixedStepRunner` (2,000 blocks, 80 query slots), and the runner."""
     from types import SimpleNamespace
 
     from zipage.core.scheduler import Scheduler
-    from zipage.core.step import MIXED
-    from zipage.engine.calibrate import Bench, mixed_points, runs_mixed_steps
+    from zipage.engine.calibrate import Bench
 
     config = ZipageConfig(**KNOBS, max_model_len=512)
     capacity = SimpleNamespace(num_blocks=2000, num_query_slots=80)
     runner = MixedStepRunner(config)
     engine = SimpleNamespace(config=config, capacity=capacity, runner=runner,
                              new_scheduler=lambda: Scheduler(config, 2000, 80))
-    bench = Bench(engine, repeats=1)
+    return Bench(engine, repeats=1), runner
+
+
+def test_mixed_grid_on_an_engine_that_runs_mixed_steps():
+    from zipage.core.step import MIXED
+    from zipage.engine.calibrate import mixed_points, runs_mixed_steps
+
+    bench, runner = _mixed_step_bench()
     assert runs_mixed_steps(bench) is None
     points = mixed_points(bench)
     assert bench.blocks.num_free_blocks == 2000  # every point frees what it took
@@ -126,18 +133,10 @@ def test_chunk_grid_times_many_prompts_in_one_step_beyond_what_the_runs_held():
     steps of as many beside 16 decodes, only above the chunk counts the runs reached (what
     `zipage calibrate` adds to a profile fitted through the loop, so the per-chunk term is
     measured where a burst of short prompts lands); none where the engine runs no mixed steps."""
-    from types import SimpleNamespace
-
-    from zipage.core.scheduler import Scheduler
     from zipage.core.step import MIXED, PREFILL
-    from zipage.engine.calibrate import Bench, chunk_points
+    from zipage.engine.calibrate import chunk_points
 
-    config = ZipageConfig(**KNOBS, max_model_len=512)
-    capacity = SimpleNamespace(num_blocks=2000, num_query_slots=80)
-    runner = MixedStepRunner(config)
-    engine = SimpleNamespace(config=config, capacity=capacity, runner=runner,
-                             new_scheduler=lambda: Scheduler(config, 2000, 80))
-    bench = Bench(engine, repeats=1)
+    bench, runner = _mixed_step_bench()
     prefill, mixed = chunk_points(bench, above_prefill=8, above_mixed=4)
     assert bench.blocks.num_free_blocks == 2000  # every point frees what it took
     # 16, 32 and 64 prompts of 512 / count and 2,048 / count tokens (at least 16 each).
