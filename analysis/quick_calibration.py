@@ -239,6 +239,8 @@ def corrected_profile(data: dict, correction: Correction, roofline, record: dict
         warnings = list(validation.get("warnings") or [])
         warnings.append("validated on the machine the profile was measured on, before its quick "
                         "correction to this one")
+        warnings += [f"misprices '{anchor.name}' by {residual:+.1%} after its quick correction "
+                     "(an anchor the correction left out)" for anchor, residual in correction.left_out]
         corrected[VALIDATION] = {**validation, "warnings": warnings}
     return corrected
 
@@ -271,16 +273,24 @@ def anchor_table(correction: Correction) -> str:
     what the fitted scales leave of it."""
     lines = [f"{'anchor':<18} {'steps':>5} {'here ms':>9} {'profile ms':>10} {'ratio':>6} "
              f"{'host':>5} {'mem':>5} {'comp':>5} {'resid':>7}"]
-    for anchor, residual in zip(correction.anchors, correction.residuals):
+    rows = [(anchor, residual, "") for anchor, residual in zip(correction.anchors,
+                                                                 correction.residuals)]
+    rows += [(anchor, residual, "  left out") for anchor, residual in correction.left_out]
+    for anchor, residual, mark in rows:
         host, memory, compute = anchor.shares
         lines.append(f"{anchor.name:<18} {anchor.points:>5} {anchor.measured_s * 1e3:>9.3f} "
                      f"{anchor.predicted_s * 1e3:>10.3f} {anchor.ratio:>6.3f} {host:>5.2f} "
-                     f"{memory:>5.2f} {compute:>5.2f} {residual:>+7.1%}")
+                     f"{memory:>5.2f} {compute:>5.2f} {residual:>+7.1%}{mark}")
     considered = ", ".join(f"{name} {'-' if rms is None else f'{rms:.1%}'}"
                            for name, rms in correction.considered.items())
     lines.append(f"scales ({correction.model}): {scale_text(correction.scales)}; worst anchor "
                  f"{correction.worst:.1%} off; RMS residual by model: {considered} "
                  "('-': the anchors cannot tell its groups apart)")
+    for anchor, residual in correction.left_out:
+        lines.append(f"left out: '{anchor.name}', {residual:+.1%} off the scaled profile while "
+                     "the rest agree: the profile's shape there, not this machine's speed (it "
+                     "misprices that step on its own machine too; a full `zipage calibrate` "
+                     "measures it)")
     return "\n".join(lines)
 
 
@@ -293,4 +303,6 @@ def describe(result: QuickResult) -> dict[str, Any]:
     return {"model": result.correction.model, "scales": result.correction.scales,
             "worst_residual": result.correction.worst, "refusal": result.correction.refusal,
             "anchors": [anchor.record() for anchor in result.correction.anchors],
+            "left_out": [dict(anchor.record(), residual=residual)
+                         for anchor, residual in result.correction.left_out],
             "elapsed_s": result.elapsed_s}

@@ -21,7 +21,14 @@ its groups apart (their shares are not collinear) and it halves the residual of 
 The correction is refused (`Correction.refusal`) where no such scaling explains the anchors: a
 scale outside [1 / MAX_SCALE, MAX_SCALE] (not a machine of the profile's kind), or an anchor the
 scaled profile still misses by more than the limit (the profile's shape does not fit this
-machine). `apply_correction` re-scales every measured point of the profile by its own shares,
+machine). One anchor may be left out (`Correction.left_out`): the one whose ratio is farthest
+from the others', where the rest make a correction that stands and it is missed by more than the
+limit under it (whether or not every anchor together made one). One step shape the profile
+misprices is its shape's error, which it makes on its own machine too, not this machine's speed,
+and must not pull every scale (a lone 64-token prefill priced at the profile's prefill floor
+asked for a host scale of 0.47 on the very host the profile was measured on: docs/BENCHMARKS.md,
+'Quick correction across H200s').
+`apply_correction` re-scales every measured point of the profile by its own shares,
 so the refitted model moves each term by its group's scale.
 """
 
@@ -107,6 +114,8 @@ class Correction:
     refusal: str | None = None
     considered: dict[str, float | None] = field(default_factory=dict)  # model: RMS (None: not
     # identifiable on these anchors)
+    left_out: tuple[tuple[Anchor, float], ...] = ()  # an anchor the fit left out, and what the
+    # scaled profile still misses it by (module docstring)
 
     @property
     def worst(self) -> float:
@@ -120,7 +129,9 @@ class Correction:
                 "considered": {name: None if rms is None else round(rms, 5)
                                for name, rms in self.considered.items()},
                 "anchors": [dict(anchor.record(), residual=round(residual, 5))
-                            for anchor, residual in zip(self.anchors, self.residuals)]}
+                            for anchor, residual in zip(self.anchors, self.residuals)],
+                "left_out": [dict(anchor.record(), residual=round(residual, 5))
+                             for anchor, residual in self.left_out]}
 
 
 def roofline_model(header: dict[str, Any], shape: ModelShape) -> AnalyticCostModel | None:
@@ -173,12 +184,30 @@ def step_shares(model: AnalyticCostModel | None, work: StepWork | None,
 
 def fit_correction(anchors: list[Anchor], *, max_residual: float = MAX_RESIDUAL,
                    max_scale: float = MAX_SCALE) -> Correction:
-    """The fewest-scales correction that explains the anchors (module docstring), or a refusal."""
+    """The fewest-scales correction that explains the anchors, with at most one anchor left out
+    (module docstring), or a refusal."""
     if len(anchors) < MIN_ANCHORS:
         return Correction("uniform", dict.fromkeys(GROUPS, 1.0), anchors,
                           [0.0] * len(anchors),
                           f"only {len(anchors)} anchor(s) measured, {MIN_ANCHORS} needed: the "
                           "engine could not run the anchor steps this setup asks for")
+    correction = _fit_all(anchors, max_residual, max_scale)
+    if len(anchors) <= MIN_ANCHORS:
+        return correction
+    center = float(np.median([math.log(anchor.ratio) for anchor in anchors]))
+    index = max(range(len(anchors)), key=lambda i: abs(math.log(anchors[i].ratio) - center))
+    rest = _fit_all(anchors[:index] + anchors[index + 1:], max_residual, max_scale)
+    outlier = anchors[index]
+    missed = outlier.ratio / sum(share * rest.scales[group]
+                                 for share, group in zip(outlier.shares, GROUPS)) - 1.0
+    if rest.refusal is not None or abs(missed) <= max_residual:
+        return correction  # not one shape's error: the fit (or refusal) of every anchor stands
+    return Correction(rest.model, rest.scales, rest.anchors, rest.residuals,
+                      considered=rest.considered, left_out=((outlier, missed),))
+
+
+def _fit_all(anchors: list[Anchor], max_residual: float, max_scale: float) -> Correction:
+    """The fewest-scales correction of every anchor given, judged."""
     ratios = np.array([anchor.ratio for anchor in anchors], dtype=float)
     shares = np.array([anchor.shares for anchor in anchors], dtype=float)
     chosen, considered = None, {}
@@ -242,7 +271,7 @@ def _judge(correction: Correction, max_residual: float, max_scale: float) -> Cor
 
 def _refused(correction: Correction, why: str) -> Correction:
     return Correction(correction.model, correction.scales, correction.anchors,
-                      correction.residuals, why, correction.considered)
+                      correction.residuals, why, correction.considered, correction.left_out)
 
 
 def apply_correction(profile: dict, correction: Correction, model: AnalyticCostModel | None,

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from zipage.analysis.quick_calibration import anchor_table
 from zipage.errors import ConfigError
 from zipage.model_spec import resolve_shape
 from zipage.profile import read_profile, read_record, write_profile
@@ -119,6 +120,50 @@ def test_refused_beyond_the_largest_scale():
 def test_refused_with_too_few_anchors():
     correction = fit_correction(anchors_of(GPU_LIKE_SHARES[:2], dict.fromkeys(GROUPS, 1.0)))
     assert correction.refusal is not None and "2 anchor(s)" in correction.refusal
+
+
+# The anchors of `zipage fidelity --quick-correct` with the 8B Zipage profile on the H200 host the
+# profile was measured on (2026-11-29, docs/BENCHMARKS.md 'Quick correction across H200s'): name,
+# ratio (measured / predicted) and shares. Every anchor within 7.5 % but one request's 64-token
+# prefill, which the profile prices at its prefill floor (9.05 ms against 6.83 measured).
+SAME_HOST_ANCHORS = [
+    ("single prefill", 0.754, (0.55, 0.43, 0.02)), ("single decode", 0.975, (0.27, 0.73, 0.0)),
+    ("batch16 prefill", 0.993, (0.1, 0.01, 0.9)), ("batch16 decode", 0.993, (0.29, 0.71, 0.0)),
+    ("batch64 prefill", 1.013, (0.05, 0.0, 0.95)), ("batch64 mixed", 0.939, (0.32, 0.2, 0.48)),
+    ("batch64 decode", 0.962, (0.32, 0.66, 0.02)), ("long16 prefill", 0.973, (0.05, 0.0, 0.95)),
+    ("long16 mixed", 1.074, (0.1, 0.0, 0.89)), ("long16 decode", 0.995, (0.28, 0.72, 0.0))]
+
+
+def _named_anchors(rows) -> list[Anchor]:
+    return [Anchor(name, name.split()[1], 10, ratio * 1e-3, 1e-3, ratio, shares)
+            for name, ratio, shares in rows]
+
+
+def test_one_mispriced_shape_is_left_out_not_scaled_for():
+    # Every anchor together asks for a host scale of 0.47 (memory 1.19) on the profile's own
+    # host: one shape pulling every scale. Left out, the rest agree on one scale near 1.
+    correction = fit_correction(_named_anchors(SAME_HOST_ANCHORS))
+    assert correction.refusal is None and correction.model == "uniform"
+    assert correction.scales["host"] == pytest.approx(0.99, abs=0.01)
+    [(anchor, missed)] = correction.left_out
+    assert anchor.name == "single prefill" and missed < -MAX_RESIDUAL
+    assert len(correction.anchors) == len(SAME_HOST_ANCHORS) - 1
+    assert correction.record()["left_out"][0]["name"] == "single prefill"
+    assert "left out: 'single prefill'" in anchor_table(correction)
+
+
+def test_two_mispriced_shapes_are_still_refused():
+    # Leaving one out is for one shape; two far off any scaling are the profile against this
+    # machine, and the refusal stands (as for the old profiles' 64-request decode and mixed steps).
+    rows = [(name, ratio * (0.75 if name == "batch64 decode" else 1.0), shares)
+            for name, ratio, shares in SAME_HOST_ANCHORS]
+    correction = fit_correction(_named_anchors(rows))
+    assert correction.refusal is not None and not correction.left_out
+
+
+def test_an_anchor_the_rest_explain_is_never_left_out():
+    for scales in ({"host": 0.8, "memory": 1.0, "compute": 1.0}, dict.fromkeys(GROUPS, 0.91)):
+        assert not fit_correction(anchors_of(GPU_LIKE_SHARES, scales)).left_out
 
 
 # ---------------------------------------------------------------- the corrected profile
