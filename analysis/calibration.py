@@ -33,7 +33,15 @@ from zipage.calibration_traces import (
 )
 from zipage.core.deployment import ReplaySettings
 from zipage.engine.builder import Engine, build_engine, device_memory
-from zipage.engine.calibrate import Bench, chunk_points, decode_points, hardware_name, prefill_points, probe_speed
+from zipage.engine.calibrate import (
+    Bench,
+    chunk_points,
+    decode_points,
+    hardware_name,
+    prefill_points,
+    probe_speed,
+    short_prompt_points,
+)
 from zipage.engine.machine import machine_record
 from zipage.engine.replay import run_on_engine
 from zipage.errors import ConfigError
@@ -224,7 +232,8 @@ def _mean_error(errors: dict[str, float | None]) -> float:
 def _beyond_the_runs(twin: Twin, profile: dict) -> int:
     """Isolated grid points where the runs could not reach: decode batches larger than any run
     decoded, prefill steps longer than any run's, prefill and mixed steps of more prompt chunks
-    than any run's (`chunk_points`: a burst of short prompts). Added to the profile's sections;
+    than any run's (`chunk_points`: a burst of short prompts), and one short prompt alone, shorter
+    than any the runs' steps held alone (`short_prompt_points`). Added to the profile's sections;
     their count."""
     bench = Bench(twin.engine, repeats=3)
     decode = decode_points(bench, above_batch=max(
@@ -235,11 +244,23 @@ def _beyond_the_runs(twin: Twin, profile: dict) -> int:
     chunked, mixed = chunk_points(
         bench, above_prefill=max((point["requests"] for point in profile["prefill"]), default=0),
         above_mixed=None if mixed_runs is None else max(point["requests"] for point in mixed_runs))
+    short = short_prompt_points(bench, below_tokens=min(
+        (point["new_tokens"] for point in profile["prefill"] if _whole_alone(point)),
+        default=float("inf")))
     profile["decode"] += decode
-    profile["prefill"] += prefill + chunked
+    profile["prefill"] += prefill + chunked + short
     if mixed:
         profile["mixed"] += mixed
-    return len(decode) + len(prefill) + len(chunked) + len(mixed)
+    return len(decode) + len(prefill) + len(chunked) + len(short) + len(mixed)
+
+
+def _whole_alone(point: dict) -> bool:
+    """A prefill point of one prompt computed whole (no cached context: its causal pairs are
+    n (n + 1) / 2 of its n tokens)."""
+    tokens = point["new_tokens"]
+    pairs = point.get("attention_pairs", tokens * (tokens + 1) / 2)
+    return point.get("requests", 1) == 1 and not point.get("cached_tokens") \
+        and pairs <= tokens * (tokens + 1) / 2 + 0.5
 
 
 def _device_name(twin: Twin) -> str:

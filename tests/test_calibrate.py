@@ -161,6 +161,28 @@ def test_chunk_grid_times_many_prompts_in_one_step_beyond_what_the_runs_held():
     assert CalibratedCostModel.from_profile(profile).prefill_fit.num_points == 6 + len(prefill)
 
 
+
+def test_short_prompts_alone_below_what_the_runs_held_alone():
+    """`short_prompt_points`: one whole prompt of 16, 64 or 128 tokens alone in a prefill step,
+    only under the shortest whole prompt a run's step held alone (`_whole_alone`: a prompt after
+    a cached prefix is not one), so the prefill fit does not price a lone short prompt at its
+    floor."""
+    from zipage.analysis.calibration import _whole_alone
+    from zipage.core.step import PREFILL
+    from zipage.engine.calibrate import short_prompt_points
+
+    bench, runner = _mixed_step_bench()
+    points = short_prompt_points(bench, below_tokens=100)
+    assert [(p["requests"], p["new_tokens"]) for p in points] == [(1, 16), (1, 64)]
+    assert bench.blocks.num_free_blocks == 2000 and all(p["time_s"] > 0 for p in points)
+    steps = [plan for plan in runner.plans if plan.kind == PREFILL]  # warm-up and timed ones
+    assert {(len(plan.prefill), plan.prefill[0].num_tokens) for plan in steps} == {(1, 16), (1, 64)}
+    assert len(short_prompt_points(bench)) == 3 and short_prompt_points(bench, 16) == []
+    assert _whole_alone({"new_tokens": 177, "requests": 1, "attention_pairs": 177 * 178 // 2})
+    assert not _whole_alone({"new_tokens": 49, "requests": 1, "attention_pairs": 151753})
+    assert not _whole_alone({"new_tokens": 64, "requests": 8, "cached_tokens": 0})
+    assert _whole_alone({"new_tokens": 64, "requests": 1, "cached_tokens": 0})
+
 def test_simulator_accepts_the_profile_for_the_same_setup_only(profile, tiny_model, tmp_path):  # noqa: F811
     directory, _ = tiny_model
     path = tmp_path / "tiny-h200.json"

@@ -44,6 +44,11 @@ MIXED_CHUNK_TOKENS = (128, 512, 2048)
 CHUNK_COUNTS = (8, 16, 32, 64)
 CHUNK_STEP_TOKENS = (512, 2048)  # the chunks' tokens in all: short (host-bound) and a full step
 CHUNK_DECODES = 16  # decode rows beside the chunks of a mixed step
+# One short prompt alone in a step: the runs' traffic seldom holds one (their lone prompts are of
+# 177 tokens and more on the 8B H200 profiles, padded to a 256-token graph), so a profile priced a
+# lone 64-token prompt at its prefill floor, 25-35 % high (docs/BENCHMARKS.md, 'Quick correction
+# across H200s').
+SHORT_PROMPTS = (16, 64, 128)
 COMPRESS_REQUESTS = (1, 2, 4, 8)
 # The profile's `gpu` field names an entry of the hardware table; these substrings of the CUDA
 # device name pick it when --hardware is not given.
@@ -271,6 +276,19 @@ def chunk_points(bench: Bench, above_prefill: int = 0, above_mixed: int | None =
                               "time_s": round(bench.median(lambda: _chunks_step(
                                   bench, count, new, decodes, context)), 9)})
     return prefill, mixed
+
+
+def short_prompt_points(bench: Bench, below_tokens: float = float("inf")) -> list[dict]:
+    """Prefill steps of one whole prompt of each SHORT_PROMPTS length under `below_tokens` (the
+    shortest whole prompt a run's step held alone) that the pool and the step's limit hold."""
+    config = bench.config
+    points = []
+    for new in SHORT_PROMPTS:
+        if new < below_tokens and new <= min(config.step_tokens, config.max_model_len - 1) \
+                and bench.fits((1, new + 1)):
+            points.append({"new_tokens": new, "cached_tokens": 0, "requests": 1,
+                           "time_s": round(bench.median(lambda: _chunks_step(bench, 1, new)), 9)})
+    return points
 
 
 def _chunks_step(bench: Bench, count: int, new: int, decodes: int = 0, context: int = 0) -> float:
