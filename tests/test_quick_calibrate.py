@@ -16,6 +16,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 from zipage.analysis.quick_calibration import anchor_table
 from zipage.errors import ConfigError
@@ -159,6 +162,31 @@ def test_two_mispriced_shapes_are_still_refused():
             for name, ratio, shares in SAME_HOST_ANCHORS]
     correction = fit_correction(_named_anchors(rows))
     assert correction.refusal is not None and not correction.left_out
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(scale=st.floats(0.6, 1.6), outlier=st.integers(0, len(GPU_LIKE_SHARES) - 1),
+       error=st.floats(0.3, 0.6), sign=st.sampled_from((-1.0, 1.0)),
+       noise=st.lists(st.floats(-0.01, 0.01), min_size=len(GPU_LIKE_SHARES),
+                      max_size=len(GPU_LIKE_SHARES)))
+def test_one_outlier_among_agreeing_anchors_is_left_out(scale, outlier, error, sign, noise):
+    """Anchors that agree on one scale within the engine's spread, but one 30-60 % off: that one
+    is left out, whichever it is, and the scale is the others'."""
+    noise[outlier] = sign * error
+    correction = fit_correction(anchors_of(GPU_LIKE_SHARES, dict.fromkeys(GROUPS, scale), noise))
+    assert correction.refusal is None, correction.refusal
+    assert [anchor.name for anchor, _ in correction.left_out] == [f"a{outlier}"]
+    assert all(value == pytest.approx(scale, rel=0.03) for value in correction.scales.values())
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(scale=st.floats(0.6, 1.6), noise=st.lists(st.floats(-0.05, 0.05),
+                                                 min_size=len(GPU_LIKE_SHARES),
+                                                 max_size=len(GPU_LIKE_SHARES)))
+def test_anchors_within_the_limit_are_all_kept(scale, noise):
+    """No anchor is left out where one scale explains every anchor within the residual limit."""
+    correction = fit_correction(anchors_of(GPU_LIKE_SHARES, dict.fromkeys(GROUPS, scale), noise))
+    assert correction.refusal is None and not correction.left_out
 
 
 def test_an_anchor_the_rest_explain_is_never_left_out():
