@@ -33,6 +33,7 @@ from unittest import mock
 from zipage.config import ZipageConfig
 from zipage.core.block_manager import BlockManager
 from zipage.core.deployment import ReplaySettings
+from zipage.core.memory import kv_entry_bytes
 from zipage.presets import get_preset
 from zipage.sim.simulate import simulate
 from zipage.trace_import import load_trace_file
@@ -101,9 +102,9 @@ def watched(tier: HostTier):
 
 
 def kv_bytes_per_token(model: str) -> int:
-    """K and V of every layer and KV head, in bf16."""
+    """K and V of every layer and KV head, in bf16: what a block copies (its global scores stay)."""
     shape = get_preset(model)
-    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
+    return 2 * shape.num_layers * shape.num_kv_heads * kv_entry_bytes(shape.head_dim, "auto", 2)
 
 
 def run(trace_path: str, scope: str | None, host_gb: float, args) -> dict:

@@ -161,7 +161,6 @@ def test_chunk_grid_times_many_prompts_in_one_step_beyond_what_the_runs_held():
     assert CalibratedCostModel.from_profile(profile).prefill_fit.num_points == 6 + len(prefill)
 
 
-
 def test_short_prompts_alone_below_what_the_runs_held_alone():
     """`short_prompt_points`: one whole prompt of 16, 64 or 128 tokens alone in a prefill step,
     only under the shortest whole prompt a run's step held alone (`_whole_alone`: a prompt after
@@ -182,6 +181,7 @@ def test_short_prompts_alone_below_what_the_runs_held_alone():
     assert not _whole_alone({"new_tokens": 49, "requests": 1, "attention_pairs": 151753})
     assert not _whole_alone({"new_tokens": 64, "requests": 8, "cached_tokens": 0})
     assert _whole_alone({"new_tokens": 64, "requests": 1, "cached_tokens": 0})
+
 
 def test_simulator_accepts_the_profile_for_the_same_setup_only(profile, tiny_model, tmp_path):  # noqa: F811
     directory, _ = tiny_model

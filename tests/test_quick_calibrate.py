@@ -472,8 +472,8 @@ def test_fidelity_prints_both_profiles(measured, tmp_path, capsys):
     # Both simulate the one engine run, whatever the CPU's load did to it; every request arrives
     # at once, so both schedule the same steps, each priced times the correction's one scale.
     ratio = (1 + rows["corrected"]["makespan"]) / (1 + rows["profile"]["makespan"])
-    # (On a failure the message has the correction's model, scales and any anchor left out: one
-    # unexplained failure on a loaded 2-core machine, 2026-11-29, not seen again in 8 reruns.)
+    # A failure names the correction's model, scales and any anchor left out: what tells a
+    # schedule that diverged from a correction that was not one scale.
     assert ratio == pytest.approx(report["correction"]["scales"]["host"], rel=1e-3), (
         rows, {key: report["correction"].get(key) for key in ("model", "scales", "left_out")})
     assert np.isfinite(rows["corrected"]["e2e_mape"])
