@@ -10,7 +10,8 @@ compressions.
     python bench/sessions_gpu.py --traces agent.jsonl,chat.jsonl --kv-memory-gb 6 \\
         --runs-dir $OUT/runs
 
-A variant may cap the query slots (`output-q8`: `--compress-scope output --query-slots 8`).
+A variant may cap the query slots (`output-q8`: `--compress-scope output --query-slots 8`) and
+add a host tier (`all-h8`: `--host-kv-gb 8`; `full-kv-h8`, `output-q16-h8`).
 `--after-scale X` divides every follow-up's `after_s` (think and tool time) by X: a recorded
 hour of conversations in minutes, the load shape kept (docs/BENCHMARKS.md, 'Sessions').
 """
@@ -36,7 +37,8 @@ from zipage.trace import Trace, load_trace
 
 KEYS = ("tps", "makespan_s", "completed", "failed", "output_tokens", "prefill_tokens",
         "prefix_hit_tokens", "ttft_p50_s", "ttft_p90_s", "tpot_p50_ms", "preemptions",
-        "compressions", "num_blocks", "max_concurrency", "peak_running", "mean_running")
+        "compressions", "num_blocks", "max_concurrency", "peak_running", "mean_running",
+        "host_hit_tokens", "host_copy_blocks", "num_host_blocks")
 VARIANTS = {"full-kv": dict(compress=False), "all": dict(compress_scope="all"),
             "output": dict(compress_scope="output")}
 
@@ -62,11 +64,12 @@ def main() -> None:
     variants = args.variants.split(",")
     report: dict = {"args": vars(args)}
     # One engine per capacity: Full KV has no query slots; the scopes with the same query slots
-    # share one engine (the scope is a scheduler knob).
+    # and host tier share one engine (the scope is a scheduler knob).
     groups: dict = {}
     for name in variants:
-        knobs = _variant(name)
-        groups.setdefault((knobs.get("compress", True), knobs.get("query_slots")), []).append(name)
+        knobs, host_gb = _variant(name)
+        key = (knobs.get("compress", True), knobs.get("query_slots"), host_gb)
+        groups.setdefault(key, []).append(name)
     for group in groups.values():
         engine = None
         for trace_name, trace in traces.items():
@@ -90,30 +93,40 @@ def main() -> None:
         del engine
         gc.collect()
         torch.cuda.empty_cache()
-    print(f"\n{'trace':<10} {'variant':<8} {'tok/s':>8} {'makespan':>9} {'hit tok':>10} "
-          f"{'prefill':>10} {'TTFT p50/p90 s':>15} {'TPOT p50':>9} {'preempt':>8} {'compr':>6}")
+    print(f"\n{'trace':<10} {'variant':<13} {'tok/s':>8} {'makespan':>9} {'hit tok':>10} "
+          f"{'host hit':>9} {'prefill':>10} {'TTFT p50/p90 s':>15} {'TPOT p50':>9} {'preempt':>8} "
+          f"{'compr':>6}")
     for trace_name in traces:
         for name in variants:
             row = report[trace_name][name]
-            print(f"{trace_name:<10} {name:<10} {row['tps']:>8.1f} {row['makespan_s']:>9.1f} "
-                  f"{row['prefix_hit_tokens']:>10,} {row['prefill_tokens']:>10,} "
+            print(f"{trace_name:<10} {name:<13} {row['tps']:>8.1f} {row['makespan_s']:>9.1f} "
+                  f"{row['prefix_hit_tokens']:>10,} {row['host_hit_tokens']:>9,} "
+                  f"{row['prefill_tokens']:>10,} "
                   f"{row['ttft_p50_s']:>7.3f}/{row['ttft_p90_s']:<7.3f} "
                   f"{row['tpot_p50_ms']:>9.1f} {row['preemptions']:>8} {row['compressions']:>6}")
 
 
-def _variant(name: str) -> dict:
-    """A variant's knobs: a name of VARIANTS, optionally with `-qN` (at most N query slots)."""
-    base, _, slots = name.partition("-q")
-    if base not in VARIANTS or (slots and not slots.isdigit()):
+def _variant(name: str) -> tuple[dict, float]:
+    """A variant's knobs and host tier (GiB): a name of VARIANTS, optionally with `-qN` (at
+    most N query slots), then optionally `-hG` (a host tier of G GiB)."""
+    rest, _, host = name.partition("-h")
+    base, _, slots = rest.partition("-q")
+    try:
+        host_gb = float(host) if host else 0.0
+    except ValueError:
+        host_gb = -1.0
+    if base not in VARIANTS or (slots and not slots.isdigit()) or host_gb < 0:
         raise SystemExit(f"--variants: unknown variant {name!r}; use {', '.join(VARIANTS)}, "
-                         "a compressing one optionally with -qN (e.g. output-q8)")
-    return VARIANTS[base] | ({"query_slots": int(slots)} if slots else {})
+                         "a compressing one optionally with -qN (e.g. output-q8), any with -hG "
+                         "(a host tier of G GiB, e.g. all-h8)")
+    return VARIANTS[base] | ({"query_slots": int(slots)} if slots else {}), host_gb
 
 
 def _settings(args, name: str) -> ReplaySettings:
-    config = ZipageConfig(block_size=args.block_size, kv_budget=args.budget, **_variant(name))
+    knobs, host_gb = _variant(name)
+    config = ZipageConfig(block_size=args.block_size, kv_budget=args.budget, **knobs)
     return ReplaySettings(model=f"random:{args.model}", hardware=args.hardware,
-                          kv_memory_gb=args.kv_memory_gb, config=config)
+                          kv_memory_gb=args.kv_memory_gb, host_kv_gb=host_gb, config=config)
 
 
 def _scaled(trace: Trace, factor: float) -> Trace:

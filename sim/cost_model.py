@@ -99,6 +99,14 @@ class CostModel(ABC):
     # The deployment's scoring policy (--scoring): what a compression of a request without a
     # policy of its own (`Sequence.scoring`) is priced with.
     scoring: str = DEFAULT_SCORING
+    # Seconds to copy one KV block between the GPU and host memory (the host tier's saves and
+    # loads, docs/cost_model.md, 'Host tier'): the deployment's block bytes over the GPU's host
+    # link (`price_host_copies`); 0 without a host tier.
+    host_block_s: float = 0.0
+
+    def price_host_copies(self, block_bytes: int, link_bytes_per_s: float) -> None:
+        """Price the host tier's copies: a deployment with one sets its block size and link."""
+        self.host_block_s = block_bytes / link_bytes_per_s
 
     def step_time(self, plan: StepPlan) -> float:
         """A step of any kind: its sync compressions run first, then one forward over its decode
@@ -111,6 +119,8 @@ class CostModel(ABC):
                                          0, plan.decode_max_context, plan.shared_kv_tokens)
         if plan.compress_sync:
             duration += self.compress_time(plan.compress_sync)
+        if plan.kv_saves or plan.kv_loads:  # copied before the forward, on its stream
+            duration += (len(plan.kv_saves) + len(plan.kv_loads)) * self.host_block_s
         return duration
 
     def compress_time(self, jobs: Iterable[CompressionJob] | CompressionBatch) -> float:

@@ -42,7 +42,8 @@ class SimulatedDeployment:
     cost_model: CostModel
 
     def new_scheduler(self) -> Scheduler:
-        return Scheduler(self.config, self.capacity.num_blocks, self.capacity.num_query_slots)
+        return Scheduler(self.config, self.capacity.num_blocks, self.capacity.num_query_slots,
+                         self.capacity.num_host_blocks)
 
     def summary(self, metrics: dict, settings: ReplaySettings) -> dict:
         """The run summary of a simulation of this deployment; a profile that says which engine
@@ -70,6 +71,8 @@ def plan_deployment(settings: ReplaySettings,
     cost_model = load_cost_model(
         settings.cost_model, shape, gpu, dtype_bytes=dtype_bytes(settings.dtype),
         tensor_parallel=settings.tensor_parallel, **config.cost_knobs(), **knobs)
+    if capacity.num_host_blocks:
+        cost_model.price_host_copies(capacity.block_bytes, gpu.host_link_bytes_per_s)
     return SimulatedDeployment(shape, config, capacity, cost_model)
 
 

@@ -37,7 +37,8 @@ def replay_step_times(trace: Trace, run_dir: str | Path, *, check: bool = False,
     shape = resolve_shape(settings.model)
     config = effective_config(settings, shape)
     # The engine's own capacity: it may have planned from the GPU it ran on, not a table entry.
-    scheduler = Scheduler(config, summary["num_blocks"], summary.get("max_concurrency") or 0)
+    scheduler = Scheduler(config, summary["num_blocks"], summary.get("max_concurrency") or 0,
+                          summary.get("num_host_blocks") or 0)
     sequences = trace_sequences(trace, shape.vocab_size, need_tokens=False, scheduler=scheduler,
                                 block_keys=True)
     for seq in sequences:

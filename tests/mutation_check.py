@@ -59,6 +59,7 @@ VICTIMS = "zipage/core/victims.py"
 COMPRESSIONS = "zipage/core/compressions.py"
 PREFILL = "zipage/core/prefill.py"
 BLOCKS = "zipage/core/block_manager.py"
+HOST_TIER = "zipage/core/host_tier.py"
 WAITING = "zipage/core/waiting.py"
 STEADY = "zipage/core/steady.py"
 ADMISSION = "zipage/core/admission.py"
@@ -124,8 +125,26 @@ MUTATIONS = [
              "                and token_index % b >= b - self.window)",
              "                and token_index % b > b - self.window)"),
     Mutation("compression targets not dropped from the prefix index", BLOCKS,
-             "        for block in own_used:\n            self._forget_hash(block)\n",
-             "        for block in own_used:\n            pass\n"),
+             "                self._save(block, self.block_hash[block])\n"
+             "            self._forget_hash(block)\n",
+             "                self._save(block, self.block_hash[block])\n            pass\n"),
+    # ---- the host tier (docs/architecture.md, 'Host tier')
+    Mutation("host tier: a slot this step loads from may be reused by a save", HOST_TIER,
+             "        self.pinned.add(slot)\n", "        pass\n", tests=PROPERTY_TESTS),
+    Mutation("host tier: two saves into one slot in a step both kept", BLOCKS,
+             "        if len(saves) > 1 and len({slot for _, slot in saves}) < len(saves):",
+             "        if False:", tests=PROPERTY_TESTS),
+    Mutation("host tier: the last prompt block loaded from the host", BLOCKS,
+             "        for block_hash in seq.prompt_block_hashes[gpu_hits:(num_tokens - 1) // self.block_size]:",
+             "        for block_hash in seq.prompt_block_hashes[gpu_hits:num_tokens // self.block_size]:",
+             tests=PROPERTY_TESTS),
+    Mutation("host tier: a compression target's prompt block saved after it left the index",
+             BLOCKS,
+             "            if self.host is not None and self.block_hash[block] is not None:\n"
+             "                self._save(block, self.block_hash[block])\n"
+             "            self._forget_hash(block)\n",
+             "            self._forget_hash(block)\n            self._save(block, 0)\n",
+             tests=PROPERTY_TESTS),
     # ---- more rules
     Mutation("rule 5: a shared block reused as a compression target", BLOCKS,
              "        own = [block for block in table if refcount[block] == 1]",

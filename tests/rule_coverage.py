@@ -40,6 +40,8 @@ RULES = {
     "slot handout": "a freed slot goes to a running request without one",
     "priority overtakes": "a request is admitted while one that arrived before it waits (the "
                           "priority policy)",
+    "host save": "a prompt block the prefix cache drops is saved to the host tier",
+    "host load": "a prefix hit is loaded back from the host tier",
 }
 
 # The share of a mode's examples that must reach each of its rules: about a third of the fewer
@@ -66,6 +68,8 @@ MIN_SHARE = {
                      "waits for slot": 0.015, "slot handout": 0.15},
     "priority": {"preempt": 0.05, "victim not last": 0.005, "priority overtakes": 0.1},
     "priority_full_kv": {"preempt": 0.1, "victim not last": 0.02, "priority overtakes": 0.1},
+    "host_tier": {"host save": 0.1, "host load": 0.05},
+    "host_tier_full_kv": {"host save": 0.1, "host load": 0.05},
 }
 assert all(set(floors) <= set(RULES) for floors in MIN_SHARE.values())
 
@@ -143,6 +147,10 @@ class RuleObserver:
                 hits.add("priority overtakes")
         if any(holds and seq not in had_slot for seq, holds in before.holds_slot.items()):
             hits.add("slot handout")
+        if plan.kv_saves:
+            hits.add("host save")
+        if plan.kv_loads:
+            hits.add("host load")
         if not scheduler.compress:
             return
         if plan.slots_used == scheduler.slots.num_query_slots and scheduler.waiting:

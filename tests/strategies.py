@@ -23,6 +23,7 @@ from hypothesis import seed, settings
 from hypothesis import strategies as st
 
 from zipage.config import ZipageConfig
+from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 
 MODES = {
@@ -38,7 +39,12 @@ MODES = {
     "priority": dict(compress=True, hybrid=True, prefix_cache=True, scheduling_policy="priority"),
     "priority_full_kv": dict(compress=False, hybrid=False, prefix_cache=True,
                              scheduling_policy="priority"),
+    # A host tier of a few slots behind the prefix cache (docs/architecture.md, 'Host tier'):
+    # saves of dropped prompt blocks, loads of prefix hits, slots reused within a step.
+    "host_tier": dict(compress=True, hybrid=True, prefix_cache=True),
+    "host_tier_full_kv": dict(compress=False, hybrid=False, prefix_cache=True),
 }
+HOST_MODES = ("host_tier", "host_tier_full_kv")
 
 
 def mode_seed(mode: str):
@@ -62,6 +68,11 @@ class Case:
     requests: list[tuple[str, list[int], int, int]]  # id, prompt tokens, output_len, arrival
     shape: str = "spread"  # which trace shape drew it (see SHAPES)
     priorities: list[int] | None = None  # each request's class (the priority modes)
+    num_host_blocks: int = 0  # the host tier's slots (the host modes)
+
+    def new_scheduler(self, config: ZipageConfig | None = None) -> Scheduler:
+        return Scheduler(config or self.config, self.num_blocks, self.num_slots,
+                         self.num_host_blocks)
 
     def sequences(self) -> list[Sequence]:
         sequences = [Sequence(seq_id, list(tokens), output, arrival_s=arrival)
@@ -87,6 +98,8 @@ SHAPES = {
     "output_scope": ["spread", "crowd", "family", "family"],
     "priority": ["spread", "crowd", "crowd", "family"],
     "priority_full_kv": ["spread", "crowd", "crowd"],
+    "host_tier": ["spread", "crowd", "family", "family"],
+    "host_tier_full_kv": ["spread", "crowd", "family", "family"],
 }
 
 
@@ -136,7 +149,9 @@ def cases(draw, mode: str) -> Case:
     if config.scheduling_policy == "priority":
         priorities = draw(st.lists(st.integers(-1, 3), min_size=len(requests),
                                    max_size=len(requests)))
-    return Case(config, num_blocks, num_slots, delay, requests, shape, priorities)
+    # One slot reuses itself within a step; a few make the tier evict and reload.
+    host_blocks = draw(st.integers(1, 6)) if mode in HOST_MODES else 0
+    return Case(config, num_blocks, num_slots, delay, requests, shape, priorities, host_blocks)
 
 
 def _distinct_blocks(requests: list, block_size: int) -> int:

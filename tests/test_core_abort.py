@@ -35,7 +35,7 @@ def test_random_aborts_keep_every_invariant(mode):
     @given(drawn=cases_with_aborts(mode))
     def check(drawn):
         case, aborts = drawn
-        scheduler = Scheduler(case.config, case.num_blocks, case.num_slots)
+        scheduler = case.new_scheduler()
         driver = InstantDriver(scheduler, compress_delay=case.delay, seed=7, check=True)
         sequences = case.sequences()
         run = driver.run(sequences, aborts=aborts)  # the checker also fails any leak at the end

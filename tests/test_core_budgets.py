@@ -72,7 +72,7 @@ def budget_cases(draw, mode: str, policy: str, chunked: bool = False) -> BudgetC
 
 def run_budget_case(budget_case: BudgetCase):
     case = budget_case.case
-    scheduler = Scheduler(case.config, case.num_blocks, case.num_slots)
+    scheduler = case.new_scheduler()
     sequences = budget_case.sequences()
     result = InstantDriver(scheduler, compress_delay=case.delay, seed=7, check=True).run(
         sequences)

@@ -38,7 +38,7 @@ def test_invariants_hold_chunked(mode):
     @mode_seed(mode)
     @given(case=chunked_cases(mode))
     def check(case):
-        scheduler = Scheduler(case.config, case.num_blocks, case.num_slots)
+        scheduler = case.new_scheduler()
         sequences = case.sequences()
         result = InstantDriver(scheduler, compress_delay=case.delay, seed=7, check=True).run(
             sequences)

@@ -38,7 +38,7 @@ def test_a_prefill_that_recomputes_a_freed_block_into_that_block_indexes_it_in_t
     other = list(range(100000, 100080)) + list(range(21000, 21033))
     case = Case(config_, 12, 3, (0, 0),
                 [("r0", family, 32, 1), ("r1", other, 32, 1), ("r2", family, 32, 2)])
-    scheduler = Scheduler(case.config, case.num_blocks, case.num_slots)
+    scheduler = case.new_scheduler()
     driver = InstantDriver(scheduler, compress_delay=case.delay, seed=7, check=True,
                            log_decisions=True)
     run = driver.run(case.sequences())

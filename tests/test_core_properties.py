@@ -16,12 +16,11 @@ from hypothesis import event, given
 from rule_coverage import MIN_SHARE, TALLY, RuleObserver
 from strategies import MODES, cases, mode_seed
 
-from zipage.core.scheduler import Scheduler
 from zipage.sim.instant import InstantDriver
 
 
 def run_case(case, observe: bool = False):
-    scheduler = Scheduler(case.config, case.num_blocks, case.num_slots)
+    scheduler = case.new_scheduler()
     driver = InstantDriver(scheduler, compress_delay=case.delay, seed=7, check=True)
     observer = RuleObserver(driver) if observe else None
     sequences = case.sequences()

@@ -41,6 +41,9 @@ MODES = {
     # 'Waiting-queue policies'): later requests of a better class overtake, victims by class.
     "hybrid_prefix_priority": dict(hybrid=True, prefix_cache=True, priorities=True,
                                    scheduling_policy="priority", priority_aging_s=2.0, **WHOLE),
+    # A host tier of 3 slots (docs/architecture.md, 'Host tier'): prompt blocks the pool reuses
+    # or a compression rewrites are saved, and f's shared prefix comes back from host memory.
+    "hybrid_prefix_host": dict(hybrid=True, prefix_cache=True, host_blocks=3, **WHOLE),
 }
 # Budgets of 1 to 3 blocks (N_max 2 to 4) around the default 32 (N_max 3); None keeps the default.
 MIXED_BUDGETS = {"a": 48, "b": 16, "c": None, "d": 16, "e": 48, "f": None}
@@ -68,8 +71,10 @@ def decision_log(mode: str) -> str:
     num_blocks = knobs.pop("num_blocks", 10)
     budgets = knobs.pop("budgets", False)
     priorities = knobs.pop("priorities", False)
+    host_blocks = knobs.pop("host_blocks", 0)
     config = ZipageConfig(block_size=16, window=4, kv_budget=32, async_compress=False, **knobs)
-    scheduler = Scheduler(config, num_blocks=num_blocks, num_query_slots=2)
+    scheduler = Scheduler(config, num_blocks=num_blocks, num_query_slots=2,
+                          num_host_blocks=host_blocks)
     sequences = golden_trace()
     if budgets:
         for seq in sequences:

@@ -70,9 +70,9 @@ def test_sync_simulator_decides_exactly_like_the_instant_driver(mode):
     def check(case, seed):
         case = offline(case)
         config = replace(case.config, async_compress=False)
-        instant = InstantDriver(Scheduler(config, case.num_blocks, case.num_slots),
+        instant = InstantDriver(case.new_scheduler(config),
                                 log_decisions=True).run(case.sequences())
-        simulated = Simulator(Scheduler(config, case.num_blocks, case.num_slots),
+        simulated = Simulator(case.new_scheduler(config),
                               RandomCostModel(seed), log_decisions=True).run(case.sequences())
         assert simulated.decision_log == instant.decision_log
 
@@ -92,7 +92,7 @@ def test_invariants_hold_under_random_timing(mode):
 
 def check_random_timing(case, seed: int) -> None:
     """Every request finishes with its tokens, every invariant holding, under random step times."""
-    scheduler = Scheduler(case.config, case.num_blocks, case.num_slots)
+    scheduler = case.new_scheduler()
     sequences = case.sequences()
     for seq in sequences:  # arrivals in seconds instead of steps
         seq.arrival_s = seq.arrival_s * 0.05
@@ -116,7 +116,7 @@ def test_plain_clock_runs_exactly_the_simpy_processes(mode):
             sequences = case.sequences()
             for seq in sequences:  # arrivals in seconds, some of them during steps
                 seq.arrival_s = seq.arrival_s * 0.05
-            scheduler = Scheduler(case.config, case.num_blocks, case.num_slots)
+            scheduler = case.new_scheduler()
             runs.append(Simulator(scheduler, RandomCostModel(seed), log_decisions=True,
                                   env=env).run(sequences))
         plain, simulated = runs

@@ -241,6 +241,38 @@ def test_compression_tp2_keeps_the_tokens_of_tp1(tiny_models, arch, asynchronous
     assert_shards_match(full[0], shards, lambda rank: ShardLayout(_shape(model), rank, 2))
 
 
+def test_host_tier_tp2_equals_tp1(tiny_models):
+    """A host tier under tensor parallelism: each rank saves and loads its own heads' share.
+    One request at a time on a pool the middle one takes whole, so the third request's prefix
+    comes back from host memory; TP=2 plans per rank at half the bytes, so both runs have the
+    same blocks and slots, make the same copies and give the same tokens."""
+    from zipage.core.memory import block_bytes
+
+    model = str(tiny_models["qwen3"])
+    config = ZipageConfig(compress=False, block_size=16)
+    per_block = block_bytes(_shape(model), config, 4) / 2**30  # float32, one rank
+    generator = torch.Generator().manual_seed(11)
+    shared, other, tail = (torch.randint(0, 256, (n,), generator=generator).tolist()
+                           for n in (50, 70, 9))
+    prompts_ = [shared, other, shared + tail]
+    runs = []
+    for world in (1, 2):
+        llm = LLM(model, tensor_parallel=world, compress=False, block_size=16, max_num_seqs=1,
+                  kv_memory_gb=6.5 * per_block / world, host_kv_gb=8.5 * per_block / world,
+                  dtype="float32", device="cpu")
+        try:
+            outputs = llm.generate(prompts_, GREEDY, progress=False)
+            capacity = llm.engine.capacity
+            runs.append(([output.token_ids for output in outputs],
+                         llm.last_run.summary | {"num_blocks": capacity.num_blocks}))
+        finally:
+            llm.close()
+    (tokens, summary), (tp_tokens, tp_summary) = runs
+    assert summary["num_blocks"] == tp_summary["num_blocks"] == 6
+    assert summary["host_hit_tokens"] == tp_summary["host_hit_tokens"] > 0
+    assert tp_tokens == tokens
+
+
 def test_smollm2_random_tp3_equals_tp1():
     """SmolLM2's 9 query / 3 KV heads at TP=3 (gloo, three processes), random weights."""
     knobs = dict(compress=False, block_size=16, kv_memory_gb=0.01, dtype="float32", device="cpu",

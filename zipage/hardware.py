@@ -28,6 +28,7 @@ class GPUSpec:
     step_overhead_s: float  # host cost of one step: schedule, inputs, graph replay, sampling
     price_per_hour_usd: float  # on-demand list-ish price of one GPU; an assumption
     interconnect_bytes_per_s: float  # NVLink, one direction, per GPU: tensor-parallel all-reduce
+    host_link_bytes_per_s: float  # GPU <-> host memory, one direction, pinned: the host tier's copies
     streaming_multiprocessors: int  # the decode kernel's grid follows it (zipage/decode_grid.py)
 
     @property
@@ -48,7 +49,9 @@ class GPUSpec:
 # GEMMs, attention). The A100 was not measured: we assume the same fractions. The step overhead
 # is the host cost of a Python engine that replays CUDA graphs (one eager kernel launch measured
 # 9.4 us on the H200 host; a step issues a few dozen host operations around the graph replay,
-# plus scheduling and sampling), taken equal on all three since it depends on the host.
+# plus scheduling and sampling), taken equal on all three since it depends on the host. The host
+# link is PCIe (Gen5 x16 on the Hopper boards: 64 GB/s a direction on paper, of which pinned
+# copies reach about 50; Gen4 x16 on the A100's: 32, about 25): assumptions until measured here.
 HARDWARE: dict[str, GPUSpec] = {
     spec.name: spec
     for spec in [
@@ -56,21 +59,21 @@ HARDWARE: dict[str, GPUSpec] = {
             name="a100-80gb", memory_gb=80, memory_bytes=int(79.15 * GIB),
             hbm_bandwidth_bytes_per_s=2.039e12, bandwidth_fraction=0.89,
             bf16_tflops=312.0, compute_fraction=0.80, step_overhead_s=400e-6,
-            price_per_hour_usd=1.80, interconnect_bytes_per_s=300e9,
+            price_per_hour_usd=1.80, interconnect_bytes_per_s=300e9, host_link_bytes_per_s=25e9,
             streaming_multiprocessors=108,
         ),
         GPUSpec(
             name="h100-80gb", memory_gb=80, memory_bytes=int(79.11 * GIB),
             hbm_bandwidth_bytes_per_s=3.35e12, bandwidth_fraction=0.89,
             bf16_tflops=989.0, compute_fraction=0.80, step_overhead_s=400e-6,
-            price_per_hour_usd=3.00, interconnect_bytes_per_s=450e9,
+            price_per_hour_usd=3.00, interconnect_bytes_per_s=450e9, host_link_bytes_per_s=50e9,
             streaming_multiprocessors=132,
         ),
         GPUSpec(
             name="h200-141gb", memory_gb=141, memory_bytes=150_109_880_320,
             hbm_bandwidth_bytes_per_s=4.8e12, bandwidth_fraction=0.89,
             bf16_tflops=989.0, compute_fraction=0.80, step_overhead_s=400e-6,
-            price_per_hour_usd=3.80, interconnect_bytes_per_s=450e9,
+            price_per_hour_usd=3.80, interconnect_bytes_per_s=450e9, host_link_bytes_per_s=50e9,
             streaming_multiprocessors=132,
         ),
     ]

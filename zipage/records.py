@@ -41,6 +41,11 @@ class StepRecord:
     # KV entries the step's holders share, counted once per holder beyond the first
     # (`StepPlan.shared_kv_tokens`: a fitted decode term; 0 in runs written before it).
     shared_kv_tokens: int = 0
+    # Host tier: of `prefix_hit_tokens`, those copied back from host memory, and the blocks the
+    # step copied to host and back (`StepPlan.kv_saves`, `kv_loads`: what the copies cost).
+    host_hit_tokens: int = 0
+    host_saves: int = 0
+    host_loads: int = 0
 
 
 @dataclass(slots=True)

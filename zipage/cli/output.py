@@ -29,14 +29,22 @@ SUMMARY_ROWS = [
     ("p99 TPOT (ms)", "tpot_p99_ms", "{:.2f}"),
     ("peak running", "peak_running", "{}"), ("mean running", "mean_running", "{:.1f}"),
     ("preemptions", "preemptions", "{:,}"), ("compressions", "compressions", "{:,}"),
+    ("prompt tokens computed", "prefill_tokens", "{:,}"),
+    ("prefix-hit tokens", "prefix_hit_tokens", "{:,}"),
+    # Shown only for a deployment with a host tier (`HOST_ROWS`).
+    ("  of them from host memory", "host_hit_tokens", "{:,}"),
+    ("host tier blocks copied", "host_copy_blocks", "{:,}"),
     ("max blocks after compression", "max_blocks_after_compress", "{}"),
     ("mean kept budget (tokens)", "mean_kept_budget", "{:,.0f}"),
     ("N_max (blocks per request)", "n_max", "{}"),
     # M bounds the requests that hold a query slot; hybrid scheduling runs more without one.
     ("query slots M", "max_concurrency", "{}"),
-    ("KV blocks", "num_blocks", "{:,}"), ("steps", "steps", "{:,}"),
+    ("KV blocks", "num_blocks", "{:,}"), ("host tier slots", "num_host_blocks", "{:,}"),
+    ("steps", "steps", "{:,}"),
     ("wall time (s)", "wall_s", "{:.2f}"),
 ]
+
+HOST_ROWS = ("host_hit_tokens", "host_copy_blocks", "num_host_blocks")
 
 
 def run_status(summary: dict) -> int:
@@ -69,6 +77,8 @@ def print_summary(summary: dict, title: str | None = None) -> None:
 
     print(title or describe_run(summary))
     rows = summary_rows(SUMMARY_ROWS, summary)
+    if not summary.get("num_host_blocks"):
+        rows = [row for row in rows if row[1] not in HOST_ROWS]
     width = max(len(label) for label, _, _ in rows)
     validation = summary.get("validation")
     texts = ["-" if summary.get(key) is None else pattern.format(summary[key])

@@ -9,6 +9,11 @@ Prefix index: the full blocks of a prompt are keyed by a chained content hash (t
 block covers every token before it too), so equal hashes mean equal prefixes. Only prompt blocks
 of uncompressed requests enter the index (docs/architecture.md, 'Rules', rule 7); a block whose content a compression
 overwrites leaves it at once.
+
+Host tier (`num_host_blocks` > 0, zipage/core/host_tier.py): a block that leaves the index because
+its content is about to go (handed out again, or a compression target) is first saved to a host
+slot, and a prefix lookup continues through the host's hashes where the GPU's stop. The copies of
+a step gather here (`kv_saves`, `kv_loads`) until the scheduler moves them into its plan.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from zipage.core.host_tier import HostTier
 from zipage.core.sequence import Sequence
 
 
@@ -48,7 +54,8 @@ class CompressionTargets:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool,
+                 num_host_blocks: int = 0) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_cache = prefix_cache
@@ -66,6 +73,10 @@ class BlockManager:
         self._free_queue: deque[int] = deque(range(num_blocks))
         self._queued = [1] * num_blocks
         self.num_free_blocks = num_blocks
+        self.host = HostTier(num_host_blocks) if prefix_cache and num_host_blocks > 0 else None
+        # This step's copies so far: (GPU block, host slot) saves, (host slot, GPU block) loads.
+        self.kv_saves: list[tuple[int, int]] = []
+        self.kv_loads: list[tuple[int, int]] = []
 
     @property
     def num_used_blocks(self) -> int:
@@ -104,6 +115,8 @@ class BlockManager:
             if old_hash is not None:  # its old content, and so its hash, is gone
                 # (`_forget_hash`, inline: most blocks handed out held a prompt block; a block
                 # with a hash is the one the index maps it to)
+                if self.host is not None:
+                    self._save(block, old_hash)
                 del hash_to_block[old_hash]
                 block_hash[block] = None
             refcount[block] = 1
@@ -153,6 +166,56 @@ class BlockManager:
                 break
             hits.append(block)
         return hits
+
+    def host_prefix_slots(self, seq: Sequence, num_tokens: int, gpu_hits: int) -> list[int]:
+        """Host slots holding the prompt blocks of `seq` that follow its `gpu_hits` blocks from
+        the GPU's index, as far as the host has them (looked at only: `reserve_host_prefix`
+        takes them). The same blocks as `cached_prefix_blocks` may map: never the last token's."""
+        if self.host is None or seq.prompt_logits:
+            return []
+        slots, lookup = [], self.host.slot_of.get
+        for block_hash in seq.prompt_block_hashes[gpu_hits:(num_tokens - 1) // self.block_size]:
+            slot = lookup(block_hash)
+            if slot is None:
+                break
+            slots.append(slot)
+        return slots
+
+    def reserve_host_prefix(self, seq: Sequence, first: int, count: int) -> list[int]:
+        """Take the host slots of prompt blocks [first, first + count) of `seq` for this step's
+        loads, before its blocks are allocated: an allocation saves the blocks it reuses, and
+        a save must not evict a slot this step reads."""
+        use = self.host.use
+        return [use(block_hash) for block_hash in seq.prompt_block_hashes[first:first + count]]
+
+    def load_prefix(self, seq: Sequence, first: int, slots: list[int]) -> None:
+        """Blocks [first, first + len(slots)) of `seq`'s fresh table come from the host tier:
+        each is loaded from its slot (copied before the step's forward) and indexed now, as a
+        computed prompt block."""
+        hash_to_block, hash_of = self.hash_to_block, self.block_hash
+        end = first + len(slots)
+        for slot, block_hash, block in zip(slots, seq.prompt_block_hashes[first:end],
+                                           seq.block_table[first:end]):
+            self.kv_loads.append((slot, block))
+            if block_hash not in hash_to_block:  # (an equal block indexed since: keep it)
+                hash_of[block] = block_hash
+                hash_to_block[block_hash] = block
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's saves and loads, for its plan; the next step starts with none. Of two
+        saves into one slot (a small tier reused it within the step) only the later is kept."""
+        saves, loads = self.kv_saves, self.kv_loads
+        self.kv_saves, self.kv_loads = [], []
+        self.host.end_step()
+        if len(saves) > 1 and len({slot for _, slot in saves}) < len(saves):
+            last = {slot: index for index, (_, slot) in enumerate(saves)}
+            saves = [save for index, save in enumerate(saves) if last[save[1]] == index]
+        return saves, loads
+
+    def _save(self, block: int, block_hash: int) -> None:
+        slot = self.host.save(block_hash)
+        if slot is not None:
+            self.kv_saves.append((block, slot))
 
     def can_allocate_prefill(self, cached: list[int], num_tokens: int) -> bool:
         needed = -(-num_tokens // self.block_size) - len(cached)
@@ -244,6 +307,8 @@ class BlockManager:
         prefix_fresh = [self.allocate() for _ in range(prefix_targets)]
         extra_fresh = [self.allocate() for _ in range(shortfall)]
         for block in own_used:
+            if self.host is not None and self.block_hash[block] is not None:
+                self._save(block, self.block_hash[block])
             self._forget_hash(block)
         new_table = prefix_fresh + own_used + extra_fresh
         kept = set(new_table)

@@ -10,7 +10,7 @@ prompt tokens in the simulator and in the real engine. What a finished run write
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from zipage.config import ZipageConfig, knob
 from zipage.core.block_manager import prompt_block_hashes
@@ -44,6 +44,10 @@ class ReplaySettings:
                                          "Zipage may use")
     kv_memory_gb: float | None = knob(None, "--kv-memory-gb", "exact memory for KV blocks + "
                                       "query slots; overrides the two above")
+    host_kv_gb: float = knob(0.0, "--host-kv-gb", "host memory (GiB, per GPU) that keeps prompt "
+                             "blocks the GPU's prefix cache drops (reused, or rewritten by a "
+                             "compression): a later prompt with that prefix copies them back "
+                             "instead of computing them (0: no host tier)")
     tensor_parallel: int = knob(1, "--tensor-parallel", "GPUs (or CPU processes) one engine's model "
                                 "is sharded over; --kv-memory-gb is per GPU")
     cost_model: str = knob("analytic", "--cost-model", "'analytic' (roofline) or a profile JSON "
@@ -74,6 +78,10 @@ class ReplaySettings:
             if value is not None and not 0.0 < value < float("inf"):
                 raise ConfigError(f"{name}: got {value}, expected a positive number of GiB "
                                   f"(--{name.replace('_', '-')})")
+        if not (isinstance(self.host_kv_gb, (int, float)) and not isinstance(self.host_kv_gb, bool)
+                and 0.0 <= self.host_kv_gb < float("inf")):
+            raise ConfigError(f"host_kv_gb: got {self.host_kv_gb!r}, expected a number of GiB "
+                              ">= 0 (--host-kv-gb 8; 0 turns the host tier off)")
         if self.users is not None and (isinstance(self.users, bool)
                                        or not isinstance(self.users, int) or self.users < 1):
             raise ConfigError(f"users: got {self.users!r}, expected an integer >= 1 (--users 64: "
@@ -119,7 +127,13 @@ def plan_capacity(settings: ReplaySettings, shape: ModelShape, gpu_memory_bytes:
     else:
         available = available_kv_bytes(shape, gpu_memory_bytes, settings.gpu_memory_utilization,
                                        element, settings.tensor_parallel)
-    return plan_memory(shape, settings.config, available, element, settings.tensor_parallel)
+    plan = plan_memory(shape, settings.config, available, element, settings.tensor_parallel)
+    if not settings.host_kv_gb:
+        return plan
+    if not settings.config.prefix_cache:
+        raise ConfigError("host_kv_gb: the host tier keeps the prefix cache's blocks, but "
+                          "--no-prefix-cache turns that off; drop one of the two")
+    return replace(plan, num_host_blocks=int(settings.host_kv_gb * GIB) // plan.block_bytes)
 
 
 def check_kv_memory(settings: ReplaySettings, shape: ModelShape, gpu_memory_bytes: int,
@@ -240,6 +254,7 @@ def run_summary(summary: dict, capacity: MemoryPlan, config: ZipageConfig,
         "n_max": config.n_max if config.compress else None,
         "max_concurrency": capacity.num_query_slots if config.compress else None,
         "num_blocks": capacity.num_blocks,
+        "num_host_blocks": capacity.num_host_blocks,
         "driver": driver,
         "settings": settings.to_dict(),
     }

@@ -118,6 +118,8 @@ class InvariantChecker:
         # (hash, block) entries of the prefix index when the current step was planned: their KV
         # is computed. (A block id may come back with other content, hence the pairs.)
         self.indexed_before: set[tuple[int, int]] = set()
+        # Host slot -> hash of the prompt block the host tier's copies put there.
+        self.host_content: dict[int, int] = {}
         # Per-request and elastic budgets (`before_schedule` runs right before each schedule).
         self.budgets = BudgetInvariants(scheduler, self.fail)
 
@@ -143,6 +145,7 @@ class InvariantChecker:
         self._check_victims(plan, before)
         self._check_waiting(plan, before)
         self._check_slot_handout(plan, before)
+        self._check_host_copies(plan)
         for job in plan.compressions:
             self._check_compression(job)
             for block in job.target_blocks + [job.new_block]:
@@ -427,6 +430,47 @@ class InvariantChecker:
             self.fail(f"{hashed} blocks have a hash but the prefix index maps "
                       f"{len(manager.hash_to_block)}: a block's hash left without its entry")
 
+    def _check_host_copies(self, plan: StepPlan) -> None:
+        """The host tier (docs/architecture.md, 'Host tier'): a save copies a block that holds
+        a computed prompt block (before this step overwrites it), into a slot no other save of
+        the step writes; a load fills a block an admission of this step maps below its cached
+        tokens, from a slot holding that very prompt block; and every hash of the host's index
+        names what its slot holds once the step's saves are done."""
+        manager = self.scheduler.block_manager
+        host = manager.host
+        if host is None:
+            if plan.kv_saves or plan.kv_loads:
+                self.fail("a plan copies to or from a host tier the deployment does not have")
+            return
+        content = self.block_content
+        saved = set()
+        for block, slot in plan.kv_saves:
+            if content.get(block) is None:
+                self.fail(f"block {block} is saved to host slot {slot} but holds no computed "
+                          "prompt block")
+            if slot in saved:
+                self.fail(f"host slot {slot} is written by two saves in one step")
+            saved.add(slot)
+            self.host_content[slot] = content[block]
+        b = self.scheduler.block_size
+        mapped = {}  # block -> the prompt block an admission of this step maps it as
+        for item in plan.prefill:
+            table, hashes = item.seq.block_table, item.seq.prompt_block_hashes
+            for index in range(self.computed.get(item.seq, 0) // b, item.num_cached_tokens // b):
+                mapped[table[index]] = hashes[index]
+        for slot, block in plan.kv_loads:
+            if block not in mapped:
+                self.fail(f"host slot {slot} is loaded into block {block}, which no admission of "
+                          "this step maps from the prefix cache")
+            if self.host_content.get(slot) != mapped[block]:
+                self.fail(f"block {block} is loaded from host slot {slot}, which does not hold "
+                          "the prompt block the request maps there")
+            content[block] = mapped[block]
+        for block_hash, slot in host.slot_of.items():
+            if self.host_content.get(slot) != block_hash:
+                self.fail(f"host slot {slot} is in the host tier's index under a prompt block it "
+                          "does not hold")
+
     def _check_chunks(self, plan: StepPlan) -> None:
         """Prompt ranges continue where their request stopped; a range samples exactly when it
         reaches the request's last token; the step's tokens respect the budget."""
@@ -550,6 +594,7 @@ class InvariantChecker:
         for fork in plan.forks:
             if fork.copy is not None:
                 writes.append((fork.seq, fork.copy[1]))
+        loaded = {block for _, block in plan.kv_loads}  # (checked: `_check_host_copies`)
         forks_of: dict = {}
         for fork in plan.forks:
             forks_of.setdefault(fork.leader, set()).add(fork.seq)
@@ -560,7 +605,8 @@ class InvariantChecker:
             hashes = item.seq.prompt_block_hashes
             for index in range(self.computed.get(item.seq, 0) // b, item.num_cached_tokens // b):
                 block = table[index]
-                if (hashes[index], block) not in self.indexed_before and writers[block] == 0:
+                if ((hashes[index], block) not in self.indexed_before and writers[block] == 0
+                        and block not in loaded):
                     self.fail(f"{item.seq.seq_id} maps block {block} from the prefix cache "
                               "before any request computed it")
                 hits_now.setdefault(block, set()).add(item.seq)

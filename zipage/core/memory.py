@@ -42,6 +42,8 @@ class MemoryPlan:
     block_bytes: int  # m_kv, including the global-score entries when that is on
     query_slot_bytes: int  # m_q
     available_bytes: int
+    # Host slots of the host tier (`--host-kv-gb` over m_kv; 0: none): host memory, not the GPU's.
+    num_host_blocks: int = 0
 
     @property
     def kv_bytes(self) -> int:

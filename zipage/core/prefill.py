@@ -59,7 +59,8 @@ class PrefillPlanner:
             # A preempted request recomputes its outputs too (`num_tokens`; waiting: settled).
             num_tokens = seq.prompt_len + seq.settled_output_tokens
             cached = self.block_manager.cached_prefix_blocks(seq, num_tokens)
-            start = len(cached) * self.block_size
+            hosted = self.block_manager.host_prefix_slots(seq, num_tokens, len(cached))
+            start = (len(cached) + len(hosted)) * self.block_size
             if budget is None and plan.prefill and (
                     batched_tokens + num_tokens - start > self.step_tokens):
                 return None  # the tokens of this step, not a resource: the next step may admit it
@@ -76,7 +77,12 @@ class PrefillPlanner:
             if not self.block_manager.can_allocate_prefill(cached, num_tokens):
                 return seq
             self.waiting.popleft()
+            if hosted:
+                hosted = self.block_manager.reserve_host_prefix(seq, len(cached), len(hosted))
             seq.block_table = self.block_manager.allocate_prefill(cached, num_tokens)
+            if hosted:
+                self.block_manager.load_prefix(seq, len(cached), hosted)
+                plan.host_hit_tokens += len(hosted) * self.block_size
             self.admit(seq, takes_slot)
             seq.set_counters(start, seq.settled_output_tokens)
             plan.prefix_hit_tokens += start

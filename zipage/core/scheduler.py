@@ -83,7 +83,8 @@ class SchedulerStuck(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, config: ZipageConfig, num_blocks: int, num_query_slots: int) -> None:
+    def __init__(self, config: ZipageConfig, num_blocks: int, num_query_slots: int,
+                 num_host_blocks: int = 0) -> None:
         check_pool(config, num_blocks, num_query_slots)
         self.config = config
         self.block_size = config.block_size
@@ -95,7 +96,8 @@ class Scheduler:
         self.step_tokens = self.admission.step_tokens
         # docs/architecture.md, 'Per-request and elastic budgets'.
         self.elastic = config.compress and config.budget_policy == "elastic"
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_cache)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_cache,
+                                          num_host_blocks)
         self.slots = QuerySlots(config, num_blocks, num_query_slots)
 
         self.by_priority = config.scheduling_policy == "priority"
@@ -195,6 +197,8 @@ class Scheduler:
         plan.num_running = len(self.running)
         plan.num_waiting = len(self.waiting)
         manager = self.block_manager
+        if manager.kv_saves or manager.kv_loads:
+            plan.kv_saves, plan.kv_loads = manager.take_copies()
         plan.blocks_used = manager.num_blocks - manager.num_free_blocks  # (`num_used_blocks`)
         plan.shared_kv_tokens = manager.extra_holders * self.block_size
         plan.slots_used = slots.num_query_slots - len(slots.free)

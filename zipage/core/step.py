@@ -140,6 +140,14 @@ class StepPlan:
     # shared prompt block read by several requests in one step (docs/cost_model.md, 'Decode:
     # shared prefix entries'). Shared blocks are full, so blocks times block size.
     shared_kv_tokens: int = 0
+    # Of `prefix_hit_tokens`, those the host tier held (copied back by `kv_loads`).
+    host_hit_tokens: int = 0
+    # Host tier (docs/architecture.md, 'Host tier'): copies the driver makes before anything
+    # else of the step, saves first: (GPU block, host slot) saves of prompt blocks about to be
+    # overwritten, (host slot, GPU block) loads of prefix hits. Empty tuples unless the step
+    # has some (a plan is made every step).
+    kv_saves: list[tuple[int, int]] | tuple = ()
+    kv_loads: list[tuple[int, int]] | tuple = ()
     # Snapshot of the scheduler right after this plan was made (for the metrics records).
     num_running: int = 0
     num_waiting: int = 0
@@ -198,6 +206,10 @@ class StepPlan:
             parts.append("preempt=" + ",".join(str(seq.seq_id) for seq in self.preempted))
         if self.grown:
             parts.append("grow=" + ",".join(str(seq.seq_id) for seq in self.grown))
+        if self.kv_saves:
+            parts.append("save=" + ",".join(f"{block}->h{slot}" for block, slot in self.kv_saves))
+        if self.kv_loads:
+            parts.append("load=" + ",".join(f"h{slot}->{block}" for slot, block in self.kv_loads))
         parts.append(f"run={self.num_running} wait={self.num_waiting} "
                      f"blocks={self.blocks_used} slots={self.slots_used}")
         return " ".join(parts)

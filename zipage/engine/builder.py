@@ -41,10 +41,12 @@ class Engine:
     runner: ModelRunner | TensorParallelExecutor
     device: torch.device  # rank 0's
 
-    def new_scheduler(self) -> Scheduler:
+    def new_scheduler(self, config: ZipageConfig | None = None) -> Scheduler:
         """A fresh scheduler over the same caches (one per run: the caches hold no state a run
-        leaves behind that a new run could read)."""
-        return Scheduler(self.config, self.capacity.num_blocks, self.capacity.num_query_slots)
+        leaves behind that a new run could read); `config`: knobs only the scheduler reads,
+        changed from the engine's (`replay_on_engine`)."""
+        return Scheduler(config or self.config, self.capacity.num_blocks,
+                         self.capacity.num_query_slots, self.capacity.num_host_blocks)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers and leave the process group, now. Left to the

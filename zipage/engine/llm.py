@@ -79,7 +79,7 @@ class LLM:
     def __init__(self, model: str, *, dtype: str = "auto", device: str | None = None,
                  kv_memory_gb: float | None = None, gpu_memory_utilization: float = 0.9,
                  cuda_graphs: bool = True, prefill_graphs: bool | None = None,
-                 threads: int | None = None,
+                 threads: int | None = None, host_kv_gb: float = 0.0,
                  tensor_parallel: int = 1, **knobs) -> None:
         _check_knob_names(knobs)
         resolved = resolve_device(device)
@@ -89,7 +89,8 @@ class LLM:
             dtype = "bfloat16" if resolved.type == "cuda" else "float32"
         settings = ReplaySettings(model=model, dtype=dtype, kv_memory_gb=kv_memory_gb,
                                   gpu_memory_utilization=gpu_memory_utilization,
-                                  tensor_parallel=tensor_parallel, config=ZipageConfig(**knobs))
+                                  host_kv_gb=host_kv_gb, tensor_parallel=tensor_parallel,
+                                  config=ZipageConfig(**knobs))
         self.engine = build_engine(settings, str(resolved), cuda_graphs, prefill_graphs)
         self.tokenizer = self.engine.tokenizer
         self.last_run: Run | None = None
@@ -226,7 +227,7 @@ _CLI_NAMES = {"budget": "kv_budget=", "lambda_": "lambda_weight=", "no_compress"
               "no_async": "async_compress=False", "no_global_score": "global_score=False",
               "tp": "tensor_parallel=", "tensor_parallel_size": "tensor_parallel="}
 _LLM_KEYWORDS = ("dtype", "device", "kv_memory_gb", "gpu_memory_utilization", "cuda_graphs",
-                 "prefill_graphs", "threads", "tensor_parallel")
+                 "prefill_graphs", "threads", "host_kv_gb", "tensor_parallel")
 
 
 def _check_knob_names(knobs: dict) -> None:

@@ -117,7 +117,7 @@ def encode_step(plan: StepPlan, tokens: dict[str, list[int]], completed: list[in
     launch = plan.compress_launch
     return (plan.step_id, plan.kind, prefill, decode, encode_jobs(plan.compress_sync),
             None if launch is None else (launch.batch_id, encode_jobs(launch.jobs)), completed,
-            plan.block_copies)
+            plan.block_copies, plan.kv_saves, plan.kv_loads)
 
 
 class ShardJobRequest(NamedTuple):
@@ -140,9 +140,10 @@ def decode_jobs(jobs: list[tuple]) -> list[CompressionJob]:
 
 
 def decode_step(message: tuple) -> tuple[StepPlan, dict[str, list[int]], list[int]]:
-    step_id, kind, prefill, decode, sync, launch, completed, copies = message
+    step_id, kind, prefill, decode, sync, launch, completed, copies, saves, loads = message
     plan = StepPlan(step_id=step_id, kind=kind, compress_sync=decode_jobs(sync),
-                    forks=[Fork(None, None, copy) for copy in copies])
+                    forks=[Fork(None, None, copy) for copy in copies],
+                    kv_saves=saves, kv_loads=loads)  # each rank copies its own heads' share
     if launch is not None:
         plan.compress_launch = CompressionBatch(launch[0], decode_jobs(launch[1]))
     tokens: dict[str, list[int]] = {}

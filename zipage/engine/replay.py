@@ -11,7 +11,6 @@ from __future__ import annotations
 from zipage.core.deployment import ReplaySettings, effective_config, run_summary, trace_sequences
 from zipage.core.recorder import RecordSink, Run
 from zipage.core.sampling import SamplingParams
-from zipage.core.scheduler import Scheduler
 from zipage.engine.builder import Engine, build_engine
 from zipage.engine.loop import EngineLoop
 from zipage.trace import Trace
@@ -41,7 +40,7 @@ def run_on_engine(engine: Engine, trace: Trace, settings: ReplaySettings, *,
     buckets = engine.runner.prefill_buckets
     decode_graph_sizes = engine.runner.decode_graph_sizes
     config = effective_config(settings, engine.shape)
-    scheduler = Scheduler(config, engine.capacity.num_blocks, engine.capacity.num_query_slots)
+    scheduler = engine.new_scheduler(config)
     # A request the scheduler will reject gets no prompt (it may be 10^9 tokens long).
     sequences = trace_sequences(trace, engine.shape.vocab_size, need_tokens=True,
                                 scheduler=scheduler)

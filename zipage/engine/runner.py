@@ -56,6 +56,7 @@ from zipage.decode_grid import GRAPH_BATCH_SIZES
 from zipage.engine.caches import KVCaches
 from zipage.engine.compressor import Compressor
 from zipage.engine.context import ForwardContext, forward_context
+from zipage.engine.host_kv import HostKV
 from zipage.engine.host_tables import HostTables
 from zipage.engine.sampler import sample, token_logprobs
 from zipage.engine.structured import StructuredOutputs
@@ -112,6 +113,8 @@ class ModelRunner:
         self.stream = (torch.cuda.Stream(device, priority=-5) if device.type == "cuda"
                        else None)
         self.compressor = Compressor(self.caches, config, shape.head_dim, device) if config.compress else None
+        self.host_kv = (HostKV(self.caches, capacity.num_host_blocks)
+                        if capacity.num_host_blocks else None)
         for index, attention in enumerate(model.attention_layers()):
             attention.k_cache = self.kv_cache[0, index]
             attention.v_cache = self.kv_cache[1, index]
@@ -232,6 +235,8 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan, tokens: dict[str, list[int]]
                  ) -> tuple[list[Sequence], torch.Tensor | None]:
+        if plan.kv_saves or plan.kv_loads:  # the host tier's, before anything of the step
+            self.host_kv.copy(plan.kv_saves, plan.kv_loads)
         compressor = self.compressor
         launch = compressor is not None and plan.compress_launch is not None
         if compressor is not None and plan.compress_sync:

@@ -1,0 +1,186 @@
+"""The host tier (docs/architecture.md, 'Host tier'): prompt blocks the GPU's prefix cache drops
+are saved to host slots and loaded back as prefix hits. Its bookkeeping, the block manager's
+saves and loads, the engine's copies (the same tokens as GPU prefix hits, on SmolLM2), the
+engine and the simulator making the same decisions, and what the tier gives back on the agent
+sessions. The invariants of every step are the property tests' (tests/test_core_properties.py,
+the host modes)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from smollm2 import GGUF, SKIP_REASON
+from test_engine import (
+    read_decisions,
+    replay_sim_and_cpu,
+    tiny_model,  # noqa: F401  (a fixture the tests below take)
+)
+
+from zipage.config import ZipageConfig
+from zipage.core.block_manager import BlockManager, prompt_block_hashes
+from zipage.core.deployment import ReplaySettings
+from zipage.core.host_tier import HostTier
+from zipage.core.sampling import SamplingParams
+from zipage.core.sequence import Sequence
+from zipage.errors import ConfigError
+from zipage.session_workloads import agent_sessions
+from zipage.sim.simulate import simulate
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_least_recently_used_unpinned_slot_is_reused():
+    host = HostTier(2)
+    assert host.save(11) == 0 and host.save(22) == 1
+    assert host.save(11) is None  # already here: only used again
+    assert host.save(33) == 1  # 22 was the least recently used
+    assert host.lookup(22) is None and host.lookup(33) == 1
+    assert host.use(11) == 0 and host.use(33) == 1  # both pinned by this step's loads
+    assert host.save(44) is None  # nothing to evict: the save is skipped
+    host.end_step()
+    assert host.save(44) == 0  # 11 is the least recently used again
+
+
+def _sequence(seq_id: str, tokens: list[int], block_size: int) -> Sequence:
+    seq = Sequence(seq_id, tokens, 4)
+    seq.prompt_block_hashes = prompt_block_hashes(tokens, block_size)
+    return seq
+
+
+def test_a_reused_block_is_saved_and_its_prefix_comes_back_from_the_host():
+    manager = BlockManager(num_blocks=5, block_size=16, prefix_cache=True, num_host_blocks=8)
+    first = _sequence("a", list(range(64)), 16)
+    first.block_table = manager.allocate_prefill([], 64)
+    manager.register_prompt_blocks(first, 0, 4)
+    manager.release_table(first.block_table)
+    assert manager.take_copies() == ([], [])
+    # Another prompt takes every block: the four indexed ones go to host slots.
+    other = _sequence("b", list(range(100, 180)), 16)
+    other.block_table = manager.allocate_prefill([], 80)
+    saves, loads = manager.take_copies()
+    assert sorted(block for block, _ in saves) == sorted(first.block_table) and not loads
+    manager.release_table(other.block_table)
+    # The first prompt again, one token more: no GPU hit (its blocks hold the other prompt),
+    # its four full blocks, all before the last token, from the host.
+    again = _sequence("c", list(range(65)), 16)
+    assert manager.cached_prefix_blocks(again, 65) == []
+    slots = manager.host_prefix_slots(again, 65, 0)
+    assert len(slots) == 4 and manager.host_prefix_slots(again, 64, 0) == slots[:3]
+    slots = manager.reserve_host_prefix(again, 0, 4)
+    again.block_table = manager.allocate_prefill([], 65)
+    manager.load_prefix(again, 0, slots)
+    saves, loads = manager.take_copies()
+    saved_slot = {block: slot for block, slot in saves}
+    assert loads == list(zip(slots, again.block_table[:4]))
+    assert all(manager.hash_to_block[h] == b
+               for h, b in zip(again.prompt_block_hashes, again.block_table[:4]))
+    assert len(saved_slot) == len(saves)  # one save a slot
+
+
+def test_two_saves_into_one_slot_keep_the_later():
+    manager = BlockManager(num_blocks=2, block_size=16, prefix_cache=True, num_host_blocks=1)
+    seq = _sequence("a", list(range(32)), 16)
+    seq.block_table = manager.allocate_prefill([], 32)
+    manager.register_prompt_blocks(seq, 0, 2)
+    manager.release_table(seq.block_table)
+    manager.allocate_many(2)  # both indexed blocks go: the second save reuses the one slot
+    saves, _ = manager.take_copies()
+    assert len(saves) == 1
+    assert manager.host.slot_of == {manager_hash(seq, saves[0][0], manager): 0}
+
+
+def manager_hash(seq: Sequence, block: int, manager: BlockManager) -> int:
+    return seq.prompt_block_hashes[seq.block_table.index(block)]
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--host-kv-gb", "-1"], "host_kv_gb: got -1.0, expected a number of GiB >= 0"),
+    (["--host-kv-gb", "8", "--no-prefix-cache"], "host_kv_gb: the host tier keeps the prefix cache"),
+])
+def test_bad_host_tier_settings_are_one_line(flags, expected, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "zipage.cli", "replay", "traces/tiny.json",
+                             "--model", "qwen3-0.6b", *flags, "--no-progress"],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 2
+    assert expected in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_settings_refuse_a_host_tier_without_a_number():
+    with pytest.raises(ConfigError, match="host_kv_gb"):
+        ReplaySettings(host_kv_gb="8")
+
+
+# ---------------------------------------------------------------- the engine's copies
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.mark.skipif(GGUF is None, reason=SKIP_REASON)
+@pytest.mark.parametrize("knobs, small_gb", [(dict(compress=False), 0.0056),
+                                             (dict(kv_budget=32, window=4), 0.0045)],
+                         ids=["full-kv", "compress-all"])
+def test_host_hits_give_the_tokens_of_gpu_hits_on_smollm2(knobs, small_gb):
+    """One request at a time: a prompt, another that takes its blocks (Full KV: the free list
+    reuses them; compression: its own compressions overwrite its prompt), then the first prompt
+    again with a new tail. On a cache large enough its prefix is a GPU hit; on a small one with
+    a host tier it is loaded back from host memory. Greedy tokens are equal, token for token."""
+    from zipage import LLM
+
+    generator = torch.Generator().manual_seed(5)
+    base, filler, tail = (torch.randint(100, 40000, (n,), generator=generator).tolist()
+                          for n in (70, 90, 10))
+    prompts = [base, filler, base + tail]
+    common = dict(block_size=16, max_num_seqs=1, **knobs)
+    large = LLM(str(GGUF), kv_memory_gb=0.05, **common)
+    expected = large.generate(prompts, GREEDY, progress=False)
+    assert large.last_run.summary["host_hit_tokens"] == 0
+    small = LLM(str(GGUF), kv_memory_gb=small_gb, host_kv_gb=0.01, **common)
+    outputs = small.generate(prompts, GREEDY, progress=False)
+    summary = small.last_run.summary
+    assert summary["host_hit_tokens"] >= 48  # three of the prompt's four full blocks at least
+    assert summary["prefix_hit_tokens"] == large.last_run.summary["prefix_hit_tokens"]
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+
+
+def test_engine_and_simulator_make_the_same_decisions_with_a_host_tier(tiny_model, tmp_path):  # noqa: F811
+    directory, _ = tiny_model
+    runs = replay_sim_and_cpu(directory, tmp_path, "host-tier",
+                              [(40, 30), (33, 12), (45, 50), (40, 8), (47, 25), (64, 3), (41, 9)],
+                              "--host-kv-gb", "0.001")
+    assert runs["cpu"]["host_hit_tokens"] > 0 and runs["cpu"]["host_copy_blocks"] > 0
+    assert runs["sim"]["num_host_blocks"] == runs["cpu"]["num_host_blocks"] > 0
+    sim_log = read_decisions(tmp_path / "sim")
+    assert sim_log and sim_log == read_decisions(tmp_path / "cpu")
+
+
+# ---------------------------------------------------------------- what it gives back (simulator)
+
+def _agent_run(compress: bool = True, host_kv_gb: float = 0.0) -> dict:
+    """Twelve coding-agent sessions at a tenth of the published size (329 calls, prompts of
+    ~5.6k tokens), Qwen3-8B on an H200 with 3 GB of KV: memory binds."""
+    trace = agent_sessions(0, sessions=12, scale=0.1, tool_time=0.1, think_time=0.5,
+                           session_rate=4)
+    config = ZipageConfig(block_size=64, kv_budget=512, compress=compress)
+    settings = ReplaySettings(model="qwen3-8b", hardware="h200", kv_memory_gb=3.0,
+                              host_kv_gb=host_kv_gb, config=config)
+    summary, _ = simulate(trace, settings)
+    assert summary["completed"] == len(trace.requests)
+    return summary
+
+
+@pytest.mark.parametrize("compress", [True, False], ids=["compress-all", "full-kv"])
+def test_the_tier_gives_back_the_prefix_hits_memory_took(compress):
+    """Where 3 GB of KV cannot keep the sessions' contexts, a 4 GB host tier serves most of
+    the next calls' prompts from host memory: far more prefix hits, far fewer prompt tokens
+    computed, a shorter run (its copies priced at the H200's host link)."""
+    alone = _agent_run(compress)
+    tiered = _agent_run(compress, host_kv_gb=4.0)
+    assert alone["host_hit_tokens"] == alone["host_copy_blocks"] == 0
+    assert tiered["host_hit_tokens"] > 0 and tiered["host_copy_blocks"] > 0
+    assert tiered["prefix_hit_tokens"] > 1.5 * alone["prefix_hit_tokens"]
+    assert tiered["prefill_tokens"] < 0.5 * alone["prefill_tokens"]
+    assert tiered["makespan_s"] < alone["makespan_s"]
