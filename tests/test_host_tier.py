@@ -184,3 +184,29 @@ def test_the_tier_gives_back_the_prefix_hits_memory_took(compress):
     assert tiered["prefix_hit_tokens"] > 1.5 * alone["prefix_hit_tokens"]
     assert tiered["prefill_tokens"] < 0.5 * alone["prefill_tokens"]
     assert tiered["makespan_s"] < alone["makespan_s"]
+
+
+# ---------------------------------------------------------------- served
+
+def test_a_served_repeat_finds_its_prefix_in_host_memory(tmp_path):
+    """`zipage serve --host-kv-gb` (CPU engine, random SmolLM2, Full KV on 8 blocks): a prompt,
+    another that takes the first one's blocks, then the first again. The repeat's usage counts
+    its cached prompt tokens, and /metrics' `host_cache_hits` the ones copied back from host."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("httpx")
+    from test_serve_metrics import _complete, _idle, _value
+    from test_serve_process import _server
+
+    generator = torch.Generator().manual_seed(3)
+    first, other = (torch.randint(100, 40000, (n,), generator=generator).tolist() for n in (70, 100))
+    with _server(tmp_path, "--no-compress", "--kv-memory-gb", "0.0055", "--host-kv-gb", "0.01",
+                 "--max-num-seqs", "1") as (_, url, _, _):
+        before = _idle(url)
+        _complete(url, first, 4)
+        _complete(url, other, 4)
+        repeat = _complete(url, first + [7, 8, 9], 4)
+        after = _idle(url)
+    host_hits = (_value(after, "zipage:host_cache_hits_total")
+                 - _value(before, "zipage:host_cache_hits_total"))
+    assert host_hits >= 48  # three of its four full blocks at least: the fourth may stay on the GPU
+    assert repeat["prompt_tokens_details"]["cached_tokens"] == 64

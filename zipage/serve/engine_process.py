@@ -155,6 +155,7 @@ class EngineCore:
         self.preemptions = 0
         self.prefix_queries = 0  # `EngineStats.prefix_query_tokens_total`
         self.prefix_hits = 0
+        self.host_hits = 0  # `EngineStats.host_hit_tokens_total`
         self.step_started = 0.0  # when the latest step began (the loop's clock)
         self.queued: dict[str, float] = {}  # `StepUpdate.queued` of the step being published
         # Requests whose grammar is compiling (`_compile_first`): leader id -> its command, and
@@ -335,7 +336,7 @@ class EngineCore:
         stats = EngineStats(len(scheduler.running), len(scheduler.waiting) + compiling,
                             scheduler.block_manager.num_used_blocks, self.compressions,
                             self.preemptions, self.prefix_queries, self.prefix_hits,
-                            twin_lag_seconds_total=getattr(self.loop, "lag_s", 0.0))  # the twin's
+                            self.host_hits, twin_lag_seconds_total=getattr(self.loop, "lag_s", 0.0))  # the twin's
         update = StepUpdate(seq_ids, tokens, finished, self.rejected, stats, logprobs,
                             prompt_logprobs, prefix_hits, queued=self.queued)
         self.rejected, self.changed, self.queued = {}, False, {}
@@ -359,6 +360,7 @@ class EngineCore:
                 hits[item.seq.seq_id] = item.num_cached_tokens
                 self.queued[item.seq.seq_id] = self.step_started - item.seq.arrival_s
         self.prefix_hits += plan.prefix_hit_tokens
+        self.host_hits += plan.host_hit_tokens
         self.prefix_queries += plan.prefix_hit_tokens + computed
         return hits
 

@@ -57,6 +57,7 @@ VLLM_NAMES = {
 ENGINE_TOTALS = {"compressions_total": "compressions", "preemptions_total": "preemptions",
                  "prefix_query_tokens_total": "prefix_queries",
                  "prefix_hit_tokens_total": "prefix_hits",
+                 "host_hit_tokens_total": "host_hits",
                  "twin_lag_seconds_total": "twin_lag"}
 disable_created_metrics()  # no `*_created` series: they double the page and nobody reads them
 
@@ -98,6 +99,9 @@ class ServerMetrics:
                                      "(recomputation included) or found in the prefix cache."),
             "prefix_hits": family(Counter, "prefix_cache_hits",
                                   "Prompt tokens found in the prefix cache (not computed)."),
+            "host_hits": family(Counter, "host_cache_hits",
+                                "Of the prefix cache's hits, prompt tokens copied back from the "
+                                "host tier's memory (--host-kv-gb)."),
             "generation_tokens": family(Counter, "generation_tokens", "Output tokens generated."),
             "aborted": family(Counter, "requests_aborted", "Requests whose client went away."),
             "routed": family(Counter, "requests_routed", "Requests the router sent here."),

@@ -106,6 +106,8 @@ class EngineStats:
     # an offline run's `prefill_tokens` + `prefix_hit_tokens` and its `prefix_hit_tokens`.
     prefix_query_tokens_total: int = 0
     prefix_hit_tokens_total: int = 0
+    # Of those, found in the host tier's memory and copied back (`--host-kv-gb`).
+    host_hit_tokens_total: int = 0
     # `--simulate`: seconds the twin's steps ended after their predicted end (the host fell
     # behind the cost model; sim/live.py); always 0 for the real engine.
     twin_lag_seconds_total: float = 0.0
