@@ -51,12 +51,18 @@ def _sequence(seq_id: str, tokens: list[int], block_size: int) -> Sequence:
     return seq
 
 
+def _computed_then_freed(manager: BlockManager, tokens: list[int]) -> Sequence:
+    """A prompt prefilled (its full blocks indexed) and finished: its blocks free, hashes kept."""
+    seq = _sequence("done", tokens, manager.block_size)
+    seq.block_table = manager.allocate_prefill([], len(tokens))
+    manager.register_prompt_blocks(seq, 0, len(tokens) // manager.block_size)
+    manager.release_table(seq.block_table)
+    return seq
+
+
 def test_a_reused_block_is_saved_and_its_prefix_comes_back_from_the_host():
     manager = BlockManager(num_blocks=5, block_size=16, prefix_cache=True, num_host_blocks=8)
-    first = _sequence("a", list(range(64)), 16)
-    first.block_table = manager.allocate_prefill([], 64)
-    manager.register_prompt_blocks(first, 0, 4)
-    manager.release_table(first.block_table)
+    first = _computed_then_freed(manager, list(range(64)))
     assert manager.take_copies() == ([], [])
     # Another prompt takes every block: the four indexed ones go to host slots.
     other = _sequence("b", list(range(100, 180)), 16)
@@ -83,18 +89,12 @@ def test_a_reused_block_is_saved_and_its_prefix_comes_back_from_the_host():
 
 def test_two_saves_into_one_slot_keep_the_later():
     manager = BlockManager(num_blocks=2, block_size=16, prefix_cache=True, num_host_blocks=1)
-    seq = _sequence("a", list(range(32)), 16)
-    seq.block_table = manager.allocate_prefill([], 32)
-    manager.register_prompt_blocks(seq, 0, 2)
-    manager.release_table(seq.block_table)
+    seq = _computed_then_freed(manager, list(range(32)))
     manager.allocate_many(2)  # both indexed blocks go: the second save reuses the one slot
     saves, _ = manager.take_copies()
     assert len(saves) == 1
-    assert manager.host.slot_of == {manager_hash(seq, saves[0][0], manager): 0}
-
-
-def manager_hash(seq: Sequence, block: int, manager: BlockManager) -> int:
-    return seq.prompt_block_hashes[seq.block_table.index(block)]
+    kept = seq.prompt_block_hashes[seq.block_table.index(saves[0][0])]
+    assert manager.host.slot_of == {kept: 0}
 
 
 @pytest.mark.parametrize("flags, expected", [
