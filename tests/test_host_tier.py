@@ -100,6 +100,7 @@ def test_two_saves_into_one_slot_keep_the_later():
 @pytest.mark.parametrize("flags, expected", [
     (["--host-kv-gb", "-1"], "host_kv_gb: got -1.0, expected a number of GiB >= 0"),
     (["--host-kv-gb", "8", "--no-prefix-cache"], "host_kv_gb: the host tier keeps the prefix cache"),
+    (["--host-kv-gb", "0.0001"], "host_kv_gb: 0.0001 GiB cannot hold one KV block"),
 ])
 def test_bad_host_tier_settings_are_one_line(flags, expected, tmp_path):
     result = subprocess.run([sys.executable, "-m", "zipage.cli", "replay", "traces/tiny.json",

@@ -133,7 +133,12 @@ def plan_capacity(settings: ReplaySettings, shape: ModelShape, gpu_memory_bytes:
     if not settings.config.prefix_cache:
         raise ConfigError("host_kv_gb: the host tier keeps the prefix cache's blocks, but "
                           "--no-prefix-cache turns that off; drop one of the two")
-    return replace(plan, num_host_blocks=int(settings.host_kv_gb * GIB) // plan.block_bytes)
+    host_blocks = int(settings.host_kv_gb * GIB) // plan.block_bytes
+    if host_blocks < 1:
+        raise ConfigError(f"host_kv_gb: {settings.host_kv_gb} GiB cannot hold one KV block of "
+                          f"{plan.block_bytes / GIB:.4f} GiB; give the host tier more "
+                          "(--host-kv-gb 8), or 0 for none")
+    return replace(plan, num_host_blocks=host_blocks)
 
 
 def check_kv_memory(settings: ReplaySettings, shape: ModelShape, gpu_memory_bytes: int,
