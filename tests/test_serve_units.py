@@ -554,7 +554,8 @@ def _plan(step_id: int, hits: int, *items):
                                                    arrival_s=1.0),
                                num_cached_tokens=cached, num_new_tokens=computed)
                for seq_id, admitted, cached, computed in items]
-    return SimpleNamespace(step_id=step_id, prefix_hit_tokens=hits, prefill=prefill)
+    return SimpleNamespace(step_id=step_id, prefix_hit_tokens=hits, host_hit_tokens=0,
+                           prefill=prefill)
 
 
 def test_cached_tokens_reach_the_first_token_of_a_chunked_prompt_and_the_counters():
@@ -573,7 +574,7 @@ def test_cached_tokens_reach_the_first_token_of_a_chunked_prompt_and_the_counter
     from zipage.serve.wire import EngineStats, Ready, StepUpdate
 
     core = EngineCore.__new__(EngineCore)
-    core.prefix_queries = core.prefix_hits = 0
+    core.prefix_queries = core.prefix_hits = core.host_hits = 0
     core.step_started, core.queued = 1.25, {}  # the stand-in requests arrived at 1.0
     info = Ready("cpu", ZipageConfig(block_size=16, kv_budget=64, window=4),
                  MemoryPlan(1024, 64, 1, 1, 1024), 256, frozenset(), 1)
