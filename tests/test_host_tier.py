@@ -87,6 +87,22 @@ def test_a_reused_block_is_saved_and_its_prefix_comes_back_from_the_host():
     assert len(saved_slot) == len(saves)  # one save a slot
 
 
+def test_prompt_blocks_a_compression_rewrites_are_saved_first():
+    """Memory binds (no reserve): a compression overwrites the request's own indexed prompt
+    blocks in place (rule 5); each goes to the host tier before it leaves the index."""
+    manager = BlockManager(num_blocks=8, block_size=16, prefix_cache=True, num_host_blocks=8)
+    seq = _sequence("a", list(range(64)), 16)
+    seq.block_table = manager.allocate_prefill([], 64)
+    manager.register_prompt_blocks(seq, 0, 4)
+    assert manager.take_copies() == ([], [])
+    targets = manager.plan_compression(seq.block_table, n_max=3)
+    rewritten = targets.target_blocks + [targets.new_block]
+    saves, loads = manager.take_copies()
+    assert sorted(block for block, _ in saves) == sorted(rewritten) and not loads
+    assert {seq.prompt_block_hashes[seq.block_table.index(block)] for block in rewritten} \
+        == set(manager.host.slot_of)
+
+
 def test_two_saves_into_one_slot_keep_the_later():
     manager = BlockManager(num_blocks=2, block_size=16, prefix_cache=True, num_host_blocks=1)
     seq = _computed_then_freed(manager, list(range(32)))
