@@ -14,6 +14,8 @@ A variant may cap the query slots (`output-q8`: `--compress-scope output --query
 add a host tier (`all-h8`: `--host-kv-gb 8`; `full-kv-h8`, `output-q16-h8`).
 `--after-scale X` divides every follow-up's `after_s` (think and tool time) by X: a recorded
 hour of conversations in minutes, the load shape kept (docs/BENCHMARKS.md, 'Sessions').
+`--repeat N` replays each trace N times per variant on the same engine (runs `NAME`, `NAME.r2`, ...):
+the engine's own run-to-run spread, which `zipage compare RUN RUN.r2` measures as it measures the twin.
 """
 
 from __future__ import annotations
@@ -56,12 +58,14 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--runs-dir", default=None)
     parser.add_argument("--tag", default="")
+    parser.add_argument("--repeat", type=int, default=1, help="replays of each trace per variant")
     args = parser.parse_args()
     out = Path(os.environ.get("OUT") or Path(__file__).resolve().parents[1] / "runs" / "sessions")
     out.mkdir(parents=True, exist_ok=True)
     traces = {Path(path).name.split(".")[0]: _scaled(load_trace(path), args.after_scale)
               for path in args.traces.split(",")}
     variants = args.variants.split(",")
+    runs = [name + (f".r{rep + 1}" if rep else "") for name in variants for rep in range(args.repeat)]
     report: dict = {"args": vars(args)}
     # One engine per capacity: Full KV has no query slots; the scopes with the same query slots
     # and host tier share one engine (the scope is a scheduler knob).
@@ -73,8 +77,8 @@ def main() -> None:
     for group in groups.values():
         engine = None
         for trace_name, trace in traces.items():
-            for name in group:
-                settings = _settings(args, name)
+            for name in (run for run in runs if run.split(".r")[0] in group):
+                settings = _settings(args, name.split(".r")[0])
                 if engine is None:
                     started = time.perf_counter()
                     engine = build_engine(settings, args.device)
@@ -97,7 +101,7 @@ def main() -> None:
           f"{'host hit':>9} {'prefill':>10} {'TTFT p50/p90 s':>15} {'TPOT p50':>9} {'preempt':>8} "
           f"{'compr':>6}")
     for trace_name in traces:
-        for name in variants:
+        for name in runs:
             row = report[trace_name][name]
             print(f"{trace_name:<10} {name:<13} {row['tps']:>8.1f} {row['makespan_s']:>9.1f} "
                   f"{row['prefix_hit_tokens']:>10,} {row['host_hit_tokens']:>9,} "
