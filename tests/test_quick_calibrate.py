@@ -457,9 +457,12 @@ def test_fidelity_prints_both_profiles(measured, tmp_path, capsys):
     trace.write_text(json.dumps({"version": 1, "name": "given", "requests": [
         {"id": f"g{index}", "arrival_s": 0.0, "prompt_len": 30 + index,
          "output_len": 24} for index in range(6)]}))
+    # Bounds wide enough for any load: this test is about the report (the bounds have their
+    # own tests), and a CPU whose load changes between the fixture's runs and these anchors
+    # moved the scale 2.6x.
     status = main(["fidelity", "--engine", "cpu", "--model", str(measured.model_dir), *KNOBS,
                    "--cost-model", str(measured.paths["perturbed"]), "--quick-correct",
-                   *CPU_LIMITS,
+                   "--max-residual", "50", "--max-scale", "50",
                    "--traces", "0", "--trace", str(trace), "--no-progress",
                    "--out", str(tmp_path / "fidelity")])
     captured = capsys.readouterr()
@@ -470,12 +473,17 @@ def test_fidelity_prints_both_profiles(measured, tmp_path, capsys):
     assert report["correction"]["refusal"] is None, report["correction"]
     assert set(rows) == {"profile", "corrected", "analytic"}, rows
     # Both simulate the one engine run, whatever the CPU's load did to it; every request arrives
-    # at once, so both schedule the same steps, each priced times the correction's one scale.
+    # at once, so both schedule the same steps, each priced times the correction's one scale
+    # (or, where noisy anchors asked for a scale per group, times a mix of its scales).
     ratio = (1 + rows["corrected"]["makespan"]) / (1 + rows["profile"]["makespan"])
-    # A failure names the correction's model, scales and any anchor left out: what tells a
-    # schedule that diverged from a correction that was not one scale.
-    assert ratio == pytest.approx(report["correction"]["scales"]["host"], rel=1e-3), (
-        rows, {key: report["correction"].get(key) for key in ("model", "scales", "left_out")})
+    correction = report["correction"]
+    scales = correction["scales"]
+    # A failure names the correction's model, scales and any anchor left out.
+    explain = rows, {key: correction.get(key) for key in ("model", "scales", "left_out")}
+    if correction["model"] == "uniform":
+        assert ratio == pytest.approx(scales["host"], rel=1e-3), explain
+    else:
+        assert min(scales.values()) * (1 - 1e-3) <= ratio <= max(scales.values()) * (1 + 1e-3), explain
     assert np.isfinite(rows["corrected"]["e2e_mape"])
 
 
