@@ -299,10 +299,37 @@ def exceeded(errors: dict, limits: dict[str, float]) -> list[str]:
     for name, limit in limits.items():
         value = errors.get(name)
         if value is None:
-            lines.append(f"{name}: not measurable in these runs (limit {100 * limit:g}%)")
+            lines.append(f"{name}: not measurable in these runs (limit {100 * limit:.4g}%)")
         elif abs(value) > limit:
-            lines.append(f"{name}: error {100 * value:+.2f}% exceeds {100 * limit:g}%")
+            lines.append(f"{name}: error {100 * value:+.2f}% exceeds {100 * limit:.4g}%")
     return lines
+
+
+def widened(limits: dict[str, float], spread: dict) -> dict[str, float]:
+    """Each gate's limit, or the reference run's own difference from a second run of it
+    (`spread`: errors of that run against the reference) where that is larger: no model of a
+    run can be asked to be nearer than the run is to itself."""
+    return {name: max(limit, abs(spread[name])) if spread.get(name) is not None else limit
+            for name, limit in limits.items()}
+
+
+def format_spread(errors: dict, spread: dict, a: str, b: str, c: str) -> str:
+    """A's run-level errors against B beside C's (a second run of B's kind on the same trace):
+    where A is within that spread, B's own run-to-run difference, not A, sets the error."""
+    lines = [f"(g) {a} against {b}, beside {b}'s own spread ({c} against {b}):",
+             f"    {'metric':<10} {a:>12} {'spread':>12}  within"]
+    within = 0
+    names = [name for name in GATED_METRICS if name != "decisions"
+             and errors.get(name) is not None and spread.get(name) is not None]
+    for name in names:
+        show = (_distance if name in KS_METRICS
+                else _percent if name == "e2e_mape" else lambda value: _percent(value, signed=True))
+        inside = abs(errors[name]) <= abs(spread[name])
+        within += inside
+        lines.append(f"    {name:<10} {show(errors[name]):>12} {show(spread[name]):>12}  "
+                     + ("yes" if inside else "no"))
+    lines.append(f"  {within} of {len(names)} within the spread")
+    return "\n".join(lines) + "\n"
 
 
 def compare_summaries(sim_summary: dict, real_summary: dict, both_only: bool = False) -> dict:

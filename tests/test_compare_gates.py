@@ -100,3 +100,31 @@ def test_cli_gates_exit_status(tmp_path, capsys):
     assert main(["compare", sim, real]) == 0  # no gate: a report only
     assert main(["compare", sim, real, "--max-error", "latency=5"]) == 2
     assert "--max-error: unknown metric 'latency'" in capsys.readouterr().err
+
+
+def test_a_second_run_of_the_reference_widens_the_gates(tmp_path, capsys):
+    from zipage.analysis.compare import format_spread, widened
+    from zipage.cli.parser import main
+
+    comparison = runs(tmp_path, sim_finish=[8.0, 13.1, 4.0],
+                      sim_summary={"tps": 90.0, "makespan_s": 12.1})
+    # The reference run again: 15 % longer, as fast in tokens per second.
+    again = write_run_dir(tmp_path / "again", make_steps(REAL_KINDS, REAL_DURATIONS),
+                          real_requests(), {**REAL_SUMMARY, "makespan_s": 12.65}, REAL_DECISIONS)
+    spread = compare_runs(again, tmp_path / "real")["errors"]
+    assert spread["makespan"] == pytest.approx(0.15)
+    limits = widened(parse_max_errors(["makespan=5", "tps=5"]), spread)
+    assert limits == {"makespan": pytest.approx(0.15), "tps": pytest.approx(0.05)}
+    # The simulator's makespan (+10 %) is within the run's own spread, its tps (-10 %) is not.
+    assert [line.split(":")[0] for line in exceeded(comparison["errors"], limits)] == ["tps"]
+    text = format_spread(comparison["errors"], spread, "sim", "real", "again")
+    rows = {line.split()[0]: line.split()[1:] for line in text.splitlines()[2:-1]}
+    assert rows["makespan"] == ["+10.00%", "+15.00%", "yes"]
+    assert rows["tps"] == ["-10.00%", "+0.00%", "no"]
+    inside = sum(row[-1] == "yes" for row in rows.values())
+    assert text.splitlines()[-1] == f"  {inside} of {len(rows)} within the spread"
+
+    status = main(["compare", str(tmp_path / "sim"), str(tmp_path / "real"), "--spread",
+                   str(again), "--max-error", "makespan=5"])
+    out = capsys.readouterr().out
+    assert status == 0 and "beside" in out and "all 1 gates passed: makespan <= 15%" in out

@@ -74,6 +74,8 @@ NOT_RUN = {
                                       "README's traces/tiny.json run against the same server "
                                       "runs",
     "zipage compare runs/served runs/offline": "compares with the GPU run above it",
+    "bench/sessions_gpu.py": GPU,
+    "zipage compare runs/sim runs/gpu/agent": "compares with the GPU runs above it",
 }
 
 # An engine run on two H200s (Qwen3-32B, tensor parallel), kept with its steps.csv as a test

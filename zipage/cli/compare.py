@@ -21,7 +21,9 @@ def add_parser(commands) -> None:
                "  zipage compare runs/sim runs/cpu   # (the model and device differ: expect "
                "setup differences)\n"
                "  zipage compare runs/sim runs/gpu --max-error tps=3 --max-error ttft_p90=10"
-               "   # a regression gate",
+               "   # a regression gate\n"
+               "  zipage compare runs/sim runs/gpu --spread runs/gpu2   # beside the engine's own "
+               "run-to-run spread",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     compare.add_argument("run_a", metavar="RUN_A",
                          help="a run directory (zipage replay --out), typically the simulator's")
@@ -34,19 +36,32 @@ def add_parser(commands) -> None:
              "ks_ttft/ks_tpot (KS distance of the two distributions, in points: 10 = the CDFs "
              "never differ by more than 0.10), e2e_mape (per-request end-to-end latency), "
              "decisions (share of decision lines that differ)")
+    compare.add_argument(
+        "--spread", metavar="RUN_C", default=None,
+        help="a second run of RUN_B's kind on the same trace (the engine again): print RUN_A's "
+             "run-level errors beside RUN_C's against RUN_B, and widen each --max-error gate to "
+             "RUN_C's difference where that is larger (a model cannot be nearer a run than the "
+             "run is to itself)")
     compare.set_defaults(handler=cmd_compare)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from zipage.analysis.compare import compare_runs, exceeded, format_report, parse_max_errors
+    from pathlib import Path
+
+    from zipage.analysis.compare import compare_runs, exceeded, format_report, format_spread, parse_max_errors, widened
 
     limits = parse_max_errors(args.max_error)  # a bad gate fails before the runs are read
     comparison = compare_runs(args.run_a, args.run_b)
     print(format_report(comparison))
+    if args.spread is not None:
+        spread = compare_runs(args.spread, args.run_b)["errors"]
+        a, b = comparison["labels"].values()
+        print(format_spread(comparison["errors"], spread, a, b, Path(args.spread).name))
+        limits = widened(limits, spread)
     failed = exceeded(comparison["errors"], limits)
     for line in failed:
         print(f"zipage compare: gate failed: {line}", file=sys.stderr)
     if limits and not failed:
         print(f"all {len(limits)} gates passed: "
-              + ", ".join(f"{name} <= {100 * limit:g}%" for name, limit in limits.items()))
+              + ", ".join(f"{name} <= {100 * limit:.4g}%" for name, limit in limits.items()))
     return EXIT_GATE if failed else EXIT_OK
