@@ -128,3 +128,8 @@ def test_a_second_run_of_the_reference_widens_the_gates(tmp_path, capsys):
                    str(again), "--max-error", "makespan=5"])
     out = capsys.readouterr().out
     assert status == 0 and "beside" in out and "all 1 gates passed: makespan <= 15%" in out
+    # A --spread that is no run fails alone, in one line naming the flag.
+    status = main(["compare", str(tmp_path / "sim"), str(tmp_path / "real"), "--spread",
+                   str(tmp_path / "nowhere")])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(error) == 1 and "--spread" in error[0], error

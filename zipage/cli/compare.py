@@ -49,12 +49,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from zipage.analysis.compare import compare_runs, exceeded, format_report, format_spread, parse_max_errors, widened
+    from zipage.errors import ZipageError
 
     limits = parse_max_errors(args.max_error)  # a bad gate fails before the runs are read
     comparison = compare_runs(args.run_a, args.run_b)
     print(format_report(comparison))
     if args.spread is not None:
-        spread = compare_runs(args.spread, args.run_b)["errors"]
+        try:
+            spread = compare_runs(args.spread, args.run_b)["errors"]
+        except ZipageError as error:
+            raise ZipageError(f"--spread {error}") from None
         a, b = comparison["labels"].values()
         print(format_spread(comparison["errors"], spread, a, b, Path(args.spread).name))
         limits = widened(limits, spread)
