@@ -51,11 +51,17 @@ def _sequence(seq_id: str, tokens: list[int], block_size: int) -> Sequence:
     return seq
 
 
-def _computed_then_freed(manager: BlockManager, tokens: list[int]) -> Sequence:
-    """A prompt prefilled (its full blocks indexed) and finished: its blocks free, hashes kept."""
+def _computed(manager: BlockManager, tokens: list[int]) -> Sequence:
+    """A prompt prefilled: its full blocks allocated and indexed."""
     seq = _sequence("done", tokens, manager.block_size)
     seq.block_table = manager.allocate_prefill([], len(tokens))
     manager.register_prompt_blocks(seq, 0, len(tokens) // manager.block_size)
+    return seq
+
+
+def _computed_then_freed(manager: BlockManager, tokens: list[int]) -> Sequence:
+    """A prompt prefilled and finished: its blocks free, their hashes kept."""
+    seq = _computed(manager, tokens)
     manager.release_table(seq.block_table)
     return seq
 
@@ -91,9 +97,7 @@ def test_prompt_blocks_a_compression_rewrites_are_saved_first():
     """Memory binds (no reserve): a compression overwrites the request's own indexed prompt
     blocks in place (rule 5); each goes to the host tier before it leaves the index."""
     manager = BlockManager(num_blocks=8, block_size=16, prefix_cache=True, num_host_blocks=8)
-    seq = _sequence("a", list(range(64)), 16)
-    seq.block_table = manager.allocate_prefill([], 64)
-    manager.register_prompt_blocks(seq, 0, 4)
+    seq = _computed(manager, list(range(64)))
     assert manager.take_copies() == ([], [])
     targets = manager.plan_compression(seq.block_table, n_max=3)
     rewritten = targets.target_blocks + [targets.new_block]
