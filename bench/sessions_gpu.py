@@ -65,7 +65,9 @@ def main() -> None:
     traces = {Path(path).name.split(".")[0]: _scaled(load_trace(path), args.after_scale)
               for path in args.traces.split(",")}
     variants = args.variants.split(",")
-    runs = [name + (f".r{rep + 1}" if rep else "") for name in variants for rep in range(args.repeat)]
+    # (run name, its variant): a repeat's run is NAME.r2, NAME.r3, ...
+    runs = [(name + (f".r{rep + 1}" if rep else ""), name)
+            for name in variants for rep in range(args.repeat)]
     report: dict = {"args": vars(args)}
     # One engine per capacity: Full KV has no query slots; the scopes with the same query slots
     # and host tier share one engine (the scope is a scheduler knob).
@@ -77,8 +79,10 @@ def main() -> None:
     for group in groups.values():
         engine = None
         for trace_name, trace in traces.items():
-            for name in (run for run in runs if run.split(".r")[0] in group):
-                settings = _settings(args, name.split(".r")[0])
+            for name, variant in runs:
+                if variant not in group:
+                    continue
+                settings = _settings(args, variant)
                 if engine is None:
                     started = time.perf_counter()
                     engine = build_engine(settings, args.device)
@@ -101,7 +105,7 @@ def main() -> None:
           f"{'host hit':>9} {'prefill':>10} {'TTFT p50/p90 s':>15} {'TPOT p50':>9} {'preempt':>8} "
           f"{'compr':>6}")
     for trace_name in traces:
-        for name in runs:
+        for name, _ in runs:
             row = report[trace_name][name]
             print(f"{trace_name:<10} {name:<13} {row['tps']:>8.1f} {row['makespan_s']:>9.1f} "
                   f"{row['prefix_hit_tokens']:>10,} {row['host_hit_tokens']:>9,} "
