@@ -53,12 +53,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     limits = parse_max_errors(args.max_error)  # a bad gate fails before the runs are read
     comparison = compare_runs(args.run_a, args.run_b)
-    print(format_report(comparison))
-    if args.spread is not None:
+    spread = None
+    if args.spread is not None:  # read before anything is printed: a bad one fails alone
         try:
             spread = compare_runs(args.spread, args.run_b)["errors"]
         except ZipageError as error:
             raise ZipageError(f"--spread {error}") from None
+    print(format_report(comparison))
+    if spread is not None:
         a, b = comparison["labels"].values()
         print(format_spread(comparison["errors"], spread, a, b, Path(args.spread).name))
         limits = widened(limits, spread)
