@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from zipage import request_fields
 from zipage.errors import FieldError
@@ -244,17 +245,18 @@ class SamplingParams:
         seed = None if self.seed is None else _mix_seed(self.seed, index)
         return replace(self, n=1, seed=seed, prompt_logprobs=None)
 
-    @property
+    # Cached (the instance is frozen): the sampler asks these of every row, every step.
+    @cached_property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
-    @property
+    @cached_property
     def penalized(self) -> bool:
         """A penalty needs the request's token counts (the sampler's `history`)."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
 
-    @property
+    @cached_property
     def adjusts_logits(self) -> bool:
         """The logits change before the argmax or the draw (a penalty or a bias)."""
         return self.penalized or bool(self.logit_bias)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class WindowLayout:
@@ -38,3 +40,11 @@ class WindowLayout:
     def row(self, query_slot: int, entry):
         """Row of the flattened [slots * w] query cache that holds the query of `entry`."""
         return query_slot * self.window + self.index(entry)
+
+    def decode_rows(self, query_slots, entries):
+        """For a decode step (each request computes the one entry `entries[i]`, numpy int arrays;
+        slot -1 for a request without one): the query-cache row each request stores its query
+        at, or -1 where `query_range(slot, entry, entry + 1)` is empty (its entry is not in the
+        final `w` of its block)."""
+        index = self.index(entries)
+        return np.where((query_slots >= 0) & (index >= 0), query_slots * self.window + index, -1)

@@ -346,23 +346,22 @@ class ModelRunner:
         index) and an int32 [rows, width] block table. Padded rows attend to one entry of block 0
         and store nothing, so they cannot disturb real requests.
         """
-        b = self.block_size
-        columns = [[], [], [], [], []]
+        b, count = self.block_size, len(sequences)
         tables = np.empty((rows, width), dtype=np.int32)
         self.host_tables.fill(sequences, tables)
-        for seq in sequences:
-            kv_len = seq.kv_len
-            table = seq.block_table
-            columns[0].append(tokens[seq.seq_id][-1])
-            columns[1].append(seq.position)
-            columns[2].append(table[kv_len // b] * b + kv_len % b)
-            columns[3].append(kv_len + 1)
-            first, last = self.windows.query_range(seq.query_slot, kv_len, kv_len + 1)
-            columns[4].append(self.windows.row(seq.query_slot, kv_len) if last > first else -1)
-        padding = rows - len(sequences)
-        for column, pad in zip(columns, (0, 0, -1, 1, -1)):
-            column.extend([pad] * padding)
-        return torch.tensor(columns, dtype=torch.int64), torch.from_numpy(tables)
+        # Each column whole from one list of the requests' values, the rest by array arithmetic:
+        # per-request Python was most of a decode step's host time at batch 256.
+        columns = np.empty((5, rows), dtype=np.int64)
+        columns[:, count:] = np.array([[0], [0], [-1], [1], [-1]])
+        columns[0, :count] = [tokens[seq.seq_id][-1] for seq in sequences]
+        columns[1, :count] = [seq.position for seq in sequences]
+        kv_len = np.array([seq.kv_len for seq in sequences], dtype=np.int64)
+        columns[2, :count] = tables[np.arange(count), kv_len // b].astype(np.int64) * b + kv_len % b
+        columns[3, :count] = kv_len + 1
+        slots = np.array([-1 if seq.query_slot is None else seq.query_slot for seq in sequences],
+                         dtype=np.int64)
+        columns[4, :count] = self.windows.decode_rows(slots, kv_len)
+        return torch.from_numpy(columns), torch.from_numpy(tables)
 
     def _decode(self, sequences: list[Sequence], tokens: dict[str, list[int]]) -> torch.Tensor:
         batch = len(sequences)
