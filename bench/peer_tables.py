@@ -12,7 +12,8 @@ labelled as such, and our run-to-run spread is the `--repeat` min-max.
 Each run is also taken apart from its own step records: the share of the run in steps that
 prefill, in decode-only steps, and between steps (host gaps); and the decode-only steps' time
 against their bandwidth roofline, (weight bytes + KV bytes read) / measured copy bandwidth, at
-the batch they ran.
+the batch they ran; and compression's cost a step, where it is pure overhead: the mean large
+decode step beyond the median of those that neither launch a compression batch nor report one.
 
     python bench/peer_tables.py bench/peer/rkv_vllm_stress_h100.json [--rows 0,3] [--variants full-kv]
 
@@ -70,12 +71,18 @@ def breakdown(run, model: str, bandwidth: float) -> dict:
     gaps = sum(max(0.0, later.t_start - earlier.t_end) for earlier, later in zip(steps, steps[1:]))
     weights = weight_bytes(get_preset(model), 2)
     per_token = kv_token_bytes(model)
-    shares, large = [], []
+    shares, large, clean = [], [], []
     for step in decode_steps:
         roofline = (weights + step.decode_context_tokens * per_token) / bandwidth
         shares.append(roofline / (step.t_end - step.t_start))
         if step.n_decode >= 128:
             large.append((step.t_end - step.t_start, roofline, step.n_decode))
+            if step.n_compress == 0 and step.batches_done == 0:
+                clean.append(step.t_end - step.t_start)
+    # Compression's cost where it is pure overhead: what the large decode steps took beyond the
+    # median of those that neither launch a compression batch nor report one done, per step.
+    extra = (sum(t for t, _, _ in large) / len(large) - statistics.median(clean)
+             if large and clean and len(clean) < len(large) else None)
     return {
         "span_s": span, "prefill_steps_s": prefill, "decode_steps_s": decode, "gaps_s": gaps,
         "other_steps_s": span - prefill - decode - gaps,
@@ -84,7 +91,15 @@ def breakdown(run, model: str, bandwidth: float) -> dict:
         "decode_step_ms_batch_ge_128": 1000 * statistics.median([t for t, _, _ in large]) if large else None,
         "decode_roofline_ms_batch_ge_128": 1000 * statistics.median([r for _, r, _ in large]) if large else None,
         "decode_batch_median": statistics.median([step.n_decode for step in decode_steps]) if decode_steps else None,
+        "compression_ms_per_step": None if extra is None else 1000 * extra,
+        "compression_share": None if extra is None else extra / (sum(t for t, _, _ in large) / len(large)),
     }
+
+
+def compression_text(cell: dict) -> str:
+    if cell.get("compression_ms_per_step") is None:
+        return "-"
+    return f"{cell['compression_ms_per_step']:.2f} ms ({cell['compression_share']:.1%})"
 
 
 def main() -> None:
@@ -167,8 +182,8 @@ def main() -> None:
     print(f"\n{table['name']}: ours ({device}, random {model} bf16) beside the published figures "
           f"({table['published_device']}, {table['published_model']}; {table['source']})")
     print("| row | variant | published | ours tok/s (min-max) | ours / published | peak running | preempt "
-          "| prefill / decode / gaps s | decode ms at batch>=128 (roofline) | share |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| prefill / decode / gaps s | decode ms at batch>=128 (roofline) | share | compression a step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for cell in results["cells"]:
         label = (f"pool {cell['pool_tokens'] // 1000}K" if cell["pool_tokens"]
                  else f"{cell['prompt_len']}/{cell['output_len']} x {cell['requests']}")
@@ -181,7 +196,8 @@ def main() -> None:
         print(f"| {label} | {cell['variant']} | {published or '-'} {cell['against']} | {cell['tps']:,.0f} "
               f"({cell['tps_min']:,.0f}-{cell['tps_max']:,.0f}) | {ratio} | {cell['peak_running']} "
               f"| {cell['preemptions']} | {cell.get('prefill_steps_s', 0):.1f} / {cell.get('decode_steps_s', 0):.1f} / "
-              f"{cell.get('gaps_s', 0):.1f} | {decode_col} | {'-' if share is None else f'{share:.0%}'} |")
+              f"{cell.get('gaps_s', 0):.1f} | {decode_col} | {'-' if share is None else f'{share:.0%}'} "
+              f"| {compression_text(cell)} |")
 
 
 if __name__ == "__main__":
