@@ -25,6 +25,7 @@ from zipage.core.deployment import ReplaySettings, effective_config, plan_capaci
 from zipage.core.sampling import SamplingParams
 from zipage.core.scheduler import Scheduler
 from zipage.decode_grid import GRAPH_BATCH_SIZES
+from zipage.engine.host_tables import HostTables
 from zipage.engine.loop import EngineLoop
 from zipage.engine.runner import ModelRunner
 from zipage.presets import get_preset
@@ -50,6 +51,29 @@ class StubModel(torch.nn.Module):
 
     def attention_layers(self) -> list:
         return []
+
+
+# The parts of a step timed by --sections, nested as listed: the whole step, the runner's part
+# of it, a decode step's input tensors, and the block tables within those.
+SECTIONS = (("step", EngineLoop, "step"), ("runner", ModelRunner, "_execute"),
+            ("decode inputs", ModelRunner, "_decode_inputs"), ("block tables", HostTables, "fill"))
+
+
+def time_sections() -> dict[str, float]:
+    """Wrap each function of SECTIONS to add its wall time to the returned dict (seconds)."""
+    spent = dict.fromkeys([name for name, _, _ in SECTIONS], 0.0)
+    for name, owner, attribute in SECTIONS:
+        function = getattr(owner, attribute)
+
+        def timed(*args, _function=function, _name=name, **kwargs):
+            started = time.perf_counter()
+            try:
+                return _function(*args, **kwargs)
+            finally:
+                spent[_name] += time.perf_counter() - started
+
+        setattr(owner, attribute, timed)
+    return spent
 
 
 class FakeGraph:
@@ -81,6 +105,9 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--full-kv", action="store_true", help="compression off")
     parser.add_argument("--profile", type=int, default=15, help="functions to list (0: no profiler, plain timing)")
+    parser.add_argument("--sections", action="store_true",
+                        help="with --profile 0: also the ms a step of each part (step, runner, decode inputs, "
+                             "block tables), timed without a profiler")
     args = parser.parse_args()
     shape = get_preset(args.model)
     config = ZipageConfig(block_size=args.block_size, kv_budget=args.budget,
@@ -98,6 +125,7 @@ def main() -> None:
     for seq in sequences:
         seq.sampling = greedy
     loop = EngineLoop(scheduler, runner)
+    spent = time_sections() if args.sections and not args.profile else None
     profiler = cProfile.Profile() if args.profile else None
     started = time.perf_counter()
     if profiler:
@@ -111,6 +139,8 @@ def main() -> None:
     print(f"{'compression' if config.compress else 'full KV'}: {steps} steps, mean batch "
           f"{run.summary['mean_running']:.1f}, {wall:.2f} s host{' (profiled)' if profiler else ''} = "
           f"{1000 * wall / steps:.2f} ms per step")
+    if spent is not None:
+        print("ms a step: " + ", ".join(f"{name} {1000 * seconds / steps:.3f}" for name, seconds in spent.items()))
 
 
 if __name__ == "__main__":
