@@ -46,5 +46,5 @@ class WindowLayout:
         slot -1 for a request without one): the query-cache row each request stores its query
         at, or -1 where `query_range(slot, entry, entry + 1)` is empty (its entry is not in the
         final `w` of its block)."""
-        index = self.index(entries)
-        return np.where((query_slots >= 0) & (index >= 0), query_slots * self.window + index, -1)
+        return np.where((query_slots >= 0) & (self.index(entries) >= 0),
+                        self.row(query_slots, entries), -1)
