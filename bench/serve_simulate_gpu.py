@@ -11,7 +11,10 @@ runs up to three parts, each `zipage` commands in subprocesses with the same kno
   sim     zipage replay TRACE --model MODEL --hardware H --cost-model PROFILE ...   (offline)
 
 and prints TTFT p50/p90, TPOT p50, end-to-end p50/p90 and the makespan side by side, with
-twin / engine ratios (the twin's question: does the live twin serve what the GPU serves?). Each
+twin / engine ratios (the twin's question: does the live twin serve what the GPU serves?).
+`--repeat N` serves the trace N times on the engine (runs `engine`, `engine.r2`, ...): the ratios
+are then against the engine runs' median, beside the engine's own spread (max - min over the
+median), which no twin can be asked to beat. Each
 part writes its run directory under $OUT (or --out) and the table is rebuilt from whatever parts
 exist, so parts can run in separate calls. The defaults are the shipped profile's settings
 (`sim/profiles/qwen3-8b-h200-b64-k512-zipage.json`: Qwen3-8B on an H200, blocks of 64, budget 512)
@@ -44,7 +47,7 @@ from serve_gpu import _free_port, _install_wheels, _wait_healthy, _zipage  # noq
 
 PROFILE = "qwen3-8b-h200-b64-k512-zipage"
 PARTS = ("engine", "twin", "sim")
-ROWS = [("completed", "completed", "{}"), ("TTFT p50 s", "ttft_p50_s", "{:.3f}"),
+ROWS = [("completed", "completed", "{:g}"), ("TTFT p50 s", "ttft_p50_s", "{:.3f}"),
         ("TTFT p90 s", "ttft_p90_s", "{:.3f}"), ("TPOT p50 ms", "tpot_p50_ms", "{:.2f}"),
         ("e2e p50 s", "e2e_p50_s", "{:.2f}"), ("e2e p90 s", "e2e_p90_s", "{:.2f}"),
         ("makespan s", "makespan_s", "{:.1f}"), ("output tok/s", "tps", "{:,.1f}")]
@@ -65,11 +68,15 @@ def main() -> None:
     parser.add_argument("--max-output", type=int, default=None, help="default 2048 (dry run 256)")
     parser.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals, requests/s")
     parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="serve the trace this many times on the engine (its run-to-run spread)")
     parser.add_argument("--dry-run", action="store_true",
                         help="no GPU: the engine part is a --simulate server too (analytic)")
     parser.add_argument("--wheels", default=None, help="directory of the serve extra's wheels")
     parser.add_argument("--out", default=os.environ.get("OUT", "runs/serve_simulate_gpu"))
     args = parser.parse_args()
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat: got {args.repeat}, expected at least 1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.wheels:
@@ -83,8 +90,11 @@ def main() -> None:
               if args.dry_run else ["--engine", "gpu"])
     for part in args.parts.split(","):
         started = time.perf_counter()
-        if part in ("engine", "twin"):
-            _served(engine if part == "engine" else twin, args.model, knobs, trace, out / part)
+        if part == "engine":
+            for name in engine_runs(args.repeat):
+                _served(engine, args.model, knobs, trace, out / name)
+        elif part == "twin":
+            _served(twin, args.model, knobs, trace, out / part)
         elif part == "sim":
             _zipage("replay", str(trace), "--model", args.model, "--hardware", args.hardware,
                     "--cost-model", args.cost_model, *knobs, "--json", "--no-progress",
@@ -93,6 +103,12 @@ def main() -> None:
             raise SystemExit(f"--parts: unknown part {part!r}; use {', '.join(PARTS)}")
         print(f"{part}: done in {time.perf_counter() - started:.0f} s", flush=True)
     _table(out)
+
+
+def engine_runs(repeat: int) -> list[str]:
+    """The engine part's run directories: `engine`, then `engine.r2` ... (as sessions_gpu names
+    its repeats)."""
+    return ["engine"] + [f"engine.r{index}" for index in range(2, repeat + 1)]
 
 
 def _make_trace(args, path: Path) -> None:
@@ -168,7 +184,17 @@ def _table(out: Path) -> None:
     if not runs:
         return
     report = {part: {key: summary.get(key) for _, key, _ in ROWS} for part, summary in runs.items()}
-    if "engine" in runs and "twin" in runs:
+    repeats = [_summary(directory) for directory in sorted(out.glob("engine.r*"))
+               if (directory / "summary.json").is_file()]
+    if "engine" in runs and repeats:
+        engine_all = [runs["engine"], *repeats]
+        report["engine_runs"] = [{key: summary.get(key) for _, key, _ in ROWS} for summary in engine_all]
+        # The engine column becomes the runs' median, and its spread goes beside the ratios.
+        report["engine"] = {key: _median([summary.get(key) for summary in engine_all])
+                            for _, key, _ in ROWS}
+        report["engine_spread"] = {key: _spread([summary.get(key) for summary in engine_all])
+                                   for key in RATIO_KEYS}
+    if "engine" in report and "twin" in report:
         report["twin_over_engine"] = {
             key: report["twin"][key] / report["engine"][key]
             for key in RATIO_KEYS if report["engine"][key] and report["twin"][key] is not None}
@@ -177,17 +203,38 @@ def _table(out: Path) -> None:
         if cpu.is_file():
             report.setdefault("server_cpu_s", {})[part] = json.loads(cpu.read_text())
     (out / "serve_simulate_gpu.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\n{'':<14}" + "".join(f"{part:>12}" for part in runs)
-          + ("   twin/engine" if "twin_over_engine" in report else ""))
+    engine_label = f"engine x{len(report['engine_runs'])}" if "engine_runs" in report else "engine"
+    parts = [part for part in PARTS if part in report]
+    spread = report.get("engine_spread")
+    print(f"\n{'':<14}" + "".join(f"{engine_label if part == 'engine' else part:>12}" for part in parts)
+          + ("   twin/engine" if "twin_over_engine" in report else "")
+          + ("   engine spread" if spread else ""))
     for label, key, pattern in ROWS:
-        cells = [summary.get(key) for summary in runs.values()]
+        cells = [report[part].get(key) for part in parts]
         ratio = report.get("twin_over_engine", {}).get(key)
+        width = spread.get(key) if spread else None
         print(f"{label:<14}" + "".join(
             f"{'-' if value is None else pattern.format(value):>12}" for value in cells)
-            + (f"{ratio:>14.3f}" if ratio is not None else ""))
+            + (f"{ratio:>14.3f}" if ratio is not None else "")
+            + (f"{width:>17.1%}" if width is not None else ""))
     for part, cpu in report.get("server_cpu_s", {}).items():
         print(f"{part} server CPU s: " + ", ".join(f"{name} {seconds:.1f}"
                                                   for name, seconds in cpu.items()))
+
+
+def _median(values: list) -> float | None:
+    known = sorted(value for value in values if value is not None)
+    if not known:
+        return None
+    middle = len(known) // 2
+    return known[middle] if len(known) % 2 else (known[middle - 1] + known[middle]) / 2
+
+
+def _spread(values: list) -> float | None:
+    """(max - min) / median of the engine runs' values: how far the engine is from itself."""
+    known = [value for value in values if value is not None]
+    center = _median(known)
+    return (max(known) - min(known)) / center if known and center else None
 
 
 if __name__ == "__main__":
