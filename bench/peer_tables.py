@@ -81,7 +81,8 @@ def breakdown(run, model: str, bandwidth: float) -> dict:
                 clean.append(step.t_end - step.t_start)
     # Compression's cost where it is pure overhead: what the large decode steps took beyond the
     # median of those that neither launch a compression batch nor report one done, per step.
-    extra = (sum(t for t, _, _ in large) / len(large) - statistics.median(clean)
+    mean_large = sum(t for t, _, _ in large) / len(large) if large else None
+    extra = (mean_large - statistics.median(clean)
              if large and clean and len(clean) < len(large) else None)
     return {
         "span_s": span, "prefill_steps_s": prefill, "decode_steps_s": decode, "gaps_s": gaps,
@@ -92,7 +93,7 @@ def breakdown(run, model: str, bandwidth: float) -> dict:
         "decode_roofline_ms_batch_ge_128": 1000 * statistics.median([r for _, r, _ in large]) if large else None,
         "decode_batch_median": statistics.median([step.n_decode for step in decode_steps]) if decode_steps else None,
         "compression_ms_per_step": None if extra is None else 1000 * extra,
-        "compression_share": None if extra is None else extra / (sum(t for t, _, _ in large) / len(large)),
+        "compression_share": None if extra is None else extra / mean_large,
     }
 
 

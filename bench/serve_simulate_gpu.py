@@ -223,11 +223,10 @@ def _table(out: Path) -> None:
 
 
 def _median(values: list) -> float | None:
-    known = sorted(value for value in values if value is not None)
-    if not known:
-        return None
-    middle = len(known) // 2
-    return known[middle] if len(known) % 2 else (known[middle - 1] + known[middle]) / 2
+    from zipage.core.metrics import percentile
+
+    known = [value for value in values if value is not None]
+    return percentile(known, 50) if known else None
 
 
 def _spread(values: list) -> float | None:
