@@ -12,6 +12,13 @@ runs up to three parts, each `zipage` commands in subprocesses with the same kno
 
 and prints TTFT p50/p90, TPOT p50, end-to-end p50/p90 and the makespan side by side, with
 twin / engine ratios (the twin's question: does the live twin serve what the GPU serves?).
+Two more parts, off by default:
+
+  correct  zipage calibrate --quick --gpu --profile PROFILE ...   (writes corrected-profile.json:
+           the profile re-scaled to this host, as a user would before trusting the twin; the
+           twin and sim parts then also run with it, as `twin.corrected` and `sim.corrected`)
+  offline  zipage replay TRACE --gpu ...   (the same trace offline: what serving itself costs)
+
 `--repeat N` serves the trace N times on the engine (runs `engine`, `engine.r2`, ...): the ratios
 are then against the engine runs' median, beside the engine's own spread (max - min over the
 median), which no twin can be asked to beat. Each
@@ -47,6 +54,10 @@ from serve_gpu import _free_port, _install_wheels, _wait_healthy, _zipage  # noq
 
 PROFILE = "qwen3-8b-h200-b64-k512-zipage"
 PARTS = ("engine", "twin", "sim")
+EXTRA_PARTS = ("correct", "offline")
+# The table's columns: the parts' run directories (the corrected profile's twin and sim beside).
+COLUMNS = ("engine", "offline", "twin", "twin.corrected", "sim", "sim.corrected")
+CORRECTED = "corrected-profile.json"
 ROWS = [("completed", "completed", "{:g}"), ("TTFT p50 s", "ttft_p50_s", "{:.3f}"),
         ("TTFT p90 s", "ttft_p90_s", "{:.3f}"), ("TPOT p50 ms", "tpot_p50_ms", "{:.2f}"),
         ("e2e p50 s", "e2e_p50_s", "{:.2f}"), ("e2e p90 s", "e2e_p90_s", "{:.2f}"),
@@ -85,22 +96,39 @@ def main() -> None:
     _make_trace(args, trace)
     knobs = ["--kv-memory-gb", str(args.kv_memory_gb), "--block-size", str(args.block_size),
              "--budget", str(args.budget)]
-    twin = ["--simulate", "--hardware", args.hardware, "--cost-model", args.cost_model]
     engine = (["--simulate", "--hardware", args.hardware, "--cost-model", "analytic"]
               if args.dry_run else ["--engine", "gpu"])
+    corrected = out / CORRECTED
     for part in args.parts.split(","):
         started = time.perf_counter()
-        if part == "engine":
+        if part == "correct":
+            if args.dry_run:
+                raise SystemExit("--parts correct: needs the GPU (drop --dry-run)")
+            _zipage_shown("calibrate", "--quick", "--gpu", "--profile", args.cost_model,
+                          "--model", f"random:{args.model}", *knobs, "--out", str(corrected))
+        elif part == "engine":
             for name in engine_runs(args.repeat):
                 _served(engine, args.model, knobs, trace, out / name)
-        elif part == "twin":
-            _served(twin, args.model, knobs, trace, out / part)
-        elif part == "sim":
-            _zipage("replay", str(trace), "--model", args.model, "--hardware", args.hardware,
-                    "--cost-model", args.cost_model, *knobs, "--json", "--no-progress",
-                    "--out", str(out / "sim"))
+        elif part == "offline":
+            if args.dry_run:
+                raise SystemExit("--parts offline: needs the GPU (drop --dry-run)")
+            _zipage("replay", str(trace), "--gpu", "--model", f"random:{args.model}", *knobs,
+                    "--json", "--no-progress", "--out", str(out / "offline"))
+        elif part in ("twin", "sim"):
+            profiles = [(part, args.cost_model)]
+            if corrected.is_file():
+                profiles.append((f"{part}.corrected", str(corrected)))
+            for name, profile in profiles:
+                if part == "twin":
+                    _served(["--simulate", "--hardware", args.hardware, "--cost-model", profile],
+                            args.model, knobs, trace, out / name)
+                else:
+                    _zipage("replay", str(trace), "--model", args.model, "--hardware",
+                            args.hardware, "--cost-model", profile, *knobs, "--json",
+                            "--no-progress", "--out", str(out / name))
         else:
-            raise SystemExit(f"--parts: unknown part {part!r}; use {', '.join(PARTS)}")
+            raise SystemExit(f"--parts: unknown part {part!r}; use "
+                             f"{', '.join(PARTS + EXTRA_PARTS)}")
         print(f"{part}: done in {time.perf_counter() - started:.0f} s", flush=True)
     _table(out)
 
@@ -147,6 +175,15 @@ def _served(mode: list[str], model: str, knobs: list[str], trace: Path, out: Pat
             server.kill()
 
 
+def _zipage_shown(*argv: str) -> None:
+    """A `zipage` command whose output is part of the report (the quick correction's scales).
+    A refusal (exit 2: no re-scaling explains the anchors) is a result, not a failure: the
+    other parts run on."""
+    status = subprocess.run([sys.executable, "-m", "zipage.cli", *argv]).returncode
+    if status not in (0, 2):
+        raise SystemExit(f"zipage {argv[0]}: exit {status}")
+
+
 def _cpu_seconds(pid: int) -> dict:
     """CPU seconds (user + system) of the server and of its children so far (Linux /proc)."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -179,7 +216,7 @@ def _summary(directory: Path) -> dict:
 
 
 def _table(out: Path) -> None:
-    runs = {part: _summary(out / part) for part in PARTS
+    runs = {part: _summary(out / part) for part in COLUMNS
             if (out / part / "summary.json").is_file()}
     if not runs:
         return
@@ -194,28 +231,32 @@ def _table(out: Path) -> None:
                             for _, key, _ in ROWS}
         report["engine_spread"] = {key: _spread([summary.get(key) for summary in engine_all])
                                    for key in RATIO_KEYS}
-    if "engine" in report and "twin" in report:
-        report["twin_over_engine"] = {
-            key: report["twin"][key] / report["engine"][key]
-            for key in RATIO_KEYS if report["engine"][key] and report["twin"][key] is not None}
-    for part in ("engine", "twin"):
+    for part in ("twin", "twin.corrected", "offline"):
+        if "engine" in report and part in report:
+            report[f"{part}_over_engine"] = {
+                key: report[part][key] / report["engine"][key]
+                for key in RATIO_KEYS if report["engine"][key] and report[part][key] is not None}
+    for part in ("engine", "twin", "twin.corrected"):
         cpu = out / f"{part}-server-cpu.json"
         if cpu.is_file():
             report.setdefault("server_cpu_s", {})[part] = json.loads(cpu.read_text())
     (out / "serve_simulate_gpu.json").write_text(json.dumps(report, indent=2) + "\n")
     engine_label = f"engine x{len(report['engine_runs'])}" if "engine_runs" in report else "engine"
-    parts = [part for part in PARTS if part in report]
+    parts = [part for part in COLUMNS if part in report]
+    ratios = [part for part in ("twin", "twin.corrected", "offline")
+              if f"{part}_over_engine" in report]
     spread = report.get("engine_spread")
-    print(f"\n{'':<14}" + "".join(f"{engine_label if part == 'engine' else part:>12}" for part in parts)
-          + ("   twin/engine" if "twin_over_engine" in report else "")
+    print(f"\n{'':<14}" + "".join(f"{engine_label if part == 'engine' else part:>15}"
+                                   for part in parts)
+          + "".join(f"{part + '/engine':>22}" for part in ratios)
           + ("   engine spread" if spread else ""))
     for label, key, pattern in ROWS:
         cells = [report[part].get(key) for part in parts]
-        ratio = report.get("twin_over_engine", {}).get(key)
         width = spread.get(key) if spread else None
         print(f"{label:<14}" + "".join(
-            f"{'-' if value is None else pattern.format(value):>12}" for value in cells)
-            + (f"{ratio:>14.3f}" if ratio is not None else "")
+            f"{'-' if value is None else pattern.format(value):>15}" for value in cells)
+            + "".join(f"{report[f'{part}_over_engine'][key]:>22.3f}"
+                      if key in report[f"{part}_over_engine"] else f"{'':>22}" for part in ratios)
             + (f"{width:>17.1%}" if width is not None else ""))
     for part, cpu in report.get("server_cpu_s", {}).items():
         print(f"{part} server CPU s: " + ", ".join(f"{name} {seconds:.1f}"
