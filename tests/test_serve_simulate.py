@@ -189,6 +189,28 @@ def test_responses_are_well_formed_and_logprobs_refused(served):
     assert 'zipage:twin_lag_seconds_total{model_name="random:qwen3-8b",replica="0"}' in metrics
 
 
+def test_a_thousand_streams_at_once(served, tmp_path):
+    """`zipage bench serve` holds 1,000 streamed requests in flight together against one twin
+    on this machine; every one completes with all its tokens (the latencies at that load, against
+    the offline simulator, are `bench/serve_simulate_streams.py`'s: docs/BENCHMARKS.md)."""
+    import json
+
+    streams = 1000
+    trace = tmp_path / "streams.json"
+    trace.write_text(json.dumps({"version": 1, "name": "streams", "requests": [
+        {"id": f"s{index}", "arrival_s": 0.0, "prompt_len": 64, "output_len": 8}
+        for index in range(streams)]}))
+    done = subprocess.run(
+        [sys.executable, "-m", "zipage.cli", "bench", "serve", str(trace), "--url", served,
+         "--max-concurrency", str(streams), "--json", "--no-progress", "--out",
+         str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout)["bench"]
+    assert report["max_concurrent_requests"] == streams
+    assert (report["completed"], report["failed"]) == (streams, 0)
+    assert report["total_output_tokens"] == 8 * streams
+
+
 def test_data_parallel_twins_and_a_tokenizer_for_text(no_torch, tmp_path):
     """Two twins behind one router; `--tokenizer DIR` (transformers alone, no torch) turns
     text prompts into tokens and the generated ids back into text."""
