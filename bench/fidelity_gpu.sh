@@ -2,22 +2,24 @@
 # `zipage fidelity` on a GPU for one model and mode (issue #33; docs/BENCHMARKS.md, 'Twin
 # fidelity'): calibrate through the engine loop (the profile to ship), then check the twin on
 # fresh built-in traces and any production windows given with --trace. Random Qwen3 weights,
-# block 64, budget 512, the headline's memory (Qwen3-8B 6 GB of KV, Qwen3-0.6B 3 GB). One call
-# per model and mode fits the 10-minute limit on an H200:
+# block 64, budget 512, the headline's memory (Qwen3-8B 6 GB of KV, Qwen3-0.6B 3 GB; Qwen3-32B at
+# tensor parallel 2, 6 GB a GPU, on nvidia-h200-x2). One call per model and mode fits the
+# 10-minute limit on an H200:
 #
 #   . bench/env.sh && bash bench/fidelity_gpu.sh 8b zipage $OUT --trace $PWD/.gpu/azure-conv.jsonl
 #
 # Writes OUT/NAME.log, NAME-profile.json, NAME-fidelity.json and NAME-runs.tar.gz (every engine
 # run's and profile simulation's steps and requests, for bench/fidelity_attribution.py).
 set -euo pipefail
-model=${1:?model: 8b or 06}
+model=${1:?model: 8b, 06 or 32b-tp2}
 mode=${2:?mode: zipage or fullkv}
 out=${3:?output folder}
 shift 3
 case $model in
     8b) flags=(--model random:qwen3-8b --kv-memory-gb 6) ;;
     06) flags=(--model random:qwen3-0.6b --kv-memory-gb 3) ;;
-    *) echo "unknown model $model: 8b or 06" >&2; exit 2 ;;
+    32b-tp2) flags=(--model random:qwen3-32b --kv-memory-gb 6 --tensor-parallel 2) ;;
+    *) echo "unknown model $model: 8b, 06 or 32b-tp2" >&2; exit 2 ;;
 esac
 case $mode in
     zipage) ;;
