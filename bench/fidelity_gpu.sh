@@ -29,9 +29,14 @@ esac
 name=$model-$mode
 work=$(mktemp -d "/tmp/fidelity-$name-XXXX")  # a fresh one per call: a run directory refuses stray files
 mkdir -p "$out"
+# FIDELITY_LIMIT_S: seconds `zipage fidelity` may run (default 0: no limit). Set it below the
+# call's limit: past it the profile and the runs written so far are still copied out below (a
+# call killed from outside loses them all, as a 32B TP=2 call did at its fourth check trace).
+limit=${FIDELITY_LIMIT_S:-0}
 # From /tmp: the checkout's own zipage/ (without sim/ inside) would shadow bench/env.sh's tree.
-(cd /tmp && python -m zipage.cli fidelity --gpu "${flags[@]}" --block-size 64 --budget 512 \
-    --out "$work" "$@") 2>&1 | tee "$out/$name.log" || echo "$name: zipage fidelity FAILED"
+(cd /tmp && timeout "$limit" python -m zipage.cli fidelity --gpu "${flags[@]}" --block-size 64 \
+    --budget 512 --out "$work" "$@") 2>&1 | tee "$out/$name.log" \
+    || echo "$name: zipage fidelity FAILED or ran past FIDELITY_LIMIT_S=$limit"
 cp "$work/profile.json" "$out/$name-profile.json" 2>/dev/null || true
 cp "$work/fidelity.json" "$out/$name-fidelity.json" 2>/dev/null || true
 tar -czf "$out/$name-runs.tar.gz" -C "$work" --exclude='*-sim-analytic' --exclude='*.log' \
