@@ -292,18 +292,23 @@ class runs_directory:
 
 def check_twin(twin: Twin, profile_path: Path, traces: list[Trace], root: Path,
                progress: bool = False, report: Report = print,
-               others: dict[str, Path] | None = None) -> list[dict]:
+               others: dict[str, Path] | None = None,
+               on_trace: Callable[[list[dict], list[dict]], None] | None = None) -> list[dict]:
     """Each trace through the engine, then simulated with the profile, each of `others` (named
-    profile files) and the analytic model: one row per trace and model, its errors."""
+    profile files) and the analytic model: one row per trace and model, its errors.
+    `on_trace(rows so far, this trace's rows)` after each trace, so a long check that is stopped
+    keeps what it finished."""
     rows = []
     profile = _read(profile_path)
     for trace in traces:
         engine_run = run_engine(twin, trace, twin.settings, root / trace.name / "engine",
                                 progress, report)
         errors = twin_errors(trace, engine_run, twin.settings, profile, root / trace.name, others)
-        for model, values in errors.items():
-            rows.append({"trace": trace.name, "requests": len(trace.requests), "model": model,
-                         **values})
+        added = [{"trace": trace.name, "requests": len(trace.requests), "model": model, **values}
+                 for model, values in errors.items()]
+        rows += added
+        if on_trace is not None:
+            on_trace(rows, added)
     return rows
 
 

@@ -84,8 +84,40 @@ def test_fidelity_checks_fresh_traces_and_given_files(calibrated, tmp_path, caps
         ("given", "analytic")]
     assert all(row["makespan"] is not None for row in report["rows"])
     assert all(0 <= row["ks_ttft"] <= 1 and 0 <= row["ks_tpot"] <= 1 for row in report["rows"])
+    assert report["complete"] is True
     printed = capsys.readouterr().out
     assert "check-conv" in printed and "misses its target" in printed and "ks_tpot" in printed
+    # Each trace's table as it finished, then the whole one.
+    assert printed.count("given ") == 4 and printed.count("check-conv ") == 4
+
+
+def test_a_stopped_fidelity_check_keeps_the_traces_it_finished(calibrated, tmp_path, monkeypatch):
+    """A check stopped in its second trace (a call's time limit: here an interrupt while the
+    engine runs it) leaves fidelity.json with the first trace's rows, marked incomplete."""
+    import zipage.analysis.calibration as calibration
+
+    directory, out = calibrated
+    tiny = tmp_path / "tiny.json"
+    tiny.write_text(json.dumps({"version": 1, "name": "given", "requests": [
+        {"id": f"g{i}", "arrival_s": 0.05 * i, "prompt_len": 40 + i, "output_len": 30}
+        for i in range(6)]}))
+    run_engine = calibration.run_engine
+
+    def stopped_at_given(twin, trace, *args, **kwargs):
+        if trace.name == "given":
+            raise KeyboardInterrupt
+        return run_engine(twin, trace, *args, **kwargs)
+
+    monkeypatch.setattr(calibration, "run_engine", stopped_at_given)
+    status = main(["fidelity", "--engine", "cpu", "--model", str(directory), *KNOBS,
+                   "--cost-model", str(out / "profile.json"), "--traces", "1", "--trace-seconds",
+                   "2", "--trace", str(tiny), "--check-seed", "5", "--no-progress", "--out",
+                   str(tmp_path / "f")])
+    assert status == 130  # interrupted (zipage/cli/output.py)
+    report = json.loads((tmp_path / "f" / "fidelity.json").read_text())
+    assert report["complete"] is False
+    assert [(row["trace"], row["model"]) for row in report["rows"]] == [
+        ("check-conv", "profile"), ("check-conv", "analytic")]
 
 
 def test_fidelity_prints_the_distances_and_profiles_do_not_record_them():

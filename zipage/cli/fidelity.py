@@ -122,15 +122,26 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
             others, correction = _quick_correct(twin, profile_path, out, args)
         traces = fresh_traces(twin, args.trace_seconds, seed, args.traces, _say) + files
         _say(f"checking on {len(traces)} trace(s), seed {seed}")
+
+        def write(rows: list[dict], complete: bool) -> None:
+            (out / "fidelity.json").write_text(json.dumps(
+                {"profile": str(profile_path), "check_seed": seed, "complete": complete,
+                 "rows": rows, **({"correction": correction} if args.quick_correct else {})},
+                indent=1) + "\n")
+
+        def checked(rows: list[dict], added: list[dict]) -> None:
+            # Each trace's errors as soon as it is simulated, and the file so far: a check that
+            # is stopped (a call's time limit) keeps the traces it finished.
+            write(rows, complete=False)
+            print(format_table(added), flush=True)
+
         rows = check_twin(twin, profile_path, traces, out / "runs",
-                          progress=progress_wanted(args), report=_say, others=others)
+                          progress=progress_wanted(args), report=_say, others=others,
+                          on_trace=checked)
     finally:
         twin.close()
-    table = format_table(rows)
-    (out / "fidelity.json").write_text(json.dumps(
-        {"profile": str(profile_path), "check_seed": seed, "rows": rows,
-         **({"correction": correction} if args.quick_correct else {})}, indent=1) + "\n")
-    print(table)
+    write(rows, complete=True)
+    print(format_table(rows))
     print(f"wrote {out}/fidelity.json (every run under {out}/runs)")
     return 0
 
