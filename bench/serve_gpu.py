@@ -119,11 +119,7 @@ def _served(args, trace: Path, engine_flags: list[str], out: Path) -> None:
         _zipage("bench", "serve", str(trace), "--url", url, "--json", "--no-progress",
                 "--out", str(out / "served"))
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        _stop(server)
 
 
 def _wait_healthy(server: subprocess.Popen, url: str, log: Path, timeout: float = 420) -> None:
@@ -140,6 +136,15 @@ def _wait_healthy(server: subprocess.Popen, url: str, log: Path, timeout: float 
             pass
         time.sleep(1)
     raise SystemExit("zipage serve did not become healthy:\n" + log.read_text()[-4000:])
+
+
+def _stop(server: subprocess.Popen) -> None:
+    """Stop a server started here: SIGTERM (it finishes in-flight streams), then SIGKILL."""
+    server.terminate()
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.kill()
 
 
 def _zipage(*argv: str) -> None:

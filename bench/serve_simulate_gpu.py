@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_gpu import _free_port, _install_wheels, _wait_healthy, _zipage  # noqa: E402
+from serve_gpu import _free_port, _install_wheels, _stop, _wait_healthy, _zipage  # noqa: E402
 
 PROFILE = "qwen3-8b-h200-b64-k512-zipage"
 PARTS = ("engine", "twin", "sim")
@@ -168,11 +168,7 @@ def _served(mode: list[str], model: str, knobs: list[str], trace: Path, out: Pat
         cpu = _cpu_seconds(server.pid)
         (out.parent / f"{out.name}-server-cpu.json").write_text(json.dumps(cpu) + "\n")
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        _stop(server)
 
 
 def _zipage_shown(*argv: str) -> None:

@@ -28,7 +28,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_gpu import _free_port, _wait_healthy  # noqa: E402
+from serve_gpu import _free_port, _stop, _wait_healthy, _zipage  # noqa: E402
 
 ROWS = [("completed", "completed", "{:g}"), ("TTFT p50 s", "ttft_p50_s", "{:.3f}"),
         ("TTFT p90 s", "ttft_p90_s", "{:.3f}"), ("TPOT p50 ms", "tpot_p50_ms", "{:.2f}"),
@@ -91,20 +91,11 @@ def _serve(args, knobs: list[str], trace: Path, out: Path) -> tuple[dict, float,
         with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
             metrics = response.read().decode()
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        _stop(server)
     found = re.search(r"^zipage:twin_lag_seconds_total\{[^}]*\} (\S+)$", metrics, re.MULTILINE)
     if found is None:
         raise SystemExit(f"/metrics has no zipage:twin_lag_seconds_total; see {log_path}")
     return json.loads((out / "summary.json").read_text()), float(found.group(1)), wall
-
-
-def _zipage(*argv: str) -> None:
-    subprocess.run([sys.executable, "-m", "zipage.cli", *argv], check=True,
-                   stdout=subprocess.DEVNULL)
 
 
 if __name__ == "__main__":
