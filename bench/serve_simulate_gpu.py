@@ -166,6 +166,8 @@ def _served(mode: list[str], model: str, knobs: list[str], trace: Path, out: Pat
         _zipage("bench", "serve", str(trace), "--url", url, "--json", "--no-progress",
                 "--out", str(out))
         cpu = _cpu_seconds(server.pid)
+        if "--simulate" in mode:  # how far the twin's steps ran behind their predicted ends
+            cpu["twin lag"] = _twin_lag(url)
         (out.parent / f"{out.name}-server-cpu.json").write_text(json.dumps(cpu) + "\n")
     finally:
         _stop(server)
@@ -178,6 +180,17 @@ def _zipage_shown(*argv: str) -> None:
     status = subprocess.run([sys.executable, "-m", "zipage.cli", *argv]).returncode
     if status not in (0, 2):
         raise SystemExit(f"zipage {argv[0]}: exit {status}")
+
+
+def _twin_lag(url: str) -> float:
+    """`zipage:twin_lag_seconds_total` summed over the server's replicas."""
+    import re
+
+    import httpx
+
+    metrics = httpx.get(url + "/metrics", timeout=30).text
+    found = re.findall(r"^zipage:twin_lag_seconds_total\{[^}]*\} (\S+)$", metrics, re.MULTILINE)
+    return sum(map(float, found))
 
 
 def _cpu_seconds(pid: int) -> dict:
