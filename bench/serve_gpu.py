@@ -147,6 +147,20 @@ def _stop(server: subprocess.Popen) -> None:
         server.kill()
 
 
+def _twin_lag(url: str) -> float:
+    """`zipage:twin_lag_seconds_total` of a `--simulate` server, summed over its replicas: how far
+    its steps ran behind their predicted ends, in all."""
+    import re
+
+    import httpx
+
+    metrics = httpx.get(url + "/metrics", timeout=30).text
+    found = re.findall(r"^zipage:twin_lag_seconds_total\{[^}]*\} (\S+)$", metrics, re.MULTILINE)
+    if not found:
+        raise SystemExit(f"{url}/metrics has no zipage:twin_lag_seconds_total: not a twin")
+    return sum(map(float, found))
+
+
 def _zipage(*argv: str) -> None:
     subprocess.run([sys.executable, "-m", "zipage.cli", *argv], check=True,
                    stdout=subprocess.DEVNULL)

@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_gpu import _free_port, _install_wheels, _stop, _wait_healthy, _zipage  # noqa: E402
+from serve_gpu import _free_port, _install_wheels, _stop, _twin_lag, _wait_healthy, _zipage  # noqa: E402
 
 PROFILE = "qwen3-8b-h200-b64-k512-zipage"
 PARTS = ("engine", "twin", "sim")
@@ -180,17 +180,6 @@ def _zipage_shown(*argv: str) -> None:
     status = subprocess.run([sys.executable, "-m", "zipage.cli", *argv]).returncode
     if status not in (0, 2):
         raise SystemExit(f"zipage {argv[0]}: exit {status}")
-
-
-def _twin_lag(url: str) -> float:
-    """`zipage:twin_lag_seconds_total` summed over the server's replicas."""
-    import re
-
-    import httpx
-
-    metrics = httpx.get(url + "/metrics", timeout=30).text
-    found = re.findall(r"^zipage:twin_lag_seconds_total\{[^}]*\} (\S+)$", metrics, re.MULTILINE)
-    return sum(map(float, found))
 
 
 def _cpu_seconds(pid: int) -> dict:

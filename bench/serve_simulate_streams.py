@@ -20,15 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_gpu import _free_port, _stop, _wait_healthy, _zipage  # noqa: E402
+from serve_gpu import _free_port, _stop, _twin_lag, _wait_healthy, _zipage  # noqa: E402
 
 ROWS = [("completed", "completed", "{:g}"), ("TTFT p50 s", "ttft_p50_s", "{:.3f}"),
         ("TTFT p90 s", "ttft_p90_s", "{:.3f}"), ("TPOT p50 ms", "tpot_p50_ms", "{:.2f}"),
@@ -88,14 +86,10 @@ def _serve(args, knobs: list[str], trace: Path, out: Path) -> tuple[dict, float,
         _zipage("bench", "serve", str(trace), "--url", url, "--max-concurrency",
                 str(args.streams), "--json", "--no-progress", "--out", str(out))
         wall = time.perf_counter() - started
-        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
-            metrics = response.read().decode()
+        lag = _twin_lag(url)
     finally:
         _stop(server)
-    found = re.search(r"^zipage:twin_lag_seconds_total\{[^}]*\} (\S+)$", metrics, re.MULTILINE)
-    if found is None:
-        raise SystemExit(f"/metrics has no zipage:twin_lag_seconds_total; see {log_path}")
-    return json.loads((out / "summary.json").read_text()), float(found.group(1)), wall
+    return json.loads((out / "summary.json").read_text()), lag, wall
 
 
 if __name__ == "__main__":
