@@ -54,6 +54,7 @@ class ImportReport:
         self.imported = 0
         self.span_s = 0.0  # the last kept request's arrival
         self._prompts, self._outputs = array("q"), array("q")
+        self._thinking = 0  # output tokens that are thinking (reasoning_len), summed
         self._chains = _PrefixChains()
 
     def follow(self, requests: Iterator[TraceRequest]) -> Iterator[TraceRequest]:
@@ -67,6 +68,7 @@ class ImportReport:
         self.span_s = request.arrival_s
         self._prompts.append(request.prompt_len)
         self._outputs.append(request.output_len)
+        self._thinking += request.reasoning_len
         self._chains.add(request)
 
     def lines(self) -> list[str]:
@@ -80,6 +82,9 @@ class ImportReport:
                 lines.append(f"  {label} tokens: mean {counts.mean():,.0f}, p50 "
                              f"{np.percentile(counts, 50):,.0f}, p99 "
                              f"{np.percentile(counts, 99):,.0f}, max {counts.max():,}")
+        if self._thinking:
+            share = self._thinking / np.frombuffer(self._outputs, dtype=np.int64).sum()
+            lines.append(f"  thinking (reasoning_len): {share:.1%} of output tokens")
         shared = self._chains.fraction()
         if shared is not None:
             lines.append(f"  prompt blocks seen before (prefix-cache hits at best): {shared:.1%}")

@@ -7,6 +7,8 @@
 - `burstgpt`: BurstGPT, CSV with `Timestamp` (s), `Request tokens`, `Response tokens` and more.
 - `copilot`: the GitHub Copilot coding-agent traces, one agent session a JSON line: imported as
   sessions by zipage/session_import.py (as `mooncake` is with `--sessions`).
+- `servegen`: a model directory of Alibaba's ServeGen release (per-client arrival fits and
+  length distributions, no request log), composed into requests by zipage/servegen_import.py.
 
 Each row becomes one request whose id is the format's name and the row's position in the file
 (stable under windows and samples), arriving at its timestamp relative to the window's start,
@@ -47,6 +49,7 @@ from zipage.production_rows import (
 # The importers' options and the window syntax, where their callers have always found them.
 from zipage.production_rows import ImportOptions as ImportOptions
 from zipage.production_rows import parse_window as parse_window
+from zipage.servegen_import import ServeGenStream, looks_like_servegen
 from zipage.trace import (
     ARRIVAL_DECIMALS,
     Trace,
@@ -59,7 +62,7 @@ from zipage.trace import (
 )
 from zipage.trace_stream import TraceStream, open_trace_stream
 
-FORMATS = ROW_FORMATS + ("copilot",)  # copilot: zipage/session_import.py
+FORMATS = ROW_FORMATS + ("copilot", "servegen")  # zipage/session_import.py, servegen_import.py
 
 
 class ProductionStream:
@@ -140,13 +143,26 @@ def import_trace_file(fmt: str, path: str | os.PathLike[str], output: str | os.P
 
 
 def _opened_stream(fmt: str, path: str | os.PathLike[str],
-                   options: ImportOptions) -> tuple[ProductionStream, ImportReport]:
-    stream = ProductionStream(fmt, path, options)
-    return stream, ImportReport(fmt, rows=len(stream.rows))
+                   options: ImportOptions) -> tuple[ProductionStream | ServeGenStream, ImportReport]:
+    stream = _production_stream(fmt, path, options)
+    rows = stream.rows if isinstance(stream, ServeGenStream) else len(stream.rows)
+    return stream, ImportReport(fmt, rows=rows)
+
+
+def _production_stream(fmt: str, path: str | os.PathLike[str],
+                       options: ImportOptions = ImportOptions()) -> ProductionStream | ServeGenStream:
+    if fmt == "servegen":
+        return ServeGenStream(path, options)
+    return ProductionStream(fmt, path, options)
 
 
 def detect_format(path: str | os.PathLike[str]) -> str:
     """`zipage` for a Zipage trace (JSON or JSON Lines), else the production format's name."""
+    if os.path.isdir(path):
+        if looks_like_servegen(path):
+            return "servegen"
+        raise TraceError(f"{path}: a directory, and not a ServeGen model directory (no "
+                         f"chunk-N-trace.csv in it); give a trace file")
     text = _head_text(path, limit=64 * 1024)
     if not text.strip() or "\x00" in text:
         return "zipage"  # empty, UTF-16/32 or binary: the Zipage loader says exactly what is wrong
@@ -194,10 +210,9 @@ def stream_trace_file(path: str | os.PathLike[str]) -> Trace | TraceStream:
         return open_trace_stream(path) or load_trace(path)
     if fmt == "copilot":  # sessions are linked across the file: loaded whole
         return import_trace(fmt, path)[0]
-    stream = ProductionStream(fmt, path)
-    skipped: Counter = Counter()
-    if next(stream.requests(skipped), None) is None:
-        raise _nothing_left(path, len(stream.rows), skipped)
+    stream, report = _opened_stream(fmt, path, ImportOptions())
+    if next(stream.requests(report.skipped), None) is None:
+        raise _nothing_left(path, report.rows, report.skipped)
     return stream
 
 

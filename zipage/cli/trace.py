@@ -36,11 +36,13 @@ def add_parser(commands) -> None:
 
     imported = trace_commands.add_parser(
         "import", help="turn a production trace (Azure, Mooncake, BurstGPT, Copilot agent "
-                       "sessions) into a Zipage trace",
+                       "sessions, a ServeGen client pool) into a Zipage trace",
         description="Read a production trace and write a Zipage trace (docs/traces.md, "
                     "'Production traces'). A .jsonl.gz output is the compact large-trace form.")
     imported.add_argument("format", choices=FORMATS)
-    imported.add_argument("file", help="the production trace (CSV or JSON Lines, optionally .gz)")
+    imported.add_argument("file", help="the production trace (CSV or JSON Lines, optionally .gz; "
+                                       "servegen: a model directory such as "
+                                       "data/reason/deepseek-r1)")
     imported.add_argument("-o", "--output", required=True,
                           help="the trace to write: .json, .jsonl or .jsonl.gz")
     # --window, its first name, stays an alias: `zipage replay --window` is the compression
@@ -53,7 +55,8 @@ def add_parser(commands) -> None:
                           help="compress time: arrivals X times closer together (default 1)")
     imported.add_argument("--sample", type=float, default=1.0, metavar="P",
                           help="keep each request with probability P (default 1: all)")
-    imported.add_argument("--seed", type=int, default=0, help="seed of --sample")
+    imported.add_argument("--seed", type=int, default=0,
+                          help="seed of --sample (servegen: of every draw)")
     imported.add_argument("--max-model-len", type=int, default=None, metavar="N",
                           help="drop requests whose prompt + output exceed N tokens (counted)")
     imported.add_argument("--name", default=None, help="the trace's name (default: the file's)")
