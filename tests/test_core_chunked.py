@@ -126,6 +126,7 @@ def test_prefix_shared_within_one_step_is_computed_once():
     assert "prefill=a[0:34]@q0,b[32:33]@q1" in result.decision_log[0]
     assert result.summary["prefill_tokens"] == 35
     assert result.summary["prefix_hit_tokens"] == 32
+    assert result.summary["first_hit_tokens"] == 32  # b's first admission found a's blocks
     # Without the prefix cache both compute the prefix.
     _, plain = run(replace(config, prefix_cache=False),
                    [Sequence("a", prefix + [1, 2], 4), Sequence("b", prefix + [3], 4)])
@@ -162,6 +163,8 @@ def test_preempted_partial_prefill_restarts_from_its_indexed_blocks():
     # Re-admitted, "long" maps the full prompt block its first chunk computed.
     assert "prefill=long[16:" in log.split("preempt=long")[1]
     assert result.summary["prefix_hit_tokens"] == 16
+    # Those were its own blocks found again, not something the cache kept for it from others.
+    assert result.summary["first_hit_tokens"] == 0
 
 
 def test_decodes_alone_can_fill_the_budget():

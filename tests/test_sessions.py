@@ -167,6 +167,12 @@ def test_instant_driver_sends_each_turn_after_its_predecessor(trace, compress, p
             assert seq.status is SequenceStatus.REJECTED
             assert f"the turn it follows, {predecessor.seq_id}, failed" in seq.error
     assert run.summary["requests"] == len(trace.requests)
+    # Hits at first admission are the prefix hits less a preempted request's own blocks found
+    # again: all of them in a run without preemptions.
+    summary = run.summary
+    assert 0 <= summary["first_hit_tokens"] <= summary["prefix_hit_tokens"]
+    if not summary["preemptions"]:
+        assert summary["first_hit_tokens"] == summary["prefix_hit_tokens"]
 
 
 def test_a_rejected_turn_fails_its_followers_and_nothing_else():

@@ -46,6 +46,8 @@ class StepRecord:
     host_hit_tokens: int = 0
     host_saves: int = 0
     host_loads: int = 0
+    # Of `prefix_hit_tokens`, those found at a request's first admission (`StepPlan`).
+    first_hit_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -94,6 +94,9 @@ SESSION_OPTIONS: dict[str, SessionOption] = {option.name: option for option in (
     SessionOption("context_limit", int, 1, 100_000_000, False,
                   "a session's history is compacted before a prompt would pass this many tokens, "
                   "before --scale", "128000"),
+    SessionOption("thinking", float, 0, 1_000_000, False,
+                  "mean thinking tokens a reasoning model writes before each answer, dropped "
+                  "from the next turn's history (0: none), before --scale", "1135"),
     SessionOption("scale", float, 0, 100, True,
                   "multiplies every token count: prompt parts, outputs, the context limit", "0.125"),
 )}
@@ -108,6 +111,11 @@ SESSION_OPTIONS: dict[str, SessionOption] = {option.name: option for option in (
 CHAT_TURNS = 2.0
 CHAT_USER_TOKENS = 69.5
 CHAT_OUTPUT_TOKENS = 214.5
+# A reasoning model's chat: ServeGen's DeepSeek-R1 pool (alibaba/ServeGen, arXiv 2505.09999),
+# its day composed by `zipage trace import servegen` (docs/traces.md): 1,135 thinking tokens a
+# request on average, median 478, so a lognormal of spread sqrt(2 ln(1135 / 478)) = 1.3.
+REASONING_THINKING_TOKENS = 1135.0
+THINKING_SIGMA = 1.3
 
 # Coding agent. GitHub Copilot coding-agent traces, June 1-7 2026 (Azure/AzurePublicDataset,
 # GitHubCopilotCodingAgentDataset2026.md and its dataset card; Liu et al., arXiv 2608.00101):
@@ -133,6 +141,7 @@ class _Lengths:
     user: float  # a later user message
     output: float  # a call's output, thinking included
     thinking: float = 0.0  # the share of a call's output that is thinking (reasoning_len)
+    reasoning: float = 0.0  # mean thinking tokens written before each output (reasoning_len)
     tool: float = 0.0  # a tool's output appended before the next call
     report: float = 0.0  # the visible answer the last call of a turn adds to its output
     summary: float = 0.0  # what a compaction leaves of the history
@@ -158,12 +167,17 @@ RESEARCH = _Lengths(system=2000, first=150, user=100, output=1500, thinking=0.9,
 
 def chat_sessions(seed: int = 0, *, sessions: int = 64, session_rate: float = 0.5,
                   turns: float = CHAT_TURNS, think_time: float = 20.0,
-                  system_prompt_len: int = CHAT.system, scale: float = 1.0) -> Trace:
+                  system_prompt_len: int = CHAT.system, thinking: float = 0.0,
+                  scale: float = 1.0) -> Trace:
     """Multi-turn chat: a user message (mean 69.5 tokens), an answer (mean 214.5), the next
-    message after a think time; 2.0 turns a conversation on average (LMSYS-Chat-1M)."""
-    return _trace("chat-sessions", CHAT, seed, **_checked(
-        sessions=sessions, session_rate=session_rate, turns=turns, think_time=think_time,
-        system_prompt_len=system_prompt_len, scale=scale))
+    message after a think time; 2.0 turns a conversation on average (LMSYS-Chat-1M). With
+    `thinking`, a reasoning model's chat: each answer follows that many thinking tokens on
+    average (ServeGen's DeepSeek-R1: 1,135), which the next turn's history drops."""
+    checked = _checked(sessions=sessions, session_rate=session_rate, turns=turns,
+                       think_time=think_time, system_prompt_len=system_prompt_len,
+                       thinking=thinking, scale=scale)
+    lengths = replace(CHAT, reasoning=checked.pop("thinking"))
+    return _trace("chat-sessions", lengths, seed, **checked)
 
 
 def agent_sessions(seed: int = 0, *, sessions: int = 16, session_rate: float = 0.05,
@@ -300,6 +314,9 @@ class _Shape:
                     wait = _time(generator, self.tool_time)
                 output = _length(generator, lengths.output, lengths.sigma)
                 thinking = min(output - 1, round(output * lengths.thinking))
+                if lengths.reasoning:  # drawn only then: thinking-free traces stay as they were
+                    extra = _length(generator, lengths.reasoning, THINKING_SIGMA)
+                    output, thinking = output + extra, thinking + extra
                 if last and lengths.report:
                     output += _length(generator, lengths.report, lengths.sigma)
                 request_id = f"{name}-t{turn}" if self.calls == 1 else f"{name}-t{turn}-c{call}"
@@ -345,6 +362,7 @@ def _scaled(lengths: _Lengths, scale: float, system_prompt_len: int) -> _Lengths
     return _Lengths(
         system=_tokens(system_prompt_len, scale, minimum=0), first=lengths.first * scale,
         user=lengths.user * scale, output=lengths.output * scale, thinking=lengths.thinking,
+        reasoning=lengths.reasoning * scale,
         tool=lengths.tool * scale, report=lengths.report * scale,
         summary=lengths.summary * scale, sigma=lengths.sigma)
 

@@ -31,6 +31,7 @@ SUMMARY_ROWS = [
     ("preemptions", "preemptions", "{:,}"), ("compressions", "compressions", "{:,}"),
     ("prompt tokens computed", "prefill_tokens", "{:,}"),
     ("prefix-hit tokens", "prefix_hit_tokens", "{:,}"),
+    ("  at first admission", "first_hit_tokens", "{:,}"),
     # Shown only for a deployment with a host tier (`HOST_ROWS`).
     ("  of them from host memory", "host_hit_tokens", "{:,}"),
     ("host tier blocks copied", "host_copy_blocks", "{:,}"),

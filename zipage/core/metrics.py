@@ -44,7 +44,8 @@ class MetricsRecorder:
             pairs += item.attention_pairs
         self.totals.add_step(plan.kind, result.t_start, result.t_end, plan.num_running,
                              len(plan.preempted), prefill_tokens, plan.prefix_hit_tokens,
-                             plan.host_hit_tokens, len(plan.kv_saves) + len(plan.kv_loads))
+                             plan.host_hit_tokens, len(plan.kv_saves) + len(plan.kv_loads),
+                             plan.first_hit_tokens)
         if not self.records:
             return
         launch = plan.compress_launch
@@ -56,7 +57,7 @@ class MetricsRecorder:
             prefill_tokens, plan.decode_context_tokens, len(result.completed_batches), pairs,
             sum(job.num_source_blocks for job in compressions) if compressions else 0,
             plan.prefix_hit_tokens, plan.decode_max_context, plan.shared_kv_tokens,
-            plan.host_hit_tokens, len(plan.kv_saves), len(plan.kv_loads))
+            plan.host_hit_tokens, len(plan.kv_saves), len(plan.kv_loads), plan.first_hit_tokens)
         if self._sink is None:
             self.steps.append(record)
         else:
@@ -84,7 +85,8 @@ def summarize(steps: Iterable[StepRecord], requests: Iterable[RequestRecord]) ->
     totals = RunTotals()
     for s in steps:
         totals.add_step(s.kind, s.t_start, s.t_end, s.n_running, s.preempted, s.prefill_tokens,
-                        s.prefix_hit_tokens, s.host_hit_tokens, s.host_saves + s.host_loads)
+                        s.prefix_hit_tokens, s.host_hit_tokens, s.host_saves + s.host_loads,
+                        s.first_hit_tokens)
     for request in requests:
         totals.add_request(request)
     return totals.summary()
@@ -108,11 +110,11 @@ class RunTotals:
         self.steps = self.busy_steps = self.peak_running = self.running_sum = 0
         self.weighted_time = self.weighted_running = 0.0
         self.preemptions = self.prefill_tokens = self.prefix_hit_tokens = 0
-        self.host_hit_tokens = self.host_copies = 0
+        self.host_hit_tokens = self.host_copies = self.first_hit_tokens = 0
 
     def add_step(self, kind: str, t_start: float, t_end: float, n_running: int, preempted: int,
                  prefill_tokens: int, prefix_hit_tokens: int, host_hit_tokens: int = 0,
-                 host_copies: int = 0) -> None:
+                 host_copies: int = 0, first_hit_tokens: int = 0) -> None:
         """A step's `StepRecord` fields the summary reads (given one by one: a run that keeps
         no step records makes none)."""
         self.steps += 1
@@ -128,6 +130,7 @@ class RunTotals:
         self.prefill_tokens += prefill_tokens
         self.prefix_hit_tokens += prefix_hit_tokens
         self.host_hit_tokens += host_hit_tokens
+        self.first_hit_tokens += first_hit_tokens
         self.host_copies += host_copies
 
     def add_request(self, r: RequestRecord) -> None:
@@ -208,6 +211,9 @@ class RunTotals:
             # the prefix cache instead.
             "prefill_tokens": self.prefill_tokens,
             "prefix_hit_tokens": self.prefix_hit_tokens,
+            # Of those, the ones found at a request's first admission: what the cache kept
+            # across requests (a preempted request's re-admission finds its own blocks again).
+            "first_hit_tokens": self.first_hit_tokens,
             # Of those, the host tier's; and the blocks it copied either way (saves + loads).
             "host_hit_tokens": self.host_hit_tokens,
             "host_copy_blocks": self.host_copies,

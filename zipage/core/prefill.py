@@ -86,6 +86,8 @@ class PrefillPlanner:
             self.admit(seq, takes_slot)
             seq.set_counters(start, seq.settled_output_tokens)
             plan.prefix_hit_tokens += start
+            if not seq.num_preemptions:
+                plan.first_hit_tokens += start
             end = num_tokens
             if budget is not None and start + budget < num_tokens:
                 end = start + budget  # a chunk

@@ -142,6 +142,10 @@ class StepPlan:
     shared_kv_tokens: int = 0
     # Of `prefix_hit_tokens`, those the host tier held (copied back by `kv_loads`).
     host_hit_tokens: int = 0
+    # Of `prefix_hit_tokens`, those found at a request's first admission: what the cache kept
+    # for it from other requests (its session's history, a shared prompt), not its own blocks
+    # found again after a preemption.
+    first_hit_tokens: int = 0
     # Host tier (docs/architecture.md, 'Host tier'): copies the driver makes before anything
     # else of the step, saves first: (GPU block, host slot) saves of prompt blocks about to be
     # overwritten, (host slot, GPU block) loads of prefix hits. Empty tuples unless the step
