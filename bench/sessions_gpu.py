@@ -38,8 +38,8 @@ from zipage.rundir import write_run
 from zipage.trace import Trace, load_trace
 
 KEYS = ("tps", "makespan_s", "completed", "failed", "output_tokens", "prefill_tokens",
-        "prefix_hit_tokens", "ttft_p50_s", "ttft_p90_s", "tpot_p50_ms", "preemptions",
-        "compressions", "num_blocks", "max_concurrency", "peak_running", "mean_running",
+        "prefix_hit_tokens", "first_hit_tokens", "ttft_p50_s", "ttft_p90_s", "tpot_p50_ms",
+        "preemptions", "compressions", "num_blocks", "max_concurrency", "peak_running", "mean_running",
         "host_hit_tokens", "host_copy_blocks", "num_host_blocks")
 VARIANTS = {"full-kv": dict(compress=False), "all": dict(compress_scope="all"),
             "output": dict(compress_scope="output")}
@@ -102,13 +102,14 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
     print(f"\n{'trace':<10} {'variant':<13} {'tok/s':>8} {'makespan':>9} {'hit tok':>10} "
-          f"{'host hit':>9} {'prefill':>10} {'TTFT p50/p90 s':>15} {'TPOT p50':>9} {'preempt':>8} "
+          f"{'1st hit':>9} {'host hit':>9} {'prefill':>10} {'TTFT p50/p90 s':>15} {'TPOT p50':>9} {'preempt':>8} "
           f"{'compr':>6}")
     for trace_name in traces:
         for name, _ in runs:
             row = report[trace_name][name]
             print(f"{trace_name:<10} {name:<13} {row['tps']:>8.1f} {row['makespan_s']:>9.1f} "
-                  f"{row['prefix_hit_tokens']:>10,} {row['host_hit_tokens']:>9,} "
+                  f"{row['prefix_hit_tokens']:>10,} {row['first_hit_tokens']:>9,} "
+                  f"{row['host_hit_tokens']:>9,} "
                   f"{row['prefill_tokens']:>10,} "
                   f"{row['ttft_p50_s']:>7.3f}/{row['ttft_p90_s']:<7.3f} "
                   f"{row['tpot_p50_ms']:>9.1f} {row['preemptions']:>8} {row['compressions']:>6}")
