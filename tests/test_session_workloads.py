@@ -29,6 +29,7 @@ from zipage.session_workloads import (
     CHAT_OUTPUT_TOKENS,
     CHAT_TURNS,
     CHAT_USER_TOKENS,
+    REASONING_THINKING_TOKENS,
     RESEARCH_STEPS_PER_TURN,
     SESSION_OPTIONS,
     SESSION_WORKLOADS,
@@ -225,6 +226,29 @@ def test_research_sessions_think_long_and_read_documents(measured: dict[str, Tra
                  if r.after is not None and "-c0" not in r.id and r.prefix_len > 2000]
     assert np.mean(documents) == close(2500, rel=0.06)
     assert stats.history_share > 0.9 and stats.compactions > 0
+
+
+def test_a_reasoning_models_chat_thinks_as_servegens_deepseek_r1() -> None:
+    plain = make_trace("chat-sessions", 0, sessions=2000)
+    trace = make_trace("chat-sessions", 0, sessions=2000, thinking=REASONING_THINKING_TOKENS)
+    thinking = np.array([r.reasoning_len for r in trace.requests])
+    answers = np.array([r.output_len - r.reasoning_len for r in trace.requests])
+    # Lognormal of mean 1,135 and median 478, clipped at 20 times the mean (a few % off the mean).
+    assert thinking.mean() == close(REASONING_THINKING_TOKENS, rel=0.08)
+    assert np.median(thinking) == close(478, rel=0.1)
+    assert answers.mean() == close(CHAT_OUTPUT_TOKENS, rel=0.06)
+    # The same conversations (turns, messages) as without thinking; the history drops it.
+    assert [r.id for r in trace.requests] == [r.id for r in plain.requests]
+    by_id = {r.id: r for r in trace.requests}
+    for request in trace.requests:
+        if request.after is not None:
+            before = by_id[request.after]
+            assert request.prefix_len == (before.prompt_len + before.output_len
+                                          - before.reasoning_len)
+    assert session_statistics(trace).mean_prompt == close(
+        session_statistics(plain).mean_prompt, rel=0.01)
+    assert make_trace("chat-sessions", 0, sessions=50, thinking=0).requests == make_trace(
+        "chat-sessions", 0, sessions=50).requests
 
 
 # ----------------------------------------------------------------------------- the CLI
