@@ -12,10 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 from zipage.errors import TraceError
 from zipage.servegen_import import ServeGenStream, _read_pool
-from zipage.trace import load_trace
+from zipage.trace import load_trace, save_trace
 from zipage.trace_import import ImportOptions, detect_format, import_trace, stream_trace_file
 
 R1 = Path(__file__).parent / "fixtures" / "servegen" / "deepseek-r1"
@@ -216,3 +219,73 @@ def test_cli_imports_replays_and_refuses_in_one_line(tmp_path):
          str(tmp_path / "x.jsonl")], capture_output=True, text=True)
     assert bad.returncode == 2 and "no chunk-N-trace.csv" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+
+
+@st.composite
+def pools(draw):
+    """Up to three clients, each up to five windows (some idle, some of rate 0), Gamma or Weibull
+    fits of any shape, and one or two parts of the day of small distributions (with or without
+    `reason_ratio`); returns {client: (rows, parts)}."""
+    clients = {}
+    for number in draw(st.lists(st.integers(0, 99), min_size=1, max_size=3, unique=True)):
+        rows = []
+        for window in range(draw(st.integers(1, 5))):
+            start = int(window * WINDOW_S)
+            if draw(st.booleans()) and window:
+                rows.append(f"{start},0,0,,0,0")  # idle
+                continue
+            pattern = draw(st.sampled_from(["Gamma", "Weibull"]))
+            shape = draw(st.floats(0.01, 30.0))
+            scale = draw(st.floats(0.001, 500.0))
+            rate = draw(st.sampled_from([0.0, 0.01, 0.2, 1.0]))
+            rows.append(f"{start},{rate},1.0,{pattern},{shape},{scale}")
+        parts = {}
+        for part in sorted(draw(st.sets(st.sampled_from([0, 600, 1200]), min_size=1,
+                                        max_size=2))):
+            fields = {name: {draw(st.integers(0, 3000)): draw(st.floats(0.01, 1.0))
+                             for _ in range(draw(st.integers(1, 3)))}
+                      for name in ("input_tokens", "output_tokens")}
+            if draw(st.booleans()):
+                fields["reason_ratio"] = {draw(st.sampled_from([0.0, 0.25, 0.5, 1.0])): 1.0}
+            parts[part] = fields
+        clients[number] = (rows, parts)
+    return clients
+
+
+@settings(max_examples=examples(60))
+@given(clients=pools(), seed=st.integers(0, 3), start=st.floats(0, 2400),
+       duration=st.floats(1, 3000), sample=st.sampled_from([1.0, 0.5]))
+def test_any_pool_gives_a_valid_trace_the_same_under_spans(tmp_path_factory, clients, seed, start,
+                                                           duration, sample):
+    folder = _pool(tmp_path_factory.mktemp("pool"), clients)
+    options = ImportOptions(seed=seed, sample=sample)
+    try:
+        whole, report = import_trace("servegen", folder, options)
+    except TraceError as error:  # nothing to import: one line saying why
+        assert "no request left to import" in str(error) and "\n" not in str(error)
+        return
+    requests = whole.requests
+    assert [r.arrival_s for r in requests] == sorted(r.arrival_s for r in requests)
+    assert len({r.id for r in requests}) == len(requests)
+    for request in requests:
+        window = int(request.id.split("-")[2])
+        assert window - ARRIVAL_ATOL <= request.arrival_s < window + WINDOW_S
+        assert request.prompt_len >= 1 and request.output_len >= 1
+        assert 0 <= request.reasoning_len <= request.output_len
+    assert report.imported == len(requests)
+    assert report.imported + sum(report.skipped.values()) >= len(requests)
+    # A saved trace loads back the same, as the replay reads it.
+    path = tmp_path_factory.mktemp("out") / "pool.jsonl"
+    save_trace(whole, path)
+    assert load_trace(path).requests == requests
+    # A span holds exactly the whole day's requests in it, shifted to start at 0.
+    try:
+        span, _ = import_trace("servegen", folder, ImportOptions(
+            seed=seed, sample=sample, window=(start, duration)))
+        kept = span.requests
+    except TraceError:
+        kept = []
+    expected = [r for r in requests if start <= r.arrival_s < start + duration]
+    assert [r.id for r in kept] == [r.id for r in expected]
+    assert [r.arrival_s for r in kept] == pytest.approx(
+        [r.arrival_s - start for r in expected], abs=2 * ARRIVAL_ATOL)
