@@ -162,6 +162,30 @@ def test_a_part_of_the_day_applies_until_the_next_one(tmp_path):
         assert request.reasoning_len == 0  # no reason_ratio: a language pool
 
 
+MM = Path(__file__).parent / "fixtures" / "servegen" / "mm-image"
+
+
+def test_a_multimodal_prompt_is_its_text_and_its_media(tmp_path):
+    """The real client: 52 text tokens and one image a request, the image's tokens drawn."""
+    trace, _ = import_trace("servegen", MM)
+    (client,) = _read_pool(MM)
+    assert trace.requests
+    for request in trace.requests:
+        lengths = client.lengths_at(int(request.id.split("-")[2]))
+        values, cumulative = lengths.fields["image_tokens"]
+        image = request.prompt_len - 52
+        at = int(np.searchsorted(values, image))
+        assert values[at] == image and cumulative[at] > (cumulative[at - 1] if at else 0.0)
+    # Two images, one audio clip, no video: text + 2 x image + audio, every request.
+    parts = {0: {"text_tokens": {10: 1.0}, "output_tokens": {5: 1.0},
+                 "image_count": {2: 1.0}, "image_tokens": {100: 1.0},
+                 "audio_count": {1: 1.0}, "audio_tokens": {7: 1.0},
+                 "video_count": {0: 1.0}, "video_tokens": {0: 1.0}}}
+    rows = [f"{int(i * WINDOW_S)},0.5,1.0,Gamma,1.0,1.0" for i in range(2)]
+    made, _ = import_trace("servegen", _pool(tmp_path / "pool", {0: (rows, parts)}))
+    assert {r.prompt_len for r in made.requests} == {10 + 2 * 100 + 7}
+
+
 def test_a_directory_is_told_apart_and_streams(tmp_path):
     assert detect_format(R1) == "servegen"
     stream = stream_trace_file(R1)
@@ -188,8 +212,9 @@ def test_a_directory_is_told_apart_and_streams(tmp_path):
       "chunk-1-dataset.json": '{"0": {"input_tokens": "{1: 1.0}", "output_tokens": "{1: x}"}}'},
      "part '0', output_tokens: expected numbers"),
     ({"chunk-1-trace.csv": "0,1,1,Gamma,1,1\n",
-      "chunk-1-dataset.json": '{"0": {"text_tokens": "{1: 1.0}", "image_count": "{0: 1.0}"}}'},
-     "a multimodal pool (image_count)"),
+      "chunk-1-dataset.json": '{"0": {"text_tokens": "{1: 1.0}", "output_tokens": "{1: 1.0}", '
+                              '"image_count": "{0: 1.0}"}}'},
+     "part '0': no image_tokens distribution"),
     ({"chunk-1-dataset.json": "{}"}, "no chunk-N-trace.csv in it"),
 ])
 def test_a_malformed_pool_is_one_line_naming_the_file(tmp_path, files, expected):
@@ -225,7 +250,7 @@ def test_cli_imports_replays_and_refuses_in_one_line(tmp_path):
 def pools(draw):
     """Up to three clients, each up to five windows (some idle, some of rate 0), Gamma or Weibull
     fits of any shape, and one or two parts of the day of small distributions (with or without
-    `reason_ratio`); returns {client: (rows, parts)}."""
+    `reason_ratio`, text or multimodal); returns {client: (rows, parts)}."""
     clients = {}
     for number in draw(st.lists(st.integers(0, 99), min_size=1, max_size=3, unique=True)):
         rows = []
@@ -247,6 +272,10 @@ def pools(draw):
                       for name in ("input_tokens", "output_tokens")}
             if draw(st.booleans()):
                 fields["reason_ratio"] = {draw(st.sampled_from([0.0, 0.25, 0.5, 1.0])): 1.0}
+            if draw(st.booleans()):  # a multimodal part: text tokens, and images
+                fields["text_tokens"] = fields.pop("input_tokens")
+                fields["image_count"] = {draw(st.integers(0, 3)): 1.0, 1: 0.5}
+                fields["image_tokens"] = {draw(st.integers(1, 2000)): 1.0}
             parts[part] = fields
         clients[number] = (rows, parts)
     return clients

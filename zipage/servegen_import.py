@@ -7,7 +7,8 @@ ServeGen publishes no request log. It publishes, per model (`data/language/m-lar
 inter-arrival distribution, Gamma or Weibull, that the paper fitted; an empty pattern is an idle
 window), and `chunk-N-dataset.json`, the client's length distributions for each part of the day
 (`input_tokens`, `output_tokens`, and for reasoning models `reason_ratio`: the share of the
-output that is thinking), each a Python dict literal {value: probability}. The paper's own
+output that is thinking; multimodal pools give `text_tokens` and, per medium, a count of items and
+each item's tokens), each a Python dict literal {value: probability}. The paper's own
 generator composes a workload client by client from these; so does this reader
 (docs/traces.md, "ServeGen"):
 
@@ -16,7 +17,9 @@ generator composes a workload client by client from these; so does this reader
   burstiness, the rate the count);
 - each request's lengths are drawn from the client's distributions of the latest part of the
   day at or before its window, each field on its own draw (the release gives marginals only);
-  `reasoning_len` = round(reason_ratio x output_len);
+  `reasoning_len` = round(reason_ratio x output_len); a multimodal prompt is its text tokens plus
+  the tokens of each image, audio clip and video it carries (count drawn, then each item's
+  tokens), which the KV cache holds like any prompt token;
 - every draw is a pure function of (seed, client, window), so a `--span` of the day holds the
   very requests the whole day holds there, and ids (`servegen-cC-T-K`: client C, window start T,
   K-th request of that window) are stable under spans and samples.
@@ -46,7 +49,7 @@ from zipage.trace import ARRIVAL_DECIMALS, TraceRequest, stable_hash
 PATTERNS = ("Gamma", "Weibull")  # the inter-arrival fits ServeGen's release uses
 LENGTH_FIELDS = ("input_tokens", "output_tokens")
 REASON_FIELD = "reason_ratio"
-MEDIA_FIELDS = ("image_count", "audio_count", "video_count")  # multimodal pools: not read
+MEDIA = ("image", "audio", "video")  # multimodal pools: `text_tokens`, then `M_count`, `M_tokens`
 
 _PAIR = re.compile(r"\s*([-+0-9.eE]+)\s*:\s*([-+0-9.eE]+)\s*(?:,|$)")
 
@@ -155,6 +158,7 @@ class ServeGenStream:
         times = np.minimum(times, window.start + window.size - 10.0 ** -ARRIVAL_DECIMALS)
         uniforms = rng.random((3, count))
         prompts = lengths.draw("input_tokens", uniforms[0]).astype(np.int64)
+        prompts += _media_tokens(lengths, count, rng)
         outputs = lengths.draw("output_tokens", uniforms[1]).astype(np.int64)
         if REASON_FIELD in lengths.fields:
             ratios = np.clip(lengths.draw(REASON_FIELD, uniforms[2]), 0.0, 1.0)
@@ -168,6 +172,19 @@ class ServeGenStream:
                 for k, (time_s, prompt, output, think, draw) in enumerate(zip(
                     times.tolist(), prompts.tolist(), outputs.tolist(), thinking.tolist(),
                     sample_draws.tolist()))]
+
+
+def _media_tokens(lengths: _Lengths, count: int, rng: np.random.Generator) -> np.ndarray:
+    """Each request's tokens of images, audio and video (zeros for a text pool)."""
+    total = np.zeros(count, dtype=np.int64)
+    for medium in MEDIA:
+        if f"{medium}_count" not in lengths.fields:
+            continue
+        items = lengths.draw(f"{medium}_count", rng.random(count)).astype(np.int64)
+        tokens = lengths.draw(f"{medium}_tokens", rng.random(int(items.sum()))).astype(np.int64)
+        owners = np.repeat(np.arange(count), items)
+        total += np.bincount(owners, weights=tokens, minlength=count).astype(np.int64)
+    return total
 
 
 def _gaps(window: _Window, count: int, rng: np.random.Generator) -> np.ndarray:
@@ -273,17 +290,21 @@ def _read_parts(path: Path) -> tuple[tuple[float, _Lengths], ...]:
             raise TraceError(f"{where}: the key must be the part's start in seconds") from None
         if not isinstance(fields, dict):
             raise TraceError(f"{where}: expected an object of fields")
-        media = [name for name in MEDIA_FIELDS if name in fields]
-        if media:
-            raise TraceError(f"{where}: a multimodal pool ({media[0]}); this reader takes "
-                             f"ServeGen's language and reason pools")
-        missing = [name for name in LENGTH_FIELDS if name not in fields]
+        # A multimodal pool names its text `text_tokens`; read as `input_tokens`, plus media.
+        names = {"input_tokens": "text_tokens" if "text_tokens" in fields else "input_tokens",
+                 "output_tokens": "output_tokens", REASON_FIELD: REASON_FIELD}
+        for medium in MEDIA:
+            if f"{medium}_count" in fields:
+                names[f"{medium}_count"] = f"{medium}_count"
+                names[f"{medium}_tokens"] = f"{medium}_tokens"
+        missing = [source for name, source in names.items()
+                   if source not in fields and name != REASON_FIELD]
         if missing:
             raise TraceError(f"{where}: no {missing[0]} distribution")
         parsed = {}
-        for name in LENGTH_FIELDS + (REASON_FIELD,):
-            if name in fields:
-                parsed[name] = _distribution(fields[name], f"{where}, {name}")
+        for name, source in names.items():
+            if source in fields:
+                parsed[name] = _distribution(fields[source], f"{where}, {source}")
         if any(values is None for values in parsed.values()):
             continue  # an empty distribution: ServeGen skips the part, so do we
         parts.append((start, _Lengths(parsed)))
