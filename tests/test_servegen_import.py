@@ -212,6 +212,9 @@ def test_a_directory_is_told_apart_and_streams(tmp_path):
       "chunk-1-dataset.json": '{"0": {"input_tokens": "{1: 1.0}", "output_tokens": "{1: x}"}}'},
      "part '0', output_tokens: expected numbers"),
     ({"chunk-1-trace.csv": "0,1,1,Gamma,1,1\n",
+      "chunk-1-dataset.json": '{"0": {"input_tokens": "{1.2.3: 1.0}", "output_tokens": "{1: 1}"}}'},
+     "part '0', input_tokens: expected numbers"),
+    ({"chunk-1-trace.csv": "0,1,1,Gamma,1,1\n",
       "chunk-1-dataset.json": '{"0": {"text_tokens": "{1: 1.0}", "output_tokens": "{1: 1.0}", '
                               '"image_count": "{0: 1.0}"}}'},
      "part '0': no image_tokens distribution"),

@@ -10,7 +10,7 @@ window), and `chunk-N-dataset.json`, the client's length distributions for each 
 output that is thinking; multimodal pools give `text_tokens` and, per medium, a count of items and
 each item's tokens), each a Python dict literal {value: probability}. The paper's own
 generator composes a workload client by client from these; so does this reader
-(docs/traces.md, "ServeGen"):
+(docs/traces.md, "ServeGen pools"):
 
 - a client's window holds Poisson(rate x window) requests, spaced by inter-arrival times drawn
   from the window's fitted distribution and scaled to fill the window (the fit gives the
@@ -47,7 +47,6 @@ from zipage.production_rows import ImportOptions, _check_options, _skip_reason
 from zipage.trace import ARRIVAL_DECIMALS, TraceRequest, stable_hash
 
 PATTERNS = ("Gamma", "Weibull")  # the inter-arrival fits ServeGen's release uses
-LENGTH_FIELDS = ("input_tokens", "output_tokens")
 REASON_FIELD = "reason_ratio"
 MEDIA = ("image", "audio", "video")  # multimodal pools: `text_tokens`, then `M_count`, `M_tokens`
 
@@ -323,8 +322,11 @@ def _distribution(text: object, where: str) -> tuple[np.ndarray, np.ndarray] | N
     pairs = _PAIR.findall(body)
     if sum(len(a) + len(b) for a, b in pairs) == 0 or len(pairs) != body.count(":"):
         raise TraceError(f"{where}: expected numbers as {{value: probability, ...}}")
-    values = np.array([float(a) for a, _ in pairs])
-    weights = np.array([float(b) for _, b in pairs])
+    try:
+        values = np.array([float(a) for a, _ in pairs])
+        weights = np.array([float(b) for _, b in pairs])
+    except ValueError:  # e.g. "1.2.3": the characters of a number, not a number
+        raise TraceError(f"{where}: expected numbers as {{value: probability, ...}}") from None
     if not (np.isfinite(values).all() and np.isfinite(weights).all()) or (weights < 0).any() \
             or weights.sum() <= 0:
         raise TraceError(f"{where}: probabilities must be finite, >= 0 and not all 0")
