@@ -31,9 +31,10 @@ SUMMARY_ROWS = [
     ("preemptions", "preemptions", "{:,}"), ("compressions", "compressions", "{:,}"),
     ("prompt tokens computed", "prefill_tokens", "{:,}"),
     ("prefix-hit tokens", "prefix_hit_tokens", "{:,}"),
-    ("  at first admission", "first_hit_tokens", "{:,}"),
     # Shown only for a deployment with a host tier (`HOST_ROWS`).
     ("  of them from host memory", "host_hit_tokens", "{:,}"),
+    # The rest are a preempted request's own blocks found again.
+    ("  of them at first admission", "first_hit_tokens", "{:,}"),
     ("host tier blocks copied", "host_copy_blocks", "{:,}"),
     ("max blocks after compression", "max_blocks_after_compress", "{}"),
     ("mean kept budget (tokens)", "mean_kept_budget", "{:,.0f}"),
