@@ -28,7 +28,8 @@ import pandas as pd
 from zipage.errors import ZipageError
 from zipage.rundir import SERVED, decisions_absent_reason, load_run, read_decisions, run_kind  # noqa: F401 - read_decisions: callers import it from here
 
-SUMMARY_KEYS = ("tps", "makespan_s", "mean_tpot_ms", "steps", "preemptions", "compressions")
+SUMMARY_KEYS = ("tps", "makespan_s", "mean_tpot_ms", "steps", "preemptions", "compressions",
+                "prefix_hit_tokens", "first_hit_tokens")
 # Capacity the run was planned with: when these differ, the schedules cannot agree.
 CAPACITY_KEYS = ("n_max", "max_concurrency", "num_blocks")
 FINISHED = "finished"

@@ -447,7 +447,8 @@ def test_identical_runs_compare_with_zero_error(real_dir, tmp_path):
     ratios = {key: values["ratio"] for key, values in comparison["summary"].items()}
     # No ratio for 0 preemptions against 0: undefined, not 1.
     assert_close(ratios, {"tps": 1.0, "makespan_s": 1.0, "mean_tpot_ms": 1.0, "steps": 1.0,
-                          "preemptions": None, "compressions": 1.0})
+                          "preemptions": None, "compressions": 1.0, "prefix_hit_tokens": None,
+                          "first_hit_tokens": None})
     assert "(a) scheduling decisions: identical" in format_report(comparison)
 
 

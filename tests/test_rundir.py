@@ -300,7 +300,7 @@ def test_compare_against_a_served_run_compares_requests_only(tmp_path, simulated
     assert comparison["setup_differences"] is None and comparison["decisions"] is None
     assert comparison["step_time"] is None and comparison["time_by_kind"] is None
     assert set(comparison["summary"]) == {"tps", "makespan_s", "mean_tpot_ms", "compressions",
-                                          "preemptions"}
+                                          "preemptions", "prefix_hit_tokens", "first_hit_tokens"}
     assert comparison["request_time"]["finished_in_both"] == simulated[0]["completed"]
     report = format_report(comparison)
     assert "served: a served run (`zipage bench serve`): request-level metrics only" in report
