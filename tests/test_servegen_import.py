@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis_profiles import examples
 
@@ -287,6 +287,11 @@ def pools(draw):
 @settings(max_examples=examples(60))
 @given(clients=pools(), seed=st.integers(0, 3), start=st.floats(0, 2400),
        duration=st.floats(1, 3000), sample=st.sampled_from([1.0, 0.5]))
+# Found by a deep run: a burst at the day's first microsecond and a span starting just after 0
+# (arrivals are now put on the microsecond grid before a span is cut).
+@example(clients={1: (["0,0.2,1.0,Gamma,0.015625,1.0"],
+                      {0: {"input_tokens": {1: 1.0}, "output_tokens": {1: 1.0}}})},
+         seed=0, start=2.1871064856194048e-57, duration=1.0, sample=1.0)
 def test_any_pool_gives_a_valid_trace_the_same_under_spans(tmp_path_factory, clients, seed, start,
                                                            duration, sample):
     folder = _pool(tmp_path_factory.mktemp("pool"), clients)

@@ -128,7 +128,9 @@ class ServeGenStream:
                 made.extend(self._window_requests(client, window, skipped))
             made.sort(key=lambda item: item[0])  # stable: client order among equal times
             for time_s, request, draw in made:
-                offset = time_s - start
+                # On the trace's microsecond grid first, so a span keeps exactly the requests
+                # whose whole-day arrivals fall in it.
+                offset = round(time_s, ARRIVAL_DECIMALS) - start
                 reason = _skip_reason(request.prompt_len, request.output_len, offset, duration,
                                       draw, options)
                 if reason is not None:
