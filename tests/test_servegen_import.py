@@ -1,6 +1,6 @@
-"""ServeGen's client pools in (zipage/servegen_import.py): two real DeepSeek-R1 clients of the
-release, and pools written here whose distributions are known, so the composed requests can be
-checked against them."""
+"""ServeGen's client pools in (zipage/servegen_import.py): two real DeepSeek-R1 clients and one
+multimodal client of the release, pools written here whose distributions are known, so the
+composed requests can be checked against them, and random pools (a property test)."""
 
 from __future__ import annotations
 
