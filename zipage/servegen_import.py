@@ -127,22 +127,21 @@ class ServeGenStream:
             for client, window in by_start[window_start]:
                 made.extend(self._window_requests(client, window, skipped))
             made.sort(key=lambda item: item[0])  # stable: client order among equal times
-            for time_s, request, draw in made:
+            for time_s, name, prompt_len, output_len, reasoning_len, draw in made:
                 # On the trace's microsecond grid first, so a span keeps exactly the requests
                 # whose whole-day arrivals fall in it.
                 offset = round(time_s, ARRIVAL_DECIMALS) - start
-                reason = _skip_reason(request.prompt_len, request.output_len, offset, duration,
-                                      draw, options)
+                reason = _skip_reason(prompt_len, output_len, offset, duration, draw, options)
                 if reason is not None:
                     skipped[reason] += 1
                     continue
                 yield TraceRequest(
-                    id=request.id, arrival_s=round(offset / options.speedup, ARRIVAL_DECIMALS),
-                    prompt_len=request.prompt_len, output_len=request.output_len,
-                    reasoning_len=request.reasoning_len)
+                    id=name, arrival_s=round(offset / options.speedup, ARRIVAL_DECIMALS),
+                    prompt_len=prompt_len, output_len=output_len, reasoning_len=reasoning_len)
 
-    def _window_requests(self, client: _Client, window: _Window,
-                         skipped: Counter) -> list[tuple[float, TraceRequest, float]]:
+    def _window_requests(self, client: _Client, window: _Window, skipped: Counter
+                         ) -> list[tuple[float, str, int, int, int, float]]:
+        """The window's requests as (time, id, prompt, output, thinking, sample draw)."""
         rng = np.random.default_rng(
             [self.options.seed, stable_hash(f"servegen\0{client.number}"), int(window.start)])
         count = int(rng.poisson(window.rate * window.size))
@@ -168,8 +167,7 @@ class ServeGenStream:
             thinking = np.zeros(count, dtype=np.int64)
         sample_draws = rng.random(count)
         stem = f"servegen-c{client.number}-{int(window.start)}"
-        return [(time_s, TraceRequest(id=f"{stem}-{k}", arrival_s=0.0, prompt_len=prompt,
-                                      output_len=output, reasoning_len=max(0, think)), draw)
+        return [(time_s, f"{stem}-{k}", prompt, output, max(0, think), draw)
                 for k, (time_s, prompt, output, think, draw) in enumerate(zip(
                     times.tolist(), prompts.tolist(), outputs.tolist(), thinking.tolist(),
                     sample_draws.tolist()))]

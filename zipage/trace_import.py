@@ -144,16 +144,11 @@ def import_trace_file(fmt: str, path: str | os.PathLike[str], output: str | os.P
 
 def _opened_stream(fmt: str, path: str | os.PathLike[str],
                    options: ImportOptions) -> tuple[ProductionStream | ServeGenStream, ImportReport]:
-    stream = _production_stream(fmt, path, options)
-    rows = stream.rows if isinstance(stream, ServeGenStream) else len(stream.rows)
-    return stream, ImportReport(fmt, rows=rows)
-
-
-def _production_stream(fmt: str, path: str | os.PathLike[str],
-                       options: ImportOptions = ImportOptions()) -> ProductionStream | ServeGenStream:
-    if fmt == "servegen":
-        return ServeGenStream(path, options)
-    return ProductionStream(fmt, path, options)
+    if fmt == "servegen":  # a pool's "rows" are its clients' active windows
+        pool = ServeGenStream(path, options)
+        return pool, ImportReport(fmt, rows=pool.rows)
+    stream = ProductionStream(fmt, path, options)
+    return stream, ImportReport(fmt, rows=len(stream.rows))
 
 
 def detect_format(path: str | os.PathLike[str]) -> str:
