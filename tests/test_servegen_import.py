@@ -287,8 +287,8 @@ def pools(draw):
 @settings(max_examples=examples(60))
 @given(clients=pools(), seed=st.integers(0, 3), start=st.floats(0, 2400),
        duration=st.floats(1, 3000), sample=st.sampled_from([1.0, 0.5]))
-# Found by a deep run: a burst at the day's first microsecond and a span starting just after 0
-# (arrivals are now put on the microsecond grid before a span is cut).
+# A burst at the day's first microsecond and a span starting just after 0: the span must cut on
+# the microsecond grid the whole day's arrivals are rounded to, or it keeps what the day puts at 0.
 @example(clients={1: (["0,0.2,1.0,Gamma,0.015625,1.0"],
                       {0: {"input_tokens": {1: 1.0}, "output_tokens": {1: 1.0}}})},
          seed=0, start=2.1871064856194048e-57, duration=1.0, sample=1.0)
