@@ -153,7 +153,11 @@ def serve_and_bench(engine_flags, replicas, routing, trace_path, out: Path, env)
     return {"check": check, "tok_s": summary["tps"],
             "ttft_p50_s": summary["ttft_p50_s"], "ttft_p90_s": summary["ttft_p90_s"],
             "completed": summary["completed"], "makespan_s": summary["makespan_s"],
-            "per_replica": summary["requests_per_replica"]}
+            "per_replica": summary["requests_per_replica"],
+            # Beside the client's mean TTFT, the server's (its /metrics histogram): what the
+            # HTTP path added is the difference (docs/serve.md, 'Benchmark a server').
+            "ttft_mean_s": summary["mean_ttft_s"],
+            "server_ttft_mean_s": summary.get("server_ttft_mean_s")}
 
 
 def predict(trace, args, dtype, replicas, routing) -> dict:
@@ -175,14 +179,18 @@ def predict(trace, args, dtype, replicas, routing) -> dict:
 
 
 def print_table(rows) -> None:
-    print("| replicas | routing | tok/s | TTFT p50 s | TTFT p90 s | requests per replica | "
-          "predicted tok/s | predicted TTFT p90 s | predicted per replica | tok/s measured / "
-          "predicted |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| replicas | routing | tok/s | TTFT p50 s | TTFT p90 s | TTFT mean s, client / server "
+          "| requests per replica | predicted tok/s | predicted TTFT p90 s | predicted per replica "
+          "| tok/s measured / predicted |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         m, p = row["measured"], row["predicted"]
+        server = m.get("server_ttft_mean_s")
+        means = (f"{m['ttft_mean_s']:.3f} / {server:.3f}" if server is not None
+                 and m.get("ttft_mean_s") is not None else "-")
         print(f"| {row['replicas']} | {row['routing']} | {m['tok_s']:.1f} | {m['ttft_p50_s']:.2f} "
-              f"| {m['ttft_p90_s']:.2f} | {'/'.join(f'{x:g}' for x in m['per_replica'])} | "
+              f"| {m['ttft_p90_s']:.2f} | {means} | "
+              f"{'/'.join(f'{x:g}' for x in m['per_replica'])} | "
               f"{p['tok_s']:.1f} | {p['ttft_p90_s']:.2f} | "
               f"{'/'.join(str(x) for x in p['per_replica'])} | {m['tok_s'] / p['tok_s']:.2f} |")
 

@@ -349,3 +349,27 @@ def test_mistakes_are_one_line_naming_the_flag(capsys, tmp_path):
     for argv, fragment in cases:
         line = _fails(capsys, *argv)
         assert fragment in line, (argv, line)
+
+
+def test_server_ttft_is_the_histograms_advance_and_the_note_names_the_http_path(capsys):
+    """`server_ttft_mean_s`: the /metrics TTFT histogram's mean over the run, a series missing
+    before it (a labelled histogram appears with its first observation) counting from zero; the
+    note only where the client's mean is over twice the server's and over 50 ms above it."""
+    from zipage.cli.bench import print_server_ttft
+    from zipage.serve.bench import _server_ttft
+
+    after = {"ttft_sum": 3.0, "ttft_count": 100.0}
+    assert _server_ttft({}, after) == pytest.approx(0.03)
+    assert _server_ttft({"ttft_sum": 1.0, "ttft_count": 50.0}, after) == pytest.approx(0.04)
+    assert _server_ttft(after, after) is None  # no request of the run got a token
+    assert _server_ttft(None, after) is _server_ttft({}, {}) is None
+    print_server_ttft({"server_ttft_mean_s": 0.0165, "mean_ttft_s": 0.2556})
+    printed = capsys.readouterr().out
+    assert "TTFT at the server (its /metrics, mean): 16.5 ms; at this client: 255.6 ms" in printed
+    assert "note: 239 ms a request on average came on the HTTP path" in printed
+    # Twice the server's but within 50 ms of it; 80 ms over it but under twice it.
+    for server, client in ((0.0165, 0.040), (0.100, 0.180)):
+        print_server_ttft({"server_ttft_mean_s": server, "mean_ttft_s": client})
+        assert "note:" not in capsys.readouterr().out
+    print_server_ttft({"server_ttft_mean_s": None, "mean_ttft_s": 0.2})
+    assert capsys.readouterr().out == ""

@@ -290,6 +290,12 @@ def test_cli_prints_the_sessions(url, tmp_path, capsys):
     assert [turn["completed"] for turn in summary["turns"]] == [1, 1]
     assert (summary["prefix_hit_tokens"], summary["server_prefix_hit_tokens"]) == (16, 16)
     assert summary["prefix_hit_share"] == 0.4 and summary["prefill_tokens"] == 24
+    # The server's own TTFT (its histogram over the run: the two requests that got a token),
+    # printed beside the client's: each request's span there lies inside the client's.
+    server, client = summary["server_ttft_mean_s"], summary["mean_ttft_s"]
+    assert 0 < server <= client
+    assert (f"TTFT at the server (its /metrics, mean): {1000 * server:.1f} ms; at this client: "
+            f"{1000 * client:.1f} ms") in printed
 
 
 def stand_in_server(bodies: list, token_ids: list[int] | None):
@@ -333,6 +339,7 @@ def test_a_server_that_sends_no_token_ids_fails_the_follow_ups_not_the_turn(tmp_
     # No cached_tokens in its usage and no /metrics: the prefix-cache keys are unknown.
     assert summary["prefix_hit_tokens"] is summary["prefix_hit_share"] is None
     assert summary["server_prefix_hit_tokens"] is summary["prefill_tokens"] is None
+    assert summary["server_ttft_mean_s"] is None
 
 
 def test_users_send_one_session_at_a_time(tmp_path):

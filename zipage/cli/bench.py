@@ -157,6 +157,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     print_summary(summary, title=f"{workload.trace.name} served by {summary['model']} at "
                                  f"{args.url}")
     print_prefix_cache(summary)
+    print_server_ttft(summary)
     print_sessions(summary)
     print_bench_report(summary["bench"], spec)
     for record in [record for record in records if record.error][:5]:
@@ -386,6 +387,26 @@ def print_prefix_cache(summary: dict) -> None:
         line += (f"; /metrics over the run: {summary['server_prefix_hit_tokens']:,} hit, "
                  f"{summary['prefill_tokens']:,} computed")
     print(line)
+
+
+# The client's mean TTFT this far (and this many times) beyond the server's own says the HTTP path
+# (the server's event loop or this client's), not the engine, made most of it.
+HTTP_TTFT_NOTE_S, HTTP_TTFT_NOTE_RATIO = 0.05, 2.0
+
+
+def print_server_ttft(summary: dict) -> None:
+    """The server's own mean TTFT (its /metrics histogram over the run) beside this client's, and
+    a note when the HTTP path added most of what the client measured."""
+    server, client = summary.get("server_ttft_mean_s"), summary.get("mean_ttft_s")
+    if server is None or not client:
+        return
+    print(f"  TTFT at the server (its /metrics, mean): {1000 * server:.1f} ms; "
+          f"at this client: {1000 * client:.1f} ms")
+    if client - server > HTTP_TTFT_NOTE_S and client > HTTP_TTFT_NOTE_RATIO * server:
+        print(f"  note: {1000 * (client - server):.0f} ms a request on average came on the HTTP "
+              "path, outside the server's own span: at high token rates one Python event loop "
+              "on each side (the server's, this client's) saturates; docs/serve.md, 'Benchmark "
+              "a server'")
 
 
 def print_sessions(summary: dict) -> None:

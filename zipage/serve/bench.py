@@ -30,7 +30,11 @@ preempted nothing (a request readmitted after a preemption counts its hits again
 an offline run's summary).
 
 The client is httpx with a hand-read event stream (not the openai package): at hundreds of
-concurrent streams the client's own per-chunk cost must stay far below the server's.
+concurrent streams the client's own per-chunk cost must stay far below the server's. Where the
+server publishes vLLM's `vllm:time_to_first_token_seconds` histogram (vLLM and Zipage do), the
+summary holds its mean over the run, `server_ttft_mean_s`, beside the client's `mean_ttft_s`:
+each request's span there lies inside the client's, so what the client measures beyond it is
+the HTTP path's (the server's event loop and this client's), not the engine's.
 """
 
 from __future__ import annotations
@@ -81,6 +85,8 @@ LINE_EVERY_S = 10.0
 _COUNTER = re.compile(r"^zipage:(compressions|preemptions|prefix_cache_queries|prefix_cache_hits)"
                       r"_total\{[^}]*\}\s+(\S+)$", re.M)
 _ROUTED = re.compile(r'^zipage:requests_routed_total\{[^}]*replica="(\d+)"[^}]*\}\s+(\S+)$', re.M)
+# vLLM's name, which a Zipage server publishes too (zipage/serve/metrics.py): one series a replica.
+_TTFT = re.compile(r"^vllm:time_to_first_token_seconds_(sum|count)\{[^}]*\}\s+(\S+)$", re.M)
 
 
 @dataclass(frozen=True)
@@ -507,6 +513,9 @@ def _summary(records: list[RequestRecord], before: dict | None, after: dict | No
     queries = _advance(before, after, "prefix_cache_queries")
     summary["prefill_tokens"] = None if hits is None or queries is None else queries - hits
     summary["server_prefix_hit_tokens"] = hits
+    # The server's own time to first token (arrival at it to its first token there), its mean
+    # over the run: the part of the client's TTFT the HTTP path did not add.
+    summary["server_ttft_mean_s"] = _server_ttft(before, after)
     # Beside `zipage plan --replicas N --routing P`'s own key of that name: how the server's
     # router spread this trace (a replicated Zipage server; None elsewhere).
     summary["requests_per_replica"] = None
@@ -515,6 +524,18 @@ def _summary(records: list[RequestRecord], before: dict | None, after: dict | No
             int(after["routed"][replica] - before["routed"].get(replica, 0.0))
             for replica in sorted(after["routed"], key=int)]
     return summary
+
+
+def _server_ttft(before: dict | None, after: dict | None) -> float | None:
+    """The mean of the server's TTFT histogram over the run (None: it has none, or no request
+    of the run got a token). A labelled series appears with its first observation: one missing
+    before the run had counted nothing."""
+    if before is None or after is None or "ttft_count" not in after:
+        return None
+    count = after["ttft_count"] - before.get("ttft_count", 0.0)
+    if count <= 0:
+        return None
+    return (after["ttft_sum"] - before.get("ttft_sum", 0.0)) / count
 
 
 def _advance(before: dict | None, after: dict | None, name: str) -> int | None:
@@ -590,8 +611,9 @@ async def _served_model(client: httpx.AsyncClient, base: str, model: str | None)
 
 
 async def _server_counters(client: httpx.AsyncClient) -> dict | None:
-    """Compressions, preemptions, prefix-cache queries and hits so far, and the requests routed
-    to each replica, from a Zipage server's /metrics (None elsewhere)."""
+    """Compressions, preemptions, prefix-cache queries and hits and the requests routed to each
+    replica so far, from a Zipage server's /metrics, and the TTFT histogram's sum and count from
+    a vLLM or Zipage server's (None where it has none of them)."""
     try:
         response = await client.get("/metrics")
     except httpx.HTTPError:
@@ -599,6 +621,8 @@ async def _server_counters(client: httpx.AsyncClient) -> dict | None:
     found: dict = {}
     for name, value in _COUNTER.findall(response.text):  # one series per replica: their sum
         found[name] = found.get(name, 0.0) + float(value)
+    for part, value in _TTFT.findall(response.text):
+        found[f"ttft_{part}"] = found.get(f"ttft_{part}", 0.0) + float(value)
     if not found:
         return None
     found["routed"] = {replica: float(value) for replica, value in _ROUTED.findall(response.text)}
