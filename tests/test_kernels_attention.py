@@ -50,6 +50,7 @@ from zipage.kernels.kv_quant_ref import (  # noqa: E402
     kv_scales,
     quantize_kv,
 )
+from zipage.presets import PRESETS  # noqa: E402
 
 HEAD_DIM = 64
 NUM_KV_HEADS = 2
@@ -166,12 +167,13 @@ def make_paged_batch(
     dtype: torch.dtype,
     generator: torch.Generator,
     padding: int = -1,
+    head_dim: int = HEAD_DIM,
 ) -> PagedBatch:
     """Random dense K/V per sequence, stored with the reference into randomly chosen blocks of a random cache;
     block tables are ragged and padded with ``padding``, and a few spare blocks stay unowned."""
     blocks_per_sequence = [-(-length // block_size) for length in context_lens]
     num_blocks = sum(blocks_per_sequence) + 3
-    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, block_size, NUM_KV_HEADS, head_dim)
     k_cache = torch.randn(shape, generator=generator).to(dtype)
     v_cache = torch.randn(shape, generator=generator).to(dtype)
     block_order = torch.randperm(num_blocks, generator=generator)
@@ -184,8 +186,8 @@ def make_paged_batch(
         block_tables[seq, :num_seq_blocks] = owned.to(torch.int32)
         positions = torch.arange(length)
         slot_mapping = owned[positions // block_size] * block_size + positions % block_size
-        keys = torch.randn((length, NUM_KV_HEADS, HEAD_DIM), generator=generator).to(dtype)
-        values = torch.randn((length, NUM_KV_HEADS, HEAD_DIM), generator=generator).to(dtype)
+        keys = torch.randn((length, NUM_KV_HEADS, head_dim), generator=generator).to(dtype)
+        values = torch.randn((length, NUM_KV_HEADS, head_dim), generator=generator).to(dtype)
         store_kv_ref(keys, values, k_cache, v_cache, slot_mapping)
         dense_keys.append(keys)
         dense_values.append(values)
@@ -483,6 +485,39 @@ def test_decode_matches_reference(triton_kernels, monkeypatch, dtype, group, blo
     assert out.dtype == dtype
     torch.testing.assert_close(out, paged_decode_attention_ref(*arguments), **TOLERANCES[dtype])
     assert torch.count_nonzero(out[3]) == 0
+
+
+# Every model preset's query heads per KV head and head size, (2, 128) to (8, 128) and (3, 64) and
+# (7, 64): the groups that are not powers of two run padded lanes. Two KV heads each (the kernels'
+# programs split by KV head), so the shapes stay small under the interpreter.
+PRESET_HEADS = sorted({(preset.num_heads // preset.num_kv_heads, preset.head_dim)
+                       for preset in PRESETS.values()})
+
+
+@under_interpreter
+@pytest.mark.parametrize("group,head_dim", PRESET_HEADS)
+def test_every_presets_heads_attend_like_the_reference(triton_kernels, group, head_dim):
+    """Decode (split into partitions and merged) and prefill (chunks of several lengths over
+    cached context) at each preset's group and head size, against the torch reference."""
+    dtype = torch.float16
+    generator = torch.Generator().manual_seed(100 * group + head_dim)
+    scale = head_dim ** -0.5
+    context_lens = [200, 64, 1, 0]
+    batch = make_paged_batch([max(length, 1) for length in context_lens], 16, dtype, generator,
+                             head_dim=head_dim)
+    batch.context_lens = torch.tensor(context_lens, dtype=torch.int32)
+    q = torch.randn((len(context_lens), NUM_KV_HEADS * group, head_dim), generator=generator).to(dtype)
+    arguments = (q, batch.k_cache, batch.v_cache, batch.context_lens, batch.block_tables, scale)
+    out = triton_kernels.paged_decode_attention_triton(*arguments, partition_size=64)
+    torch.testing.assert_close(out, paged_decode_attention_ref(*arguments), **TOLERANCES[dtype])
+    assert torch.count_nonzero(out[3]) == 0
+    context_lens, q_lens = [90, 33, 17], [40, 33, 1]
+    batch = make_paged_batch(context_lens, 16, dtype, generator, head_dim=head_dim)
+    q = torch.randn((sum(q_lens), NUM_KV_HEADS * group, head_dim), generator=generator).to(dtype)
+    arguments = (q, batch.k_cache, batch.v_cache, cumulative(q_lens), batch.context_lens,
+                 batch.block_tables, scale)
+    out = triton_kernels.paged_prefill_attention_triton(*arguments, max(q_lens))
+    torch.testing.assert_close(out, paged_prefill_attention_ref(*arguments), **TOLERANCES[dtype])
 
 
 @under_interpreter
