@@ -30,7 +30,8 @@ preempted nothing (a request readmitted after a preemption counts its hits again
 an offline run's summary).
 
 The client is httpx with a hand-read event stream (not the openai package): at hundreds of
-concurrent streams the client's own per-chunk cost must stay far below the server's. Where the
+concurrent streams the client's own per-chunk cost must stay far below the server's, which it
+does no longer near 16k streamed tokens a second (docs/serve.md, 'Benchmark a server'). Where the
 server publishes vLLM's `vllm:time_to_first_token_seconds` histogram (vLLM and Zipage do), the
 summary holds its mean over the run, `server_ttft_mean_s`, beside the client's `mean_ttft_s`:
 each request's span there lies inside the client's, so what the client measures beyond it is
