@@ -17,23 +17,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import resource
 import subprocess
 import sys
 import time
+import urllib.request
 
-_TTFT = re.compile(r"^vllm:time_to_first_token_seconds_(sum|count)\{[^}]*\}\s+(\S+)$", re.M)
+from zipage.serve.bench import server_ttft_mean, ttft_histogram
 
 
-def server_ttft(url: str) -> tuple[float, float]:
-    import urllib.request
-
-    text = urllib.request.urlopen(url + "/metrics").read().decode()
-    found = {"sum": 0.0, "count": 0.0}
-    for part, value in _TTFT.findall(text):
-        found[part] += float(value)
-    return found["sum"], found["count"]
+def server_ttft(url: str) -> dict[str, float]:
+    return ttft_histogram(urllib.request.urlopen(url + "/metrics").read().decode())
 
 
 async def replay(library: str, url: str, requests: list, model: str) -> list[float]:
@@ -96,8 +90,6 @@ def main() -> int:
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.model is None:
-        import urllib.request
-
         args.model = json.loads(urllib.request.urlopen(args.url + "/v1/models").read())["data"][0]["id"]
     if args.child:
         child(args.child, args.trace, args.url, args.model)
@@ -112,8 +104,9 @@ def main() -> int:
                                  capture_output=True, text=True, check=True).stdout
             after = server_ttft(args.url)
             result = json.loads(out.strip().splitlines()[-1])
-            server = (after[0] - before[0]) / max(after[1] - before[1], 1.0)
-            print(f"| {library} | {1000 * result['mean_ttft_s']:.1f} | {1000 * server:.1f} | "
+            server = server_ttft_mean(before, after)
+            server_ms = "-" if server is None else f"{1000 * server:.1f}"
+            print(f"| {library} | {1000 * result['mean_ttft_s']:.1f} | {server_ms} | "
                   f"{result['cpu_s']:.2f} |", flush=True)
     return 0
 

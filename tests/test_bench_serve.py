@@ -356,13 +356,13 @@ def test_server_ttft_is_the_histograms_advance_and_the_note_names_the_http_path(
     before it (a labelled histogram appears with its first observation) counting from zero; the
     note only where the client's mean is over twice the server's and over 50 ms above it."""
     from zipage.cli.bench import print_server_ttft
-    from zipage.serve.bench import _server_ttft
+    from zipage.serve.bench import server_ttft_mean
 
     after = {"ttft_sum": 3.0, "ttft_count": 100.0}
-    assert _server_ttft({}, after) == pytest.approx(0.03)
-    assert _server_ttft({"ttft_sum": 1.0, "ttft_count": 50.0}, after) == pytest.approx(0.04)
-    assert _server_ttft(after, after) is None  # no request of the run got a token
-    assert _server_ttft(None, after) is _server_ttft({}, {}) is None
+    assert server_ttft_mean({}, after) == pytest.approx(0.03)
+    assert server_ttft_mean({"ttft_sum": 1.0, "ttft_count": 50.0}, after) == pytest.approx(0.04)
+    assert server_ttft_mean(after, after) is None  # no request of the run got a token
+    assert server_ttft_mean(None, after) is server_ttft_mean({}, {}) is None
     print_server_ttft({"server_ttft_mean_s": 0.0165, "mean_ttft_s": 0.2556})
     printed = capsys.readouterr().out
     assert "TTFT at the server (its /metrics, mean): 16.5 ms; at this client: 255.6 ms" in printed

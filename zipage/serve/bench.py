@@ -516,7 +516,7 @@ def _summary(records: list[RequestRecord], before: dict | None, after: dict | No
     summary["server_prefix_hit_tokens"] = hits
     # The server's own time to first token (arrival at it to its first token there), its mean
     # over the run: the part of the client's TTFT the HTTP path did not add.
-    summary["server_ttft_mean_s"] = _server_ttft(before, after)
+    summary["server_ttft_mean_s"] = server_ttft_mean(before, after)
     # Beside `zipage plan --replicas N --routing P`'s own key of that name: how the server's
     # router spread this trace (a replicated Zipage server; None elsewhere).
     summary["requests_per_replica"] = None
@@ -527,10 +527,19 @@ def _summary(records: list[RequestRecord], before: dict | None, after: dict | No
     return summary
 
 
-def _server_ttft(before: dict | None, after: dict | None) -> float | None:
-    """The mean of the server's TTFT histogram over the run (None: it has none, or no request
-    of the run got a token). A labelled series appears with its first observation: one missing
-    before the run had counted nothing."""
+def ttft_histogram(metrics: str) -> dict[str, float]:
+    """`ttft_sum` and `ttft_count` of a /metrics text's TTFT histogram, summed over its series (one
+    a replica); empty where the server publishes none."""
+    found: dict[str, float] = {}
+    for part, value in _TTFT.findall(metrics):
+        found[f"ttft_{part}"] = found.get(f"ttft_{part}", 0.0) + float(value)
+    return found
+
+
+def server_ttft_mean(before: dict | None, after: dict | None) -> float | None:
+    """The mean of the server's TTFT histogram between two readings (`ttft_histogram`'s keys;
+    None: it has none, or no request got a token meanwhile). A labelled series appears with its
+    first observation: one missing before had counted nothing."""
     if before is None or after is None or "ttft_count" not in after:
         return None
     count = after["ttft_count"] - before.get("ttft_count", 0.0)
@@ -622,8 +631,7 @@ async def _server_counters(client: httpx.AsyncClient) -> dict | None:
     found: dict = {}
     for name, value in _COUNTER.findall(response.text):  # one series per replica: their sum
         found[name] = found.get(name, 0.0) + float(value)
-    for part, value in _TTFT.findall(response.text):
-        found[f"ttft_{part}"] = found.get(f"ttft_{part}", 0.0) + float(value)
+    found.update(ttft_histogram(response.text))
     if not found:
         return None
     found["routed"] = {replica: float(value) for replica, value in _ROUTED.findall(response.text)}
