@@ -1,16 +1,17 @@
 """`zipage bench serve` at parity with `vllm bench serve` (issue #48), over real HTTP on localhost.
 
 Two real `zipage serve` processes on the CPU engine: the tiny random Qwen3 (tests/tiny_models.py:
-vocabulary 256, no tokenizer, so every streamed chunk carries its token ids) for token-id
-prompts, and the SmolLM2 GGUF (a tokenizer and a chat template) for text prompts and the chat
-endpoint. Covered: the random dataset at a request rate under --max-concurrency (the requests in
-flight, measured at the HTTP transport from send to the response's close, reach the limit and
-never pass it; the report's own count agrees), ITLs one per gap between chunks (output tokens - 1
-where each chunk carries one token), goodput counting exactly the requests that meet every
-objective, the ShareGPT fixture on the chat endpoint and random text on completions through the
-CLI (vLLM's report block, the result JSON, the run directory `zipage compare` reads, progress
-lines without a carriage return), re-timed arrivals (gamma gaps of the asked mean and shape,
-follow-ups left in closed loop), the datasets' shapes, and the one-line errors naming the flag.
+vocabulary 256, no tokenizer, so every streamed chunk carries its token ids) for token-id prompts,
+and the SmolLM2 GGUF (a tokenizer and a chat template) for text prompts and the chat endpoint.
+Covered: the random dataset at a request rate under --max-concurrency (the requests in flight, each
+from its arrival at a recording proxy between client and server to its last bytes passed on, reach
+the limit and never pass it; the report's own count agrees), ITLs one per gap between chunks
+(output tokens - 1 where each chunk carries one token), goodput counting exactly the requests that
+meet every objective, the ShareGPT fixture on the chat endpoint and random text on completions
+through the CLI (vLLM's report block, the result JSON, the run directory `zipage compare` reads,
+progress lines without a carriage return), re-timed arrivals (gamma gaps of the asked mean and
+shape, follow-ups left in closed loop), the datasets' shapes, and the one-line errors naming the
+flag.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 httpx = pytest.importorskip("httpx")
+pytest.importorskip("aiohttp")
 
+from http_stand_ins import RecordingProxy  # noqa: E402
 from serve_helpers import free_port, start_server, stop_server, wait_healthy  # noqa: E402
-from test_bench_sessions import Watched  # noqa: E402
 from test_serve import GGUF  # noqa: E402
 
 SHAREGPT = Path(__file__).parent / "fixtures" / "datasets" / "sharegpt_sample.json"
@@ -110,10 +112,10 @@ def random_run(tiny_url):
     workload = random_workload(RandomSpec(input_len=24, output_len=6, range_ratio=0.5,
                                           prefix_len=4), 12, seed=3, vocab_size=VOCAB)
     trace = retime(workload.trace, 1000.0, 1.0, seed=3)
-    watched = Watched()
     spec = ReportSpec(metrics=("ttft", "tpot", "itl", "e2el"), percentiles=(50.0, 90.0, 99.0))
-    result = asyncio.run(run_bench(trace, tiny_url, vocab_size=VOCAB, max_concurrency=3,
-                                   report=spec, transport=watched))
+    with RecordingProxy(tiny_url) as watched:
+        result = asyncio.run(run_bench(trace, watched.url, vocab_size=VOCAB, max_concurrency=3,
+                                       report=spec))
     return SimpleNamespace(trace=trace, result=result, watched=watched, spec=spec)
 
 
@@ -126,8 +128,11 @@ def test_max_concurrency_is_reached_and_never_passed(random_run):
     assert _most_at_once(intervals) == 3
     assert result.summary["bench"]["max_concurrent_requests"] == 3
     # Each request's clock starts when it had its place: its TTFT is no longer than the
-    # transport saw from its send to its first byte being read back... at most its whole span.
-    for record, seen in zip(result.records, watched.exchanges):
+    # proxy saw from its arrival to its first bytes passed on... at most its whole span.
+    by_prompt = {tuple(seen.body["prompt"]): seen for seen in watched.exchanges}
+    requests = {request.id: request for request in random_run.trace.requests}
+    for record in result.records:
+        seen = by_prompt[tuple(requests[record.id].prompt_token_ids)]
         assert record.first_token - record.arrival <= seen.ended - seen.sent + 0.05
 
 

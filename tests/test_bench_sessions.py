@@ -1,25 +1,25 @@
 """`zipage bench serve` replays a session trace in closed loop, over real HTTP on localhost.
 
-One `zipage serve` of the tiny random Qwen3 (tests/tiny_models.py: vocabulary 256, no tokenizer,
-it starts in seconds) with `--max-model-len 256`. A trace of two sessions (one with a chain of
-three turns, reasoning and a trimmed history; one with two turns following one, an agent's
-parallel calls), one session whose first turn the server refuses (400: too long), and one
-request on its own. Every exchange is watched through an httpx transport: when it was sent, its
-body, and when its response ended with which generated token ids. Covered: a follow-up is sent
-`after_s` after its predecessor's response fully came back (not before; at most TIMING_SLACK_S
-later), its prompt is its predecessor's prompt + the ids the server generated for it, less the
-first `reasoning_len`, cut to its `prefix_len`, then its own tokens; each turn carries its
-`session_id`, and `return_token_ids` where a later turn is built from it; a failed turn fails
+One `zipage serve` of the tiny random Qwen3 (tests/tiny_models.py: vocabulary 256, no tokenizer, it
+starts in seconds) with `--max-model-len 256`. A trace of two sessions (one with a chain of three
+turns, reasoning and a trimmed history; one with two turns following one, an agent's parallel
+calls), one session whose first turn the server refuses (400: too long), and one request on its
+own. Every exchange is watched through a recording proxy on localhost (tests/http_stand_ins.py):
+when it was sent, its body, and when its response ended with which generated token ids. Covered: a
+follow-up is sent `after_s` after its predecessor's response fully came back (not before; at most
+TIMING_SLACK_S later), its prompt is its predecessor's prompt + the ids the server generated for
+it, less the first `reasoning_len`, cut to its `prefix_len`, then its own tokens; each turn carries
+its `session_id`, and `return_token_ids` where a later turn is built from it; a failed turn fails
 its followers, which are never sent, their errors naming the turn; the summary counts the
-follow-ups, the failed and the late, per turn. `zipage bench serve` prints the sessions' lines.
-The prefix cache (issue #45): a second turn that re-reads the first's prompt and output gets
-the first prompt's full blocks as `usage.prompt_tokens_details.cached_tokens`, streamed or not,
-and /metrics' `prefix_cache_hits` and `prefix_cache_queries` advance by exactly the hits and the
-prompt tokens; bench serve's summary and printed line carry the responses' hits, equal to the
-server's counter.
-Without a server (a mock transport): a server that sends no token ids fails the follow-ups, not
-the turn. The request fields: `session_id` on both endpoints and `return_token_ids` are 400s
-naming the field on bad input, and a parsed request carries `.session_id`.
+follow-ups, the failed and the late, per turn. `zipage bench serve` prints the sessions' lines. The
+prefix cache (issue #45): a second turn that re-reads the first's prompt and output gets the first
+prompt's full blocks as `usage.prompt_tokens_details.cached_tokens`, streamed or not, and /metrics'
+`prefix_cache_hits` and `prefix_cache_queries` advance by exactly the hits and the prompt tokens;
+bench serve's summary and printed line carry the responses' hits, equal to the server's counter.
+Against a stand-in server (a real aiohttp server answering like one): a server that sends no token
+ids fails the follow-ups, not the turn. The request fields: `session_id` on both endpoints and
+`return_token_ids` are 400s naming the field on bad input, and a parsed request carries
+`.session_id`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import asyncio
 import json
 import random
 import re
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -38,7 +37,9 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 httpx = pytest.importorskip("httpx")
+pytest.importorskip("aiohttp")
 
+from http_stand_ins import RecordingProxy, StandInServer  # noqa: E402
 from serve_helpers import serving  # noqa: E402
 
 VOCAB = 256  # the tiny model's
@@ -85,41 +86,6 @@ def trace(tmp_path):
     return load_trace_file(path)
 
 
-class _Tee(httpx.AsyncByteStream):
-    """A response's bytes, kept as they are read, and when it was closed."""
-
-    def __init__(self, stream, exchange: SimpleNamespace) -> None:
-        self.stream, self.exchange = stream, exchange
-
-    async def __aiter__(self):
-        async for chunk in self.stream:
-            self.exchange.raw += chunk
-            yield chunk
-
-    async def aclose(self) -> None:
-        self.exchange.ended = time.perf_counter()
-        await self.stream.aclose()
-
-
-class Watched(httpx.AsyncHTTPTransport):
-    """The real transport, recording each completion (or chat) request: when it was sent, its body, its
-    status, its response's bytes and when the response ended."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.exchanges: list[SimpleNamespace] = []
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        sent = time.perf_counter()
-        response = await super().handle_async_request(request)
-        if request.url.path.endswith("completions"):  # /v1/completions, /v1/chat/completions
-            exchange = SimpleNamespace(sent=sent, body=json.loads(request.content),
-                                       status=response.status_code, raw=b"", ended=None)
-            self.exchanges.append(exchange)
-            response.stream = _Tee(response.stream, exchange)
-        return response
-
-
 def _cached_tokens(exchange: SimpleNamespace) -> int:
     """The usage chunk's prompt_tokens_details.cached_tokens."""
     for line in exchange.raw.decode().splitlines():
@@ -154,8 +120,8 @@ def test_follow_ups_are_sent_after_their_predecessor_with_its_generated_history(
     from zipage.sessions import own_tokens
     from zipage.trace import prompt_token_ids
 
-    watched = Watched()
-    summary, records = asyncio.run(bench_serve(trace, url, vocab_size=VOCAB, transport=watched))
+    with RecordingProxy(url) as watched:
+        summary, records = asyncio.run(bench_serve(trace, watched.url, vocab_size=VOCAB))
     requests = {request.id: request for request in trace.requests}
     record = {r.id: r for r in records}
 
@@ -298,29 +264,9 @@ def test_cli_prints_the_sessions(url, tmp_path, capsys):
             f"{1000 * client:.1f} ms") in printed
 
 
-def stand_in_server(bodies: list, token_ids: list[int] | None):
-    """A mock transport answering like a server: one model, and each completion streamed as one
-    chunk of two tokens (with `token_ids` when given); the request bodies go to `bodies`."""
-    def answer(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "m"}]})
-        if request.url.path != "/v1/completions":
-            return httpx.Response(404)
-        bodies.append(json.loads(request.content))
-        choice = {"index": 0, "text": "hi", "finish_reason": "length"}
-        if token_ids is not None:
-            choice["token_ids"] = token_ids
-        chunk = {"choices": [choice]}
-        usage = {"choices": [], "usage": {"completion_tokens": 2}}
-        return httpx.Response(200, text=f"data: {json.dumps(chunk)}\n\n"
-                                        f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n")
-
-    return httpx.MockTransport(answer)
-
-
 def test_a_server_that_sends_no_token_ids_fails_the_follow_ups_not_the_turn(tmp_path):
-    """Against a stand-in server (a mock transport): a completion streamed without token ids
-    finishes, and the turn built from it fails, naming why; it is never sent."""
+    """Against a stand-in server: a completion streamed without token ids finishes, and the
+    turn built from it fails, naming why; it is never sent."""
     from zipage.serve.bench import NO_TOKEN_IDS, bench_serve
     from zipage.trace_import import load_trace_file
 
@@ -328,9 +274,9 @@ def test_a_server_that_sends_no_token_ids_fails_the_follow_ups_not_the_turn(tmp_
     path.write_text('{"version": 1, "name": "two"}\n'
                     '{"id":"p","arrival_s":0.0,"session":"s","prompt_len":8,"output_len":2}\n'
                     '{"id":"q","after":"p","prompt_len":12,"output_len":2}\n')
-    bodies = []
-    summary, records = asyncio.run(bench_serve(load_trace_file(path), "http://stand-in",
-                                               transport=stand_in_server(bodies, None)))
+    with StandInServer(None) as server:
+        summary, records = asyncio.run(bench_serve(load_trace_file(path), server.url))
+    bodies = server.bodies
     assert len(bodies) == 1 and bodies[0]["return_token_ids"] is True
     assert bodies[0]["session_id"] == "s"
     assert [(r.id, r.status) for r in records] == [("p", "finished"), ("q", "failed")]
@@ -353,10 +299,11 @@ def test_users_send_one_session_at_a_time(tmp_path):
                     '{"id":"a0","arrival_s":0.0,"session":"a","prompt_len":8,"output_len":2}\n'
                     '{"id":"a1","after":"a0","prompt_len":12,"output_len":2}\n'
                     '{"id":"b0","arrival_s":0.0,"session":"b","prompt_len":8,"output_len":2}\n')
-    bodies = []
-    summary, records = asyncio.run(bench_serve(load_trace_file(path), "http://stand-in",
-                                               users=1, transport=stand_in_server(bodies, [5, 6])))
-    assert [body["session_id"] for body in bodies] == ["a", "a", "b"]
+    with StandInServer([5, 6]) as server:
+        summary, records = asyncio.run(bench_serve(load_trace_file(path), server.url, users=1))
+    assert [body["session_id"] for body in server.bodies] == ["a", "a", "b"]
+    # One at a time, each response read to its end: one connection carried them all.
+    assert len(set(server.peers)) == 1, server.peers
     assert [r.status for r in records] == ["finished"] * 3
 
 

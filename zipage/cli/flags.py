@@ -194,8 +194,8 @@ def engine_given(args: argparse.Namespace) -> str:
 def require_serve_extra() -> None:
     """The `serve` extra: `zipage serve` and `zipage bench serve` need it."""
     try:
+        import aiohttp  # noqa: F401
         import fastapi  # noqa: F401
-        import httpx  # noqa: F401
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as error:

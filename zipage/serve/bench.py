@@ -29,9 +29,11 @@ says (any server that reports them), with their share of those requests' prompt 
 preempted nothing (a request readmitted after a preemption counts its hits again there, as in
 an offline run's summary).
 
-The client is httpx with a hand-read event stream (not the openai package): at hundreds of
-concurrent streams the client's own per-chunk cost must stay far below the server's, which it
-does no longer near 16k streamed tokens a second (docs/serve.md, 'Benchmark a server'). Where the
+The client is aiohttp with a hand-read event stream (not the openai package), as `vllm bench
+serve`'s is: at hundreds of concurrent streams the client's own per-chunk cost must stay far
+below the server's (httpx reads the same streams for 2.2-2.5x the CPU, and near 16k streamed
+tokens a second measures seconds of TTFT where the server's own is ~20 ms: docs/serve.md,
+'Benchmark a server'). Where the
 server publishes vLLM's `vllm:time_to_first_token_seconds` histogram (vLLM and Zipage do), the
 summary holds its mean over the run, `server_ttft_mean_s`, beside the client's `mean_ttft_s`:
 each request's span there lies inside the client's, so what the client measures beyond it is
@@ -49,7 +51,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-import httpx
+import aiohttp
 
 from zipage.core.arrivals import ArrivalQueue, Done
 from zipage.core.deployment import iter_trace_sequences
@@ -135,26 +137,26 @@ async def run_bench(trace: Trace, url: str, model: str | None = None, *,
                     api_key: str | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE,
                     progress: bool = False, users: int | None = None,
                     texts: dict[str, str] | None = None, endpoint: str = COMPLETIONS,
-                    max_concurrency: int | None = None, report: ReportSpec = ReportSpec(),
-                    transport: httpx.AsyncBaseTransport | None = None) -> BenchResult:
+                    max_concurrency: int | None = None, report: ReportSpec = ReportSpec()
+                    ) -> BenchResult:
     """Replay `trace` against the server at `url`. `users`: at most that many sessions at once
     (`ArrivalQueue`'s closed population). `texts`: prompts to send as text, by request id (a
     text dataset; the others go as token ids). `endpoint`: COMPLETIONS or CHAT (text prompts
-    only). `max_concurrency`: at most that many requests in flight. `transport`: httpx's, to
-    watch or fake the exchanges (tests)."""
+    only). `max_concurrency`: at most that many requests in flight."""
     if endpoint not in ENDPOINTS:
         raise ZipageError(f"--endpoint: expected one of {', '.join(ENDPOINTS)}, got {endpoint!r}")
     if endpoint == CHAT and (texts is None or any(r.id not in texts for r in trace.requests)):
         raise ZipageError(CHAT_NEEDS_TEXT)
     base = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=None, limits=limits,
-                                 transport=transport) as client:
+    # No cap on connections (a request waits for a slot only under `max_concurrency`, as in
+    # vLLM) and no timeout: a request takes as long as the server streams it.
+    async with aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=None)) as client:
         model = await _served_model(client, base, model)
-        counters_before = await _server_counters(client)
+        counters_before = await _server_counters(client, base)
         bar = _Progress(len(trace.requests)) if progress else None
-        replay = _Replay(client, trace, model, vocab_size, bar, users, texts, endpoint,
+        replay = _Replay(client, base, trace, model, vocab_size, bar, users, texts, endpoint,
                          max_concurrency)
         started = time.perf_counter()
         try:
@@ -163,7 +165,7 @@ async def run_bench(trace: Trace, url: str, model: str | None = None, *,
             if bar is not None:
                 bar.close()
         wall = time.perf_counter() - started
-        counters_after = await _server_counters(client)
+        counters_after = await _server_counters(client, base)
     summary = _summary(records, counters_before, counters_after)
     summary.update(_prefix_summary(replay, records))
     summary.update(_session_summary(replay, records))
@@ -211,11 +213,11 @@ class _Replay:
     end (the response read to its last byte, or an error) is `queue.done`, which makes the turns
     that follow it due."""
 
-    def __init__(self, client: httpx.AsyncClient, trace: Trace, model: str, vocab_size: int,
-                 bar: _Progress | None, users: int | None = None,
+    def __init__(self, client: aiohttp.ClientSession, base: str, trace: Trace, model: str,
+                 vocab_size: int, bar: _Progress | None, users: int | None = None,
                  texts: dict[str, str] | None = None, endpoint: str = COMPLETIONS,
                  max_concurrency: int | None = None) -> None:
-        self.client, self.model, self.bar = client, model, bar
+        self.client, self.base, self.model, self.bar = client, base, model, bar
         self.texts, self.endpoint = texts, endpoint
         # In-flight requests at most (vLLM's --max-concurrency): a request waits for a slot
         # once it is due, and its clock (TTFT, E2EL) starts when it has one, as vLLM's does.
@@ -385,17 +387,19 @@ class _Replay:
         outcome = _Outcome(Timing(sent=self.now()))
         timing = outcome.timing
         try:
-            async with self.client.stream("POST", self.endpoint, json=body) as response:
-                if response.status_code != 200:
-                    text = (await response.aread()).decode(errors="replace")
-                    outcome.error = f"HTTP {response.status_code}: {_error_message(text)}"
+            async with self.client.post(self.base + self.endpoint, json=body) as response:
+                if response.status != 200:
+                    text = (await response.read()).decode(errors="replace")
+                    outcome.error = f"HTTP {response.status}: {_error_message(text)}"
                 else:
-                    async for line in response.aiter_lines():
+                    async for line in _lines(response.content):
                         if not line.startswith("data:"):
                             continue
                         data = line[5:].strip()
                         if data == "[DONE]":
-                            break
+                            # Read on to the end: a response left unread closes its connection,
+                            # and the next request would pay for a new one.
+                            continue
                         chunk = json.loads(data)
                         if "error" in chunk:
                             outcome.error = _error_message(data)
@@ -412,12 +416,24 @@ class _Replay:
                             outcome.prompt_tokens = usage.get("prompt_tokens")
                             outcome.cached = (usage.get("prompt_tokens_details")
                                               or {}).get("cached_tokens")
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             outcome.error = f"{type(exc).__name__}: {exc}"
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             outcome.error = f"a malformed response ({type(exc).__name__}: {exc})"
         timing.ended = self.now()  # the response fully came back
         return outcome
+
+
+async def _lines(stream: aiohttp.StreamReader):
+    """A response's lines as they come in, however its bytes were cut into reads (a line may be
+    longer than aiohttp's own line reader allows)."""
+    pending = b""
+    async for data in stream.iter_any():
+        *lines, pending = (pending + data).split(b"\n")
+        for line in lines:
+            yield line.decode()
+    if pending:
+        yield pending.decode()
 
 
 @dataclass
@@ -601,40 +617,44 @@ def _session_summary(replay: _Replay, records: list[RequestRecord]) -> dict:
     }
 
 
-async def _served_model(client: httpx.AsyncClient, base: str, model: str | None) -> str:
+async def _served_model(client: aiohttp.ClientSession, base: str, model: str | None) -> str:
     """`model`, or the server's first; a server nothing answers at is refused first, whether
     or not `--model` was given (every request would fail alike)."""
     try:
-        response = await client.get("/v1/models")
-    except httpx.TransportError as error:
+        async with client.get(base + "/v1/models") as response:
+            status, text = response.status, await response.text(errors="replace")
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
+        # ValueError: aiohttp's InvalidURL (a --url it cannot parse) is one.
         raise ZipageError(f"--url: nothing answers at {base} ({type(error).__name__}: {error}); "
                           "start the server first (zipage serve --model ...) or fix --url") \
             from None
     if model is not None:
         return model  # a server may list no models: the name given is the one sent
     try:
-        response.raise_for_status()
-        return response.json()["data"][0]["id"]
-    except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as error:
+        if status != 200:
+            raise ValueError(f"HTTP {status}")
+        return json.loads(text)["data"][0]["id"]
+    except (KeyError, IndexError, TypeError, ValueError) as error:
         raise ZipageError(f"--url: no model list at {base}/v1/models ({error}); check the URL "
                           "or pass --model NAME") from None
 
 
-async def _server_counters(client: httpx.AsyncClient) -> dict | None:
+async def _server_counters(client: aiohttp.ClientSession, base: str) -> dict | None:
     """Compressions, preemptions, prefix-cache queries and hits and the requests routed to each
     replica so far, from a Zipage server's /metrics, and the TTFT histogram's sum and count from
     a vLLM or Zipage server's (None where it has none of them)."""
     try:
-        response = await client.get("/metrics")
-    except httpx.HTTPError:
+        async with client.get(base + "/metrics") as response:
+            text = await response.text(errors="replace")
+    except (aiohttp.ClientError, asyncio.TimeoutError):
         return None
     found: dict = {}
-    for name, value in _COUNTER.findall(response.text):  # one series per replica: their sum
+    for name, value in _COUNTER.findall(text):  # one series per replica: their sum
         found[name] = found.get(name, 0.0) + float(value)
-    found.update(ttft_histogram(response.text))
+    found.update(ttft_histogram(text))
     if not found:
         return None
-    found["routed"] = {replica: float(value) for replica, value in _ROUTED.findall(response.text)}
+    found["routed"] = {replica: float(value) for replica, value in _ROUTED.findall(text)}
     return found
 
 
