@@ -1,6 +1,6 @@
 """What the HTTP client library costs a streaming benchmark client: the same trace streamed from one
-server by a bare httpx client (what `zipage bench serve` uses) and a bare aiohttp client (what
-`vllm bench serve` uses), each in a fresh process, printing each one's mean TTFT and its CPU
+server by a bare httpx client and a bare aiohttp client (what `zipage bench serve` and `vllm bench
+serve` use), each in a fresh process, printing each one's mean TTFT and its CPU
 seconds. Neither does more per chunk than find the first token, so the difference is the library's.
 
     zipage serve --simulate --model random:qwen3-8b --hardware h200 --kv-memory-gb 6 \
@@ -9,7 +9,7 @@ seconds. Neither does more per chunk than find the first token, so the differenc
 
 TRACE is any trace `zipage replay` reads (its prompts sent as token ids, its arrivals kept). The
 server's own mean TTFT over each run (its /metrics histogram) is printed beside: what a client
-measures beyond it is the HTTP path's. aiohttp is not a Zipage dependency; install it to compare.
+measures beyond it is the HTTP path's. httpx comes with the openai client (the serve extra).
 """
 
 from __future__ import annotations
