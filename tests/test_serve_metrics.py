@@ -228,3 +228,35 @@ def test_disable_access_log_names_one_switch():
         assert args.disable_access_log and not args.disable_log_stats
     args = parser.parse_args(["serve", "--model", "m"])
     assert not args.disable_access_log and args.log_stats_interval > 0
+
+
+@pytest.mark.parametrize("amount", [0.0, 0.004, 0.01, 0.0100001, 0.3, 79.9, 80.0, 1e6])
+def test_observe_times_is_that_many_observations(amount):
+    """`observe_times` (the inter-token latencies of a step at once) leaves the histogram as
+    `times` calls of `observe` would: every bucket count alike, the sum within float rounding.
+    Bounds themselves (0.01, 80) count in their own bucket, past the last in +Inf."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from zipage.serve.metrics import TPOT_BUCKETS, observe_times
+
+    pages = []
+    for batched in (False, True):
+        registry = CollectorRegistry()
+        histogram = Histogram("h", "h", ["replica"], buckets=TPOT_BUCKETS,
+                              registry=registry).labels("0")
+        if batched:
+            observe_times(histogram, amount, 7)
+            observe_times(histogram, 0.05, 2)
+        else:
+            for _ in range(7):
+                histogram.observe(amount)
+            histogram.observe(0.05)
+            histogram.observe(0.05)
+        samples = {(sample.name, sample.labels.get("le")): sample.value
+                   for metric in registry.collect() for sample in metric.samples}
+        pages.append(samples)
+    plain, batched = pages
+    assert plain.keys() == batched.keys()
+    for key, value in plain.items():
+        assert batched[key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
+    assert plain[("h_count", None)] == 9

@@ -678,10 +678,11 @@ class _Answer:
                         for prompt in range(len(prompts))]
         self.text_of = server.token_text
         self.logprobs = body.output_logprobs is not None
+        self.created = int(time.time())  # one for the whole response, as OpenAI's chunks have it
         note_answer(rid, self.usage)  # the access log's id and tokens
 
     def envelope(self, kind: str, choices: list[dict]) -> dict:
-        return {"id": self.rid, "object": kind, "created": int(time.time()),
+        return {"id": self.rid, "object": kind, "created": self.created,
                 "model": self.server.model_name, "choices": choices}
 
     def usage(self) -> dict:
@@ -700,10 +701,15 @@ class _Answer:
         return JSONResponse(reply)
 
     async def events(self) -> AsyncIterator[str]:
+        # Every chunk's envelope is the same text around its one choice: encoded once, the
+        # choice alone each token (JSON was a tenth of the HTTP process's time at 16k streamed
+        # tokens a second).
+        empty = _sse(self.envelope(self.object_chunk, []))
+        head, tail = empty[:-len("]}\n\n")], empty[-len("]}\n\n"):]
         try:
             async with aclosing(_merged(self.server, self.choices)) as updates:
                 async for choice, finish in updates:
-                    yield _sse(self.envelope(self.object_chunk, [self.chunk(choice, finish)]))
+                    yield head + json.dumps(self.chunk(choice, finish), separators=(",", ":")) + tail
         except ServeError as error:
             yield _sse(error.body())
         if self.body.include_usage:

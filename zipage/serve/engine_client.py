@@ -262,6 +262,7 @@ class EngineClient:
             if handle is not None:
                 handle.queued_s = seconds
         logprobs = update.logprobs
+        gaps: dict[float, int] = {}  # inter-token latency -> tokens (`inter_token_latencies`)
         for index, (seq_id, token) in enumerate(zip(update.seq_ids, update.tokens)):
             handle = handles.get(seq_id)
             if handle is None:
@@ -274,8 +275,9 @@ class EngineClient:
                 self._started(handle)
                 if metrics is not None:
                     metrics.first_token(handle)
-            elif metrics is not None:  # one observation per token after the first
-                metrics.itl.observe(now - handle.last_token_s)
+            else:  # one observation per token after the first
+                gap = now - handle.last_token_s
+                gaps[gap] = gaps.get(gap, 0) + 1
             handle.last_token_s = now
             reason = update.finished.get(seq_id)
             if reason is not None:
@@ -292,6 +294,7 @@ class EngineClient:
                 handle.deltas.put_nowait(Delta([], None, message, 400, param=param))
         self.stats = update.stats
         if metrics is not None:
+            metrics.inter_token_latencies(gaps)
             metrics.engine_stats(update.stats, len(update.tokens))
 
     def _end(self, handle: RequestHandle) -> None:

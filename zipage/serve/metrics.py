@@ -16,6 +16,8 @@ same values and every update happens once.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.metrics_core import Metric
 
@@ -181,6 +183,15 @@ def _renamed(metric: Metric, name: str) -> Metric:
     return copy
 
 
+def observe_times(histogram: Histogram, amount: float, times: int) -> None:
+    """`histogram.observe(amount)` `times` times over, as one update of its sum and one of its
+    bucket. prometheus_client has no call for it, so this is its `observe` (0.20-0.26) with a
+    count; tests/test_serve_metrics.py checks the page equals that many observations."""
+    histogram._raise_if_not_observable()
+    histogram._sum.inc(amount * times)
+    histogram._buckets[bisect_left(histogram._upper_bounds, amount)].inc(times)
+
+
 def token_buckets(largest: int) -> list[int]:
     """vLLM's buckets of token counts: 1, 2, 5, 10, 20, 50, ... up to `largest`."""
     buckets, scale = [], 1
@@ -211,6 +222,14 @@ class ReplicaMetrics:
         self.ttft.observe(handle.first_token_s - handle.arrival_s)
         if handle.queued_s is not None:  # the engine reported its admission
             self.queue.observe(handle.queued_s)
+
+    def inter_token_latencies(self, gaps: dict[float, int]) -> None:
+        """One step's inter-token latencies, `gaps[seconds]` tokens each. Most of a step's tokens
+        share one gap (their previous token came with the previous step), so each distinct gap is
+        observed once for all of them: an observation a token was 6 % of the HTTP process's time
+        at 16k streamed tokens a second."""
+        for seconds, count in gaps.items():
+            observe_times(self.itl, seconds, count)
 
     def finished_request(self, handle, reason: str, now: float) -> None:
         """A request ended with `reason` ("stop" or "length") at `now` (perf_counter)."""
