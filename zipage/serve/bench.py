@@ -624,7 +624,7 @@ async def _served_model(client: aiohttp.ClientSession, base: str, model: str | N
         async with client.get(base + "/v1/models") as response:
             status, text = response.status, await response.text(errors="replace")
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
-        # ValueError: aiohttp's InvalidURL (a --url it cannot parse) is one.
+        # ValueError: a --url the URL parser refuses (aiohttp's InvalidURL is one too).
         raise ZipageError(f"--url: nothing answers at {base} ({type(error).__name__}: {error}); "
                           "start the server first (zipage serve --model ...) or fix --url") \
             from None
