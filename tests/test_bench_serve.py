@@ -105,7 +105,8 @@ def _most_at_once(intervals: list[tuple[float, float]]) -> int:
 @pytest.fixture(scope="module")
 def random_run(tiny_url):
     """12 random token-id prompts at 1,000 requests/s (all due within ~12 ms, far less than one
-    request takes, so the limit binds on any machine), at most 3 in flight, watched."""
+    request takes, so the limit binds on any machine), at most 3 in flight, watched; `exchange`:
+    each request's exchange at the proxy, by request id (found by its prompt)."""
     from zipage.serve.bench import ReportSpec, run_bench
     from zipage.serve.bench_data import RandomSpec, random_workload, retime
 
@@ -116,7 +117,11 @@ def random_run(tiny_url):
     with RecordingProxy(tiny_url) as watched:
         result = asyncio.run(run_bench(trace, watched.url, vocab_size=VOCAB, max_concurrency=3,
                                        report=spec))
-    return SimpleNamespace(trace=trace, result=result, watched=watched, spec=spec)
+    by_prompt = {tuple(seen.body["prompt"]): seen for seen in watched.exchanges}
+    exchange = {request.id: by_prompt[tuple(request.prompt_token_ids)]
+                for request in trace.requests}
+    return SimpleNamespace(trace=trace, result=result, watched=watched, spec=spec,
+                           exchange=exchange)
 
 
 def test_max_concurrency_is_reached_and_never_passed(random_run):
@@ -129,21 +134,17 @@ def test_max_concurrency_is_reached_and_never_passed(random_run):
     assert result.summary["bench"]["max_concurrent_requests"] == 3
     # Each request's clock starts when it had its place: its TTFT is no longer than the
     # proxy saw from its arrival to its first bytes passed on... at most its whole span.
-    by_prompt = {tuple(seen.body["prompt"]): seen for seen in watched.exchanges}
-    requests = {request.id: request for request in random_run.trace.requests}
     for record in result.records:
-        seen = by_prompt[tuple(requests[record.id].prompt_token_ids)]
+        seen = random_run.exchange[record.id]
         assert record.first_token - record.arrival <= seen.ended - seen.sent + 0.05
 
 
 def test_itls_are_the_gaps_between_chunks(random_run):
-    result, watched = random_run.result, random_run.watched
-    by_prompt = {tuple(seen.body["prompt"]): seen for seen in watched.exchanges}
+    result = random_run.result
     requests = {request.id: request for request in random_run.trace.requests}
     gaps = one_token_chunks = 0
     for record in result.records:
-        seen = by_prompt[tuple(requests[record.id].prompt_token_ids)]
-        chunks = _chunks(seen.raw)
+        chunks = _chunks(random_run.exchange[record.id].raw)
         itls = result.timings[record.id].itls()
         assert len(itls) == len(chunks) - 1 and all(gap >= 0 for gap in itls)
         assert sum(len(chunk["choices"][0]["token_ids"]) for chunk in chunks) \

@@ -275,7 +275,7 @@ class EngineClient:
                 self._started(handle)
                 if metrics is not None:
                     metrics.first_token(handle)
-            else:  # one observation per token after the first
+            elif metrics is not None:  # one observation per token after the first
                 gap = now - handle.last_token_s
                 gaps[gap] = gaps.get(gap, 0) + 1
             handle.last_token_s = now
