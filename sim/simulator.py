@@ -34,6 +34,7 @@ from zipage.core.recorder import RecordSink, Run, StepRecorder
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.core.step import IDLE, StepPlan, StepResult
+from zipage.errors import ConfigError
 from zipage.sim.cost_model import CostModel
 
 
@@ -46,6 +47,10 @@ class Simulator:
                  log_decisions: bool = False, progress: bool = False,
                  env: simpy.Environment | None = None, total: int | None = None,
                  sink: RecordSink | None = None) -> None:
+        if scheduler.config.async_scheduling:
+            raise ConfigError("--async-scheduling: the simulator does not model it yet (a stop "
+                              "or an async compression batch's end reaches the next plan one "
+                              "step later); drop it, or replay with --gpu")
         self.scheduler = scheduler
         self.cost_model = cost_model
         # Only the decision log and the checker read which requests decode; a cost model and

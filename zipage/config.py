@@ -80,6 +80,10 @@ class ZipageConfig:
                                    "(its class - the other's) x this later)")
     async_compress: bool = knob(True, "--no-async", "compress synchronously, before the step's "
                                 "decode (default: on a side stream, overlapping decode)")
+    async_scheduling: bool = knob(False, "--async-scheduling", "plan each step while the "
+                                  "previous one runs on the GPU; an end-of-sequence stop then "
+                                  "applies one step later (the engine; docs/architecture.md, "
+                                  "'Async scheduling')")
     global_score: bool = knob(True, "--no-global-score", "score with this compression's "
                               "attention only, without the decayed score of earlier ones",
                               cost=True)

@@ -7,6 +7,12 @@ A driver owns a clock and an executor; everything else about a step goes through
     plan = recorder.schedule()         scheduler.schedule() + decision log + invariant checks
     ...the driver executes the plan on its clock...
     recorder.finish(plan, result)      scheduler.finish(result) + step metrics + checks + progress
+
+or, under async scheduling (the engine plans step N+1 while step N runs):
+
+    recorder.advance()                 scheduler.advance(): step N's deterministic part
+    plan = recorder.schedule()         step N+1
+    recorder.settle(plan_n, result_n)  scheduler.settle(result) + what finish does after it
     run = recorder.result()            request records, the summary, one `Run`
 
 The instant driver, the simulator and the real engine therefore log, check, measure and report a
@@ -89,6 +95,7 @@ class StepRecorder:
                                        records=sink is None or sink.takes_steps)
         self._bar = progress_bar(total, "requests", "req") if progress else None
         self._stopped: set = set()  # requests the engine stopped at an end-of-sequence token
+        self._finished_before = 0  # finished requests before the advanced step (async)
         self._started = time.perf_counter()
         self._run: Run | None = None
         # The arrival queue told of finished and aborted requests (`follow`), and the aborted
@@ -108,13 +115,13 @@ class StepRecorder:
         if self.checker:
             self.checker.note_added(seq)
         if not accepted:
-            self._advance(1)
+            self._progress(1)
         return accepted
 
     def refuse(self, seq: Sequence, reason: str) -> None:
         """Fail a request that is never added (a session turn whose predecessor failed)."""
         self.scheduler.refuse(seq, reason)
-        self._advance(1)
+        self._progress(1)
 
     def follow(self, arrivals: ArrivalQueue) -> None:
         """Tell `arrivals` of every request that finishes or is aborted from now on: a
@@ -139,6 +146,21 @@ class StepRecorder:
         finished = self.scheduler.finished
         finished_before = len(finished)
         self.scheduler.finish(result)
+        self._settled(plan, result, finished_before)
+
+    def advance(self) -> None:
+        """Async scheduling: `scheduler.advance()` of the plan just launched, before its result
+        (the next `schedule` follows, then `settle` with the result)."""
+        self._finished_before = len(self.scheduler.finished)
+        self.scheduler.advance()
+
+    def settle(self, plan: StepPlan, result: StepResult) -> None:
+        """Async scheduling: the advanced plan's result, then what `finish` does after it."""
+        self.scheduler.settle(result)
+        self._settled(plan, result, self._finished_before)
+
+    def _settled(self, plan: StepPlan, result: StepResult, finished_before: int) -> None:
+        finished = self.scheduler.finished
         if result.stopped:
             self._stopped |= result.stopped
         self.metrics.record_step(plan, result)
@@ -147,7 +169,7 @@ class StepRecorder:
         if self.arrivals is not None:
             self._tell_arrivals(finished_before, result.t_end)
         if len(finished) != finished_before:  # most steps finish nobody (this runs every step)
-            self._advance(len(finished) - finished_before)
+            self._progress(len(finished) - finished_before)
             if not self.keep_sequences:
                 self._take_finished(finished)
                 finished.clear()
@@ -226,7 +248,7 @@ class StepRecorder:
         self._records.clear()
         self._run = None
 
-    def _advance(self, count: int) -> None:
+    def _progress(self, count: int) -> None:
         if count and self._bar is not None:
             self._bar.update(count)
 

@@ -133,7 +133,14 @@ class Scheduler:
         # decision log or checker) turns it off.
         self.decode_lists = True
 
-        self._plan: StepPlan | None = None
+        self._plan: StepPlan | None = None  # scheduled, not advanced yet
+        # Advanced, its result not settled yet (async scheduling: the next plan is made while
+        # this one runs), and the requests whose first-token or finish time that result gives.
+        self._unsettled: StepPlan | None = None
+        self._untimed: list[Sequence] = []
+        # Stopped (EOS) while their async compression batch runs: finished when it completes,
+        # at the time of the stop.
+        self._stop_after_batch: dict[Sequence, float] = {}
         self._step_id = 0
         self._next_rank = 0
 
@@ -190,7 +197,10 @@ class Scheduler:
         elif plan.num_decode:
             plan.kind = DECODE
         else:
-            if plan.compress_launch is None and self.compressions.in_flight is None:
+            # With a step unsettled, its result may free what nothing else can: an idle plan
+            # waits for it (the driver settles that step, then schedules again).
+            if (plan.compress_launch is None and self.compressions.in_flight is None
+                    and self._unsettled is None):
                 raise SchedulerStuck.report(self._step_id, self.block_manager.num_free_blocks,
                                             len(slots.free), self.running, self.waiting)
             plan.kind = IDLE
@@ -207,8 +217,20 @@ class Scheduler:
         return plan
 
     def finish(self, result: StepResult) -> None:
+        """The plan ran: `advance` and `settle` at once (the synchronous protocol)."""
+        self.advance(result)
+        self.settle(result)
+
+    def advance(self, result: StepResult | None = None) -> None:
+        """Apply what the scheduled plan does whatever its tokens are: prompt counters, one
+        decode tick, finishes by length, sync compressions done. Async scheduling calls it
+        before the plan's result exists (`result` None), schedules the next step, then
+        `settle`s this one with its result (docs/architecture.md, 'Async scheduling'); the
+        synchronous `finish` passes the result, so a prompt's stop applies in prompt order."""
         plan, self._plan = self._plan, None
-        assert plan is not None and plan.step_id == result.step_id, "result of another plan"
+        assert plan is not None, "advance() needs a scheduled plan"
+        assert self._unsettled is None, "settle() the previous step before advancing another"
+        self._unsettled = plan
         if plan.prefill:
             for item in plan.prefill:
                 self._finish_prefill(item, result)
@@ -218,15 +240,55 @@ class Scheduler:
         if plan.kind in (DECODE, MIXED):
             if plan.compress_sync:
                 self._resource_version += self.compressions.complete_sync()
+            t_end = None if result is None else result.t_end
             for seq in self.steady.tick():
-                self._finish_sequence(seq, result.t_end)
-            if result.stopped:
-                assert self.decode_lists, "a request stopped early, but the plan lists no decodes"
-                for seq in plan.decode:
-                    if seq.seq_id in result.stopped and seq.status is SequenceStatus.RUNNING:
-                        self._finish_sequence(seq, result.t_end)
+                self._finish_sequence(seq, t_end)
+
+    def settle(self, result: StepResult) -> None:
+        """Apply the advanced plan's result: its end time, the requests that stopped at an
+        end-of-sequence token, the async compression batches done by then. Under async
+        scheduling the next plan is made already: a request stopped here decoded in it too
+        (the driver drops that token), and leaves now."""
+        plan, self._unsettled = self._unsettled, None
+        assert plan is not None and plan.step_id == result.step_id, "result of another plan"
+        t_end = result.t_end
+        if self._untimed:
+            for seq in self._untimed:
+                if seq.first_token_time is None:
+                    seq.first_token_time = t_end
+                if seq.status is FINISHED and seq.finish_time is None:
+                    seq.finish_time = t_end
+            self._untimed = []
+        if result.stopped:
+            assert self.decode_lists or not plan.num_decode, \
+                "a request stopped early, but the plan lists no decodes"
+            # A prompt's stop applied in `advance` where the result came with it (the request
+            # is finished already); decodes' stops apply here, in plan order.
+            for seq in self._sampled(plan):
+                if seq.seq_id in result.stopped and seq.status is RUNNING:
+                    self._stop(seq, t_end)
         for batch_id in result.completed_batches:
             self._complete_batch(batch_id)
+
+    @staticmethod
+    def _sampled(plan: StepPlan) -> list[Sequence]:
+        """The requests that got a token in `plan`, in `StepPlan.sampled` order."""
+        if not plan.prefill:
+            return plan.decode
+        return ([item.seq for item in plan.prefill if item.samples] + plan.decode
+                + [fork.seq for fork in plan.forks])
+
+    def _stop(self, seq: Sequence, time: float) -> None:
+        """`seq` stopped at an end-of-sequence token; inside an async compression batch (only
+        async scheduling plans one for a request whose stop is not known yet), it leaves when
+        the batch completes, since the batch still writes its blocks."""
+        if seq.compressing and self.compressions.in_flight is not None \
+                and any(job.seq is seq for job in self.compressions.in_flight.jobs):
+            self.steady.leave(seq)
+            self._forget_blocked(seq)
+            self._stop_after_batch[seq] = time
+            return
+        self._finish_sequence(seq, time)
 
     # ------------------------------------------------------------------ prefill
 
@@ -269,20 +331,31 @@ class Scheduler:
             self.admission_order.append(seq.seq_id)
         self._resource_version += 1
 
-    def _finish_prefill(self, item: PrefillItem, result: StepResult) -> None:
+    def _finish_prefill(self, item: PrefillItem, result: StepResult | None) -> None:
         seq = item.seq
+        if seq.status is not RUNNING:  # aborted while the step ran (async scheduling)
+            return
         if not item.samples:  # a partial chunk: the prompt continues next step
             seq.set_counters(item.num_tokens, seq.settled_output_tokens)
             return
         self._first_token(seq, item.num_tokens, result)
 
-    def _first_token(self, seq: Sequence, num_tokens: int, result: StepResult) -> None:
-        """`seq` computed its `num_tokens` and sampled a token (a prefill's, or a fork's)."""
+    def _first_token(self, seq: Sequence, num_tokens: int, result: StepResult | None) -> None:
+        """`seq` computed its `num_tokens` and sampled a token (a prefill's, or a fork's);
+        `result` None: not known yet (async scheduling), its time and stop come in `settle`."""
+        if seq.status is not RUNNING:  # aborted while the step ran (async scheduling)
+            return
         seq.set_counters(num_tokens, seq.settled_output_tokens + 1)
-        if seq.first_token_time is None:
-            seq.first_token_time = result.t_end
-        if seq.settled_output_tokens >= seq.max_output_tokens or seq.seq_id in result.stopped:
-            self._finish_sequence(seq, result.t_end)
+        if result is None:
+            if seq.first_token_time is None:
+                self._untimed.append(seq)
+            stopped = False
+        else:
+            if seq.first_token_time is None:
+                seq.first_token_time = result.t_end
+            stopped = seq.seq_id in result.stopped
+        if seq.settled_output_tokens >= seq.max_output_tokens or stopped:
+            self._finish_sequence(seq, None if result is None else result.t_end)
         else:
             self._pending.append(seq)
 
@@ -387,6 +460,8 @@ class Scheduler:
             if job.seq in self._abort_after_batch:
                 self._abort_after_batch.discard(job.seq)
                 self._release(job.seq, SequenceStatus.ABORTED, self.aborted)
+            elif job.seq in self._stop_after_batch:
+                self._finish_sequence(job.seq, self._stop_after_batch.pop(job.seq))
             else:
                 self._pending.append(job.seq)
 
@@ -430,9 +505,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ leaving
 
-    def _finish_sequence(self, seq: Sequence, time: float) -> None:
+    def _finish_sequence(self, seq: Sequence, time: float | None) -> None:
+        """`seq` is done; `time` None: its step's end is not known yet (async scheduling)."""
         self._release(seq, FINISHED, self.finished)
         seq.finish_time = time
+        if time is None and seq.first_token_time is not None:
+            self._untimed.append(seq)  # (with no first token yet it is listed already)
         seq.kept_budget = self.compressions.kept_budget(seq)
 
     def _release(self, seq: Sequence, status: SequenceStatus, into: list[Sequence]) -> None:
@@ -459,12 +537,13 @@ class Scheduler:
     def abort(self, seq_id: str) -> bool:
         """Drop a waiting or running request (its client went away); False if none is queued.
 
-        Call it between steps (after `finish`, before the next `schedule`). Its blocks and query
-        slot are freed at once, except for a request inside the in-flight async compression
-        batch: that batch still reads its slot and writes its target blocks, so the request is
-        released when the batch completes and meanwhile only waits, out of decoding.
+        Call it between steps; under async scheduling a step is always running then, and
+        its `advance` passes over the requests that left. Its blocks and query slot are freed
+        at once (a later step's writes to them queue behind the running one on the device),
+        except for a request inside the in-flight async compression batch: that batch still
+        reads its slot and writes its target blocks, so the request is released when the batch
+        completes and meanwhile only waits, out of decoding.
         """
-        assert self._plan is None, "abort between steps, not while a plan is being executed"
         for seq in self.waiting:
             if seq.seq_id == seq_id:
                 self.waiting.remove(seq)
@@ -476,6 +555,8 @@ class Scheduler:
         for seq in self.running:
             if seq.seq_id == seq_id:
                 if seq in self._abort_after_batch:
+                    return True
+                if seq in self._stop_after_batch:  # stopped already: it finishes, not aborts
                     return True
                 if seq.compressing:  # only an async batch holds it between steps
                     self._abort_after_batch.add(seq)

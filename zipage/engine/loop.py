@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from zipage.core.arrivals import ArrivalQueue, Done
 from zipage.core.recorder import RecordSink, Run, StepRecorder
 from zipage.core.scheduler import Scheduler
-from zipage.core.sequence import Sequence
+from zipage.core.sequence import Sequence, SequenceStatus
 from zipage.core.step import IDLE, StepPlan, StepResult
-from zipage.engine.runner import ModelRunner
+from zipage.engine.runner import Launched, ModelRunner
 from zipage.engine.structured import StructuredOutputs
-from zipage.errors import FieldError
+from zipage.errors import ConfigError, FieldError
 from zipage.sessions import follow_up_tokens
 
 
@@ -42,6 +42,9 @@ class StepOutput:
     # for the first prompt token: nothing predicts it).
     logprobs: dict[str, tuple] = field(default_factory=dict)
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
+
+
+ABORTED = SequenceStatus.ABORTED
 
 
 class EngineLoop:
@@ -75,6 +78,18 @@ class EngineLoop:
         self.logprobs: dict[str, list] = {}
         self.prompt_logprobs: dict[str, list] = {}
         self._started = time.perf_counter()
+        # Async scheduling (`ZipageConfig.async_scheduling`): the step launched and not yet
+        # settled, and when its plan was made; and when the step settled last ended.
+        self.async_scheduling = scheduler.config.async_scheduling
+        if self.async_scheduling and next_token is not None:
+            raise ConfigError("async_scheduling: a teacher-forced run needs each token on the "
+                              "host before the next step; turn async scheduling off")
+        if self.async_scheduling and not isinstance(runner, ModelRunner):
+            raise ConfigError("async_scheduling: one device only for now (tensor parallel "
+                              "steps synchronously); turn async scheduling off")
+        self._running: tuple[StepPlan, Launched, float] | None = None
+        self._last_end = 0.0
+        self._left_early: set[str] = set()  # stopped in the step settled last
 
     def start(self, total: int | None = None) -> None:
         """Open a run: a fresh recorder, and the clock at 0 (`run` does it; a server once)."""
@@ -106,13 +121,23 @@ class EngineLoop:
             self.structured.release(seq_id)
         return self.scheduler.abort(seq_id)
 
+    @property
+    def busy(self) -> bool:
+        """Requests queued or running, or a step launched and not settled (async scheduling)."""
+        return self._running is not None or self.scheduler.has_unfinished()
+
     def step(self, started_at: float | None = None) -> StepOutput | None:
         """Schedule, execute and finish one step; None when no request is queued.
 
         `started_at`: when the iteration that admitted this step's arrivals began (default now).
         A step starts there: admission and scheduling are host time the step costs, and a
-        step-time replay (sim/step_replay.py) admits arrivals up to exactly that instant."""
-        scheduler, runner = self.scheduler, self.runner
+        step-time replay (sim/step_replay.py) admits arrivals up to exactly that instant.
+
+        Under async scheduling a call launches the next step and returns the one before it,
+        settled (docs/architecture.md, 'Async scheduling')."""
+        if self.async_scheduling:
+            return self._step_async(started_at)
+        runner = self.runner
         t_start = self.now() if started_at is None else started_at
         plan = self.recorder.schedule()
         if plan is None:
@@ -123,8 +148,67 @@ class EngineLoop:
         completed = (runner.compressor.completed(wait=plan.kind == IDLE)
                      if runner.compressor is not None else [])
         t_end = self.now()
+        return self._finished_step(plan, sampled, t_start, t_end, completed, settle=False)
+
+    def _step_async(self, started_at: float | None) -> StepOutput | None:
+        """Advance the running step, plan and launch the next one, then wait for the running
+        step's tokens and settle it. A plan that needs its tokens on the host first (a grammar,
+        penalties) or only waits (idle) runs after the settle, synchronously."""
+        t_plan = self.now() if started_at is None else started_at
+        running, self._running = self._running, None
+        if running is not None:
+            self.recorder.advance()
+        plan = self.recorder.schedule()
+        output = None
+        if plan is None:
+            return None if running is None else self._settle(*running)
+        if running is not None and (plan.kind == IDLE or self.runner.needs_sync(plan)):
+            output = self._settle(*running)
+            running = None
+        if plan.kind == IDLE or self.runner.needs_sync(plan):
+            done = self._step_now(plan, max(t_plan, self._last_end))
+            return done if output is None else _merged(output, done)
+        launched = self.runner.launch(plan, self.tokens,
+                                      running[1] if running is not None else None)
+        self._running = (plan, launched, t_plan)
+        if running is None:
+            return StepOutput(plan, [], [])
+        # A batch the new step launched is not the settled step's to report done.
+        return self._settle(*running, poll=plan.compress_launch is None)
+
+    def _settle(self, plan: StepPlan, launched: Launched, t_plan: float,
+                poll: bool = True) -> StepOutput:
+        """Wait for a launched step's tokens and settle it. It started when its plan was made,
+        or, planned while the step before ran, when that one ended."""
+        sampled = launched.tokens()
+        completed = (self.runner.compressor.completed()
+                     if poll and self.runner.compressor is not None else [])
+        t_end = self.now()
+        return self._finished_step(plan, sampled, max(t_plan, self._last_end), t_end,
+                                   completed, settle=True)
+
+    def _step_now(self, plan: StepPlan, t_start: float) -> StepOutput:
+        """A plan of async scheduling run synchronously: executed, waited for, advanced and
+        settled."""
+        sampled = self.runner.execute(plan, self.tokens, self.structured)
+        completed = (self.runner.compressor.completed(wait=plan.kind == IDLE)
+                     if self.runner.compressor is not None else [])
+        self.recorder.advance()
+        return self._finished_step(plan, sampled, t_start, self.now(), completed, settle=True)
+
+    def _finished_step(self, plan: StepPlan, sampled: list, t_start: float, t_end: float,
+                       completed: list[int], settle: bool) -> StepOutput:
+        """A step's tokens in: appended, stops found, the result applied (`finish`, or under
+        async scheduling `settle` of the advanced step). A request that left the running set
+        while the step ran (stopped in the step before, or aborted) gets no token."""
+        scheduler, runner, structured = self.scheduler, self.runner, self.structured
+        self._last_end = t_end
         stopped = set()
         produced = []
+        if settle and sampled:
+            left = self._left_early
+            sampled = [(seq, token) for seq, token in sampled
+                       if seq.status is not ABORTED and seq.seq_id not in left]
         for seq, token in sampled:
             if self.next_token is not None:
                 token = self.next_token(seq.seq_id, token)
@@ -136,8 +220,15 @@ class EngineLoop:
             structured.advance(produced)
             stopped.update(seq.seq_id for seq, _ in produced if structured.finished(seq.seq_id))
         finished_before = len(scheduler.finished)
-        self.recorder.finish(plan, StepResult(step_id=plan.step_id, t_start=t_start, t_end=t_end,
-                                              completed_batches=completed, stopped=stopped))
+        result = StepResult(step_id=plan.step_id, t_start=t_start, t_end=t_end,
+                            completed_batches=completed, stopped=stopped)
+        if settle:
+            # Settled after the next plan was made: a request stopped here decoded in that one
+            # too, and its token there is dropped.
+            self.recorder.settle(plan, result)
+            self._left_early = stopped
+        else:
+            self.recorder.finish(plan, result)
         if structured is not None and structured.matchers:
             for seq in scheduler.finished[finished_before:]:
                 structured.release(seq.seq_id)
@@ -160,7 +251,7 @@ class EngineLoop:
         self.logprobs, self.prompt_logprobs = {}, {}
         arrivals = ArrivalQueue(sequences, on_release=self._follow_up, users=users)
         self.recorder.follow(arrivals)
-        while arrivals.has_pending or self.scheduler.has_unfinished():
+        while arrivals.has_pending or self.busy:
             now = self.now()
             arrivals.admit_due(self, now)
             if self.step(started_at=now) is None and arrivals.has_pending:
@@ -181,6 +272,13 @@ class EngineLoop:
             self.tokens[predecessor.seq_id], predecessor.prompt_len, predecessor.reasoning_len,
             seq.turn.shared_len, seq.prompt_token_ids)
         seq.prompt_len = len(seq.prompt_token_ids)
+
+
+def _merged(first: StepOutput, second: StepOutput) -> StepOutput:
+    """Two steps settled in one call (async scheduling), as one output."""
+    return StepOutput(second.plan, first.tokens + second.tokens, first.finished + second.finished,
+                      {**first.logprobs, **second.logprobs},
+                      {**first.prompt_logprobs, **second.prompt_logprobs})
 
 
 def add_prompt_logprobs(stored: list, position: int, entries: list) -> None:

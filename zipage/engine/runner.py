@@ -66,6 +66,26 @@ from zipage.shape import ModelShape
 
 
 @dataclass
+class Launched:
+    """A step whose forward and sampling are queued on the device (`ModelRunner.launch`): the
+    requests that sample, in `StepPlan.sampled` order, their token ids on the device, and the
+    copy of those ids to the host, done when `ready` has happened."""
+
+    sequences: list[Sequence]
+    sampled: torch.Tensor | None
+    host: torch.Tensor | None
+    ready: torch.cuda.Event | None
+
+    def tokens(self) -> list[tuple[Sequence, int]]:
+        """(request, sampled token) for each request that sampled; waits for the step."""
+        if self.host is None:
+            return []
+        if self.ready is not None:
+            self.ready.synchronize()
+        return list(zip(self.sequences, self.host.tolist()))
+
+
+@dataclass
 class StepInputs:
     """Host tensors of one prefill or mixed step (`ModelRunner.step_inputs`).
 
@@ -134,8 +154,18 @@ class ModelRunner:
         self._prompt_rows: list[tuple[str, int, int]] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_inputs: dict[str, torch.Tensor] = {}
-        self.staging: dict[str, torch.Tensor] = {}
+        # Pinned host buffers the decode graphs' inputs are staged in: two sets, one a launch in
+        # turn (`_launches`), since under async scheduling a step is staged while the previous
+        # one's copies may still wait behind the step before it on the device.
+        self.stagings: list[dict[str, torch.Tensor]] = []
         self.graph_pool = None  # one memory pool for every graph: they never run at once
+        # Async scheduling: the step before the one being launched, whose sampled ids feed this
+        # step's decode rows on the device (`_feed_tokens`); pinned buffers for the row sources
+        # and the sampled ids, two of each, since a step's copies may still be queued behind
+        # the running step while the next one is staged.
+        self._feeding: Launched | None = None
+        self._launches = 0
+        self._pinned: list[dict[str, torch.Tensor]] = []
         # Padded prefill/mixed steps (with `prefill_graphs`): token buckets, their static
         # inputs, and a graph per bucket where graphs can be captured.
         self.prefill_buckets: tuple[int, ...] = ()
@@ -157,23 +187,98 @@ class ModelRunner:
         the constrained requests, which mask their rows' logits before sampling (the caller
         advances them with the tokens)."""
         if self.stream is None:
-            return self._execute(plan, tokens, structured)
-        # The step runs on the runner's high-priority stream, ordered after whatever the caller
-        # queued before (and the caller's later work after it).
-        caller = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(caller)
-        with torch.cuda.stream(self.stream):
-            sampled = self._execute(plan, tokens, structured)
-        caller.wait_stream(self.stream)
-        return sampled
+            sequences, sampled = self._execute(plan, tokens, structured)
+        else:
+            # The step runs on the runner's high-priority stream, ordered after whatever the
+            # caller queued before (and the caller's later work after it).
+            caller = torch.cuda.current_stream(self.device)
+            self.stream.wait_stream(caller)
+            with torch.cuda.stream(self.stream):
+                sequences, sampled = self._execute(plan, tokens, structured)
+            caller.wait_stream(self.stream)
+        return [] if sampled is None else list(zip(sequences, sampled.tolist()))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, tokens: dict[str, list[int]],
+               previous: Launched | None = None) -> Launched:
+        """Queue `plan`'s forward and sampling without waiting for them (async scheduling,
+        zipage/engine/loop.py). `previous`: the step launched before, not waited for; each
+        decode row of a request that sampled there takes that token on the device, as `tokens`
+        does not hold it yet. The plan has no request that needs its tokens on the host first
+        (penalties, grammars) or log-probabilities (`needs_sync`)."""
+        self._feeding = previous if previous is not None and previous.sequences else None
+        try:
+            if self.stream is None:
+                sequences, sampled = self._execute(plan, tokens, None, keep_logprobs=False)
+                return Launched(sequences, sampled, sampled, None)
+            caller = torch.cuda.current_stream(self.device)
+            self.stream.wait_stream(caller)
+            with torch.cuda.stream(self.stream):
+                sequences, sampled = self._execute(plan, tokens, None, keep_logprobs=False)
+                host = ready = None
+                if sampled is not None:
+                    host = self._pinned_buffers()["sampled"][:len(sampled)]
+                    host.copy_(sampled, non_blocking=True)
+                    ready = torch.cuda.Event()
+                    ready.record(self.stream)
+            caller.wait_stream(self.stream)
+            return Launched(sequences, sampled, host, ready)
+        finally:
+            self._feeding = None
+            self._launches += 1
+
+    @staticmethod
+    def needs_sync(plan: StepPlan) -> bool:
+        """Whether a request of `plan` samples from its tokens so far on the host (penalties, a
+        grammar) or asks for log-probabilities: such a step runs after the previous step's
+        tokens are on the host, and is waited for (`execute`), not `launch`ed."""
+        sequences = plan.decode if not plan.prefill else (
+            [item.seq for item in plan.prefill] + plan.decode)
+        for seq in sequences:
+            params = seq.sampling
+            if params is not None and (params.penalized or params.structured_output is not None
+                                       or params.logprobs is not None
+                                       or params.prompt_logprobs is not None):
+                return True
+        return False
+
+    def _pinned_buffers(self) -> dict[str, torch.Tensor]:
+        """This launch's pair of pinned buffers (they alternate between launches)."""
+        if not self._pinned:
+            size = max(self.config.max_num_seqs, max(self.graphs, default=0))
+            for _ in range(2):
+                self._pinned.append({
+                    "sources": torch.empty(size, dtype=torch.int64).pin_memory(),
+                    "sampled": torch.empty(size, dtype=torch.int64).pin_memory()})
+        return self._pinned[self._launches % 2]
+
+    def _feed_tokens(self, ids: torch.Tensor, sequences: list[Sequence]) -> None:
+        """Async scheduling: put into `ids` (the device's input ids of these decode rows) each
+        row's token sampled by the step still running, where it sampled one there."""
+        previous = self._feeding
+        if previous is None or not sequences:
+            return
+        row_of = {seq: row for row, seq in enumerate(previous.sequences)}
+        sources = [row_of.get(seq, -1) for seq in sequences]
+        if max(sources) < 0:
+            return
+        if self.device.type == "cuda":
+            staged = self._pinned_buffers()["sources"][:len(sources)]
+            staged.copy_(torch.tensor(sources, dtype=torch.int64))
+            sources_device = staged.to(self.device, non_blocking=True)
+        else:
+            sources_device = torch.tensor(sources, dtype=torch.int64)
+        fed = previous.sampled.index_select(0, sources_device.clamp(min=0))
+        ids.copy_(torch.where(sources_device >= 0, fed, ids))
 
     def _execute(self, plan: StepPlan, tokens: dict[str, list[int]],
-                 structured: StructuredOutputs | None = None) -> list[tuple[Sequence, int]]:
+                 structured: StructuredOutputs | None = None, keep_logprobs: bool = True
+                 ) -> tuple[list[Sequence], torch.Tensor | None]:
         self._prompt_rows = []
         sequences, logits = self._forward(plan, tokens)
         self.last_logprobs, self.last_prompt_logprobs = {}, {}
         if not sequences:
-            return []
+            return [], None
         if self._prompt_rows:  # the rows after the sampling ones: prompt log-probabilities
             self.last_prompt_logprobs = self._prompt_logprobs(
                 plan, logits[len(sequences):], tokens)
@@ -194,13 +299,13 @@ class ModelRunner:
                   else logits)
         sampled = sample(masked, params, [seq.num_output_tokens for seq in sequences], history)
         wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
-        if wanted:
+        if wanted and keep_logprobs:
             rows = torch.tensor(wanted, device=logits.device)
             found = token_logprobs(logits.index_select(0, rows), sampled.index_select(0, rows),
                                    [params[row].logprobs for row in wanted])
             self.last_logprobs = {sequences[row].seq_id: entry
                                   for row, entry in zip(wanted, found)}
-        return list(zip(sequences, sampled.tolist()))
+        return sequences, sampled
 
     def _prompt_logprobs(self, plan: StepPlan, logits: torch.Tensor,
                          tokens: dict[str, list[int]]) -> dict[str, list]:
@@ -320,7 +425,7 @@ class ModelRunner:
         inputs = self.step_inputs(plan, tokens)
         bucket = bucket_of(len(inputs.input_ids), self.prefill_buckets)
         if bucket is not None:
-            return self._prefill_padded(inputs, bucket)
+            return self._prefill_padded(inputs, bucket, plan.decode)
         device = self._to_device
         decoding = inputs.decode_context_lens is not None
         context = ForwardContext(
@@ -332,8 +437,11 @@ class ModelRunner:
             decode_block_tables=device(inputs.decode_block_tables) if decoding else None,
             logits_indices=device(inputs.logits_indices),
             query_slot_mapping=self._query_mapping(inputs.query_slot_mapping))
+        input_ids = device(inputs.input_ids)
+        if plan.decode:
+            self._feed_tokens(input_ids[len(input_ids) - len(plan.decode):], plan.decode)
         with forward_context(context):
-            hidden = self.model(device(inputs.input_ids), device(inputs.positions))
+            hidden = self.model(input_ids, device(inputs.positions))
             if inputs.logits_indices.numel() == 0:
                 return None
             return self.model.compute_logits(hidden)
@@ -374,6 +482,7 @@ class ModelRunner:
                 is_prefill=False, slot_mapping=columns[2], context_lens=columns[3].int(),
                 block_tables=tables, query_slot_mapping=columns[4]
                 if self.query_cache is not None else None)
+            self._feed_tokens(columns[0], sequences)
             with forward_context(context):
                 hidden = self.model(columns[0], columns[1])
                 return self.model.compute_logits(hidden)
@@ -384,14 +493,16 @@ class ModelRunner:
         # beyond are never read (the kernel stops at each row's context length).
         static = self.graph_inputs
         columns, tables = self._decode_inputs(sequences, tokens, bucket, width)
-        staged_columns = self.staging["columns"][:, :bucket]
-        staged_tables = self.staging["tables"].view(-1)[:bucket * width].view(bucket, width)
+        staging = self.stagings[self._launches % 2]
+        staged_columns = staging["columns"][:, :bucket]
+        staged_tables = staging["tables"].view(-1)[:bucket * width].view(bucket, width)
         staged_columns.copy_(columns)
         staged_tables.copy_(tables)
         static["columns"][:, :bucket].copy_(staged_columns, non_blocking=True)
         static["block_tables"][:bucket, :width].copy_(
             staged_tables.to(self.device, non_blocking=True))
         static["context_lens"][:bucket].copy_(static["columns"][3, :bucket])
+        self._feed_tokens(static["columns"][0, :batch], sequences)
         self.graphs[bucket].replay()
         return static["logits"][:batch]
 
@@ -434,13 +545,15 @@ class ModelRunner:
             "logits": torch.empty(largest, self.shape.vocab_size, dtype=self.dtype,
                                   device=device),
         }
-        staging = {
-            "columns": torch.zeros(5, largest, dtype=torch.int64),
-            "tables": torch.zeros(largest, self.max_blocks_per_seq, dtype=torch.int32),
-        }
-        if device.type == "cuda":
-            staging = {name: tensor.pin_memory() for name, tensor in staging.items()}
-        self.staging = staging
+        self.stagings = []
+        for _ in range(2):
+            staging = {
+                "columns": torch.zeros(5, largest, dtype=torch.int64),
+                "tables": torch.zeros(largest, self.max_blocks_per_seq, dtype=torch.int32),
+            }
+            if device.type == "cuda":
+                staging = {name: tensor.pin_memory() for name, tensor in staging.items()}
+            self.stagings.append(staging)
 
     def graph_context(self, size: int) -> ForwardContext:
         """The forward context a decode graph of `size` rows is captured (and replayed) with."""
@@ -556,9 +669,11 @@ class ModelRunner:
                 "block_tables": torch.cat([_widen(table, width) for table in tables]),
                 "work_items": work.items}
 
-    def _prefill_padded(self, inputs: StepInputs, bucket: int) -> torch.Tensor | None:
+    def _prefill_padded(self, inputs: StepInputs, bucket: int,
+                        decode: list[Sequence] = ()) -> torch.Tensor | None:
         """Stage a step into the static inputs of its bucket, then replay the bucket's graph (or,
-        without one, run the same padded forward eagerly)."""
+        without one, run the same padded forward eagerly). `decode`: the step's decode requests,
+        whose rows end the step's rows."""
         layout = self.padded_layout(inputs, bucket)
         static = self.padded_inputs
         # Each into the leading part of its static tensor. Of the block tables only the rows and
@@ -566,6 +681,9 @@ class ModelRunner:
         for name, tensor in layout.items():
             static[name][tuple(slice(0, size) for size in tensor.shape)].copy_(
                 self._to_device(tensor))
+        if decode:
+            rows = len(inputs.input_ids)
+            self._feed_tokens(static["rows"][0, rows - len(decode):rows], decode)
         # Before the replay: a copy from pageable memory waits for the stream, so after it the
         # host would queue the logits only once the whole graph had run.
         indices = self._to_device(inputs.logits_indices) if inputs.logits_indices.numel() else None
