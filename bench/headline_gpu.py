@@ -107,6 +107,9 @@ def main() -> None:
         "full-kv-unchunked": dict(compress=False, chunked_prefill=False),
         # FP8 KV cache: the headline check of the shipped FP8 profile (issue #49).
         "zipage-fp8": dict(kv_cache_dtype="fp8"),
+        # Each step planned while the one before runs (docs/architecture.md, 'Async scheduling').
+        "zipage-async": dict(async_scheduling=True),
+        "full-kv-async": dict(compress=False, async_scheduling=True),
     }
     if args.head is not None:
         trace = Trace(trace.name, trace.requests[:args.head])

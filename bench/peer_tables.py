@@ -114,6 +114,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="another preset than the table's (smoke runs)")
     parser.add_argument("--head", type=int, default=None, help="only the first N requests of each row")
     parser.add_argument("--lengths", default=None, help="PROMPT,OUTPUT instead of the table's (smoke runs)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="run each variant also with async scheduling, named VARIANT+async, right after it")
     args = parser.parse_args()
     table = json.loads(Path(args.table).read_text())
     rows = list(range(len(table["rows"]))) if args.rows is None else [int(i) for i in args.rows.split(",")]
@@ -139,9 +141,14 @@ def main() -> None:
                                       (trace.requests[0].prompt_len, trace.requests[0].output_len))
             trace = Trace(trace.name, [replace(request, prompt_len=prompt_len, output_len=output_len)
                                        for request in trace.requests[:args.head]])
-        for name in variants:
+        runs = [(name, False) for name in variants]
+        if args.async_scheduling:
+            runs = [(name, mode) for name in variants for mode in (False, True)]
+        for name, async_scheduling in runs:
             variant = table["variants"][name]
             knobs = dict(variant["config"])
+            if async_scheduling:
+                knobs["async_scheduling"] = True
             max_model_len = row.get("max_model_len", table.get("max_model_len"))
             if max_model_len is not None:
                 knobs.setdefault("max_model_len", max_model_len)
@@ -165,7 +172,8 @@ def main() -> None:
                 torch.cuda.empty_cache()
             samples.sort(key=lambda sample: sample[0])
             tps, summary, run, wall = samples[len(samples) // 2]
-            cell = {"row": index, "variant": name, "against": variant["against"],
+            cell = {"row": index, "variant": name + ("+async" if async_scheduling else ""),
+                    "against": variant["against"],
                     "pool_tokens": pool, "prompt_len": trace.requests[0].prompt_len,
                     "output_len": trace.requests[0].output_len, "requests": len(trace.requests),
                     "tps": tps, "tps_min": samples[0][0], "tps_max": samples[-1][0],
