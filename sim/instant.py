@@ -13,8 +13,8 @@ import random
 from zipage.core.arrivals import ArrivalQueue
 from zipage.core.recorder import Run, StepRecorder
 from zipage.core.scheduler import Scheduler
-from zipage.core.sequence import Sequence
-from zipage.core.step import StepResult
+from zipage.core.sequence import Sequence, SequenceStatus
+from zipage.core.step import IDLE, StepResult
 
 
 class StepBoundExceeded(AssertionError):
@@ -46,10 +46,20 @@ def step_bound(sequences: list[Sequence], scheduler: Scheduler, max_delay: int) 
     return prefill_steps + tokens + compressions * (max_delay + 1)
 
 
+# Still the scheduler's: running, or preempted by the plan made after this step (async).
+RUNNING, WAITING = SequenceStatus.RUNNING, SequenceStatus.WAITING
+
+
 class InstantDriver:
     def __init__(self, scheduler: Scheduler, compress_delay: int | tuple[int, int] = 0,
-                 seed: int = 0, check: bool = False, log_decisions: bool = False) -> None:
+                 seed: int = 0, check: bool = False, log_decisions: bool = False,
+                 stops: dict[str, int] | None = None, asynchronous: bool = False) -> None:
         self.scheduler = scheduler
+        # request id -> the output token it samples an end-of-sequence at (its stop); and
+        # whether to drive the core's async protocol (advance, schedule the next, settle), as
+        # the engine's async scheduling does (docs/architecture.md, 'Async scheduling').
+        self.stops = stops or {}
+        self.asynchronous = asynchronous
         # A fixed delay in steps, or a (low, high) range drawn per batch.
         self.delay_range = compress_delay if isinstance(compress_delay, tuple) else (
             compress_delay, compress_delay)
@@ -67,13 +77,23 @@ class InstantDriver:
         pending_aborts = sorted((at, seq_id) for seq_id, at in (aborts or {}).items())
         bound = step_bound(sequences, self.scheduler, self.delay_range[1])
         completions: dict[int, int] = {}  # batch id -> step whose result reports it done
+        running = None  # async: the step launched and not settled, and its start
         now = 0
-        while arrivals.has_pending or self.scheduler.has_unfinished():
+        while arrivals.has_pending or self.scheduler.has_unfinished() or running is not None:
             arrivals.admit_due(recorder, now)
             while pending_aborts and pending_aborts[0][0] <= now:
                 self.scheduler.abort(pending_aborts.pop(0)[1])
+            if running is not None:
+                recorder.advance()
             plan = recorder.schedule()
-            if plan is None:  # nothing queued: jump to the next arrival, if any
+            if plan is not None and running is not None and plan.kind == IDLE:
+                self._settle(*running, completions)  # an idle plan waits for the step before
+                running = None
+            if plan is None:  # nothing queued: settle the running step, or jump to an arrival
+                if running is not None:
+                    self._settle(*running, completions)
+                    running = None
+                    continue
                 if not arrivals.has_pending:
                     break
                 now = max(now + 1, int(arrivals.next_arrival_s))  # (nothing is in flight)
@@ -83,11 +103,33 @@ class InstantDriver:
             if plan.compress_launch is not None:
                 delay = self.rng.randint(*self.delay_range)
                 completions[plan.compress_launch.batch_id] = plan.step_id + delay
-            result = StepResult(step_id=plan.step_id, t_start=float(now), t_end=float(now + 1))
-            result.completed_batches = [
-                batch for batch, due in completions.items() if due <= plan.step_id]
-            for batch in result.completed_batches:
-                del completions[batch]
-            recorder.finish(plan, result)
+            if not self.asynchronous or plan.kind == IDLE:
+                result = self._result(plan, now, completions, produced=1)
+                recorder.finish(plan, result)
+            else:
+                if running is not None:
+                    self._settle(*running, completions)
+                running = (plan, now)
             now += 1
         return recorder.result()
+
+    def _settle(self, plan, now: int, completions: dict[int, int]) -> None:
+        """Async: the launched step's result, after the next plan was made (its requests' counters
+        count its token already)."""
+        result = self._result(plan, now, completions, produced=0)
+        self.recorder.settle(plan, result)
+
+    def _result(self, plan, now: int, completions: dict[int, int], produced: int) -> StepResult:
+        """Plan `plan`'s result: its batches due and its stops (a request that sampled the token
+        of its stop; `produced`: 1 where the plan's token is not counted yet, synchronously)."""
+        result = StepResult(step_id=plan.step_id, t_start=float(now), t_end=float(now + 1))
+        result.completed_batches = [
+            batch for batch, due in completions.items() if due <= plan.step_id]
+        for batch in result.completed_batches:
+            del completions[batch]
+        if self.stops:  # (a request that left while the step ran gets no token)
+            result.stopped = {
+                seq.seq_id for seq in Scheduler.sampled_requests(plan)
+                if seq.seq_id in self.stops and seq.status in (RUNNING, WAITING)
+                and seq.num_output_tokens + produced == self.stops[seq.seq_id]}
+        return result

@@ -186,6 +186,11 @@ class InvariantChecker:
         for entry in range(first, last):
             written[layout.index(entry)] = entry
 
+    def after_advance(self) -> None:
+        """Async scheduling: the advanced step runs before the next plan's on the device, so the
+        prefix blocks it computes count as computed for that plan."""
+        self.indexed_before = set(self.scheduler.block_manager.hash_to_block.items())
+
     def after_finish(self) -> None:
         self._check_blocks()
         self._check_slots()

@@ -153,6 +153,8 @@ class StepRecorder:
         (the next `schedule` follows, then `settle` with the result)."""
         self._finished_before = len(self.scheduler.finished)
         self.scheduler.advance()
+        if self.checker:
+            self.checker.after_advance()
 
     def settle(self, plan: StepPlan, result: StepResult) -> None:
         """Async scheduling: the advanced plan's result, then what `finish` does after it."""

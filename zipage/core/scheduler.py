@@ -65,6 +65,7 @@ def check_pool(config: ZipageConfig, num_blocks: int, num_query_slots: int) -> N
 _RUNNING_RANK = attrgetter("running_rank")  # a sort key without a Python call per request
 # Bound once: an Enum class's attribute is read through EnumType.__getattr__ (4x a plain read).
 RUNNING, FINISHED = SequenceStatus.RUNNING, SequenceStatus.FINISHED
+WAITING = SequenceStatus.WAITING
 
 
 class SchedulerStuck(RuntimeError):
@@ -138,8 +139,8 @@ class Scheduler:
         # this one runs), and the requests whose first-token or finish time that result gives.
         self._unsettled: StepPlan | None = None
         self._untimed: list[Sequence] = []
-        # Stopped (EOS) while their async compression batch runs: finished when it completes,
-        # at the time of the stop.
+        # Stopped (EOS) inside a compression job (a sync one of the step running, or the async
+        # batch): finished when it completes, at the time of the stop.
         self._stop_after_batch: dict[Sequence, float] = {}
         self._step_id = 0
         self._next_rank = 0
@@ -240,6 +241,10 @@ class Scheduler:
         if plan.kind in (DECODE, MIXED):
             if plan.compress_sync:
                 self._resource_version += self.compressions.complete_sync()
+                if self._stop_after_batch:
+                    for job in plan.compress_sync:
+                        if job.seq in self._stop_after_batch:
+                            self._finish_sequence(job.seq, self._stop_after_batch.pop(job.seq))
             t_end = None if result is None else result.t_end
             for seq in self.steady.tick():
                 self._finish_sequence(seq, t_end)
@@ -264,14 +269,23 @@ class Scheduler:
                 "a request stopped early, but the plan lists no decodes"
             # A prompt's stop applied in `advance` where the result came with it (the request
             # is finished already); decodes' stops apply here, in plan order.
-            for seq in self._sampled(plan):
-                if seq.seq_id in result.stopped and seq.status is RUNNING:
-                    self._stop(seq, t_end)
+            for seq in self.sampled_requests(plan):
+                if seq.seq_id in result.stopped:
+                    if seq.status is RUNNING:
+                        self._stop(seq, t_end)
+                    elif seq.status is WAITING:  # preempted by the next plan: no recompute
+                        self.waiting.remove(seq)
+                        self._forget_blocked(seq)
+                        seq.status = FINISHED
+                        self.finished.append(seq)
+                        seq.finish_time = t_end
+                        seq.kept_budget = self.compressions.kept_budget(seq)
+                        self._resource_version += 1
         for batch_id in result.completed_batches:
             self._complete_batch(batch_id)
 
     @staticmethod
-    def _sampled(plan: StepPlan) -> list[Sequence]:
+    def sampled_requests(plan: StepPlan) -> list[Sequence]:
         """The requests that got a token in `plan`, in `StepPlan.sampled` order."""
         if not plan.prefill:
             return plan.decode
@@ -279,11 +293,10 @@ class Scheduler:
                 + [fork.seq for fork in plan.forks])
 
     def _stop(self, seq: Sequence, time: float) -> None:
-        """`seq` stopped at an end-of-sequence token; inside an async compression batch (only
-        async scheduling plans one for a request whose stop is not known yet), it leaves when
-        the batch completes, since the batch still writes its blocks."""
-        if seq.compressing and self.compressions.in_flight is not None \
-                and any(job.seq is seq for job in self.compressions.in_flight.jobs):
+        """`seq` stopped at an end-of-sequence token; inside a compression job (only async
+        scheduling plans one for a request whose stop is not known yet), it leaves when the job
+        completes, since the job still writes its blocks."""
+        if seq.compressing:
             self.steady.leave(seq)
             self._forget_blocked(seq)
             self._stop_after_batch[seq] = time
