@@ -274,13 +274,7 @@ class Scheduler:
                     if seq.status is RUNNING:
                         self._stop(seq, t_end)
                     elif seq.status is WAITING:  # preempted by the next plan: no recompute
-                        self.waiting.remove(seq)
-                        self._forget_blocked(seq)
-                        seq.status = FINISHED
-                        self.finished.append(seq)
-                        seq.finish_time = t_end
-                        seq.kept_budget = self.compressions.kept_budget(seq)
-                        self._resource_version += 1
+                        self._finish_waiting(seq, t_end)
         for batch_id in result.completed_batches:
             self._complete_batch(batch_id)
 
@@ -291,6 +285,17 @@ class Scheduler:
             return plan.decode
         return ([item.seq for item in plan.prefill if item.samples] + plan.decode
                 + [fork.seq for fork in plan.forks])
+
+    def _finish_waiting(self, seq: Sequence, time: float) -> None:
+        """`seq` stopped in the step settled now and the plan made since preempted it (async
+        scheduling): it is done, not recomputed."""
+        self.waiting.remove(seq)
+        self._forget_blocked(seq)
+        seq.status = FINISHED
+        self.finished.append(seq)
+        seq.finish_time = time
+        seq.kept_budget = self.compressions.kept_budget(seq)
+        self._resource_version += 1
 
     def _stop(self, seq: Sequence, time: float) -> None:
         """`seq` stopped at an end-of-sequence token; inside a compression job (only async
