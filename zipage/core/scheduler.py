@@ -243,8 +243,7 @@ class Scheduler:
                 self._resource_version += self.compressions.complete_sync()
                 if self._stop_after_batch:
                     for job in plan.compress_sync:
-                        if job.seq in self._stop_after_batch:
-                            self._finish_sequence(job.seq, self._stop_after_batch.pop(job.seq))
+                        self._finish_if_stopped(job.seq)
             t_end = None if result is None else result.t_end
             for seq in self.steady.tick():
                 self._finish_sequence(seq, t_end)
@@ -274,7 +273,7 @@ class Scheduler:
                     if seq.status is RUNNING:
                         self._stop(seq, t_end)
                     elif seq.status is WAITING:  # preempted by the next plan: no recompute
-                        self._finish_waiting(seq, t_end)
+                        self._finish_sequence(seq, t_end)
         for batch_id in result.completed_batches:
             self._complete_batch(batch_id)
 
@@ -286,17 +285,6 @@ class Scheduler:
         return ([item.seq for item in plan.prefill if item.samples] + plan.decode
                 + [fork.seq for fork in plan.forks])
 
-    def _finish_waiting(self, seq: Sequence, time: float) -> None:
-        """`seq` stopped in the step settled now and the plan made since preempted it (async
-        scheduling): it is done, not recomputed."""
-        self.waiting.remove(seq)
-        self._forget_blocked(seq)
-        seq.status = FINISHED
-        self.finished.append(seq)
-        seq.finish_time = time
-        seq.kept_budget = self.compressions.kept_budget(seq)
-        self._resource_version += 1
-
     def _stop(self, seq: Sequence, time: float) -> None:
         """`seq` stopped at an end-of-sequence token; inside a compression job (only async
         scheduling plans one for a request whose stop is not known yet), it leaves when the job
@@ -307,6 +295,12 @@ class Scheduler:
             self._stop_after_batch[seq] = time
             return
         self._finish_sequence(seq, time)
+
+    def _finish_if_stopped(self, seq: Sequence) -> None:
+        """`seq`'s compression job completed: it finishes now if it stopped inside the job."""
+        time = self._stop_after_batch.pop(seq, None)
+        if time is not None:
+            self._finish_sequence(seq, time)
 
     # ------------------------------------------------------------------ prefill
 
@@ -479,7 +473,7 @@ class Scheduler:
                 self._abort_after_batch.discard(job.seq)
                 self._release(job.seq, SequenceStatus.ABORTED, self.aborted)
             elif job.seq in self._stop_after_batch:
-                self._finish_sequence(job.seq, self._stop_after_batch.pop(job.seq))
+                self._finish_if_stopped(job.seq)
             else:
                 self._pending.append(job.seq)
 
@@ -524,12 +518,25 @@ class Scheduler:
     # ------------------------------------------------------------------ leaving
 
     def _finish_sequence(self, seq: Sequence, time: float | None) -> None:
-        """`seq` is done; `time` None: its step's end is not known yet (async scheduling)."""
-        self._release(seq, FINISHED, self.finished)
+        """`seq` is done; `time` None: its step's end is not known yet (async scheduling). A
+        waiting one stopped in the step settled now, and the plan made since preempted it
+        (async scheduling): it is done, not recomputed."""
+        if seq.status is WAITING:
+            self._leave_waiting(seq, FINISHED, self.finished)
+        else:
+            self._release(seq, FINISHED, self.finished)
         seq.finish_time = time
         if time is None and seq.first_token_time is not None:
             self._untimed.append(seq)  # (with no first token yet it is listed already)
         seq.kept_budget = self.compressions.kept_budget(seq)
+
+    def _leave_waiting(self, seq: Sequence, status: SequenceStatus, into: list[Sequence]) -> None:
+        """A waiting request leaves for good (aborted, or finished: `_finish_sequence`)."""
+        self.waiting.remove(seq)
+        self._forget_blocked(seq)
+        seq.status = status
+        into.append(seq)
+        self._resource_version += 1
 
     def _release(self, seq: Sequence, status: SequenceStatus, into: list[Sequence]) -> None:
         """A running request leaves for good (finished or aborted): blocks and slot are freed."""
@@ -564,11 +571,7 @@ class Scheduler:
         """
         for seq in self.waiting:
             if seq.seq_id == seq_id:
-                self.waiting.remove(seq)
-                self._forget_blocked(seq)
-                seq.status = SequenceStatus.ABORTED
-                self.aborted.append(seq)
-                self._resource_version += 1
+                self._leave_waiting(seq, SequenceStatus.ABORTED, self.aborted)
                 return True
         for seq in self.running:
             if seq.seq_id == seq_id:
