@@ -43,11 +43,14 @@ def with_graph_path(llm: LLM) -> LLM:
 @pytest.mark.parametrize("knobs", [dict(compress=False, block_size=16, kv_memory_gb=0.002),
                                    dict(SMALL, async_compress=False), SMALL],
                          ids=["full-kv", "compress-sync", "compress-async"])
-def test_graph_input_staging_matches_eager(tiny_model, knobs):  # noqa: F811
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async-scheduling"])
+def test_graph_input_staging_matches_eager(tiny_model, knobs, async_scheduling):  # noqa: F811
+    """With async scheduling the staged rows take the running step's tokens on the device
+    (`ModelRunner._feed_tokens` into the graph's token column) and alternate staging buffers."""
     directory, _ = tiny_model
     prompts = prompts_with_shared_prefix()
     eager = LLM(str(directory), **knobs).generate(prompts, GREEDY, progress=False)
-    staged_llm = with_graph_path(LLM(str(directory), **knobs))
+    staged_llm = with_graph_path(LLM(str(directory), **knobs, async_scheduling=async_scheduling))
     staged = staged_llm.generate(prompts, GREEDY, progress=False)
     assert [o.token_ids for o in staged] == [o.token_ids for o in eager]
     # The staged path really ran, with padded rows (5 requests replay the 8-row graph) and, with

@@ -159,15 +159,13 @@ class EngineLoop:
         if running is not None:
             self.recorder.advance()
         plan = self.recorder.schedule()
-        output = None
         if plan is None:
             return None if running is None else self._settle(*running)
-        if running is not None and (plan.kind == IDLE or self.runner.needs_sync(plan)):
-            output = self._settle(*running)
-            running = None
         if plan.kind == IDLE or self.runner.needs_sync(plan):
-            done = self._step_now(plan, max(t_plan, self._last_end))
-            return done if output is None else _merged(output, done)
+            if running is None:
+                return self._step_now(plan, max(t_plan, self._last_end))
+            output = self._settle(*running)
+            return _merged(output, self._step_now(plan, max(t_plan, self._last_end)))
         launched = self.runner.launch(plan, self.tokens,
                                       running[1] if running is not None else None)
         self._running = (plan, launched, t_plan)

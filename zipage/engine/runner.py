@@ -154,18 +154,16 @@ class ModelRunner:
         self._prompt_rows: list[tuple[str, int, int]] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_inputs: dict[str, torch.Tensor] = {}
-        # Pinned host buffers the decode graphs' inputs are staged in: two sets, one a launch in
+        # Pinned host buffers a launch stages its copies in (the decode graphs' inputs; under
+        # async scheduling the row sources and the sampled ids too): two sets, one a launch in
         # turn (`_launches`), since under async scheduling a step is staged while the previous
         # one's copies may still wait behind the step before it on the device.
-        self.stagings: list[dict[str, torch.Tensor]] = []
+        self.stagings: list[dict[str, torch.Tensor]] = [{}, {}]
+        self._launches = 0
         self.graph_pool = None  # one memory pool for every graph: they never run at once
         # Async scheduling: the step before the one being launched, whose sampled ids feed this
-        # step's decode rows on the device (`_feed_tokens`); pinned buffers for the row sources
-        # and the sampled ids, two of each, since a step's copies may still be queued behind
-        # the running step while the next one is staged.
+        # step's decode rows on the device (`_feed_tokens`).
         self._feeding: Launched | None = None
-        self._launches = 0
-        self._pinned: list[dict[str, torch.Tensor]] = []
         # Padded prefill/mixed steps (with `prefill_graphs`): token buckets, their static
         # inputs, and a graph per bucket where graphs can be captured.
         self.prefill_buckets: tuple[int, ...] = ()
@@ -217,7 +215,7 @@ class ModelRunner:
                 sequences, sampled = self._execute(plan, tokens, None, keep_logprobs=False)
                 host = ready = None
                 if sampled is not None:
-                    host = self._pinned_buffers()["sampled"][:len(sampled)]
+                    host = self._staging("sampled")[:len(sampled)]
                     host.copy_(sampled, non_blocking=True)
                     ready = torch.cuda.Event()
                     ready.record(self.stream)
@@ -242,15 +240,16 @@ class ModelRunner:
                 return True
         return False
 
-    def _pinned_buffers(self) -> dict[str, torch.Tensor]:
-        """This launch's pair of pinned buffers (they alternate between launches)."""
-        if not self._pinned:
+    def _staging(self, name: str) -> torch.Tensor:
+        """This launch's pinned buffer `name` of async scheduling ("sources", "sampled"): one
+        int64 entry a request, made at the first launch."""
+        staging = self.stagings[self._launches % 2]
+        if name not in staging:
             size = max(self.config.max_num_seqs, max(self.graphs, default=0))
-            for _ in range(2):
-                self._pinned.append({
-                    "sources": torch.empty(size, dtype=torch.int64).pin_memory(),
-                    "sampled": torch.empty(size, dtype=torch.int64).pin_memory()})
-        return self._pinned[self._launches % 2]
+            for each in self.stagings:
+                each.update(sources=torch.empty(size, dtype=torch.int64).pin_memory(),
+                            sampled=torch.empty(size, dtype=torch.int64).pin_memory())
+        return staging[name]
 
     def _feed_tokens(self, ids: torch.Tensor, sequences: list[Sequence]) -> None:
         """Async scheduling: put into `ids` (the device's input ids of these decode rows) each
@@ -263,7 +262,7 @@ class ModelRunner:
         if max(sources) < 0:
             return
         if self.device.type == "cuda":
-            staged = self._pinned_buffers()["sources"][:len(sources)]
+            staged = self._staging("sources")[:len(sources)]
             staged.copy_(torch.tensor(sources, dtype=torch.int64))
             sources_device = staged.to(self.device, non_blocking=True)
         else:
@@ -545,15 +544,14 @@ class ModelRunner:
             "logits": torch.empty(largest, self.shape.vocab_size, dtype=self.dtype,
                                   device=device),
         }
-        self.stagings = []
-        for _ in range(2):
-            staging = {
+        for staging in self.stagings:
+            buffers = {
                 "columns": torch.zeros(5, largest, dtype=torch.int64),
                 "tables": torch.zeros(largest, self.max_blocks_per_seq, dtype=torch.int32),
             }
             if device.type == "cuda":
-                staging = {name: tensor.pin_memory() for name, tensor in staging.items()}
-            self.stagings.append(staging)
+                buffers = {name: tensor.pin_memory() for name, tensor in buffers.items()}
+            staging.update(buffers)
 
     def graph_context(self, size: int) -> ForwardContext:
         """The forward context a decode graph of `size` rows is captured (and replayed) with."""
