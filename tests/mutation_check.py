@@ -72,8 +72,23 @@ PROPERTY_TESTS = ("property tests",)  # the priority modes draw priorities; no w
 SCORING_TESTS = ("scoring tests",)  # the policies' own tests; no scheduling trace reaches them
 # Losing a save breaks no invariant, only what the tier gives back: its own tests measure that.
 HOST_TIER_TESTS = ("host tier tests",)
+# Async scheduling's protocol: only a driver that settles a step after the next plan reaches it.
+ASYNC_TESTS = ("async tests",)
 
 MUTATIONS = [
+    # ---- async scheduling (docs/architecture.md, 'Async scheduling')
+    Mutation("async: a stop of a request the next plan preempted is ignored (it recomputes past "
+             "its stop)", SCHEDULER,
+             "                    elif seq.status is WAITING:  # preempted by the next plan",
+             "                    elif False:  # preempted by the next plan", tests=ASYNC_TESTS),
+    Mutation("async: a request stopped inside a compression job leaves before the job ends",
+             SCHEDULER,
+             "        if seq.compressing:\n            self.steady.leave(seq)\n",
+             "        if False:\n            self.steady.leave(seq)\n", tests=ASYNC_TESTS),
+    Mutation("async: a first token's time never set when its step settles", SCHEDULER,
+             "                if seq.first_token_time is None:\n                    seq.first_token_time = t_end\n",
+             "                if False:\n                    seq.first_token_time = t_end\n",
+             tests=ASYNC_TESTS),
     # ---- the four breaks of issue 11
     Mutation("preempted request to the back of waiting", SCHEDULER,
              "        self.waiting.appendleft(seq)\n        plan.preempted.append(seq)",
@@ -254,8 +269,8 @@ MUTATIONS = [
              "            if job.seq in self._abort_after_batch:",
              "            if False:", tests=RULE_WITNESSES),
     Mutation("abort: an aborted waiting request stays in waiting (and is admitted)", SCHEDULER,
-             "                self.waiting.remove(seq)\n",
-             "                pass\n", tests=RULE_WITNESSES),
+             "        self.waiting.remove(seq)\n        self._forget_blocked(seq)\n",
+             "        self._forget_blocked(seq)\n", tests=RULE_WITNESSES),
     # ---- samples of one prompt (forks)
     Mutation("fork: the leader's partial last block shared instead of copied", PREFILL,
              "            table = leader.block_table[:full]\n"
@@ -348,6 +363,7 @@ TESTS = {"property tests": "tests/test_core_properties.py",
          "rule witnesses": "tests/test_core_rules_witnesses.py",
          "fork witnesses": "tests/test_core_forks.py",
          "scoring tests": "tests/test_scoring.py tests/test_scoring_per_request.py",
+         "async tests": "tests/test_core_async.py",
          "host tier tests": "tests/test_host_tier.py::test_prompt_blocks_a_compression_rewrites_are_saved_first "
                             "tests/test_host_tier.py::test_the_tier_gives_back_the_prefix_hits_memory_took"}
 TIMEOUT_S = 900
