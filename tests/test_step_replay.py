@@ -160,13 +160,15 @@ def test_step_replay_of_a_chunked_prefill_run(tiny_model, tmp_path, asynchronous
         from zipage.sim.profile_from_runs import profile_from_runs
 
         # Pure prefill steps come only where nothing decodes: on a loaded machine this run's
-        # arrivals can crowd together and leave fewer than the prefill fit needs. Three lone
-        # 64-token prompts (three chunks each) guarantee them.
-        lone = Trace("lone", [TraceRequest(id=f"p{i}", arrival_s=0.3 * i, prompt_len=64,
-                                           output_len=2) for i in range(3)])
-        lone_out, _, _ = engine_run(tiny_model, tmp_path / "lone", lone, asynchronous,
-                                    chunked_prefill=True, max_num_batched_tokens=24)
-        profile = profile_from_runs([out, lone_out], gpu="h100")
+        # arrivals can crowd together and leave fewer than the prefill fit needs. Three runs of
+        # one 64-token prompt each (three chunks, nothing beside them) guarantee nine however
+        # loaded the machine (prompts spaced in time within one run can still overlap).
+        lone_outs = [engine_run(tiny_model, tmp_path / f"lone{i}",
+                                Trace(f"lone{i}", [TraceRequest(id=f"p{i}", arrival_s=0.0,
+                                                                prompt_len=64, output_len=2)]),
+                                asynchronous, chunked_prefill=True,
+                                max_num_batched_tokens=24)[0] for i in range(3)]
+        profile = profile_from_runs([out, *lone_outs], gpu="h100")
         assert CalibratedCostModel.from_profile(profile).mixed_fit.num_points == len(
             profile["mixed"]) >= 2
 
