@@ -160,14 +160,16 @@ def test_step_replay_of_a_chunked_prefill_run(tiny_model, tmp_path, asynchronous
         from zipage.sim.profile_from_runs import profile_from_runs
 
         # Pure prefill steps come only where nothing decodes: on a loaded machine this run's
-        # arrivals can crowd together and leave fewer than the prefill fit needs. Three runs of
-        # one 64-token prompt each (three chunks, nothing beside them) guarantee nine however
-        # loaded the machine (prompts spaced in time within one run can still overlap).
-        lone_outs = [engine_run(tiny_model, tmp_path / f"lone{i}",
-                                Trace(f"lone{i}", [TraceRequest(id=f"p{i}", arrival_s=0.0,
-                                                                prompt_len=64, output_len=2)]),
-                                asynchronous, chunked_prefill=True,
-                                max_num_batched_tokens=24)[0] for i in range(3)]
+        # arrivals can crowd together and leave fewer than the prefill fit needs, and a chunk
+        # that ran faster than the run's median decode step is no point (`profile_from_runs`).
+        # Runs of one whole prompt each (unchunked: every prefill step samples and is a point)
+        # guarantee six, however loaded the machine.
+        lone_outs = [engine_run(tiny_model, tmp_path / f"lone{length}",
+                                Trace(f"lone{length}", [TraceRequest(id=f"p{length}", arrival_s=0.0,
+                                                                     prompt_len=length,
+                                                                     output_len=2)]),
+                                asynchronous, chunked_prefill=False)[0]
+                     for length in (16, 24, 40, 56, 72, 88)]
         profile = profile_from_runs([out, *lone_outs], gpu="h100")
         assert CalibratedCostModel.from_profile(profile).mixed_fit.num_points == len(
             profile["mixed"]) >= 2
