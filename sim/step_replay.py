@@ -5,8 +5,11 @@ run wrote (`--out`): its capacity and knobs (summary.json), the start and end of
 which async compression batch each step's result reported done (steps.csv), and the number of
 tokens each request produced (requests.csv). It then runs the trace through the same core with
 exactly those times: a request is added once the replayed clock reaches its arrival (the engine
-adds it at the start of the first step that begins after it arrives), each step lasts what the
-engine measured, and each async batch completes in the step that reported it.
+adds it when it plans the first step after it arrives: `planned_at`), each step lasts what the
+engine measured, and each async batch completes in the step that reported it. A run made with
+async scheduling is replayed in its interleaving (each step planned before the one before it
+settled, `planned_early` and `settled_late`), its EOS stops seen one step late as the engine saw
+them.
 
 With the clock taken from the engine, any difference left between the two runs is a difference in
 *decisions* — scheduling drift, which must be zero — not cost-model error. The summary says
@@ -21,6 +24,7 @@ from zipage.core.arrivals import ArrivalQueue
 from zipage.core.deployment import ReplaySettings, effective_config, trace_sequences
 from zipage.core.recorder import Run, StepRecorder
 from zipage.core.scheduler import Scheduler
+from zipage.core.sequence import SequenceStatus
 from zipage.core.step import StepResult
 from zipage.errors import ZipageError
 from zipage.model_spec import resolve_shape
@@ -41,29 +45,27 @@ def replay_step_times(trace: Trace, run_dir: str | Path, *, check: bool = False,
                           summary.get("num_host_blocks") or 0)
     sequences = trace_sequences(trace, shape.vocab_size, need_tokens=False, scheduler=scheduler,
                                 block_keys=True)
+    asynchronous = bool(config.async_scheduling)
+    stops = {}  # request id -> the output token the engine sampled its EOS at (async)
     for seq in sequences:
-        # Requests the engine stopped early (EOS) end at the same token here.
-        seq.max_output_tokens = produced.get(seq.seq_id, seq.max_output_tokens)
+        done = produced.get(seq.seq_id, seq.max_output_tokens)
+        if not asynchronous:  # a stop and a length finish are one decision when synchronous
+            seq.max_output_tokens = done
+        elif done < seq.max_output_tokens:
+            stops[seq.seq_id] = done
     recorder = StepRecorder(scheduler, check=check, log_decisions=True, progress=progress,
                             total=len(sequences))
     arrivals = ArrivalQueue(sequences, users=settings.users)
     recorder.follow(arrivals)
-    in_flight: int | None = None
+    replay = _Interleaving(recorder, stops, asynchronous)
     for step in steps.itertuples(index=False):
-        arrivals.admit_due(recorder, step.t_start)
-        plan = recorder.schedule()
-        if plan is None:  # the engine ran more steps than the replay needs: drift
+        if not replay.step(arrivals, step):  # the engine ran more steps than the replay needs
             break
-        if plan.compress_launch is not None:
-            in_flight = plan.compress_launch.batch_id
-        completed = []
-        if step.batches_done and in_flight is not None:
-            completed, in_flight = [in_flight], None
-        recorder.finish(plan, StepResult(step_id=plan.step_id, t_start=float(step.t_start),
-                                         t_end=float(step.t_end), completed_batches=completed))
+    else:
+        replay.drain()
     run = recorder.result()
     # Steps the engine ran and the replay did not (or the reverse) are drift too.
-    unfinished = scheduler.has_unfinished() or arrivals.has_pending
+    unfinished = replay.drifted or scheduler.has_unfinished() or arrivals.has_pending
     first = _first_difference(engine_log, run.decision_log)
     run.summary.update(
         driver="step-replay", device=f"clock of {summary.get('device', 'the engine')}",
@@ -74,6 +76,84 @@ def replay_step_times(trace: Trace, run_dir: str | Path, *, check: bool = False,
         decisions_match=bool(engine_log) and first is None and not unfinished,
         first_decision_difference=first)
     return run.summary, run
+
+
+# Still the scheduler's: running, or preempted by the plan made after the stop's step (async).
+_LIVE = (SequenceStatus.RUNNING, SequenceStatus.WAITING)
+
+
+class _Interleaving:
+    """The engine's steps applied in its order. Synchronously each is planned and finished in
+    turn. Under async scheduling (docs/architecture.md, 'Async scheduling') a step recorded
+    `settled_late` is settled after the next plan, as the engine's loop did; `planned_early`
+    says whether a step was planned while the one before still ran, so a step before it that
+    is still unsettled was settled by an iteration that planned nothing."""
+
+    def __init__(self, recorder: StepRecorder, stops: dict[str, int],
+                 asynchronous: bool) -> None:
+        self.recorder = recorder
+        self.asynchronous = asynchronous
+        self.stops = stops
+        self.running = None  # a step to settle late: (plan, its steps.csv row)
+        self.in_flight: int | None = None  # the async compression batch not yet reported
+        self.drifted = False
+
+    def step(self, arrivals: ArrivalQueue, step) -> bool:
+        recorder = self.recorder
+        if self.running is not None and not step.planned_early:
+            if not self._settle_idle():
+                return False
+        planned_at = float(step.planned_at) if step.planned_at >= 0 else float(step.t_start)
+        arrivals.admit_due(recorder, planned_at)
+        running, self.running = self.running, None
+        if running is not None:
+            recorder.advance()
+        plan = recorder.schedule()
+        if plan is None:
+            return False
+        if plan.compress_launch is not None:
+            self.in_flight = plan.compress_launch.batch_id
+        if running is not None:
+            self._apply(*running, settle=True)
+        if step.settled_late:
+            self.running = (plan, step)
+        elif self.asynchronous:  # run synchronously by the async loop: advanced, then settled
+            recorder.advance()
+            self._apply(plan, step, settle=True)
+        else:
+            self._apply(plan, step, settle=False)
+        return True
+
+    def drain(self) -> None:
+        """The engine's last iteration: the last step settled, nothing left to plan."""
+        if self.running is not None:
+            self._settle_idle()
+
+    def _settle_idle(self) -> bool:
+        """An iteration that planned nothing and settled the step that ran."""
+        running, self.running = self.running, None
+        self.recorder.advance()
+        if self.recorder.schedule() is not None:  # the engine planned nothing here: drift
+            self.drifted = True
+            return False
+        self._apply(*running, settle=True)
+        return True
+
+    def _apply(self, plan, step, settle: bool) -> None:
+        completed = []
+        if step.batches_done and self.in_flight is not None:
+            completed, self.in_flight = [self.in_flight], None
+        result = StepResult(step_id=plan.step_id, t_start=float(step.t_start),
+                            t_end=float(step.t_end), completed_batches=completed)
+        if not settle:
+            self.recorder.finish(plan, result)
+            return
+        stops = self.stops
+        if stops:  # (the engine's stops: requests that sampled their EOS in this step)
+            result.stopped = {seq.seq_id for seq in Scheduler.sampled_requests(plan)
+                              if seq.status in _LIVE
+                              and stops.get(seq.seq_id) == seq.num_output_tokens}
+        self.recorder.settle(plan, result)
 
 
 def _read_run(run_dir: Path):

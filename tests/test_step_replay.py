@@ -80,6 +80,64 @@ def test_step_replay_makes_the_engines_decisions(tiny_model, tmp_path, asynchron
     assert_close({r.id: (r.first_token, r.finish) for r in replay_run.requests}, engine_times)
 
 
+# Arrivals 0.2 s apart: the engine runs out of work between some, and an iteration that plans
+# nothing settles the last step (no step is recorded for it).
+@pytest.mark.parametrize("async_compress, spacing", [(False, TIGHT["spacing"]),
+                                                     (True, TIGHT["spacing"]), (True, 0.2)])
+def test_step_replay_of_an_async_scheduling_run(tiny_model, tmp_path, async_compress, spacing):
+    """Each step planned while the one before runs: the replay interleaves plans and results as
+    the engine's loop did (steps.csv's `planned_early`, `settled_late`)."""
+    trace = online_trace(spacing)
+    out, summary, run = engine_run(tiny_model, tmp_path / "engine", trace, async_compress,
+                                   async_scheduling=True)
+    assert summary["compressions"] > 0 and summary["completed"] == len(trace.requests)
+    late = [step.settled_late for step in run.steps]
+    assert sum(late) > len(late) // 2, "most steps launched behind the one before"
+    if spacing > TIGHT["spacing"]:
+        assert any(before.settled_late and not step.planned_early
+                   for before, step in zip(run.steps, run.steps[1:]))
+    assert all(step.planned_at <= step.t_start + 1e-9 for step in run.steps)
+
+    replayed, replay_run = replay_step_times(trace, out, check=True)
+    assert replayed["decisions_match"], replayed["first_decision_difference"]
+    engine_times = {r.id: (r.first_token, r.finish) for r in run.requests}
+    assert_close({r.id: (r.first_token, r.finish) for r in replay_run.requests}, engine_times)
+
+
+def test_step_replay_of_an_async_run_with_stops(tiny_model, tmp_path, monkeypatch):
+    """A request that samples its EOS is stopped one step late under async scheduling (it was
+    in the plan made before its token was seen); the replay stops it there too."""
+    import zipage.engine.replay as engine_replay
+    from zipage import SamplingParams
+
+    trace = online_trace()
+    _, _, plain = engine_run(tiny_model, tmp_path / "plain", trace, True, async_scheduling=True)
+    # The EOS: the token most requests sample somewhere after their first output token.
+    outputs = [tokens[request.prompt_len + 1:] for request, tokens in
+               ((r, plain.tokens[r.id]) for r in trace.requests)]
+    counts = {}
+    for output in outputs:
+        for token in set(output):
+            counts[token] = counts.get(token, 0) + 1
+    eos = max(counts, key=counts.get)
+    monkeypatch.setattr(engine_replay, "SamplingParams",
+                        lambda **values: SamplingParams(**{**values, "ignore_eos": False}))
+    real_loop = engine_replay.EngineLoop
+    monkeypatch.setattr(engine_replay, "EngineLoop",
+                        lambda *args, **kw: real_loop(*args, eos_token_ids=frozenset({eos}), **kw))
+    out, summary, run = engine_run(tiny_model, tmp_path / "engine", trace, True,
+                                   async_scheduling=True)
+    stopped = [r.id for r, request in zip(sorted(run.requests, key=lambda r: r.id),
+                                          sorted(trace.requests, key=lambda r: r.id))
+               if r.status == "finished" and r.output_len < request.output_len]
+    assert len(stopped) >= 2, counts[eos]
+
+    replayed, replay_run = replay_step_times(trace, out, check=True)
+    assert replayed["decisions_match"], replayed["first_decision_difference"]
+    assert {r.id: r.output_len for r in replay_run.requests} == {
+        r.id: r.output_len for r in run.requests}
+
+
 def test_step_replay_reports_drift(tiny_model, tmp_path):
     trace = online_trace()
     out, _, _ = engine_run(tiny_model, tmp_path / "engine", trace, asynchronous=False)

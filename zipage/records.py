@@ -48,6 +48,12 @@ class StepRecord:
     host_loads: int = 0
     # Of `prefix_hit_tokens`, those found at a request's first admission (`StepPlan`).
     first_hit_tokens: int = 0
+    # Async scheduling (`StepResult`): when the step's plan was made (its t_start for a
+    # synchronous step), 1 if it was planned while the step before still ran, 1 if its result
+    # was applied after the next step was planned.
+    planned_at: float = -1.0
+    planned_early: int = 0
+    settled_late: int = 0
 
 
 @dataclass(slots=True)

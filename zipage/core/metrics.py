@@ -57,7 +57,9 @@ class MetricsRecorder:
             prefill_tokens, plan.decode_context_tokens, len(result.completed_batches), pairs,
             sum(job.num_source_blocks for job in compressions) if compressions else 0,
             plan.prefix_hit_tokens, plan.decode_max_context, plan.shared_kv_tokens,
-            plan.host_hit_tokens, len(plan.kv_saves), len(plan.kv_loads), plan.first_hit_tokens)
+            plan.host_hit_tokens, len(plan.kv_saves), len(plan.kv_loads), plan.first_hit_tokens,
+            result.t_plan if result.t_plan >= 0 else result.t_start, int(result.planned_early),
+            int(result.settled_late))
         if self._sink is None:
             self.steps.append(record)
         else:

@@ -231,3 +231,9 @@ class StepResult:
     # Requests that stopped before their max tokens (EOS / stop token). The simulator never
     # sets it: a trace request ends after exactly its output_len tokens.
     stopped: set = field(default_factory=set)
+    # Async scheduling: when the plan was made (-1: at t_start, as a synchronous step's is),
+    # whether it was made while the step before still ran, and whether this result was applied
+    # after the next plan was made (what a step-time replay needs to interleave them the same).
+    t_plan: float = -1.0
+    planned_early: bool = False
+    settled_late: bool = False

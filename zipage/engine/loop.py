@@ -87,7 +87,7 @@ class EngineLoop:
         if self.async_scheduling and not isinstance(runner, ModelRunner):
             raise ConfigError("async_scheduling: one device only for now (tensor parallel "
                               "steps synchronously); turn async scheduling off")
-        self._running: tuple[StepPlan, Launched, float] | None = None
+        self._running: tuple[StepPlan, Launched, float, bool] | None = None
         self._last_end = 0.0
         self._left_early: set[str] = set()  # stopped in the step settled last
 
@@ -161,20 +161,21 @@ class EngineLoop:
         plan = self.recorder.schedule()
         if plan is None:
             return None if running is None else self._settle(*running)
+        early = running is not None  # planned while the step before still runs
         if plan.kind == IDLE or self.runner.needs_sync(plan):
             if running is None:
-                return self._step_now(plan, max(t_plan, self._last_end))
+                return self._step_now(plan, t_plan, early)
             output = self._settle(*running)
-            return _merged(output, self._step_now(plan, max(t_plan, self._last_end)))
+            return _merged(output, self._step_now(plan, t_plan, early))
         launched = self.runner.launch(plan, self.tokens,
                                       running[1] if running is not None else None)
-        self._running = (plan, launched, t_plan)
+        self._running = (plan, launched, t_plan, early)
         if running is None:
             return StepOutput(plan, [], [])
         # A batch the new step launched is not the settled step's to report done.
         return self._settle(*running, poll=plan.compress_launch is None)
 
-    def _settle(self, plan: StepPlan, launched: Launched, t_plan: float,
+    def _settle(self, plan: StepPlan, launched: Launched, t_plan: float, early: bool,
                 poll: bool = True) -> StepOutput:
         """Wait for a launched step's tokens and settle it. It started when its plan was made,
         or, planned while the step before ran, when that one ended."""
@@ -183,19 +184,22 @@ class EngineLoop:
                      if poll and self.runner.compressor is not None else [])
         t_end = self.now()
         return self._finished_step(plan, sampled, max(t_plan, self._last_end), t_end,
-                                   completed, settle=True)
+                                   completed, settle=True, timing=(t_plan, early, True))
 
-    def _step_now(self, plan: StepPlan, t_start: float) -> StepOutput:
+    def _step_now(self, plan: StepPlan, t_plan: float, early: bool) -> StepOutput:
         """A plan of async scheduling run synchronously: executed, waited for, advanced and
         settled."""
+        t_start = max(t_plan, self._last_end)
         sampled = self.runner.execute(plan, self.tokens, self.structured)
         completed = (self.runner.compressor.completed(wait=plan.kind == IDLE)
                      if self.runner.compressor is not None else [])
         self.recorder.advance()
-        return self._finished_step(plan, sampled, t_start, self.now(), completed, settle=True)
+        return self._finished_step(plan, sampled, t_start, self.now(), completed, settle=True,
+                                   timing=(t_plan, early, False))
 
     def _finished_step(self, plan: StepPlan, sampled: list, t_start: float, t_end: float,
-                       completed: list[int], settle: bool) -> StepOutput:
+                       completed: list[int], settle: bool,
+                       timing: tuple[float, bool, bool] = (-1.0, False, False)) -> StepOutput:
         """A step's tokens in: appended, stops found, the result applied (`finish`, or under
         async scheduling `settle` of the advanced step). A request that left the running set
         while the step ran (stopped in the step before, or aborted) gets no token."""
@@ -218,8 +222,8 @@ class EngineLoop:
             structured.advance(produced)
             stopped.update(seq.seq_id for seq, _ in produced if structured.finished(seq.seq_id))
         finished_before = len(scheduler.finished)
-        result = StepResult(step_id=plan.step_id, t_start=t_start, t_end=t_end,
-                            completed_batches=completed, stopped=stopped)
+        # `timing`, async scheduling: when the plan was made, and how it interleaved (StepResult).
+        result = StepResult(plan.step_id, t_start, t_end, completed, stopped, *timing)
         if settle:
             # Settled after the next plan was made: a request stopped here decoded in that one
             # too, and its token there is dropped.
