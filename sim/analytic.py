@@ -130,7 +130,8 @@ class AnalyticCostModel(CostModel):
                  block_size: int = 256, window: int = 16, kv_budget: int = 2048,
                  redundancy: str = "lightning", layer_stride: int = 8, global_score: bool = True,
                  tensor_parallel: int = 1, contention_factor: float | None = None,
-                 kv_cache_dtype: str = "auto", scoring: str = DEFAULT_SCORING) -> None:
+                 kv_cache_dtype: str = "auto", scoring: str = DEFAULT_SCORING,
+                 async_scheduling: bool = False) -> None:
         _check_knobs(shape, dtype_bytes, block_size, window, kv_budget, redundancy, layer_stride,
                      tensor_parallel, contention_factor)
         # The same deployment with another scoring policy prices a request that asks for that
@@ -138,12 +139,17 @@ class AnalyticCostModel(CostModel):
         self._knobs = dict(dtype_bytes=dtype_bytes, block_size=block_size, window=window,
                            kv_budget=kv_budget, redundancy=redundancy, layer_stride=layer_stride,
                            global_score=global_score, tensor_parallel=tensor_parallel,
-                           contention_factor=contention_factor, kv_cache_dtype=kv_cache_dtype)
+                           contention_factor=contention_factor, kv_cache_dtype=kv_cache_dtype,
+                           async_scheduling=async_scheduling)
         self._with_scoring: dict[str, AnalyticCostModel] = {scoring: self}
         self.shape, self.gpu = shape, gpu
         self.dtype_bytes, self.block_size, self.window = dtype_bytes, block_size, window
         self.kv_budget, self.redundancy, self.layer_stride = kv_budget, redundancy, layer_stride
         self.global_score, self.tensor_parallel = global_score, tensor_parallel
+        # Async scheduling: the host's part of a step (its fixed and per-request overheads)
+        # runs while the device computes the step before, so a step lasts the longer of the
+        # two, not their sum.
+        self.async_scheduling = async_scheduling
         # The scoring policy's kernels (zipage/scoring.py): the knobs above as the default
         # pipeline runs them, or the policy's own fixed modes.
         self.scoring = scoring
@@ -244,8 +250,10 @@ class AnalyticCostModel(CostModel):
                                    attention_pairs * self._attention_pair_s)
         gpu = (linear + attention + self._allreduce_fixed_s
                + (batch + tokens) * self._allreduce_token_s)
-        return (gpu + self._kernel_chain_s + self._step_overhead_s
-                + (batch + num_prefill) * PER_SEQUENCE_OVERHEAD_S)
+        host = self._step_overhead_s + (batch + num_prefill) * PER_SEQUENCE_OVERHEAD_S
+        if self.async_scheduling:
+            return max(gpu + self._kernel_chain_s, host)
+        return gpu + self._kernel_chain_s + host
 
     def _linear_s(self, batch: int, tokens: int, sampled_chunks: int) -> float:
         """The step's linear layers: weights stream once for every row of the step; each decode

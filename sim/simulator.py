@@ -34,7 +34,6 @@ from zipage.core.recorder import RecordSink, Run, StepRecorder
 from zipage.core.scheduler import Scheduler
 from zipage.core.sequence import Sequence
 from zipage.core.step import IDLE, StepPlan, StepResult
-from zipage.errors import ConfigError
 from zipage.sim.cost_model import CostModel
 
 
@@ -47,10 +46,6 @@ class Simulator:
                  log_decisions: bool = False, progress: bool = False,
                  env: simpy.Environment | None = None, total: int | None = None,
                  sink: RecordSink | None = None) -> None:
-        if scheduler.config.async_scheduling:
-            raise ConfigError("--async-scheduling: the simulator does not model it yet (a stop "
-                              "or an async compression batch's end reaches the next plan one "
-                              "step later); drop it, or replay with --gpu")
         self.scheduler = scheduler
         self.cost_model = cost_model
         # Only the decision log and the checker read which requests decode; a cost model and
@@ -60,7 +55,11 @@ class Simulator:
         self.recorder = StepRecorder(scheduler, check=check, log_decisions=log_decisions,
                                      progress=progress, total=total, keep_sequences=False,
                                      sink=sink)
-        self._own_clock = env is None  # `run` then takes the plain loop, not SimPy
+        # Async scheduling (docs/architecture.md, 'Async scheduling'): each step planned while
+        # the one before runs, its result applied after that plan.
+        self.asynchronous = scheduler.config.async_scheduling
+        # `run` then takes the plain loop, not SimPy (which alone drives the async protocol).
+        self._own_clock = env is None and not self.asynchronous
         self.env = env or simpy.Environment()
         self._completed_batches: list[int] = []
         self._compression_done: simpy.Event | None = None
@@ -87,7 +86,8 @@ class Simulator:
         return run
 
     def start(self) -> simpy.Process:
-        return self.env.process(self._engine_loop())
+        loop = self._engine_loop_async if self.asynchronous else self._engine_loop
+        return self.env.process(loop())
 
     def submit(self, seq: Sequence) -> bool:
         """A request arrives now; False if the core rejected it."""
@@ -152,6 +152,76 @@ class Simulator:
                                 completed_batches=self._completed_batches)
             self._completed_batches = []
             recorder.finish(plan, result)
+
+    def _engine_loop_async(self):
+        """The engine's async loop (zipage/engine/loop.py, `_step_async`) on the SimPy clock:
+        advance the running step, plan the next and launch it behind the running one, then wait
+        for the running step's end and settle it. An idle plan waits for the step before and
+        then for its batch, and is settled at once. The host's planning overlaps the device's
+        step: a step lasts what the cost model prices it, back to back."""
+        recorder, env = self.recorder, self.env
+        running = None  # launched, not settled: (plan, planned at, start, end, planned early)
+        while True:
+            t_plan = env.now
+            if running is not None:
+                recorder.advance()
+            plan = recorder.schedule()
+            early = running is not None
+            if plan is None:
+                if running is not None:
+                    yield from self._settle(*running)
+                    running = None
+                    continue
+                if self._closed:
+                    return
+                self._request_arrived = env.event()
+                yield self._request_arrived
+                continue
+            if plan.kind == IDLE:
+                if running is not None:
+                    yield from self._settle(*running)
+                    running = None
+                t_start = env.now
+                if plan.compress_launch is not None:  # a lone compression: nothing else to run
+                    self._launch_batch(plan, t_start, 0.0)
+                yield self._compression_done
+                recorder.advance()
+                recorder.settle(plan, self._result(plan, t_start, t_plan, early, late=False))
+                continue
+            t_start = running[3] if running is not None else t_plan
+            step_time = self._step_time(plan, t_start)
+            if plan.compress_launch is not None:
+                self._launch_batch(plan, t_start, step_time)
+            launched = (plan, t_plan, t_start, t_start + step_time, early)
+            if running is not None:
+                # A batch the new step launched is not the settled step's to report done.
+                yield from self._settle(*running, poll=plan.compress_launch is None)
+            running = launched
+
+    def _launch_batch(self, plan: StepPlan, t_start: float, step_time: float) -> None:
+        """Async scheduling: `plan`'s batch, queued behind its step (from `t_start`, which may
+        be after now) as the engine queues it behind the forward."""
+        self._compression_done = self.env.event()
+        duration = self.cost_model.compress_time(plan.compress_launch.jobs)
+        self._compression_ends_at = t_start + step_time + duration
+        self.env.process(self._compress(plan.compress_launch.batch_id,
+                                        self._compression_ends_at - self.env.now))
+
+    def _settle(self, plan: StepPlan, t_plan: float, t_start: float, t_end: float,
+                early: bool, poll: bool = True):
+        """Wait for a launched step's end, then settle it with the batches done by then."""
+        if t_end > self.env.now:
+            yield self.env.timeout(t_end - self.env.now)
+        result = self._result(plan, t_start, t_plan, early, late=True, poll=poll)
+        self.recorder.settle(plan, result)
+
+    def _result(self, plan: StepPlan, t_start: float, t_plan: float, early: bool, late: bool,
+                poll: bool = True) -> StepResult:
+        completed = []
+        if poll:
+            completed, self._completed_batches = self._completed_batches, []
+        return StepResult(plan.step_id, t_start, self.env.now, completed, set(), t_plan, early,
+                          late)
 
     def _compress(self, batch_id: int, done_in: float):
         yield self.env.timeout(done_in)

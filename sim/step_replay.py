@@ -18,6 +18,8 @@ whether the decision logs agree step for step (`decisions_match`) and where they
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from pathlib import Path
 
 from zipage.core.arrivals import ArrivalQueue
@@ -45,27 +47,8 @@ def replay_step_times(trace: Trace, run_dir: str | Path, *, check: bool = False,
                           summary.get("num_host_blocks") or 0)
     sequences = trace_sequences(trace, shape.vocab_size, need_tokens=False, scheduler=scheduler,
                                 block_keys=True)
-    asynchronous = bool(config.async_scheduling)
-    stops = {}  # request id -> the output token the engine sampled its EOS at (async)
-    for seq in sequences:
-        done = produced.get(seq.seq_id, seq.max_output_tokens)
-        if not asynchronous:  # a stop and a length finish are one decision when synchronous
-            seq.max_output_tokens = done
-        elif done < seq.max_output_tokens:
-            stops[seq.seq_id] = done
-    recorder = StepRecorder(scheduler, check=check, log_decisions=True, progress=progress,
-                            total=len(sequences))
-    arrivals = ArrivalQueue(sequences, users=settings.users)
-    recorder.follow(arrivals)
-    replay = _Interleaving(recorder, stops, asynchronous)
-    for step in steps.itertuples(index=False):
-        if not replay.step(arrivals, step):  # the engine ran more steps than the replay needs
-            break
-    else:
-        replay.drain()
-    run = recorder.result()
-    # Steps the engine ran and the replay did not (or the reverse) are drift too.
-    unfinished = replay.drifted or scheduler.has_unfinished() or arrivals.has_pending
+    run, drifted = replay_steps(scheduler, sequences, steps.itertuples(index=False), produced,
+                                users=settings.users, check=check, progress=progress)
     first = _first_difference(engine_log, run.decision_log)
     run.summary.update(
         driver="step-replay", device=f"clock of {summary.get('device', 'the engine')}",
@@ -73,7 +56,7 @@ def replay_step_times(trace: Trace, run_dir: str | Path, *, check: bool = False,
         max_concurrency=summary.get("max_concurrency"), n_max=summary.get("n_max"),
         settings=summary["settings"], engine_steps=len(steps),
         decisions_compared=bool(engine_log),
-        decisions_match=bool(engine_log) and first is None and not unfinished,
+        decisions_match=bool(engine_log) and first is None and not drifted,
         first_decision_difference=first)
     return run.summary, run
 
@@ -124,10 +107,14 @@ class _Interleaving:
             self._apply(plan, step, settle=False)
         return True
 
-    def drain(self) -> None:
-        """The engine's last iteration: the last step settled, nothing left to plan."""
-        if self.running is not None:
-            self._settle_idle()
+    def drain(self, arrivals: ArrivalQueue) -> None:
+        """After the engine's last step: that step settled, and any request arriving later
+        added, each to be rejected (nothing is left to plan)."""
+        if self.running is not None and not self._settle_idle():
+            return
+        arrivals.admit_due(self.recorder, math.inf)
+        if self.recorder.schedule() is not None:
+            self.drifted = True
 
     def _settle_idle(self) -> bool:
         """An iteration that planned nothing and settled the step that ran."""
@@ -154,6 +141,34 @@ class _Interleaving:
                               if seq.status in _LIVE
                               and stops.get(seq.seq_id) == seq.num_output_tokens}
         self.recorder.settle(plan, result)
+
+
+def replay_steps(scheduler: Scheduler, sequences: list, steps: Iterable, produced: dict[str, int],
+                 *, users: int | None = None, check: bool = False,
+                 progress: bool = False) -> tuple[Run, bool]:
+    """`sequences` through `scheduler` on a run's steps (rows with steps.csv's columns), each
+    request ending after the tokens it `produced` there; returns the run and whether it drifted
+    (more steps, fewer, or requests left over)."""
+    asynchronous = bool(scheduler.config.async_scheduling)
+    stops = {}  # request id -> the output token the engine sampled its EOS at (async)
+    for seq in sequences:
+        done = produced.get(seq.seq_id, seq.max_output_tokens)
+        if not asynchronous:  # a stop and a length finish are one decision when synchronous
+            seq.max_output_tokens = done
+        elif done < seq.max_output_tokens:
+            stops[seq.seq_id] = done
+    recorder = StepRecorder(scheduler, check=check, log_decisions=True, progress=progress,
+                            total=len(sequences))
+    arrivals = ArrivalQueue(sequences, users=users)
+    recorder.follow(arrivals)
+    replay = _Interleaving(recorder, stops, asynchronous)
+    for step in steps:
+        if not replay.step(arrivals, step):  # the engine ran more steps than the replay needs
+            break
+    else:
+        replay.drain(arrivals)
+    run = recorder.result()
+    return run, replay.drifted or scheduler.has_unfinished() or arrivals.has_pending
 
 
 def _read_run(run_dir: Path):

@@ -82,8 +82,8 @@ class ZipageConfig:
                                 "decode (default: on a side stream, overlapping decode)")
     async_scheduling: bool = knob(False, "--async-scheduling", "plan each step while the "
                                   "previous one runs on the GPU; an end-of-sequence stop then "
-                                  "applies one step later (the engine; docs/architecture.md, "
-                                  "'Async scheduling')")
+                                  "applies one step later (docs/architecture.md, 'Async "
+                                  "scheduling')", cost=True)
     global_score: bool = knob(True, "--no-global-score", "score with this compression's "
                               "attention only, without the decayed score of earlier ones",
                               cost=True)

@@ -49,6 +49,11 @@ RECORDS = (VALIDATION, MACHINE, SETTINGS, CORRECTION)
 # profile's header records the knobs it was measured with.
 COST_KNOBS = tuple(ZipageConfig().cost_knobs())
 COST_MODEL_KNOBS = ("dtype_bytes", *COST_KNOBS, "tensor_parallel", "contention_factor")
+# Cost knobs whose absence from a header says what they were: a profile written before async
+# scheduling was recorded measured steps that ran one after another, their host time included
+# (a run with async scheduling hides it: such a profile would price its steps long). Any other
+# knob a header lacks is taken as the run's.
+ABSENT_KNOBS = {"async_scheduling": False}
 # How the decode fit prices the longest request's entries beyond its batch's mean (a header
 # field, since 2026-11-29): "per_entry", one cost an entry whatever the batch (every profile
 # written before the field, which reads as it); "per_partition", that excess divided by the
@@ -144,8 +149,9 @@ def check_header(source: str, data: dict, shape: ModelShape | None, gpu: GPUSpec
         raise ConfigError(f"{source}: dtype: measured in {header['dtype']}, but this run uses "
                           f"{knobs['dtype_bytes']}-byte values; {fix}")
     for name in (*COST_KNOBS, "tensor_parallel"):
-        if name in knobs and name in header and knobs[name] != header[name]:
-            raise ConfigError(f"{source}: {name}: measured with {header[name]!r}, but this run "
+        measured = header.get(name, ABSENT_KNOBS.get(name))
+        if name in knobs and measured is not None and knobs[name] != measured:
+            raise ConfigError(f"{source}: {name}: measured with {measured!r}, but this run "
                               f"uses {knobs[name]!r}; {fix}")
     return header
 
