@@ -13,15 +13,18 @@ from zipage import LLM, SamplingParams  # noqa: E402
 from zipage.engine.warmup import warm_up  # noqa: E402
 
 
-@pytest.mark.parametrize("compress,world", [(False, 1), (True, 1), (True, 2)])
-def test_warm_up_leaves_generation_unchanged(tmp_path, compress, world):
+@pytest.mark.parametrize("compress,world,asynchronous", [(False, 1, False), (True, 1, False),
+                                                          (True, 2, False), (True, 1, True)])
+def test_warm_up_leaves_generation_unchanged(tmp_path, compress, world, asynchronous):
     """world 2: through the tensor-parallel executor (gloo), as `build_engine` warms a TP engine
-    on a GPU: every rank runs the warm-up's steps and compression."""
+    on a GPU: every rank runs the warm-up's steps and compression. Async scheduling: the steps
+    are launched, the decode's token fed from the prefill's on the device."""
     torch.set_num_threads(1)
     save_tiny_qwen3(tmp_path)
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     prompts = [list(range(3, 40)), list(range(50, 70))]
-    knobs = dict(block_size=16, window=4, kv_budget=32, kv_memory_gb=0.001, compress=compress)
+    knobs = dict(block_size=16, window=4, kv_budget=32, kv_memory_gb=0.001, compress=compress,
+                 async_scheduling=asynchronous)
     with LLM(str(tmp_path), **knobs) as cold:
         expected = [output.token_ids for output in cold.generate(prompts, params, progress=False)]
     warm = LLM(str(tmp_path), tensor_parallel=world, dtype="float32", device="cpu", **knobs)
@@ -30,8 +33,11 @@ def test_warm_up_leaves_generation_unchanged(tmp_path, compress, world):
         run = warm.engine.runner.compressor.run
         warm.engine.runner.compressor.run = lambda jobs: (compressions.append(len(jobs)),
                                                           run(jobs))
+    launches = warm.engine.runner._launches if world == 1 else 0
     warm_up(warm.engine.runner, warm.engine.capacity.num_blocks)
     assert compressions == ([1] if compress else [])
+    if asynchronous:
+        assert warm.engine.runner._launches == launches + 2
     assert [output.token_ids for output in warm.generate(prompts, params, progress=False)] \
         == expected
     assert not compress or warm.last_run.summary["compressions"] > 0

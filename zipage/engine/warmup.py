@@ -6,7 +6,9 @@ that lands in their time to first token: a fresh engine served a RAG-like trace 
 of 0.8 s where the same engine, warm, took 0.07 s. `warm_up` runs a prefill, a decode and (with
 compression on) a synchronous compression on scratch requests placed directly in the caches, then
 leaves the caches as they were in every way that matters: a run allocates its blocks fresh and a
-request's first compression never reads the score cache of earlier occupants.
+request's first compression never reads the score cache of earlier occupants. Under async
+scheduling the prefill and the decode go through `launch`, the decode's token fed on the device, as
+every step after a run's first is.
 """
 
 from __future__ import annotations
@@ -37,11 +39,20 @@ def warm_up(runner: ModelRunner, num_blocks: int) -> None:
     seq.block_table = list(range(blocks))
     seq.query_slot = 0 if config.compress else None
     history = {seq.seq_id: [0] * tokens}
-    runner.execute(StepPlan(step_id=-2, kind=PREFILL, prefill=[PrefillItem(seq, 0, tokens)]),
-                   history)
-    seq.set_counters(tokens, 1)
-    history[seq.seq_id].append(0)
-    runner.execute(StepPlan(step_id=-1, kind=DECODE, decode=[seq]), history)
+    prefill = StepPlan(step_id=-2, kind=PREFILL, prefill=[PrefillItem(seq, 0, tokens)])
+    decode = StepPlan(step_id=-1, kind=DECODE, decode=[seq])
+    if config.async_scheduling and isinstance(runner, ModelRunner):
+        # The async path's own first use: its pinned staging buffers, and the kernels that feed
+        # a decode row the token sampled on the device (the first measured step paid them).
+        launched = runner.launch(prefill, history)
+        seq.set_counters(tokens, 1)
+        runner.launch(decode, history, launched).tokens()
+        history[seq.seq_id].append(0)
+    else:
+        runner.execute(prefill, history)
+        seq.set_counters(tokens, 1)
+        history[seq.seq_id].append(0)
+        runner.execute(decode, history)
     if runner.compressor is not None and blocks > config.n_max:
         source = seq.block_table[:config.n_max]
         runner.compressor.run([CompressionJob(
