@@ -132,6 +132,11 @@ class ModelRunner:
         # freed SMs to the decode first, so the decode is not queued behind the compression.
         self.stream = (torch.cuda.Stream(device, priority=-5) if device.type == "cuda"
                        else None)
+        # Copy a step's host inputs through pinned memory: a copy from pageable memory waits
+        # for the stream's earlier work first, which under async scheduling is the step still
+        # running (an eager prefill or mixed step would wait for it before it is launched, and
+        # the step before would settle only after that).
+        self.pinned_inputs = config.async_scheduling and device.type == "cuda"
         self.compressor = Compressor(self.caches, config, shape.head_dim, device) if config.compress else None
         self.host_kv = (HostKV(self.caches, capacity.num_host_blocks)
                         if capacity.num_host_blocks else None)
@@ -713,6 +718,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ helpers
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.pinned_inputs:
+            tensor = tensor.pin_memory()  # (the host allocator reuses it once the copy is done)
         return tensor.to(self.device, non_blocking=True)
 
     def _query_mapping(self, mapping: torch.Tensor) -> torch.Tensor | None:

@@ -44,17 +44,27 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], token_indices: li
     if not sampled_rows:
         return tokens
     device = logits.device
-    rows = torch.tensor(sampled_rows, device=device)
+    rows = on_device(sampled_rows, device)
     row_params = [params[row] for row in sampled_rows]
-    temperatures = torch.tensor([p.temperature for p in row_params], device=device)
+    temperatures = on_device([p.temperature for p in row_params], device)
     scaled = logits[rows].float() / temperatures.unsqueeze(1)
     if any(p.min_p > 0 for p in row_params):
-        scaled = _filter_min_p(scaled, torch.tensor([p.min_p for p in row_params], device=device))
+        scaled = _filter_min_p(scaled, on_device([p.min_p for p in row_params], device))
     if any(p.top_k > 0 or p.top_p < 1 for p in row_params):
         scaled = _filter_top_k_top_p(scaled, row_params)
     probabilities = torch.softmax(scaled, dim=-1)
     noise = _exponential_noise(probabilities.shape, row_params, [token_indices[row] for row in sampled_rows], device)
     return tokens.index_copy(0, rows, (probabilities / noise).argmax(dim=-1))
+
+
+def on_device(values: list, device: torch.device) -> torch.Tensor:
+    """A list of per-row settings as a tensor on `device`, copied from pinned memory without
+    waiting: `torch.tensor(values, device=...)` copies from pageable memory, which waits for the
+    stream's earlier work (under async scheduling, the step still running)."""
+    tensor = torch.tensor(values)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], rows: list[int],
@@ -137,8 +147,8 @@ def _filter_top_k_top_p(scaled: torch.Tensor, params: list[SamplingParams]) -> t
     those whose (renormalised) mass reaches top_p; the most likely token always survives."""
     vocab_size = scaled.shape[-1]
     device = scaled.device
-    top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)
-    top_ps = torch.tensor([p.top_p for p in params], device=device)
+    top_ks = on_device([p.top_k if p.top_k > 0 else vocab_size for p in params], device)
+    top_ps = on_device([p.top_p for p in params], device)
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab_size, device=device)
     dropped = ranks.unsqueeze(0) >= top_ks.unsqueeze(1)
