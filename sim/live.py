@@ -56,6 +56,11 @@ class TwinStep:
     logprobs: dict = field(default_factory=dict)
     prompt_logprobs: dict = field(default_factory=dict)
 
+    @property
+    def plans(self) -> list[StepPlan]:
+        """The plans this step settles: its own (the twin steps synchronously)."""
+        return [self.plan]
+
 
 def twin_token(seq_id: str, position: int, vocab_size: int, avoid: frozenset[int]) -> int:
     """The token at `position` of request `seq_id`'s output: a fixed stream per request, never a
@@ -125,6 +130,12 @@ class LiveTwin:
 
     def abort(self, seq_id: str) -> bool:
         return self.scheduler.abort(seq_id)
+
+    @property
+    def busy(self) -> bool:
+        """Requests queued or running (the engine loop's `busy`; the twin launches no step
+        ahead)."""
+        return self.scheduler.has_unfinished()
 
     def step(self, started_at: float | None = None) -> TwinStep | None:
         """Schedule one step, wait until its predicted end, finish it; None when nothing is

@@ -110,3 +110,40 @@ def test_teacher_forcing_refuses_async_scheduling(tiny_model):
               async_scheduling=True)
     with pytest.raises(ConfigError, match="async_scheduling"):
         EngineLoop(llm.engine.new_scheduler(), llm.engine.runner, next_token=lambda s, t: t)
+
+
+def test_each_step_is_reported_settled_in_exactly_one_output(tiny_model):
+    """As a server drives the loop (`step()` until it is not busy, a request added between
+    steps): each plan's result is applied in exactly one output's `plans` (none for a step only
+    launched, two when a step run at once follows the one settled), which is what the server
+    counts compressions, preemptions and prompt tokens from, and each request is in exactly one
+    output's `finished`, which is how the server ends its stream."""
+    from zipage.core.sequence import Sequence
+    from zipage.engine.loop import EngineLoop
+
+    llm = LLM(str(tiny_model), block_size=16, async_scheduling=True, **SETTINGS["compressing"])
+    loop = EngineLoop(llm.engine.new_scheduler(), llm.engine.runner, log_decisions=True)
+    loop.start()
+    plain = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    penalized = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                               repetition_penalty=1.2)  # its steps run at once (`needs_sync`)
+    waiting = [Sequence(f"r{i}", prompt, NEW_TOKENS, sampling=penalized if i == 3 else plain)
+               for i, prompt in enumerate(prompts())]
+    settled, finished, outputs, sizes = [], [], 0, set()
+    ids = [seq.seq_id for seq in waiting]
+    while waiting or loop.busy:
+        if waiting and outputs % 3 == 0:
+            loop.add(waiting.pop(0))
+        output = loop.step()
+        outputs += 1
+        if output is not None:
+            settled.extend(plan.step_id for plan in output.plans)
+            finished.extend(seq.seq_id for seq in output.finished)
+            sizes.add(len(output.plans))
+    assert sizes == {0, 1, 2}
+    # Each request reported finished once, in the output that settles its last step (a length
+    # finish is found when that step is advanced, before it settles).
+    assert sorted(finished) == sorted(ids)
+    assert len(settled) == len(loop.recorder.result().steps)
+    assert sorted(settled) == sorted(set(settled))
+    assert all(len(seq) for seq in loop.tokens.values())

@@ -204,9 +204,12 @@ def _check_serve_flags(args: argparse.Namespace) -> str | None:
         raise ZipageError(f"--max-connections: got {args.max_connections}, expected >= 1")
     if args.data_parallel < 1:
         raise ZipageError(f"--data-parallel: got {args.data_parallel}, expected >= 1 replicas")
-    if getattr(args, "async_scheduling", False):
-        raise ZipageError("--async-scheduling: offline runs only for now (zipage replay --gpu, "
-                          "LLM); the server steps synchronously: drop it")
+    if getattr(args, "async_scheduling", False) and args.simulate:
+        raise ZipageError("--async-scheduling: the served twin (--simulate) steps synchronously "
+                          "for now: drop it, or serve the engine")
+    if getattr(args, "async_scheduling", False) and getattr(args, "tensor_parallel", 1) > 1:
+        raise ZipageError("--async-scheduling: one GPU a replica only for now (tensor parallel "
+                          "steps synchronously): drop it, or --tensor-parallel 1")
     if args.max_engine_restarts < 0:
         raise ZipageError(f"--max-engine-restarts: got {args.max_engine_restarts}, "
                           "expected >= 0")

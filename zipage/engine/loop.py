@@ -42,6 +42,10 @@ class StepOutput:
     # for the first prompt token: nothing predicts it).
     logprobs: dict[str, tuple] = field(default_factory=dict)
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
+    # The plans whose results this output applies, each in exactly one output: `plan` alone,
+    # or under async scheduling none (a step launched, nothing settled yet) or two (the step
+    # before settled, then a plan run at once). What a server counts per step.
+    plans: list[StepPlan] = field(default_factory=list)
 
 
 ABORTED = SequenceStatus.ABORTED
@@ -90,6 +94,7 @@ class EngineLoop:
         self._running: tuple[StepPlan, Launched, float, bool] | None = None
         self._last_end = 0.0
         self._left_early: set[str] = set()  # stopped in the step settled last
+        self._advanced_from = 0  # the finished list's length before the last advance
 
     def start(self, total: int | None = None) -> None:
         """Open a run: a fresh recorder, and the clock at 0 (`run` does it; a server once)."""
@@ -157,7 +162,7 @@ class EngineLoop:
         t_plan = self.now() if started_at is None else started_at
         running, self._running = self._running, None
         if running is not None:
-            self.recorder.advance()
+            self._advance()
         plan = self.recorder.schedule()
         if plan is None:
             return None if running is None else self._settle(*running)
@@ -171,7 +176,7 @@ class EngineLoop:
                                       running[1] if running is not None else None)
         self._running = (plan, launched, t_plan, early)
         if running is None:
-            return StepOutput(plan, [], [])
+            return StepOutput(plan, [], [])  # (settles nothing: `plans` is empty)
         # A batch the new step launched is not the settled step's to report done.
         return self._settle(*running, poll=plan.compress_launch is None)
 
@@ -193,9 +198,15 @@ class EngineLoop:
         sampled = self.runner.execute(plan, self.tokens, self.structured)
         completed = (self.runner.compressor.completed(wait=plan.kind == IDLE)
                      if self.runner.compressor is not None else [])
-        self.recorder.advance()
+        self._advance()
         return self._finished_step(plan, sampled, t_start, self.now(), completed, settle=True,
                                    timing=(t_plan, early, False))
+
+    def _advance(self) -> None:
+        """Async scheduling: the step to settle next is advanced (its length finishes included:
+        they are that step's to report, so where the finished list stood is kept)."""
+        self._advanced_from = len(self.scheduler.finished)
+        self.recorder.advance()
 
     def _finished_step(self, plan: StepPlan, sampled: list, t_start: float, t_end: float,
                        completed: list[int], settle: bool,
@@ -221,7 +232,8 @@ class EngineLoop:
         if structured is not None and structured.matchers:
             structured.advance(produced)
             stopped.update(seq.seq_id for seq, _ in produced if structured.finished(seq.seq_id))
-        finished_before = len(scheduler.finished)
+        # A request that reached its length finished at the advance, before this settle.
+        finished_before = self._advanced_from if settle else len(scheduler.finished)
         # `timing`, async scheduling: when the plan was made, and how it interleaved (StepResult).
         result = StepResult(plan.step_id, t_start, t_end, completed, stopped, *timing)
         if settle:
@@ -242,7 +254,7 @@ class EngineLoop:
                 add_prompt_logprobs(self.prompt_logprobs.setdefault(seq_id, []), position,
                                     entries)
         return StepOutput(plan, produced, scheduler.finished[finished_before:], logprobs,
-                          prompt_logprobs)
+                          prompt_logprobs, [plan])
 
     def run(self, sequences: list[Sequence], users: int | None = None) -> Run:
         """Run every request (each carries its prompt tokens and `SamplingParams`) to the end;
@@ -280,7 +292,8 @@ def _merged(first: StepOutput, second: StepOutput) -> StepOutput:
     """Two steps settled in one call (async scheduling), as one output."""
     return StepOutput(second.plan, first.tokens + second.tokens, first.finished + second.finished,
                       {**first.logprobs, **second.logprobs},
-                      {**first.prompt_logprobs, **second.prompt_logprobs})
+                      {**first.prompt_logprobs, **second.prompt_logprobs},
+                      first.plans + second.plans)
 
 
 def add_prompt_logprobs(stored: list, position: int, entries: list) -> None:

@@ -168,7 +168,8 @@ class EngineCore:
         receiver = threading.Thread(target=self._receive, name="zipage-commands", daemon=True)
         receiver.start()
         try:
-            while self._apply(wait=not self.loop.scheduler.has_unfinished()):
+            # (`busy`: under async scheduling a launched step is still to be settled)
+            while self._apply(wait=not self.loop.busy):
                 self.step_started = self.loop.now()  # a queue time ends where its step began
                 output = self.loop.step(self.step_started)
                 if output is not None or self.changed:
@@ -327,10 +328,11 @@ class EngineCore:
                 last = self.loop.tokens.pop(seq.seq_id)[-1]
                 stopped = last in eos and not seq.sampling.ignore_eos
                 finished[seq.seq_id] = "stop" if stopped else "length"
-            self.compressions += len(output.plan.compressions)
-            self.preemptions += len(output.plan.preempted)
-            if output.plan.prefill:
-                prefix_hits = self._count_prompt_tokens(output.plan)
+            for plan in output.plans:  # (async scheduling: a step counts once, when settled)
+                self.compressions += len(plan.compressions)
+                self.preemptions += len(plan.preempted)
+                if plan.prefill:
+                    prefix_hits.update(self._count_prompt_tokens(plan))
         scheduler = self.loop.scheduler
         compiling = sum(1 + len(command.sample_ids) for command in self.compiling.values())
         stats = EngineStats(len(scheduler.running), len(scheduler.waiting) + compiling,
