@@ -64,6 +64,8 @@ def main() -> None:
                         help="the simulator's cost model (a `zipage calibrate` profile JSON)")
     parser.add_argument("--full-kv", action="store_true",
                         help="the Full-KV baseline (--no-compress) for all three parts")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="every part with --async-scheduling (docs/serve.md, 'How it works')")
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
     parser.add_argument("--wheels", default=None, help="directory of the serve extra's wheels")
@@ -79,7 +81,8 @@ def main() -> None:
     _make_trace(args, trace)
     engine_flags = ["--kv-memory-gb", str(args.kv_memory_gb), "--block-size",
                     str(args.block_size), "--budget", str(args.budget)] + (
-                        ["--no-compress"] if args.full_kv else [])
+                        ["--no-compress"] if args.full_kv else []) + (
+                        ["--async-scheduling"] if args.async_scheduling else [])
     for part in args.parts.split(","):
         started = time.perf_counter()
         if part == "offline":
