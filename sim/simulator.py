@@ -124,7 +124,7 @@ class Simulator:
             self._request_arrived = None
 
     def _engine_loop(self):
-        recorder, cost = self.recorder, self.cost_model
+        recorder = self.recorder
         while True:
             plan = recorder.schedule()
             if plan is None:
@@ -137,13 +137,7 @@ class Simulator:
             # Priced before a batch it launches is set going: that batch does not overlap it.
             step_time = 0.0 if plan.kind == IDLE else self._step_time(plan, t_start)
             if plan.compress_launch is not None:
-                # The engine launches a batch behind its step's forward, and the batch's stream
-                # waits for that forward: it starts when the step ends.
-                self._compression_done = self.env.event()
-                duration = cost.compress_time(plan.compress_launch.jobs)
-                self._compression_ends_at = t_start + step_time + duration
-                self.env.process(self._compress(plan.compress_launch.batch_id,
-                                                step_time + duration))
+                self._launch_batch(plan, t_start, step_time)
             if plan.kind == IDLE:
                 yield self._compression_done
             else:
@@ -199,13 +193,16 @@ class Simulator:
             running = launched
 
     def _launch_batch(self, plan: StepPlan, t_start: float, step_time: float) -> None:
-        """Async scheduling: `plan`'s batch, queued behind its step (from `t_start`, which may
-        be after now) as the engine queues it behind the forward."""
+        """`plan`'s batch, set going: the engine launches a batch behind its step's forward and
+        the batch's stream waits for that forward, so it starts when the step ends. The step
+        starts at `t_start`: now, or under async scheduling when the running step ends."""
         self._compression_done = self.env.event()
         duration = self.cost_model.compress_time(plan.compress_launch.jobs)
         self._compression_ends_at = t_start + step_time + duration
+        # (t_start - now is 0.0 for a step starting now: the delay is step_time + duration,
+        # bit for bit what `_PlainClock` adds to now.)
         self.env.process(self._compress(plan.compress_launch.batch_id,
-                                        self._compression_ends_at - self.env.now))
+                                        (t_start - self.env.now) + step_time + duration))
 
     def _settle(self, plan: StepPlan, t_plan: float, t_start: float, t_end: float,
                 early: bool, poll: bool = True):
