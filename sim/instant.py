@@ -47,7 +47,17 @@ def step_bound(sequences: list[Sequence], scheduler: Scheduler, max_delay: int) 
 
 
 # Still the scheduler's: running, or preempted by the plan made after this step (async).
-RUNNING, WAITING = SequenceStatus.RUNNING, SequenceStatus.WAITING
+LIVE = (SequenceStatus.RUNNING, SequenceStatus.WAITING)
+
+
+def reached_stops(plan, stops: dict[str, int], produced: int = 0) -> set[str]:
+    """The requests of `plan` that sampled the token of their stop (`stops`: request id -> the
+    output token it samples an end-of-sequence at); `produced`: 1 where the plan's token is not
+    counted yet (synchronously), 0 after `advance`. A request that left while the step ran (a
+    stop the step before, an abort) gets no token, so it stops nothing."""
+    return {seq.seq_id for seq in Scheduler.sampled_requests(plan)
+            if seq.seq_id in stops and seq.status in LIVE
+            and seq.num_output_tokens + produced == stops[seq.seq_id]}
 
 
 class InstantDriver:
@@ -127,9 +137,6 @@ class InstantDriver:
             batch for batch, due in completions.items() if due <= plan.step_id]
         for batch in result.completed_batches:
             del completions[batch]
-        if self.stops:  # (a request that left while the step ran gets no token)
-            result.stopped = {
-                seq.seq_id for seq in Scheduler.sampled_requests(plan)
-                if seq.seq_id in self.stops and seq.status in (RUNNING, WAITING)
-                and seq.num_output_tokens + produced == self.stops[seq.seq_id]}
+        if self.stops:
+            result.stopped = reached_stops(plan, self.stops, produced)
         return result

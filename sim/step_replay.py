@@ -26,10 +26,10 @@ from zipage.core.arrivals import ArrivalQueue
 from zipage.core.deployment import ReplaySettings, effective_config, trace_sequences
 from zipage.core.recorder import Run, StepRecorder
 from zipage.core.scheduler import Scheduler
-from zipage.core.sequence import SequenceStatus
 from zipage.core.step import StepResult
 from zipage.errors import ZipageError
 from zipage.model_spec import resolve_shape
+from zipage.sim.instant import reached_stops
 from zipage.trace import Trace
 
 STEP_TIME_COLUMNS = ("step_id", "t_start", "t_end", "batches_done")
@@ -59,10 +59,6 @@ def replay_step_times(trace: Trace, run_dir: str | Path, *, check: bool = False,
         decisions_match=bool(engine_log) and first is None and not drifted,
         first_decision_difference=first)
     return run.summary, run
-
-
-# Still the scheduler's: running, or preempted by the plan made after the stop's step (async).
-_LIVE = (SequenceStatus.RUNNING, SequenceStatus.WAITING)
 
 
 class _Interleaving:
@@ -135,11 +131,8 @@ class _Interleaving:
         if not settle:
             self.recorder.finish(plan, result)
             return
-        stops = self.stops
-        if stops:  # (the engine's stops: requests that sampled their EOS in this step)
-            result.stopped = {seq.seq_id for seq in Scheduler.sampled_requests(plan)
-                              if seq.status in _LIVE
-                              and stops.get(seq.seq_id) == seq.num_output_tokens}
+        if self.stops:  # (the engine's stops: requests that sampled their EOS in this step)
+            result.stopped = reached_stops(plan, self.stops)
         self.recorder.settle(plan, result)
 
 
