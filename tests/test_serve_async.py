@@ -24,9 +24,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("gguf")
 
-import torch  # noqa: E402
 from serve_helpers import start_server, stop_server, wait_healthy  # noqa: E402
-from smollm2 import GGUF, needs_smollm2  # noqa: E402
+from smollm2 import GGUF, needs_smollm2, reference_llm  # noqa: E402
 
 KNOBS = dict(block_size=16, kv_budget=64, window=4, max_model_len=2048, max_num_seqs=4)
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
@@ -49,10 +48,7 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(server):
     """The synchronous reference, loaded in this process while the server loads."""
-    from zipage.engine.llm import LLM
-
-    torch.set_num_threads(1)
-    return LLM(str(GGUF), device="cpu", dtype="float32", kv_memory_gb=0.25, **KNOBS)
+    return reference_llm(**KNOBS)
 
 
 @pytest.fixture(scope="module")

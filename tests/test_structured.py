@@ -20,7 +20,7 @@ import threading
 import time
 
 import pytest
-from smollm2 import GGUF, needs_smollm2
+from smollm2 import GGUF, needs_smollm2, reference_llm
 
 from zipage.core.sampling import SamplingParams, StructuredOutput
 from zipage.errors import ConfigError
@@ -204,11 +204,8 @@ def test_conforms_is_a_real_check():
 
 @pytest.fixture(scope="module")
 def llm(tokenizer):
-    from zipage.engine.llm import LLM
-
-    torch.set_num_threads(1)
-    return LLM(str(GGUF), device="cpu", dtype="float32", kv_memory_gb=0.25, block_size=16,
-               kv_budget=64, window=4, max_model_len=2048, max_num_seqs=8)
+    return reference_llm(block_size=16, kv_budget=64, window=4, max_model_len=2048,
+                         max_num_seqs=8)
 
 
 @needs_smollm2
