@@ -74,3 +74,26 @@ def test_warm_up_never_builds_a_table_wider_than_max_model_len(max_model_len, co
     limit = -(-max_model_len // 64) if max_model_len else config.n_max + 1
     assert max(runner.widths) <= limit
     assert bool(runner.compressions) == compresses
+
+
+def test_warm_logits_runs_the_lm_head_at_every_row_count_and_changes_nothing(tmp_path):
+    """The LM head outside a graph sees 1 .. max_num_seqs rows (a prefill step's sampling rows,
+    a decode batch above the graphs): the warm pass runs each count once, so no step's host
+    meets cuBLAS's first matmul of a shape (on a GPU that waits for the device to be idle), and
+    generation after it is unchanged."""
+    torch.set_num_threads(1)
+    save_tiny_qwen3(tmp_path)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompts = [list(range(3, 40)), list(range(50, 70)), list(range(5, 9))]
+    knobs = dict(block_size=16, kv_memory_gb=0.001, compress=False, max_num_seqs=6,
+                 dtype="float32", device="cpu")
+    with LLM(str(tmp_path), **knobs) as cold:
+        expected = [output.token_ids for output in cold.generate(prompts, params, progress=False)]
+    with LLM(str(tmp_path), **knobs) as warm:
+        runner = warm.engine.runner
+        rows, compute = [], runner.model.compute_logits
+        runner.model.compute_logits = lambda hidden: (rows.append(len(hidden)), compute(hidden))[1]
+        runner.warm_logits()
+        runner.model.compute_logits = compute
+        assert rows == [1, 2, 3, 4, 5, 6]
+        assert [output.token_ids for output in warm.generate(prompts, params, progress=False)] == expected

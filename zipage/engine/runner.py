@@ -582,6 +582,25 @@ class ModelRunner:
         step computes the smallest that holds its batch (what a profile records)."""
         return sorted(self.graphs)
 
+    def warm_logits(self) -> None:
+        """Run the LM head outside a graph once for every count of rows it can see there (the
+        sampling rows of a prefill or mixed step, a decode batch above the graphs: 1 ..
+        max_num_seqs). On a GPU, cuBLAS's first matmul of a shape makes the host wait until the
+        device is idle: under async scheduling the 8B headline's first two steps each lost their
+        overlap with the step before to it (docs/BENCHMARKS.md, 'Async scheduling'). `warm_up`
+        calls it on a GPU only (~0.25 s for an 8B model at 512 counts)."""
+        hidden = torch.zeros(self.config.max_num_seqs, self.shape.hidden_size, dtype=self.dtype,
+                             device=self.device)
+        with torch.inference_mode(), forward_context(ForwardContext()):
+            if self.stream is None:
+                for rows in range(1, len(hidden) + 1):
+                    self.model.compute_logits(hidden[:rows])
+            else:
+                with torch.cuda.stream(self.stream):
+                    for rows in range(1, len(hidden) + 1):
+                        self.model.compute_logits(hidden[:rows])
+                torch.cuda.synchronize(self.device)
+
     def enable_prefill_graphs(self, capture: bool = True) -> None:
         """Run prefill and mixed steps of up to the largest bucket through the padded layout, and
         on a GPU (with `capture`) replay a CUDA graph per bucket. Elsewhere (the CPU, tests) the

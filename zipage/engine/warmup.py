@@ -8,7 +8,9 @@ compression on) a synchronous compression on scratch requests placed directly in
 leaves the caches as they were in every way that matters: a run allocates its blocks fresh and a
 request's first compression never reads the score cache of earlier occupants. Under async
 scheduling the prefill and the decode go through `launch`, the decode's token fed on the device, as
-every step after a run's first is.
+every step after a run's first is. On a GPU the LM head then runs once for every row count it sees
+outside a graph: cuBLAS's first matmul of a shape waits for the device to be idle, which cost the
+async engine its first steps' overlap.
 """
 
 from __future__ import annotations
@@ -58,5 +60,7 @@ def warm_up(runner: ModelRunner, num_blocks: int) -> None:
         runner.compressor.run([CompressionJob(
             seq=seq, source_table=source, target_blocks=source[:config.n_max - 1],
             new_block=source[config.n_max - 1], released=[], query_slot=0, is_first=True)])
+    if isinstance(runner, ModelRunner) and runner.device.type == "cuda":
+        runner.warm_logits()
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
