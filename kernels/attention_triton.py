@@ -82,6 +82,14 @@ _DECODE_FP8_KV_TILE = 128
 _DECODE_FP8_VALUES = "f16-asm"
 _DECODE_KV_LOADS = ("gather", "block")
 _DECODE_FP8_VALUE_MODES = ("weights", "f16", "f16-asm")
+# Store with an FP8 cache: KV heads per program and warps per program. Each (token, head) picks its scale by a
+# search of 8 candidates with exact divisions, a serial chain whose length follows the elements each thread holds:
+# one program a token (8 heads of 128) with 4 warps took 9.2-9.8 us a call inside a graph up to 256 tokens (0.3 ms
+# of a 32-layer decode step, against 1.2-1.6 us for bfloat16's copy); 8 warps (4 elements a thread) 6.4-6.5 us up
+# to 128 tokens, 8.4 at 256, the fastest or tied at every count measured; splitting the heads over more programs
+# at the same elements a thread was no faster (bench/store_kv_gpu.py, docs/BENCHMARKS.md 'FP8 KV cache').
+_STORE_FP8_HEADS = 8
+_STORE_FP8_WARPS = 8
 # A decode partition is never shorter than this many tiles: below it the partial write and the merge cost more
 # than the parallelism gained.
 _MIN_TILES_PER_PARTITION = 2
@@ -236,7 +244,7 @@ def _store_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    HEADS_PADDED: tl.constexpr,
+    HEAD_GROUP: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
     FP8: tl.constexpr,
     FP8_MAX: tl.constexpr,
@@ -244,10 +252,14 @@ def _store_kv_kernel(
     SEARCH_SIZE: tl.constexpr,
     SEARCH_FIXED_POINT: tl.constexpr,
 ):
+    # Program (token, g) stores the token's KV heads g * HEAD_GROUP .. (g + 1) * HEAD_GROUP - 1.
     token = tl.program_id(0)
+    first_head = tl.program_id(1) * HEAD_GROUP
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:
-        heads, dims, mask = _head_tile(NUM_KV_HEADS, HEAD_DIM, HEADS_PADDED, HEAD_DIM_PADDED)
+        heads = first_head + tl.arange(0, HEAD_GROUP)[:, None]
+        dims = tl.arange(0, HEAD_DIM_PADDED)[None, :]
+        mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
         cache_offsets = (slot // BLOCK_SIZE) * cache_block_stride + (slot % BLOCK_SIZE) * cache_slot_stride
         cache_offsets += heads * cache_head_stride + dims
         token_offset = token.to(tl.int64)
@@ -257,7 +269,7 @@ def _store_kv_kernel(
                         other=0.0)
         if FP8:
             # The caches come as uint8 views: the bytes are encoded here, one scale per (token, head).
-            scale_heads = tl.arange(0, HEADS_PADDED)
+            scale_heads = first_head + tl.arange(0, HEAD_GROUP)
             scale_offsets = (slot // BLOCK_SIZE) * scale_block_stride + (slot % BLOCK_SIZE) * scale_slot_stride
             key_bytes, key_scale = _quantize_e4m3(key, mask, FP8_MAX, SEARCH_STEP, SEARCH_SIZE, SEARCH_FIXED_POINT)
             value_bytes, value_scale = _quantize_e4m3(value, mask, FP8_MAX, SEARCH_STEP, SEARCH_SIZE,
@@ -328,8 +340,9 @@ def store_kv_triton(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the slots of ``slot_mapping``
-    (``block_id * block_size + offset``, -1 = skip). One program per token. A float8 cache comes with its scales
-    (float32 ``[num_blocks, block_size, num_kv_heads]``): each (token, head) is quantized with its own."""
+    (``block_id * block_size + offset``, -1 = skip). One program per token (per token and ``_STORE_FP8_HEADS``
+    heads with a float8 cache). A float8 cache comes with its scales (float32 ``[num_blocks, block_size,
+    num_kv_heads]``): each (token, head) is quantized with its own."""
     _check_cache(k_cache, v_cache)
     fp8 = _check_scales(k_cache, k_scale, v_scale)
     key = _with_contiguous_head_dim(key)
@@ -337,7 +350,10 @@ def store_kv_triton(
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    _store_kv_kernel[(num_tokens,)](
+    # bfloat16: a copy, one program a token; FP8: the scale search, `_STORE_FP8_HEADS` heads a program.
+    heads_padded = triton.next_power_of_2(num_kv_heads)
+    head_group = min(_STORE_FP8_HEADS, heads_padded) if fp8 else heads_padded
+    _store_kv_kernel[(num_tokens, triton.cdiv(num_kv_heads, head_group))](
         key,
         value,
         k_cache.view(torch.uint8) if fp8 else k_cache,
@@ -356,13 +372,14 @@ def store_kv_triton(
         BLOCK_SIZE=k_cache.shape[1],
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
-        HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
+        HEAD_GROUP=head_group,
         HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
         FP8=fp8,
         FP8_MAX=FP8_MAX,
         SEARCH_STEP=SCALE_SEARCH_STEP,
         SEARCH_SIZE=SCALE_SEARCH_SIZE,
         SEARCH_FIXED_POINT=SEARCH_FIXED_POINT,
+        num_warps=_STORE_FP8_WARPS if fp8 else 4,
     )
 
 

@@ -95,7 +95,7 @@ def hopper_launches() -> list:
                        for tile, values in ((64, "f16-asm"), (128, "f16"), (128, "weights"))]
     return [
         (kernels._store_queries_kernel, dict(NUM_HEADS=32, HEAD_DIM=128, HEADS_PADDED=32, HEAD_DIM_PADDED=128)),
-        (kernels._store_kv_kernel, shape | dict(NUM_KV_HEADS=2, HEADS_PADDED=2, FP8=False, FP8_MAX=FP8_MAX,
+        (kernels._store_kv_kernel, shape | dict(NUM_KV_HEADS=2, HEAD_GROUP=2, FP8=False, FP8_MAX=FP8_MAX,
                                                SEARCH_STEP=SCALE_SEARCH_STEP, SEARCH_SIZE=SCALE_SEARCH_SIZE,
                                                SEARCH_FIXED_POINT=SEARCH_FIXED_POINT)),
         (kernels._prefill_kernel, prefill | dict(USE_WORK_ITEMS=False, FP8=False)),
@@ -116,7 +116,7 @@ def hopper_fp8_launches() -> list:
     from zipage.kernels import attention_triton as kernels
 
     launches = hopper_launches()
-    store = [(kernel, constants | dict(FP8=True)) for kernel, constants in launches
+    store = [(kernel, constants | dict(FP8=True, HEAD_GROUP=kernels._STORE_FP8_HEADS)) for kernel, constants in launches
              if kernel is kernels._store_kv_kernel]
     attention = [(kernel, constants | dict(FP8=True)) for kernel, constants in launches
                  if kernel in (kernels._prefill_kernel, kernels._decode_partition_kernel)]
@@ -589,9 +589,11 @@ def fp8_paged_batch(context_lens: list[int], block_size: int, generator: torch.G
 
 
 @under_interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_store_kv_fp8_quantizes_like_the_reference(triton_kernels, dtype):
-    """The same scale search as the reference (kv_quant_ref.kv_scales), so the same scales and bytes, bit for bit."""
+@pytest.mark.parametrize("dtype,heads_a_program", [(torch.float32, 8), (torch.float16, 8), (torch.float32, 1)])
+def test_store_kv_fp8_quantizes_like_the_reference(triton_kernels, monkeypatch, dtype, heads_a_program):
+    """The same scale search as the reference (kv_quant_ref.kv_scales), so the same scales and bytes, bit for bit,
+    with every KV head of a token in one program (the default) or one a program."""
+    monkeypatch.setattr(triton_kernels, "_STORE_FP8_HEADS", heads_a_program)
     generator = torch.Generator().manual_seed(11)
     shape = (4, 16, NUM_KV_HEADS, HEAD_DIM)
     fused = torch.randn((7, 3, NUM_KV_HEADS, HEAD_DIM), generator=generator) * torch.logspace(-4, 2, 7)[:, None,
