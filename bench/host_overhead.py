@@ -54,14 +54,18 @@ class StubModel(torch.nn.Module):
 
 
 # The parts of a step timed by --sections, nested as listed: the whole step, the runner's part
-# of it, a decode step's input tensors, and the block tables within those.
+# of it, a decode step's input tensors, the block tables within those, and a prefill or mixed
+# step's input tensors.
 SECTIONS = (("step", EngineLoop, "step"), ("runner", ModelRunner, "_execute"),
-            ("decode inputs", ModelRunner, "_decode_inputs"), ("block tables", HostTables, "fill"))
+            ("decode inputs", ModelRunner, "_decode_inputs"), ("block tables", HostTables, "fill"),
+            ("prefill inputs", ModelRunner, "step_inputs"))
 
 
-def time_sections() -> dict[str, float]:
-    """Wrap each function of SECTIONS to add its wall time to the returned dict (seconds)."""
+def time_sections() -> tuple[dict[str, float], dict[str, int]]:
+    """Wrap each function of SECTIONS to add its wall time (seconds) and its calls to the
+    returned dicts."""
     spent = dict.fromkeys([name for name, _, _ in SECTIONS], 0.0)
+    calls = dict.fromkeys(spent, 0)
     for name, owner, attribute in SECTIONS:
         function = getattr(owner, attribute)
 
@@ -71,9 +75,10 @@ def time_sections() -> dict[str, float]:
                 return _function(*args, **kwargs)
             finally:
                 spent[_name] += time.perf_counter() - started
+                calls[_name] += 1
 
         setattr(owner, attribute, timed)
-    return spent
+    return spent, calls
 
 
 class FakeGraph:
@@ -125,7 +130,7 @@ def main() -> None:
     for seq in sequences:
         seq.sampling = greedy
     loop = EngineLoop(scheduler, runner)
-    spent = time_sections() if args.sections and not args.profile else None
+    spent, calls = time_sections() if args.sections and not args.profile else (None, None)
     profiler = cProfile.Profile() if args.profile else None
     started = time.perf_counter()
     if profiler:
@@ -141,6 +146,8 @@ def main() -> None:
           f"{1000 * wall / steps:.2f} ms per step")
     if spent is not None:
         print("ms a step: " + ", ".join(f"{name} {1000 * seconds / steps:.3f}" for name, seconds in spent.items()))
+        print("ms a call: " + ", ".join(f"{name} {1000 * seconds / max(calls[name], 1):.3f} ({calls[name]} calls)"
+                                        for name, seconds in spent.items()))
 
 
 if __name__ == "__main__":
