@@ -5,7 +5,7 @@ whole decode step (`ModelRunner.execute`: inputs, CUDA-graph replay, sampling, t
 the plan of bench/decode_overhead_gpu.py), then records `--iterations` steps under torch.profiler
 and sums the GPU kernels' time by kind (decode attention, GEMMs, fused norm/activation/RoPE, KV
 store, sampling, copies, other). The step minus its kernels is time the GPU waited on the host.
-The roofline is (weight bytes + KV bytes read) / measured copy bandwidth; the compute-aware
+The roofline is (weight bytes + KV bytes read, fp8's scales counted) / measured copy bandwidth; the compute-aware
 one takes the weights' part as max(weight bytes / copy bandwidth, GEMM FLOPs / measured matmul
 rate), since at batch 256 a 7-8B model's GEMMs are bound by the matmul rate on an H200.
 
@@ -34,14 +34,13 @@ from torch.profiler import ProfilerActivity, profile
 
 from zipage.config import ZipageConfig
 from zipage.core.deployment import ReplaySettings
-from zipage.core.memory import GIB, weight_bytes
+from zipage.core.memory import GIB, kv_entry_bytes, weight_bytes
 from zipage.engine.builder import build_engine
 from zipage.presets import get_preset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_overhead_gpu import decode_plan  # noqa: E402  (a sibling script, not a package)
 from engine_gpu import copy_bandwidth  # noqa: E402
-from peer_tables import kv_token_bytes  # noqa: E402
 from prefill_gpu import matmul_flops  # noqa: E402
 
 # Kernel name fragments -> kind, first match wins (Triton kernels carry their Python names).
@@ -105,12 +104,21 @@ def gemm_flops(model: str, batch: int) -> float:
     return 2 * (shape.num_params - (0 if shape.tie_embeddings else embedding)) * batch
 
 
+def token_kv_bytes(model: str, kv_cache_dtype: str) -> int:
+    """KV bytes a token takes over all layers (K and V, fp8's scales included), as the planner
+    counts them."""
+    shape = get_preset(model)
+    return 2 * shape.num_layers * shape.num_kv_heads * kv_entry_bytes(shape.head_dim, kv_cache_dtype, 2)
+
+
 def profile_model(model: str, batches: list[int], context: int, block_size: int, iterations: int,
-                  bandwidth: float, flops: float, launch: bool) -> list[dict]:
+                  bandwidth: float, flops: float, launch: bool, kv_cache_dtype: str) -> list[dict]:
     largest = max(batches)
     blocks_each = -(-(context + 1) // block_size)
-    kv_gb = largest * (blocks_each + 2) * block_size * kv_token_bytes(model) / GIB + 0.5
+    kv_bytes = token_kv_bytes(model, kv_cache_dtype)
+    kv_gb = largest * (blocks_each + 2) * block_size * kv_bytes / GIB + 0.5
     config = ZipageConfig(compress=False, block_size=block_size, max_num_seqs=largest,
+                          kv_cache_dtype=kv_cache_dtype,
                           max_model_len=(blocks_each + 2) * block_size, async_scheduling=launch)
     settings = ReplaySettings(model=f"random:{model}", dtype="bfloat16", kv_memory_gb=kv_gb, config=config)
     engine = build_engine(settings, "cuda", cuda_graphs=True)
@@ -139,11 +147,12 @@ def profile_model(model: str, batches: list[int], context: int, block_size: int,
                 by_kind[kind_of(event.key)] += device_us / iterations / 1000
                 top[event.key] += device_us / iterations / 1000
             kernels_ms = sum(by_kind.values())
-            kv_ms = batch * context * kv_token_bytes(model) / bandwidth * 1000
+            kv_ms = batch * context * kv_bytes / bandwidth * 1000
             roofline_ms = weights / bandwidth * 1000 + kv_ms
             compute_ms = max(weights / bandwidth, gemm_flops(model, batch) / flops) * 1000 + kv_ms
             best_ms = min(step_ms, async_ms or step_ms)
-            row = {"model": model, "batch": batch, "context": context, "block_size": block_size,
+            row = {"model": model, "kv_cache_dtype": kv_cache_dtype, "batch": batch, "context": context,
+                   "block_size": block_size,
                    "step_ms": step_ms, "async_ms": async_ms, "kernels_ms": kernels_ms,
                    "host_wait_ms": step_ms - kernels_ms, "roofline_ms": roofline_ms,
                    "compute_roofline_ms": compute_ms, "share": roofline_ms / step_ms,
@@ -170,6 +179,8 @@ def main() -> None:
                         help="KV entries a sequence holds (1212: the R-KV stress shape's mean, 700 + 1024 / 2)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="auto or fp8, or both (auto,fp8): each model's steps at each, one after the other")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="also time each step launched as the async engine loop runs it")
     args = parser.parse_args()
@@ -179,8 +190,9 @@ def main() -> None:
           f"matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
     rows = []
     for model in args.models.split(","):
-        rows += profile_model(model, batches, args.context, args.block_size, args.iterations, bandwidth,
-                              flops, args.async_scheduling)
+        for kv_cache_dtype in args.kv_cache_dtype.split(","):
+            rows += profile_model(model, batches, args.context, args.block_size, args.iterations, bandwidth,
+                                  flops, args.async_scheduling, kv_cache_dtype)
     out = Path(os.environ.get("OUT") or Path(__file__).resolve().parents[1] / "runs" / "step_profile")
     out.mkdir(parents=True, exist_ok=True)
     (out / "step_profile.json").write_text(json.dumps(
@@ -188,13 +200,14 @@ def main() -> None:
     kinds = [kind for kind, _ in KINDS] + ["other"]
     print(f"\ndecode step, context {args.context}, block {args.block_size}, Full KV: ms per step; "
           "share = roofline / the faster of step and async step")
-    print("| model | batch | step | async step | roofline | share | compute-aware roofline | share | host wait | "
+    print("| model | KV | batch | step | async step | roofline | share | compute-aware roofline | share | host wait | "
           + " | ".join(kinds) + " |")
-    print("|---" * (9 + len(kinds)) + "|")
+    print("|---" * (10 + len(kinds)) + "|")
     for row in rows:
         cells = " | ".join(f"{row['by_kind_ms'].get(kind, 0.0):.2f}" for kind in kinds)
         launched = "-" if row["async_ms"] is None else f"{row['async_ms']:.2f}"
-        print(f"| {row['model']} | {row['batch']} | {row['step_ms']:.2f} | {launched} | {row['roofline_ms']:.2f} | "
+        print(f"| {row['model']} | {row['kv_cache_dtype']} | {row['batch']} | {row['step_ms']:.2f} | {launched} | "
+              f"{row['roofline_ms']:.2f} | "
               f"{row['best_share']:.0%} | {row['compute_roofline_ms']:.2f} | {row['best_compute_share']:.0%} | "
               f"{row['host_wait_ms']:.2f} | {cells} |")
 
