@@ -111,8 +111,19 @@ def token_kv_bytes(model: str, kv_cache_dtype: str) -> int:
     return 2 * shape.num_layers * shape.num_kv_heads * kv_entry_bytes(shape.head_dim, kv_cache_dtype, 2)
 
 
+def shuffle_blocks(plan, seed: int = 0) -> None:
+    """Deal the plan's blocks out to its requests in a random order: an engine that has run a
+    while holds its requests' blocks scattered over the pool, not in allocation order."""
+    blocks = [block for seq in plan.decode for block in seq.block_table]
+    order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed)).tolist()
+    dealt = iter(blocks[index] for index in order)
+    for seq in plan.decode:
+        seq.block_table = [next(dealt) for _ in seq.block_table]
+
+
 def profile_model(model: str, batches: list[int], context: int, block_size: int, iterations: int,
-                  bandwidth: float, flops: float, launch: bool, kv_cache_dtype: str) -> list[dict]:
+                  bandwidth: float, flops: float, launch: bool, kv_cache_dtype: str,
+                  shuffled: bool = False) -> list[dict]:
     largest = max(batches)
     blocks_each = -(-(context + 1) // block_size)
     kv_bytes = token_kv_bytes(model, kv_cache_dtype)
@@ -128,6 +139,8 @@ def profile_model(model: str, batches: list[int], context: int, block_size: int,
     try:
         for batch in batches:
             plan, tokens = decode_plan(engine, manager, batch, context, compress=False)
+            if shuffled:
+                shuffle_blocks(plan)
             for _ in range(5):
                 engine.runner.execute(plan, tokens)
             step_ms = timed(executed_steps(engine.runner, plan, tokens), iterations)
@@ -152,7 +165,7 @@ def profile_model(model: str, batches: list[int], context: int, block_size: int,
             compute_ms = max(weights / bandwidth, gemm_flops(model, batch) / flops) * 1000 + kv_ms
             best_ms = min(step_ms, async_ms or step_ms)
             row = {"model": model, "kv_cache_dtype": kv_cache_dtype, "batch": batch, "context": context,
-                   "block_size": block_size,
+                   "block_size": block_size, "blocks": "shuffled" if shuffled else "in order",
                    "step_ms": step_ms, "async_ms": async_ms, "kernels_ms": kernels_ms,
                    "host_wait_ms": step_ms - kernels_ms, "roofline_ms": roofline_ms,
                    "compute_roofline_ms": compute_ms, "share": roofline_ms / step_ms,
@@ -181,6 +194,9 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="auto or fp8, or both (auto,fp8): each model's steps at each, one after the other")
+    parser.add_argument("--shuffled-blocks", action="store_true",
+                        help="deal each batch's blocks out in a random order (a long-running engine's layout) "
+                             "instead of allocation order")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="also time each step launched as the async engine loop runs it")
     args = parser.parse_args()
@@ -192,13 +208,14 @@ def main() -> None:
     for model in args.models.split(","):
         for kv_cache_dtype in args.kv_cache_dtype.split(","):
             rows += profile_model(model, batches, args.context, args.block_size, args.iterations, bandwidth,
-                                  flops, args.async_scheduling, kv_cache_dtype)
+                                  flops, args.async_scheduling, kv_cache_dtype, args.shuffled_blocks)
     out = Path(os.environ.get("OUT") or Path(__file__).resolve().parents[1] / "runs" / "step_profile")
     out.mkdir(parents=True, exist_ok=True)
     (out / "step_profile.json").write_text(json.dumps(
         {"bandwidth_tbs": bandwidth / 1e12, "matmul_tflops": flops / 1e12, "rows": rows}, indent=1))
     kinds = [kind for kind, _ in KINDS] + ["other"]
-    print(f"\ndecode step, context {args.context}, block {args.block_size}, Full KV: ms per step; "
+    print(f"\ndecode step, context {args.context}, block {args.block_size}, Full KV, blocks "
+          f"{'shuffled' if args.shuffled_blocks else 'in order'}: ms per step; "
           "share = roofline / the faster of step and async step")
     print("| model | KV | batch | step | async step | roofline | share | compute-aware roofline | share | host wait | "
           + " | ".join(kinds) + " |")
