@@ -6,8 +6,9 @@ it starts is reported, not hung on; `--threads` sets the child's torch threads; 
 child with the server, exit 0; a server killed outright (SIGKILL) leaves no engine process behind;
 an engine process that dies fails the requests in flight (a stream gets an error event, a plain
 request a 503), is replaced by a new one (/health recovers, requests succeed), and past
---max-engine-restarts the server exits 1; with `--tensor-parallel 3` the engine process starts
-the other ranks, serves the one-rank tokens, and SIGTERM stops every rank. Flags checked before
+--max-engine-restarts the server exits 1; with `--tensor-parallel 3` (steps synchronous or async)
+the engine process starts the other ranks, serves the one-rank tokens, and SIGTERM stops every
+rank. Flags checked before
 the model loads (--port out of range or taken, no CUDA for the default --engine gpu); `zipage
 bench serve --out` end to end; slow request heads closed after --header-timeout; SIGTERM drains,
 fails what outlives --drain-timeout, exits 0.
@@ -206,12 +207,13 @@ async def _until_running(http, count: int, timeout: float = 60) -> None:
         await asyncio.sleep(0.05)
 
 
-def test_tensor_parallel_server_matches_one_rank_and_stops_every_rank(tmp_path):
+@pytest.mark.parametrize("flags", [(), ("--async-scheduling",)])
+def test_tensor_parallel_server_matches_one_rank_and_stops_every_rank(tmp_path, flags):
     from zipage.core.sampling import SamplingParams
     from zipage.engine.llm import LLM
 
     prompt = [1, 2, 3, 4, 5]
-    with _server(tmp_path, "--tensor-parallel", "3") as (process, url, engine, log):
+    with _server(tmp_path, "--tensor-parallel", "3", *flags) as (process, url, engine, log):
         ranks = _children(engine)
         assert len(ranks) == 2  # ranks 1 and 2; rank 0 is the engine process
         reply = httpx.post(url + "/v1/completions", timeout=120, json={

@@ -241,6 +241,26 @@ def test_compression_tp2_keeps_the_tokens_of_tp1(tiny_models, arch, asynchronous
     assert_shards_match(full[0], shards, lambda rank: ShardLayout(_shape(model), rank, 2))
 
 
+@pytest.mark.parametrize("compress", [False, True])
+def test_async_scheduling_tp2_keeps_the_tokens_of_tp1(tiny_models, compress):
+    """Async scheduling over two ranks: rank 0 launches each step before the previous one's
+    tokens are on its host, and broadcasts the sampled ids for the worker's decode rows, which
+    the plan it sent could not carry. The synchronous one-rank tokens, compression (before the
+    step's decode: deterministic) or Full KV; the same compressions, and the same caches."""
+    model = str(tiny_models["qwen3"])
+    knobs = dict(COMPRESSION if compress else dict(compress=False, block_size=16),
+                 kv_memory_gb=0.001 if compress else 0.002, dtype="float32", device="cpu")
+    if compress:
+        knobs["async_compress"] = False
+    expected, full, run = generate(model, 1, **knobs)
+    tokens, shards, tp_run = generate(model, 2, async_scheduling=True, **knobs)
+    assert tokens == expected
+    assert tp_run.summary["compressions"] == run.summary["compressions"]
+    assert not compress or run.summary["compressions"] > 0
+    assert any(record.planned_early for record in tp_run.steps)  # the steps were launched early
+    assert_shards_match(full[0], shards, lambda rank: ShardLayout(_shape(model), rank, 2))
+
+
 def test_host_tier_tp2_equals_tp1(tiny_models):
     """A host tier under tensor parallelism: each rank saves and loads its own heads' share.
     One request at a time on a pool the middle one takes whole, so the third request's prefix

@@ -207,9 +207,6 @@ def _check_serve_flags(args: argparse.Namespace) -> str | None:
     if getattr(args, "async_scheduling", False) and args.simulate:
         raise ZipageError("--async-scheduling: the served twin (--simulate) steps synchronously "
                           "for now: drop it, or serve the engine")
-    if getattr(args, "async_scheduling", False) and getattr(args, "tensor_parallel", 1) > 1:
-        raise ZipageError("--async-scheduling: one GPU a replica only for now (tensor parallel "
-                          "steps synchronously): drop it, or --tensor-parallel 1")
     if args.max_engine_restarts < 0:
         raise ZipageError(f"--max-engine-restarts: got {args.max_engine_restarts}, "
                           "expected >= 0")

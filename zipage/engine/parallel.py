@@ -10,6 +10,11 @@ rank runs its own `ModelRunner` over its shard of the model and of the KV, query
 (identical block tables: the caches differ only in which heads they hold). The row-parallel
 layers all-reduce; the logits are gathered and rank 0 samples. Workers never schedule or sample.
 
+Under async scheduling rank 0 launches a step before the previous one's tokens are on its host, so
+the plan it sends cannot carry them: rank 0 broadcasts each launched step's sampled ids on the
+device, and each worker feeds its next step's decode rows from them as rank 0's runner feeds its
+own (`ModelRunner.forward_fed`; the message names the requests that sampled, in row order).
+
 Compression needs no cross-rank step while each rank holds whole GQA groups: every score is per
 KV head (docs/tensor_parallel.md). When KV heads are replicated (more ranks than KV heads), a KV
 head's query heads sit on several ranks and the GQA max is all-reduced among them
@@ -46,7 +51,7 @@ from zipage.config import ZipageConfig
 from zipage.core.memory import MemoryPlan
 from zipage.core.step import CompressionBatch, CompressionJob, Fork, PrefillItem, StepPlan
 from zipage.engine.distributed import ShardGroup, set_shard_group, shard_group
-from zipage.engine.runner import ModelRunner
+from zipage.engine.runner import Launched, ModelRunner
 from zipage.engine.sharding import ShardLayout, load_shard
 from zipage.errors import ConfigError, ZipageError
 from zipage.shape import ModelShape
@@ -118,6 +123,18 @@ def encode_step(plan: StepPlan, tokens: dict[str, list[int]], completed: list[in
     return (plan.step_id, plan.kind, prefill, decode, encode_jobs(plan.compress_sync),
             None if launch is None else (launch.batch_id, encode_jobs(launch.jobs)), completed,
             plan.block_copies, plan.kv_saves, plan.kv_loads)
+
+
+def sampled_rows(plan: StepPlan) -> int:
+    """Tokens `plan` samples (the rows of rank 0's `Launched.sampled`): each chunk that reaches
+    its prompt's end, each decode row, each fork."""
+    return sum(1 for item in plan.prefill if item.samples) + len(plan.decode) + len(plan.forks)
+
+
+class SampledRow(NamedTuple):
+    """A request that sampled in the step before, as a worker knows it: its id, in row order."""
+
+    seq_id: str
 
 
 class ShardJobRequest(NamedTuple):
@@ -213,6 +230,26 @@ def run_step(runner: ModelRunner, message: tuple) -> None:
     runner.forward(plan, tokens)
 
 
+def run_launched(runner: ModelRunner, message: tuple, previous_ids: list[str], rows: int,
+                 fed: torch.Tensor | None) -> torch.Tensor | None:
+    """A worker's share of a step launched under async scheduling: `run_step` with its decode
+    rows fed the ids rank 0 sampled in the step before (`fed`, from `previous_ids`' requests),
+    then this step's sampled ids received from rank 0 (returned: the next step's `fed`)."""
+    import torch.distributed as dist
+
+    plan, tokens, completed = decode_step(message)
+    if completed and runner.compressor is not None:
+        runner.compressor.completed(wait=True)
+    previous = (Launched([SampledRow(seq_id) for seq_id in previous_ids], fed, None, None)
+                if fed is not None and previous_ids else None)
+    runner.forward_fed(plan, tokens, previous)
+    if not rows:
+        return None
+    sampled = torch.empty(rows, dtype=torch.int64, device=runner.device)
+    dist.broadcast(sampled, src=0)
+    return sampled
+
+
 def cache_snapshot(runner: ModelRunner) -> dict[str, torch.Tensor | None]:
     caches = runner.caches
     return {name: None if tensor is None else tensor.detach().cpu().clone()
@@ -241,6 +278,7 @@ def worker_main(fd: int) -> None:
         runner, _ = start_rank(rank, device, setup, store)
         set_shard_group(ShardGroup(rank, setup["world"], dist.group.WORLD))
         connection.send(("ready", rank))
+        fed = None  # the ids rank 0 sampled in the step launched last (async scheduling)
         while True:
             try:
                 kind, *payload = connection.recv()
@@ -248,6 +286,9 @@ def worker_main(fd: int) -> None:
                 break  # rank 0 is gone
             if kind == "step":
                 run_step(runner, payload[0])
+                fed = None  # a synchronous step's tokens reach the next plan on the host
+            elif kind == "launch":
+                fed = run_launched(runner, *payload, fed)
             elif kind == "compress":
                 runner.compressor.run(decode_jobs(payload[0]))
             elif kind == "caches":
@@ -437,6 +478,29 @@ class TensorParallelExecutor:
         self._send(("step", encode_step(plan, tokens, completed)))
         with self._guard(), shard_group(self.group):
             return self.runner.execute(plan, tokens, structured)  # rank 0 samples
+
+    needs_sync = staticmethod(ModelRunner.needs_sync)
+
+    def launch(self, plan: StepPlan, tokens: dict[str, list[int]],
+               previous: Launched | None = None) -> Launched:
+        """`ModelRunner.launch` on every rank: rank 0 samples, then broadcasts the sampled ids
+        on the device for the workers' next step."""
+        import torch.distributed as dist
+
+        completed, self.completed_batches = self.completed_batches, []
+        rows = sampled_rows(plan)
+        previous_ids = [] if previous is None else [seq.seq_id for seq in previous.sequences]
+        self._send(("launch", encode_step(plan, tokens, completed), previous_ids, rows))
+        with self._guard(), shard_group(self.group):
+            launched = self.runner.launch(plan, tokens, previous)
+            sampled = launched.sampled
+            if (0 if sampled is None else len(sampled)) != rows:
+                raise TensorParallelError(f"tensor parallel: step {plan.step_id} sampled "
+                                          f"{0 if sampled is None else len(sampled)} tokens, "
+                                          f"the workers expect {rows}")
+            if rows:
+                dist.broadcast(sampled, src=0)
+        return launched
 
     @property
     def last_logits(self) -> torch.Tensor | None:

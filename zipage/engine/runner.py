@@ -263,8 +263,9 @@ class ModelRunner:
         previous = self._feeding
         if previous is None or not sequences:
             return
-        row_of = {seq: row for row, seq in enumerate(previous.sequences)}
-        sources = [row_of.get(seq, -1) for seq in sequences]
+        # By request id: a tensor-parallel worker's requests are its own copies of rank 0's.
+        row_of = {seq.seq_id: row for row, seq in enumerate(previous.sequences)}
+        sources = [row_of.get(seq.seq_id, -1) for seq in sequences]
         if max(sources) < 0:
             return
         if self.device.type == "cuda":
@@ -342,6 +343,18 @@ class ModelRunner:
         with torch.cuda.stream(self.stream):
             self._forward(plan, tokens)
         caller.wait_stream(self.stream)
+
+    def forward_fed(self, plan: StepPlan, tokens: dict[str, list[int]],
+                    previous: Launched | None) -> None:
+        """`forward` of a step launched under async scheduling on a tensor-parallel worker: each
+        decode row of a request that sampled in `previous` (the step before, its `sampled` the
+        ids rank 0 broadcast) takes that token on the device, as `launch` feeds rank 0's."""
+        self._feeding = previous if previous is not None and previous.sequences else None
+        try:
+            self.forward(plan, tokens)
+        finally:
+            self._feeding = None
+            self._launches += 1  # the staging buffers alternate as rank 0's do
 
     def _forward(self, plan: StepPlan, tokens: dict[str, list[int]]
                  ) -> tuple[list[Sequence], torch.Tensor | None]:
