@@ -261,6 +261,23 @@ def test_async_scheduling_tp2_keeps_the_tokens_of_tp1(tiny_models, compress):
     assert_shards_match(full[0], shards, lambda rank: ShardLayout(_shape(model), rank, 2))
 
 
+def test_warm_logits_runs_on_every_rank_and_changes_no_token(tiny_models):
+    """The warm-up's LM-head pass under tensor parallelism (on a GPU, `warm_up` runs it): the
+    logits gather is a collective, so every rank runs every row count in the same order; a run
+    after it gives the one-rank tokens."""
+    model = str(tiny_models["qwen3"])
+    knobs = dict(compress=False, block_size=16, kv_memory_gb=0.002, dtype="float32", device="cpu",
+                 max_num_seqs=8)
+    expected, _, _ = generate(model, 1, **knobs)
+    llm = LLM(model, tensor_parallel=2, **knobs)
+    try:
+        llm.engine.runner.warm_logits()
+        outputs = llm.generate(prompts(), GREEDY, progress=False)
+        assert [output.token_ids for output in outputs] == expected
+    finally:
+        llm.close()
+
+
 def test_host_tier_tp2_equals_tp1(tiny_models):
     """A host tier under tensor parallelism: each rank saves and loads its own heads' share.
     One request at a time on a pool the middle one takes whole, so the third request's prefix

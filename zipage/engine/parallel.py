@@ -291,6 +291,8 @@ def worker_main(fd: int) -> None:
                 fed = run_launched(runner, *payload, fed)
             elif kind == "compress":
                 runner.compressor.run(decode_jobs(payload[0]))
+            elif kind == "warm_logits":
+                runner.warm_logits()
             elif kind == "caches":
                 # Plain pickle copies the tensors (the connection's pickler would try to
                 # share their memory between processes).
@@ -480,6 +482,13 @@ class TensorParallelExecutor:
             return self.runner.execute(plan, tokens, structured)  # rank 0 samples
 
     needs_sync = staticmethod(ModelRunner.needs_sync)
+
+    def warm_logits(self) -> None:
+        """`ModelRunner.warm_logits` on every rank: the LM head and its logits gather at every
+        row count, in the same order everywhere."""
+        self._send(("warm_logits",))
+        with self._guard(), shard_group(self.group):
+            self.runner.warm_logits()
 
     def launch(self, plan: StepPlan, tokens: dict[str, list[int]],
                previous: Launched | None = None) -> Launched:

@@ -612,7 +612,8 @@ class ModelRunner:
         max_num_seqs). On a GPU, cuBLAS's first matmul of a shape makes the host wait until the
         device is idle: under async scheduling the 8B headline's first two steps each lost their
         overlap with the step before to it (docs/BENCHMARKS.md, 'Async scheduling'). `warm_up`
-        calls it on a GPU only (~0.25 s for an 8B model at 512 counts)."""
+        calls it on a GPU only (~0.25 s for an 8B model at 512 counts); under tensor parallelism
+        every rank runs it, as the logits gather is a collective."""
         hidden = torch.zeros(self.config.max_num_seqs, self.shape.hidden_size, dtype=self.dtype,
                              device=self.device)
         with torch.inference_mode(), forward_context(ForwardContext()):

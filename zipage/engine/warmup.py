@@ -60,7 +60,7 @@ def warm_up(runner: ModelRunner, num_blocks: int) -> None:
         runner.compressor.run([CompressionJob(
             seq=seq, source_table=source, target_blocks=source[:config.n_max - 1],
             new_block=source[config.n_max - 1], released=[], query_slot=0, is_first=True)])
-    if isinstance(runner, ModelRunner) and runner.device.type == "cuda":
+    if runner.device.type == "cuda":
         runner.warm_logits()
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
