@@ -261,6 +261,22 @@ def test_async_scheduling_tp2_keeps_the_tokens_of_tp1(tiny_models, compress):
     assert_shards_match(full[0], shards, lambda rank: ShardLayout(_shape(model), rank, 2))
 
 
+def test_async_scheduling_tp2_with_samples_of_one_prompt(tiny_models):
+    """Samples of one prompt (n = 2): a fork samples from its leader's logits in the step that
+    admits it, a row rank 0 broadcasts beside the others; the one-rank synchronous tokens."""
+    model = str(tiny_models["llama"])
+    knobs = dict(compress=False, block_size=16, kv_memory_gb=0.002, dtype="float32", device="cpu")
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, n=2)
+    found = {}
+    for world, asynchronous in ((1, False), (2, True)):
+        with LLM(model, tensor_parallel=world, async_scheduling=asynchronous, **knobs) as llm:
+            outputs = llm.generate(prompts(), params, progress=False)
+            found[world] = [[sample.token_ids for sample in output.outputs] for output in outputs]
+            assert llm.last_run.summary["completed"] == 2 * len(prompts())
+    assert found[2] == found[1]
+    assert all(len(samples) == 2 for samples in found[1])
+
+
 def test_warm_logits_runs_on_every_rank_and_changes_no_token(tiny_models):
     """The warm-up's LM-head pass under tensor parallelism (on a GPU, `warm_up` runs it): the
     logits gather is a collective, so every rank runs every row count in the same order; a run
