@@ -121,3 +121,15 @@ def test_step_inputs_match_the_per_chunk_construction(step):
         else:
             assert value == expected, name
     assert runner._prompt_rows == want["prompt_rows"]
+
+
+def test_a_chunk_past_its_block_table_is_an_error_not_block_zero():
+    """The padded table would give such a row block 0 (another request's KV); the per-chunk
+    construction raised there, and so does this one."""
+    runner = bare_runner(4, 2)
+    short, long = Sequence("short", None, 8, prompt_len=9), Sequence("long", None, 8, prompt_len=12)
+    short.block_table, long.block_table = [5, 6], [7, 8, 9]  # short needs 3 blocks for 9 tokens
+    tokens = {"short": list(range(9)), "long": list(range(12))}
+    plan = StepPlan(step_id=0, kind=PREFILL, prefill=[PrefillItem(short, 0, 9), PrefillItem(long, 0, 12)])
+    with pytest.raises(RuntimeError, match="past its request's block table"):
+        runner.step_inputs(plan, tokens)

@@ -402,7 +402,11 @@ class ModelRunner:
             tokens[item.seq.seq_id][item.num_cached_tokens:item.num_tokens] for item in items),
             np.int64, chunk_rows)
         tables = _padded_tables([item.seq.block_table for item in items])
-        slots = tables[chunk, entries // b].astype(np.int64) * b + entries % b
+        table_blocks = entries // b
+        widths = np.fromiter((len(item.seq.block_table) for item in items), np.int64, len(items))
+        if (table_blocks >= widths[chunk]).any():  # else the padding's block 0 would take its KV
+            raise RuntimeError("a prefill chunk reaches past its request's block table")
+        slots = tables[chunk, table_blocks].astype(np.int64) * b + entries % b
         # A chunk stores the queries of the entries `WindowLayout.query_range` names: from its
         # first such entry to the chunk's end (none without a query slot).
         query_slot = np.fromiter((-1 if item.seq.query_slot is None else item.seq.query_slot
