@@ -42,6 +42,7 @@ steps run eagerly.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass
 
@@ -210,8 +211,7 @@ class ModelRunner:
         decode row of a request that sampled there takes that token on the device, as `tokens`
         does not hold it yet. The plan has no request that needs its tokens on the host first
         (penalties, grammars) or log-probabilities (`needs_sync`)."""
-        self._feeding = previous if previous is not None and previous.sequences else None
-        try:
+        with self._fed(previous):
             if self.stream is None:
                 sequences, sampled = self._execute(plan, tokens, None, keep_logprobs=False)
                 return Launched(sequences, sampled, sampled, None)
@@ -227,6 +227,15 @@ class ModelRunner:
                     ready.record(self.stream)
             caller.wait_stream(self.stream)
             return Launched(sequences, sampled, host, ready)
+
+    @contextlib.contextmanager
+    def _fed(self, previous: Launched | None):
+        """A launched step (rank 0's `launch`, a worker's `forward_fed`): its decode rows take
+        the tokens `previous` sampled on the device (`_feed_tokens`), and it stages its copies
+        in the next of the alternating staging sets."""
+        self._feeding = previous if previous is not None and previous.sequences else None
+        try:
+            yield
         finally:
             self._feeding = None
             self._launches += 1
@@ -349,12 +358,8 @@ class ModelRunner:
         """`forward` of a step launched under async scheduling on a tensor-parallel worker: each
         decode row of a request that sampled in `previous` (the step before, its `sampled` the
         ids rank 0 broadcast) takes that token on the device, as `launch` feeds rank 0's."""
-        self._feeding = previous if previous is not None and previous.sequences else None
-        try:
+        with self._fed(previous):
             self.forward(plan, tokens)
-        finally:
-            self._feeding = None
-            self._launches += 1  # the staging buffers alternate as rank 0's do
 
     def _forward(self, plan: StepPlan, tokens: dict[str, list[int]]
                  ) -> tuple[list[Sequence], torch.Tensor | None]:
@@ -620,15 +625,12 @@ class ModelRunner:
         every rank runs it, as the logits gather is a collective."""
         hidden = torch.zeros(self.config.max_num_seqs, self.shape.hidden_size, dtype=self.dtype,
                              device=self.device)
-        with torch.inference_mode(), forward_context(ForwardContext()):
-            if self.stream is None:
-                for rows in range(1, len(hidden) + 1):
-                    self.model.compute_logits(hidden[:rows])
-            else:
-                with torch.cuda.stream(self.stream):
-                    for rows in range(1, len(hidden) + 1):
-                        self.model.compute_logits(hidden[:rows])
-                torch.cuda.synchronize(self.device)
+        stream = contextlib.nullcontext() if self.stream is None else torch.cuda.stream(self.stream)
+        with torch.inference_mode(), forward_context(ForwardContext()), stream:
+            for rows in range(1, len(hidden) + 1):
+                self.model.compute_logits(hidden[:rows])
+        if self.stream is not None:
+            torch.cuda.synchronize(self.device)
 
     def enable_prefill_graphs(self, capture: bool = True) -> None:
         """Run prefill and mixed steps of up to the largest bucket through the padded layout, and

@@ -62,5 +62,4 @@ def warm_up(runner: ModelRunner, num_blocks: int) -> None:
             new_block=source[config.n_max - 1], released=[], query_slot=0, is_first=True)])
     if runner.device.type == "cuda":
         runner.warm_logits()
-    if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
