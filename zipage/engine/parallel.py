@@ -220,14 +220,18 @@ def _all_reduce_max(tensor: torch.Tensor, group) -> torch.Tensor:
     return tensor
 
 
-def run_step(runner: ModelRunner, message: tuple) -> None:
-    """A worker's share of one step: the compressions and the forward pass, no sampling."""
+def worker_step(runner: ModelRunner, message: tuple) -> tuple[StepPlan, dict[str, list[int]]]:
+    """A step's plan and tokens as a worker runs them, after the async batches rank 0 saw done
+    are done on this rank too (their compressed requests decode again in this step)."""
     plan, tokens, completed = decode_step(message)
     if completed and runner.compressor is not None:
-        # Rank 0 saw these async batches done; this rank's copy must be done before the
-        # compressed requests decode again.
         runner.compressor.completed(wait=True)
-    runner.forward(plan, tokens)
+    return plan, tokens
+
+
+def run_step(runner: ModelRunner, message: tuple) -> None:
+    """A worker's share of one step: the compressions and the forward pass, no sampling."""
+    runner.forward(*worker_step(runner, message))
 
 
 def run_launched(runner: ModelRunner, message: tuple, previous_ids: list[str], rows: int,
@@ -237,9 +241,7 @@ def run_launched(runner: ModelRunner, message: tuple, previous_ids: list[str], r
     then this step's sampled ids received from rank 0 (returned: the next step's `fed`)."""
     import torch.distributed as dist
 
-    plan, tokens, completed = decode_step(message)
-    if completed and runner.compressor is not None:
-        runner.compressor.completed(wait=True)
+    plan, tokens = worker_step(runner, message)
     previous = (Launched([SampledRow(seq_id) for seq_id in previous_ids], fed, None, None)
                 if fed is not None and previous_ids else None)
     runner.forward_fed(plan, tokens, previous)
@@ -476,8 +478,7 @@ class TensorParallelExecutor:
     # ------------------------------------------------------------------ the runner interface
 
     def execute(self, plan: StepPlan, tokens: dict[str, list[int]], structured=None) -> list:
-        completed, self.completed_batches = self.completed_batches, []
-        self._send(("step", encode_step(plan, tokens, completed)))
+        self._send(("step", self._encoded(plan, tokens)))
         with self._guard(), shard_group(self.group):
             return self.runner.execute(plan, tokens, structured)  # rank 0 samples
 
@@ -496,10 +497,9 @@ class TensorParallelExecutor:
         on the device for the workers' next step."""
         import torch.distributed as dist
 
-        completed, self.completed_batches = self.completed_batches, []
         rows = sampled_rows(plan)
         previous_ids = [] if previous is None else [seq.seq_id for seq in previous.sequences]
-        self._send(("launch", encode_step(plan, tokens, completed), previous_ids, rows))
+        self._send(("launch", self._encoded(plan, tokens), previous_ids, rows))
         with self._guard(), shard_group(self.group):
             launched = self.runner.launch(plan, tokens, previous)
             sampled = launched.sampled
@@ -555,6 +555,11 @@ class TensorParallelExecutor:
             self._finalizer()
 
     # ------------------------------------------------------------------ helpers
+
+    def _encoded(self, plan: StepPlan, tokens: dict[str, list[int]]) -> tuple:
+        """`plan` for the workers, with the async batches rank 0 saw done since the last one."""
+        completed, self.completed_batches = self.completed_batches, []
+        return encode_step(plan, tokens, completed)
 
     def _send(self, message: tuple) -> None:
         self._check()
