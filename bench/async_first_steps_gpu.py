@@ -65,13 +65,11 @@ class Probe:
                 where = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in stack[-3:]]
                 syncs.append({"message": str(message)[:120], "where": where})
 
-            shown = warnings.showwarning
-            warnings.showwarning = seen
             if torch.cuda.is_available():
                 torch.cuda.set_sync_debug_mode("warn")
             started = time.perf_counter()
             try:
-                with warnings.catch_warnings():
+                with warnings.catch_warnings():  # restores the filters and showwarning on exit
                     warnings.simplefilter("always")
                     warnings.showwarning = seen
                     result = original(plan, *args, **kwargs)
@@ -79,7 +77,6 @@ class Probe:
                 host_ms = (time.perf_counter() - started) * 1000
                 if torch.cuda.is_available():
                     torch.cuda.set_sync_debug_mode("default")
-                warnings.showwarning = shown
             tokens = sum(item.num_new_tokens for item in plan.prefill) + len(plan.decode)
             self.calls.append({"call": name, "step": plan.step_id, "kind": plan.kind, "tokens": tokens,
                                "graphed": plan.kind == "decode" or tokens <= max(self.runner.prefill_buckets,
