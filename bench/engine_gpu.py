@@ -38,9 +38,12 @@ from zipage.presets import get_preset
 CONTEXT = 2048
 
 
-def copy_bandwidth() -> float:
-    """Bytes per second of a large device-to-device copy (read + write counted)."""
+def copy_bandwidth(fill: bool = False) -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted); with `fill`, of random
+    bytes rather than a fresh allocation's (on an H200 both copy alike, 2026-12-01)."""
     source = torch.empty(2 * GIB, dtype=torch.uint8, device="cuda")
+    if fill:
+        source.random_(0, 256)
     target = torch.empty_like(source)
     for _ in range(3):
         target.copy_(source)

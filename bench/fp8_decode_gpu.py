@@ -1,7 +1,10 @@
 """The split-K decode kernel with an FP8 KV cache against its halved-byte roofline (issue #34), per variant.
 
 The variants are the launch-time knobs of kernels/attention_triton.py: `_DECODE_KV_LOAD` (gather / block),
-`_DECODE_FP8_KV_TILE` (64 / 128 tokens a tile) and `_DECODE_FP8_VALUES` (weights / f16-asm). On a GPU:
+`_DECODE_FP8_KV_TILE` (64 / 128 tokens a tile) and `_DECODE_FP8_VALUES` (weights / f16-asm); the others (keys,
+warps, stages, register cap) stay as shipped. The shipped launch was chosen inside the engine's decode step
+(`bench/step_profile_gpu.py --fp8-variants`), whose bf16 figures this per-call bench did not reproduce
+(docs/BENCHMARKS.md, 'FP8 KV cache'). On a GPU:
 
 1. every variant against the pure-torch reference (bfloat16 queries, random fp8 K/V with an outlier channel
    and per-entry scales spread over four decades; the worst error within 2e-2 of the largest output, the
@@ -34,7 +37,7 @@ BATCHES = (32, 128, 256)
 CONTEXTS = {"zipage-576": 576, "full-kv-4096": 4096}
 HBM_BYTES_PER_S = 4.8e12  # H200
 TOLERANCE = 2e-2
-# (name, cache dtype, _DECODE_KV_LOAD, _DECODE_FP8_KV_TILE, _DECODE_FP8_VALUES); the first fp8 one is main's.
+# (name, cache dtype, _DECODE_KV_LOAD, _DECODE_FP8_KV_TILE, _DECODE_FP8_VALUES).
 VARIANTS = [("bf16", "bf16", "gather", 64, "weights"), ("bf16 block", "bf16", "block", 64, "weights")]
 VARIANTS += [(f"fp8 {load} t{tile} {values}", "fp8", load, tile, values)
              for values, load, tile in itertools.product(("weights", "f16-asm"), ("gather", "block"), (64, 128))

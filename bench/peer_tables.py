@@ -36,7 +36,7 @@ import torch
 
 from zipage.config import ZipageConfig
 from zipage.core.deployment import ReplaySettings
-from zipage.core.memory import GIB, weight_bytes
+from zipage.core.memory import GIB, kv_entry_bytes, weight_bytes
 from zipage.engine.replay import replay_on_engine
 from zipage.presets import get_preset
 from zipage.trace import Trace, TraceRequest
@@ -54,13 +54,14 @@ def workload(table: dict, row: dict) -> Trace:
                   for index in range(requests)])
 
 
-def kv_token_bytes(model: str, dtype_bytes: int = 2) -> int:
+def kv_token_bytes(model: str, kv_cache_dtype: str = "auto") -> int:
+    """KV bytes a token takes over all layers (K and V, fp8's scales included), as the planner counts them."""
     shape = get_preset(model)
-    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes
+    return 2 * shape.num_layers * shape.num_kv_heads * kv_entry_bytes(shape.head_dim, kv_cache_dtype, 2)
 
 
-def breakdown(run, model: str, bandwidth: float) -> dict:
-    """Where the run's time went, from its step records."""
+def breakdown(run, model: str, bandwidth: float, kv_cache_dtype: str = "auto") -> dict:
+    """Where the run's time went, from its step records (the decode roofline at the run's KV bytes a token)."""
     steps = sorted(run.steps, key=lambda step: step.t_start)
     if not steps:
         return {}
@@ -70,7 +71,7 @@ def breakdown(run, model: str, bandwidth: float) -> dict:
     decode = sum(step.t_end - step.t_start for step in decode_steps)
     gaps = sum(max(0.0, later.t_start - earlier.t_end) for earlier, later in zip(steps, steps[1:]))
     weights = weight_bytes(get_preset(model), 2)
-    per_token = kv_token_bytes(model)
+    per_token = kv_token_bytes(model, kv_cache_dtype)
     shares, large, clean = [], [], []
     for step in decode_steps:
         roofline = (weights + step.decode_context_tokens * per_token) / bandwidth
@@ -181,7 +182,7 @@ def main() -> None:
                     "peak_running": summary.get("peak_running"), "preemptions": summary.get("preemptions"),
                     "compressions": summary.get("compressions"), "makespan_s": summary.get("makespan_s"),
                     "tpot_p50_ms": summary.get("tpot_p50_ms"), "wall_s": wall,
-                    **breakdown(run, model, bandwidth)}
+                    **breakdown(run, model, bandwidth, config.kv_cache_dtype)}
             results["cells"].append(cell)
             print(json.dumps(cell), flush=True)
             (out / f"peer_{table['name']}.json").write_text(json.dumps(results, indent=1))

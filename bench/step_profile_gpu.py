@@ -9,6 +9,12 @@ The roofline is (weight bytes + KV bytes read, fp8's scales counted) / measured 
 one takes the weights' part as max(weight bytes / copy bandwidth, GEMM FLOPs / measured matmul
 rate), since at batch 256 a 7-8B model's GEMMs are bound by the matmul rate on an H200.
 
+The caches hold random entries (`--fill random`, the default): an engine's caches hold its model's
+keys and values, not the zeros the engine allocates (`--fill zeros`; on an H200 both read alike,
+2026-12-01). `--fp8-variants` times the FP8 decode kernel's launch variants (tokens a tile / values /
+keys / warps / stages / register cap, the `_DECODE_FP8_*` knobs of kernels/attention_triton.py),
+each in an engine of its own (the CUDA graphs capture the launch).
+
 With `--async-scheduling` each step is also timed launched as the async engine loop runs it
 (`ModelRunner.launch` of step N+1 before waiting for step N's tokens): the host's part hidden
 behind the device's, the same runner, one call.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import gc
 import json
 import os
@@ -111,6 +118,48 @@ def token_kv_bytes(model: str, kv_cache_dtype: str) -> int:
     return 2 * shape.num_layers * shape.num_kv_heads * kv_entry_bytes(shape.head_dim, kv_cache_dtype, 2)
 
 
+def fill_caches(engine, seed: int = 0) -> None:
+    """Random keys and values in every cache block (fp8: normal entries scaled into e4m3's range, and
+    scales of 0.005-0.05), a layer at a time so no cache-sized temporary is made."""
+    caches = engine.runner.caches
+    generator = torch.Generator(caches.kv.device).manual_seed(seed)
+    for half in range(2):
+        for layer in range(caches.num_layers):
+            target = caches.kv[half, layer]
+            entries = torch.randn(target.shape, generator=generator, device=target.device, dtype=torch.bfloat16)
+            if caches.kv_scale is None:
+                target.copy_(entries)
+            else:
+                target.copy_((entries * 64).clamp(-448, 448).to(target.dtype))
+    if caches.kv_scale is not None:
+        caches.kv_scale.uniform_(0.005, 0.05, generator=generator)
+    torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def decode_variant(spec: str | None):
+    """The FP8 decode kernel's launch knobs set to `spec`, "TILE/VALUES/KEYS/WARPS/STAGES[/rN]"
+    (`_DECODE_FP8_KV_TILE` ... `_DECODE_FP8_STAGES`, and `_DECODE_FP8_MAXNREG` = N), restored after;
+    None: as shipped."""
+    from zipage.kernels import attention_triton as kernels
+
+    names = ("_DECODE_FP8_KV_TILE", "_DECODE_FP8_VALUES", "_DECODE_FP8_KEYS", "_DECODE_FP8_WARPS",
+             "_DECODE_FP8_STAGES", "_DECODE_FP8_MAXNREG")
+    saved = {name: getattr(kernels, name) for name in names}
+    if spec is not None:
+        tile, values, keys, warps, stages, *maxnreg = spec.split("/")
+        if maxnreg and not maxnreg[0].startswith("r"):
+            raise ValueError(f"a decode variant ends in /rN (registers a thread), got {spec!r}")
+        for name, value in zip(names, (int(tile), values, keys, int(warps), int(stages),
+                                       int(maxnreg[0][1:]) if maxnreg else None)):
+            setattr(kernels, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(kernels, name, value)
+
+
 def shuffle_blocks(plan, seed: int = 0) -> None:
     """Deal the plan's blocks out to its requests in a random order: an engine that has run a
     while holds its requests' blocks scattered over the pool, not in allocation order."""
@@ -123,7 +172,7 @@ def shuffle_blocks(plan, seed: int = 0) -> None:
 
 def profile_model(model: str, batches: list[int], context: int, block_size: int, iterations: int,
                   bandwidth: float, flops: float, launch: bool, kv_cache_dtype: str,
-                  shuffled: bool = False) -> list[dict]:
+                  shuffled: bool = False, fill: str = "random", variant: str | None = None) -> list[dict]:
     largest = max(batches)
     blocks_each = -(-(context + 1) // block_size)
     kv_bytes = token_kv_bytes(model, kv_cache_dtype)
@@ -132,7 +181,10 @@ def profile_model(model: str, batches: list[int], context: int, block_size: int,
                           kv_cache_dtype=kv_cache_dtype,
                           max_model_len=(blocks_each + 2) * block_size, async_scheduling=launch)
     settings = ReplaySettings(model=f"random:{model}", dtype="bfloat16", kv_memory_gb=kv_gb, config=config)
-    engine = build_engine(settings, "cuda", cuda_graphs=True)
+    with decode_variant(variant):
+        engine = build_engine(settings, "cuda", cuda_graphs=True)
+    if fill == "random":
+        fill_caches(engine)
     manager = engine.new_scheduler().block_manager
     weights = weight_bytes(get_preset(model), 2)
     rows = []
@@ -164,7 +216,8 @@ def profile_model(model: str, batches: list[int], context: int, block_size: int,
             roofline_ms = weights / bandwidth * 1000 + kv_ms
             compute_ms = max(weights / bandwidth, gemm_flops(model, batch) / flops) * 1000 + kv_ms
             best_ms = min(step_ms, async_ms or step_ms)
-            row = {"model": model, "kv_cache_dtype": kv_cache_dtype, "batch": batch, "context": context,
+            row = {"model": model, "kv_cache_dtype": kv_cache_dtype, "variant": variant or "shipped",
+                   "fill": fill, "batch": batch, "context": context,
                    "block_size": block_size, "blocks": "shuffled" if shuffled else "in order",
                    "step_ms": step_ms, "async_ms": async_ms, "kernels_ms": kernels_ms,
                    "host_wait_ms": step_ms - kernels_ms, "roofline_ms": roofline_ms,
@@ -199,23 +252,35 @@ def main() -> None:
                              "instead of allocation order")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="also time each step launched as the async engine loop runs it")
+    parser.add_argument("--fill", choices=("random", "zeros"), default="random",
+                        help="what the caches hold: random entries (an engine's, to the memory system) or zeros")
+    parser.add_argument("--fp8-variants", default="",
+                        help="FP8 decode launches to time instead of the shipped one, comma-separated "
+                             "TILE/VALUES/KEYS/WARPS/STAGES[/rN] (e.g. 128/weights/f16/4/2/r168); "
+                             "'shipped' is the shipped one")
     args = parser.parse_args()
     batches = [int(batch) for batch in args.batches.split(",")]
     bandwidth, flops = copy_bandwidth(), matmul_flops()
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
-          f"matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
+    random_bandwidth = copy_bandwidth(fill=True)
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s "
+          f"({random_bandwidth / 1e12:.2f} of random bytes), matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
+    if args.fill == "random":
+        bandwidth = random_bandwidth  # the roofline of a step over random entries
+    variants = [None if spec == "shipped" else spec for spec in args.fp8_variants.split(",") if spec] or [None]
     rows = []
     for model in args.models.split(","):
         for kv_cache_dtype in args.kv_cache_dtype.split(","):
-            rows += profile_model(model, batches, args.context, args.block_size, args.iterations, bandwidth,
-                                  flops, args.async_scheduling, kv_cache_dtype, args.shuffled_blocks)
+            for variant in variants if kv_cache_dtype == "fp8" else [None]:
+                rows += profile_model(model, batches, args.context, args.block_size, args.iterations, bandwidth,
+                                      flops, args.async_scheduling, kv_cache_dtype, args.shuffled_blocks,
+                                      args.fill, variant)
     out = Path(os.environ.get("OUT") or Path(__file__).resolve().parents[1] / "runs" / "step_profile")
     out.mkdir(parents=True, exist_ok=True)
     (out / "step_profile.json").write_text(json.dumps(
         {"bandwidth_tbs": bandwidth / 1e12, "matmul_tflops": flops / 1e12, "rows": rows}, indent=1))
     kinds = [kind for kind, _ in KINDS] + ["other"]
     print(f"\ndecode step, context {args.context}, block {args.block_size}, Full KV, blocks "
-          f"{'shuffled' if args.shuffled_blocks else 'in order'}: ms per step; "
+          f"{'shuffled' if args.shuffled_blocks else 'in order'}, caches of {args.fill}: ms per step; "
           "share = roofline / the faster of step and async step")
     print("| model | KV | batch | step | async step | roofline | share | compute-aware roofline | share | host wait | "
           + " | ".join(kinds) + " |")
@@ -223,7 +288,8 @@ def main() -> None:
     for row in rows:
         cells = " | ".join(f"{row['by_kind_ms'].get(kind, 0.0):.2f}" for kind in kinds)
         launched = "-" if row["async_ms"] is None else f"{row['async_ms']:.2f}"
-        print(f"| {row['model']} | {row['kv_cache_dtype']} | {row['batch']} | {row['step_ms']:.2f} | {launched} | "
+        kv = row["kv_cache_dtype"] + ("" if row["variant"] == "shipped" else f" {row['variant']}")
+        print(f"| {row['model']} | {kv} | {row['batch']} | {row['step_ms']:.2f} | {launched} | "
               f"{row['roofline_ms']:.2f} | "
               f"{row['best_share']:.0%} | {row['compute_roofline_ms']:.2f} | {row['best_compute_share']:.0%} | "
               f"{row['host_wait_ms']:.2f} | {cells} |")

@@ -75,13 +75,27 @@ _DECODE_NUM_STAGES = 3
 #                        float16 in registers by inline assembly before shared memory: a 16-bit transposing
 #                        ldmatrix), "f16" (the same math, the widening placed by the compiler: what the
 #                        interpreter runs for "f16-asm").
-# Chosen on an H200 (docs/BENCHMARKS.md, "FP8 decode kernel"): 128-token FP8 tiles with values widened by
-# inline assembly were the fastest or tied at every batch and context measured (0.57-0.73x bfloat16's time).
+#   _DECODE_FP8_KEYS     how FP8 keys reach the queries @ keys product: "queries" (widened to the queries' dtype,
+#                        bfloat16 through float32), "f16" (the queries narrowed to float16 once a program, clamped
+#                        to its range; the keys widened by the compiler), "f16-asm" (the same, the keys widened
+#                        by inline assembly before shared memory, like the values);
+#   _DECODE_FP8_WARPS, _DECODE_FP8_STAGES  warps per program and pipelining depth with an FP8 cache;
+#   _DECODE_FP8_MAXNREG  registers a thread may hold with an FP8 cache (None: the compiler's choice): the programs
+#                        an SM holds at once follow from it.
+# Chosen on an H200 in the engine's decode step (docs/BENCHMARKS.md, 'FP8 KV cache', 2026-12-01): 128-token FP8
+# tiles, float16 queries and keys, values widened where the compiler puts them, 2 stages, and at most 168 registers
+# a thread (3 programs an SM where the compiler's 200 held 2): 0.93-0.97x bfloat16's attention time at batch 128-512
+# against 1.03-1.11x for the previous choice ("f16-asm" values, "queries" keys, 3 stages).
 _DECODE_KV_LOAD = "gather"
 _DECODE_FP8_KV_TILE = 128
-_DECODE_FP8_VALUES = "f16-asm"
+_DECODE_FP8_VALUES = "weights"
+_DECODE_FP8_KEYS = "f16"
+_DECODE_FP8_WARPS = 4
+_DECODE_FP8_STAGES = 2
+_DECODE_FP8_MAXNREG = 168
 _DECODE_KV_LOADS = ("gather", "block")
 _DECODE_FP8_VALUE_MODES = ("weights", "f16", "f16-asm")
+_DECODE_FP8_KEY_MODES = ("queries", "f16", "f16-asm")
 # Store with an FP8 cache: KV heads per program and warps per program. Each (token, head) picks its scale by a
 # search of 8 candidates with exact divisions, a serial chain whose length follows the elements each thread holds:
 # one program a token (8 heads of 128) with 4 warps took 9.2-9.8 us a call inside a graph up to 256 tokens (0.3 ms
@@ -416,6 +430,7 @@ def _attend_kv_tile(
     scale_slot_stride,
     FP8: tl.constexpr,
     FP8_VALUES: tl.constexpr,
+    FP8_KEYS: tl.constexpr,
 ):
     """One online-softmax step: fold the KV entries ``tile_start .. tile_start + KV_TILE - 1`` (those below
     ``kv_end``) into the running state of every query row; row ``r`` sees entries ``<= visible_until[r]``.
@@ -470,7 +485,10 @@ def _attend_kv_tile(
         else:
             key_scales = tl.load(k_scale_ptr + scale_offsets)
             value_scales = tl.load(v_scale_ptr + scale_offsets)
-        keys = keys.to(queries.dtype)
+        if FP8_KEYS == "f16-asm":
+            keys = _e4m3_to_f16(keys)  # the queries were narrowed to float16 by the caller
+        else:
+            keys = keys.to(queries.dtype)
     logits = tl.dot(queries, tl.trans(keys), input_precision=DOT_PRECISION)
     if FP8:
         logits = logits * key_scales[None, :]
@@ -522,6 +540,15 @@ def _attend_kv_tile(
         weights = weights * (value_scales / value_scale_max)[None, :]
         accumulator = accumulator * rescale[:, None] + value_scale_max * tl.dot(
             weights.to(values.dtype), values, input_precision=DOT_PRECISION)
+    elif FP8 and queries.dtype == tl.float16:
+        # float16 weights (the keys' mode narrowed the queries): the value scales over the tile's largest one,
+        # as above, since a scale far below 1 would push weight x scale into float16's subnormals.
+        values = values.to(tl.float16)
+        value_scale_max = tl.max(value_scales, axis=0)
+        value_scale_max = tl.where(value_scale_max > 0, value_scale_max, 1.0)
+        weights = weights * (value_scales / value_scale_max)[None, :]
+        accumulator = accumulator * rescale[:, None] + value_scale_max * tl.dot(
+            weights.to(tl.float16), values, input_precision=DOT_PRECISION)
     else:
         if FP8:
             values = values.to(queries.dtype)
@@ -642,14 +669,14 @@ def _prefill_tile(
                 kv_head, tile_start, kv_end, visible_until, qk_scale, cache_block_stride, cache_slot_stride,
                 cache_head_stride, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, KV_TILE, DOT_PRECISION, KV_LOAD,
                 False, FOLD_SCALE, k_desc, v_desc, k_scale_ptr, v_scale_ptr, scale_block_stride,
-                scale_slot_stride, FP8, "weights")
+                scale_slot_stride, FP8, "weights", "queries")
     for tile_start in range(masked_start, kv_end, KV_TILE):
         running_max, running_sum, accumulator = _attend_kv_tile(
             queries, running_max, running_sum, accumulator, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
             kv_head, tile_start, kv_end, visible_until, qk_scale, cache_block_stride, cache_slot_stride,
             cache_head_stride, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, KV_TILE, DOT_PRECISION, KV_LOAD,
             True, FOLD_SCALE, k_desc, v_desc, k_scale_ptr, v_scale_ptr, scale_block_stride, scale_slot_stride,
-            FP8, "weights")
+            FP8, "weights", "queries")
 
     out = accumulator / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
     out_offsets = (q_start + row_tokens).to(tl.int64)[:, None] * out_token_stride
@@ -919,6 +946,7 @@ def _decode_partition_kernel(
     FP8: tl.constexpr,
     KV_LOAD: tl.constexpr,
     FP8_VALUES: tl.constexpr,
+    FP8_KEYS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -934,6 +962,10 @@ def _decode_partition_kernel(
     io_mask = (group_rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
     q_offsets = seq.to(tl.int64) * q_batch_stride + heads[:, None] * q_head_stride + dims[None, :]
     queries = tl.load(q_ptr + q_offsets, mask=io_mask, other=0.0)
+    if FP8 and FP8_KEYS != "queries":
+        # float16 holds every e4m3 key exactly and widens it in one instruction; a query beyond its range
+        # (never seen in practice) is clamped rather than made infinite.
+        queries = tl.minimum(tl.maximum(queries.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     running_max = tl.full([GROUP_PADDED], float("-inf"), tl.float32)
     running_sum = tl.zeros([GROUP_PADDED], tl.float32)
@@ -976,6 +1008,7 @@ def _decode_partition_kernel(
             scale_slot_stride,
             FP8,
             FP8_VALUES,
+            FP8_KEYS,
         )
 
     # An empty sequence (a padding slot of a captured batch) has a zero sum and gets a zero output.
@@ -1053,20 +1086,32 @@ def decode_num_partitions(batch: int, num_kv_heads: int, streaming_multiprocesso
                                              programs_per_sm=_PROGRAMS_PER_SM, round_up=_ROUND_PARTITIONS_UP)
 
 
-def _decode_variant(fp8: bool, block_size: int, partition_size: int | None, on_gpu: bool) -> tuple[int, str, str]:
-    """(tokens per tile, K/V load, FP8 value mode) of a decode launch from the ``_DECODE_*`` variants, where the
-    shapes allow them."""
+def _decode_variant(fp8: bool, block_size: int, partition_size: int | None, on_gpu: bool,
+                    dtype: torch.dtype) -> tuple[int, dict, dict]:
+    """(tokens per tile, the kernel's variant constants, launch options) of a decode launch from the ``_DECODE_*``
+    variants, where the shapes allow them."""
     if _DECODE_KV_LOAD not in _DECODE_KV_LOADS:
         raise ValueError(f"_DECODE_KV_LOAD must be one of {_DECODE_KV_LOADS}, got {_DECODE_KV_LOAD!r}")
     if _DECODE_FP8_VALUES not in _DECODE_FP8_VALUE_MODES:
         raise ValueError(f"_DECODE_FP8_VALUES must be one of {_DECODE_FP8_VALUE_MODES}, got {_DECODE_FP8_VALUES!r}")
+    if _DECODE_FP8_KEYS not in _DECODE_FP8_KEY_MODES:
+        raise ValueError(f"_DECODE_FP8_KEYS must be one of {_DECODE_FP8_KEY_MODES}, got {_DECODE_FP8_KEYS!r}")
     kv_tile = _DECODE_FP8_KV_TILE if fp8 else _DECODE_KV_TILE
     if partition_size is not None and partition_size % kv_tile != 0:
         kv_tile = _DECODE_KV_TILE
-    kv_load = _DECODE_KV_LOAD if block_size % kv_tile == 0 else "gather"
     # Inline assembly needs the GPU; the interpreter runs the same arithmetic with Triton's own widening.
     fp8_values = "f16" if _DECODE_FP8_VALUES == "f16-asm" and not on_gpu else _DECODE_FP8_VALUES
-    return kv_tile, kv_load, fp8_values
+    fp8_keys = "f16" if _DECODE_FP8_KEYS == "f16-asm" and not on_gpu else _DECODE_FP8_KEYS
+    if dtype == torch.float32:
+        fp8_keys = "queries"  # float32 queries keep their precision (the CPU oracle's dtype)
+    constants = dict(KV_LOAD=_DECODE_KV_LOAD if block_size % kv_tile == 0 else "gather", FP8_VALUES=fp8_values,
+                     FP8_KEYS=fp8_keys)
+    if not fp8:
+        return kv_tile, constants, dict(num_warps=_DECODE_NUM_WARPS, num_stages=_DECODE_NUM_STAGES)
+    options = dict(num_warps=_DECODE_FP8_WARPS, num_stages=_DECODE_FP8_STAGES)
+    if _DECODE_FP8_MAXNREG is not None and on_gpu:
+        options["maxnreg"] = _DECODE_FP8_MAXNREG
+    return kv_tile, constants, options
 
 
 def paged_decode_attention_triton(
@@ -1104,7 +1149,7 @@ def paged_decode_attention_triton(
         return out
     group = _group_size(num_heads, num_kv_heads)
     head_dim_padded = max(triton.next_power_of_2(head_dim), _MIN_DOT_DIM)
-    kv_tile, kv_load, fp8_values = _decode_variant(fp8, block_size, partition_size, q.is_cuda)
+    kv_tile, variant, launch_options = _decode_variant(fp8, block_size, partition_size, q.is_cuda, q.dtype)
     if partition_size is None:
         streaming_multiprocessors = (
             _streaming_multiprocessor_count(q.device.index or 0) if q.is_cuda else _INTERPRETER_SM_COUNT
@@ -1159,10 +1204,8 @@ def paged_decode_attention_triton(
         scale_block_stride=_scale_strides(k_scale)[0],
         scale_slot_stride=_scale_strides(k_scale)[1],
         FP8=fp8,
-        KV_LOAD=kv_load,
-        FP8_VALUES=fp8_values,
-        num_warps=_DECODE_NUM_WARPS,
-        num_stages=_DECODE_NUM_STAGES,
+        **variant,
+        **launch_options,
     )
     if num_partitions > 1:
         _decode_merge_kernel[(batch, num_heads)](

@@ -54,7 +54,8 @@ from zipage.presets import PRESETS  # noqa: E402
 
 HEAD_DIM = 64
 NUM_KV_HEADS = 2
-TOLERANCES = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=4e-3, rtol=4e-3)}
+TOLERANCES = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=4e-3, rtol=4e-3),
+              torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +89,14 @@ def hopper_launches() -> list:
     variants += [descriptor | dict(SPLIT_CAUSAL=split, FOLD_SCALE=split, USE_WORK_ITEMS=items)
                  for split, items in ((False, False), (True, True))]
     decode = attention_shape | dict(NUM_HEADS=16, SINGLE_PARTITION=False, GROUP_PADDED=16, MIN_TILES=2,
-                                    KV_LOAD="gather", FP8_VALUES="weights")
-    # The decode variants of _DECODE_KV_LOAD / _DECODE_FP8_KV_TILE / _DECODE_FP8_VALUES (the FP8 ones matter with
-    # FP8 on, in hopper_fp8_launches).
-    decode_variants = [decode | dict(BLOCK_SIZE=128, KV_LOAD="block", KV_TILE=tile, FP8_VALUES=values)
-                       for tile, values in ((64, "f16-asm"), (128, "f16"), (128, "weights"))]
+                                    KV_LOAD="gather", FP8_VALUES="weights", FP8_KEYS="queries")
+    # The decode variants of _DECODE_KV_LOAD / _DECODE_FP8_KV_TILE / _DECODE_FP8_VALUES / _DECODE_FP8_KEYS (the
+    # FP8 ones matter with FP8 on, in hopper_fp8_launches).
+    decode_variants = [decode | dict(BLOCK_SIZE=128, KV_LOAD=load, KV_TILE=tile, FP8_VALUES=values, FP8_KEYS=keys)
+                       for load, tile, values, keys in (
+                           ("block", 64, "f16-asm", "queries"), ("block", 128, "f16", "f16"),
+                           ("block", 128, "weights", "queries"), ("block", 128, "f16-asm", "f16-asm"),
+                           ("gather", 128, "weights", "f16"))]
     return [
         (kernels._store_queries_kernel, dict(NUM_HEADS=32, HEAD_DIM=128, HEADS_PADDED=32, HEAD_DIM_PADDED=128)),
         (kernels._store_kv_kernel, shape | dict(NUM_KV_HEADS=2, HEAD_GROUP=2, FP8=False, FP8_MAX=FP8_MAX,
@@ -693,36 +697,61 @@ def check_fp8_decode(triton_kernels, dtype, group: int, block_size: int, partiti
     assert torch.count_nonzero(out[-1]) == 0
 
 
-# (query dtype, group, block size, fixed partition size, _DECODE_KV_LOAD, _DECODE_FP8_KV_TILE, _DECODE_FP8_VALUES):
-# every variant bench/fp8_decode_gpu.py times, including the fallbacks (a block of 16 is read by "gather", a
-# fixed partition of 64 by tiles of 64, "f16-asm" as "f16" under the interpreter).
+# (query dtype, group, block size, fixed partition size, _DECODE_KV_LOAD, _DECODE_FP8_KV_TILE, _DECODE_FP8_VALUES,
+# _DECODE_FP8_KEYS): every variant bench/fp8_decode_gpu.py and bench/step_profile_gpu.py time, including the
+# fallbacks (a block of 16 is read by "gather", a fixed partition of 64 by tiles of 64, "f16-asm" as "f16" under the
+# interpreter, float32 queries keep "queries").
 FP8_DECODE_VARIANTS = [
-    (torch.float16, 3, 64, None, "block", 64, "f16"),
-    (torch.float16, 1, 128, 128, "block", 128, "f16"),
-    (torch.float32, 8, 64, 64, "gather", 128, "f16"),
-    (torch.float16, 4, 16, None, "block", 128, "f16-asm"),
-    (torch.float16, 2, 64, None, "block", 64, "weights"),
+    (torch.float16, 3, 64, None, "block", 64, "f16", "queries"),
+    (torch.float16, 1, 128, 128, "block", 128, "f16", "f16"),
+    (torch.float32, 8, 64, 64, "gather", 128, "f16", "f16-asm"),
+    (torch.float16, 4, 16, None, "block", 128, "f16-asm", "f16-asm"),
+    (torch.float16, 2, 64, None, "block", 64, "weights", "queries"),
+    (torch.bfloat16, 4, 64, None, "gather", 128, "f16-asm", "f16"),
+    (torch.bfloat16, 7, 16, 128, "gather", 128, "weights", "f16-asm"),
 ]
 
 
 @under_interpreter
-@pytest.mark.parametrize("dtype,group,block_size,partition_size,kv_load,tile,values", FP8_DECODE_VARIANTS)
+@pytest.mark.parametrize("dtype,group,block_size,partition_size,kv_load,tile,values,keys", FP8_DECODE_VARIANTS)
 def test_decode_variants_read_fp8_like_the_reference(triton_kernels, monkeypatch, dtype, group, block_size,
-                                                     partition_size, kv_load, tile, values):
-    for name, value in (("_DECODE_KV_LOAD", kv_load), ("_DECODE_FP8_KV_TILE", tile), ("_DECODE_FP8_VALUES", values)):
+                                                     partition_size, kv_load, tile, values, keys):
+    for name, value in (("_DECODE_KV_LOAD", kv_load), ("_DECODE_FP8_KV_TILE", tile), ("_DECODE_FP8_VALUES", values),
+                        ("_DECODE_FP8_KEYS", keys)):
         monkeypatch.setattr(triton_kernels, name, value)
     check_fp8_decode(triton_kernels, dtype, group, block_size, partition_size, [300, 128, 65, 1, 0],
                      seed=group * block_size + tile)
 
 
 @under_interpreter
+@pytest.mark.parametrize("values", ["weights", "f16"])
+def test_fp8_decode_keeps_small_values_in_float16(triton_kernels, monkeypatch, values):
+    """Values of 1e-6 (scales near 2e-9): with float16 weights the product must not fall into float16's subnormals;
+    the error is judged against the output's own size."""
+    monkeypatch.setattr(triton_kernels, "_DECODE_FP8_VALUES", values)
+    monkeypatch.setattr(triton_kernels, "_DECODE_FP8_KEYS", "f16")
+    generator = torch.Generator().manual_seed(3)
+    batch, k_scale, v_scale = fp8_paged_batch([300, 65], 64, generator)
+    v_scale = v_scale * 1e-6
+    q = torch.randn((2, NUM_KV_HEADS * 4, HEAD_DIM), generator=generator).to(torch.float16)
+    arguments = (q, batch.k_cache, batch.v_cache, batch.context_lens, batch.block_tables, 0.125)
+    want = paged_decode_attention_ref(*arguments, k_scale=k_scale, v_scale=v_scale).float()
+    out = triton_kernels.paged_decode_attention_triton(*arguments, k_scale=k_scale, v_scale=v_scale).float()
+    assert float(want.abs().max()) < 1e-4
+    assert float((out - want).abs().max() / want.abs().max()) < 1e-2
+
+
+@under_interpreter
 def test_decode_variants_must_be_known(triton_kernels, monkeypatch):
     batch, k_scale, v_scale = fp8_paged_batch([20], 16, torch.Generator().manual_seed(0))
     q = torch.randn((1, NUM_KV_HEADS, HEAD_DIM))
-    monkeypatch.setattr(triton_kernels, "_DECODE_FP8_VALUES", "bf16")
-    with pytest.raises(ValueError, match="_DECODE_FP8_VALUES must be one of"):
-        triton_kernels.paged_decode_attention_triton(q, batch.k_cache, batch.v_cache, batch.context_lens,
-                                                     batch.block_tables, 0.125, k_scale=k_scale, v_scale=v_scale)
+    for name in ("_DECODE_FP8_VALUES", "_DECODE_FP8_KEYS"):
+        with monkeypatch.context() as patch:
+            patch.setattr(triton_kernels, name, "bf16")
+            with pytest.raises(ValueError, match=f"{name} must be one of"):
+                triton_kernels.paged_decode_attention_triton(q, batch.k_cache, batch.v_cache, batch.context_lens,
+                                                             batch.block_tables, 0.125, k_scale=k_scale,
+                                                             v_scale=v_scale)
 
 
 @under_interpreter
