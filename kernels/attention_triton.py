@@ -83,12 +83,12 @@ _DECODE_NUM_STAGES = 3
 #   _DECODE_FP8_MAXNREG  registers a thread may hold with an FP8 cache (None: the compiler's choice): the programs
 #                        an SM holds at once follow from it.
 # Chosen on an H200 in the engine's decode step (docs/BENCHMARKS.md, 'FP8 KV cache', 2026-12-01): 128-token FP8
-# tiles, float16 queries and keys, values widened where the compiler puts them, 2 stages, and at most 168 registers
-# a thread (3 programs an SM where the compiler's 200 held 2): 0.93-0.97x bfloat16's attention time at batch 128-512
-# against 1.03-1.11x for the previous choice ("f16-asm" values, "queries" keys, 3 stages).
+# tiles, values widened by inline assembly, float16 queries and keys, 2 stages and at most 168 registers a thread
+# (3 programs an SM where the compiler's ~200 held 2): 0.92-1.04x bfloat16's attention time at batch 32-512, where
+# the previous choice ("queries" keys, 3 stages, the compiler's registers) took 0.99-1.22x.
 _DECODE_KV_LOAD = "gather"
 _DECODE_FP8_KV_TILE = 128
-_DECODE_FP8_VALUES = "weights"
+_DECODE_FP8_VALUES = "f16-asm"
 _DECODE_FP8_KEYS = "f16"
 _DECODE_FP8_WARPS = 4
 _DECODE_FP8_STAGES = 2
@@ -541,8 +541,8 @@ def _attend_kv_tile(
         accumulator = accumulator * rescale[:, None] + value_scale_max * tl.dot(
             weights.to(values.dtype), values, input_precision=DOT_PRECISION)
     elif FP8 and queries.dtype == tl.float16:
-        # float16 weights (the keys' mode narrowed the queries): the value scales over the tile's largest one,
-        # as above, since a scale far below 1 would push weight x scale into float16's subnormals.
+        # float16 weights ("f16" keys narrowed the queries, or a float16 model): the value scales over the tile's
+        # largest one, as above, since a scale far below 1 would push weight x scale into float16's subnormals.
         values = values.to(tl.float16)
         value_scale_max = tl.max(value_scales, axis=0)
         value_scale_max = tl.where(value_scale_max > 0, value_scale_max, 1.0)
