@@ -1,5 +1,6 @@
-"""What the compiler made of each decode launch variant: registers, spills, shared memory and the
-programs an SM can hold, beside the kernel's time in a CUDA graph (issue #46, the FP8 decode path).
+"""What the compiler made of each decode launch variant: registers, spills, shared memory, the
+programs an SM can hold and whether any load was pipelined (asynchronous copies), beside the kernel's
+time in a CUDA graph (issue #46, the FP8 decode path).
 
 One layer of Llama-3.1-8B's decode attention (32 query / 8 KV heads, head dim 128, block 64) over
 random entries, bf16 and the FP8 variants given as bench/step_profile_gpu.py's `decode_variant` takes
@@ -53,12 +54,17 @@ def compiled_kernels(function) -> dict:
 
 
 def describe(kernel, smem_per_sm: int) -> dict:
+    """Registers, spills, shared memory, the programs an SM holds, and whether the compiler pipelined any
+    global load through shared memory (asynchronous copies in its GPU IR and PTX)."""
     warps = kernel.metadata.num_warps
     shared = kernel.metadata.shared
     by_registers = REGISTERS_PER_SM // max(1, kernel.n_regs * warps * 32)
     by_shared = smem_per_sm // shared if shared else 64
+    ttgir, ptx = kernel.asm.get("ttgir", ""), kernel.asm.get("ptx", "")
     return {"registers": kernel.n_regs, "spills": kernel.n_spills, "shared_bytes": shared, "warps": warps,
-            "programs_per_sm": min(by_registers, by_shared, THREADS_PER_SM // (warps * 32))}
+            "programs_per_sm": min(by_registers, by_shared, THREADS_PER_SM // (warps * 32)),
+            "async_copies_ir": ttgir.count("async_copy_global_to_local"), "cp_async_ptx": ptx.count("cp.async."),
+            "global_loads_ptx": ptx.count("ld.global")}
 
 
 def main() -> None:
@@ -102,12 +108,14 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_kernel_info.json").write_text(json.dumps(rows, indent=1))
     print(f"\n{torch.cuda.get_device_name()}, context {args.context}, one layer (32/8 heads, dim 128, block 64)")
-    print("| batch | variant | us | TB/s read | registers | spills | shared KB | programs an SM holds |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| batch | variant | us | TB/s read | registers | spills | shared KB | programs an SM holds | "
+          "async copies (IR / PTX) | global loads (PTX) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['batch']} | {row['variant']} | {row['us']:.1f} | {row['tb_s']:.2f} | "
               f"{row.get('registers', '-')} | {row.get('spills', '-')} | {row.get('shared_bytes', 0) / 1024:.0f} | "
-              f"{row.get('programs_per_sm', '-')} |")
+              f"{row.get('programs_per_sm', '-')} | {row.get('async_copies_ir', '-')} / "
+              f"{row.get('cp_async_ptx', '-')} | {row.get('global_loads_ptx', '-')} |")
 
 
 if __name__ == "__main__":
