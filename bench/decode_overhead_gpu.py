@@ -29,7 +29,7 @@ import torch
 
 from zipage.config import ZipageConfig
 from zipage.core.deployment import ReplaySettings
-from zipage.core.memory import GIB
+from zipage.core.memory import GIB, kv_token_bytes
 from zipage.core.sampling import SamplingParams
 from zipage.core.sequence import Sequence
 from zipage.core.step import DECODE, StepPlan
@@ -78,7 +78,7 @@ def time_decode(model: str, variant: str, batches: list[int], context: int, bloc
     blocks_each = -(-(context + 1) // block_size)
     budget = (blocks_each + 1) * block_size  # above the context: nothing would compress
     largest = max(batches)
-    kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
+    kv_per_token = kv_token_bytes(shape, "auto", 2)
     kv_gb = largest * (blocks_each + 3) * block_size * kv_per_token * 1.05 / GIB + 1
     config = ZipageConfig(compress=compress, block_size=block_size, kv_budget=budget, max_num_seqs=largest,
                           max_model_len=budget + block_size)

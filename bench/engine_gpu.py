@@ -27,7 +27,7 @@ import torch
 
 from zipage.config import ZipageConfig
 from zipage.core.deployment import ReplaySettings
-from zipage.core.memory import GIB
+from zipage.core.memory import GIB, kv_token_bytes
 from zipage.core.sampling import SamplingParams
 from zipage.core.sequence import Sequence
 from zipage.core.step import DECODE, StepPlan
@@ -74,7 +74,7 @@ def decode_roofline(model: str, batches: list[int], bandwidth: float,
     batch of 2,048-token contexts, with CUDA graphs (`graphs`) and, if `eager`, without, against
     the bandwidth roofline of `tensor_parallel` GPUs (each reads its shard of weights and KV)."""
     shape = get_preset(model)
-    kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
+    kv_per_token = kv_token_bytes(shape, "auto", 2)
     largest = max(batches)
     kv_gb = largest * (CONTEXT + 256) * kv_per_token / tensor_parallel / GIB + 0.5
     settings = ReplaySettings(model=f"random:{model}", dtype="bfloat16", kv_memory_gb=kv_gb,

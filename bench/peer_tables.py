@@ -36,7 +36,7 @@ import torch
 
 from zipage.config import ZipageConfig
 from zipage.core.deployment import ReplaySettings
-from zipage.core.memory import GIB, kv_entry_bytes, weight_bytes
+from zipage.core.memory import GIB, kv_token_bytes, weight_bytes
 from zipage.engine.replay import replay_on_engine
 from zipage.presets import get_preset
 from zipage.trace import Trace, TraceRequest
@@ -54,12 +54,6 @@ def workload(table: dict, row: dict) -> Trace:
                   for index in range(requests)])
 
 
-def kv_token_bytes(model: str, kv_cache_dtype: str = "auto") -> int:
-    """KV bytes a token takes over all layers (K and V, fp8's scales included), as the planner counts them."""
-    shape = get_preset(model)
-    return 2 * shape.num_layers * shape.num_kv_heads * kv_entry_bytes(shape.head_dim, kv_cache_dtype, 2)
-
-
 def breakdown(run, model: str, bandwidth: float, kv_cache_dtype: str = "auto") -> dict:
     """Where the run's time went, from its step records (the decode roofline at the run's KV bytes a token)."""
     steps = sorted(run.steps, key=lambda step: step.t_start)
@@ -71,7 +65,7 @@ def breakdown(run, model: str, bandwidth: float, kv_cache_dtype: str = "auto") -
     decode = sum(step.t_end - step.t_start for step in decode_steps)
     gaps = sum(max(0.0, later.t_start - earlier.t_end) for earlier, later in zip(steps, steps[1:]))
     weights = weight_bytes(get_preset(model), 2)
-    per_token = kv_token_bytes(model, kv_cache_dtype)
+    per_token = kv_token_bytes(get_preset(model), kv_cache_dtype, 2)
     shares, large, clean = [], [], []
     for step in decode_steps:
         roofline = (weights + step.decode_context_tokens * per_token) / bandwidth
@@ -158,7 +152,7 @@ def main() -> None:
             # The published pool in tokens at our bf16 bytes a token (the same memory for every
             # variant: Zipage's query slots come out of it, as R-KV's buffers came out of vLLM's).
             pool = row.get("pool_tokens")
-            kv_gb = None if pool is None else pool * kv_token_bytes(model) / GIB
+            kv_gb = None if pool is None else pool * kv_token_bytes(get_preset(model), "auto", 2) / GIB
             if args.device == "cpu":
                 kv_gb = 0.05
             settings = ReplaySettings(model=f"random:{model}", hardware=args.hardware, kv_memory_gb=kv_gb,

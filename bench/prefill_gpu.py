@@ -38,6 +38,7 @@ from engine_gpu import copy_bandwidth, weight_bytes_read  # noqa: E402 (bench/ i
 
 from zipage.config import ZipageConfig
 from zipage.core.deployment import ReplaySettings
+from zipage.core.memory import kv_token_bytes
 from zipage.core.sampling import SamplingParams
 from zipage.core.sequence import Sequence
 from zipage.core.step import MIXED, PREFILL, PrefillItem, StepPlan
@@ -77,7 +78,7 @@ def measure(model: str, token_counts: list[int], repeats: int, bandwidth: float,
     longest = max(token_counts)
     shape = get_preset(model)
     entries = longest + 1024 + decodes * (decode_context + 64)
-    kv_gb = entries * 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2 / 2**30
+    kv_gb = entries * kv_token_bytes(shape, "auto", 2) / 2**30
     settings = ReplaySettings(model=f"random:{model}", dtype="bfloat16", kv_memory_gb=kv_gb + 0.5,
                               config=ZipageConfig(compress=False, block_size=64,
                                                   max_num_batched_tokens=max(16384, longest)))

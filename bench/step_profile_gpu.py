@@ -41,7 +41,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from zipage.config import ZipageConfig
 from zipage.core.deployment import ReplaySettings
-from zipage.core.memory import GIB, kv_entry_bytes, weight_bytes
+from zipage.core.memory import GIB, kv_token_bytes, weight_bytes
 from zipage.engine.builder import build_engine
 from zipage.presets import get_preset
 
@@ -111,13 +111,6 @@ def gemm_flops(model: str, batch: int) -> float:
     return 2 * (shape.num_params - (0 if shape.tie_embeddings else embedding)) * batch
 
 
-def token_kv_bytes(model: str, kv_cache_dtype: str) -> int:
-    """KV bytes a token takes over all layers (K and V, fp8's scales included), as the planner
-    counts them."""
-    shape = get_preset(model)
-    return 2 * shape.num_layers * shape.num_kv_heads * kv_entry_bytes(shape.head_dim, kv_cache_dtype, 2)
-
-
 def fill_caches(engine, seed: int = 0) -> None:
     """Random keys and values in every cache block (fp8: normal entries scaled into e4m3's range, and
     scales of 0.005-0.05), a layer at a time so no cache-sized temporary is made."""
@@ -175,7 +168,7 @@ def profile_model(model: str, batches: list[int], context: int, block_size: int,
                   shuffled: bool = False, fill: str = "random", variant: str | None = None) -> list[dict]:
     largest = max(batches)
     blocks_each = -(-(context + 1) // block_size)
-    kv_bytes = token_kv_bytes(model, kv_cache_dtype)
+    kv_bytes = kv_token_bytes(get_preset(model), kv_cache_dtype, 2)
     kv_gb = largest * (blocks_each + 2) * block_size * kv_bytes / GIB + 0.5
     config = ZipageConfig(compress=False, block_size=block_size, max_num_seqs=largest,
                           kv_cache_dtype=kv_cache_dtype,

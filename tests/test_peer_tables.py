@@ -12,9 +12,9 @@ import pytest
 pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from peer_tables import breakdown, kv_token_bytes  # noqa: E402
+from peer_tables import breakdown  # noqa: E402
 
-from zipage.core.memory import kv_entry_bytes, weight_bytes  # noqa: E402
+from zipage.core.memory import kv_entry_bytes, kv_token_bytes, weight_bytes  # noqa: E402
 from zipage.presets import get_preset  # noqa: E402
 
 MODEL = "llama-3.1-8b"
@@ -29,9 +29,9 @@ def decode_step(start: float, context_tokens: int, batch: int = 200) -> SimpleNa
 def test_kv_bytes_a_token_follow_the_cache_dtype():
     shape = get_preset(MODEL)
     for dtype in ("auto", "fp8"):
-        assert kv_token_bytes(MODEL, dtype) == 2 * shape.num_layers * shape.num_kv_heads * kv_entry_bytes(
+        assert kv_token_bytes(shape, dtype, 2) == 2 * shape.num_layers * shape.num_kv_heads * kv_entry_bytes(
             shape.head_dim, dtype, 2)
-    assert kv_token_bytes(MODEL, "fp8") < kv_token_bytes(MODEL)
+    assert kv_token_bytes(shape, "fp8", 2) < kv_token_bytes(shape, "auto", 2)
 
 
 def test_an_fp8_runs_roofline_counts_fp8_bytes():
@@ -40,7 +40,7 @@ def test_an_fp8_runs_roofline_counts_fp8_bytes():
     for dtype in ("auto", "fp8"):
         parts = breakdown(run, MODEL, BANDWIDTH, dtype)
         median_context = 402_000
-        want_ms = 1000 * (weights + median_context * kv_token_bytes(MODEL, dtype)) / BANDWIDTH
+        want_ms = 1000 * (weights + median_context * kv_token_bytes(get_preset(MODEL), dtype, 2)) / BANDWIDTH
         assert parts["decode_roofline_ms_batch_ge_128"] == pytest.approx(want_ms, rel=1e-9)
         assert parts["decode_steps"] == 5
     assert (breakdown(run, MODEL, BANDWIDTH, "fp8")["decode_roofline_ms_batch_ge_128"]

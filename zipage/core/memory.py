@@ -54,13 +54,19 @@ class MemoryPlan:
         return self.num_query_slots * self.query_slot_bytes
 
 
+def kv_token_bytes(shape: ModelShape, kv_cache_dtype: str, dtype_bytes: int, tensor_parallel: int = 1) -> int:
+    """K and V of one token over all layers (per GPU), fp8's scales included: what a decode step
+    reads a cached entry for, and a block holds `block_size` of."""
+    kv_heads = heads_per_gpu(shape.num_kv_heads, tensor_parallel)
+    return 2 * shape.num_layers * kv_heads * kv_entry_bytes(shape.head_dim, kv_cache_dtype, dtype_bytes)
+
+
 def block_bytes(shape: ModelShape, config: ZipageConfig, dtype_bytes: int,
                 tensor_parallel: int = 1) -> int:
     """m_kv: K and V of one block over all layers (per GPU), plus its global scores.
     `dtype_bytes` is the compute dtype's; the K/V elements follow `config.kv_cache_dtype`."""
     kv_heads = heads_per_gpu(shape.num_kv_heads, tensor_parallel)
-    per_token = 2 * shape.num_layers * kv_heads * kv_entry_bytes(
-        shape.head_dim, config.kv_cache_dtype, dtype_bytes)
+    per_token = kv_token_bytes(shape, config.kv_cache_dtype, dtype_bytes, tensor_parallel)
     if config.keeps_global_scores:
         # One score per (layer, kv head, token), in the compute dtype (also with an fp8 KV
         # cache): the paper's (1 + 1/(2d)).
