@@ -522,13 +522,15 @@ def _attend_kv_tile(
             values = tl.load(v_cache_ptr + kv_offsets)
         else:
             values = tl.load(v_cache_ptr + kv_offsets, mask=(dims < HEAD_DIM)[None, :], other=0.0)
-    if FP8 and FP8_VALUES != "weights":
+    if FP8 and (FP8_VALUES != "weights" or queries.dtype == tl.float16):
         # Widened to float16 in registers, before the tile reaches shared memory, so that the product reads a
         # 16-bit operand (a transposing ldmatrix); left to the compiler, the widening moves after the shared
         # memory load, where an 8-bit operand that is not contiguous along the product's K axis (the tokens)
         # is read one byte at a time. float16 holds every e4m3 value exactly (bfloat16 would cost a widening
         # through float32 per element); the weights, scaled by the value scales over the tile's largest one,
-        # lie in [0, 1], where float16 is three bits finer than bfloat16.
+        # lie in [0, 1], where float16 is three bits finer than bfloat16. Float16 weights take this path in
+        # the "weights" mode too ("f16" keys narrowed the queries, or a float16 model): weight x scale far
+        # below 1 would fall into float16's subnormals.
         if FP8_VALUES == "f16-asm":
             values = _e4m3_to_f16(values)
         else:
@@ -540,15 +542,6 @@ def _attend_kv_tile(
         weights = weights * (value_scales / value_scale_max)[None, :]
         accumulator = accumulator * rescale[:, None] + value_scale_max * tl.dot(
             weights.to(values.dtype), values, input_precision=DOT_PRECISION)
-    elif FP8 and queries.dtype == tl.float16:
-        # float16 weights ("f16" keys narrowed the queries, or a float16 model): the value scales over the tile's
-        # largest one, as above, since a scale far below 1 would push weight x scale into float16's subnormals.
-        values = values.to(tl.float16)
-        value_scale_max = tl.max(value_scales, axis=0)
-        value_scale_max = tl.where(value_scale_max > 0, value_scale_max, 1.0)
-        weights = weights * (value_scales / value_scale_max)[None, :]
-        accumulator = accumulator * rescale[:, None] + value_scale_max * tl.dot(
-            weights.to(tl.float16), values, input_precision=DOT_PRECISION)
     else:
         if FP8:
             values = values.to(queries.dtype)
