@@ -21,26 +21,27 @@ from pathlib import Path
 
 import torch
 
+from zipage.core.memory import kv_entry_bytes
+from zipage.kernels.kv_quant_ref import FP8_DTYPE
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_profile_gpu import decode_variant  # noqa: E402  (a sibling script, not a package)
+from step_profile_gpu import RANDOM_SCALES, decode_variant, random_entries  # noqa: E402  (a sibling script)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 64
 REGISTERS_PER_SM, THREADS_PER_SM = 65536, 2048
 
 
 def caches(batch: int, context: int, fp8: bool, device) -> dict:
-    from zipage.kernels.kv_quant_ref import FP8_DTYPE
-
     blocks_each = -(-context // BLOCK)
     shape = (batch * blocks_each, BLOCK, KV_HEADS, HEAD_DIM)
     table = torch.arange(batch * blocks_each, dtype=torch.int32, device=device).view(batch, blocks_each)
-    entries = {name: torch.randn(shape, device=device, dtype=torch.bfloat16) for name in ("k_cache", "v_cache")}
+    dtype = FP8_DTYPE if fp8 else torch.bfloat16
     arguments = dict(context_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
                      block_tables=table)
+    arguments |= {name: random_entries(shape, dtype, device) for name in ("k_cache", "v_cache")}
     if not fp8:
-        return arguments | entries
-    arguments |= {name: (entry * 64).clamp(-448, 448).to(FP8_DTYPE) for name, entry in entries.items()}
-    return arguments | {name: torch.empty(shape[:3], device=device).uniform_(0.005, 0.05)
+        return arguments
+    return arguments | {name: torch.empty(shape[:3], device=device).uniform_(*RANDOM_SCALES)
                         for name in ("k_scale", "v_scale")}
 
 
@@ -100,7 +101,7 @@ def main() -> None:
             if new:
                 infos[name] = describe(new[0], smem_per_sm)
             info = infos.get(name, {})
-            read = batch * args.context * KV_HEADS * 2 * (HEAD_DIM * 2 if not fp8 else HEAD_DIM + 4)
+            read = batch * args.context * KV_HEADS * 2 * kv_entry_bytes(HEAD_DIM, "fp8" if fp8 else "auto", 2)
             rows.append({"batch": batch, "variant": name, "us": milliseconds * 1000,
                          "tb_s": read / (milliseconds * 1e-3) / 1e12, **info})
             print(json.dumps(rows[-1]), flush=True)

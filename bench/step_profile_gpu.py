@@ -43,6 +43,7 @@ from zipage.config import ZipageConfig
 from zipage.core.deployment import ReplaySettings
 from zipage.core.memory import GIB, kv_token_bytes, weight_bytes
 from zipage.engine.builder import build_engine
+from zipage.kernels.kv_quant_ref import FP8_DTYPE, FP8_MAX
 from zipage.presets import get_preset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -111,21 +112,30 @@ def gemm_flops(model: str, batch: int) -> float:
     return 2 * (shape.num_params - (0 if shape.tie_embeddings else embedding)) * batch
 
 
+# The scales of random FP8 entries: a model's values of ~0.1-10 over e4m3's 448 are of this order.
+RANDOM_SCALES = (0.005, 0.05)
+
+
+def random_entries(shape, dtype: torch.dtype, device, generator=None) -> torch.Tensor:
+    """Random cache entries in `dtype`: normal bf16 values, or for FP8 normal values scaled into
+    e4m3's range (their scales: RANDOM_SCALES)."""
+    entries = torch.randn(shape, generator=generator, device=device, dtype=torch.bfloat16)
+    if dtype != FP8_DTYPE:
+        return entries.to(dtype)
+    return (entries * 64).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+
+
 def fill_caches(engine, seed: int = 0) -> None:
-    """Random keys and values in every cache block (fp8: normal entries scaled into e4m3's range, and
-    scales of 0.005-0.05), a layer at a time so no cache-sized temporary is made."""
+    """Random keys and values in every cache block (`random_entries`, and random scales for FP8), a
+    layer at a time so no cache-sized temporary is made."""
     caches = engine.runner.caches
     generator = torch.Generator(caches.kv.device).manual_seed(seed)
     for half in range(2):
         for layer in range(caches.num_layers):
             target = caches.kv[half, layer]
-            entries = torch.randn(target.shape, generator=generator, device=target.device, dtype=torch.bfloat16)
-            if caches.kv_scale is None:
-                target.copy_(entries)
-            else:
-                target.copy_((entries * 64).clamp(-448, 448).to(target.dtype))
+            target.copy_(random_entries(target.shape, target.dtype, target.device, generator))
     if caches.kv_scale is not None:
-        caches.kv_scale.uniform_(0.005, 0.05, generator=generator)
+        caches.kv_scale.uniform_(*RANDOM_SCALES, generator=generator)
     torch.cuda.synchronize()
 
 
