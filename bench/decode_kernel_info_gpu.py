@@ -4,7 +4,8 @@ time in a CUDA graph (issue #46, the FP8 decode path).
 
 One layer of Llama-3.1-8B's decode attention (32 query / 8 KV heads, head dim 128, block 64) over
 random entries, bf16 and the FP8 variants given as bench/step_profile_gpu.py's `decode_variant` takes
-them (TILE/VALUES/KEYS/WARPS/STAGES[/rN]). Time:
+them (TILE/VALUES/KEYS/WARPS/STAGES[/rN], gN: the grid's programs an SM); "shipped/gN" is the shipped FP8
+launch on another grid, "bf16/gN" bf16's. Time:
 `triton.testing.do_bench_cudagraph`, the median.
 
     python bench/decode_kernel_info_gpu.py --batches 32,128,512 --context 576 \
@@ -84,10 +85,11 @@ def main() -> None:
     for batch in [int(batch) for batch in args.batches.split(",")]:  # bf16 first: each row's ratio is against it
         q = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
         for name in ["bf16", *args.variants.split(",")]:
-            fp8 = name != "bf16"
+            fp8 = not name.startswith("bf16")
             cache = caches(batch, args.context, fp8, device)  # noqa: F841  (read by step below)
             before = set(compiled_kernels(kernels._decode_partition_kernel))
-            with decode_variant(None if name in ("bf16", "shipped") else name):
+            spec = name.removeprefix("bf16").removeprefix("shipped").removeprefix("/") or None
+            with decode_variant(spec):
                 def step():
                     kernels.paged_decode_attention_triton(q, cache["k_cache"], cache["v_cache"],
                                                           cache["context_lens"], cache["block_tables"],

@@ -12,8 +12,9 @@ rate), since at batch 256 a 7-8B model's GEMMs are bound by the matmul rate on a
 The caches hold random entries (`--fill random`, the default): an engine's caches hold its model's
 keys and values, not the zeros the engine allocates (`--fill zeros`; on an H200 both read alike,
 2026-12-01). `--fp8-variants` times the FP8 decode kernel's launch variants (tokens a tile / values /
-keys / warps / stages / register cap, the `_DECODE_FP8_*` knobs of kernels/attention_triton.py),
-each in an engine of its own (the CUDA graphs capture the launch).
+keys / warps / stages / register cap, the `_DECODE_FP8_*` knobs of kernels/attention_triton.py) and
+the FP8 store's (`store=SEARCH:HEADS:WARPS`, one row of `_STORE_FP8_LAUNCHES`), each in an engine of its own
+(the CUDA graphs capture the launch).
 
 With `--async-scheduling` each step is also timed launched as the async engine loop runs it
 (`ModelRunner.launch` of step N+1 before waiting for step N's tokens): the host's part hidden
@@ -141,16 +142,27 @@ def fill_caches(engine, seed: int = 0) -> None:
 
 @contextlib.contextmanager
 def decode_variant(spec: str | None):
-    """The FP8 decode kernel's launch knobs set to `spec`, "TILE/VALUES/KEYS/WARPS/STAGES[/rN]"
-    (`_DECODE_FP8_KV_TILE` ... `_DECODE_FP8_STAGES`, and `_DECODE_FP8_MAXNREG` = N), restored after;
-    None: as shipped."""
+    """The launch knobs set to `spec`, restored after; None: as shipped. `spec` joins by "/" any of: the FP8
+    decode kernel's "TILE/VALUES/KEYS/WARPS/STAGES[/rN]" (`_DECODE_FP8_KV_TILE` ... `_DECODE_FP8_STAGES`, and
+    `_DECODE_FP8_MAXNREG` = N), the FP8 store's "store=SEARCH:HEADS:WARPS" (`_STORE_FP8_LAUNCHES` = that one
+    launch at any token count) and the decode grid's "gN" (`_PROGRAMS_PER_SM` and `_FP8_PROGRAMS_PER_SM` = N)."""
     from zipage.kernels import attention_triton as kernels
 
     names = ("_DECODE_FP8_KV_TILE", "_DECODE_FP8_VALUES", "_DECODE_FP8_KEYS", "_DECODE_FP8_WARPS",
              "_DECODE_FP8_STAGES", "_DECODE_FP8_MAXNREG")
-    saved = {name: getattr(kernels, name) for name in names}
-    if spec is not None:
-        tile, values, keys, warps, stages, *maxnreg = spec.split("/")
+    saved = {name: getattr(kernels, name)
+             for name in (*names, "_STORE_FP8_LAUNCHES", "_PROGRAMS_PER_SM", "_FP8_PROGRAMS_PER_SM")}
+    decode = []
+    for part in [] if spec is None else spec.split("/"):
+        if part.startswith("store="):
+            search, heads, warps = part.removeprefix("store=").split(":")
+            kernels._STORE_FP8_LAUNCHES = ((None, search, int(heads), int(warps)),)
+        elif part.startswith("g") and part[1:].isdigit():
+            kernels._PROGRAMS_PER_SM = kernels._FP8_PROGRAMS_PER_SM = int(part[1:])
+        else:
+            decode.append(part)
+    if decode:
+        tile, values, keys, warps, stages, *maxnreg = decode
         if maxnreg and not maxnreg[0].startswith("r"):
             raise ValueError(f"a decode variant ends in /rN (registers a thread), got {spec!r}")
         for name, value in zip(names, (int(tile), values, keys, int(warps), int(stages),
@@ -258,9 +270,10 @@ def main() -> None:
     parser.add_argument("--fill", choices=("random", "zeros"), default="random",
                         help="what the caches hold: random entries (an engine's, to the memory system) or zeros")
     parser.add_argument("--fp8-variants", default="",
-                        help="FP8 decode launches to time instead of the shipped one, comma-separated "
-                             "TILE/VALUES/KEYS/WARPS/STAGES[/rN] (e.g. 128/weights/f16/4/2/r168); "
-                             "'shipped' is the shipped one")
+                        help="FP8 launches to time instead of the shipped one, comma-separated "
+                             "TILE/VALUES/KEYS/WARPS/STAGES[/rN] (the decode kernel, e.g. 128/weights/f16/4/2/r168), "
+                             "store=SEARCH:HEADS:WARPS (the KV store, e.g. store=parallel:1:8) or both joined "
+                             "by '/'; 'shipped' is the shipped one")
     args = parser.parse_args()
     batches = [int(batch) for batch in args.batches.split(",")]
     bandwidth, flops = copy_bandwidth(), matmul_flops()

@@ -1,13 +1,13 @@
 """GPU benchmark: the KV store kernel per call, bfloat16 against FP8 and FP8's launch variants.
 
 With an FP8 cache each (token, KV head) searches 8 candidate scales with exact divisions before it
-writes (kernels/attention_triton.py, `_quantize_e4m3`); `_STORE_FP8_HEADS` sets how many KV heads one
-program takes and `_STORE_FP8_WARPS` its warps. Each variant first stores the same random keys and
-values as the first variant (the layout before: one program a token; the same scales and bytes, bit
-for bit; how many scales differ from the torch reference on this GPU is printed beside), then is
-timed inside a CUDA graph of `LAYERS` calls (a decode step's launches: no launch overhead), at a
-decode step's token counts and a prefill chunk's. Llama-3.1-8B / Qwen3-8B: 8 KV heads of 128,
-block 64.
+writes (kernels/attention_triton.py, `_quantize_e4m3`); each variant is one row of `_STORE_FP8_LAUNCHES`
+at every token count: whether the candidates are tried one after another ("serial") or side by side on
+an axis of their own ("parallel"), how many KV heads one program takes and its warps. Each variant first stores
+the same random keys and values as the first variant (the same scales and bytes, bit for bit; how
+many scales differ from the torch reference on this GPU is printed beside), then is timed inside a
+CUDA graph of `LAYERS` calls (a decode step's launches: no launch overhead), at a decode step's token
+counts and a prefill chunk's. Llama-3.1-8B / Qwen3-8B: 8 KV heads of 128, block 64.
 
     python bench/store_kv_gpu.py --tokens 32,128,512,2048
 
@@ -28,8 +28,9 @@ from zipage.kernels.attention_ref import store_kv_ref
 from zipage.kernels.kv_quant_ref import FP8_DTYPE
 
 HEADS, HEAD_DIM, BLOCK, LAYERS = 8, 128, 64, 32
-# (heads a program, warps): the first is the kernel's layout before (one program a token, all heads).
-VARIANTS = ((8, 4), (8, 8), (4, 4), (4, 2), (2, 2), (2, 1), (1, 1), (1, 2), (1, 4))
+# (search, heads a program, warps): the first is the launch of every count until 2026-12-01.
+VARIANTS = (("serial", 8, 8), ("serial", 4, 4), ("serial", 1, 4), ("parallel", 1, 2), ("parallel", 1, 4),
+            ("parallel", 1, 8), ("parallel", 2, 4), ("parallel", 2, 8), ("parallel", 4, 8))
 
 
 def caches(blocks: int, fp8: bool, device) -> list[torch.Tensor]:
@@ -81,8 +82,8 @@ def main() -> None:
         store_kv_ref(key, value, reference[0], reference[1], slots, k_scale=reference[2], v_scale=reference[3])
         row = {"tokens": tokens, "bf16_us": bf16_us, "fp8_us": {}}
         expected = None
-        for heads, warps in VARIANTS:
-            kernels._STORE_FP8_HEADS, kernels._STORE_FP8_WARPS = heads, warps
+        for search, heads, warps in VARIANTS:
+            kernels._STORE_FP8_LAUNCHES = ((None, search, heads, warps),)
             fp8 = caches(blocks, True, device)
             kernels.store_kv_triton(key, value, fp8[0], fp8[1], slots, k_scale=fp8[2], v_scale=fp8[3])
             expected = expected or [cache.clone() for cache in fp8]
@@ -91,17 +92,17 @@ def main() -> None:
             failed |= not same
             us = graphed_us(lambda: kernels.store_kv_triton(
                 key, value, fp8[0], fp8[1], slots, k_scale=fp8[2], v_scale=fp8[3]))
-            row["fp8_us"][f"{heads}h/{warps}w"] = us if same else None
-            print(json.dumps({"tokens": tokens, "variant": f"{heads}h/{warps}w", "us": us, "same_as_first": same,
-                              "scales_unlike_torch_reference": scales_off}), flush=True)
+            row["fp8_us"][f"{search} {heads}h/{warps}w"] = us if same else None
+            print(json.dumps({"tokens": tokens, "variant": f"{search} {heads}h/{warps}w", "us": us,
+                              "same_as_first": same, "scales_unlike_torch_reference": scales_off}), flush=True)
         rows.append(row)
     out = Path(os.environ.get("OUT") or Path(__file__).resolve().parents[1] / "runs" / "store_kv")
     out.mkdir(parents=True, exist_ok=True)
     (out / "store_kv.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
-    names = [f"{heads}h/{warps}w" for heads, warps in VARIANTS]
-    print(f"\n{torch.cuda.get_device_name()}: store_kv per call, us (heads a program / warps; "
-          f"{VARIANTS[0][0]}h/{VARIANTS[0][1]}w = before); '-' = bytes differ from the reference")
-    print("| tokens | bf16 | " + " | ".join(f"fp8 {name}" for name in names) + " |")
+    names = [f"{search} {heads}h/{warps}w" for search, heads, warps in VARIANTS]
+    print(f"\n{torch.cuda.get_device_name()}: store_kv per call, us (search, heads a program / warps; "
+          f"{names[0]} = before); '-' = bytes differ from the first variant's")
+    print("| tokens | bf16 | " + " | ".join(names) + " |")
     print("|---" * (2 + len(names)) + "|")
     for row in rows:
         cells = " | ".join("-" if row["fp8_us"][name] is None else f"{row['fp8_us'][name]:.1f}" for name in names)

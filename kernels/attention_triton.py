@@ -96,20 +96,24 @@ _DECODE_FP8_MAXNREG = 168
 _DECODE_KV_LOADS = ("gather", "block")
 _DECODE_FP8_VALUE_MODES = ("weights", "f16", "f16-asm")
 _DECODE_FP8_KEY_MODES = ("queries", "f16", "f16-asm")
-# Store with an FP8 cache: KV heads per program and warps per program. Each (token, head) picks its scale by a
-# search of 8 candidates with exact divisions, a serial chain whose length follows the elements each thread holds:
-# one program a token (8 heads of 128) with 4 warps took 9.2-9.8 us a call inside a graph up to 256 tokens (0.3 ms
-# of a 32-layer decode step, against 1.2-1.6 us for bfloat16's copy); 8 warps (4 elements a thread) 6.4-6.5 us up
-# to 128 tokens, 8.4 at 256, the fastest or tied at every count measured; splitting the heads over more programs
-# at the same elements a thread was no faster (bench/store_kv_gpu.py, docs/BENCHMARKS.md 'FP8 KV cache').
-_STORE_FP8_HEADS = 8
-_STORE_FP8_WARPS = 8
+# Store with an FP8 cache: how each call launches, by its token count: rows of (at most this many tokens, None =
+# any; the search; KV heads a program; warps a program), the first row that holds the call wins. Each (token,
+# head) picks its scale by a search of 8 candidates with exact divisions. "serial" tries them one after another,
+# a chain of eight reductions whose length follows the elements each thread holds; "parallel" side by side on an
+# axis of their own, one reduction. Measured in a CUDA graph on an H200 (bench/store_kv_gpu.py, docs/BENCHMARKS.md
+# 'FP8 KV cache'): serial with a token's 8 heads a program and 8 warps (4 elements a thread) took 6.5 us a call up
+# to 128 tokens, 8.4 at 256, 47 at 2,048, the fastest serial launch at every count (bfloat16's copy: 1.2-3.6 us);
+# parallel with one head and 2 warps a program 4.2 us at 32 tokens and 6.3 at 128, but 9.9 at 256 and 62 at 2,048
+# (the same work over 8x the programs).
+_STORE_FP8_LAUNCHES = ((128, "parallel", 1, 2), (None, "serial", 8, 8))
+_STORE_FP8_SEARCHES = ("serial", "parallel")
 # A decode partition is never shorter than this many tiles: below it the partial write and the merge cost more
 # than the parallelism gained.
 _MIN_TILES_PER_PARTITION = 2
 # The decode grid's rule lives in zipage/decode_grid.py (the analytic cost model reads it too); these module
 # globals are its knobs here, so tests and bench/check_attention_gpu.py can patch them.
 _PROGRAMS_PER_SM = decode_grid.PROGRAMS_PER_SM
+_FP8_PROGRAMS_PER_SM = decode_grid.FP8_PROGRAMS_PER_SM
 # Round the partition count up instead of down (the first version's rule, kept for bench/check_attention_gpu.py).
 _ROUND_PARTITIONS_UP = False
 # Partial results merged per iteration of the decode merge kernel.
@@ -228,6 +232,32 @@ def _quantize_e4m3(x, mask, FP8_MAX: tl.constexpr, SEARCH_STEP: tl.constexpr, SE
 
 
 @triton.jit
+def _quantize_e4m3_parallel(x, mask, FP8_MAX: tl.constexpr, SEARCH_STEP: tl.constexpr, SEARCH_SIZE: tl.constexpr,
+                            FIXED_POINT: tl.constexpr):
+    """``_quantize_e4m3`` with the candidates side by side on an axis of their own ([heads, candidates,
+    head_dim]) instead of one after another: the same divisions and sums, so the same scales and bytes, but one
+    reduction where the loop waits on eight (a short store is latency, not work)."""
+    x = tl.where(mask, x.to(tl.float32), 0.0)
+    amax = tl.max(tl.abs(x), axis=1)
+    nonzero = amax > 0
+    base = tl.where(nonzero, tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32)), 1.0)
+    index = tl.arange(0, SEARCH_SIZE)
+    candidate = 1.0 + index.to(tl.float32) * SEARCH_STEP  # exact: SEARCH_STEP is a power of two
+    scale = tl.where(nonzero[:, None], base[:, None] * candidate[None, :], 1.0)
+    scaled = tl.math.div_rn(tl.broadcast_to(x[:, None, :], (x.shape[0], SEARCH_SIZE, x.shape[1])),
+                            tl.broadcast_to(scale[:, :, None], (x.shape[0], SEARCH_SIZE, x.shape[1])))
+    magnitude = tl.abs(scaled)
+    error = (magnitude - _e4m3_magnitude(tl.minimum(magnitude, FP8_MAX))) * candidate[None, :, None]
+    total = tl.sum((error * error * FIXED_POINT).to(tl.int64), axis=2)
+    least = tl.min(total, axis=1)
+    best = tl.min(tl.where(total == least[:, None], index[None, :], SEARCH_SIZE), axis=1)  # the first of equals
+    best_scale = tl.sum(tl.where(index[None, :] == best[:, None], scale, 0.0), axis=1)  # one term: exact
+    scaled = tl.math.div_rn(x, tl.broadcast_to(best_scale[:, None], x.shape))
+    scaled = tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX)
+    return _encode_e4m3(scaled), best_scale
+
+
+@triton.jit
 def _head_tile(NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PADDED: tl.constexpr,
                HEAD_DIM_PADDED: tl.constexpr):
     """One token's [heads, head_dim] tile, padded to powers of two: its row and column indices
@@ -265,6 +295,7 @@ def _store_kv_kernel(
     SEARCH_STEP: tl.constexpr,
     SEARCH_SIZE: tl.constexpr,
     SEARCH_FIXED_POINT: tl.constexpr,
+    SEARCH_PARALLEL: tl.constexpr,
 ):
     # Program (token, g) stores the token's KV heads g * HEAD_GROUP .. (g + 1) * HEAD_GROUP - 1.
     token = tl.program_id(0)
@@ -285,9 +316,16 @@ def _store_kv_kernel(
             # The caches come as uint8 views: the bytes are encoded here, one scale per (token, head).
             scale_heads = first_head + tl.arange(0, HEAD_GROUP)
             scale_offsets = (slot // BLOCK_SIZE) * scale_block_stride + (slot % BLOCK_SIZE) * scale_slot_stride
-            key_bytes, key_scale = _quantize_e4m3(key, mask, FP8_MAX, SEARCH_STEP, SEARCH_SIZE, SEARCH_FIXED_POINT)
-            value_bytes, value_scale = _quantize_e4m3(value, mask, FP8_MAX, SEARCH_STEP, SEARCH_SIZE,
+            if SEARCH_PARALLEL:
+                key_bytes, key_scale = _quantize_e4m3_parallel(key, mask, FP8_MAX, SEARCH_STEP, SEARCH_SIZE,
+                                                               SEARCH_FIXED_POINT)
+                value_bytes, value_scale = _quantize_e4m3_parallel(value, mask, FP8_MAX, SEARCH_STEP, SEARCH_SIZE,
+                                                                   SEARCH_FIXED_POINT)
+            else:
+                key_bytes, key_scale = _quantize_e4m3(key, mask, FP8_MAX, SEARCH_STEP, SEARCH_SIZE,
                                                       SEARCH_FIXED_POINT)
+                value_bytes, value_scale = _quantize_e4m3(value, mask, FP8_MAX, SEARCH_STEP, SEARCH_SIZE,
+                                                          SEARCH_FIXED_POINT)
             tl.store(k_cache_ptr + cache_offsets, key_bytes, mask=mask)
             tl.store(v_cache_ptr + cache_offsets, value_bytes, mask=mask)
             tl.store(k_scale_ptr + scale_offsets + scale_heads, key_scale, mask=scale_heads < NUM_KV_HEADS)
@@ -354,9 +392,9 @@ def store_kv_triton(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the slots of ``slot_mapping``
-    (``block_id * block_size + offset``, -1 = skip). One program per token (per token and ``_STORE_FP8_HEADS``
-    heads with a float8 cache). A float8 cache comes with its scales (float32 ``[num_blocks, block_size,
-    num_kv_heads]``): each (token, head) is quantized with its own."""
+    (``block_id * block_size + offset``, -1 = skip). One program per token (per token and a few heads with a
+    float8 cache, as ``_STORE_FP8_LAUNCHES`` says). A float8 cache comes with its scales (float32
+    ``[num_blocks, block_size, num_kv_heads]``): each (token, head) is quantized with its own."""
     _check_cache(k_cache, v_cache)
     fp8 = _check_scales(k_cache, k_scale, v_scale)
     key = _with_contiguous_head_dim(key)
@@ -364,9 +402,14 @@ def store_kv_triton(
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    # bfloat16: a copy, one program a token; FP8: the scale search, `_STORE_FP8_HEADS` heads a program.
+    # bfloat16: a copy, one program a token; FP8: the scale search, launched by `_STORE_FP8_LAUNCHES`.
     heads_padded = triton.next_power_of_2(num_kv_heads)
-    head_group = min(_STORE_FP8_HEADS, heads_padded) if fp8 else heads_padded
+    search, head_group, warps = "serial", heads_padded, 4
+    if fp8:
+        search, heads, warps = next(row[1:] for row in _STORE_FP8_LAUNCHES if row[0] is None or num_tokens <= row[0])
+        if search not in _STORE_FP8_SEARCHES:
+            raise ValueError(f"_STORE_FP8_LAUNCHES: the search must be one of {_STORE_FP8_SEARCHES}, not {search!r}")
+        head_group = min(heads, heads_padded)
     _store_kv_kernel[(num_tokens, triton.cdiv(num_kv_heads, head_group))](
         key,
         value,
@@ -393,7 +436,8 @@ def store_kv_triton(
         SEARCH_STEP=SCALE_SEARCH_STEP,
         SEARCH_SIZE=SCALE_SEARCH_SIZE,
         SEARCH_FIXED_POINT=SEARCH_FIXED_POINT,
-        num_warps=_STORE_FP8_WARPS if fp8 else 4,
+        SEARCH_PARALLEL=search == "parallel",
+        num_warps=warps,
     )
 
 
@@ -1071,12 +1115,13 @@ def _decode_merge_kernel(
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-def decode_num_partitions(batch: int, num_kv_heads: int, streaming_multiprocessors: int) -> int:
+def decode_num_partitions(batch: int, num_kv_heads: int, streaming_multiprocessors: int, fp8: bool = False) -> int:
     """Partitions per sequence (zipage/decode_grid.py). Each sequence's partition length is then its own
     ``context_len`` cut into that many tiles, on the device, so neither the block table's width (a CUDA graph's
     table is as wide as ``max_model_len``) nor the lengths of this step change the grid."""
     return decode_grid.decode_num_partitions(batch, num_kv_heads, streaming_multiprocessors,
-                                             programs_per_sm=_PROGRAMS_PER_SM, round_up=_ROUND_PARTITIONS_UP)
+                                             programs_per_sm=_FP8_PROGRAMS_PER_SM if fp8 else _PROGRAMS_PER_SM,
+                                             round_up=_ROUND_PARTITIONS_UP)
 
 
 def _decode_variant(fp8: bool, block_size: int, partition_size: int | None, on_gpu: bool,
@@ -1147,7 +1192,7 @@ def paged_decode_attention_triton(
         streaming_multiprocessors = (
             _streaming_multiprocessor_count(q.device.index or 0) if q.is_cuda else _INTERPRETER_SM_COUNT
         )
-        num_partitions = decode_num_partitions(batch, num_kv_heads, streaming_multiprocessors)
+        num_partitions = decode_num_partitions(batch, num_kv_heads, streaming_multiprocessors, fp8)
         fixed_partition_size = 0
     elif partition_size <= 0 or partition_size % kv_tile != 0:
         raise ValueError(f"partition_size must be a positive multiple of {kv_tile}, got {partition_size}")

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from zipage.core.memory import heads_per_gpu, kv_entry_bytes
-from zipage.decode_grid import decode_num_partitions
+from zipage.decode_grid import decode_num_partitions, programs_per_sm
 from zipage.dtypes import DTYPE_BYTES
 from zipage.errors import ConfigError
 from zipage.hardware import GPUSpec
@@ -236,7 +236,8 @@ class AnalyticCostModel(CostModel):
             if terms is None:
                 terms = self._decode_batch_terms[batch] = (
                     self._linear_s(batch, 0, 0),
-                    decode_num_partitions(batch, self.kv_heads, self.gpu.streaming_multiprocessors))
+                    decode_num_partitions(batch, self.kv_heads, self.gpu.streaming_multiprocessors,
+                                          programs_per_sm=programs_per_sm(self.kv_cache_dtype)))
             if linear is None:  # a decode step: its linear layers are its batch's
                 linear = terms[0]
             context = decode_context_tokens

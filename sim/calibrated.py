@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from zipage.core.memory import heads_per_gpu
-from zipage.decode_grid import decode_num_partitions, graph_batch
+from zipage.decode_grid import PROGRAMS_PER_SM, decode_num_partitions, graph_batch
 from zipage.errors import ConfigError, UnknownModelError
 from zipage.hardware import GPUSpec, get_hardware
 from zipage.presets import get_preset
@@ -22,6 +22,7 @@ from zipage.profile import (
     CORRECTION,
     DECODE_EXCESS,
     DECODE_GRAPH_SIZES,
+    DECODE_PROGRAMS_PER_SM,
     MACHINE,
     PER_ENTRY,
     PER_PARTITION,
@@ -259,15 +260,17 @@ class DecodePartitions:
     zipage/decode_grid.py) for one model and GPU, remembered per batch: the simulator prices
     millions of decode steps over a few hundred batch sizes."""
 
-    def __init__(self, kv_heads: int, streaming_multiprocessors: int) -> None:
+    def __init__(self, kv_heads: int, streaming_multiprocessors: int,
+                 programs_per_sm: int = PROGRAMS_PER_SM) -> None:
         self.kv_heads, self.streaming_multiprocessors = kv_heads, streaming_multiprocessors
+        self.programs_per_sm = programs_per_sm
         self._at: dict[int, int] = {}
 
     def __call__(self, batch: int) -> int:
         count = self._at.get(batch)
         if count is None:
             count = self._at[batch] = decode_num_partitions(
-                int(batch), self.kv_heads, self.streaming_multiprocessors)
+                int(batch), self.kv_heads, self.streaming_multiprocessors, programs_per_sm=self.programs_per_sm)
         return count
 
 
@@ -293,7 +296,8 @@ class DecodeRows:
 def decode_partitions(source: str, header: dict[str, Any]) -> DecodePartitions:
     """The partitions the profile's engine gave a decode step's sequences, as the analytic model
     counts them for the same setup: the model preset's KV heads per GPU (under the header's
-    tensor parallelism) and the GPU table's streaming multiprocessors. From the header alone,
+    tensor parallelism), the GPU table's streaming multiprocessors and the programs an SM the
+    engine's grid aimed for (the header's, 4 for a profile without the field). From the header alone,
     so that a profile prices a step the same whichever run loads it."""
     try:
         shape, gpu = get_preset(header["model"]), get_hardware(header["gpu"])
@@ -302,7 +306,8 @@ def decode_partitions(source: str, header: dict[str, Any]) -> DecodePartitions:
                           f"kernel's partitions, from the model's KV heads and the GPU's SMs "
                           f"({error}); remove the field to price the excess per entry") from None
     kv_heads = heads_per_gpu(shape.num_kv_heads, int(header.get("tensor_parallel") or 1))
-    return DecodePartitions(kv_heads, gpu.streaming_multiprocessors)
+    return DecodePartitions(kv_heads, gpu.streaming_multiprocessors,
+                            header.get(DECODE_PROGRAMS_PER_SM, PROGRAMS_PER_SM))
 
 
 def partition_geometry_known(header: dict[str, Any]) -> bool:

@@ -46,9 +46,10 @@ import numpy as np
 import pandas as pd
 
 from zipage.core.step import causal_pairs
+from zipage.decode_grid import PROGRAMS_PER_SM
 from zipage.errors import ConfigError
 from zipage.presets import model_label
-from zipage.profile import DECODE_EXCESS, DECODE_GRAPH_SIZES, PER_PARTITION, PROFILE_VERSION
+from zipage.profile import DECODE_EXCESS, DECODE_GRAPH_SIZES, DECODE_PROGRAMS_PER_SM, PER_PARTITION, PROFILE_VERSION
 from zipage.records import STEP_COLUMN_DEFAULTS
 from zipage.sim.calibrated import CalibratedCostModel, partition_geometry_known
 from zipage.sim.cost_model import StepWork
@@ -228,6 +229,8 @@ def _header(runs: list[tuple[dict, pd.DataFrame]], gpu: str | None) -> dict:
     # The decode graphs' batch sizes (engine runs record them since 2026-11-29).
     graph_sizes = [summary[DECODE_GRAPH_SIZES] for summary, _ in runs
                    if summary.get(DECODE_GRAPH_SIZES) is not None]
+    # The decode grid's programs an SM (recorded since 2026-12-01; before, 4 in every run).
+    grids = [summary.get(DECODE_PROGRAMS_PER_SM) or PROGRAMS_PER_SM for summary, _ in runs]
     for other in headers[1:]:
         differ = [key for key in headers[0] if other[key] != headers[0][key]]
         if any(graphs != known[0] for graphs in known[1:]):
@@ -236,6 +239,8 @@ def _header(runs: list[tuple[dict, pd.DataFrame]], gpu: str | None) -> dict:
             differ.append("prefill_buckets")
         if any(value != graph_sizes[0] for value in graph_sizes[1:]):
             differ.append(DECODE_GRAPH_SIZES)
+        if any(value != grids[0] for value in grids[1:]):
+            differ.append(DECODE_PROGRAMS_PER_SM)
         if differ:
             raise ConfigError(f"--from-run: the runs differ in {', '.join(differ)}; fit one "
                               "profile per setup")
@@ -247,6 +252,7 @@ def _header(runs: list[tuple[dict, pd.DataFrame]], gpu: str | None) -> dict:
         header["prefill_buckets"] = buckets[0]
     if graph_sizes and graph_sizes[0] and header.get("graphs", {}).get("decode"):
         header[DECODE_GRAPH_SIZES] = graph_sizes[0]
+    header[DECODE_PROGRAMS_PER_SM] = grids[0]
     # A new fit prices the longest request over its decode partitions, as the split-K kernel
     # runs it, wherever the header names the partitions (a preset model, a GPU of the table):
     # always, not the better of the two forms on the fit's own points, because those points

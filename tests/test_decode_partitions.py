@@ -13,13 +13,15 @@ import pytest
 from test_profile_from_runs import DECODE, synthetic_steps, write_run
 from tolerance import close
 
-from zipage.decode_grid import decode_num_partitions
+from zipage.decode_grid import decode_num_partitions, programs_per_sm
 from zipage.errors import ConfigError
+from zipage.profile import DECODE_PROGRAMS_PER_SM
 from zipage.sim.calibrated import (
     LONGEST_EXCESS,
     PARTITION_EXCESS,
     CalibratedCostModel,
     DecodePartitions,
+    decode_partitions,
     partition_geometry_known,
 )
 from zipage.sim.profile_from_runs import profile_from_runs
@@ -64,6 +66,24 @@ def profile(points: list[dict], **header) -> dict:
 def test_the_partitions_follow_the_kernels_grid():
     counts = DecodePartitions(KV_HEADS, SMS)
     assert [counts(batch) for batch in (1, 2, 4, 16, 33, 34, 256)] == [66, 33, 16, 4, 2, 1, 1]
+
+
+def test_a_profile_counts_the_partitions_of_the_grid_it_was_measured_on():
+    # The fp8 launch holds 3 programs an SM (396 on 132 SMs), bfloat16's 4 (528); a profile records its
+    # engine's (decode_programs_per_sm), and one written before the field ran the grid of 4 whatever its dtype.
+    fp8 = DecodePartitions(KV_HEADS, SMS, programs_per_sm("fp8"))
+    assert [fp8(batch) for batch in (1, 2, 4, 16, 32, 49, 50)] == [49, 24, 12, 3, 1, 1, 1]
+    header = {"model": "qwen3-8b", "gpu": "h200-141gb", "kv_cache_dtype": "fp8"}
+    assert decode_partitions("profile", header)(32) == 2
+    assert decode_partitions("profile", header | {DECODE_PROGRAMS_PER_SM: 3})(32) == 1
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, True, "3"])
+def test_a_profile_grid_must_be_a_positive_integer(value):
+    data = profile(decode_points(per_partition), decode_excess="per_partition")
+    data[DECODE_PROGRAMS_PER_SM] = value
+    with pytest.raises(ConfigError, match=f"{DECODE_PROGRAMS_PER_SM}: got"):
+        CalibratedCostModel.from_profile(data)
 
 
 def test_a_per_partition_law_is_recovered_and_priced_below_per_entry_at_small_batches():

@@ -101,7 +101,7 @@ def hopper_launches() -> list:
         (kernels._store_queries_kernel, dict(NUM_HEADS=32, HEAD_DIM=128, HEADS_PADDED=32, HEAD_DIM_PADDED=128)),
         (kernels._store_kv_kernel, shape | dict(NUM_KV_HEADS=2, HEAD_GROUP=2, FP8=False, FP8_MAX=FP8_MAX,
                                                SEARCH_STEP=SCALE_SEARCH_STEP, SEARCH_SIZE=SCALE_SEARCH_SIZE,
-                                               SEARCH_FIXED_POINT=SEARCH_FIXED_POINT)),
+                                               SEARCH_FIXED_POINT=SEARCH_FIXED_POINT, SEARCH_PARALLEL=False)),
         (kernels._prefill_kernel, prefill | dict(USE_WORK_ITEMS=False, FP8=False)),
         (kernels._prefill_kernel, prefill | dict(USE_WORK_ITEMS=True, FP8=False)),
         *[(kernels._prefill_kernel, constants | dict(FP8=False)) for constants in variants],
@@ -120,8 +120,9 @@ def hopper_fp8_launches() -> list:
     from zipage.kernels import attention_triton as kernels
 
     launches = hopper_launches()
-    store = [(kernel, constants | dict(FP8=True, HEAD_GROUP=kernels._STORE_FP8_HEADS)) for kernel, constants in launches
-             if kernel is kernels._store_kv_kernel]
+    store = [(kernel, constants | dict(FP8=True, HEAD_GROUP=heads, SEARCH_PARALLEL=parallel))
+             for kernel, constants in launches if kernel is kernels._store_kv_kernel
+             for _, search, heads, _ in kernels._STORE_FP8_LAUNCHES for parallel in [search == "parallel"]]
     attention = [(kernel, constants | dict(FP8=True)) for kernel, constants in launches
                  if kernel in (kernels._prefill_kernel, kernels._decode_partition_kernel)]
     return store, attention
@@ -529,6 +530,9 @@ def test_decode_splits_small_batches_only(triton_kernels):
     decode_num_partitions = triton_kernels.decode_num_partitions
     assert decode_num_partitions(1, 8, streaming_multiprocessors=132) > 1
     assert decode_num_partitions(256, 8, streaming_multiprocessors=132) == 1
+    # The fp8 launch holds 3 programs an SM, bfloat16's 4: a batch of 32 fills one wave whole.
+    assert decode_num_partitions(32, 8, streaming_multiprocessors=132) == 2
+    assert decode_num_partitions(32, 8, streaming_multiprocessors=132, fp8=True) == 1
 
 
 @under_interpreter
@@ -593,11 +597,14 @@ def fp8_paged_batch(context_lens: list[int], block_size: int, generator: torch.G
 
 
 @under_interpreter
-@pytest.mark.parametrize("dtype,heads_a_program", [(torch.float32, 8), (torch.float16, 8), (torch.float32, 1)])
-def test_store_kv_fp8_quantizes_like_the_reference(triton_kernels, monkeypatch, dtype, heads_a_program):
+@pytest.mark.parametrize("dtype,heads_a_program,search", [(torch.float32, 8, "serial"), (torch.float16, 8, "serial"),
+                                                          (torch.float32, 1, "serial"), (torch.float32, 1, "parallel"),
+                                                          (torch.float16, 2, "parallel")])
+def test_store_kv_fp8_quantizes_like_the_reference(triton_kernels, monkeypatch, dtype, heads_a_program, search):
     """The same scale search as the reference (kv_quant_ref.kv_scales), so the same scales and bytes, bit for bit,
-    with every KV head of a token in one program (the default) or one a program."""
-    monkeypatch.setattr(triton_kernels, "_STORE_FP8_HEADS", heads_a_program)
+    with every KV head of a token in one program or fewer, the candidates tried one after another or side by
+    side."""
+    monkeypatch.setattr(triton_kernels, "_STORE_FP8_LAUNCHES", ((None, search, heads_a_program, 4),))
     generator = torch.Generator().manual_seed(11)
     shape = (4, 16, NUM_KV_HEADS, HEAD_DIM)
     fused = torch.randn((7, 3, NUM_KV_HEADS, HEAD_DIM), generator=generator) * torch.logspace(-4, 2, 7)[:, None,
@@ -752,6 +759,16 @@ def test_decode_variants_must_be_known(triton_kernels, monkeypatch):
                 triton_kernels.paged_decode_attention_triton(q, batch.k_cache, batch.v_cache, batch.context_lens,
                                                              batch.block_tables, 0.125, k_scale=k_scale,
                                                              v_scale=v_scale)
+
+
+@under_interpreter
+def test_store_search_must_be_known(triton_kernels, monkeypatch):
+    monkeypatch.setattr(triton_kernels, "_STORE_FP8_LAUNCHES", ((1, "serial", 8, 4), (None, "vectorised", 1, 2)))
+    key = torch.randn((2, NUM_KV_HEADS, HEAD_DIM))
+    caches = [torch.zeros((1, 16, NUM_KV_HEADS, HEAD_DIM), dtype=FP8_DTYPE) for _ in range(2)]
+    with pytest.raises(ValueError, match="_STORE_FP8_LAUNCHES: the search must be one of"):
+        scales = [torch.ones((1, 16, NUM_KV_HEADS)) for _ in range(2)]
+        triton_kernels.store_kv_triton(key, key, *caches, torch.tensor([0, 1]), k_scale=scales[0], v_scale=scales[1])
 
 
 @under_interpreter

@@ -16,6 +16,7 @@ from tolerance import close
 from zipage.config import ZipageConfig
 from zipage.core.deployment import ReplaySettings
 from zipage.errors import ConfigError
+from zipage.profile import DECODE_PROGRAMS_PER_SM
 from zipage.records import STEP_COLUMN_DEFAULTS, STEP_COLUMNS
 from zipage.sim.calibrated import CalibratedCostModel
 from zipage.sim.profile_from_runs import forward_points, profile_from_runs
@@ -365,6 +366,22 @@ def test_the_graphed_steps_of_the_runs_go_into_the_profile(tmp_path):
     summary["graphs"]["prefill"] = False
     (second / "summary.json").write_text(json.dumps(summary))
     with pytest.raises(ConfigError, match="differ in graphs"):
+        profile_from_runs([first, second])
+
+
+def test_the_decode_grid_of_the_runs_goes_into_the_profile(tmp_path):
+    """A run records the programs an SM its decode grid aimed for; a run before the field ran 4. A profile
+    fitted from runs that differ in it is refused: its partition term would count two grids."""
+    first, second = synthetic_run(tmp_path / "a", False), synthetic_run(tmp_path / "b", False)
+    assert profile_from_runs([first, second])[DECODE_PROGRAMS_PER_SM] == 4
+    for run in (first, second):
+        summary = json.loads((run / "summary.json").read_text())
+        summary[DECODE_PROGRAMS_PER_SM] = 3
+        (run / "summary.json").write_text(json.dumps(summary))
+    assert profile_from_runs([first, second])[DECODE_PROGRAMS_PER_SM] == 3
+    (first / "summary.json").write_text(json.dumps(json.loads((first / "summary.json").read_text())
+                                                   | {DECODE_PROGRAMS_PER_SM: 4}))
+    with pytest.raises(ConfigError, match=f"differ in {DECODE_PROGRAMS_PER_SM}"):
         profile_from_runs([first, second])
 
 

@@ -23,6 +23,16 @@ def graph_batch(batch: int, sizes: tuple[int, ...] | list[int]) -> int:
 # Decode aims for at most this many programs per streaming multiprocessor: as many as fit on an SM
 # at once, so that a batch of equal-length sequences runs in one wave with no short last wave.
 PROGRAMS_PER_SM = 4
+# The FP8 launch holds 3 (168 registers a thread and 73 KB of shared memory on an H200, where
+# bfloat16's holds 4): aiming for 4 sent a batch of 32 in two waves, the second a quarter full
+# (docs/BENCHMARKS.md 'FP8 KV cache').
+FP8_PROGRAMS_PER_SM = 3
+
+
+def programs_per_sm(kv_cache_dtype: str) -> int:
+    """The decode programs an SM holds with this KV cache dtype ("auto" or "fp8")."""
+    return FP8_PROGRAMS_PER_SM if kv_cache_dtype == "fp8" else PROGRAMS_PER_SM
+
 # Upper bound on decode partitions per sequence (a single sequence on many SMs).
 MAX_PARTITIONS = 256
 

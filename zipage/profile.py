@@ -69,6 +69,11 @@ DECODE_EXCESS_MODES = (PER_ENTRY, PER_PARTITION)
 # its rows, and its kernel's partitions, are that size's; the decode fit and its predictions read
 # the padded size. Absent (profiles written before it, eager engines): the live batch.
 DECODE_GRAPH_SIZES = "decode_graph_sizes"
+# The decode programs an SM the measured engine's grid aimed for (a header field, since 2026-12-01;
+# zipage/decode_grid.py `programs_per_sm`): its kernel's partitions at a batch follow from it, and
+# a "per_partition" fit counts them so. Absent (every profile before the fp8 launch got its own
+# grid): 4, the grid every engine ran until then.
+DECODE_PROGRAMS_PER_SM = "decode_programs_per_sm"
 
 
 def read_profile(profile: str | Path | dict) -> tuple[str, dict]:
@@ -137,6 +142,12 @@ def check_header(source: str, data: dict, shape: ModelShape | None, gpu: GPUSpec
                           "positive batch sizes, with graphs.decode true: the decode graphs the "
                           "measured engine captured (or leave the field out: decode steps are "
                           "priced at their live batch)")
+    programs = header.get(DECODE_PROGRAMS_PER_SM)
+    if programs is not None and not (isinstance(programs, int) and not isinstance(programs, bool)
+                                     and programs > 0):
+        raise ConfigError(f"{source}: {DECODE_PROGRAMS_PER_SM}: got {programs!r}, expected a positive "
+                          "integer: the decode programs an SM the measured engine's grid aimed for (or "
+                          "leave the field out: 4)")
     fix = "measure a profile for this setup, or use --cost-model analytic"
     if shape is not None and model_identity(data["model"]) != model_identity(shape.name):
         raise ConfigError(f"{source}: model: measured on {data['model']!r}, but this run uses "

@@ -11,6 +11,7 @@ from __future__ import annotations
 from zipage.core.deployment import ReplaySettings, effective_config, run_summary, trace_sequences
 from zipage.core.recorder import RecordSink, Run
 from zipage.core.sampling import SamplingParams
+from zipage.decode_grid import programs_per_sm
 from zipage.engine.builder import Engine, build_engine
 from zipage.engine.loop import EngineLoop
 from zipage.trace import Trace
@@ -62,6 +63,8 @@ def run_on_engine(engine: Engine, trace: Trace, settings: ReplaySettings, *,
     # The batch sizes decode graphs were captured at: a decode step computes its graph's padded
     # rows, and a profile fitted from the run prices it so (docs/cost_model.md).
     summary["decode_graph_sizes"] = decode_graph_sizes
+    # The decode grid's programs an SM: a profile fitted from the run counts its partitions so.
+    summary["decode_programs_per_sm"] = programs_per_sm(config.kv_cache_dtype)
     summary["validation"] = None  # measured, not predicted: no error band (a simulation's is)
     compressor = engine.runner.compressor
     if compressor is not None and config.async_compress:
