@@ -145,18 +145,25 @@ def decode_variant(spec: str | None):
     """The launch knobs set to `spec`, restored after; None: as shipped. `spec` joins by "/" any of: the FP8
     decode kernel's "TILE/VALUES/KEYS/WARPS/STAGES[/rN]" (`_DECODE_FP8_KV_TILE` ... `_DECODE_FP8_STAGES`, and
     `_DECODE_FP8_MAXNREG` = N), the FP8 store's "store=SEARCH:HEADS:WARPS" (`_STORE_FP8_LAUNCHES` = that one
-    launch at any token count) and the decode grid's "gN" (`_PROGRAMS_PER_SM` and `_FP8_PROGRAMS_PER_SM` = N)."""
+    launch at any token count), the bfloat16 decode kernel's "b=TILE:WARPS:STAGES" (`_DECODE_KV_TILE`,
+    `_DECODE_NUM_WARPS`, `_DECODE_NUM_STAGES`) and the decode grid's "gN" (`_PROGRAMS_PER_SM` and
+    `_FP8_PROGRAMS_PER_SM` = N)."""
     from zipage.kernels import attention_triton as kernels
 
     names = ("_DECODE_FP8_KV_TILE", "_DECODE_FP8_VALUES", "_DECODE_FP8_KEYS", "_DECODE_FP8_WARPS",
              "_DECODE_FP8_STAGES", "_DECODE_FP8_MAXNREG")
     saved = {name: getattr(kernels, name)
-             for name in (*names, "_STORE_FP8_LAUNCHES", "_PROGRAMS_PER_SM", "_FP8_PROGRAMS_PER_SM")}
+             for name in (*names, "_STORE_FP8_LAUNCHES", "_PROGRAMS_PER_SM", "_FP8_PROGRAMS_PER_SM",
+                          "_DECODE_KV_TILE", "_DECODE_NUM_WARPS", "_DECODE_NUM_STAGES")}
     decode = []
     for part in [] if spec is None else spec.split("/"):
         if part.startswith("store="):
             search, heads, warps = part.removeprefix("store=").split(":")
             kernels._STORE_FP8_LAUNCHES = ((None, search, int(heads), int(warps)),)
+        elif part.startswith("b="):
+            tile, warps, stages = part.removeprefix("b=").split(":")
+            kernels._DECODE_KV_TILE, kernels._DECODE_NUM_WARPS = int(tile), int(warps)
+            kernels._DECODE_NUM_STAGES = int(stages)
         elif part.startswith("g") and part[1:].isdigit():
             kernels._PROGRAMS_PER_SM = kernels._FP8_PROGRAMS_PER_SM = int(part[1:])
         else:

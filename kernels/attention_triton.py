@@ -66,9 +66,8 @@ _DECODE_NUM_STAGES = 3
 #   _DECODE_KV_LOAD      "gather": a block-table entry per token (any block size); "block": a tile lies inside
 #                        one cache block (BLOCK_SIZE % tile == 0, else "gather"): one block id per tile and
 #                        contiguous offsets;
-#   _DECODE_FP8_KV_TILE  tokens per tile with an FP8 cache: 128 moves the bytes per iteration that 64 moves in
-#                        bfloat16 (a partition is cut into whole tiles; a fixed partition_size that is not a
-#                        multiple of it falls back to _DECODE_KV_TILE);
+#   _DECODE_FP8_KV_TILE  tokens per tile with an FP8 cache (a partition is cut into whole tiles; a fixed
+#                        partition_size that is not a multiple of it falls back to _DECODE_KV_TILE);
 #   _DECODE_FP8_VALUES   how FP8 values reach the weights @ values product: "weights" (widened to the queries'
 #                        dtype where the compiler puts it, after shared memory, where Hopper reads the byte
 #                        operand one byte at a time; the value scales on the weights), "f16-asm" (widened to
@@ -82,17 +81,18 @@ _DECODE_NUM_STAGES = 3
 #   _DECODE_FP8_WARPS, _DECODE_FP8_STAGES  warps per program and pipelining depth with an FP8 cache;
 #   _DECODE_FP8_MAXNREG  registers a thread may hold with an FP8 cache (None: the compiler's choice): the programs
 #                        an SM holds at once follow from it.
-# Chosen on an H200 in the engine's decode step (docs/BENCHMARKS.md, 'FP8 KV cache', 2026-12-01): 128-token FP8
-# tiles, values widened by inline assembly, float16 queries and keys, 2 stages and at most 168 registers a thread
-# (3 programs an SM where the compiler's ~200 held 2): 0.92-1.04x bfloat16's attention time at batch 32-512, where
-# the previous choice ("queries" keys, 3 stages, the compiler's registers) took 0.99-1.22x.
+# Chosen on an H200 in the engine's decode step (docs/BENCHMARKS.md, 'FP8 KV cache', 2026-12-01): 64-token FP8
+# tiles, values widened by inline assembly, float16 queries and keys, 2 warps and 2 stages a program. The compiler
+# gives it 196 registers a thread, no spill, 38 KB of shared memory: 5 programs an SM (decode_grid's
+# FP8_PROGRAMS_PER_SM), against 3 for the 4-warp launch of 128-token tiles capped at 168 registers (spilling) that
+# it replaced: 0.81-0.85x bfloat16's attention time at batch 64-512 where that one took 0.94-1.18x.
 _DECODE_KV_LOAD = "gather"
-_DECODE_FP8_KV_TILE = 128
+_DECODE_FP8_KV_TILE = 64
 _DECODE_FP8_VALUES = "f16-asm"
 _DECODE_FP8_KEYS = "f16"
-_DECODE_FP8_WARPS = 4
+_DECODE_FP8_WARPS = 2
 _DECODE_FP8_STAGES = 2
-_DECODE_FP8_MAXNREG = 168
+_DECODE_FP8_MAXNREG = None
 _DECODE_KV_LOADS = ("gather", "block")
 _DECODE_FP8_VALUE_MODES = ("weights", "f16", "f16-asm")
 _DECODE_FP8_KEY_MODES = ("queries", "f16", "f16-asm")

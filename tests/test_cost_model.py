@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from tolerance import PINNED_RTOL, close
 
+from zipage import decode_grid
 from zipage.core.step import DECODE, MIXED, PREFILL, CompressionBatch, PrefillItem, StepPlan
 from zipage.errors import ConfigError
 from zipage.hardware import HARDWARE, get_hardware
@@ -351,16 +352,16 @@ def test_a_long_sequence_bounds_a_decode_step_its_batch_gives_one_partition_each
     assert cost.decode_time_for(1, 6000, max_context=6000) == close(cost.decode_time_for(1, 6000))
 
 
-def test_an_fp8_cache_prices_the_longest_sequence_over_the_fp8_launchs_partitions():
-    # The fp8 decode launch holds 3 programs an SM, bfloat16's 4 (zipage/decode_grid.py): at a batch of 32
-    # the bfloat16 grid cuts each sequence in 2 (4 x 132 // 256), the fp8 grid leaves it whole (3 x 132 // 256).
-    bf16 = AnalyticCostModel(QWEN3_8B, get_hardware("h200"), block_size=64, kv_budget=512)
+def test_an_fp8_cache_prices_the_longest_sequence_over_the_fp8_launchs_partitions(monkeypatch):
+    # The fp8 decode launch holds 5 programs an SM (zipage/decode_grid.py): at a batch of 40 its grid cuts each
+    # sequence in 2 (5 x 132 // 320), where a grid of 4 leaves it whole, and the longest program streams half.
     fp8 = AnalyticCostModel(QWEN3_8B, get_hardware("h200"), block_size=64, kv_budget=512, kv_cache_dtype="fp8")
-    total = 31 * 500 + 20000
-    # The longest program's excess over the balanced step, per entry of it: its whole length on fp8, half on bf16.
-    bf16_excess = bf16.decode_time_for(32, total, max_context=20000) - bf16.decode_time_for(32, total)
-    fp8_excess = fp8.decode_time_for(32, total, max_context=20000) - fp8.decode_time_for(32, total)
-    assert bf16_excess > 0 and fp8_excess > bf16_excess
+    total = 39 * 500 + 20000
+    excess = fp8.decode_time_for(40, total, max_context=20000) - fp8.decode_time_for(40, total)
+    monkeypatch.setattr(decode_grid, "FP8_PROGRAMS_PER_SM", 4)
+    whole = AnalyticCostModel(QWEN3_8B, get_hardware("h200"), block_size=64, kv_budget=512, kv_cache_dtype="fp8")
+    whole_excess = whole.decode_time_for(40, total, max_context=20000) - whole.decode_time_for(40, total)
+    assert 0 < excess < whole_excess
 
 
 def test_an_overlapped_step_costs_a_fraction_of_the_batchs_duration():

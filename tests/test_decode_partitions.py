@@ -69,13 +69,14 @@ def test_the_partitions_follow_the_kernels_grid():
 
 
 def test_a_profile_counts_the_partitions_of_the_grid_it_was_measured_on():
-    # The fp8 launch holds 3 programs an SM (396 on 132 SMs), bfloat16's 4 (528); a profile records its
-    # engine's (decode_programs_per_sm), and one written before the field ran the grid of 4 whatever its dtype.
-    fp8 = DecodePartitions(KV_HEADS, SMS, programs_per_sm("fp8"))
-    assert [fp8(batch) for batch in (1, 2, 4, 16, 32, 49, 50)] == [49, 24, 12, 3, 1, 1, 1]
+    # A profile records the programs an SM its engine's grid aimed for (decode_programs_per_sm: 5 with the fp8
+    # launch, 660 on 132 SMs; 4 with bfloat16's, 528), and one written before the field ran the grid of 4 whatever
+    # its dtype.
+    fp8 = DecodePartitions(KV_HEADS, SMS, 5)
+    assert [fp8(batch) for batch in (1, 2, 4, 16, 40, 82, 83)] == [82, 41, 20, 5, 2, 1, 1]
     header = {"model": "qwen3-8b", "gpu": "h200-141gb", "kv_cache_dtype": "fp8"}
-    assert decode_partitions("profile", header)(32) == 2
-    assert decode_partitions("profile", header | {DECODE_PROGRAMS_PER_SM: 3})(32) == 1
+    assert decode_partitions("profile", header)(40) == 1
+    assert decode_partitions("profile", header | {DECODE_PROGRAMS_PER_SM: programs_per_sm("fp8")})(40) == 2
 
 
 @pytest.mark.parametrize("value", [0, -3, 2.5, True, "3"])

@@ -530,9 +530,10 @@ def test_decode_splits_small_batches_only(triton_kernels):
     decode_num_partitions = triton_kernels.decode_num_partitions
     assert decode_num_partitions(1, 8, streaming_multiprocessors=132) > 1
     assert decode_num_partitions(256, 8, streaming_multiprocessors=132) == 1
-    # The fp8 launch holds 3 programs an SM, bfloat16's 4: a batch of 32 fills one wave whole.
-    assert decode_num_partitions(32, 8, streaming_multiprocessors=132) == 2
-    assert decode_num_partitions(32, 8, streaming_multiprocessors=132, fp8=True) == 1
+    # The fp8 launch holds 5 programs an SM, bfloat16's 4: 40 x 8 heads fill bfloat16's 528 slots once, fp8's
+    # 660 twice over (triton_kernels._FP8_PROGRAMS_PER_SM).
+    assert decode_num_partitions(40, 8, streaming_multiprocessors=132) == 1
+    assert decode_num_partitions(40, 8, streaming_multiprocessors=132, fp8=True) == 2
 
 
 @under_interpreter

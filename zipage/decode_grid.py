@@ -23,10 +23,10 @@ def graph_batch(batch: int, sizes: tuple[int, ...] | list[int]) -> int:
 # Decode aims for at most this many programs per streaming multiprocessor: as many as fit on an SM
 # at once, so that a batch of equal-length sequences runs in one wave with no short last wave.
 PROGRAMS_PER_SM = 4
-# The FP8 launch holds 3 (168 registers a thread and 73 KB of shared memory on an H200, where
-# bfloat16's holds 4): aiming for 4 sent a batch of 32 in two waves, the second a quarter full
-# (docs/BENCHMARKS.md 'FP8 KV cache').
-FP8_PROGRAMS_PER_SM = 3
+# The FP8 launch holds 5 (2 warps of 196 registers a thread, 38 KB of shared memory on an H200,
+# kernels/attention_triton.py `_DECODE_FP8_*`, where bfloat16's 4 warps hold 4): a grid aimed
+# at another count leaves a last wave part empty (docs/BENCHMARKS.md 'FP8 KV cache').
+FP8_PROGRAMS_PER_SM = 5
 
 
 def programs_per_sm(kv_cache_dtype: str) -> int:
