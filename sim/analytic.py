@@ -59,6 +59,12 @@ KERNEL_LATENCY_S = 4.0e-6
 # short ones lasts as long as that sequence's program (LongBench: a 6k-token prompt not yet
 # compressed doubles a Qwen3-8B decode step). Fitted with KERNEL_LATENCY_S above.
 DECODE_PROGRAM_BANDWIDTH = 15.8e9
+# The fp8 decode kernel reads its (halved) bytes at this fraction of the rate the bfloat16 one
+# reads its own: it widens every value and key and is bound by the programs an SM holds, not by
+# bytes. One layer of Llama-3.1-8B's decode attention on an H200 in a CUDA graph, the shipped
+# launches, batch 128-512 at 576 and 2,000 entries: 2.48-2.72 TB/s against 4.01-4.31, ratios
+# 0.62-0.64 (bench/decode_kernel_info_gpu.py, 2026-12-01; docs/cost_model.md, 'FP8 KV cache').
+FP8_DECODE_BANDWIDTH_EFFICIENCY = 0.63
 # Host work that grows with the batch: building block tables, positions and slot mappings, and
 # appending each sampled token, in Python.
 PER_SEQUENCE_OVERHEAD_S = 5e-6
@@ -184,6 +190,8 @@ class AnalyticCostModel(CostModel):
         self._prefill_token_flop_s = 2 * body_params / linear_flops
         self._sampled_chunk_flop_s = 2 * lm_head_params / linear_flops
         self._kv_token_s = self.kv_bytes_per_token / gpu.achievable_bandwidth
+        self._decode_kv_token_s = self._kv_token_s / (
+            FP8_DECODE_BANDWIDTH_EFFICIENCY if kv_cache_dtype == "fp8" else 1.0)
         # One query-key pair costs a multiply-add in QK^T and one in PV, per query head and layer.
         self._attention_pair_s = (4 * layers * self.q_heads * head_dim
                                   / (gpu.achievable_flops * ATTENTION_COMPUTE_EFFICIENCY))
@@ -241,7 +249,7 @@ class AnalyticCostModel(CostModel):
             if linear is None:  # a decode step: its linear layers are its batch's
                 linear = terms[0]
             context = decode_context_tokens
-            attention = _roofline(context * self._kv_token_s, context * self._attention_pair_s)
+            attention = _roofline(context * self._decode_kv_token_s, context * self._attention_pair_s)
             if decode_max_context:
                 longest = -(-decode_max_context // terms[1]) * self._program_entry_s
                 if longest > attention:

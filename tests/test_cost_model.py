@@ -25,11 +25,13 @@ import pytest
 from tolerance import PINNED_RTOL, close
 
 from zipage import decode_grid
+from zipage.core.memory import kv_entry_bytes
 from zipage.core.step import DECODE, MIXED, PREFILL, CompressionBatch, PrefillItem, StepPlan
 from zipage.errors import ConfigError
 from zipage.hardware import HARDWARE, get_hardware
 from zipage.presets import get_preset
 from zipage.sim.analytic import (
+    FP8_DECODE_BANDWIDTH_EFFICIENCY,
     KERNEL_LATENCY_S,
     KERNELS_PER_LAYER,
     AnalyticCostModel,
@@ -350,6 +352,19 @@ def test_a_long_sequence_bounds_a_decode_step_its_batch_gives_one_partition_each
     assert 1.7 < skewed / balanced < 2.3  # measured: 14.96 against 7.68 ms
     # A single long sequence is split over many partitions: no longest-program bound.
     assert cost.decode_time_for(1, 6000, max_context=6000) == close(cost.decode_time_for(1, 6000))
+
+
+def test_an_fp8_decode_reads_its_halved_bytes_at_the_fp8_kernels_rate():
+    # One layer's decode attention on an H200 read fp8 entries at 0.62-0.64 of the rate bfloat16 entries are
+    # read (FP8_DECODE_BANDWIDTH_EFFICIENCY): a step's attention took 0.82x bfloat16's, not the 0.52x of its bytes.
+    bf16, fp8 = (AnalyticCostModel(get_preset("llama-3.1-8b"), get_hardware("h200"), block_size=64, kv_budget=512,
+                                   kv_cache_dtype=dtype) for dtype in ("auto", "fp8"))
+    batch, context = 256, 256 * 2000
+    attention = [model.decode_time_for(batch, context) - model.decode_time_for(batch, 0) for model in (bf16, fp8)]
+    bytes_ratio = kv_entry_bytes(128, "fp8", 2) / kv_entry_bytes(128, "auto", 2)
+    # Within 1e-4: the roofline joins bytes and pairs smoothly, and the pairs' part is the same for both.
+    assert attention[1] / attention[0] == pytest.approx(bytes_ratio / FP8_DECODE_BANDWIDTH_EFFICIENCY, rel=1e-4)
+    assert 0.80 < attention[1] / attention[0] < 0.84
 
 
 def test_an_fp8_cache_prices_the_longest_sequence_over_the_fp8_launchs_partitions(monkeypatch):
