@@ -11,6 +11,7 @@ settings.load_profile("ci")
 def pytest_configure(config):
     seed = config.getoption("hypothesis_seed", None)
     hypothesis_profiles.run_seed = None if seed is None else int(seed)
+    hypothesis_profiles.run_profile = config.getoption("hypothesis_profile", None)
 
 
 def pytest_report_header(config):

@@ -33,6 +33,20 @@ settings.register_profile("mutation", max_examples=BASE_EXAMPLES, derandomize=Tr
 # The run's --hypothesis-seed, if one was given (tests/conftest.py sets it): `mode_seed` mixes it
 # into each mode's seed, so the parametrized modes draw different examples under it too.
 run_seed: int | None = None
+# The run's --hypothesis-profile, if one was given: a test that runs a test file in a child pytest
+# (tests/triton_interpreter.py) passes both on, so a deep run shakes the child's tests too.
+run_profile: str | None = None
+
+
+def time_factor() -> int:
+    """How many times longer than under `ci` this run's examples may take (a child's time limit)."""
+    return DEEP_FACTOR if run_profile == "deep" else 1
+
+
+def child_arguments() -> list[str]:
+    """The pytest options that give a child run this run's profile and seed."""
+    return ([f"--hypothesis-profile={run_profile}"] if run_profile else []) + (
+        [f"--hypothesis-seed={run_seed}"] if run_seed is not None else [])
 
 
 def examples(n: int) -> int:

@@ -17,6 +17,9 @@ import sys
 from dataclasses import dataclass
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 torch = pytest.importorskip("torch")
 
@@ -760,6 +763,37 @@ def test_decode_variants_must_be_known(triton_kernels, monkeypatch):
                 triton_kernels.paged_decode_attention_triton(q, batch.k_cache, batch.v_cache, batch.context_lens,
                                                              batch.block_tables, 0.125, k_scale=k_scale,
                                                              v_scale=v_scale)
+
+
+@under_interpreter
+@settings(max_examples=examples(12))
+@given(seed=st.integers(0, 2**31 - 1), binade=st.integers(-28, 10), search=st.sampled_from(["serial", "parallel"]),
+       heads_a_program=st.sampled_from([1, 2, 4]), tokens=st.integers(1, 5),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), outlier=st.booleans())
+def test_store_kv_fp8_matches_the_reference_on_any_rows(triton_kernels, seed, binade, search, heads_a_program,
+                                                        tokens, dtype, outlier):
+    """Finite rows of any magnitude (normal values times 2^binade: float16's subnormals and zeros at the low end,
+    its largest values at the top), with or without an outlier channel, in either search and head split: the
+    reference's scales and bytes, bit for bit."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randn((2, tokens, NUM_KV_HEADS, HEAD_DIM), generator=generator) * 2.0**binade
+    if outlier:
+        rows[..., int(torch.randint(HEAD_DIM, (1,), generator=generator))] *= 40.0
+    key, value = rows.clamp(-60000.0, 60000.0).to(dtype)  # a model's K/V are finite: float16 ends at 65504
+    slot_mapping = torch.randperm(32, generator=generator)[:tokens]
+    shape = (2, 16, NUM_KV_HEADS, HEAD_DIM)
+    caches = [torch.zeros(shape, dtype=FP8_DTYPE) for _ in range(2)] + [torch.ones(shape[:3]) for _ in range(2)]
+    expected = [cache.clone() for cache in caches]
+    store_kv_ref(key, value, expected[0], expected[1], slot_mapping, k_scale=expected[2], v_scale=expected[3])
+    launches = triton_kernels._STORE_FP8_LAUNCHES
+    triton_kernels._STORE_FP8_LAUNCHES = ((None, search, heads_a_program, 2),)
+    try:
+        triton_kernels.store_kv_triton(key, value, caches[0], caches[1], slot_mapping, k_scale=caches[2],
+                                       v_scale=caches[3])
+    finally:
+        triton_kernels._STORE_FP8_LAUNCHES = launches
+    for got, want in zip(caches, expected):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 @under_interpreter

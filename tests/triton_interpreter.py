@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import hypothesis_profiles
 import pytest
 
 UNDER_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
@@ -24,11 +25,13 @@ under_interpreter = pytest.mark.skipif(
 
 
 def run_test_file_under_interpreter(test_file: str) -> None:
-    """Run `test_file` in a child pytest with TRITON_INTERPRET=1; fail with its output."""
+    """Run `test_file` in a child pytest with TRITON_INTERPRET=1, under this run's hypothesis profile
+    and seed; fail with its output."""
     environment = {**os.environ, "TRITON_INTERPRET": "1"}
     child = subprocess.run(
-        [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider"],
-        env=environment, capture_output=True, text=True, timeout=600)
+        [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider",
+         *hypothesis_profiles.child_arguments()],
+        env=environment, capture_output=True, text=True, timeout=600 * hypothesis_profiles.time_factor())
     assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
 
 
