@@ -27,14 +27,13 @@ PROGRAMS_PER_SM = 4
 # kernels/attention_triton.py `_DECODE_FP8_*`, where bfloat16's 4 warps hold 4): a grid aimed
 # at another count leaves a last wave part empty (docs/BENCHMARKS.md 'FP8 KV cache').
 FP8_PROGRAMS_PER_SM = 5
+# Upper bound on decode partitions per sequence (a single sequence on many SMs).
+MAX_PARTITIONS = 256
 
 
 def programs_per_sm(kv_cache_dtype: str) -> int:
     """The decode programs an SM holds with this KV cache dtype ("auto" or "fp8")."""
     return FP8_PROGRAMS_PER_SM if kv_cache_dtype == "fp8" else PROGRAMS_PER_SM
-
-# Upper bound on decode partitions per sequence (a single sequence on many SMs).
-MAX_PARTITIONS = 256
 
 
 def decode_num_partitions(batch: int, num_kv_heads: int, streaming_multiprocessors: int, *,
