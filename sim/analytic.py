@@ -192,6 +192,7 @@ class AnalyticCostModel(CostModel):
         self._kv_token_s = self.kv_bytes_per_token / gpu.achievable_bandwidth
         self._decode_kv_token_s = self._kv_token_s / (
             FP8_DECODE_BANDWIDTH_EFFICIENCY if kv_cache_dtype == "fp8" else 1.0)
+        self.decode_programs_per_sm = programs_per_sm(kv_cache_dtype)  # the engine's grid for it
         # One query-key pair costs a multiply-add in QK^T and one in PV, per query head and layer.
         self._attention_pair_s = (4 * layers * self.q_heads * head_dim
                                   / (gpu.achievable_flops * ATTENTION_COMPUTE_EFFICIENCY))
@@ -245,7 +246,7 @@ class AnalyticCostModel(CostModel):
                 terms = self._decode_batch_terms[batch] = (
                     self._linear_s(batch, 0, 0),
                     decode_num_partitions(batch, self.kv_heads, self.gpu.streaming_multiprocessors,
-                                          programs_per_sm=programs_per_sm(self.kv_cache_dtype)))
+                                          programs_per_sm=self.decode_programs_per_sm))
             if linear is None:  # a decode step: its linear layers are its batch's
                 linear = terms[0]
             context = decode_context_tokens

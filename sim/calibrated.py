@@ -171,6 +171,7 @@ class CalibratedCostModel(CostModel):
                               "expected a number >= 1")
         model = cls(decode, prefill, mixed, compress, float(contention), header, source,
                     validation, partitions=partitions, rows=rows)
+        model.decode_programs_per_sm = header.get(DECODE_PROGRAMS_PER_SM, PROGRAMS_PER_SM)
         if shape is not None and gpu is not None:
             model.run_setup = (shape, gpu, {**knobs, "scoring": scoring})
         # Where it was measured and how it was re-scaled since (None: not recorded); they change

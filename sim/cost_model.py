@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from zipage.core.step import causal_pairs
+from zipage.decode_grid import PROGRAMS_PER_SM
 from zipage.scoring import DEFAULT_SCORING, jobs_by_scoring
 
 if TYPE_CHECKING:
@@ -93,6 +94,8 @@ class CostModel(ABC):
     prefill_buckets: tuple[int, ...] = ()
     # The batch sizes the measured engine captured decode graphs at (none: priced at the batch).
     decode_graph_sizes: tuple[int, ...] = ()
+    # The decode programs an SM the priced engine's split-K grid aimed for (zipage/decode_grid.py).
+    decode_programs_per_sm: int = PROGRAMS_PER_SM
     # How far to trust what the model predicts: a profile's record of its errors on a held-out
     # workload (zipage/profile.py). None for the analytic model and an unvalidated profile.
     validation: Validation | None = None
