@@ -171,7 +171,7 @@ class CalibratedCostModel(CostModel):
                               "expected a number >= 1")
         model = cls(decode, prefill, mixed, compress, float(contention), header, source,
                     validation, partitions=partitions, rows=rows)
-        model.decode_programs_per_sm = header.get(DECODE_PROGRAMS_PER_SM, PROGRAMS_PER_SM)
+        model.decode_programs_per_sm = measured_grid(header)
         if shape is not None and gpu is not None:
             model.run_setup = (shape, gpu, {**knobs, "scoring": scoring})
         # Where it was measured and how it was re-scaled since (None: not recorded); they change
@@ -294,6 +294,12 @@ class DecodeRows:
         return rows
 
 
+def measured_grid(header: dict[str, Any]) -> int:
+    """The decode programs an SM the profile's engine aimed its split-K grid at: the header's, or 4
+    for a profile written before the field (every engine ran that grid then)."""
+    return header.get(DECODE_PROGRAMS_PER_SM, PROGRAMS_PER_SM)
+
+
 def decode_partitions(source: str, header: dict[str, Any]) -> DecodePartitions:
     """The partitions the profile's engine gave a decode step's sequences, as the analytic model
     counts them for the same setup: the model preset's KV heads per GPU (under the header's
@@ -308,7 +314,7 @@ def decode_partitions(source: str, header: dict[str, Any]) -> DecodePartitions:
                           f"({error}); remove the field to price the excess per entry") from None
     kv_heads = heads_per_gpu(shape.num_kv_heads, int(header.get("tensor_parallel") or 1))
     return DecodePartitions(kv_heads, gpu.streaming_multiprocessors,
-                            header.get(DECODE_PROGRAMS_PER_SM, PROGRAMS_PER_SM))
+                            measured_grid(header))
 
 
 def partition_geometry_known(header: dict[str, Any]) -> bool:
