@@ -107,19 +107,26 @@ def check_attention(device) -> dict:
     # prefill and decode
     lengths = [700, 1500, 64, 3]
     q_lens = [200, 1500, 1, 3]
+    shipped = (triton_kernels._PREFILL_FP8_KEYS, triton_kernels._PREFILL_FP8_VALUES)
+    # Each load with the shipped widening of FP8 keys and values, and the float16 candidate (kernels/attention_triton.py
+    # `_PREFILL_FP8_KEYS`, `_PREFILL_FP8_VALUES`).
     for kv_load in ("gather", "block", "descriptor"):
-        triton_kernels._PREFILL_KV_LOAD = kv_load
-        k8, v8, k_scale, v_scale, table = _paged(lengths, BLOCK, generator, device)
-        q = torch.randn(sum(q_lens), HEADS, HEAD_DIM, generator=generator, device=device).to(torch.bfloat16)
-        cu = torch.tensor([0] + q_lens, device=device).cumsum(0).to(torch.int32)
-        context = torch.tensor(lengths, dtype=torch.int32, device=device)
-        arguments = (q, k8, v8, cu, context, table, HEAD_DIM ** -0.5)
-        scales = dict(k_scale=k_scale, v_scale=v_scale)
-        got = triton_kernels.paged_prefill_attention_triton(*arguments, max(q_lens), **scales)
-        want = paged_prefill_attention_ref(*arguments, **scales)
-        error = float((got.float() - want.float()).abs().max())
-        results[f"prefill_{kv_load}"] = {"ok": error <= 2e-2, "max_abs_error": error}
+        for keys, values in dict.fromkeys((shipped, ("f16", "f16-asm"))):
+            triton_kernels._PREFILL_KV_LOAD = kv_load
+            triton_kernels._PREFILL_FP8_KEYS, triton_kernels._PREFILL_FP8_VALUES = keys, values
+            k8, v8, k_scale, v_scale, table = _paged(lengths, BLOCK, generator, device)
+            q = torch.randn(sum(q_lens), HEADS, HEAD_DIM, generator=generator, device=device).to(torch.bfloat16)
+            cu = torch.tensor([0] + q_lens, device=device).cumsum(0).to(torch.int32)
+            context = torch.tensor(lengths, dtype=torch.int32, device=device)
+            arguments = (q, k8, v8, cu, context, table, HEAD_DIM ** -0.5)
+            scales = dict(k_scale=k_scale, v_scale=v_scale)
+            got = triton_kernels.paged_prefill_attention_triton(*arguments, max(q_lens), **scales)
+            want = paged_prefill_attention_ref(*arguments, **scales)
+            error = float((got.float() - want.float()).abs().max())
+            name = f"prefill_{kv_load}" + ("" if (keys, values) == shipped else f"_{keys}_{values}")
+            results[name] = {"ok": error <= 2e-2, "max_abs_error": error}
     triton_kernels._PREFILL_KV_LOAD = "descriptor"
+    triton_kernels._PREFILL_FP8_KEYS, triton_kernels._PREFILL_FP8_VALUES = shipped
     q = torch.randn(len(lengths), HEADS, HEAD_DIM, generator=generator, device=device).to(torch.bfloat16)
     arguments = (q, k8, v8, context, table, HEAD_DIM ** -0.5)
     for partition_size in (None, 64):

@@ -53,6 +53,14 @@ _PREFILL_SPLIT_CAUSAL = True
 # Triton's fused-attention tutorial does, instead of scaling every logit first.
 _PREFILL_FOLD_SCALE = True
 _PREFILL_KV_LOADS = ("gather", "block", "descriptor")
+# How a prefill program widens FP8 keys and values: the modes of _DECODE_FP8_KEYS / _DECODE_FP8_VALUES below.
+# Shipped: "queries" / "weights", the bytes widened where the compiler puts them (after shared memory, one byte at
+# a time on Hopper), with which an FP8 prefill step over a long cached context took 1.5-1.7x bfloat16's on an H200
+# (docs/BENCHMARKS.md, 'Beside published tables', TensorRT-LLM's row 2). The decode's choice ("f16" keys,
+# "f16-asm" values) matches the reference under the interpreter and is the candidate; it is not the default
+# until a GPU call has checked and timed it.
+_PREFILL_FP8_KEYS = "queries"
+_PREFILL_FP8_VALUES = "weights"
 # Resident prefill programs per SM when a work list is walked (a CUDA graph's padded step): one wave of
 # programs, each taking several items, instead of one program per item of a mostly padded list.
 _PREFILL_PROGRAMS_PER_SM = 2
@@ -554,7 +562,13 @@ def _attend_kv_tile(
     if KV_LOAD == "descriptor":
         values = v_desc.load([(block_id * BLOCK_SIZE + slot).to(tl.int32), kv_head * HEAD_DIM])
         if FP8:
-            values = values.to(queries.dtype)
+            # Widened here, before the mask below (as the other loads' widening further down would be).
+            if FP8_VALUES == "f16-asm":
+                values = _e4m3_to_f16(values)
+            elif FP8_VALUES != "weights" or queries.dtype == tl.float16:
+                values = values.to(tl.float16)
+            else:
+                values = values.to(queries.dtype)
         if MASKED:
             # The descriptor reads whole tiles: entries past kv_end hold whatever the block holds (zero weight,
             # but 0 * inf or 0 * nan would poison the sum).
@@ -575,7 +589,9 @@ def _attend_kv_tile(
         # lie in [0, 1], where float16 is three bits finer than bfloat16. Float16 weights take this path in
         # the "weights" mode too ("f16" keys narrowed the queries, or a float16 model): weight x scale far
         # below 1 would fall into float16's subnormals.
-        if FP8_VALUES == "f16-asm":
+        if KV_LOAD == "descriptor":
+            pass  # widened to float16 at the load
+        elif FP8_VALUES == "f16-asm":
             values = _e4m3_to_f16(values)
         else:
             values = values.to(tl.float16)
@@ -587,8 +603,9 @@ def _attend_kv_tile(
         accumulator = accumulator * rescale[:, None] + value_scale_max * tl.dot(
             weights.to(values.dtype), values, input_precision=DOT_PRECISION)
     else:
-        if FP8:
+        if FP8 and KV_LOAD != "descriptor":
             values = values.to(queries.dtype)
+        if FP8:
             # The running sum above took the plain weights; the value scales only weigh the values.
             weights = weights * value_scales[None, :]
         accumulator = accumulator * rescale[:, None] + tl.dot(
@@ -664,6 +681,8 @@ def _prefill_tile(
     SPLIT_CAUSAL: tl.constexpr,
     FOLD_SCALE: tl.constexpr,
     FP8: tl.constexpr,
+    FP8_KEYS: tl.constexpr,
+    FP8_VALUES: tl.constexpr,
 ):
     """Attention of query tile ``query_tile`` of sequence ``seq`` (``QUERY_TOKENS`` new tokens times the
     ``GROUP`` query heads of ``kv_head``) over the sequence's paged KV, up to each row's causal limit."""
@@ -683,6 +702,10 @@ def _prefill_tile(
     q_offsets = (q_start + row_tokens).to(tl.int64)[:, None] * q_token_stride
     q_offsets += row_heads[:, None] * q_head_stride + dims[None, :]
     queries = tl.load(q_ptr + q_offsets, mask=io_mask, other=0.0)
+    if FP8 and FP8_KEYS != "queries":
+        # float16 holds every e4m3 key exactly (the decode kernel's narrowing: a query beyond its range is
+        # clamped rather than made infinite).
+        queries = tl.minimum(tl.maximum(queries.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     # The new tokens are the last q_len cached entries; causality is by KV index.
     cached_prefix = context_len - q_len
@@ -706,14 +729,14 @@ def _prefill_tile(
                 kv_head, tile_start, kv_end, visible_until, qk_scale, cache_block_stride, cache_slot_stride,
                 cache_head_stride, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, KV_TILE, DOT_PRECISION, KV_LOAD,
                 False, FOLD_SCALE, k_desc, v_desc, k_scale_ptr, v_scale_ptr, scale_block_stride,
-                scale_slot_stride, FP8, "weights", "queries")
+                scale_slot_stride, FP8, FP8_VALUES, FP8_KEYS)
     for tile_start in range(masked_start, kv_end, KV_TILE):
         running_max, running_sum, accumulator = _attend_kv_tile(
             queries, running_max, running_sum, accumulator, k_cache_ptr, v_cache_ptr, block_table_row_ptr,
             kv_head, tile_start, kv_end, visible_until, qk_scale, cache_block_stride, cache_slot_stride,
             cache_head_stride, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PADDED, KV_TILE, DOT_PRECISION, KV_LOAD,
             True, FOLD_SCALE, k_desc, v_desc, k_scale_ptr, v_scale_ptr, scale_block_stride, scale_slot_stride,
-            FP8, "weights", "queries")
+            FP8, FP8_VALUES, FP8_KEYS)
 
     out = accumulator / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
     out_offsets = (q_start + row_tokens).to(tl.int64)[:, None] * out_token_stride
@@ -760,6 +783,8 @@ def _prefill_kernel(
     SPLIT_CAUSAL: tl.constexpr,
     FOLD_SCALE: tl.constexpr,
     FP8: tl.constexpr,
+    FP8_KEYS: tl.constexpr,
+    FP8_VALUES: tl.constexpr,
 ):
     kv_head = tl.program_id(2)
     if USE_WORK_ITEMS:
@@ -783,7 +808,7 @@ def _prefill_kernel(
                                   kv_head, k_desc, v_desc, k_scale_ptr, v_scale_ptr, scale_block_stride,
                                   scale_slot_stride, GROUP, GROUP_PADDED, QUERY_TOKENS, BLOCK_SIZE,
                                   HEAD_DIM, HEAD_DIM_PADDED, KV_TILE, DOT_PRECISION, KV_LOAD, SPLIT_CAUSAL,
-                                  FOLD_SCALE, FP8)
+                                  FOLD_SCALE, FP8, FP8_KEYS, FP8_VALUES)
     else:
         # The eager grid: one program per (query tile, sequence), no loop around it: a step's rows
         # are known at launch, so no work list is needed.
@@ -793,7 +818,8 @@ def _prefill_kernel(
                       cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride,
                       kv_head, k_desc, v_desc, k_scale_ptr, v_scale_ptr, scale_block_stride, scale_slot_stride,
                       GROUP, GROUP_PADDED, QUERY_TOKENS, BLOCK_SIZE, HEAD_DIM,
-                      HEAD_DIM_PADDED, KV_TILE, DOT_PRECISION, KV_LOAD, SPLIT_CAUSAL, FOLD_SCALE, FP8)
+                      HEAD_DIM_PADDED, KV_TILE, DOT_PRECISION, KV_LOAD, SPLIT_CAUSAL, FOLD_SCALE, FP8,
+                      FP8_KEYS, FP8_VALUES)
 
 
 def _prefill_kv_load(
@@ -887,6 +913,15 @@ def paged_prefill_attention_triton(
     block_size = k_cache.shape[1]
     head_dim_padded = max(triton.next_power_of_2(head_dim), _MIN_DOT_DIM)
     kv_load, k_desc, v_desc = _prefill_kv_load(k_cache, v_cache, block_size, head_dim, head_dim_padded)
+    if _PREFILL_FP8_VALUES not in _DECODE_FP8_VALUE_MODES:
+        raise ValueError(f"_PREFILL_FP8_VALUES must be one of {_DECODE_FP8_VALUE_MODES}, got {_PREFILL_FP8_VALUES!r}")
+    if _PREFILL_FP8_KEYS not in _DECODE_FP8_KEY_MODES:
+        raise ValueError(f"_PREFILL_FP8_KEYS must be one of {_DECODE_FP8_KEY_MODES}, got {_PREFILL_FP8_KEYS!r}")
+    # Inline assembly is the GPU's: the interpreter runs the same math with the compiler's widening.
+    fp8_values = "f16" if _PREFILL_FP8_VALUES == "f16-asm" and not q.is_cuda else _PREFILL_FP8_VALUES
+    fp8_keys = "f16" if _PREFILL_FP8_KEYS == "f16-asm" and not q.is_cuda else _PREFILL_FP8_KEYS
+    if q.dtype == torch.float32:
+        fp8_keys = "queries"  # float32 queries keep their precision (the CPU oracle's dtype)
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -924,6 +959,8 @@ def paged_prefill_attention_triton(
         SPLIT_CAUSAL=_PREFILL_SPLIT_CAUSAL,
         FOLD_SCALE=_PREFILL_FOLD_SCALE,
         FP8=fp8,
+        FP8_KEYS=fp8_keys,
+        FP8_VALUES=fp8_values,
         num_warps=_PREFILL_NUM_WARPS,
         num_stages=_PREFILL_NUM_STAGES,
     )

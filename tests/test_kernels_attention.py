@@ -667,10 +667,24 @@ FP8_PREFILL_CASES = [
 ]
 
 
+# (keys, values): the widening modes of _PREFILL_FP8_KEYS / _PREFILL_FP8_VALUES; "f16-asm" runs as "f16" under the
+# interpreter, float32 queries keep "queries".
+FP8_PREFILL_MODES = [("queries", "weights"), ("f16", "f16-asm"), ("f16-asm", "f16")]
+# bfloat16 queries (the engine's dtype) only with float16 keys, which narrow them to float16 for a float16 dot: the
+# interpreter mis-computes bfloat16 dots (the GPU checks them: bench/fp8_gpu.py --parts checks).
+FP8_PREFILL_BFLOAT16 = [(torch.bfloat16, 4, 64, "descriptor", "f16", "f16-asm"),
+                        (torch.bfloat16, 2, 64, "block", "f16-asm", "f16")]
+
+
 @under_interpreter
-@pytest.mark.parametrize("dtype,group,block_size,kv_load", FP8_PREFILL_CASES)
-def test_prefill_reads_fp8_like_the_reference(triton_kernels, monkeypatch, dtype, group, block_size, kv_load):
+@pytest.mark.parametrize("dtype,group,block_size,kv_load,keys,values",
+                         [case + modes for case in FP8_PREFILL_CASES for modes in FP8_PREFILL_MODES]
+                         + FP8_PREFILL_BFLOAT16)
+def test_prefill_reads_fp8_like_the_reference(triton_kernels, monkeypatch, dtype, group, block_size, kv_load,
+                                              keys, values):
     monkeypatch.setattr(triton_kernels, "_PREFILL_KV_LOAD", kv_load)
+    monkeypatch.setattr(triton_kernels, "_PREFILL_FP8_KEYS", keys)
+    monkeypatch.setattr(triton_kernels, "_PREFILL_FP8_VALUES", values)
     generator = torch.Generator().manual_seed(group * block_size + 5)
     context_lens, q_lens = [150, 130, 70, 4], [23, 130, 1, 0]
     batch, k_scale, v_scale = fp8_paged_batch(context_lens, block_size, generator)
