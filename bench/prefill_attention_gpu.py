@@ -11,6 +11,21 @@ triton.testing.do_bench's median; TFLOP/s counts the causal half of QK^T and PV.
 
     . bench/env.sh && python bench/prefill_attention_gpu.py [--tokens 512,2048,8192]
 
+`--cached C` times a chunk instead: the `--tokens` new tokens of a prompt whose first C are already
+cached (as chunked prefill runs a long prompt's later chunks), each new token attending to the C
+cached entries and the new ones before it; TFLOP/s then counts those pairs, and torch's flash
+attention gets the same C + tokens keys with the causal mask aligned to their end:
+
+    python bench/prefill_attention_gpu.py --models qwen3-8b --tokens 2048 --cached 0,4096,8192,16384 --configs 64/64/4/3
+
+`--kv-cache-dtype fp8` reads a float8 cache with its per-entry scales (random entries quantized as the
+engine stores them) and compares with the reference in bfloat16; the variants `queries`+`weights` and
+`f16keys`+`f16asmvalues` are the prefill's ways of widening FP8 keys and values (`_PREFILL_FP8_KEYS`,
+`_PREFILL_FP8_VALUES`):
+
+    python bench/prefill_attention_gpu.py --models qwen3-8b --tokens 2048 --cached 0,8192,16384 \
+        --configs 64/64/4/3 --kv-cache-dtype fp8 --variants queries+weights,f16keys+f16asmvalues
+
 `--variants` adds the kernel's launch-time variants (attention_triton's `_PREFILL_KV_LOAD`,
 `_PREFILL_SPLIT_CAUSAL`, `_PREFILL_FOLD_SCALE`; names in VARIANTS, joined by '+'): each is timed at
 every config, and its output compared with the default kernel's at the first config ('!' past 2e-2):
@@ -36,6 +51,7 @@ import triton.testing
 from check_attention_gpu import random_paged_cache, with_settings  # noqa: E402 (bench/ is the script's path)
 
 from zipage.kernels.attention import prefill_tile_tokens, prefill_work, prefill_work_capacity
+from zipage.kernels.attention_ref import paged_prefill_attention_ref
 from zipage.kernels.attention_triton import paged_prefill_attention_triton
 
 # (query heads, KV heads, head_dim) of the models whose prefill steps bench/prefill_gpu.py times.
@@ -57,6 +73,12 @@ VARIANTS = {
     # scale * log2(e) inside exp2's argument (one FMA) instead of scaling the logits
     "fold": {"_PREFILL_FOLD_SCALE": True},
     "nofold": {"_PREFILL_FOLD_SCALE": False},
+    # with an FP8 cache: keys widened to the queries' dtype, or the queries narrowed to float16 and the keys widened
+    # to it; values widened after shared memory ("weights") or by inline assembly before it
+    "queries": {"_PREFILL_FP8_KEYS": "queries"},
+    "f16keys": {"_PREFILL_FP8_KEYS": "f16"},
+    "weights": {"_PREFILL_FP8_VALUES": "weights"},
+    "f16asmvalues": {"_PREFILL_FP8_VALUES": "f16-asm"},
 }
 BLOCK_SIZE = 64
 # The padded step of a CUDA graph: a work list sized for `tokens` rows in up to this many sequences.
@@ -77,21 +99,34 @@ def variant_settings(variant: str) -> tuple[tuple, tuple]:
     return tuple(settings), tuple(settings.values())
 
 
-def measure(model: str, tokens: int, configs: list[tuple[int, ...]], variants: list[str]) -> dict:
+def measure(model: str, tokens: int, configs: list[tuple[int, ...]], variants: list[str],
+            cached: int = 0, fp8: bool = False) -> dict:
     heads, kv_heads, head_dim = SHAPES[model]
+    context = cached + tokens
     generator = torch.Generator(device="cuda").manual_seed(tokens)
-    k_cache, v_cache, tables = random_paged_cache([tokens], BLOCK_SIZE, kv_heads, head_dim, generator)
+    scales = {}
+    if fp8:
+        from fp8_gpu import HEAD_DIM, KV_HEADS, _paged
+
+        assert (kv_heads, head_dim) == (KV_HEADS, HEAD_DIM), "fp8_gpu's paged cache has 8 KV heads of 128"
+        k_cache, v_cache, k_scale, v_scale, tables = _paged([context], BLOCK_SIZE, generator, "cuda")
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
+    else:
+        k_cache, v_cache, tables = random_paged_cache([context], BLOCK_SIZE, kv_heads, head_dim, generator)
     q = torch.randn((tokens, heads, head_dim), generator=generator, device="cuda").to(torch.bfloat16)
     cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
-    lens = torch.tensor([tokens], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([context], dtype=torch.int32, device="cuda")
     scale = head_dim**-0.5
 
     def paged():
-        return paged_prefill_attention_triton(q, k_cache, v_cache, cu, lens, tables, scale, max_q_len=tokens)
+        return paged_prefill_attention_triton(q, k_cache, v_cache, cu, lens, tables, scale, max_q_len=tokens,
+                                              **scales)
 
-    flops = 2 * 2 * heads * head_dim * tokens * (tokens + 1) / 2
-    reference = paged()
-    row = {"model": model, "tokens": tokens, "flops": flops, "configs": []}
+    flops = 2 * 2 * heads * head_dim * (tokens * cached + tokens * (tokens + 1) / 2)
+    # The default kernel's output, or with an FP8 cache the reference's (the variants differ in how they widen it).
+    reference = paged_prefill_attention_ref(q, k_cache, v_cache, cu, lens, tables, scale, **scales) if fp8 else paged()
+    row = {"model": model, "tokens": tokens, "cached": cached, "kv_cache_dtype": "fp8" if fp8 else "auto",
+           "flops": flops, "configs": []}
     for variant in variants:
         for config in configs:
             entry = {"config": "/".join(map(str, config)), "variant": variant}
@@ -104,7 +139,28 @@ def measure(model: str, tokens: int, configs: list[tuple[int, ...]], variants: l
             except Exception as error:  # noqa: BLE001 - a variant or config that does not compile is a result
                 entry["error"] = repr(error)[:200]
             row["configs"].append(entry)
-    # The work list of a CUDA graph's padded step: this prompt, then empty sequences and padding items.
+    if cached == 0 and not fp8:
+        # The work list of a CUDA graph's padded step (whole bfloat16 prompts only).
+        work_list(row, q, k_cache, v_cache, cu, lens, tables, scale, reference, tokens, heads, kv_heads)
+    # Torch's flash attention on the same keys: the mask's diagonal aligned to the keys' end (the
+    # new tokens are the last `tokens` of `context`), as the paged kernel's.
+    dense_q = q.transpose(0, 1)[None]
+    dense_k = torch.randn((1, heads, context, head_dim), generator=generator, device="cuda").to(torch.bfloat16)
+    if cached == 0:
+        row["sdpa_ms"] = milliseconds(lambda: torch.nn.functional.scaled_dot_product_attention(
+            dense_q, dense_k, dense_k, is_causal=True, scale=scale))
+    else:
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(tokens, context)
+        row["sdpa_ms"] = milliseconds(lambda: torch.nn.functional.scaled_dot_product_attention(
+            dense_q, dense_k, dense_k, attn_mask=mask, scale=scale))
+    return row
+
+
+def work_list(row, q, k_cache, v_cache, cu, lens, tables, scale, reference, tokens, heads, kv_heads) -> None:
+    """The prompt through the work list of a CUDA graph's padded step: this prompt, then empty
+    sequences and padding items, walked by 1-4 programs per SM or one program per item."""
     seqs = min(tokens, GRAPH_SEQUENCES)
     tile = prefill_tile_tokens(heads, kv_heads)
     padded_cu = torch.cat((cu, cu[-1:].expand(seqs - 1)))
@@ -126,11 +182,6 @@ def measure(model: str, tokens: int, configs: list[tuple[int, ...]], variants: l
         entry["max_abs_difference"] = (out.float() - reference.float()).abs().max().item()
         entry["ms"] = with_settings(("_PREFILL_PROGRAMS_PER_SM",), (per_sm,), lambda: milliseconds(walked))
         row["work_list"].append(entry)
-    dense_q = q.transpose(0, 1)[None]
-    dense_k = torch.randn((1, heads, tokens, head_dim), generator=generator, device="cuda").to(torch.bfloat16)
-    row["sdpa_ms"] = milliseconds(lambda: torch.nn.functional.scaled_dot_product_attention(
-        dense_q, dense_k, dense_k, is_causal=True, scale=scale))
-    return row
 
 
 def main() -> None:
@@ -142,13 +193,18 @@ def main() -> None:
     parser.add_argument("--variants", default="default",
                         help=f"kernel variants, comma separated, each '+'-joined parts of {', '.join(VARIANTS)}; "
                              "every variant is timed at every config; outputs are compared with the default kernel")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="fp8: a float8 cache with per-entry scales, checked against the reference")
+    parser.add_argument("--cached", default="0",
+                        help="cached tokens before the new ones, comma separated (default 0: whole prompts)")
     args = parser.parse_args()
     configs = [tuple(int(v) for v in c.split("/")) for c in args.configs.split(",")]
     variants = args.variants.split(",")
     for variant in variants:
         variant_settings(variant)  # an unknown name fails here, before any GPU work
-    rows = [measure(model, int(tokens), configs, variants)
-            for model in args.models.split(",") for tokens in args.tokens.split(",")]
+    rows = [measure(model, int(tokens), configs, variants, int(cached), args.kv_cache_dtype == "fp8")
+            for model in args.models.split(",") for tokens in args.tokens.split(",")
+            for cached in args.cached.split(",")]
     # $OUT when set (the GPU harness collects it), else the ignored runs/ of the repository.
     out = Path(os.environ.get("OUT")
                or Path(__file__).resolve().parents[1] / "runs" / "prefill_attention_gpu")
@@ -160,7 +216,8 @@ def main() -> None:
     for variant in variants:
         entries = [e for e in rows[0]["configs"] if e["variant"] == variant]
         print(f"\nvariant {variant}")
-        print(f"{'model':<11} {'tokens':>6} " + " ".join(f"{e['config']:>16}" for e in entries) + f" {'sdpa':>16}")
+        print(f"{'model':<11} {'tokens':>6} {'cached':>6} " + " ".join(f"{e['config']:>16}" for e in entries)
+              + f" {'sdpa':>16}")
         for row in rows:
             cells = []
             for entry in (e for e in row["configs"] if e["variant"] == variant):
@@ -170,13 +227,13 @@ def main() -> None:
                     bad = "!" if entry["max_abs_difference"] > 2e-2 else ""
                     cells.append(f"{entry['ms']:>7.3f} ({row['flops'] / entry['ms'] / 1e9:>4.0f}){bad:1}")
             cells.append(f"{row['sdpa_ms']:>7.3f} ({row['flops'] / row['sdpa_ms'] / 1e9:>4.0f}) ")
-            print(f"{row['model']:<11} {row['tokens']:>6} " + " ".join(cells))
+            print(f"{row['model']:<11} {row['tokens']:>6} {row['cached']:>6} " + " ".join(cells))
     errors = {(e["variant"], e["config"]): e["error"] for row in rows for e in row["configs"] if "error" in e}
     for (variant, config), error in errors.items():
         print(f"error: variant {variant} at {config}: {error}")
     print(f"\nwork list of a padded step ({GRAPH_SEQUENCES} sequences at most): ms per programs/SM "
           f"({', '.join(map(str, PROGRAMS_PER_SM[:-1]))}, one per item); grid: the first config above")
-    for row in rows:
+    for row in (row for row in rows if "work_list" in row):
         cells = [f"{e['ms']:>7.3f}{'!' if e['max_abs_difference'] > 2e-2 else ' '}" for e in row["work_list"]]
         print(f"{row['model']:<11} {row['tokens']:>6} {row['work_items']:>5} items " + " ".join(cells)
               + f"  grid {row['configs'][0].get('ms', float('nan')):>7.3f}")
