@@ -81,16 +81,22 @@ def hopper_launches() -> list:
     shape = dict(BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PADDED=128)
     attention_shape = shape | dict(GROUP=8, KV_TILE=64, DOT_PRECISION="tf32")
     prefill = attention_shape | dict(GROUP_PADDED=8, QUERY_TOKENS=8, k_desc=None, v_desc=None, KV_LOAD="gather",
-                                     SPLIT_CAUSAL=False, FOLD_SCALE=False)
+                                     SPLIT_CAUSAL=False, FOLD_SCALE=False, FP8_KEYS="queries", FP8_VALUES="weights")
     # The load variants of _PREFILL_KV_LOAD need a block of 64 (one KV tile) or a multiple; "descriptor" takes
     # TMA descriptors (typed in argument_type) instead of None.
     variants = [
         prefill | dict(BLOCK_SIZE=64, KV_LOAD=kv_load, SPLIT_CAUSAL=split, FOLD_SCALE=split, USE_WORK_ITEMS=items)
         for kv_load, split, items in (("gather", True, False), ("block", False, False), ("block", True, True))
     ]
-    descriptor = dict(attention_shape, GROUP_PADDED=8, QUERY_TOKENS=8, BLOCK_SIZE=64, KV_LOAD="descriptor")
+    descriptor = dict(attention_shape, GROUP_PADDED=8, QUERY_TOKENS=8, BLOCK_SIZE=64, KV_LOAD="descriptor",
+                      FP8_KEYS="queries", FP8_VALUES="weights")
     variants += [descriptor | dict(SPLIT_CAUSAL=split, FOLD_SCALE=split, USE_WORK_ITEMS=items)
                  for split, items in ((False, False), (True, True))]
+    # The FP8 widening modes of _PREFILL_FP8_KEYS / _PREFILL_FP8_VALUES (they matter with FP8 on).
+    variants += [descriptor | dict(SPLIT_CAUSAL=True, FOLD_SCALE=True, USE_WORK_ITEMS=False, FP8_KEYS="f16",
+                                   FP8_VALUES="f16-asm"),
+                 prefill | dict(BLOCK_SIZE=64, KV_LOAD="block", SPLIT_CAUSAL=True, FOLD_SCALE=True,
+                                USE_WORK_ITEMS=True, FP8_KEYS="f16-asm", FP8_VALUES="f16")]
     decode = attention_shape | dict(NUM_HEADS=16, SINGLE_PARTITION=False, GROUP_PADDED=16, MIN_TILES=2,
                                     KV_LOAD="gather", FP8_VALUES="weights", FP8_KEYS="queries")
     # The decode variants of _DECODE_KV_LOAD / _DECODE_FP8_KV_TILE / _DECODE_FP8_VALUES / _DECODE_FP8_KEYS (the
