@@ -913,15 +913,7 @@ def paged_prefill_attention_triton(
     block_size = k_cache.shape[1]
     head_dim_padded = max(triton.next_power_of_2(head_dim), _MIN_DOT_DIM)
     kv_load, k_desc, v_desc = _prefill_kv_load(k_cache, v_cache, block_size, head_dim, head_dim_padded)
-    if _PREFILL_FP8_VALUES not in _DECODE_FP8_VALUE_MODES:
-        raise ValueError(f"_PREFILL_FP8_VALUES must be one of {_DECODE_FP8_VALUE_MODES}, got {_PREFILL_FP8_VALUES!r}")
-    if _PREFILL_FP8_KEYS not in _DECODE_FP8_KEY_MODES:
-        raise ValueError(f"_PREFILL_FP8_KEYS must be one of {_DECODE_FP8_KEY_MODES}, got {_PREFILL_FP8_KEYS!r}")
-    # Inline assembly is the GPU's: the interpreter runs the same math with the compiler's widening.
-    fp8_values = "f16" if _PREFILL_FP8_VALUES == "f16-asm" and not q.is_cuda else _PREFILL_FP8_VALUES
-    fp8_keys = "f16" if _PREFILL_FP8_KEYS == "f16-asm" and not q.is_cuda else _PREFILL_FP8_KEYS
-    if q.dtype == torch.float32:
-        fp8_keys = "queries"  # float32 queries keep their precision (the CPU oracle's dtype)
+    fp8_keys, fp8_values = _fp8_widening("_PREFILL", _PREFILL_FP8_KEYS, _PREFILL_FP8_VALUES, q.is_cuda, q.dtype)
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -1161,24 +1153,31 @@ def decode_num_partitions(batch: int, num_kv_heads: int, streaming_multiprocesso
                                              round_up=_ROUND_PARTITIONS_UP)
 
 
+def _fp8_widening(prefix: str, keys: str, values: str, on_gpu: bool, dtype: torch.dtype) -> tuple[str, str]:
+    """The (keys, values) widening modes a launch runs for the knobs `prefix`_FP8_KEYS / _VALUES: checked, with
+    "f16-asm" run as "f16" off the GPU and float32 queries keeping "queries"."""
+    if values not in _DECODE_FP8_VALUE_MODES:
+        raise ValueError(f"{prefix}_FP8_VALUES must be one of {_DECODE_FP8_VALUE_MODES}, got {values!r}")
+    if keys not in _DECODE_FP8_KEY_MODES:
+        raise ValueError(f"{prefix}_FP8_KEYS must be one of {_DECODE_FP8_KEY_MODES}, got {keys!r}")
+    # Inline assembly needs the GPU; the interpreter runs the same arithmetic with Triton's own widening.
+    values = "f16" if values == "f16-asm" and not on_gpu else values
+    keys = "f16" if keys == "f16-asm" and not on_gpu else keys
+    if dtype == torch.float32:
+        keys = "queries"  # float32 queries keep their precision (the CPU oracle's dtype)
+    return keys, values
+
+
 def _decode_variant(fp8: bool, block_size: int, partition_size: int | None, on_gpu: bool,
                     dtype: torch.dtype) -> tuple[int, dict, dict]:
     """(tokens per tile, the kernel's variant constants, launch options) of a decode launch from the ``_DECODE_*``
     variants, where the shapes allow them."""
     if _DECODE_KV_LOAD not in _DECODE_KV_LOADS:
         raise ValueError(f"_DECODE_KV_LOAD must be one of {_DECODE_KV_LOADS}, got {_DECODE_KV_LOAD!r}")
-    if _DECODE_FP8_VALUES not in _DECODE_FP8_VALUE_MODES:
-        raise ValueError(f"_DECODE_FP8_VALUES must be one of {_DECODE_FP8_VALUE_MODES}, got {_DECODE_FP8_VALUES!r}")
-    if _DECODE_FP8_KEYS not in _DECODE_FP8_KEY_MODES:
-        raise ValueError(f"_DECODE_FP8_KEYS must be one of {_DECODE_FP8_KEY_MODES}, got {_DECODE_FP8_KEYS!r}")
     kv_tile = _DECODE_FP8_KV_TILE if fp8 else _DECODE_KV_TILE
     if partition_size is not None and partition_size % kv_tile != 0:
         kv_tile = _DECODE_KV_TILE
-    # Inline assembly needs the GPU; the interpreter runs the same arithmetic with Triton's own widening.
-    fp8_values = "f16" if _DECODE_FP8_VALUES == "f16-asm" and not on_gpu else _DECODE_FP8_VALUES
-    fp8_keys = "f16" if _DECODE_FP8_KEYS == "f16-asm" and not on_gpu else _DECODE_FP8_KEYS
-    if dtype == torch.float32:
-        fp8_keys = "queries"  # float32 queries keep their precision (the CPU oracle's dtype)
+    fp8_keys, fp8_values = _fp8_widening("_DECODE", _DECODE_FP8_KEYS, _DECODE_FP8_VALUES, on_gpu, dtype)
     constants = dict(KV_LOAD=_DECODE_KV_LOAD if block_size % kv_tile == 0 else "gather", FP8_VALUES=fp8_values,
                      FP8_KEYS=fp8_keys)
     if not fp8:
