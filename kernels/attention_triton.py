@@ -643,6 +643,13 @@ _STEP_VARYING = ["block_table_stride", "num_partitions", "fixed_partition_size"]
 
 
 @triton.jit
+def _queries_to_f16(queries):
+    """The queries narrowed to float16 for float16 keys: float16 holds every e4m3 key exactly and widens it in one
+    instruction; a query beyond its range (never seen in practice) is clamped rather than made infinite."""
+    return tl.minimum(tl.maximum(queries.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+
+
+@triton.jit
 def _prefill_tile(
     q_ptr,
     k_cache_ptr,
@@ -703,9 +710,7 @@ def _prefill_tile(
     q_offsets += row_heads[:, None] * q_head_stride + dims[None, :]
     queries = tl.load(q_ptr + q_offsets, mask=io_mask, other=0.0)
     if FP8 and FP8_KEYS != "queries":
-        # float16 holds every e4m3 key exactly (the decode kernel's narrowing: a query beyond its range is
-        # clamped rather than made infinite).
-        queries = tl.minimum(tl.maximum(queries.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        queries = _queries_to_f16(queries)
 
     # The new tokens are the last q_len cached entries; causality is by KV index.
     cached_prefix = context_len - q_len
@@ -1029,9 +1034,7 @@ def _decode_partition_kernel(
     q_offsets = seq.to(tl.int64) * q_batch_stride + heads[:, None] * q_head_stride + dims[None, :]
     queries = tl.load(q_ptr + q_offsets, mask=io_mask, other=0.0)
     if FP8 and FP8_KEYS != "queries":
-        # float16 holds every e4m3 key exactly and widens it in one instruction; a query beyond its range
-        # (never seen in practice) is clamped rather than made infinite.
-        queries = tl.minimum(tl.maximum(queries.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        queries = _queries_to_f16(queries)
 
     running_max = tl.full([GROUP_PADDED], float("-inf"), tl.float32)
     running_sum = tl.zeros([GROUP_PADDED], tl.float32)
