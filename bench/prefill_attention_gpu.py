@@ -19,9 +19,10 @@ attention gets the same C + tokens keys with the causal mask aligned to their en
     python bench/prefill_attention_gpu.py --models qwen3-8b --tokens 2048 --cached 0,4096,8192,16384 --configs 64/64/4/3
 
 `--kv-cache-dtype fp8` reads a float8 cache with its per-entry scales (random entries quantized as the
-engine stores them) and compares with the reference in bfloat16; the variants `queries`+`weights` and
-`f16keys`+`f16asmvalues` are the prefill's ways of widening FP8 keys and values (`_PREFILL_FP8_KEYS`,
-`_PREFILL_FP8_VALUES`):
+engine stores them) and compares with the reference in bfloat16, and times a second way to read it (the
+sequence's blocks widened to a bfloat16 scratch by torch, then the bfloat16 kernel); the variants
+`queries`+`weights` and `f16keys`+`f16asmvalues` are the prefill's ways of widening FP8 keys and values
+(`_PREFILL_FP8_KEYS`, `_PREFILL_FP8_VALUES`):
 
     python bench/prefill_attention_gpu.py --models qwen3-8b --tokens 2048 --cached 0,8192,16384 \
         --configs 64/64/4/3 --kv-cache-dtype fp8 --variants queries+weights,f16keys+f16asmvalues
@@ -77,7 +78,9 @@ VARIANTS = {
     # to it; values widened after shared memory ("weights") or by inline assembly before it
     "queries": {"_PREFILL_FP8_KEYS": "queries"},
     "f16keys": {"_PREFILL_FP8_KEYS": "f16"},
+    "f16asmkeys": {"_PREFILL_FP8_KEYS": "f16-asm"},
     "weights": {"_PREFILL_FP8_VALUES": "weights"},
+    "f16values": {"_PREFILL_FP8_VALUES": "f16"},
     "f16asmvalues": {"_PREFILL_FP8_VALUES": "f16-asm"},
 }
 BLOCK_SIZE = 64
@@ -139,6 +142,8 @@ def measure(model: str, tokens: int, configs: list[tuple[int, ...]], variants: l
             except Exception as error:  # noqa: BLE001 - a variant or config that does not compile is a result
                 entry["error"] = repr(error)[:200]
             row["configs"].append(entry)
+    if fp8:
+        dequantized(row, q, k_cache, v_cache, scales, cu, lens, tables, scale, reference, tokens, configs[0])
     if cached == 0 and not fp8:
         # The work list of a CUDA graph's padded step (whole bfloat16 prompts only).
         work_list(row, q, k_cache, v_cache, cu, lens, tables, scale, reference, tokens, heads, kv_heads)
@@ -156,6 +161,31 @@ def measure(model: str, tokens: int, configs: list[tuple[int, ...]], variants: l
         row["sdpa_ms"] = milliseconds(lambda: torch.nn.functional.scaled_dot_product_attention(
             dense_q, dense_k, dense_k, attn_mask=mask, scale=scale))
     return row
+
+
+def dequantized(row, q, k_cache, v_cache, scales, cu, lens, tables, scale, reference, tokens, config) -> None:
+    """An FP8 cache read another way: the sequence's blocks gathered and widened to bfloat16 in a scratch cache
+    (torch ops), then the bfloat16 kernel over it with a table of the scratch's own blocks; timed together and
+    the widening alone (at the first config)."""
+    from zipage.kernels.kv_quant_ref import dequantize_kv
+
+    used = tables[0][tables[0] >= 0].long()
+    scratch_table = torch.arange(used.numel(), dtype=torch.int32, device="cuda")[None]
+
+    def widen():
+        keys = dequantize_kv(k_cache[used], scales["k_scale"][used]).to(torch.bfloat16)
+        values = dequantize_kv(v_cache[used], scales["v_scale"][used]).to(torch.bfloat16)
+        return keys, values
+
+    def widened():
+        keys, values = widen()
+        return paged_prefill_attention_triton(q, keys, values, cu, lens, scratch_table, scale, max_q_len=tokens)
+
+    out = with_settings(SETTINGS, tuple(config), widened)
+    row["dequantized"] = {"config": "/".join(map(str, config)),
+                          "max_abs_difference": (out.float() - reference.float()).abs().max().item(),
+                          "ms": with_settings(SETTINGS, tuple(config), lambda: milliseconds(widened)),
+                          "widen_ms": milliseconds(widen)}
 
 
 def work_list(row, q, k_cache, v_cache, cu, lens, tables, scale, reference, tokens, heads, kv_heads) -> None:
@@ -231,6 +261,11 @@ def main() -> None:
     errors = {(e["variant"], e["config"]): e["error"] for row in rows for e in row["configs"] if "error" in e}
     for (variant, config), error in errors.items():
         print(f"error: variant {variant} at {config}: {error}")
+    for row in (row for row in rows if "dequantized" in row):
+        entry = row["dequantized"]
+        print(f"dequantized to bfloat16 first ({entry['config']}): {row['model']} {row['tokens']} tokens, "
+              f"{row['cached']} cached: {entry['ms']:.3f} ms ({row['flops'] / entry['ms'] / 1e9:.0f}), of it "
+              f"widening {entry['widen_ms']:.3f} ms; max |difference| {entry['max_abs_difference']:.3g}")
     print(f"\nwork list of a padded step ({GRAPH_SEQUENCES} sequences at most): ms per programs/SM "
           f"({', '.join(map(str, PROGRAMS_PER_SM[:-1]))}, one per item); grid: the first config above")
     for row in (row for row in rows if "work_list" in row):

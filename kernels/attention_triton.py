@@ -54,13 +54,11 @@ _PREFILL_SPLIT_CAUSAL = True
 _PREFILL_FOLD_SCALE = True
 _PREFILL_KV_LOADS = ("gather", "block", "descriptor")
 # How a prefill program widens FP8 keys and values: the modes of _DECODE_FP8_KEYS / _DECODE_FP8_VALUES below.
-# Shipped: "queries" / "weights", the bytes widened where the compiler puts them (after shared memory, one byte at
-# a time on Hopper), with which an FP8 prefill step over a long cached context took 1.5-1.7x bfloat16's on an H200
-# (docs/BENCHMARKS.md, 'Beside published tables', TensorRT-LLM's row 2). The decode's choice ("f16" keys,
-# "f16-asm" values) matches the reference under the interpreter and is the candidate; it is not the default
-# until a GPU call has checked and timed it.
-_PREFILL_FP8_KEYS = "queries"
-_PREFILL_FP8_VALUES = "weights"
+# The decode's choice ("f16" keys, "f16-asm" values): 8-11 % faster than "queries" / "weights" (the bytes widened
+# after shared memory, one at a time on Hopper) over a 2k-token chunk with 0-16k cached entries on an H200, still
+# ~2x bfloat16's kernel (docs/BENCHMARKS.md, 'Beside published tables', TensorRT-LLM's row 2).
+_PREFILL_FP8_KEYS = "f16"
+_PREFILL_FP8_VALUES = "f16-asm"
 # Resident prefill programs per SM when a work list is walked (a CUDA graph's padded step): one wave of
 # programs, each taking several items, instead of one program per item of a mostly padded list.
 _PREFILL_PROGRAMS_PER_SM = 2
