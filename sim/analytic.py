@@ -65,6 +65,13 @@ DECODE_PROGRAM_BANDWIDTH = 15.8e9
 # launches, batch 128-512 at 576 and 2,000 entries: 2.48-2.72 TB/s against 4.01-4.31, ratios
 # 0.62-0.64 (bench/decode_kernel_info_gpu.py, 2026-12-01; docs/cost_model.md, 'FP8 KV cache').
 FP8_DECODE_BANDWIDTH_EFFICIENCY = 0.63
+# The fp8 prefill kernel computes its query-key pairs at this fraction of the bfloat16 one's rate: it
+# widens every key and value in registers, outside the tiles' asynchronous copy pipeline, and scales
+# each logit and weight by its entry's scale on an ALU-bound softmax, so reading half the bytes buys
+# nothing. One layer of Qwen3-8B's and Qwen3-0.6B's prefill attention on an H200, the shipped launches
+# (bfloat16 64/64/4/3, fp8 64/128/4/2), 512-4,096 new tokens over 0-16k cached entries: median 0.52
+# (0.49-1.54) over 24 points (bench/prefill_attention_gpu.py, 2026-12-02; docs/cost_model.md, 'FP8 KV cache').
+FP8_PREFILL_COMPUTE_EFFICIENCY = 0.52
 # Host work that grows with the batch: building block tables, positions and slot mappings, and
 # appending each sampled token, in Python.
 PER_SEQUENCE_OVERHEAD_S = 5e-6
@@ -196,6 +203,8 @@ class AnalyticCostModel(CostModel):
         # One query-key pair costs a multiply-add in QK^T and one in PV, per query head and layer.
         self._attention_pair_s = (4 * layers * self.q_heads * head_dim
                                   / (gpu.achievable_flops * ATTENTION_COMPUTE_EFFICIENCY))
+        self._prefill_pair_s = self._attention_pair_s / (
+            FP8_PREFILL_COMPUTE_EFFICIENCY if kv_cache_dtype == "fp8" else 1.0)
         self._kernel_chain_s = layers * KERNELS_PER_LAYER * KERNEL_LATENCY_S
         # One program's time per KV entry of its partition, over all layers.
         self._program_entry_s = layers * 2 * self.kv_entry_bytes / DECODE_PROGRAM_BANDWIDTH
@@ -257,7 +266,7 @@ class AnalyticCostModel(CostModel):
                     attention = longest
         if num_prefill:
             attention += _roofline((cached_tokens + 2 * tokens) * self._kv_token_s,
-                                   attention_pairs * self._attention_pair_s)
+                                   attention_pairs * self._prefill_pair_s)
         gpu = (linear + attention + self._allreduce_fixed_s
                + (batch + tokens) * self._allreduce_token_s)
         host = self._step_overhead_s + (batch + num_prefill) * PER_SEQUENCE_OVERHEAD_S

@@ -32,6 +32,7 @@ from zipage.hardware import HARDWARE, get_hardware
 from zipage.presets import get_preset
 from zipage.sim.analytic import (
     FP8_DECODE_BANDWIDTH_EFFICIENCY,
+    FP8_PREFILL_COMPUTE_EFFICIENCY,
     KERNEL_LATENCY_S,
     KERNELS_PER_LAYER,
     AnalyticCostModel,
@@ -365,6 +366,22 @@ def test_an_fp8_decode_reads_its_halved_bytes_at_the_fp8_kernels_rate():
     # Within 1e-4: the roofline joins bytes and pairs smoothly, and the pairs' part is the same for both.
     assert attention[1] / attention[0] == pytest.approx(bytes_ratio / FP8_DECODE_BANDWIDTH_EFFICIENCY, rel=1e-4)
     assert 0.80 < attention[1] / attention[0] < 0.84
+
+
+def test_an_fp8_prefill_computes_its_pairs_at_the_fp8_kernels_rate():
+    # One layer's prefill attention over a long cached context on an H200 ran at about half bfloat16's rate with an
+    # fp8 cache (FP8_PREFILL_COMPUTE_EFFICIENCY): half the bytes, but compute-bound, so an fp8 chunk costs more.
+    bf16, fp8 = (AnalyticCostModel(get_preset("llama-3.1-8b"), get_hardware("h200"), block_size=64, kv_budget=512,
+                                   kv_cache_dtype=dtype) for dtype in ("auto", "fp8"))
+    tokens, cached = 2048, 16384
+    chunk = StepWork(num_prefill=1, prefill_tokens=tokens, cached_tokens=cached,
+                     attention_pairs=tokens * cached + tokens * (tokens + 1) // 2)
+    no_attention = StepWork(num_prefill=1, prefill_tokens=tokens)
+    attention = [model.forward_time_for(chunk) - model.forward_time_for(no_attention) for model in (bf16, fp8)]
+    assert attention[1] / attention[0] == pytest.approx(1 / FP8_PREFILL_COMPUTE_EFFICIENCY, rel=0.02)
+    # Decode steps keep their own rate (the test above).
+    decode = StepWork(num_decode=64, decode_context_tokens=64 * 2000)
+    assert fp8.forward_time_for(decode) < bf16.forward_time_for(decode)
 
 
 def test_an_fp8_cache_prices_the_longest_sequence_over_the_fp8_launchs_partitions(monkeypatch):
