@@ -108,13 +108,16 @@ def check_attention(device) -> dict:
     lengths = [700, 1500, 64, 3]
     q_lens = [200, 1500, 1, 3]
     shipped = (triton_kernels._PREFILL_FP8_KEYS, triton_kernels._PREFILL_FP8_VALUES)
-    # Each load with the shipped widening of FP8 keys and values, and the float16 candidate (kernels/attention_triton.py
-    # `_PREFILL_FP8_KEYS`, `_PREFILL_FP8_VALUES`).
-    for kv_load in ("gather", "block", "descriptor"):
-        for keys, values in dict.fromkeys((shipped, ("f16", "f16-asm"))):
+    # Each load with the shipped widening of FP8 keys and values and the "queries" / "weights" one before it
+    # (kernels/attention_triton.py `_PREFILL_FP8_KEYS`, `_PREFILL_FP8_VALUES`), over blocks of BLOCK and, for the
+    # loads that read a tile inside one block, of twice the FP8 tile (`_PREFILL_FP8_KV_TILE`: BLOCK gathers it).
+    for kv_load, block in (("gather", BLOCK), ("block", BLOCK), ("descriptor", BLOCK),
+                           ("block", 2 * triton_kernels._PREFILL_FP8_KV_TILE),
+                           ("descriptor", 2 * triton_kernels._PREFILL_FP8_KV_TILE)):
+        for keys, values in dict.fromkeys((shipped, ("queries", "weights"))):
             triton_kernels._PREFILL_KV_LOAD = kv_load
             triton_kernels._PREFILL_FP8_KEYS, triton_kernels._PREFILL_FP8_VALUES = keys, values
-            k8, v8, k_scale, v_scale, table = _paged(lengths, BLOCK, generator, device)
+            k8, v8, k_scale, v_scale, table = _paged(lengths, block, generator, device)
             q = torch.randn(sum(q_lens), HEADS, HEAD_DIM, generator=generator, device=device).to(torch.bfloat16)
             cu = torch.tensor([0] + q_lens, device=device).cumsum(0).to(torch.int32)
             context = torch.tensor(lengths, dtype=torch.int32, device=device)
@@ -123,7 +126,8 @@ def check_attention(device) -> dict:
             got = triton_kernels.paged_prefill_attention_triton(*arguments, max(q_lens), **scales)
             want = paged_prefill_attention_ref(*arguments, **scales)
             error = float((got.float() - want.float()).abs().max())
-            name = f"prefill_{kv_load}" + ("" if (keys, values) == shipped else f"_{keys}_{values}")
+            name = (f"prefill_{kv_load}" + ("" if block == BLOCK else f"_b{block}")
+                    + ("" if (keys, values) == shipped else f"_{keys}_{values}"))
             results[name] = {"ok": error <= 2e-2, "max_abs_error": error}
     triton_kernels._PREFILL_KV_LOAD = "descriptor"
     triton_kernels._PREFILL_FP8_KEYS, triton_kernels._PREFILL_FP8_VALUES = shipped

@@ -58,6 +58,8 @@ from zipage.kernels.attention_triton import paged_prefill_attention_triton
 # (query heads, KV heads, head_dim) of the models whose prefill steps bench/prefill_gpu.py times.
 SHAPES = {"qwen3-0.6b": (16, 8, 128), "qwen3-8b": (32, 8, 128)}
 SETTINGS = ("_PREFILL_ROWS", "_KV_TILE", "_PREFILL_NUM_WARPS", "_PREFILL_NUM_STAGES")
+# An FP8 cache's launch takes its own tile and stages.
+FP8_SETTINGS = ("_PREFILL_ROWS", "_PREFILL_FP8_KV_TILE", "_PREFILL_NUM_WARPS", "_PREFILL_FP8_NUM_STAGES")
 CONFIGS = "64/64/4/3,64/64/4/2,128/64/8/2,128/64/8/3,128/64/4/3,64/128/4/2,128/128/8/2"
 # Variant parts (`--variants`, '+'-joined; "default" alone is the shipped kernel): the knobs each one sets.
 VARIANTS = {
@@ -135,7 +137,7 @@ def measure(model: str, tokens: int, configs: list[tuple[int, ...]], variants: l
             entry = {"config": "/".join(map(str, config)), "variant": variant}
             try:
                 names, values = variant_settings(variant)
-                names, values = SETTINGS + names, tuple(config) + values
+                names, values = (FP8_SETTINGS if fp8 else SETTINGS) + names, tuple(config) + values
                 out = with_settings(names, values, paged)
                 entry["max_abs_difference"] = (out.float() - reference.float()).abs().max().item()
                 entry["ms"] = with_settings(names, values, lambda: milliseconds(paged))

@@ -59,6 +59,13 @@ _PREFILL_KV_LOADS = ("gather", "block", "descriptor")
 # ~2x bfloat16's kernel (docs/BENCHMARKS.md, 'Beside published tables', TensorRT-LLM's row 2).
 _PREFILL_FP8_KEYS = "f16"
 _PREFILL_FP8_VALUES = "f16-asm"
+# K/V tile and pipelining depth of a prefill program with an FP8 cache (rows and warps as bfloat16's): 128-token
+# tiles in 2 stages were the fastest of six launch configs at every point timed on an H200, 5-10 % under 64 / 3
+# from 2,048 new tokens at Qwen3-8B's and 0.6B's shapes, with a block of 64 (so read by the gather load; docs/
+# BENCHMARKS.md, 'Beside published tables', launch configs by shape). A block that is no multiple of the tile
+# gathers, as bfloat16's does.
+_PREFILL_FP8_KV_TILE = 128
+_PREFILL_FP8_NUM_STAGES = 2
 # Resident prefill programs per SM when a work list is walked (a CUDA graph's padded step): one wave of
 # programs, each taking several items, instead of one program per item of a mostly padded list.
 _PREFILL_PROGRAMS_PER_SM = 2
@@ -826,14 +833,14 @@ def _prefill_kernel(
 
 
 def _prefill_kv_load(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int, head_dim: int, head_dim_padded: int
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int, head_dim: int, head_dim_padded: int, kv_tile: int
 ) -> tuple[str, object, object]:
     """The K/V tile load mode of this launch (``_PREFILL_KV_LOAD`` where the shapes allow it, else the nearest one
     that works) and, for "descriptor", the TMA descriptors of the two caches (else None)."""
     mode = _PREFILL_KV_LOAD
     if mode not in _PREFILL_KV_LOADS:
         raise ValueError(f"_PREFILL_KV_LOAD must be one of {_PREFILL_KV_LOADS}, got {mode!r}")
-    if mode == "gather" or block_size % _KV_TILE != 0:
+    if mode == "gather" or block_size % kv_tile != 0:
         return "gather", None, None
     if mode == "descriptor":
         num_blocks, _, num_kv_heads, _ = k_cache.shape
@@ -852,7 +859,7 @@ def _prefill_kv_load(
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         shape = [num_blocks * block_size, num_kv_heads * head_dim]
-        strides, tile = [slot_stride, 1], [_KV_TILE, head_dim]
+        strides, tile = [slot_stride, 1], [kv_tile, head_dim]
         return (mode, TensorDescriptor(k_cache, shape, strides, tile), TensorDescriptor(v_cache, shape, strides, tile))
     return mode, None, None
 
@@ -915,7 +922,8 @@ def paged_prefill_attention_triton(
         return out
     block_size = k_cache.shape[1]
     head_dim_padded = max(triton.next_power_of_2(head_dim), _MIN_DOT_DIM)
-    kv_load, k_desc, v_desc = _prefill_kv_load(k_cache, v_cache, block_size, head_dim, head_dim_padded)
+    kv_tile, stages = (_PREFILL_FP8_KV_TILE, _PREFILL_FP8_NUM_STAGES) if fp8 else (_KV_TILE, _PREFILL_NUM_STAGES)
+    kv_load, k_desc, v_desc = _prefill_kv_load(k_cache, v_cache, block_size, head_dim, head_dim_padded, kv_tile)
     fp8_keys, fp8_values = _fp8_widening("_PREFILL", _PREFILL_FP8_KEYS, _PREFILL_FP8_VALUES, q.is_cuda, q.dtype)
     _prefill_kernel[grid](
         q,
@@ -947,7 +955,7 @@ def paged_prefill_attention_triton(
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=head_dim_padded,
-        KV_TILE=_KV_TILE,
+        KV_TILE=kv_tile,
         DOT_PRECISION=_dot_precision(q.dtype),
         USE_WORK_ITEMS=work is not None,
         KV_LOAD=kv_load,
@@ -957,7 +965,7 @@ def paged_prefill_attention_triton(
         FP8_KEYS=fp8_keys,
         FP8_VALUES=fp8_values,
         num_warps=_PREFILL_NUM_WARPS,
-        num_stages=_PREFILL_NUM_STAGES,
+        num_stages=stages,
     )
     return out
 

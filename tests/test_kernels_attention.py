@@ -134,6 +134,11 @@ def hopper_fp8_launches() -> list:
              for _, search, heads, _ in kernels._STORE_FP8_LAUNCHES for parallel in [search == "parallel"]]
     attention = [(kernel, constants | dict(FP8=True)) for kernel, constants in launches
                  if kernel in (kernels._prefill_kernel, kernels._decode_partition_kernel)]
+    # The prefill's FP8 tile (_PREFILL_FP8_KV_TILE), gathered from blocks of 64 or read a block at a time.
+    attention += [(kernel, constants | dict(FP8=True, KV_TILE=kernels._PREFILL_FP8_KV_TILE, BLOCK_SIZE=block,
+                                            KV_LOAD=load, FP8_KEYS="f16", FP8_VALUES="f16-asm"))
+                  for kernel, constants in launches[2:3] if kernel is kernels._prefill_kernel
+                  for block, load in ((64, "gather"), (2 * kernels._PREFILL_FP8_KV_TILE, "block"))]
     return store, attention
 
 
@@ -664,12 +669,16 @@ def test_store_kv_fp8_quantizes_like_the_reference(triton_kernels, monkeypatch, 
 
 
 FP8_PREFILL_CASES = [
-    # (query dtype, group, block_size, load variant): the gather (16), "block" and "descriptor" (64)
+    # (query dtype, group, block_size, load variant): the gather (16), "block" and "descriptor" (64, with a tile of
+    # 64: the shipped FP8 tile of 128 would gather there)
     (torch.float32, 1, 16, "gather"),
     (torch.float16, 3, 16, "gather"),
     (torch.float32, 8, 64, "block"),
     (torch.float16, 1, 64, "block"),
     (torch.float32, 3, 64, "descriptor"),
+    # blocks of the FP8 tile (_PREFILL_FP8_KV_TILE, 128) and more: "block" and "descriptor" read FP8 tiles whole
+    (torch.float16, 2, 128, "block"),
+    (torch.float32, 4, 256, "descriptor"),
 ]
 
 
@@ -689,6 +698,8 @@ FP8_PREFILL_BFLOAT16 = [(torch.bfloat16, 4, 64, "descriptor", "f16", "f16-asm"),
 def test_prefill_reads_fp8_like_the_reference(triton_kernels, monkeypatch, dtype, group, block_size, kv_load,
                                               keys, values):
     monkeypatch.setattr(triton_kernels, "_PREFILL_KV_LOAD", kv_load)
+    if kv_load != "gather" and block_size < triton_kernels._PREFILL_FP8_KV_TILE:
+        monkeypatch.setattr(triton_kernels, "_PREFILL_FP8_KV_TILE", block_size)
     monkeypatch.setattr(triton_kernels, "_PREFILL_FP8_KEYS", keys)
     monkeypatch.setattr(triton_kernels, "_PREFILL_FP8_VALUES", values)
     generator = torch.Generator().manual_seed(group * block_size + 5)
