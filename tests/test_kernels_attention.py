@@ -134,10 +134,12 @@ def hopper_fp8_launches() -> list:
              for _, search, heads, _ in kernels._STORE_FP8_LAUNCHES for parallel in [search == "parallel"]]
     attention = [(kernel, constants | dict(FP8=True)) for kernel, constants in launches
                  if kernel in (kernels._prefill_kernel, kernels._decode_partition_kernel)]
-    # The prefill's FP8 tile (_PREFILL_FP8_KV_TILE), gathered from blocks of 64 or read a block at a time.
-    attention += [(kernel, constants | dict(FP8=True, KV_TILE=kernels._PREFILL_FP8_KV_TILE, BLOCK_SIZE=block,
-                                            KV_LOAD=load, FP8_KEYS="f16", FP8_VALUES="f16-asm"))
-                  for kernel, constants in launches[2:3] if kernel is kernels._prefill_kernel
+    # The prefill's FP8 tile (_PREFILL_FP8_KV_TILE), gathered from blocks of 64 or read a block at a time, on
+    # the first prefill launch (no work items).
+    prefill = next(constants for kernel, constants in launches if kernel is kernels._prefill_kernel)
+    attention += [(kernels._prefill_kernel,
+                   prefill | dict(FP8=True, KV_TILE=kernels._PREFILL_FP8_KV_TILE, BLOCK_SIZE=block, KV_LOAD=load,
+                                  FP8_KEYS="f16", FP8_VALUES="f16-asm"))
                   for block, load in ((64, "gather"), (2 * kernels._PREFILL_FP8_KV_TILE, "block"))]
     return store, attention
 
