@@ -13,12 +13,15 @@ above its kernel time is host-bound (launch and Python overhead); a kernel time 
 roofline is the kernels'.
 
     . bench/env.sh && python bench/prefill_gpu.py [--models qwen3-0.6b,qwen3-8b] [--tokens 128,512,2048,8192]
-        [--prefill-graphs off|on|both] [--decodes N --decode-context C]
+        [--prefill-graphs off|on|both] [--decodes N --decode-context C,...] [--cached 0,8192,...]
+        [--block-size 64]
 
 `--prefill-graphs both` (the default) times every step eagerly, then with the runner's padded
 prefill graphs (`ModelRunner.enable_prefill_graphs`: one CUDA graph per token bucket up to 4096,
 eager above), on the same engine, one row each. `--decodes N` makes every step a mixed one: the
 prompt plus N requests decoding one token each over C cached entries (chunked prefill's shape).
+`--cached` makes each prompt a later chunk: its tokens attend to that many entries of the same
+prompt already in the cache (a long prompt's tenth 2,048-token chunk sits over ~18k).
 
 Prints a table last and writes prefill_gpu.json under $OUT (or runs/<script>/ of the repository).
 """
@@ -62,29 +65,30 @@ def matmul_flops() -> float:
     return 2 * 8192**3 * 10 / (time.perf_counter() - started)
 
 
-def roofline(model: str, tokens: int, bandwidth: float, flops: float) -> float:
+def roofline(model: str, tokens: int, bandwidth: float, flops: float, cached: int = 0) -> float:
     shape = get_preset(model)
     # Matmul FLOPs of every weight but the input embedding (a gather), for every token; the LM
     # head only for the one sampled token. Attention: QK^T and PV over the causal half.
     embedding = shape.vocab_size * shape.hidden_size
     body = shape.num_params - embedding - (0 if shape.tie_embeddings else embedding)
     linear = 2 * body * tokens + 2 * embedding
-    attention = 2 * 2 * shape.num_layers * shape.num_heads * shape.head_dim * tokens * (tokens + 1) / 2
+    pairs = tokens * cached + tokens * (tokens + 1) / 2
+    attention = 2 * 2 * shape.num_layers * shape.num_heads * shape.head_dim * pairs
     return max(weight_bytes_read(model) / bandwidth, (linear + attention) / flops)
 
 
 def measure(model: str, token_counts: list[int], repeats: int, bandwidth: float,
-            flops: float, graphs: str, decodes: int, decode_context: int) -> list[dict]:
+            flops: float, graphs: str, decodes: int, decode_contexts: tuple[int, ...],
+            cached_counts: tuple[int, ...] = (0,), block_size: int = 64) -> list[dict]:
     longest = max(token_counts)
     shape = get_preset(model)
-    entries = longest + 1024 + decodes * (decode_context + 64)
+    entries = longest + max(cached_counts) + 1024 + decodes * (max(decode_contexts) + 2 * block_size)
     kv_gb = entries * kv_token_bytes(shape, "auto", 2) / 2**30
     settings = ReplaySettings(model=f"random:{model}", dtype="bfloat16", kv_memory_gb=kv_gb + 0.5,
-                              config=ZipageConfig(compress=False, block_size=64,
+                              config=ZipageConfig(compress=False, block_size=block_size,
                                                   max_num_batched_tokens=max(16384, longest)))
     engine = build_engine(settings, "cuda", cuda_graphs=False)
     runner, scheduler = engine.runner, engine.new_scheduler()
-    running = decoding_requests(scheduler, shape, decodes, decode_context)
     rows = []
     for mode in (("off", "on") if graphs == "both" else (graphs,)):
         if mode == "on":
@@ -94,39 +98,48 @@ def measure(model: str, token_counts: list[int], repeats: int, bandwidth: float,
                 rows.append({"model": model, "prefill_graphs": True, "error": repr(error)})
                 print(json.dumps(rows[-1]), flush=True)
                 break
-        for step_id, tokens in enumerate(token_counts):
-            row = time_step(runner, scheduler, shape, model, tokens, running, step_id, repeats)
-            row.update(prefill_graphs=mode == "on", decodes=decodes, decode_context=decode_context,
-                       roofline_s=roofline(model, tokens, bandwidth, flops))
+        shapes = [(tokens, cached, context) for context in decode_contexts for tokens in token_counts
+                  for cached in cached_counts]
+        for step_id, (tokens, cached, context) in enumerate(shapes):
+            running = decoding_requests(scheduler, shape, decodes, context, block_size)
+            row = time_step(runner, scheduler, shape, model, tokens, running, step_id, repeats, cached)
+            row.update(prefill_graphs=mode == "on", decodes=decodes, decode_context=context,
+                       cached=cached, block_size=block_size,
+                       roofline_s=roofline(model, tokens, bandwidth, flops, cached))
             row["vs_roofline"] = row["step_s"] / row["roofline_s"]
             rows.append(row)
             print(json.dumps(row), flush=True)
+            for seq in running:
+                scheduler.block_manager.release_all(seq.block_table)
     del engine, runner
     gc.collect()
     torch.cuda.empty_cache()
     return rows
 
 
-def decoding_requests(scheduler, shape, count: int, context: int) -> dict:
+def decoding_requests(scheduler, shape, count: int, context: int, block_size: int = 64) -> dict:
     """`count` requests as a mixed step's decode rows: `context` cached entries each (random
     contents of the fresh cache), decoding their next token; and their token ids."""
     running = {}
     for index in range(count):
         seq = Sequence(f"d{index}", None, 1 << 20, prompt_len=context, sampling=GREEDY)
-        seq.block_table = [scheduler.block_manager.allocate() for _ in range(context // 64 + 1)]
+        seq.block_table = [scheduler.block_manager.allocate() for _ in range(context // block_size + 1)]
         seq.set_counters(context, 1)
         running[seq] = [(5 * i) % shape.vocab_size for i in range(context + 1)]
     return running
 
 
 def time_step(runner, scheduler, shape, model: str, tokens: int, running: dict, step_id: int,
-              repeats: int) -> dict:
-    """Median wall and GPU time of one prefill (or mixed) step of `tokens` prompt tokens."""
-    seq = Sequence(f"p{tokens}", None, 4, prompt_len=tokens, sampling=GREEDY)
-    seq.block_table = [scheduler.block_manager.allocate() for _ in range(-(-tokens // 64))]
+              repeats: int, cached: int = 0) -> dict:
+    """Median wall and GPU time of one prefill (or mixed) step of `tokens` prompt tokens, the
+    chunk after `cached` of its prompt's entries (random contents of the cache)."""
+    length = cached + tokens
+    seq = Sequence(f"p{tokens}-{cached}", None, 4, prompt_len=length, sampling=GREEDY)
+    seq.block_table = [scheduler.block_manager.allocate()
+                       for _ in range(-(-length // scheduler.block_manager.block_size))]
     plan = StepPlan(step_id=step_id, kind=MIXED if running else PREFILL,
-                    prefill=[PrefillItem(seq, 0, tokens)], decode=list(running))
-    ids = {seq.seq_id: [(7 * i) % shape.vocab_size for i in range(tokens)]}
+                    prefill=[PrefillItem(seq, cached, length)], decode=list(running))
+    ids = {seq.seq_id: [(7 * i) % shape.vocab_size for i in range(length)]}
     ids.update({other.seq_id: history for other, history in running.items()})
     for _ in range(2):
         runner.execute(plan, ids)  # warm-up: Triton compiles for this shape
@@ -186,8 +199,11 @@ def main() -> None:
                         help="time steps eagerly, through padded prefill graphs, or both")
     parser.add_argument("--decodes", type=int, default=0,
                         help="requests decoding beside each prompt (a mixed step)")
-    parser.add_argument("--decode-context", type=int, default=1024,
-                        help="cached entries of each decoding request")
+    parser.add_argument("--decode-context", default="1024",
+                        help="cached entries of each decoding request (a list: one row each)")
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--cached", default="0",
+                        help="entries of each prompt already cached: the step computes its next chunk")
     parser.add_argument("--kernels", action="store_true",
                         help="also print each step's costliest kernels (they are always in the json)")
     args = parser.parse_args()
@@ -201,17 +217,19 @@ def main() -> None:
     for model in args.models.split(","):
         report["rows"] += measure(model, [int(t) for t in args.tokens.split(",")], args.repeats,
                                   bandwidth, flops, args.prefill_graphs, args.decodes,
-                                  args.decode_context)
+                                  tuple(int(c) for c in args.decode_context.split(",")),
+                                  tuple(int(c) for c in args.cached.split(",")), args.block_size)
         (out / "prefill_gpu.json").write_text(json.dumps(report, indent=2))
     print(f"\n{report['device']}: copy {bandwidth / 1e12:.2f} TB/s, matmul {flops / 1e12:.0f} TFLOP/s")
-    print(f"{'model':<11} {'graphs':>6} {'tokens':>6} {'step ms':>8} {'gpu ms':>7} {'kernels ms':>10} "
-          f"{'launches':>8} {'roofline ms':>11} {'x roofline':>10}")
+    print(f"{'model':<12} {'graphs':>6} {'tokens':>6} {'cached':>6} {'decode ctx':>10} {'step ms':>8} "
+          f"{'gpu ms':>7} {'kernels ms':>10} {'launches':>8} {'roofline ms':>11} {'x roofline':>10}")
     for row in report["rows"]:
         if "error" in row:
-            print(f"{row['model']:<11} graphs on failed: {row['error']}")
+            print(f"{row['model']:<12} graphs on failed: {row['error']}")
             continue
         graphs = row["padded_bucket"] if row["prefill_graphs"] and row["padded_bucket"] else "-"
-        print(f"{row['model']:<11} {graphs:>6} {row['tokens']:>6} {row['step_s'] * 1e3:>8.2f} "
+        print(f"{row['model']:<12} {graphs:>6} {row['tokens']:>6} {row['cached']:>6} "
+              f"{row['decode_context'] if row['decodes'] else '-':>10} {row['step_s'] * 1e3:>8.2f} "
               f"{row['gpu_s'] * 1e3:>7.2f} {row['kernel_s'] * 1e3:>10.2f} {row['launches']:>8} "
               f"{row['roofline_s'] * 1e3:>11.2f} {row['vs_roofline']:>10.2f}")
     if args.kernels:
@@ -219,7 +237,8 @@ def main() -> None:
             if "top_kernels" not in row:
                 continue
             graphs = "graphed" if row["prefill_graphs"] and row["padded_bucket"] else "eager"
-            print(f"\n{row['model']} {row['tokens']} tokens, {graphs}: launches, kernel ms, shortest us")
+            print(f"\n{row['model']} {row['tokens']} tokens over {row['cached']}, {graphs}: launches, kernel ms, "
+                  "shortest us")
             for name, count, total_ms, shortest_us in row["top_kernels"]:
                 print(f"  {count:>4} {total_ms:>8.3f} {shortest_us:>7.1f}  {name}")
 
