@@ -19,6 +19,7 @@ from zipage.decode_grid import decode_num_partitions, programs_per_sm
 from zipage.dtypes import DTYPE_BYTES
 from zipage.errors import ConfigError
 from zipage.hardware import GPUSpec
+from zipage.prefill_buckets import PREFILL_GRAPH_TOKENS
 from zipage.profile import COST_KNOBS, PROFILE_VERSION
 from zipage.scoring import DEFAULT_SCORING, ScoringCost, scoring_spec
 from zipage.shape import ModelShape
@@ -34,11 +35,15 @@ ROOFLINE_SHARPNESS = 3.0
 # measured on the H200 with Qwen3-8B's shapes under CUDA graphs: the decode GEMV chain streamed
 # weights at 3.79 TB/s (0.89 of the 4.27 a copy gets); the projection GEMMs at 512..8192 rows ran
 # at 667..680 TFLOP/s (0.85 of 791); torch's flash SDPA streamed a batch-176 decode KV cache at
-# 4.19 TB/s (a copy's rate, so no factor) and ran causal prefill at 0.70 (8k tokens) and 0.51 (2k)
-# of 791 TFLOP/s.
+# 4.19 TB/s (a copy's rate, so no factor). Attention's query-key pairs run at the engine's own
+# paged prefill kernel's rate, not torch's flash SDPA's (0.70 of 791 TFLOP/s at 8k tokens, the
+# value until 2026-12-02, which priced long-context prefill 20 % short): the shipped bfloat16
+# launch, Qwen3-8B and 0.6B, 512-4,096 new tokens over 0-16k cached entries, median 0.47 of
+# 791 over 24 kernel points (bench/prefill_attention_gpu.py, 2026-12-02); a whole graphed
+# 2,048-token Llama-3.1-8B step over 8-16k cached entries, 0.46-0.48 (bench/prefill_gpu.py).
 LINEAR_BANDWIDTH_EFFICIENCY = 0.89
 LINEAR_COMPUTE_EFFICIENCY = 0.85
-ATTENTION_COMPUTE_EFFICIENCY = 0.70
+ATTENTION_COMPUTE_EFFICIENCY = 0.47
 # The similarity kernels of the redundancy score work on small tiles (16x64) with fp32 norms and a
 # per-column threshold scan, so they run far below dense-matmul throughput; the paper's kernel
 # profile shows (flash) redundancy 1-2 orders of magnitude slower than the other operations.
@@ -59,6 +64,20 @@ KERNEL_LATENCY_S = 4.0e-6
 # short ones lasts as long as that sequence's program (LongBench: a 6k-token prompt not yet
 # compressed doubles a Qwen3-8B decode step). Fitted with KERNEL_LATENCY_S above.
 DECODE_PROGRAM_BANDWIDTH = 15.8e9
+# A mixed step of at most the largest prefill graph's rows runs in a CUDA graph whose one prefill
+# launch also covers its decode rows, each a sequence of one new token (zipage/engine/runner.py,
+# 'Prefill graphs'): one program a row and KV head walks that row's whole context, with no
+# split-K. A program's time a layer and entry grows with the query heads it carries (its KV
+# group): 11.4 ns a head, from whole graphed steps on an H200 with 16 decode rows at 1k-20k
+# entries beside a 496- or 2,032-token chunk, eager steps subtracted (Llama-3.1-8B, group 4:
+# 43.8 ns; Qwen3-0.6B, group 2: 23.7 ns; bench/prefill_gpu.py, 2026-12-02; docs/cost_model.md,
+# 'Decode rows in graphed mixed steps').
+FOLDED_DECODE_HEAD_ENTRY_S = 11.4e-9
+# Those rows are the last items of the launch's work list, so their programs run as a tail after
+# the chunks' tiles; the tail grows the step by its longest program less this share of the
+# chunks' attention time (the same steps beside a 2,032-token chunk over 0 / 8k / 16k cached
+# entries: +28.8 / +21.8 / +16.0 ms over 3.7 / 27.5 / 49.1 ms of chunk attention).
+FOLDED_DECODE_OVERLAP = 0.26
 # The fp8 decode kernel reads its (halved) bytes at this fraction of the rate the bfloat16 one
 # reads its own: it widens every value and key and is bound by the programs an SM holds, not by
 # bytes. One layer of Llama-3.1-8B's decode attention on an H200 in a CUDA graph, the shipped
@@ -208,6 +227,7 @@ class AnalyticCostModel(CostModel):
         self._kernel_chain_s = layers * KERNELS_PER_LAYER * KERNEL_LATENCY_S
         # One program's time per KV entry of its partition, over all layers.
         self._program_entry_s = layers * 2 * self.kv_entry_bytes / DECODE_PROGRAM_BANDWIDTH
+        self._folded_entry_s = layers * self.q_heads / self.kv_heads * FOLDED_DECODE_HEAD_ENTRY_S
         self._step_overhead_s = gpu.step_overhead_s
         self._allreduce_token_s, self._allreduce_fixed_s = 0.0, 0.0
         if tensor_parallel > 1:
@@ -248,7 +268,7 @@ class AnalyticCostModel(CostModel):
         # Decode rows and chunks attend in two kernels (split-K decode, varlen prefill), so two
         # rooflines: each decode row reads its own KV entries; a chunk reads the entries before
         # it, writes its new ones and reads them back.
-        attention = 0.0
+        attention = folded = 0.0
         if batch:
             terms = self._decode_batch_terms.get(batch)
             if terms is None:
@@ -261,12 +281,18 @@ class AnalyticCostModel(CostModel):
             context = decode_context_tokens
             attention = _roofline(context * self._decode_kv_token_s, context * self._attention_pair_s)
             if decode_max_context:
-                longest = -(-decode_max_context // terms[1]) * self._program_entry_s
-                if longest > attention:
-                    attention = longest
+                if num_prefill and batch + tokens <= PREFILL_GRAPH_TOKENS[-1]:
+                    folded = decode_max_context * self._folded_entry_s  # no split-K in the graph
+                else:
+                    longest = -(-decode_max_context // terms[1]) * self._program_entry_s
+                    if longest > attention:
+                        attention = longest
         if num_prefill:
-            attention += _roofline((cached_tokens + 2 * tokens) * self._kv_token_s,
-                                   attention_pairs * self._prefill_pair_s)
+            chunks = _roofline((cached_tokens + 2 * tokens) * self._kv_token_s,
+                               attention_pairs * self._prefill_pair_s)
+            # The folded rows are the work list's last items: their longest program is a tail
+            # after the chunks' tiles, which hides part of it.
+            attention = max(attention, folded - FOLDED_DECODE_OVERLAP * chunks) + chunks
         gpu = (linear + attention + self._allreduce_fixed_s
                + (batch + tokens) * self._allreduce_token_s)
         host = self._step_overhead_s + (batch + num_prefill) * PER_SEQUENCE_OVERHEAD_S

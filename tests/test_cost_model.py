@@ -31,6 +31,8 @@ from zipage.errors import ConfigError
 from zipage.hardware import HARDWARE, get_hardware
 from zipage.presets import get_preset
 from zipage.sim.analytic import (
+    FOLDED_DECODE_HEAD_ENTRY_S,
+    FOLDED_DECODE_OVERLAP,
     FP8_DECODE_BANDWIDTH_EFFICIENCY,
     FP8_PREFILL_COMPUTE_EFFICIENCY,
     KERNEL_LATENCY_S,
@@ -382,6 +384,44 @@ def test_an_fp8_prefill_computes_its_pairs_at_the_fp8_kernels_rate():
     # Decode steps keep their own rate (the test above).
     decode = StepWork(num_decode=64, decode_context_tokens=64 * 2000)
     assert fp8.forward_time_for(decode) < bf16.forward_time_for(decode)
+
+
+def mixed_work(tokens: int, cached: int, decodes: int, context: int) -> StepWork:
+    """A chunk of `tokens` after `cached` entries of its prompt, beside `decodes` rows of `context` entries each."""
+    return StepWork(num_decode=decodes, decode_context_tokens=decodes * context, num_prefill=1,
+                    prefill_tokens=tokens, cached_tokens=cached,
+                    attention_pairs=tokens * cached + tokens * (tokens + 1) // 2, decode_max_context=context)
+
+
+def test_a_graphed_mixed_steps_decode_rows_walk_their_contexts_in_the_prefill_launch():
+    # The engine runs a mixed step of up to the largest prefill graph's rows in a CUDA graph, its decode rows as
+    # programs of the prefill launch (zipage/engine/runner.py): one program a row and KV head walks the row's whole
+    # context, a tail after the chunks' tiles. Above the graphs' rows the step is eager and the decode rows split.
+    h200 = get_hardware("h200")
+    llama, small = (AnalyticCostModel(get_preset(name), h200, block_size=64, kv_budget=512)
+                    for name in ("llama-3.1-8b", "qwen3-0.6b"))
+    tail = [llama.forward_time_for(mixed_work(496, 0, 16, context)) for context in (10000, 20000)]
+    group = 32 / 8  # Llama-3.1-8B's query heads a KV head
+    assert tail[1] - tail[0] == pytest.approx(10000 * 32 * group * FOLDED_DECODE_HEAD_ENTRY_S, rel=0.05)
+    # Half the group (Qwen3-0.6B: 16 / 8), fewer layers: a shorter walk an entry.
+    small_tail = [small.forward_time_for(mixed_work(496, 0, 16, context)) for context in (10000, 20000)]
+    assert small_tail[1] - small_tail[0] == pytest.approx(10000 * 28 * 2 * FOLDED_DECODE_HEAD_ENTRY_S, rel=0.05)
+    # A long chunk hides part of the tail (its own tiles run first): adding the 20k rows costs less beside it.
+    beside = [llama.forward_time_for(mixed_work(2032, cached, 16, 20000))
+              - llama.forward_time_for(mixed_work(2032, cached, 16, 500)) for cached in (0, 16384)]
+    assert beside[1] < beside[0]
+    assert 0 < FOLDED_DECODE_OVERLAP < 1
+    # An eager step (more rows than the largest graph) splits the long rows over the decode grid's partitions.
+    eager = [llama.forward_time_for(mixed_work(4096, 0, 16, context)) for context in (10000, 20000)]
+    assert eager[1] - eager[0] < 0.5 * (tail[1] - tail[0])
+
+
+def test_prefill_pairs_are_priced_at_the_paged_prefill_kernels_rate():
+    # A whole graphed 2,048-token Llama-3.1-8B step on an H200 (bench/prefill_gpu.py, 2026-12-02): its chunk's
+    # attention over 16k cached entries took 49.1 - 3.7 = 45.4 ms more than over none, ~0.48 of 791 TFLOP/s.
+    llama = AnalyticCostModel(get_preset("llama-3.1-8b"), get_hardware("h200"), block_size=64, kv_budget=512)
+    grown = llama.forward_time_for(mixed_work(2048, 16384, 0, 0)) - llama.forward_time_for(mixed_work(2048, 0, 0, 0))
+    assert grown == pytest.approx(45.4e-3, rel=0.05)
 
 
 def test_an_fp8_cache_prices_the_longest_sequence_over_the_fp8_launchs_partitions(monkeypatch):

@@ -33,7 +33,9 @@ next size of the ladder in zipage/prefill_buckets.py): rows (padding rows store 
 sequences (padding sequences are empty), a block table of the widest shape and a fixed-size work
 list for the prefill kernel; the decode rows of a mixed step become sequences of one new token in
 the same prefill launch, because a graph's grid cannot depend on how many rows decode (they lose the decode kernel's
-split-K inside graphed steps; the bucket's size bounds them). Each bucket's graph replays that
+split-K inside graphed steps: the bucket's size bounds how many, not how long; a few rows of long context make a
+serial tail, 10-19 ms of a Llama-3.1-8B step beside 16 rows at 20k entries on an H200, docs/cost_model.md,
+'Decode rows in graphed mixed steps'). Each bucket's graph replays that
 padded forward up to the last hidden states; the logits of the rows that sample follow eagerly
 (one gather and one matmul of the right size). The same forward runs eagerly where no graph was
 captured (the CPU and its tests), so turning graphs on changes nothing but the launches. Larger
