@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -44,7 +45,7 @@ from zipage.core.deployment import ReplaySettings
 from zipage.core.memory import kv_token_bytes
 from zipage.core.sampling import SamplingParams
 from zipage.core.sequence import Sequence
-from zipage.core.step import MIXED, PREFILL, PrefillItem, StepPlan
+from zipage.core.step import MIXED, PREFILL, PrefillItem, StepPlan, causal_pairs
 from zipage.engine.builder import build_engine
 from zipage.presets import get_preset
 
@@ -72,8 +73,7 @@ def roofline(model: str, tokens: int, bandwidth: float, flops: float, cached: in
     embedding = shape.vocab_size * shape.hidden_size
     body = shape.num_params - embedding - (0 if shape.tie_embeddings else embedding)
     linear = 2 * body * tokens + 2 * embedding
-    pairs = tokens * cached + tokens * (tokens + 1) / 2
-    attention = 2 * 2 * shape.num_layers * shape.num_heads * shape.head_dim * pairs
+    attention = 2 * 2 * shape.num_layers * shape.num_heads * shape.head_dim * causal_pairs(tokens, cached)
     return max(weight_bytes_read(model) / bandwidth, (linear + attention) / flops)
 
 
@@ -98,17 +98,17 @@ def measure(model: str, token_counts: list[int], repeats: int, bandwidth: float,
                 rows.append({"model": model, "prefill_graphs": True, "error": repr(error)})
                 print(json.dumps(rows[-1]), flush=True)
                 break
-        shapes = [(tokens, cached, context) for context in decode_contexts for tokens in token_counts
-                  for cached in cached_counts]
-        for step_id, (tokens, cached, context) in enumerate(shapes):
-            running = decoding_requests(scheduler, shape, decodes, context, block_size)
-            row = time_step(runner, scheduler, shape, model, tokens, running, step_id, repeats, cached)
-            row.update(prefill_graphs=mode == "on", decodes=decodes, decode_context=context,
-                       cached=cached, block_size=block_size,
-                       roofline_s=roofline(model, tokens, bandwidth, flops, cached))
-            row["vs_roofline"] = row["step_s"] / row["roofline_s"]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        step_ids = itertools.count()
+        for context in decode_contexts:
+            running = decoding_requests(scheduler, shape, decodes, context)
+            for tokens, cached in itertools.product(token_counts, cached_counts):
+                row = time_step(runner, scheduler, shape, model, tokens, running, next(step_ids), repeats, cached)
+                row.update(prefill_graphs=mode == "on", decodes=decodes, decode_context=context,
+                           cached=cached, block_size=block_size,
+                           roofline_s=roofline(model, tokens, bandwidth, flops, cached))
+                row["vs_roofline"] = row["step_s"] / row["roofline_s"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
             for seq in running:
                 scheduler.block_manager.release_all(seq.block_table)
     del engine, runner
@@ -117,13 +117,14 @@ def measure(model: str, token_counts: list[int], repeats: int, bandwidth: float,
     return rows
 
 
-def decoding_requests(scheduler, shape, count: int, context: int, block_size: int = 64) -> dict:
+def decoding_requests(scheduler, shape, count: int, context: int) -> dict:
     """`count` requests as a mixed step's decode rows: `context` cached entries each (random
     contents of the fresh cache), decoding their next token; and their token ids."""
     running = {}
     for index in range(count):
         seq = Sequence(f"d{index}", None, 1 << 20, prompt_len=context, sampling=GREEDY)
-        seq.block_table = [scheduler.block_manager.allocate() for _ in range(context // block_size + 1)]
+        seq.block_table = [scheduler.block_manager.allocate()
+                           for _ in range(context // scheduler.block_manager.block_size + 1)]
         seq.set_counters(context, 1)
         running[seq] = [(5 * i) % shape.vocab_size for i in range(context + 1)]
     return running

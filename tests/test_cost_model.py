@@ -26,7 +26,7 @@ from tolerance import PINNED_RTOL, close
 
 from zipage import decode_grid
 from zipage.core.memory import kv_entry_bytes
-from zipage.core.step import DECODE, MIXED, PREFILL, CompressionBatch, PrefillItem, StepPlan
+from zipage.core.step import DECODE, MIXED, PREFILL, CompressionBatch, PrefillItem, StepPlan, causal_pairs
 from zipage.errors import ConfigError
 from zipage.hardware import HARDWARE, get_hardware
 from zipage.presets import get_preset
@@ -389,8 +389,8 @@ def test_an_fp8_prefill_computes_its_pairs_at_the_fp8_kernels_rate():
 def mixed_work(tokens: int, cached: int, decodes: int, context: int) -> StepWork:
     """A chunk of `tokens` after `cached` entries of its prompt, beside `decodes` rows of `context` entries each."""
     return StepWork(num_decode=decodes, decode_context_tokens=decodes * context, num_prefill=1,
-                    prefill_tokens=tokens, cached_tokens=cached,
-                    attention_pairs=tokens * cached + tokens * (tokens + 1) // 2, decode_max_context=context)
+                    prefill_tokens=tokens, cached_tokens=cached, attention_pairs=causal_pairs(tokens, cached),
+                    decode_max_context=context)
 
 
 def test_a_graphed_mixed_steps_decode_rows_walk_their_contexts_in_the_prefill_launch():
