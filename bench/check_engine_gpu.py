@@ -14,6 +14,10 @@ alone) are covered twice:
 - step by step, exactly: prefill and mixed steps (ragged prompts, a prefix-cached chunk, decode
   rows) replayed from the captured graph of their token bucket must give bit-identical logits and
   KV to the same padded forward run eagerly (turning graphs on cannot change a result);
+- the mixed step again through the bucket's other graph, the decode section's (the split-K decode
+  kernel inside the graph; forced, as its rows are shorter than the rule's threshold): replay ==
+  padded eager bit for bit, and its logits within 1e-4 (relative to the largest) of the folded
+  graph's (float32: the two sum in different orders);
 - the trace variants "+ prefill graphs": decode and prefill graphs against eager, by agreement
   (the padded layout folds decode rows into the prefill launch, so sums differ from eager's).
 
@@ -36,6 +40,7 @@ from zipage.core.deployment import ReplaySettings
 from zipage.core.sampling import SamplingParams
 from zipage.core.sequence import Sequence
 from zipage.core.step import MIXED, PREFILL, PrefillItem, StepPlan
+from zipage.engine import runner as runner_module
 from zipage.engine.builder import build_engine
 from zipage.engine.replay import replay_on_engine
 from zipage.workloads import make_trace
@@ -52,6 +57,11 @@ def run(trace, config: ZipageConfig, cuda_graphs: bool, model: str,
     return engine_run.tokens
 
 
+# The decode section's rule forced either way (zipage/prefill_buckets.py, `takes_decode_section`).
+SECTION_ALWAYS = lambda bucket, num_decode, longest: True  # noqa: E731
+FOLD_ALWAYS = lambda bucket, num_decode, longest: False  # noqa: E731
+
+
 def prefill_graph_steps_exact(model: str) -> list[str]:
     """Prefill / mixed steps: graph replay against the same padded forward run eagerly, bit for
     bit (logits and the KV the step wrote). Returns the failures."""
@@ -61,6 +71,7 @@ def prefill_graph_steps_exact(model: str) -> list[str]:
     runner, blocks = engine.runner, engine.new_scheduler().block_manager
     runner.enable_prefill_graphs()
     vocab = engine.shape.vocab_size
+    rule = runner_module.takes_decode_section
 
     def request(name: str, length: int, outputs: int = 0) -> Sequence:
         seq = Sequence(name, None, 64, prompt_len=length, sampling=SamplingParams(temperature=0.0))
@@ -77,10 +88,13 @@ def prefill_graph_steps_exact(model: str) -> list[str]:
         "a cached 128 + chunk of 57, partial": [PrefillItem(request("f", 400), 128, 185, False)],
     }
     cases = [(name, StepPlan(step_id=0, kind=PREFILL, prefill=items)) for name, items in plans.items()]
-    cases.append(("mixed: chunk of 90 + 5 decodes", StepPlan(
-        step_id=0, kind=MIXED, prefill=[PrefillItem(request("g", 90), 0, 90)], decode=decoding)))
-    failures = []
+    mixed = StepPlan(step_id=0, kind=MIXED, prefill=[PrefillItem(request("g", 90), 0, 90)], decode=decoding)
+    cases.append(("mixed: chunk of 90 + 5 decodes", mixed))
+    cases.append(("mixed, decode section", mixed))
+    failures, mixed_logits = [], {}
     for name, plan in cases:
+        sectioned = name.endswith("decode section")
+        runner_module.takes_decode_section = SECTION_ALWAYS if sectioned else FOLD_ALWAYS
         for seq in [item.seq for item in plan.prefill] + plan.decode:
             history[seq.seq_id] = [(31 * i + len(seq.seq_id)) % vocab for i in range(seq.num_tokens)]
         results = []
@@ -98,6 +112,13 @@ def prefill_graph_steps_exact(model: str) -> list[str]:
         print(f"prefill graph {name:<40} replay == padded eager: {same}", flush=True)
         if not same:
             failures.append(name)
+        if plan is mixed:
+            mixed_logits[sectioned] = graph_logits
+    runner_module.takes_decode_section = rule
+    error = float((mixed_logits[True] - mixed_logits[False]).abs().max() / mixed_logits[False].abs().max())
+    print(f"prefill graph {'decode section vs folded, logits':<40} relative error {error:.1e} (<= 1e-4)", flush=True)
+    if not error <= 1e-4:
+        failures.append("decode section vs folded")
     del engine, runner
     gc.collect()
     torch.cuda.empty_cache()

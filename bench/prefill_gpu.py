@@ -13,13 +13,18 @@ above its kernel time is host-bound (launch and Python overhead); a kernel time 
 roofline is the kernels'.
 
     . bench/env.sh && python bench/prefill_gpu.py [--models qwen3-0.6b,qwen3-8b] [--tokens 128,512,2048,8192]
-        [--prefill-graphs off|on|both] [--decodes N --decode-context C,...] [--cached 0,8192,...]
+        [--prefill-graphs off,on,folded,sectioned|both] [--decodes N --decode-context C,...] [--cached 0,8192,...]
         [--block-size 64]
 
-`--prefill-graphs both` (the default) times every step eagerly, then with the runner's padded
-prefill graphs (`ModelRunner.enable_prefill_graphs`: one CUDA graph per token bucket up to 4096,
-eager above), on the same engine, one row each. `--decodes N` makes every step a mixed one: the
-prompt plus N requests decoding one token each over C cached entries (chunked prefill's shape).
+`--prefill-graphs both` (the default, = `off,on`) times every step eagerly, then with the runner's
+padded prefill graphs (`ModelRunner.enable_prefill_graphs`: one CUDA graph per token bucket up to
+4096, eager above), on the same engine, one row each. Graphed mixed steps take the decode section
+by the engine's rule (zipage/prefill_buckets.py, `takes_decode_section`); `folded` never takes it
+(every decode row a sequence of the prefill launch, the engine before the section) and `sectioned`
+always does where the rows fit it, to compare the two on either side of the rule
+(bench/check_engine_gpu.py checks what the section computes). `--decodes N` makes every step a
+mixed one: the prompt plus N requests decoding one token each over C cached entries (chunked
+prefill's shape).
 `--cached` makes each prompt a later chunk: its tokens attend to that many entries of the same
 prompt already in the cache (a long prompt's tenth 2,048-token chunk sits over ~18k).
 
@@ -46,10 +51,16 @@ from zipage.core.memory import kv_token_bytes
 from zipage.core.sampling import SamplingParams
 from zipage.core.sequence import Sequence
 from zipage.core.step import MIXED, PREFILL, PrefillItem, StepPlan, causal_pairs
+from zipage.engine import runner as runner_module
 from zipage.engine.builder import build_engine
+from zipage.prefill_buckets import decode_section_rows
 from zipage.presets import get_preset
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
+# The graphed modes by the decode section's rule they run with.
+SECTION_RULES = {"on": runner_module.takes_decode_section,
+                 "folded": lambda bucket, num_decode, longest: False,
+                 "sectioned": lambda bucket, num_decode, longest: 0 < num_decode <= decode_section_rows(bucket)}
 
 
 def matmul_flops() -> float:
@@ -78,7 +89,7 @@ def roofline(model: str, tokens: int, bandwidth: float, flops: float, cached: in
 
 
 def measure(model: str, token_counts: list[int], repeats: int, bandwidth: float,
-            flops: float, graphs: str, decodes: int, decode_contexts: tuple[int, ...],
+            flops: float, graphs: tuple[str, ...], decodes: int, decode_contexts: tuple[int, ...],
             cached_counts: tuple[int, ...] = (0,), block_size: int = 64) -> list[dict]:
     longest = max(token_counts)
     shape = get_preset(model)
@@ -90,8 +101,11 @@ def measure(model: str, token_counts: list[int], repeats: int, bandwidth: float,
     engine = build_engine(settings, "cuda", cuda_graphs=False)
     runner, scheduler = engine.runner, engine.new_scheduler()
     rows = []
-    for mode in (("off", "on") if graphs == "both" else (graphs,)):
-        if mode == "on":
+    for mode in graphs:
+        if mode != "off":
+            # (read by each step's layout: the graphs, both per bucket, are captured once)
+            runner_module.takes_decode_section = SECTION_RULES[mode]
+        if mode != "off" and not runner.prefill_graphs:
             try:
                 runner.enable_prefill_graphs()
             except Exception as error:  # noqa: BLE001 - the eager rows above still count
@@ -103,7 +117,7 @@ def measure(model: str, token_counts: list[int], repeats: int, bandwidth: float,
             running = decoding_requests(scheduler, shape, decodes, context)
             for tokens, cached in itertools.product(token_counts, cached_counts):
                 row = time_step(runner, scheduler, shape, model, tokens, running, next(step_ids), repeats, cached)
-                row.update(prefill_graphs=mode == "on", decodes=decodes, decode_context=context,
+                row.update(prefill_graphs=mode != "off", graphs_mode=mode, decodes=decodes, decode_context=context,
                            cached=cached, block_size=block_size,
                            roofline_s=roofline(model, tokens, bandwidth, flops, cached))
                 row["vs_roofline"] = row["step_s"] / row["roofline_s"]
@@ -111,6 +125,7 @@ def measure(model: str, token_counts: list[int], repeats: int, bandwidth: float,
                 print(json.dumps(row), flush=True)
             for seq in running:
                 scheduler.block_manager.release_all(seq.block_table)
+    runner_module.takes_decode_section = SECTION_RULES["on"]
     del engine, runner
     gc.collect()
     torch.cuda.empty_cache()
@@ -196,8 +211,9 @@ def main() -> None:
     parser.add_argument("--models", default="qwen3-0.6b,qwen3-8b")
     parser.add_argument("--tokens", default="128,512,2048,8192")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--prefill-graphs", choices=("off", "on", "both"), default="both",
-                        help="time steps eagerly, through padded prefill graphs, or both")
+    parser.add_argument("--prefill-graphs", default="both",
+                        help="modes, a list of off (eager), on (padded prefill graphs), folded / sectioned "
+                             "(graphs that never / always take the decode section); both = off,on")
     parser.add_argument("--decodes", type=int, default=0,
                         help="requests decoding beside each prompt (a mixed step)")
     parser.add_argument("--decode-context", default="1024",
@@ -208,6 +224,10 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true",
                         help="also print each step's costliest kernels (they are always in the json)")
     args = parser.parse_args()
+    modes = ("off", "on") if args.prefill_graphs == "both" else tuple(args.prefill_graphs.split(","))
+    if not set(modes) <= {"off", *SECTION_RULES}:
+        parser.error(f"--prefill-graphs: unknown mode in {args.prefill_graphs!r}; use off, on, folded, sectioned "
+                     "or both")
     # $OUT when set (the GPU harness collects it), else the ignored runs/ of the repository.
     out = Path(os.environ.get("OUT")
                or Path(__file__).resolve().parents[1] / "runs" / "prefill_gpu")
@@ -217,7 +237,7 @@ def main() -> None:
               "matmul_flops": flops, "rows": []}
     for model in args.models.split(","):
         report["rows"] += measure(model, [int(t) for t in args.tokens.split(",")], args.repeats,
-                                  bandwidth, flops, args.prefill_graphs, args.decodes,
+                                  bandwidth, flops, modes, args.decodes,
                                   tuple(int(c) for c in args.decode_context.split(",")),
                                   tuple(int(c) for c in args.cached.split(",")), args.block_size)
         (out / "prefill_gpu.json").write_text(json.dumps(report, indent=2))
@@ -229,6 +249,8 @@ def main() -> None:
             print(f"{row['model']:<12} graphs on failed: {row['error']}")
             continue
         graphs = row["padded_bucket"] if row["prefill_graphs"] and row["padded_bucket"] else "-"
+        if row["graphs_mode"] in ("folded", "sectioned") and row["padded_bucket"]:
+            graphs = f"{graphs}{row['graphs_mode'][0]}"
         print(f"{row['model']:<12} {graphs:>6} {row['tokens']:>6} {row['cached']:>6} "
               f"{row['decode_context'] if row['decodes'] else '-':>10} {row['step_s'] * 1e3:>8.2f} "
               f"{row['gpu_s'] * 1e3:>7.2f} {row['kernel_s'] * 1e3:>10.2f} {row['launches']:>8} "

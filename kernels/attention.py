@@ -103,17 +103,19 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     scale: float,
     *,
+    grid_batch: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence, ``q`` ``[batch, num_heads, head_dim]``, over its ``context_lens[i]`` cached
-    entries; see ``paged_decode_attention_ref``."""
+    entries; see ``paged_decode_attention_ref``. ``grid_batch``: split the contexts as for a batch of that many
+    sequences (None: ``q``'s rows)."""
     backend = _triton_backend(q)
     if backend is None:
         return paged_decode_attention_ref(q, k_cache, v_cache, context_lens, block_tables, scale,
-                                          k_scale=k_scale, v_scale=v_scale)
+                                          grid_batch=grid_batch, k_scale=k_scale, v_scale=v_scale)
     return backend.paged_decode_attention_triton(q, k_cache, v_cache, context_lens, block_tables, scale,
-                                                 **_scales(k_scale, v_scale))
+                                                 grid_batch=grid_batch, **_scales(k_scale, v_scale))
 
 
 def _scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> dict:

@@ -1206,6 +1206,7 @@ def paged_decode_attention_triton(
     scale: float,
     *,
     partition_size: int | None = None,
+    grid_batch: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -1217,8 +1218,10 @@ def paged_decode_attention_triton(
     (``decode_num_partitions``) and each sequence's partition length from its ``context_lens`` entry, read on the
     device, so nothing is read back and the call can be captured in a CUDA graph.
     ``partition_size`` (a multiple of ``_DECODE_KV_TILE``) instead fixes every partition's length, with enough
-    partitions for the block table's capacity; tests use it to force the merge. A float8 cache comes with its
-    scales ``k_scale``/``v_scale``, dequantized in registers."""
+    partitions for the block table's capacity; tests use it to force the merge. ``grid_batch`` sizes the partition
+    count as for a batch of that many sequences instead of ``q``'s rows: a graphed mixed step's decode section
+    (zipage/prefill_buckets.py) has a fixed number of rows of which a step may fill a few. A float8 cache comes
+    with its scales ``k_scale``/``v_scale``, dequantized in registers."""
     _check_cache(k_cache, v_cache)
     fp8 = _check_scales(k_cache, k_scale, v_scale)
     if q.dtype != k_cache.dtype and not fp8:
@@ -1237,7 +1240,8 @@ def paged_decode_attention_triton(
         streaming_multiprocessors = (
             _streaming_multiprocessor_count(q.device.index or 0) if q.is_cuda else _INTERPRETER_SM_COUNT
         )
-        num_partitions = decode_num_partitions(batch, num_kv_heads, streaming_multiprocessors, fp8)
+        num_partitions = decode_num_partitions(batch if grid_batch is None else grid_batch, num_kv_heads,
+                                               streaming_multiprocessors, fp8)
         fixed_partition_size = 0
     elif partition_size <= 0 or partition_size % kv_tile != 0:
         raise ValueError(f"partition_size must be a positive multiple of {kv_tile}, got {partition_size}")

@@ -215,7 +215,7 @@ def test_prefill_graphs_calibrate_the_padded_path(tiny_model, monkeypatch):  # n
     padded = []
     forward = ModelRunner.padded_forward
     monkeypatch.setattr(ModelRunner, "padded_forward",
-                        lambda runner, bucket: padded.append(bucket) or forward(runner, bucket))
+                        lambda runner, bucket, sectioned: padded.append(bucket) or forward(runner, bucket, sectioned))
     directory, _ = tiny_model
     settings = ReplaySettings(model=str(directory), kv_memory_gb=0.01,
                               config=ZipageConfig(**KNOBS))

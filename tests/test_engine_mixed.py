@@ -30,6 +30,7 @@ from zipage.core.sequence import Sequence  # noqa: E402
 from zipage.core.step import DECODE, MIXED, PREFILL, PrefillItem, StepPlan  # noqa: E402
 from zipage.core.window import WindowLayout  # noqa: E402
 from zipage.engine import loader  # noqa: E402
+from zipage.engine import runner as runner_module  # noqa: E402
 from zipage.engine.parallel import decode_step, encode_step  # noqa: E402
 from zipage.engine.runner import ModelRunner  # noqa: E402
 from zipage.rundir import read_decisions  # noqa: E402
@@ -267,7 +268,7 @@ def test_triton_mixed_steps_under_the_interpreter() -> None:
 
 
 @under_interpreter
-def test_triton_mixed_steps_equal_unchunked(tmp_path: Path) -> None:
+def test_triton_mixed_steps_equal_unchunked(tmp_path: Path, monkeypatch) -> None:
     """The same chunked schedule through the Triton kernels (interpreted, float32): mixed steps
     run the prefill kernel on the chunk rows and the split-K decode kernel on the decode rows."""
     _tiny_hf_model("qwen3", tmp_path)
@@ -282,6 +283,13 @@ def test_triton_mixed_steps_equal_unchunked(tmp_path: Path) -> None:
     padded = run_chunked(model, shape, prompts, prefill_graphs=True)
     assert padded.outputs() == unchunked.outputs()
     assert_same_caches(padded, unchunked, dict(atol=1e-4, rtol=1e-4))
+    # The decode section (the tiny contexts are below its rule's threshold, so forced here): the
+    # decode rows leave the prefill launch for the split-K kernel, put back by row index.
+    monkeypatch.setattr(runner_module, "takes_decode_section",
+                        lambda bucket, num_decode, longest: 0 < num_decode <= bucket - 1)
+    sectioned = run_chunked(model, shape, prompts, prefill_graphs=True)
+    assert sectioned.outputs() == unchunked.outputs()
+    assert_same_caches(sectioned, unchunked, dict(atol=1e-4, rtol=1e-4))
 
 
 # ---------------------------------------------------------------- through the core's chunked scheduler

@@ -2,9 +2,10 @@
 
 A graph cannot be captured here, but everything it runs can: with prefill graphs on, a step of
 up to the largest token bucket is staged into the runner's static tensors in the padded layout
-(rows padded to the bucket, sequences to the bucket's capacity, decode rows folded in as 1-token
-sequences, a fixed-size work list) and the padded forward runs on them, exactly the forward a
-graph captures. It must give the eager results; the Triton side (padded work items) is checked
+(rows padded to the bucket, sequences to the bucket's capacity, decode rows as 1-token sequences,
+the longest of them in the decode section's slots and the rest folded into a fixed-size work
+list) and the padded forward runs on them, exactly the forward a graph captures. It must give
+the eager results; the Triton side (padded work items) is checked
 under the interpreter in tests/test_kernels_attention.py and tests/test_engine_mixed.py.
 """
 
@@ -24,6 +25,7 @@ from test_models_hf_parity import _tiny_hf_model  # noqa: E402
 
 from zipage import LLM  # noqa: E402
 from zipage.engine import loader  # noqa: E402
+from zipage.engine import runner as runner_module  # noqa: E402
 from zipage.engine.runner import ModelRunner  # noqa: E402
 from zipage.rundir import read_decisions  # noqa: E402
 
@@ -36,9 +38,9 @@ def count_padded_steps(monkeypatch) -> list[int]:
     buckets: list[int] = []
     original = ModelRunner.padded_forward
 
-    def spy(runner, bucket):
+    def spy(runner, bucket, sectioned):
         buckets.append(bucket)
-        return original(runner, bucket)
+        return original(runner, bucket, sectioned)
 
     monkeypatch.setattr(ModelRunner, "padded_forward", spy)
     return buckets
@@ -59,6 +61,78 @@ def test_padded_mixed_steps_equal_eager(architecture: str, tmp_path: Path, monke
     assert buckets == [16, 64, 64, 64, 32, 16]  # 10, 42, 33, 37, 27 and 4 rows
 
 
+def record_layouts(monkeypatch) -> list[tuple]:
+    """Record (inputs, layout) of every padded step the runners of this test stage."""
+    layouts: list[tuple] = []
+    original = ModelRunner.padded_layout
+
+    def spy(runner, inputs, bucket):
+        layout = original(runner, inputs, bucket)
+        layouts.append((inputs, layout))
+        return layout
+
+    monkeypatch.setattr(ModelRunner, "padded_layout", spy)
+    return layouts
+
+
+# The decode section's rule, forced either way: the tiny models' contexts are far below the
+# engine's DECODE_SECTION_MIN_CONTEXT, so by the rule itself every mixed step here folds.
+SECTION_RULES = {"never": lambda bucket, num_decode, longest: False,
+                 "always": lambda bucket, num_decode, longest: 0 < num_decode <= bucket - 1,
+                 # both graphs of a bucket in one run, the section's slots refilled after steps
+                 # that left them stale
+                 "odd": lambda bucket, num_decode, longest: 0 < num_decode <= bucket - 1 and num_decode % 2 == 1}
+
+
+def force_decode_section(monkeypatch, rule: str) -> None:
+    monkeypatch.setattr(runner_module, "takes_decode_section", SECTION_RULES[rule])
+
+
+@pytest.mark.parametrize("rule", ["never", "always"])
+def test_padded_mixed_steps_with_or_without_the_decode_section_equal_eager(rule: str, tmp_path: Path,
+                                                                           monkeypatch) -> None:
+    """With the decode section a mixed step's decode rows fill its slots and leave the prefill
+    work list; without it each is a work item. Both give the eager results."""
+    _tiny_hf_model("qwen3", tmp_path)
+    model, shape, _ = loader.load_model(str(tmp_path), dtype=torch.float32, device="cpu")
+    prompts = random_prompts(shape.vocab_size)
+    unchunked = run_unchunked(model, shape, prompts)
+    force_decode_section(monkeypatch, rule)
+    layouts = record_layouts(monkeypatch)
+    padded = run_chunked(model, shape, prompts, prefill_graphs=True)
+    assert padded.outputs() == unchunked.outputs()
+    assert_same_caches(padded, unchunked)
+    mixed = [(inputs, layout, sectioned) for inputs, (layout, sectioned) in layouts
+             if inputs.decode_context_lens is not None]
+    assert mixed and all(sectioned == (rule == "always") for _, _, sectioned in mixed)
+    for inputs, layout, sectioned in mixed:
+        chunks, decodes = len(inputs.context_lens), len(inputs.decode_context_lens)
+        worked = set(layout["work_items"][:, 0].tolist()) - {-1}
+        assert worked == set(range(chunks + (0 if sectioned else decodes)))
+        if not sectioned:
+            assert "section_rows" not in layout
+            continue
+        first_decode_row = int(inputs.cu_seqlens_q[-1])
+        filled = layout["section_filled"].flatten()
+        assert filled.tolist() == [True] * decodes + [False] * (len(filled) - decodes)
+        assert layout["section_rows"][:decodes].tolist() == list(range(first_decode_row, first_decode_row + decodes))
+        assert not layout["section_rows"][decodes:].any()  # empty slots name row 0
+        assert torch.equal(layout["section_context_lens"][:decodes], inputs.decode_context_lens)
+        assert not layout["section_context_lens"][decodes:].any()
+
+
+def test_the_decode_section_rule() -> None:
+    """A step takes the section with at most its slots of decode rows, the longest long enough."""
+    from zipage.prefill_buckets import DECODE_SECTION_MIN_CONTEXT, DECODE_SECTION_ROWS, takes_decode_section
+
+    long = DECODE_SECTION_MIN_CONTEXT
+    assert takes_decode_section(2048, DECODE_SECTION_ROWS, long)
+    assert not takes_decode_section(2048, DECODE_SECTION_ROWS + 1, long)  # more rows fill the GPU
+    assert not takes_decode_section(2048, 16, long - 1)  # a short tail the chunks' tiles hide
+    assert not takes_decode_section(2048, 0, 0)
+    assert takes_decode_section(16, 15, long) and not takes_decode_section(16, 16, long)
+
+
 def test_steps_above_the_largest_bucket_run_eagerly(tmp_path: Path, monkeypatch) -> None:
     _tiny_hf_model("qwen3", tmp_path)
     model, shape, _ = loader.load_model(str(tmp_path), dtype=torch.float32, device="cpu")
@@ -76,31 +150,38 @@ def test_steps_above_the_largest_bucket_run_eagerly(tmp_path: Path, monkeypatch)
 class EagerReplay:
     """Stands in for a captured prefill graph: the padded forward into the static hidden states."""
 
-    def __init__(self, runner: ModelRunner, bucket: int) -> None:
-        self.runner, self.bucket = runner, bucket
+    def __init__(self, runner: ModelRunner, bucket: int, sectioned: bool) -> None:
+        self.runner, self.bucket, self.sectioned = runner, bucket, sectioned
 
     def replay(self) -> None:
-        self.runner.padded_inputs["hidden"][:self.bucket] = self.runner.padded_forward(self.bucket)
+        self.runner.padded_inputs["hidden"][:self.bucket] = self.runner.padded_forward(self.bucket, self.sectioned)
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole-prompts", "chunked"])
 @pytest.mark.parametrize("knobs", [dict(compress=False, block_size=16, kv_memory_gb=0.002),
                                    dict(SMALL, async_compress=False), SMALL],
                          ids=["full-kv", "compress-sync", "compress-async"])
-def test_graph_replay_path_matches_eager(tiny_model, knobs, monkeypatch):  # noqa: F811
+def test_graph_replay_path_matches_eager(tiny_model, knobs, chunked, monkeypatch):  # noqa: F811
     """Whole runs through the scheduler (prefix-cache hits, preemption, compression reading the
     window queries padded prefills wrote), the replay branch served by a stand-in graph: the
     static inputs are refilled step after step, with fewer sequences and narrower tables than
-    earlier steps left behind."""
+    earlier steps left behind. Chunked, the mixed steps switch between a bucket's two graphs."""
+    if chunked:
+        knobs = dict(knobs, chunked_prefill=True, max_num_batched_tokens=16)
     directory, reference = tiny_model
     prompts = prompts_with_shared_prefix()
     eager = LLM(str(directory), **knobs).generate(prompts, GREEDY, progress=False)
     llm = LLM(str(directory), **knobs, prefill_graphs=True)
     runner = llm.engine.runner
     assert runner.prefill_buckets and not runner.prefill_graphs  # on, nothing captured on the CPU
-    runner.prefill_graphs = {bucket: EagerReplay(runner, bucket) for bucket in runner.prefill_buckets}
-    buckets = count_padded_steps(monkeypatch)
+    runner.prefill_graphs = {(bucket, sectioned): EagerReplay(runner, bucket, sectioned)
+                             for bucket in runner.prefill_buckets for sectioned in (False, True)}
+    force_decode_section(monkeypatch, "odd")
+    buckets, layouts = count_padded_steps(monkeypatch), record_layouts(monkeypatch)
     padded = llm.generate(prompts, GREEDY, progress=False)
     assert [o.token_ids for o in padded] == [o.token_ids for o in eager]
+    mixed = {sectioned for inputs, (_, sectioned) in layouts if inputs.decode_context_lens is not None}
+    assert mixed == ({False, True} if chunked else set())
     assert len(buckets) >= sum(1 for step in llm.last_run.steps if step.kind == "prefill") > 0
     if knobs.get("compress", True):
         assert llm.last_run.summary["compressions"] > 0

@@ -508,6 +508,23 @@ def test_decode_matches_reference(triton_kernels, monkeypatch, dtype, group, blo
     assert torch.count_nonzero(out[3]) == 0
 
 
+@under_interpreter
+@pytest.mark.parametrize("grid_batch", [1, 64])
+def test_decode_split_sized_for_another_batch_matches_reference(triton_kernels, grid_batch):
+    """`grid_batch` (a graphed mixed step's decode section) changes how many partitions each
+    sequence is cut into (many for 1, one for 64), not the result."""
+    generator = torch.Generator().manual_seed(11)
+    context_lens = [300, 0, 17]
+    batch = make_paged_batch([max(length, 1) for length in context_lens], 16, torch.float32, generator)
+    batch.context_lens = torch.tensor(context_lens, dtype=torch.int32)
+    q = torch.randn((len(context_lens), NUM_KV_HEADS * 4, HEAD_DIM), generator=generator)
+    arguments = (q, batch.k_cache, batch.v_cache, batch.context_lens, batch.block_tables, 0.125)
+    out = triton_kernels.paged_decode_attention_triton(*arguments, grid_batch=grid_batch)
+    torch.testing.assert_close(out, paged_decode_attention_ref(*arguments), **TOLERANCES[torch.float32])
+    partitions = triton_kernels.decode_num_partitions(grid_batch, NUM_KV_HEADS, triton_kernels._INTERPRETER_SM_COUNT)
+    assert (partitions > 1) == (grid_batch == 1)
+
+
 # Every model preset's query heads per KV head and head size, (2, 128) to (8, 128) and (3, 64) and
 # (7, 64): the groups that are not powers of two run padded lanes. Two KV heads each (the kernels'
 # programs split by KV head), so the shapes stay small under the interpreter.

@@ -23,6 +23,26 @@ from zipage.kernels.attention import PrefillWork
 
 
 @dataclass
+class DecodeSection:
+    """A padded (graphed) mixed step's decode rows that attend through the split-K decode kernel
+    rather than in the prefill launch (zipage/engine/runner.py, 'Prefill graphs'). Its slots are
+    fixed in number; a step fills the first few.
+
+    - `rows` int64 [slots]: each slot's row in the step; an empty slot names row 0, always a
+      chunk's row, whose prefill output it writes back unchanged.
+    - `filled` bool [slots, 1, 1]: the slot holds a decode row.
+    - `context_lens` int32 [slots] (0 in an empty slot), `block_tables` int32 [slots, max_blocks].
+    - `grid_batch`: the decode kernel's split is sized as for this many rows.
+    """
+
+    rows: torch.Tensor
+    filled: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    grid_batch: int
+
+
+@dataclass
 class ForwardContext:
     """What one forward step needs beyond token ids and positions. Tensors live on the model's device.
 
@@ -44,6 +64,8 @@ class ForwardContext:
     - `num_prefill_tokens`, `decode_context_lens` int32 [num_decode], `decode_block_tables` int32
       [num_decode, max_blocks]: a mixed step's decode rows, which follow the chunk rows
       (`num_prefill_tokens` of them) and attend through the split-K decode kernel. None on other steps.
+    - `decode_section` (`DecodeSection`), optional: a padded step's decode rows that leave the
+      prefill launch for the split-K decode kernel; their rows have no prefill work items.
     - `logits_indices` int64 [num_sampled], optional: the rows whose logits the step computes, in the
       order tokens are sampled. None: the last row of each prefill sequence (prefill), every row (decode).
     - `query_slot_mapping` int64 [num_tokens], optional: the compression hook. A token whose entry is
@@ -62,6 +84,7 @@ class ForwardContext:
     num_prefill_tokens: int | None = None
     decode_context_lens: torch.Tensor | None = None
     decode_block_tables: torch.Tensor | None = None
+    decode_section: DecodeSection | None = None
     logits_indices: torch.Tensor | None = None
 
 

@@ -261,6 +261,8 @@ class PagedAttention(nn.Module):
                 query, self.k_cache, self.v_cache, context.context_lens, context.block_tables, self.scale,
                 **self.kv_scales,
             )
+        if context.decode_section is not None:
+            return self._prefill_with_section(query, context)
         if context.decode_context_lens is None:
             return self._prefill(query, context)
         # A mixed step: the chunk rows through the varlen prefill kernel, the decode rows through the
@@ -273,6 +275,20 @@ class PagedAttention(nn.Module):
             context.decode_block_tables, self.scale, **self.kv_scales,
         )
         return torch.cat((chunks, decoded))
+
+    def _prefill_with_section(self, query: torch.Tensor, context) -> torch.Tensor:
+        """A padded step: the prefill launch over every row with work items, then the decode
+        section's rows (none of them in that launch's work) through the split-K decode kernel,
+        put back in place. An empty slot names a chunk row and rewrites its own output, so what
+        the graph computes does not depend on how many slots a step fills."""
+        out = self._prefill(query, context)
+        section = context.decode_section
+        decoded = paged_decode_attention(
+            query.index_select(0, section.rows), self.k_cache, self.v_cache, section.context_lens,
+            section.block_tables, self.scale, grid_batch=section.grid_batch, **self.kv_scales,
+        )
+        kept = torch.where(section.filled, decoded, out.index_select(0, section.rows))
+        return out.index_copy_(0, section.rows, kept)
 
     def _prefill(self, query: torch.Tensor, context) -> torch.Tensor:
         return paged_prefill_attention(

@@ -5,7 +5,7 @@ that samples (`StepPlan.sampled`) with each request's own `SamplingParams` (`seq
 allocates the caches (`engine/caches.py`) and gives each attention layer views of them; the
 compressor gets the caches, not the runner.
 Decode steps replay CUDA graphs captured for a ladder of batch sizes (eager above the largest);
-prefill and mixed steps run through a padded layout and a graph per token bucket (below) when
+prefill and mixed steps run through a padded layout and graphs per token bucket (below) when
 prefill graphs are on (`prefill_graphs=True`; `build_engine` turns them on wherever decode
 graphs are captured, the CLI's `--no-prefill-graphs` off), eagerly otherwise. On the CPU the
 same code runs the torch reference kernels.
@@ -32,10 +32,13 @@ launcher time each on an H200, against 5-11 ms of kernels for 128-512 tokens). A
 next size of the ladder in zipage/prefill_buckets.py): rows (padding rows store nothing),
 sequences (padding sequences are empty), a block table of the widest shape and a fixed-size work
 list for the prefill kernel; the decode rows of a mixed step become sequences of one new token in
-the same prefill launch, because a graph's grid cannot depend on how many rows decode (they lose the decode kernel's
-split-K inside graphed steps: the bucket's size bounds how many, not how long; a few rows of long context make a
-serial tail, 10-19 ms of a Llama-3.1-8B step beside 16 rows at 20k entries on an H200, docs/cost_model.md,
-'Decode rows in graphed mixed steps'). Each bucket's graph replays that
+the same prefill launch, because a graph's grid cannot depend on how many rows decode. They lose the
+decode kernel's split-K there, so a few rows of long context make a serial tail (15 ms of a
+Llama-3.1-8B step beside 16 rows at 20k entries on an H200). Each bucket therefore has a second
+graph, with a decode section: a fixed number of slots whose rows go through the split-K decode kernel
+after the prefill launch, empty slots with no entries; a step of a few decode rows of long context
+(`takes_decode_section`, zipage/prefill_buckets.py) fills its first slots and gives its decode rows
+no prefill work item (docs/cost_model.md, 'The decode section'). Each bucket's graph replays that
 padded forward up to the last hidden states; the logits of the rows that sample follow eagerly
 (one gather and one matmul of the right size). The same forward runs eagerly where no graph was
 captured (the CPU and its tests), so turning graphs on changes nothing but the launches. Larger
@@ -59,13 +62,19 @@ from zipage.core.window import WindowLayout
 from zipage.decode_grid import GRAPH_BATCH_SIZES
 from zipage.engine.caches import KVCaches
 from zipage.engine.compressor import Compressor
-from zipage.engine.context import ForwardContext, forward_context
+from zipage.engine.context import DecodeSection, ForwardContext, forward_context
 from zipage.engine.host_kv import HostKV
 from zipage.engine.host_tables import HostTables
 from zipage.engine.sampler import sample, token_logprobs
 from zipage.engine.structured import StructuredOutputs
 from zipage.kernels.attention import PrefillWork, prefill_tile_tokens, prefill_work, prefill_work_capacity
-from zipage.prefill_buckets import bucket_of, buckets_up_to
+from zipage.prefill_buckets import (
+    DECODE_SECTION_GRID_BATCH,
+    bucket_of,
+    buckets_up_to,
+    decode_section_rows,
+    takes_decode_section,
+)
 from zipage.shape import ModelShape
 
 
@@ -174,9 +183,9 @@ class ModelRunner:
         # step's decode rows on the device (`_feed_tokens`).
         self._feeding: Launched | None = None
         # Padded prefill/mixed steps (with `prefill_graphs`): token buckets, their static
-        # inputs, and a graph per bucket where graphs can be captured.
+        # inputs, and two graphs per bucket (folded; with the decode section) where graphs can be captured.
         self.prefill_buckets: tuple[int, ...] = ()
-        self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.prefill_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.padded_inputs: dict[str, torch.Tensor] = {}
         if cuda_graphs and device.type == "cuda":
             self.capture_decode_graphs()
@@ -661,6 +670,7 @@ class ModelRunner:
         """Static tensors of the padded layout for up to `largest` rows; bucket b uses their
         first rows / sequences / work items (`padded_context`), so one set serves every bucket."""
         device, seqs = self.device, self.bucket_sequences(largest)
+        slots = decode_section_rows(largest)
         rows = torch.zeros(4, largest, dtype=torch.int64, device=device)
         rows[2:] = -1  # store no KV and no query until a step fills them
         self.padded_inputs = {
@@ -671,12 +681,20 @@ class ModelRunner:
                                         device=device),
             "work_items": torch.full((self.bucket_work_items(largest), 2), -1, dtype=torch.int32,
                                      device=device),
+            # The decode section (`DecodeSection`): rows, filled, context lens, block tables.
+            "section_rows": torch.zeros(slots, dtype=torch.int64, device=device),
+            "section_filled": torch.zeros(slots, 1, 1, dtype=torch.bool, device=device),
+            "section_context_lens": torch.zeros(slots, dtype=torch.int32, device=device),
+            "section_block_tables": torch.zeros(slots, self.max_blocks_per_seq,
+                                                dtype=torch.int32, device=device),
             "hidden": torch.empty(largest, self.shape.hidden_size, dtype=self.dtype, device=device),
         }
 
-    def padded_context(self, bucket: int) -> ForwardContext:
-        """The forward context of a padded step of `bucket` rows (captured and replayed with)."""
+    def padded_context(self, bucket: int, sectioned: bool) -> ForwardContext:
+        """The forward context of a padded step of `bucket` rows (captured and replayed with);
+        `sectioned`: with the decode section."""
         static, seqs = self.padded_inputs, self.bucket_sequences(bucket)
+        slots = decode_section_rows(bucket)
         return ForwardContext(
             is_prefill=True, slot_mapping=static["rows"][2, :bucket],
             cu_seqlens_q=static["cu_seqlens_q"][:seqs + 1],
@@ -684,52 +702,74 @@ class ModelRunner:
             block_tables=static["block_tables"][:seqs],
             prefill_work=PrefillWork(static["work_items"][:self.bucket_work_items(bucket)],
                                      self.tile_tokens),
+            decode_section=DecodeSection(
+                static["section_rows"][:slots], static["section_filled"][:slots],
+                static["section_context_lens"][:slots], static["section_block_tables"][:slots],
+                DECODE_SECTION_GRID_BATCH) if sectioned else None,
             query_slot_mapping=static["rows"][3, :bucket] if self.query_cache is not None
             else None)
 
-    def padded_forward(self, bucket: int) -> torch.Tensor:
+    def padded_forward(self, bucket: int, sectioned: bool) -> torch.Tensor:
         """The forward of a padded step on the static inputs, to the last hidden states of its
-        `bucket` rows: what a prefill graph captures. The logits are left out: a graph would
+        `bucket` rows: what a prefill graph captures (two per bucket: with the decode section and
+        without). The logits are left out: a graph would
         compute them for every sequence the bucket can hold (up to 512 rows of the LM head, ~1 ms
         of the Qwen3-8B's 512-token step on an H200), where a step samples a few."""
         static = self.padded_inputs
-        with forward_context(self.padded_context(bucket)):
+        with forward_context(self.padded_context(bucket, sectioned)):
             return self.model(static["rows"][0, :bucket], static["rows"][1, :bucket])
 
-    def padded_layout(self, inputs: StepInputs, bucket: int) -> dict[str, torch.Tensor]:
-        """Host tensors of `inputs` in the padded layout of `bucket` rows.
+    def padded_layout(self, inputs: StepInputs, bucket: int) -> tuple[dict[str, torch.Tensor], bool]:
+        """Host tensors of `inputs` in the padded layout of `bucket` rows, and whether the step
+        takes the decode section (`takes_decode_section`).
 
-        The decode rows become sequences of one new token (`PrefillWork` items like any tile), so
-        one prefill launch covers every row and its size depends on the bucket only. Padding:
-        rows store nothing (slot -1, query -1), padding sequences are empty (context 0, no work
-        item), padding work items are (-1, -1).
+        The decode rows become sequences of one new token, so the step's size depends on the
+        bucket only. Without the section they are `PrefillWork` items like any tile; with it they
+        fill its first slots and have no work item. Padding: rows store nothing (slot -1, query
+        -1), padding sequences are empty (context 0, no work item), padding work items are
+        (-1, -1), empty slots name row 0 with no entries.
         """
         num_rows, seqs = len(inputs.input_ids), self.bucket_sequences(bucket)
         cu, lens, tables = inputs.cu_seqlens_q, inputs.context_lens, [inputs.block_tables]
+        query_lens = (cu[1:] - cu[:-1]).long()
+        layout, sectioned = {}, False
         if inputs.decode_context_lens is not None:
             decodes = len(inputs.decode_context_lens)
+            sectioned = takes_decode_section(bucket, decodes, int(inputs.decode_context_lens.max()))
+            first_row = int(cu[-1])
             cu = torch.cat((cu, cu[-1] + torch.arange(1, decodes + 1, dtype=torch.int32)))
             lens = torch.cat((lens, inputs.decode_context_lens))
             tables.append(inputs.decode_block_tables)
+            query_lens = torch.cat((query_lens, torch.full((decodes,), 0 if sectioned else 1)))
+            if sectioned:
+                slots = decode_section_rows(bucket)
+                layout["section_rows"] = torch.zeros(slots, dtype=torch.int64)
+                layout["section_rows"][:decodes] = torch.arange(first_row, first_row + decodes)
+                layout["section_filled"] = torch.zeros(slots, 1, 1, dtype=torch.bool)
+                layout["section_filled"][:decodes] = True
+                layout["section_context_lens"] = torch.zeros(slots, dtype=torch.int32)
+                layout["section_context_lens"][:decodes] = inputs.decode_context_lens
+                layout["section_block_tables"] = inputs.decode_block_tables
         padding = seqs - len(lens)
         cu = torch.cat((cu, cu[-1:].expand(padding)))
         lens = torch.cat((lens, torch.zeros(padding, dtype=torch.int32)))
+        query_lens = torch.cat((query_lens, torch.zeros(padding, dtype=torch.int64)))
         rows = torch.tensor([0, 0, -1, -1], dtype=torch.int64)[:, None].repeat(1, bucket)
         rows[:, :num_rows] = torch.stack((inputs.input_ids, inputs.positions,
                                           inputs.slot_mapping, inputs.query_slot_mapping))
-        work = prefill_work((cu[1:] - cu[:-1]).long(), self.tile_tokens,
-                            self.bucket_work_items(bucket))
+        work = prefill_work(query_lens, self.tile_tokens, self.bucket_work_items(bucket))
         width = max(table.shape[1] for table in tables)
-        return {"rows": rows, "cu_seqlens_q": cu, "context_lens": lens,
-                "block_tables": torch.cat([_widen(table, width) for table in tables]),
-                "work_items": work.items}
+        layout.update(rows=rows, cu_seqlens_q=cu, context_lens=lens,
+                      block_tables=torch.cat([_widen(table, width) for table in tables]),
+                      work_items=work.items)
+        return layout, sectioned
 
     def _prefill_padded(self, inputs: StepInputs, bucket: int,
                         decode: list[Sequence] = ()) -> torch.Tensor | None:
         """Stage a step into the static inputs of its bucket, then replay the bucket's graph (or,
         without one, run the same padded forward eagerly). `decode`: the step's decode requests,
         whose rows end the step's rows."""
-        layout = self.padded_layout(inputs, bucket)
+        layout, sectioned = self.padded_layout(inputs, bucket)
         static = self.padded_inputs
         # Each into the leading part of its static tensor. Of the block tables only the rows and
         # columns this step uses are written: stale entries beyond are never read.
@@ -742,9 +782,9 @@ class ModelRunner:
         # Before the replay: a copy from pageable memory waits for the stream, so after it the
         # host would queue the logits only once the whole graph had run.
         indices = self._to_device(inputs.logits_indices) if inputs.logits_indices.numel() else None
-        graph = self.prefill_graphs.get(bucket)
+        graph = self.prefill_graphs.get((bucket, sectioned))
         if graph is None:
-            hidden = self.padded_forward(bucket)
+            hidden = self.padded_forward(bucket, sectioned)
         else:
             graph.replay()
             hidden = static["hidden"][:bucket]
@@ -754,17 +794,18 @@ class ModelRunner:
             return self.model.compute_logits(hidden)
 
     def capture_prefill_graphs(self) -> None:
-        """One graph per token bucket, largest first, in the decode graphs' memory pool."""
+        """Two graphs per token bucket (with the decode section and without), largest first, in
+        the decode graphs' memory pool."""
         static = self.padded_inputs
-        for bucket in reversed(self.prefill_buckets):
+        for bucket, sectioned in itertools.product(reversed(self.prefill_buckets), (False, True)):
             graph = torch.cuda.CUDAGraph()
             with torch.inference_mode():
-                self.padded_forward(bucket)  # warm-up outside the graph (Triton compiles)
+                self.padded_forward(bucket, sectioned)  # warm-up outside the graph (Triton compiles)
                 torch.cuda.synchronize()
                 with torch.cuda.graph(graph, pool=self.graph_pool):
-                    static["hidden"][:bucket] = self.padded_forward(bucket)
+                    static["hidden"][:bucket] = self.padded_forward(bucket, sectioned)
             self.graph_pool = graph.pool()
-            self.prefill_graphs[bucket] = graph
+            self.prefill_graphs[bucket, sectioned] = graph
         torch.cuda.synchronize()
 
     # ------------------------------------------------------------------ helpers
