@@ -19,7 +19,7 @@ from zipage.decode_grid import decode_num_partitions, programs_per_sm
 from zipage.dtypes import DTYPE_BYTES
 from zipage.errors import ConfigError
 from zipage.hardware import GPUSpec
-from zipage.prefill_buckets import PREFILL_GRAPH_TOKENS
+from zipage.prefill_buckets import DECODE_SECTION_GRID_BATCH, PREFILL_GRAPH_TOKENS, bucket_of, takes_decode_section
 from zipage.profile import COST_KNOBS, PROFILE_VERSION
 from zipage.scoring import DEFAULT_SCORING, ScoringCost, scoring_spec
 from zipage.shape import ModelShape
@@ -64,10 +64,11 @@ KERNEL_LATENCY_S = 4.0e-6
 # short ones lasts as long as that sequence's program (LongBench: a 6k-token prompt not yet
 # compressed doubles a Qwen3-8B decode step). Fitted with KERNEL_LATENCY_S above.
 DECODE_PROGRAM_BANDWIDTH = 15.8e9
-# A mixed step of at most the largest prefill graph's rows runs in a CUDA graph whose one prefill
-# launch also covers its decode rows, each a sequence of one new token (zipage/engine/runner.py,
-# 'Prefill graphs'): one program a row and KV head walks that row's whole context, with no
-# split-K. A program's time a layer and entry grows with the query heads it carries (its KV
+# A mixed step of at most the largest prefill graph's rows runs in a CUDA graph. Unless it takes
+# the decode section (zipage/prefill_buckets.py: at most 32 decode rows, the longest of 2k entries
+# or more), its one prefill launch also covers its decode rows, each a sequence of one new token
+# (zipage/engine/runner.py, 'Prefill graphs'): one program a row and KV head walks that row's
+# whole context, with no split-K. A program's time a layer and entry grows with the query heads it carries (its KV
 # group): 11.4 ns a head, from whole graphed steps on an H200 with 16 decode rows at 1k-20k
 # entries beside a 496- or 2,032-token chunk, eager steps subtracted (Llama-3.1-8B, group 4:
 # 43.8 ns; Qwen3-0.6B, group 2: 23.7 ns; bench/prefill_gpu.py, 2026-12-02; docs/cost_model.md,
@@ -219,6 +220,10 @@ class AnalyticCostModel(CostModel):
         self._decode_kv_token_s = self._kv_token_s / (
             FP8_DECODE_BANDWIDTH_EFFICIENCY if kv_cache_dtype == "fp8" else 1.0)
         self.decode_programs_per_sm = programs_per_sm(kv_cache_dtype)  # the engine's grid for it
+        # A graphed mixed step's decode section splits its rows as for this fixed batch.
+        self._section_partitions = decode_num_partitions(
+            DECODE_SECTION_GRID_BATCH, self.kv_heads, gpu.streaming_multiprocessors,
+            programs_per_sm=self.decode_programs_per_sm)
         # One query-key pair costs a multiply-add in QK^T and one in PV, per query head and layer.
         self._attention_pair_s = (4 * layers * self.q_heads * head_dim
                                   / (gpu.achievable_flops * ATTENTION_COMPUTE_EFFICIENCY))
@@ -281,10 +286,17 @@ class AnalyticCostModel(CostModel):
             context = decode_context_tokens
             attention = _roofline(context * self._decode_kv_token_s, context * self._attention_pair_s)
             if decode_max_context:
-                if num_prefill and batch + tokens <= PREFILL_GRAPH_TOKENS[-1]:
-                    folded = decode_max_context * self._folded_entry_s  # no split-K in the graph
+                partitions = terms[1]
+                bucket = bucket_of(batch + tokens, PREFILL_GRAPH_TOKENS) if num_prefill else None
+                if bucket is not None:  # a graphed mixed step
+                    if takes_decode_section(bucket, batch, decode_max_context):
+                        partitions = self._section_partitions
+                    else:
+                        partitions = 0  # folded: no split-K in the graph
+                if partitions == 0:
+                    folded = decode_max_context * self._folded_entry_s
                 else:
-                    longest = -(-decode_max_context // terms[1]) * self._program_entry_s
+                    longest = -(-decode_max_context // partitions) * self._program_entry_s
                     if longest > attention:
                         attention = longest
         if num_prefill:

@@ -29,6 +29,7 @@ from zipage.core.memory import kv_entry_bytes
 from zipage.core.step import DECODE, MIXED, PREFILL, CompressionBatch, PrefillItem, StepPlan, causal_pairs
 from zipage.errors import ConfigError
 from zipage.hardware import HARDWARE, get_hardware
+from zipage.prefill_buckets import DECODE_SECTION_MIN_CONTEXT, DECODE_SECTION_ROWS
 from zipage.presets import get_preset
 from zipage.sim.analytic import (
     FOLDED_DECODE_HEAD_ENTRY_S,
@@ -394,26 +395,42 @@ def mixed_work(tokens: int, cached: int, decodes: int, context: int) -> StepWork
 
 
 def test_a_graphed_mixed_steps_decode_rows_walk_their_contexts_in_the_prefill_launch():
-    # The engine runs a mixed step of up to the largest prefill graph's rows in a CUDA graph, its decode rows as
-    # programs of the prefill launch (zipage/engine/runner.py): one program a row and KV head walks the row's whole
-    # context, a tail after the chunks' tiles. Above the graphs' rows the step is eager and the decode rows split.
+    # The engine runs a mixed step of up to the largest prefill graph's rows in a CUDA graph. Unless the step takes
+    # the decode section (zipage/prefill_buckets.py), its decode rows are programs of the prefill launch: one
+    # program a row and KV head walks the row's whole context, a tail after the chunks' tiles.
     h200 = get_hardware("h200")
     llama, small = (AnalyticCostModel(get_preset(name), h200, block_size=64, kv_budget=512)
                     for name in ("llama-3.1-8b", "qwen3-0.6b"))
-    tail = [llama.forward_time_for(mixed_work(496, 0, 16, context)) for context in (10000, 20000)]
+    rows = DECODE_SECTION_ROWS + 8  # past the section: folded however long
+    tail = [llama.forward_time_for(mixed_work(496, 0, rows, context)) for context in (10000, 20000)]
     group = 32 / 8  # Llama-3.1-8B's query heads a KV head
     assert tail[1] - tail[0] == pytest.approx(10000 * 32 * group * FOLDED_DECODE_HEAD_ENTRY_S, rel=0.05)
-    # Half the group (Qwen3-0.6B: 16 / 8), fewer layers: a shorter walk an entry.
-    small_tail = [small.forward_time_for(mixed_work(496, 0, 16, context)) for context in (10000, 20000)]
-    assert small_tail[1] - small_tail[0] == pytest.approx(10000 * 28 * 2 * FOLDED_DECODE_HEAD_ENTRY_S, rel=0.05)
+    # Half the group (Qwen3-0.6B: 16 / 8), fewer layers: a shorter walk an entry (16 rows below the section's
+    # threshold: 40 rows of this small model's entries are bound by reading them).
+    small_tail = [small.forward_time_for(mixed_work(496, 0, 16, context)) for context in (1000, 2000)]
+    assert small_tail[1] - small_tail[0] == pytest.approx(1000 * 28 * 2 * FOLDED_DECODE_HEAD_ENTRY_S, rel=0.05)
     # A long chunk hides part of the tail (its own tiles run first): adding the 20k rows costs less beside it.
-    beside = [llama.forward_time_for(mixed_work(2032, cached, 16, 20000))
-              - llama.forward_time_for(mixed_work(2032, cached, 16, 500)) for cached in (0, 16384)]
+    beside = [llama.forward_time_for(mixed_work(2032, cached, rows, 20000))
+              - llama.forward_time_for(mixed_work(2032, cached, rows, 500)) for cached in (0, 16384)]
     assert beside[1] < beside[0]
     assert 0 < FOLDED_DECODE_OVERLAP < 1
     # An eager step (more rows than the largest graph) splits the long rows over the decode grid's partitions.
     eager = [llama.forward_time_for(mixed_work(4096, 0, 16, context)) for context in (10000, 20000)]
     assert eager[1] - eager[0] < 0.5 * (tail[1] - tail[0])
+
+
+def test_a_graphed_mixed_step_of_a_few_long_decode_rows_splits_them_in_the_decode_section():
+    # At most DECODE_SECTION_ROWS rows, the longest of DECODE_SECTION_MIN_CONTEXT entries or more: the graph's
+    # split-K decode kernel (bench/decode_section_gpu.sh, 2026-12-02: 16 rows of 20k beside a 496-token chunk,
+    # Llama-3.1-8B on an H200, 41.3 ms folded, 23.2 with the section).
+    llama = AnalyticCostModel(get_preset("llama-3.1-8b"), get_hardware("h200"), block_size=64, kv_budget=512)
+    section = [llama.forward_time_for(mixed_work(496, 0, 16, context)) for context in (10000, 20000)]
+    folded_slope = 10000 * 32 * 4 * FOLDED_DECODE_HEAD_ENTRY_S
+    assert section[1] - section[0] < 0.5 * folded_slope
+    # Below the threshold the rows fold; at it the step gets cheaper (the tail is gone).
+    below = [llama.forward_time_for(mixed_work(496, 0, 16, DECODE_SECTION_MIN_CONTEXT - n)) for n in (1000, 1)]
+    assert below[1] - below[0] == pytest.approx(999 * 32 * 4 * FOLDED_DECODE_HEAD_ENTRY_S, rel=0.05)
+    assert llama.forward_time_for(mixed_work(496, 0, 16, DECODE_SECTION_MIN_CONTEXT)) < below[1]
 
 
 def test_prefill_pairs_are_priced_at_the_paged_prefill_kernels_rate():
