@@ -12,10 +12,13 @@
 #            with the section (the non-regression check)
 #   longbench - traces/longbench.json on random Llama-3.1-8B, Zipage, folded then with the section
 #   row2-fp8 - TensorRT-LLM's whole row 2 (96 x 20,000 / 2,000), Zipage with FP8 KV, the section
+#   fullkv-profile - the shipped Qwen3-8B Full KV profile (its long decode contexts are where mixed
+#            steps take the section) against the engine folded then with the section, on the same
+#            four fresh built-in traces (`zipage fidelity --cost-model ... --check-seed 46`)
 #   check  - bench/check_engine_gpu.py's step-exact part: each prefill graph (the decode section's
 #            too) replays bit for bit what it runs eagerly, the section within 1e-4 of the fold
 #
-#   . bench/env.sh && bash bench/decode_section_gpu.sh $OUT [steps] [row2] [headline] [longbench] [row2-fp8] [check]
+#   . bench/env.sh && bash bench/decode_section_gpu.sh $OUT [steps] [row2] [headline] [longbench] [row2-fp8] [fullkv-profile] [check]
 #
 # Writes OUT/steps-*.log and prefill_gpu json, OUT/runs.tar.gz (the replays' run directories, to
 # compare offline with `zipage compare`) and prints a makespan table last.
@@ -82,11 +85,21 @@ EOF
             replay row2-fp8-section rule /tmp/row2.json --gpu --model random:llama-3.1-8b --hardware h200 \
                 --kv-cache-dtype fp8
             ;;
+        fullkv-profile)
+            for variant in folded:never section:rule; do
+                label="fullkv-profile-${variant%%:*}"
+                (cd /tmp && python "$here/replay_variant.py" --decode-section "${variant##*:}" fidelity --gpu \
+                    --model random:qwen3-8b --kv-memory-gb 6 --block-size 64 --budget 512 --no-compress \
+                    --hardware h200 --cost-model "$here/../sim/profiles/qwen3-8b-h200-b64-k512-fullkv.json" \
+                    --traces 4 --trace-seconds "${TRACE_SECONDS:-25}" --check-seed 46 --no-progress \
+                    --out "$runs/$label") > "$out/$label.log" 2>&1 || echo "$label FAILED" >> "$out/walls.txt"
+            done
+            ;;
         check)
             (cd "$here" && python -c "import check_engine_gpu as c; failures = c.prefill_graph_steps_exact('qwen3-0.6b'); \
 print('CHECK', 'PASS' if not failures else f'FAIL {failures}')") > "$out/check.log" 2>&1 || true
             ;;
-        *) echo "unknown part $part: steps, row2, headline, longbench, row2-fp8 or check" >&2; exit 2 ;;
+        *) echo "unknown part $part: steps, row2, headline, longbench, row2-fp8, fullkv-profile or check" >&2; exit 2 ;;
     esac
 done
 tar -C "$runs" -czf "$out/runs.tar.gz" .
@@ -98,9 +111,12 @@ python - "$runs" <<'EOF'
 import json, pathlib, sys
 for run in sorted(pathlib.Path(sys.argv[1]).iterdir()):
     if not (run / "summary.json").exists():
-        continue
+        continue  # (a fidelity directory: its table is in its log)
     summary = json.loads((run / "summary.json").read_text())
     print(f"{run.name:<20} makespan {summary.get('makespan_s', float('nan')):8.2f} s  "
           f"tok/s {summary.get('tps', float('nan')):8.1f}  steps {summary.get('steps')}  TTFT p50 {summary.get('ttft_p50_s', float('nan')):.3f} s  TPOT p50 {summary.get('tpot_p50_ms', float('nan')):.2f} ms")
 EOF
 cat "$out/walls.txt" 2>/dev/null || true
+for log in "$out"/fullkv-profile-*.log; do
+    if [ -f "$log" ]; then echo "== $(basename "$log")"; tail -40 "$log"; fi
+done
