@@ -183,7 +183,8 @@ class ModelRunner:
         # step's decode rows on the device (`_feed_tokens`).
         self._feeding: Launched | None = None
         # Padded prefill/mixed steps (with `prefill_graphs`): token buckets, their static
-        # inputs, and two graphs per bucket (folded; with the decode section) where graphs can be captured.
+        # inputs, and two graphs per bucket (folded, and with the decode section) where graphs
+        # can be captured.
         self.prefill_buckets: tuple[int, ...] = ()
         self.prefill_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.padded_inputs: dict[str, torch.Tensor] = {}
@@ -712,9 +713,9 @@ class ModelRunner:
     def padded_forward(self, bucket: int, sectioned: bool) -> torch.Tensor:
         """The forward of a padded step on the static inputs, to the last hidden states of its
         `bucket` rows: what a prefill graph captures (two per bucket: with the decode section and
-        without). The logits are left out: a graph would
-        compute them for every sequence the bucket can hold (up to 512 rows of the LM head, ~1 ms
-        of the Qwen3-8B's 512-token step on an H200), where a step samples a few."""
+        without). The logits are left out: a graph would compute them for every sequence the
+        bucket can hold (up to 512 rows of the LM head, ~1 ms of the Qwen3-8B's 512-token step on
+        an H200), where a step samples a few."""
         static = self.padded_inputs
         with forward_context(self.padded_context(bucket, sectioned)):
             return self.model(static["rows"][0, :bucket], static["rows"][1, :bucket])
