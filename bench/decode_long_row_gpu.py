@@ -1,0 +1,120 @@
+"""One long row beside many short ones: the decode kernel's split, measured (issue #46; a GPU script).
+
+The decode grid sizes its partitions from the batch alone (zipage/decode_grid.py): at a batch of ~96 each row
+gets one partition, so a row still holding 20k entries (a prompt not yet compressed, beside rows compressed to
+~2k) is one program walking all of them. TensorRT-LLM's row 2 with FP8 KV: such decode steps took 35-37 ms
+against 12.5-13 ms without the long row (docs/cost_model.md, 'The decode section'). This times one layer of
+Llama-3.1-8B's decode attention (32 query / 8 KV heads, head dim 128, block 256) in a CUDA graph
+(`triton.testing.do_bench_cudagraph`, the median) for batches with and without a long row, bf16 and FP8, over
+the partition count the grid gives (`auto`) and forced counts, and the shortest partition (`_MIN_TILES_PER_PARTITION`
+tiles), to choose a grid rule: a split that helps the long row must not cost the uniform batch.
+
+    . bench/env.sh && python bench/decode_long_row_gpu.py [--cases 95x2k+20k,96x2k,...] [--partitions auto,1,4,16]
+        [--min-tiles 2,32]
+
+Prints a table last and writes decode_long_row.json under $OUT (or runs/decode_long_row/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from zipage.kernels.kv_quant_ref import FP8_DTYPE
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_profile_gpu import RANDOM_SCALES, random_entries  # noqa: E402  (a sibling script)
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 256
+# (name, context of each row): the row-2 shape with and without its long row, and small batches of long rows.
+BATCHES = {
+    "95x2k+20k": [2048] * 95 + [20000],
+    "96x2k": [2048] * 96,
+    "32x20k": [20000] * 32,
+    "16x20k": [20000] * 16,
+    # the headline's decode (batch ~120 of ~520 entries) and larger batches: what a wider split costs there
+    "128x600": [600] * 128,
+    "256x600": [600] * 256,
+    "512x600": [600] * 512,
+    "512x2k": [2048] * 512,
+}
+
+
+def caches(contexts: list[int], fp8: bool, device) -> dict:
+    blocks = [-(-context // BLOCK) for context in contexts]
+    width = max(blocks)
+    table = torch.zeros(len(contexts), width, dtype=torch.int32, device=device)
+    start = 0
+    for row, count in enumerate(blocks):
+        table[row, :count] = torch.arange(start, start + count, dtype=torch.int32, device=device)
+        start += count
+    shape = (start, BLOCK, KV_HEADS, HEAD_DIM)
+    arguments = dict(context_lens=torch.tensor(contexts, dtype=torch.int32, device=device), block_tables=table)
+    arguments |= {name: random_entries(shape, FP8_DTYPE if fp8 else torch.bfloat16, device)
+                  for name in ("k_cache", "v_cache")}
+    if fp8:
+        arguments |= {name: torch.empty(shape[:3], device=device).uniform_(*RANDOM_SCALES)
+                      for name in ("k_scale", "v_scale")}
+    return arguments
+
+
+def main() -> None:
+    import triton
+
+    from zipage.kernels import attention_triton as kernels
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default=",".join(BATCHES), help="batches of BATCHES to time")
+    parser.add_argument("--partitions", default="auto,1,4,16")
+    parser.add_argument("--min-tiles", default="2,32")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    grid_rule, min_tiles_shipped = kernels.decode_num_partitions, kernels._MIN_TILES_PER_PARTITION
+    rows = []
+    for name, fp8 in itertools.product(args.cases.split(","), (False, True)):
+        contexts = BATCHES[name]
+        cache = caches(contexts, fp8, device)
+        q = torch.randn(len(contexts), HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        for partitions, min_tiles in itertools.product(args.partitions.split(","),
+                                                       [int(t) for t in args.min_tiles.split(",")]):
+            kernels.decode_num_partitions = grid_rule if partitions == "auto" else (
+                lambda *_, count=int(partitions), **__: count)
+            kernels._MIN_TILES_PER_PARTITION = min_tiles
+            try:
+                def step(cache=cache):
+                    kernels.paged_decode_attention_triton(q, cache["k_cache"], cache["v_cache"],
+                                                          cache["context_lens"], cache["block_tables"],
+                                                          HEAD_DIM ** -0.5, k_scale=cache.get("k_scale"),
+                                                          v_scale=cache.get("v_scale"))
+                step()
+                torch.cuda.synchronize()
+                milliseconds = triton.testing.do_bench_cudagraph(step, rep=30, return_mode="median")
+            finally:
+                kernels.decode_num_partitions, kernels._MIN_TILES_PER_PARTITION = grid_rule, min_tiles_shipped
+            used = grid_rule(len(contexts), KV_HEADS, torch.cuda.get_device_properties(device).multi_processor_count,
+                             fp8) if partitions == "auto" else int(partitions)
+            rows.append({"batch": name, "kv": "fp8" if fp8 else "bf16", "partitions": partitions,
+                         "grid_partitions": used, "min_tiles": min_tiles, "us": milliseconds * 1000})
+            print(json.dumps(rows[-1]), flush=True)
+        cache = None
+        torch.cuda.empty_cache()
+    out = Path(os.environ.get("OUT") or Path(__file__).resolve().parents[1] / "runs" / "decode_long_row")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode_long_row.json").write_text(json.dumps(rows, indent=1))
+    print(f"\n{torch.cuda.get_device_name()}: one layer (32/8 heads, dim 128, block {BLOCK}), us in a CUDA graph")
+    columns = sorted({(row["partitions"], row["min_tiles"]) for row in rows},
+                     key=lambda c: (c[0] != "auto", int(c[0]) if c[0] != "auto" else 0, c[1]))
+    print(f"{'batch':<16} {'kv':<5}" + "".join(f"{f'P={p} m={m}':>13}" for p, m in columns))
+    for (name, kv), group in itertools.groupby(rows, key=lambda row: (row["batch"], row["kv"])):
+        by = {(row["partitions"], row["min_tiles"]): row["us"] for row in group}
+        print(f"{name:<16} {kv:<5}" + "".join(f"{by.get(c, float('nan')):>13.1f}" for c in columns))
+
+
+if __name__ == "__main__":
+    main()
