@@ -26,7 +26,8 @@ import numpy as np
 import pandas as pd
 
 from zipage.errors import ZipageError
-from zipage.rundir import SERVED, decisions_absent_reason, load_run, read_decisions, run_kind  # noqa: F401 - read_decisions: callers import it from here
+from zipage.rundir import ENGINE, SERVED, decisions_absent_reason, load_run, read_decisions, run_kind  # noqa: F401 - read_decisions: callers import it from here
+from zipage.sim.profile_from_runs import unsynced_chunk_steps
 
 SUMMARY_KEYS = ("tps", "makespan_s", "mean_tpot_ms", "steps", "preemptions", "compressions",
                 "prefix_hit_tokens", "first_hit_tokens")
@@ -116,16 +117,36 @@ def _relative_error(sim: float | None, real: float | None) -> float | None:
     return (sim - real) / real
 
 
-def compare_step_times(sim_steps: pd.DataFrame, real_steps: pd.DataFrame) -> dict:
-    """Step durations joined on step_id, grouped by the real run's step kind."""
-    joined = sim_steps.merge(real_steps, on="step_id", suffixes=("_sim", "_real"))
+# The kind under which `compare_step_times` reports an engine run's unsynced chunk steps.
+UNSYNCED = "chunks+next"
+
+
+def compare_step_times(sim_steps: pd.DataFrame, real_steps: pd.DataFrame, chunked: bool = False) -> dict:
+    """Step durations joined on step_id, grouped by the real run's step kind. `chunked`: the
+    real run chunked its prompts, so its prompt chunks that sample nothing recorded their launch
+    only and the step after each carries their forward (`unsynced_chunk_steps`): each stretch of
+    such steps is compared as one, summed on both sides, under UNSYNCED, and left out of its kind."""
+    joined = (sim_steps.merge(real_steps, on="step_id", suffixes=("_sim", "_real"))
+              .sort_values("step_id", ignore_index=True))
     sim_duration = joined["t_end_sim"] - joined["t_start_sim"]
     real_duration = joined["t_end_real"] - joined["t_start_real"]
+    unsynced = (unsynced_chunk_steps(joined["kind_real"], real_duration, joined.get("n_sampled_real"))
+                if chunked else pd.Series(False, index=joined.index))
+    own = ~unsynced
     by_kind = {
-        str(kind): error_stats(sim_duration[joined["kind_real"] == kind],
-                               real_duration[joined["kind_real"] == kind])
-        for kind in sorted(joined["kind_real"].unique())
+        str(kind): error_stats(sim_duration[own & (joined["kind_real"] == kind)],
+                               real_duration[own & (joined["kind_real"] == kind)])
+        for kind in sorted(joined.loc[own, "kind_real"].unique())
     }
+    # Each stretch of flagged steps: one unit, its durations summed (its first flagged step
+    # starts a new unit).
+    stretch = (unsynced & ~unsynced.shift(1, fill_value=False)).cumsum()[unsynced]
+    sim_units = sim_duration[unsynced].groupby(stretch).sum()
+    real_units = real_duration[unsynced].groupby(stretch).sum()
+    if len(real_units):
+        by_kind[UNSYNCED] = error_stats(sim_units, real_units)
+    every_sim = pd.concat([sim_duration[own], sim_units], ignore_index=True)
+    every_real = pd.concat([real_duration[own], real_units], ignore_index=True)
 
     def span(steps: pd.DataFrame) -> float | None:
         return float(steps["t_end"].max() - steps["t_start"].min()) if len(steps) else None
@@ -136,7 +157,7 @@ def compare_step_times(sim_steps: pd.DataFrame, real_steps: pd.DataFrame) -> dic
         "sim_only_steps": len(sim_steps) - len(joined),
         "real_only_steps": len(real_steps) - len(joined),
         "kind_mismatches": int((joined["kind_sim"] != joined["kind_real"]).sum()),
-        "duration": {"all": error_stats(sim_duration, real_duration), **by_kind},
+        "duration": {"all": error_stats(every_sim, every_real), **by_kind},
         "total_time": {"sim": sim_span, "real": real_span,
                        "relative_error": _relative_error(sim_span, real_span)},
     }
@@ -395,7 +416,8 @@ def compare_runs(sim_dir: str | Path, real_dir: str | Path) -> dict:
         "setup_differences": (setup_differences(sim.summary, real.summary)
                               if steps_known else None),
         "decisions": decisions,
-        "step_time": compare_step_times(sim.steps, real.steps) if steps_known else None,
+        "step_time": (compare_step_times(sim.steps, real.steps, chunked=_chunked_engine_run(real.summary))
+                      if steps_known else None),
         "time_by_kind": compare_time_by_kind(sim.steps, real.steps) if steps_known else None,
         "request_time": compare_request_times(sim.requests, real.requests),
         "distributions": compare_distributions(sim.requests, real.requests),
@@ -404,6 +426,13 @@ def compare_runs(sim_dir: str | Path, real_dir: str | Path) -> dict:
     }
     comparison["errors"] = latency_errors(comparison, sim.summary, real.summary)
     return comparison
+
+
+def _chunked_engine_run(summary: dict) -> bool:
+    """An engine run (not a simulation, whose steps last what they are priced at) that chunked
+    its prompts (the default)."""
+    config = (summary.get("settings") or {}).get("config") or {}
+    return run_kind(summary) == ENGINE and config.get("chunked_prefill") is not False
 
 
 def _no_decisions_reason(summary: dict, lines: list[str] | None) -> str | None:
@@ -473,6 +502,9 @@ def _format_step_time(step_time: dict, a: str, b: str) -> list[str]:
               f" {b}-only, {step_time['kind_mismatches']} of another kind):"]
     lines += ["  " + _format_stats(kind, stats, unit_scale=1000.0, unit="ms")
               for kind, stats in step_time["duration"].items()]
+    if UNSYNCED in step_time["duration"]:
+        lines.append(f"  ({UNSYNCED}: {b}'s prompt chunks that sample nothing record their launch only, the step"
+                     " after each their forward; each stretch of them is compared as one)")
     total = step_time["total_time"]
     lines.append(f"  total time: {a} {_number(total['sim'])} s, {b} {_number(total['real'])} s,"
                  f" error {_percent(total['relative_error'])}")

@@ -268,8 +268,8 @@ def _header(runs: list[tuple[dict, pd.DataFrame]], gpu: str | None) -> dict:
 def _durations(steps: pd.DataFrame, stall_factor: float | None, chunked: bool
                ) -> pd.DataFrame:
     """The steps with `duration` (start to end plus the run's median gap to the next step),
-    `stalled` (a decode step over `stall_factor` times the median) and `unsynced` (below; only
-    where the run chunked its prompts)."""
+    `stalled` (a decode step over `stall_factor` times the median) and `unsynced`
+    (`unsynced_chunk_steps`; only where the run chunked its prompts)."""
     steps = steps.copy()
     gaps = (steps["t_start"].shift(-1) - steps["t_end"]).dropna()
     gap = float(gaps.median()) if len(gaps) else 0.0
@@ -282,16 +282,32 @@ def _durations(steps: pd.DataFrame, stall_factor: float | None, chunked: bool
     median = steps.loc[decode, "duration"].median()
     if stall_factor is not None:
         steps["stalled"] = decode & (steps["duration"] > stall_factor * median)
-    # A prefill step that samples nothing (a prompt's chunk before its last) ends when its
-    # forward is launched, not done: it looks faster than a decode step, which no forward of
-    # the same weights can be, and the step after it is charged its forward. Neither is a point
-    # (the 8B H200 loop runs: 2,048-token chunks "taking" 2 ms, the next step 80 ms for 35).
-    # Without chunking every prefill step samples, and a tiny model's short prompt on a busy CPU
-    # may well beat the median decode step: it is a point like any other.
     if chunked:
-        early = (steps["kind"] == "prefill") & (steps["duration"] < median)
-        steps["unsynced"] = early | early.shift(1, fill_value=False)
+        steps["unsynced"] = unsynced_chunk_steps(steps["kind"], steps["duration"], steps.get("n_sampled"))
     return steps
+
+
+def unsynced_chunk_steps(kinds: pd.Series, durations: pd.Series, sampled: pd.Series | None = None
+                         ) -> pd.Series:
+    """The steps of an engine run whose recorded durations are not their own, in a run that
+    chunked its prompts (without chunking every prefill step samples).
+
+    A prefill step that samples nothing (a prompt's chunk before its last) ends when its forward
+    is launched, not done, and the next step that samples waits for it (the 8B H200 loop runs:
+    2,048-token chunks "taking" 2 ms, the next step 80 ms for 35; a 20,000-token prompt's nine
+    chunks 1-56 ms, the tenth 765 ms). Flagged: every step that samples nothing and the step
+    after each. `sampled`: the steps' `n_sampled`; where the run did not record it (-1), a
+    prefill step shorter than the run's median decode step stands for one that samples nothing
+    (no forward of the same weights can be faster, though a tiny model's short prompt on a busy
+    CPU may: a step like any other, hence the record)."""
+    if sampled is not None and (sampled >= 0).all():
+        silent = sampled == 0
+    else:
+        decode = kinds == "decode"
+        if not decode.any():
+            return pd.Series(False, index=kinds.index)
+        silent = (kinds == "prefill") & (durations < durations[decode].median())
+    return silent | silent.shift(1, fill_value=False)
 
 
 def _collect(steps: pd.DataFrame, asynchronous: bool, behind: bool, points: dict[str, list],

@@ -25,7 +25,7 @@ from zipage.analysis.ablation import (
     with_speedup,
     write_ablation_report,
 )
-from zipage.analysis.compare import DIFFERENCE_CONTEXT, compare_runs, excerpt, format_report
+from zipage.analysis.compare import DIFFERENCE_CONTEXT, UNSYNCED, compare_runs, excerpt, format_report
 from zipage.analysis.timeline import (
     _bin_step_chunks,
     _bin_steps,
@@ -38,6 +38,7 @@ from zipage.analysis.timeline import (
 )
 from zipage.errors import ZipageError
 from zipage.records import REQUEST_COLUMN_DEFAULTS, REQUEST_COLUMNS, STEP_COLUMN_DEFAULTS, STEP_COLUMNS
+from zipage.rundir import ENGINE
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -511,6 +512,37 @@ def test_perturbed_run_against_hand_computed_errors(real_dir, tmp_path):
     assert "DIFFERENT" in report
     # Neither summary names its driver: the runs are A and B.
     assert f"    A: {decisions[3]}" in report and f"    B: {REAL_DECISIONS[3]}" in report
+
+
+def test_an_engine_runs_silent_chunks_are_compared_with_the_step_that_waits_for_them(tmp_path):
+    """An engine run: three prompt chunks that sample nothing return at their launch (10 ms),
+    the fourth chunk's step waits for all four forwards (4 s). Step for step that is a -99 % /
+    +300 % pair of errors; the stretch as one unit is what the simulation priced (4 x 1 s)."""
+    kinds = ["prefill"] * 4 + ["mixed", "decode"]
+    sampled = [0, 0, 0, 1, 2, 2]
+    engine_summary = {**REAL_SUMMARY, "kind": ENGINE, "driver": "engine-cuda"}
+    real_dir = write_run_dir(tmp_path / "real", make_steps(kinds, [0.01, 0.01, 0.01, 4.0, 1.0, 0.5],
+                                                           n_sampled=sampled),
+                             real_requests(), engine_summary, REAL_DECISIONS)
+    sim_dir = write_run_dir(tmp_path / "sim", make_steps(kinds, [1.0, 1.0, 1.0, 1.0, 1.1, 0.5],
+                                                         n_sampled=sampled),
+                            real_requests(), REAL_SUMMARY, REAL_DECISIONS)
+    duration = compare_runs(sim_dir, real_dir)["step_time"]["duration"]
+    assert duration[UNSYNCED]["count"] == 1 and "prefill" not in duration
+    assert duration[UNSYNCED]["bias"] == pytest.approx((4.0 - 4.03) / 4.03)
+    assert duration["mixed"]["bias"] == pytest.approx(0.1) and duration["decode"]["bias"] == close(0.0)
+    assert duration["all"]["count"] == 3  # the stretch, the mixed step, the decode step
+    assert UNSYNCED in format_report(compare_runs(sim_dir, real_dir))
+    # Without the record (a run written before it), a prefill step shorter than the median
+    # decode step stands for a silent one.
+    old = make_steps(kinds, [0.01, 0.01, 0.01, 4.0, 1.0, 0.5])
+    old[STEP_COLUMNS].drop(columns="n_sampled").to_csv(real_dir / "steps.csv", index=False)
+    assert compare_runs(sim_dir, real_dir)["step_time"]["duration"][UNSYNCED]["count"] == 1
+    # A run that did not chunk its prompts: every step its own.
+    unchunked = {**engine_summary, "settings": {"model": "qwen3-8b", "config": {"chunked_prefill": False}}}
+    (real_dir / "summary.json").write_text(json.dumps(unchunked))
+    duration = compare_runs(sim_dir, real_dir)["step_time"]["duration"]
+    assert UNSYNCED not in duration and duration["prefill"]["count"] == 4
 
 
 def test_time_by_kind_splits_the_total_time_error(real_dir, tmp_path):

@@ -274,3 +274,24 @@ def test_cli_errors_exit_2_with_one_line(arguments, fragment):
     assert result.returncode == 2
     assert fragment in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_each_step_records_the_tokens_it_sampled():
+    """`n_sampled`: a prompt chunk before its last samples nothing (what tells an engine run's
+    steps that returned at their launch, `unsynced_chunk_steps`); every other token a step
+    samples is one output token of a request."""
+    from zipage.trace import Trace, TraceRequest
+
+    trace = Trace(name="chunks", requests=[TraceRequest(id=f"r{i}", arrival_s=0.05 * i, prompt_len=length,
+                                                   output_len=outputs)
+                                           for i, (length, outputs) in enumerate([(900, 5), (40, 30), (300, 12)])])
+    config = ZipageConfig(block_size=16, window=4, kv_budget=64, chunked_prefill=True,
+                          max_num_batched_tokens=128)
+    summary, run = simulate(trace, ReplaySettings(model="qwen3-0.6b", kv_memory_gb=0.5, config=config))
+    assert summary["completed"] == 3 and summary["preemptions"] == 0
+    sampled = [step.n_sampled for step in run.steps]
+    assert sum(sampled) == sum(request.output_len for request in trace.requests)
+    silent = [step for step in run.steps if step.n_sampled == 0 and step.kind != IDLE]
+    # the 900-token prompt's chunks before its last: prefill steps (nothing else runs yet)
+    assert silent and all(step.kind == PREFILL and step.n_decode == 0 for step in silent)
+    assert all(step.n_sampled >= step.n_decode for step in run.steps)

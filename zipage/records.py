@@ -54,6 +54,10 @@ class StepRecord:
     planned_at: float = -1.0
     planned_early: int = 0
     settled_late: int = 0
+    # Tokens the step sampled (`StepPlan.sampled`). An engine step that samples none (prompt
+    # chunks before their last) returns at its launch, before its forward is done, and the next
+    # step that samples waits for it (`unsynced_chunk_steps`). -1: a run written before it.
+    n_sampled: int = -1
 
 
 @dataclass(slots=True)

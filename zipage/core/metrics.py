@@ -39,9 +39,11 @@ class MetricsRecorder:
         # once a step, millions of times on a day of traffic.
         prefill = plan.prefill
         prefill_tokens = pairs = 0
+        sampled = plan.num_decode + len(plan.forks)  # `plan.sampled`, without building it
         for item in prefill:  # one pass, not two generators: a mixed step is common
             prefill_tokens += item.num_new_tokens
             pairs += item.attention_pairs
+            sampled += item.samples
         self.totals.add_step(plan.kind, result.t_start, result.t_end, plan.num_running,
                              len(plan.preempted), prefill_tokens, plan.prefix_hit_tokens,
                              plan.host_hit_tokens, len(plan.kv_saves) + len(plan.kv_loads),
@@ -59,7 +61,7 @@ class MetricsRecorder:
             plan.prefix_hit_tokens, plan.decode_max_context, plan.shared_kv_tokens,
             plan.host_hit_tokens, len(plan.kv_saves), len(plan.kv_loads), plan.first_hit_tokens,
             result.t_plan if result.t_plan >= 0 else result.t_start, int(result.planned_early),
-            int(result.settled_late))
+            int(result.settled_late), sampled)
         if self._sink is None:
             self.steps.append(record)
         else:
