@@ -46,6 +46,22 @@ def caches(batch: int, context: int, fp8: bool, device) -> dict:
                         for name in ("k_scale", "v_scale")}
 
 
+def time_decode(q: torch.Tensor, cache: dict, rep: int) -> float:
+    """Milliseconds of one decode attention call over `cache` (`caches`' keys) in a CUDA graph,
+    the median of `triton.testing.do_bench_cudagraph`."""
+    import triton
+
+    from zipage.kernels import attention_triton as kernels
+
+    def step():
+        kernels.paged_decode_attention_triton(q, cache["k_cache"], cache["v_cache"], cache["context_lens"],
+                                              cache["block_tables"], q.shape[-1] ** -0.5,
+                                              k_scale=cache.get("k_scale"), v_scale=cache.get("v_scale"))
+    step()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(step, rep=rep, return_mode="median")
+
+
 def compiled_kernels(function) -> dict:
     """key -> compiled kernel of a Triton JIT function, over the layouts of its device caches."""
     found = {}
@@ -70,7 +86,6 @@ def describe(kernel, smem_per_sm: int) -> dict:
 
 
 def main() -> None:
-    import triton
 
     from zipage.kernels import attention_triton as kernels
 
@@ -90,14 +105,7 @@ def main() -> None:
             before = set(compiled_kernels(kernels._decode_partition_kernel))
             spec = name.removeprefix("bf16").removeprefix("shipped").removeprefix("/") or None
             with decode_variant(spec):
-                def step():
-                    kernels.paged_decode_attention_triton(q, cache["k_cache"], cache["v_cache"],
-                                                          cache["context_lens"], cache["block_tables"],
-                                                          HEAD_DIM ** -0.5, k_scale=cache.get("k_scale"),
-                                                          v_scale=cache.get("v_scale"))
-                step()
-                torch.cuda.synchronize()
-                milliseconds = triton.testing.do_bench_cudagraph(step, rep=50, return_mode="median")
+                milliseconds = time_decode(q, cache, rep=50)
             new = [kernel for key, kernel in compiled_kernels(kernels._decode_partition_kernel).items()
                    if key not in before]
             if new:

@@ -29,7 +29,8 @@ import torch
 from zipage.kernels.kv_quant_ref import FP8_DTYPE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_profile_gpu import RANDOM_SCALES, random_entries  # noqa: E402  (a sibling script)
+from decode_kernel_info_gpu import time_decode  # noqa: E402  (sibling scripts)
+from step_profile_gpu import RANDOM_SCALES, random_entries  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 256
 # (name, context of each row): the row-2 shape with and without its long row, and small batches of long rows.
@@ -65,8 +66,6 @@ def caches(contexts: list[int], fp8: bool, device) -> dict:
 
 
 def main() -> None:
-    import triton
-
     from zipage.kernels import attention_triton as kernels
 
     parser = argparse.ArgumentParser()
@@ -87,14 +86,7 @@ def main() -> None:
                 lambda *_, count=int(partitions), **__: count)
             kernels._MIN_TILES_PER_PARTITION = min_tiles
             try:
-                def step(cache=cache):
-                    kernels.paged_decode_attention_triton(q, cache["k_cache"], cache["v_cache"],
-                                                          cache["context_lens"], cache["block_tables"],
-                                                          HEAD_DIM ** -0.5, k_scale=cache.get("k_scale"),
-                                                          v_scale=cache.get("v_scale"))
-                step()
-                torch.cuda.synchronize()
-                milliseconds = triton.testing.do_bench_cudagraph(step, rep=30, return_mode="median")
+                milliseconds = time_decode(q, cache, rep=30)
             finally:
                 kernels.decode_num_partitions, kernels._MIN_TILES_PER_PARTITION = grid_rule, min_tiles_shipped
             used = grid_rule(len(contexts), KV_HEADS, torch.cuda.get_device_properties(device).multi_processor_count,
