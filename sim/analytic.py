@@ -68,8 +68,8 @@ DECODE_PROGRAM_BANDWIDTH = 15.8e9
 # the decode section (zipage/prefill_buckets.py: at most 32 decode rows, the longest of 2k entries
 # or more), its one prefill launch also covers its decode rows, each a sequence of one new token
 # (zipage/engine/runner.py, 'Prefill graphs'): one program a row and KV head walks that row's
-# whole context, with no split-K. A program's time a layer and entry grows with the query heads it carries (its KV
-# group): 11.4 ns a head, from whole graphed steps on an H200 with 16 decode rows at 1k-20k
+# whole context, with no split-K. A program's time a layer and entry grows with the query heads
+# it carries (its KV group): 11.4 ns a head, from whole graphed steps on an H200 with 16 decode rows at 1k-20k
 # entries beside a 496- or 2,032-token chunk, eager steps subtracted (Llama-3.1-8B, group 4:
 # 43.8 ns; Qwen3-0.6B, group 2: 23.7 ns; bench/prefill_gpu.py, 2026-12-02; docs/cost_model.md,
 # 'Decode rows in graphed mixed steps').

@@ -2,11 +2,11 @@
 
 A graph cannot be captured here, but everything it runs can: with prefill graphs on, a step of
 up to the largest token bucket is staged into the runner's static tensors in the padded layout
-(rows padded to the bucket, sequences to the bucket's capacity, decode rows as 1-token sequences,
-the longest of them in the decode section's slots and the rest folded into a fixed-size work
-list) and the padded forward runs on them, exactly the forward a graph captures. It must give
-the eager results; the Triton side (padded work items) is checked
-under the interpreter in tests/test_kernels_attention.py and tests/test_engine_mixed.py.
+(rows padded to the bucket, sequences to the bucket's capacity, decode rows as 1-token sequences
+folded into a fixed-size work list or, a few rows of long context, in the decode section's
+slots) and the padded forward runs on them, exactly the forward a graph captures. It must give
+the eager results; the Triton side (padded work items, the section) is checked under the
+interpreter in tests/test_kernels_attention.py and tests/test_engine_mixed.py.
 """
 
 from __future__ import annotations
