@@ -69,10 +69,10 @@ DECODE_PROGRAM_BANDWIDTH = 15.8e9
 # or more), its one prefill launch also covers its decode rows, each a sequence of one new token
 # (zipage/engine/runner.py, 'Prefill graphs'): one program a row and KV head walks that row's
 # whole context, with no split-K. A program's time a layer and entry grows with the query heads
-# it carries (its KV group): 11.4 ns a head, from whole graphed steps on an H200 with 16 decode rows at 1k-20k
-# entries beside a 496- or 2,032-token chunk, eager steps subtracted (Llama-3.1-8B, group 4:
-# 43.8 ns; Qwen3-0.6B, group 2: 23.7 ns; bench/prefill_gpu.py, 2026-12-02; docs/cost_model.md,
-# 'Decode rows in graphed mixed steps').
+# it carries (its KV group): 11.4 ns a head, from whole graphed steps on an H200 with 16 decode
+# rows at 1k-20k entries beside a 496- or 2,032-token chunk, eager steps subtracted
+# (Llama-3.1-8B, group 4: 43.8 ns; Qwen3-0.6B, group 2: 23.7 ns; bench/prefill_gpu.py,
+# 2026-12-02, before the section; docs/cost_model.md, 'Decode rows in graphed mixed steps').
 FOLDED_DECODE_HEAD_ENTRY_S = 11.4e-9
 # Those rows are the last items of the launch's work list, so their programs run as a tail after
 # the chunks' tiles; the tail grows the step by its longest program less this share of the
