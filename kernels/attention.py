@@ -114,8 +114,9 @@ def paged_decode_attention(
     if backend is None:
         return paged_decode_attention_ref(q, k_cache, v_cache, context_lens, block_tables, scale,
                                           grid_batch=grid_batch, k_scale=k_scale, v_scale=v_scale)
+    split = {} if grid_batch is None else {"grid_batch": grid_batch}  # (as the scales: only when set)
     return backend.paged_decode_attention_triton(q, k_cache, v_cache, context_lens, block_tables, scale,
-                                                 grid_batch=grid_batch, **_scales(k_scale, v_scale))
+                                                 **split, **_scales(k_scale, v_scale))
 
 
 def _scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> dict:
