@@ -104,19 +104,22 @@ def paged_decode_attention(
     scale: float,
     *,
     grid_batch: int | None = None,
+    split: str | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence, ``q`` ``[batch, num_heads, head_dim]``, over its ``context_lens[i]`` cached
     entries; see ``paged_decode_attention_ref``. ``grid_batch``: split the contexts as for a batch of that many
-    sequences (None: ``q``'s rows)."""
+    sequences (None: ``q``'s rows); ``split``: "batch" or "balanced" (zipage/decode_grid.py; None: the kernel's
+    default)."""
     backend = _triton_backend(q)
     if backend is None:
         return paged_decode_attention_ref(q, k_cache, v_cache, context_lens, block_tables, scale,
-                                          grid_batch=grid_batch, k_scale=k_scale, v_scale=v_scale)
-    split = {} if grid_batch is None else {"grid_batch": grid_batch}  # (as the scales: only when set)
+                                          grid_batch=grid_batch, split=split, k_scale=k_scale, v_scale=v_scale)
+    # (as the scales: only when set, so a launcher of an older signature still takes the call)
+    shape = {name: value for name, value in (("grid_batch", grid_batch), ("split", split)) if value is not None}
     return backend.paged_decode_attention_triton(q, k_cache, v_cache, context_lens, block_tables, scale,
-                                                 **split, **_scales(k_scale, v_scale))
+                                                 **shape, **_scales(k_scale, v_scale))
 
 
 def _scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> dict:

@@ -186,13 +186,14 @@ def paged_decode_attention_ref(
     scale: float,
     *,
     grid_batch: int | None = None,
+    split: str | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence (``q`` is ``[batch, num_heads, head_dim]``) over its ``context_lens[i]`` cached
     entries. A sequence with no entries (a padding slot of a captured batch) gets a zero output. A float8 cache
     comes with ``k_scale``/``v_scale`` (float32 ``[num_blocks, block_size, num_kv_heads]``), dequantized as read.
-    ``grid_batch`` shapes the Triton kernel's split only (the result does not depend on it)."""
+    ``grid_batch`` and ``split`` shape the Triton kernel's split only (the result does not depend on them)."""
     out = torch.zeros_like(q)
     for seq, context_len in enumerate(context_lens.tolist()):
         if context_len == 0:

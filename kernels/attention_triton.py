@@ -129,6 +129,10 @@ _PROGRAMS_PER_SM = decode_grid.PROGRAMS_PER_SM
 _FP8_PROGRAMS_PER_SM = decode_grid.FP8_PROGRAMS_PER_SM
 # Round the partition count up instead of down (the first version's rule, kept for bench/check_attention_gpu.py).
 _ROUND_PARTITIONS_UP = False
+# How a step's rows are split into partitions (zipage/decode_grid.py DECODE_SPLITS): "batch" or "balanced".
+_DECODE_SPLIT = "batch"
+# Lengths summed per iteration where a balanced split sums the step's context lengths.
+_SPLIT_SUM_TILE = 256
 # Partial results merged per iteration of the decode merge kernel.
 _MERGE_TILE = 16
 # The interpreter has no streaming multiprocessors to fill; a small count keeps its grids small.
@@ -644,7 +648,7 @@ def _e4m3_to_f16(x):
 # being 1 or a multiple of 16 and compiles a variant for each: a prefill whose widest block table
 # had one block (a 64-token prompt at b = 64) compiled a new kernel in the middle of an H200 run and
 # took 810 ms. Not specialising them costs an unproven alignment hint on an index computation.
-_STEP_VARYING = ["block_table_stride", "num_partitions", "fixed_partition_size"]
+_STEP_VARYING = ["block_table_stride", "num_partitions", "fixed_partition_size", "batch"]
 
 
 @triton.jit
@@ -972,15 +976,26 @@ def paged_prefill_attention_triton(
 
 @triton.jit
 def _decode_partition_tokens(
-    context_len, num_partitions, fixed_partition_size, KV_TILE: tl.constexpr, MIN_TILES: tl.constexpr
+    context_len, num_partitions, fixed_partition_size, context_lens_ptr, batch, row_programs,
+    KV_TILE: tl.constexpr, MIN_TILES: tl.constexpr, BALANCED: tl.constexpr, SUM_TILE: tl.constexpr,
 ):
     """Entries per partition of one sequence: ``fixed_partition_size`` when it is positive, else the sequence's own
-    length cut into ``num_partitions`` whole tiles, at least ``MIN_TILES`` of them. Read on the device from
-    ``context_lens``, so a CUDA graph replays it correctly for any lengths."""
+    length cut into whole tiles, at least ``MIN_TILES`` of them: into ``num_partitions``, or with ``BALANCED``
+    into as many as its share of the step's entries asks (zipage/decode_grid.py `balanced_row_partitions`: the
+    batch's lengths summed here, an even share being their sum over ``row_programs``), at most ``num_partitions``.
+    Read on the device from ``context_lens``, so a CUDA graph replays it correctly for any lengths."""
     if fixed_partition_size > 0:
         partition_size = fixed_partition_size
     else:
-        partition_tiles = tl.cdiv(tl.cdiv(context_len, num_partitions), KV_TILE)
+        parts = num_partitions
+        if BALANCED:
+            total = tl.zeros([SUM_TILE], tl.int64)
+            for start in range(0, batch, SUM_TILE):
+                rows = start + tl.arange(0, SUM_TILE)
+                total += tl.load(context_lens_ptr + rows, mask=rows < batch, other=0).to(tl.int64)
+            share = tl.maximum(tl.cdiv(tl.sum(total, axis=0), row_programs), MIN_TILES * KV_TILE)
+            parts = tl.minimum(tl.maximum(context_len // share, 1), num_partitions).to(tl.int32)
+        partition_tiles = tl.cdiv(tl.cdiv(context_len, parts), KV_TILE)
         partition_size = tl.maximum(partition_tiles, MIN_TILES) * KV_TILE
     return partition_size
 
@@ -1006,8 +1021,12 @@ def _decode_partition_kernel(
     block_table_stride,
     num_partitions,
     fixed_partition_size,
+    batch,
+    row_programs,
     NUM_HEADS: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr,
+    BALANCED: tl.constexpr,
+    SUM_TILE: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -1029,7 +1048,8 @@ def _decode_partition_kernel(
     kv_head = tl.program_id(1)
     partition = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    partition_size = _decode_partition_tokens(context_len, num_partitions, fixed_partition_size, KV_TILE, MIN_TILES)
+    partition_size = _decode_partition_tokens(context_len, num_partitions, fixed_partition_size, context_lens_ptr,
+                                              batch, row_programs, KV_TILE, MIN_TILES, BALANCED, SUM_TILE)
     partition_start = partition * partition_size
     partition_end = tl.minimum(partition_start + partition_size, context_len)
 
@@ -1088,9 +1108,11 @@ def _decode_partition_kernel(
 
     # An empty sequence (a padding slot of a captured batch) has a zero sum and gets a zero output.
     out = accumulator / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
-    if SINGLE_PARTITION:
-        out_offsets = seq.to(tl.int64) * out_batch_stride + heads[:, None] * out_head_stride + dims[None, :]
-        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    # A sequence whose entries fit one partition (or none: a padding slot) is done here, merged by nobody.
+    if SINGLE_PARTITION or partition_size >= context_len:
+        if partition == 0:
+            out_offsets = seq.to(tl.int64) * out_batch_stride + heads[:, None] * out_head_stride + dims[None, :]
+            tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
         # Partial results are [batch, num_heads, num_partitions, HEAD_DIM_PADDED] and [batch, num_heads,
         # num_partitions]; the merge reads only the partitions that hold entries, so empty ones write nothing.
@@ -1112,17 +1134,24 @@ def _decode_merge_kernel(
     out_head_stride,
     num_partitions,
     fixed_partition_size,
+    batch,
+    row_programs,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
     KV_TILE: tl.constexpr,
     MIN_TILES: tl.constexpr,
     MERGE_TILE: tl.constexpr,
+    BALANCED: tl.constexpr,
+    SUM_TILE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
-    partition_size = _decode_partition_tokens(context_len, num_partitions, fixed_partition_size, KV_TILE, MIN_TILES)
+    partition_size = _decode_partition_tokens(context_len, num_partitions, fixed_partition_size, context_lens_ptr,
+                                              batch, row_programs, KV_TILE, MIN_TILES, BALANCED, SUM_TILE)
+    if partition_size >= context_len:
+        return  # the partition kernel wrote this sequence's output
     num_used_partitions = tl.cdiv(context_len, partition_size)
     first_row = (seq.to(tl.int64) * NUM_HEADS + head) * num_partitions
     dims = tl.arange(0, HEAD_DIM_PADDED)
@@ -1153,13 +1182,22 @@ def _decode_merge_kernel(
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-def decode_num_partitions(batch: int, num_kv_heads: int, streaming_multiprocessors: int, fp8: bool = False) -> int:
-    """Partitions per sequence (zipage/decode_grid.py). Each sequence's partition length is then its own
-    ``context_len`` cut into that many tiles, on the device, so neither the block table's width (a CUDA graph's
-    table is as wide as ``max_model_len``) nor the lengths of this step change the grid."""
-    return decode_grid.decode_num_partitions(batch, num_kv_heads, streaming_multiprocessors,
-                                             programs_per_sm=_FP8_PROGRAMS_PER_SM if fp8 else _PROGRAMS_PER_SM,
-                                             round_up=_ROUND_PARTITIONS_UP)
+def decode_num_partitions(batch: int, num_kv_heads: int, streaming_multiprocessors: int, fp8: bool = False,
+                          split: str | None = None) -> int:
+    """Partitions per sequence of the grid (zipage/decode_grid.py `decode_grid_partitions`) with the split
+    ``split`` (None: ``_DECODE_SPLIT``). Each sequence's partition length is then cut from its own ``context_len``,
+    on the device, so neither the block table's width (a CUDA graph's table is as wide as ``max_model_len``) nor
+    the lengths of this step change the grid."""
+    split = _DECODE_SPLIT if split is None else split
+    if split not in decode_grid.DECODE_SPLITS:
+        raise ValueError(f"the decode split must be one of {decode_grid.DECODE_SPLITS}, got {split!r}")
+    return decode_grid.decode_grid_partitions(batch, num_kv_heads, streaming_multiprocessors,
+                                              programs_per_sm=_programs_per_sm(fp8),
+                                              round_up=_ROUND_PARTITIONS_UP, split=split)
+
+
+def _programs_per_sm(fp8: bool) -> int:
+    return _FP8_PROGRAMS_PER_SM if fp8 else _PROGRAMS_PER_SM
 
 
 def _fp8_widening(prefix: str, keys: str, values: str, on_gpu: bool, dtype: torch.dtype) -> tuple[str, str]:
@@ -1207,6 +1245,7 @@ def paged_decode_attention_triton(
     *,
     partition_size: int | None = None,
     grid_batch: int | None = None,
+    split: str | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -1220,8 +1259,9 @@ def paged_decode_attention_triton(
     ``partition_size`` (a multiple of ``_DECODE_KV_TILE``) instead fixes every partition's length, with enough
     partitions for the block table's capacity; tests use it to force the merge. ``grid_batch`` sizes the partition
     count as for a batch of that many sequences instead of ``q``'s rows: a graphed mixed step's decode section
-    (zipage/prefill_buckets.py) has a fixed number of rows of which a step may fill a few. A float8 cache comes
-    with its scales ``k_scale``/``v_scale``, dequantized in registers."""
+    (zipage/prefill_buckets.py) has a fixed number of rows of which a step may fill a few. ``split`` cuts the rows
+    alike ("batch") or each by its share of the step's entries ("balanced", zipage/decode_grid.py; None:
+    ``_DECODE_SPLIT``). A float8 cache comes with its scales ``k_scale``/``v_scale``, dequantized in registers."""
     _check_cache(k_cache, v_cache)
     fp8 = _check_scales(k_cache, k_scale, v_scale)
     if q.dtype != k_cache.dtype and not fp8:
@@ -1240,14 +1280,18 @@ def paged_decode_attention_triton(
         streaming_multiprocessors = (
             _streaming_multiprocessor_count(q.device.index or 0) if q.is_cuda else _INTERPRETER_SM_COUNT
         )
+        split = _DECODE_SPLIT if split is None else split
         num_partitions = decode_num_partitions(batch if grid_batch is None else grid_batch, num_kv_heads,
-                                               streaming_multiprocessors, fp8)
+                                               streaming_multiprocessors, fp8, split)
         fixed_partition_size = 0
+        row_programs = max(1, _programs_per_sm(fp8) * streaming_multiprocessors // num_kv_heads)
     elif partition_size <= 0 or partition_size % kv_tile != 0:
         raise ValueError(f"partition_size must be a positive multiple of {kv_tile}, got {partition_size}")
     else:
         num_partitions = max(1, triton.cdiv(block_tables.shape[1] * block_size, partition_size))
         fixed_partition_size = partition_size
+        row_programs = 1
+    balanced = dict(BALANCED=split == "balanced" and num_partitions > 1, SUM_TILE=_SPLIT_SUM_TILE)
     if num_partitions > 1:
         partial_out = torch.empty(
             (batch, num_heads, num_partitions, head_dim_padded), dtype=torch.float32, device=q.device
@@ -1276,8 +1320,11 @@ def paged_decode_attention_triton(
         block_tables.stride(0),
         num_partitions,
         fixed_partition_size,
+        batch,
+        row_programs,
         NUM_HEADS=num_heads,
         SINGLE_PARTITION=num_partitions == 1,
+        **balanced,
         GROUP=group,
         GROUP_PADDED=max(triton.next_power_of_2(group), _MIN_DOT_DIM),
         BLOCK_SIZE=block_size,
@@ -1304,11 +1351,14 @@ def paged_decode_attention_triton(
             out.stride(1),
             num_partitions,
             fixed_partition_size,
+            batch,
+            row_programs,
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
             HEAD_DIM_PADDED=head_dim_padded,
             KV_TILE=kv_tile,
             MIN_TILES=_MIN_TILES_PER_PARTITION,
             MERGE_TILE=_MERGE_TILE,
+            **balanced,
         )
     return out

@@ -33,6 +33,7 @@ from triton_interpreter import (  # noqa: E402
     under_interpreter,
 )
 
+from zipage import decode_grid  # noqa: E402
 from zipage.kernels import attention  # noqa: E402
 from zipage.kernels.attention_ref import (  # noqa: E402
     paged_decode_attention_ref,
@@ -98,7 +99,8 @@ def hopper_launches() -> list:
                  prefill | dict(BLOCK_SIZE=64, KV_LOAD="block", SPLIT_CAUSAL=True, FOLD_SCALE=True,
                                 USE_WORK_ITEMS=True, FP8_KEYS="f16-asm", FP8_VALUES="f16")]
     decode = attention_shape | dict(NUM_HEADS=16, SINGLE_PARTITION=False, GROUP_PADDED=16, MIN_TILES=2,
-                                    KV_LOAD="gather", FP8_VALUES="weights", FP8_KEYS="queries")
+                                    KV_LOAD="gather", FP8_VALUES="weights", FP8_KEYS="queries", BALANCED=False,
+                                    SUM_TILE=256)
     # The decode variants of _DECODE_KV_LOAD / _DECODE_FP8_KV_TILE / _DECODE_FP8_VALUES / _DECODE_FP8_KEYS (the
     # FP8 ones matter with FP8 on, in hopper_fp8_launches).
     decode_variants = [decode | dict(BLOCK_SIZE=128, KV_LOAD=load, KV_TILE=tile, FP8_VALUES=values, FP8_KEYS=keys)
@@ -116,10 +118,12 @@ def hopper_launches() -> list:
         *[(kernels._prefill_kernel, constants | dict(FP8=False)) for constants in variants],
         (kernels._decode_partition_kernel, decode | dict(FP8=False)),
         *[(kernels._decode_partition_kernel, constants | dict(FP8=False)) for constants in decode_variants],
-        (
+        (kernels._decode_partition_kernel, decode | dict(FP8=False, BALANCED=True)),
+        *[(
             kernels._decode_merge_kernel,
-            dict(NUM_HEADS=16, HEAD_DIM=128, HEAD_DIM_PADDED=128, KV_TILE=64, MIN_TILES=2, MERGE_TILE=16),
-        ),
+            dict(NUM_HEADS=16, HEAD_DIM=128, HEAD_DIM_PADDED=128, KV_TILE=64, MIN_TILES=2, MERGE_TILE=16,
+                 BALANCED=balanced, SUM_TILE=256),
+        ) for balanced in (False, True)],
     ]
 
 
@@ -525,6 +529,37 @@ def test_decode_split_sized_for_another_batch_matches_reference(triton_kernels, 
     assert (partitions > 1) == (grid_batch == 1)
 
 
+@under_interpreter
+@pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.float16, False), (torch.float16, True)])
+@pytest.mark.parametrize("grid_batch", [None, 1])
+def test_balanced_split_matches_reference(triton_kernels, monkeypatch, dtype, fp8, grid_batch):
+    """A balanced split (zipage/decode_grid.py) cuts the long row into several partitions and leaves
+    the short ones whole, written without the merge: the same answer as the reference, with a
+    padding slot's output zero."""
+    monkeypatch.setattr(triton_kernels, "_DECODE_SPLIT", "balanced")
+    context_lens = [1000, 70, 64, 1, 130, 0]
+    # On the interpreter's 2 "SMs" (4 programs each, 5 with FP8; 2 KV heads): an even share is 1265 / 4 (5)
+    # entries, so the long row takes 3 partitions of the grid's 4 (5) and every other row one.
+    per_sm = triton_kernels._programs_per_sm(fp8)
+    grid_partitions = triton_kernels.decode_num_partitions(grid_batch or len(context_lens), NUM_KV_HEADS,
+                                                           triton_kernels._INTERPRETER_SM_COUNT, fp8)
+    assert grid_partitions == per_sm
+    assert [decode_grid.balanced_row_partitions(length, sum(context_lens), NUM_KV_HEADS, 2, grid_partitions,
+                                                programs_per_sm=per_sm)
+            for length in context_lens] == [3, 1, 1, 1, 1, 1]
+    if fp8:
+        check_fp8_decode(triton_kernels, dtype, 4, 16, None, context_lens, seed=29, grid_batch=grid_batch)
+        return
+    generator = torch.Generator().manual_seed(23)
+    batch = make_paged_batch([max(length, 1) for length in context_lens], 16, dtype, generator)
+    batch.context_lens = torch.tensor(context_lens, dtype=torch.int32)
+    q = torch.randn((len(context_lens), NUM_KV_HEADS * 4, HEAD_DIM), generator=generator).to(dtype)
+    arguments = (q, batch.k_cache, batch.v_cache, batch.context_lens, batch.block_tables, 0.125)
+    out = triton_kernels.paged_decode_attention_triton(*arguments, grid_batch=grid_batch)
+    torch.testing.assert_close(out, paged_decode_attention_ref(*arguments), **TOLERANCES[dtype])
+    assert torch.count_nonzero(out[-1]) == 0
+
+
 # Every model preset's query heads per KV head and head size, (2, 128) to (8, 128) and (3, 64) and
 # (7, 64): the groups that are not powers of two run padded lanes. Two KV heads each (the kernels'
 # programs split by KV head), so the shapes stay small under the interpreter.
@@ -744,7 +779,7 @@ def test_decode_reads_fp8_like_the_reference(triton_kernels, dtype, group, parti
 
 
 def check_fp8_decode(triton_kernels, dtype, group: int, block_size: int, partition_size: int | None,
-                     context_lens: list[int], seed: int) -> None:
+                     context_lens: list[int], seed: int, grid_batch: int | None = None) -> None:
     """The Triton decode over a random fp8 paged batch equals the reference; the last request, of no
     context, gets zeros."""
     generator = torch.Generator().manual_seed(seed)
@@ -753,7 +788,8 @@ def check_fp8_decode(triton_kernels, dtype, group: int, block_size: int, partiti
     q = torch.randn((len(context_lens), NUM_KV_HEADS * group, HEAD_DIM), generator=generator).to(dtype)
     arguments = (q, batch.k_cache, batch.v_cache, batch.context_lens, batch.block_tables, 0.125)
     scales = dict(k_scale=k_scale, v_scale=v_scale)
-    out = triton_kernels.paged_decode_attention_triton(*arguments, partition_size=partition_size, **scales)
+    out = triton_kernels.paged_decode_attention_triton(*arguments, partition_size=partition_size,
+                                                       grid_batch=grid_batch, **scales)
     torch.testing.assert_close(out, paged_decode_attention_ref(*arguments, **scales), **TOLERANCES[dtype])
     assert torch.count_nonzero(out[-1]) == 0
 
