@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from zipage.core.memory import heads_per_gpu, kv_entry_bytes
-from zipage.decode_grid import decode_num_partitions, programs_per_sm
+from zipage.decode_grid import balanced_row_partitions, decode_grid_partitions, decode_num_partitions, programs_per_sm
 from zipage.dtypes import DTYPE_BYTES
 from zipage.errors import ConfigError
 from zipage.hardware import GPUSpec
@@ -246,7 +246,7 @@ class AnalyticCostModel(CostModel):
         # What a decode step's price reads of its batch size alone (its weight-streaming roofline
         # and its decode partitions), worked out once per batch size: the simulator prices
         # millions of decode steps over a few hundred batch sizes.
-        self._decode_batch_terms: dict[int, tuple[float, int]] = {}
+        self._decode_batch_terms: dict[int, tuple[float, int, int]] = {}
 
         self.num_launch_groups = launch_groups(layers, layer_stride)
         self.compress_fixed_s = COMPRESS_BATCH_OVERHEAD_S + self.num_launch_groups * (
@@ -277,10 +277,12 @@ class AnalyticCostModel(CostModel):
         if batch:
             terms = self._decode_batch_terms.get(batch)
             if terms is None:
+                grid = (batch, self.kv_heads, self.gpu.streaming_multiprocessors)
                 terms = self._decode_batch_terms[batch] = (
                     self._linear_s(batch, 0, 0),
-                    decode_num_partitions(batch, self.kv_heads, self.gpu.streaming_multiprocessors,
-                                          programs_per_sm=self.decode_programs_per_sm))
+                    decode_num_partitions(*grid, programs_per_sm=self.decode_programs_per_sm),
+                    decode_grid_partitions(*grid, programs_per_sm=self.decode_programs_per_sm,
+                                           split="balanced"))
             if linear is None:  # a decode step: its linear layers are its batch's
                 linear = terms[0]
             context = decode_context_tokens
@@ -293,6 +295,12 @@ class AnalyticCostModel(CostModel):
                         partitions = self._section_partitions
                     else:
                         partitions = 0  # folded: no split-K in the graph
+                elif not num_prefill and terms[2] > partitions:
+                    # A decode step's longest row takes the balanced split where that gives it
+                    # more partitions (zipage/decode_grid.py `takes_balanced_split`).
+                    partitions = max(partitions, balanced_row_partitions(
+                        decode_max_context, context, self.kv_heads, self.gpu.streaming_multiprocessors,
+                        terms[2], programs_per_sm=self.decode_programs_per_sm))
                 if partitions == 0:
                     folded = decode_max_context * self._folded_entry_s
                 else:

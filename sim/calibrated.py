@@ -14,7 +14,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from zipage.core.memory import heads_per_gpu
-from zipage.decode_grid import PROGRAMS_PER_SM, decode_num_partitions, graph_batch
+from zipage.decode_grid import (
+    PROGRAMS_PER_SM,
+    balanced_row_partitions,
+    decode_grid_partitions,
+    decode_num_partitions,
+    graph_batch,
+)
 from zipage.errors import ConfigError, UnknownModelError
 from zipage.hardware import GPUSpec, get_hardware
 from zipage.presets import get_preset
@@ -23,6 +29,7 @@ from zipage.profile import (
     DECODE_EXCESS,
     DECODE_GRAPH_SIZES,
     DECODE_PROGRAMS_PER_SM,
+    DECODE_SPLIT,
     MACHINE,
     PER_ENTRY,
     PER_PARTITION,
@@ -208,7 +215,7 @@ class CalibratedCostModel(CostModel):
             if self._decode_excess and work.decode_max_context:
                 excess = longest_excess(work.decode_max_context, context, batch)
                 if self.decode_partitions is not None:
-                    excess /= self.decode_partitions(rows)
+                    excess /= self.decode_partitions.longest_row(rows, context, work.decode_max_context)
                 value += self._decode_excess * excess
             if self._decode_shared and work.shared_kv_tokens:
                 value += self._decode_shared * min(work.shared_kv_tokens, context)
@@ -259,13 +266,16 @@ def longest_excess(max_context: float, context_tokens: float, batch: float) -> f
 class DecodePartitions:
     """The split-K decode kernel's partitions per sequence at a batch size (its grid rule,
     zipage/decode_grid.py) for one model and GPU, remembered per batch: the simulator prices
-    millions of decode steps over a few hundred batch sizes."""
+    millions of decode steps over a few hundred batch sizes. `split` is the measured engine's
+    (the profile's decode_split): with "rule", a step's longest row may take the balanced split."""
 
     def __init__(self, kv_heads: int, streaming_multiprocessors: int,
-                 programs_per_sm: int = PROGRAMS_PER_SM) -> None:
+                 programs_per_sm: int = PROGRAMS_PER_SM, split: str = "batch") -> None:
         self.kv_heads, self.streaming_multiprocessors = kv_heads, streaming_multiprocessors
         self.programs_per_sm = programs_per_sm
+        self.split = split
         self._at: dict[int, int] = {}
+        self._wide: dict[int, int] = {}
 
     def __call__(self, batch: int) -> int:
         count = self._at.get(batch)
@@ -273,6 +283,24 @@ class DecodePartitions:
             count = self._at[batch] = decode_num_partitions(
                 int(batch), self.kv_heads, self.streaming_multiprocessors, programs_per_sm=self.programs_per_sm)
         return count
+
+    def longest_row(self, batch: int, context_tokens: float, max_context: float) -> int:
+        """The partitions of a decode step's longest row: the grid's at `batch`, or where the
+        engine's rule takes the balanced split (zipage/decode_grid.py `takes_balanced_split`),
+        the balanced split's for it."""
+        plain = self(batch)
+        if self.split != "rule":
+            return plain
+        wide = self._wide.get(batch)
+        if wide is None:
+            wide = self._wide[batch] = decode_grid_partitions(
+                int(batch), self.kv_heads, self.streaming_multiprocessors,
+                programs_per_sm=self.programs_per_sm, split="balanced")
+        if wide == plain:
+            return plain
+        return max(plain, balanced_row_partitions(
+            int(max_context), int(context_tokens), self.kv_heads, self.streaming_multiprocessors, wide,
+            programs_per_sm=self.programs_per_sm))
 
 
 class DecodeRows:
@@ -314,7 +342,7 @@ def decode_partitions(source: str, header: dict[str, Any]) -> DecodePartitions:
                           f"({error}); remove the field to price the excess per entry") from None
     kv_heads = heads_per_gpu(shape.num_kv_heads, int(header.get("tensor_parallel") or 1))
     return DecodePartitions(kv_heads, gpu.streaming_multiprocessors,
-                            measured_grid(header))
+                            measured_grid(header), header.get(DECODE_SPLIT, "batch"))
 
 
 def partition_geometry_known(header: dict[str, Any]) -> bool:
@@ -372,8 +400,9 @@ def _decode_fit(source: str, rows: list[dict[str, Any]],
             if partitions is None:
                 extra[LONGEST_EXCESS] = excess
             else:
-                extra[PARTITION_EXCESS] = [value / partitions(padded(row["batch"]))
-                                           for value, row in zip(excess, rows)]
+                extra[PARTITION_EXCESS] = [
+                    value / partitions.longest_row(padded(row["batch"]), row["context_tokens"], row["max_context"])
+                    for value, row in zip(excess, rows)]
     shared = [min(row[SHARED_TOKENS], row["context_tokens"]) for row in rows]
     sharing = sum(1 for value, row in zip(shared, rows)
                   if value > 0 and value >= MIN_SHARED_FRACTION * row["context_tokens"])

@@ -49,7 +49,14 @@ from zipage.core.step import causal_pairs
 from zipage.decode_grid import PROGRAMS_PER_SM
 from zipage.errors import ConfigError
 from zipage.presets import model_label
-from zipage.profile import DECODE_EXCESS, DECODE_GRAPH_SIZES, DECODE_PROGRAMS_PER_SM, PER_PARTITION, PROFILE_VERSION
+from zipage.profile import (
+    DECODE_EXCESS,
+    DECODE_GRAPH_SIZES,
+    DECODE_PROGRAMS_PER_SM,
+    DECODE_SPLIT,
+    PER_PARTITION,
+    PROFILE_VERSION,
+)
 from zipage.records import STEP_COLUMN_DEFAULTS
 from zipage.sim.calibrated import CalibratedCostModel, partition_geometry_known
 from zipage.sim.cost_model import StepWork
@@ -231,6 +238,8 @@ def _header(runs: list[tuple[dict, pd.DataFrame]], gpu: str | None) -> dict:
                    if summary.get(DECODE_GRAPH_SIZES) is not None]
     # The decode grid's programs an SM (recorded since 2026-12-01; before, 4 in every run).
     grids = [summary.get(DECODE_PROGRAMS_PER_SM) or PROGRAMS_PER_SM for summary, _ in runs]
+    # How decode steps split their rows (recorded since 2026-12-02; before, "batch" in every run).
+    splits = [summary.get(DECODE_SPLIT) or "batch" for summary, _ in runs]
     for other in headers[1:]:
         differ = [key for key in headers[0] if other[key] != headers[0][key]]
         if any(graphs != known[0] for graphs in known[1:]):
@@ -241,6 +250,8 @@ def _header(runs: list[tuple[dict, pd.DataFrame]], gpu: str | None) -> dict:
             differ.append(DECODE_GRAPH_SIZES)
         if any(value != grids[0] for value in grids[1:]):
             differ.append(DECODE_PROGRAMS_PER_SM)
+        if any(value != splits[0] for value in splits[1:]):
+            differ.append(DECODE_SPLIT)
         if differ:
             raise ConfigError(f"--from-run: the runs differ in {', '.join(differ)}; fit one "
                               "profile per setup")
@@ -253,6 +264,7 @@ def _header(runs: list[tuple[dict, pd.DataFrame]], gpu: str | None) -> dict:
     if graph_sizes and graph_sizes[0] and header.get("graphs", {}).get("decode"):
         header[DECODE_GRAPH_SIZES] = graph_sizes[0]
     header[DECODE_PROGRAMS_PER_SM] = grids[0]
+    header[DECODE_SPLIT] = splits[0]
     # A new fit prices the longest request over its decode partitions, as the split-K kernel
     # runs it, wherever the header names the partitions (a preset model, a GPU of the table):
     # always, not the better of the two forms on the fit's own points, because those points

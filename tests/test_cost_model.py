@@ -344,13 +344,18 @@ def test_contention_factor():
     assert model(contention_factor=1.5).decode_contention(1.0) == close(1.5)
 
 
-def test_a_long_sequence_bounds_a_decode_step_its_batch_gives_one_partition_each():
+def test_a_long_sequence_bounds_a_decode_step_its_batch_gives_one_partition_each(monkeypatch):
     # LongBench on the H200: a 6k-token prompt not yet compressed beside 51 requests of ~500
-    # entries. One partition per sequence (52 x 8 KV heads >= 4 programs x 132 SMs / 2), so
-    # its program streams 6k entries alone; a balanced batch of the same total does not.
-    cost = AnalyticCostModel(QWEN3_8B, get_hardware("h200"), block_size=64, kv_budget=512)
+    # entries. The batch split gives one partition per sequence (52 x 8 KV heads >= 4 programs x
+    # 132 SMs / 2), so its program streams 6k entries alone; a balanced batch of the same total
+    # does not. The engine's rule splits that row by its share (zipage/decode_grid.py): 11
+    # partitions, and the step costs what a balanced one does.
     total = 51 * 500 + 6000
+    cost = AnalyticCostModel(QWEN3_8B, get_hardware("h200"), block_size=64, kv_budget=512)
     balanced = cost.decode_time_for(52, total, max_context=total // 52 + 1)
+    assert cost.decode_time_for(52, total, max_context=6000) == close(balanced)
+    monkeypatch.setattr(decode_grid, "SPLIT_WAVES", 0)  # the grid never widened: the batch split
+    cost = AnalyticCostModel(QWEN3_8B, get_hardware("h200"), block_size=64, kv_budget=512)
     skewed = cost.decode_time_for(52, total, max_context=6000)
     assert cost.decode_time_for(52, total) == close(balanced)  # unknown: priced as balanced
     assert 1.7 < skewed / balanced < 2.3  # measured: 14.96 against 7.68 ms
@@ -444,6 +449,8 @@ def test_prefill_pairs_are_priced_at_the_paged_prefill_kernels_rate():
 def test_an_fp8_cache_prices_the_longest_sequence_over_the_fp8_launchs_partitions(monkeypatch):
     # The fp8 decode launch holds 5 programs an SM (zipage/decode_grid.py): at a batch of 40 its grid cuts each
     # sequence in 2 (5 x 132 // 320), where a grid of 4 leaves it whole, and the longest program streams half.
+    # (The batch split: the balanced one cuts this row further, below the step's roofline.)
+    monkeypatch.setattr(decode_grid, "SPLIT_WAVES", 0)
     fp8 = AnalyticCostModel(QWEN3_8B, get_hardware("h200"), block_size=64, kv_budget=512, kv_cache_dtype="fp8")
     total = 39 * 500 + 20000
     excess = fp8.decode_time_for(40, total, max_context=20000) - fp8.decode_time_for(40, total)

@@ -74,6 +74,12 @@ DECODE_GRAPH_SIZES = "decode_graph_sizes"
 # a "per_partition" fit counts them so. Absent (every profile before the fp8 launch got its own
 # grid): 4, the grid every engine ran until then.
 DECODE_PROGRAMS_PER_SM = "decode_programs_per_sm"
+# How the measured engine split a decode step's rows (a header field, since 2026-12-02;
+# zipage/decode_grid.py): "rule", balanced where `takes_balanced_split` holds; "batch", every row
+# alike from its batch. Absent (every profile before the balanced split): "batch". A
+# "per_partition" fit counts the longest row's partitions so.
+DECODE_SPLIT = "decode_split"
+DECODE_SPLIT_MODES = ("batch", "rule")
 
 
 def read_profile(profile: str | Path | dict) -> tuple[str, dict]:
@@ -148,6 +154,10 @@ def check_header(source: str, data: dict, shape: ModelShape | None, gpu: GPUSpec
         raise ConfigError(f"{source}: {DECODE_PROGRAMS_PER_SM}: got {programs!r}, expected a positive "
                           "integer: the decode programs an SM the measured engine's grid aimed for (or "
                           "leave the field out: 4)")
+    if header.get(DECODE_SPLIT, "batch") not in DECODE_SPLIT_MODES:
+        raise ConfigError(f"{source}: {DECODE_SPLIT}: got {header[DECODE_SPLIT]!r}, expected one of "
+                          f"{', '.join(map(repr, DECODE_SPLIT_MODES))}: how the measured engine split a "
+                          "decode step's rows (or leave the field out: \"batch\")")
     fix = "measure a profile for this setup, or use --cost-model analytic"
     if shape is not None and model_identity(data["model"]) != model_identity(shape.name):
         raise ConfigError(f"{source}: model: measured on {data['model']!r}, but this run uses "

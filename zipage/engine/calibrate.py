@@ -30,7 +30,7 @@ from zipage.engine.builder import Engine, build_engine
 from zipage.engine.machine import machine_record
 from zipage.errors import ConfigError
 from zipage.presets import model_label
-from zipage.profile import DECODE_GRAPH_SIZES, DECODE_PROGRAMS_PER_SM, MACHINE, PROFILE_VERSION, SETTINGS
+from zipage.profile import DECODE_GRAPH_SIZES, DECODE_PROGRAMS_PER_SM, DECODE_SPLIT, MACHINE, PROFILE_VERSION, SETTINGS
 
 DECODE_BATCHES = (1, 4, 16, 32, 64, 128, 256)
 FULL_KV_CONTEXTS = (512, 2048, 8192)
@@ -480,6 +480,7 @@ def _measure(engine: Engine, bench: Bench, settings: ReplaySettings, gpu: str, r
     if engine.runner.decode_graph_sizes:  # decode steps computed their graph's padded rows
         profile[DECODE_GRAPH_SIZES] = engine.runner.decode_graph_sizes
     profile[DECODE_PROGRAMS_PER_SM] = programs_per_sm(config.kv_cache_dtype)  # the grid its kernel ran
+    profile[DECODE_SPLIT] = "rule"  # and how it split the rows
     for name, measure in sections:
         started = time.perf_counter()
         profile[name] = measure(bench)

@@ -66,6 +66,8 @@ class ForwardContext:
       (`num_prefill_tokens` of them) and attend through the split-K decode kernel. None on other steps.
     - `decode_section` (`DecodeSection`), optional: a padded step's decode rows that leave the
       prefill launch for the split-K decode kernel; their rows have no prefill work items.
+    - `decode_split`, optional: a decode step's split of its rows, "balanced" where the runner
+      chose it (zipage/decode_grid.py `takes_balanced_split`); None: the kernel's batch split.
     - `logits_indices` int64 [num_sampled], optional: the rows whose logits the step computes, in the
       order tokens are sampled. None: the last row of each prefill sequence (prefill), every row (decode).
     - `query_slot_mapping` int64 [num_tokens], optional: the compression hook. A token whose entry is
@@ -85,6 +87,7 @@ class ForwardContext:
     decode_context_lens: torch.Tensor | None = None
     decode_block_tables: torch.Tensor | None = None
     decode_section: DecodeSection | None = None
+    decode_split: str | None = None
     logits_indices: torch.Tensor | None = None
 
 

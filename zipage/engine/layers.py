@@ -259,7 +259,7 @@ class PagedAttention(nn.Module):
         if not context.is_prefill:
             return paged_decode_attention(
                 query, self.k_cache, self.v_cache, context.context_lens, context.block_tables, self.scale,
-                **self.kv_scales,
+                split=context.decode_split, **self.kv_scales,
             )
         if context.decode_section is not None:
             return self._prefill_with_section(query, context)

@@ -65,6 +65,7 @@ def run_on_engine(engine: Engine, trace: Trace, settings: ReplaySettings, *,
     summary["decode_graph_sizes"] = decode_graph_sizes
     # The decode grid's programs an SM: a profile fitted from the run counts its partitions so.
     summary["decode_programs_per_sm"] = programs_per_sm(config.kv_cache_dtype)
+    summary["decode_split"] = "rule"  # balanced where `takes_balanced_split` holds
     summary["validation"] = None  # measured, not predicted: no error band (a simulation's is)
     compressor = engine.runner.compressor
     if compressor is not None and config.async_compress:

@@ -59,7 +59,7 @@ from zipage.core.memory import MemoryPlan
 from zipage.core.sequence import Sequence
 from zipage.core.step import StepPlan
 from zipage.core.window import WindowLayout
-from zipage.decode_grid import GRAPH_BATCH_SIZES
+from zipage.decode_grid import GRAPH_BATCH_SIZES, decode_grid_partitions, programs_per_sm, takes_balanced_split
 from zipage.engine.caches import KVCaches
 from zipage.engine.compressor import Compressor
 from zipage.engine.context import DecodeSection, ForwardContext, forward_context
@@ -171,6 +171,14 @@ class ModelRunner:
         self.last_prompt_logprobs: dict[str, list] = {}
         self._prompt_rows: list[tuple[str, int, int]] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Decode graphs of the balanced split (zipage/decode_grid.py), at the sizes where its grid
+        # is wider than the batch split's: a step replays one where `takes_balanced_split` holds.
+        self.balanced_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # The decode kernel's grid on this GPU: SMs (None off a GPU: the reference does not
+        # split), the programs an SM holds, the KV heads of this rank's cache.
+        self.streaming_multiprocessors = (torch.cuda.get_device_properties(device).multi_processor_count
+                                          if device.type == "cuda" else None)
+        self.decode_programs_per_sm = programs_per_sm(config.kv_cache_dtype)
         self.graph_inputs: dict[str, torch.Tensor] = {}
         # Pinned host buffers a launch stages its copies in (the decode graphs' inputs; under
         # async scheduling the row sources and the sampled ids too): two sets, one a launch in
@@ -520,17 +528,29 @@ class ModelRunner:
         columns[4, :count] = self.windows.decode_rows(slots, kv_len)
         return torch.from_numpy(columns), torch.from_numpy(tables)
 
+    def decode_split(self, context_lens: np.ndarray, grid_rows: int) -> str | None:
+        """"balanced" where a decode step's longest row gets more partitions that way
+        (zipage/decode_grid.py `takes_balanced_split`; `grid_rows`: the rows the kernel's grid is
+        sized for), else None: the kernel's batch split."""
+        if self.streaming_multiprocessors is None or not len(context_lens):
+            return None
+        balanced = takes_balanced_split(grid_rows, int(context_lens.sum()), int(context_lens.max()),
+                                        self.kv_cache.shape[4], self.streaming_multiprocessors,
+                                        programs_per_sm=self.decode_programs_per_sm)
+        return "balanced" if balanced else None
+
     def _decode(self, sequences: list[Sequence], tokens: dict[str, list[int]]) -> torch.Tensor:
         batch = len(sequences)
         bucket = next((size for size in self.graphs if size >= batch), None)
         width = max(len(seq.block_table) for seq in sequences)
         if bucket is None:
             columns, tables = self._decode_inputs(sequences, tokens, batch, width)
+            split = self.decode_split(columns[3].numpy(), batch)
             columns, tables = self._to_device(columns), self._to_device(tables)
             context = ForwardContext(
                 is_prefill=False, slot_mapping=columns[2], context_lens=columns[3].int(),
                 block_tables=tables, query_slot_mapping=columns[4]
-                if self.query_cache is not None else None)
+                if self.query_cache is not None else None, decode_split=split)
             self._feed_tokens(columns[0], sequences)
             with forward_context(context):
                 hidden = self.model(columns[0], columns[1])
@@ -552,30 +572,39 @@ class ModelRunner:
             staged_tables.to(self.device, non_blocking=True))
         static["context_lens"][:bucket].copy_(static["columns"][3, :bucket])
         self._feed_tokens(static["columns"][0, :batch], sequences)
-        self.graphs[bucket].replay()
+        balanced = self.decode_split(columns[3, :batch].numpy(), bucket) is not None
+        (self.balanced_graphs if balanced else self.graphs)[bucket].replay()
         return static["logits"][:batch]
 
     # ------------------------------------------------------------------ CUDA graphs
 
     def capture_decode_graphs(self) -> None:
-        """Capture one decode graph per batch size of the ladder, largest first (shared pool)."""
+        """Capture one decode graph per batch size of the ladder, largest first (shared pool),
+        and one of the balanced split where its grid is wider."""
         largest = min(self.config.max_num_seqs, GRAPH_BATCH_SIZES[-1])
         sizes = [size for size in GRAPH_BATCH_SIZES if size <= largest]
         self.allocate_graph_inputs(largest)
         static = self.graph_inputs
         pool = None
+        grid = dict(num_kv_heads=self.kv_cache.shape[4],
+                    streaming_multiprocessors=self.streaming_multiprocessors,
+                    programs_per_sm=self.decode_programs_per_sm)
         for size in reversed(sizes):
-            graph = torch.cuda.CUDAGraph()
-            inputs = static["columns"][0, :size], static["columns"][1, :size]
-            with forward_context(self.graph_context(size)), torch.inference_mode():
-                # Warm up outside the graph (Triton compiles and autotunes on first call).
-                self.model.compute_logits(self.model(*inputs))
-                torch.cuda.synchronize()
-                with torch.cuda.graph(graph, pool=pool):
-                    hidden = self.model(*inputs)
-                    static["logits"][:size] = self.model.compute_logits(hidden)
-            pool = graph.pool()
-            self.graphs[size] = graph
+            splits = [None]
+            if decode_grid_partitions(size, **grid, split="balanced") > decode_grid_partitions(size, **grid):
+                splits.append("balanced")
+            for split in splits:
+                graph = torch.cuda.CUDAGraph()
+                inputs = static["columns"][0, :size], static["columns"][1, :size]
+                with forward_context(self.graph_context(size, split)), torch.inference_mode():
+                    # Warm up outside the graph (Triton compiles and autotunes on first call).
+                    self.model.compute_logits(self.model(*inputs))
+                    torch.cuda.synchronize()
+                    with torch.cuda.graph(graph, pool=pool):
+                        hidden = self.model(*inputs)
+                        static["logits"][:size] = self.model.compute_logits(hidden)
+                pool = graph.pool()
+                (self.balanced_graphs if split else self.graphs)[size] = graph
         self.graphs = dict(sorted(self.graphs.items()))
         self.graph_pool = pool
         torch.cuda.synchronize()
@@ -603,7 +632,7 @@ class ModelRunner:
                 buffers = {name: tensor.pin_memory() for name, tensor in buffers.items()}
             staging.update(buffers)
 
-    def graph_context(self, size: int) -> ForwardContext:
+    def graph_context(self, size: int, split: str | None = None) -> ForwardContext:
         """The forward context a decode graph of `size` rows is captured (and replayed) with."""
         static = self.graph_inputs
         return ForwardContext(
@@ -611,7 +640,7 @@ class ModelRunner:
             context_lens=static["context_lens"][:size],
             block_tables=static["block_tables"][:size],
             query_slot_mapping=static["columns"][4, :size] if self.query_cache is not None
-            else None)
+            else None, decode_split=split)
 
     # ------------------------------------------------------------------ padded prefill / mixed steps
 
