@@ -45,6 +45,9 @@ from zipage.engine.builder import build_engine
 from zipage.engine.replay import replay_on_engine
 from zipage.workloads import make_trace
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from replay_variant import RULES  # noqa: E402  (a sibling script)
+
 
 def run(trace, config: ZipageConfig, cuda_graphs: bool, model: str,
         prefill_graphs: bool = False) -> dict[str, list[int]]:
@@ -58,8 +61,7 @@ def run(trace, config: ZipageConfig, cuda_graphs: bool, model: str,
 
 
 # The decode section's rule forced either way (zipage/prefill_buckets.py, `takes_decode_section`).
-SECTION_ALWAYS = lambda bucket, num_decode, longest: True  # noqa: E731
-FOLD_ALWAYS = lambda bucket, num_decode, longest: False  # noqa: E731
+SECTION_ALWAYS, FOLD_ALWAYS = RULES["always"], RULES["never"]
 
 
 def prefill_graph_steps_exact(model: str) -> list[str]:

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 from engine_gpu import copy_bandwidth, weight_bytes_read  # noqa: E402 (bench/ is the script's path)
+from replay_variant import RULES  # noqa: E402
 
 from zipage.config import ZipageConfig
 from zipage.core.deployment import ReplaySettings
@@ -53,14 +54,11 @@ from zipage.core.sequence import Sequence
 from zipage.core.step import MIXED, PREFILL, PrefillItem, StepPlan, causal_pairs
 from zipage.engine import runner as runner_module
 from zipage.engine.builder import build_engine
-from zipage.prefill_buckets import decode_section_rows
 from zipage.presets import get_preset
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 # The graphed modes by the decode section's rule they run with.
-SECTION_RULES = {"on": runner_module.takes_decode_section,
-                 "folded": lambda bucket, num_decode, longest: False,
-                 "sectioned": lambda bucket, num_decode, longest: 0 < num_decode <= decode_section_rows(bucket)}
+SECTION_RULES = {"on": RULES["rule"], "folded": RULES["never"], "sectioned": RULES["always"]}
 
 
 def matmul_flops() -> float:
