@@ -21,6 +21,11 @@ alone) are covered twice:
 - the trace variants "+ prefill graphs": decode and prefill graphs against eager, by agreement
   (the padded layout folds decode rows into the prefill launch, so sums differ from eager's).
 
+The decode kernel's balanced split (zipage/decode_grid.py, `takes_balanced_split`): a decode step of
+7 short rows and one long one, replayed from the balanced decode graph, against the same step run
+eagerly (which picks the balanced split too), bit for bit; and its logits within 1e-4 (relative) of
+the batch split's (forced), which sums in another order.
+
     python bench/check_engine_gpu.py
 """
 
@@ -39,7 +44,7 @@ from zipage.config import ZipageConfig
 from zipage.core.deployment import ReplaySettings
 from zipage.core.sampling import SamplingParams
 from zipage.core.sequence import Sequence
-from zipage.core.step import MIXED, PREFILL, PrefillItem, StepPlan
+from zipage.core.step import DECODE, MIXED, PREFILL, PrefillItem, StepPlan
 from zipage.engine import runner as runner_module
 from zipage.engine.builder import build_engine
 from zipage.engine.replay import replay_on_engine
@@ -127,6 +132,57 @@ def prefill_graph_steps_exact(model: str) -> list[str]:
     return failures
 
 
+def decode_split_steps_exact(model: str) -> list[str]:
+    """A decode step the rule splits balanced: graph replay == eager bit for bit, and within 1e-4
+    of the batch split. Returns the failures."""
+    settings = ReplaySettings(model=f"random:{model}", dtype="float32", kv_memory_gb=4.0,
+                              config=ZipageConfig(compress=False, block_size=64))
+    engine = build_engine(settings, "cuda", cuda_graphs=True)
+    runner, blocks = engine.runner, engine.new_scheduler().block_manager
+    vocab = engine.shape.vocab_size
+    rule = runner_module.takes_balanced_split
+
+    def request(name: str, length: int) -> Sequence:
+        seq = Sequence(name, None, 64, prompt_len=length, sampling=SamplingParams(temperature=0.0))
+        seq.block_table = [blocks.allocate() for _ in range(length // 64 + 1)]
+        seq.set_counters(length - 1, 1)
+        return seq
+
+    rows = [request(f"s{i}", 300 + 11 * i) for i in range(7)] + [request("long", 5000)]
+    plan = StepPlan(step_id=0, kind=DECODE, decode=rows)
+    history = {seq.seq_id: [(31 * i + len(seq.seq_id)) % vocab for i in range(seq.num_tokens)] for seq in rows}
+    lengths = torch.tensor([seq.kv_len + 1 for seq in rows]).numpy()
+    failures = []
+    if runner.decode_split(lengths, 8) != "balanced" or 8 not in runner.balanced_graphs:
+        return ["the rule did not take the balanced split at 8 rows"]
+    logits = {}
+    for name, graphs, balanced_graphs, takes in (
+            ("graph", runner.graphs, runner.balanced_graphs, rule),
+            ("eager", {}, {}, rule),
+            ("batch split", {}, {}, lambda *_, **__: False)):
+        saved = runner.graphs, runner.balanced_graphs
+        runner.graphs, runner.balanced_graphs = graphs, balanced_graphs
+        runner_module.takes_balanced_split = takes
+        try:
+            runner.execute(plan, history)
+            logits[name] = runner.last_logits.clone()
+        finally:
+            runner.graphs, runner.balanced_graphs = saved
+            runner_module.takes_balanced_split = rule
+    same = torch.equal(logits["graph"], logits["eager"])
+    print(f"decode split {'balanced graph replay == eager':<40} {same}", flush=True)
+    if not same:
+        failures.append("balanced decode graph vs eager")
+    error = float((logits["eager"] - logits["batch split"]).abs().max() / logits["batch split"].abs().max())
+    print(f"decode split {'balanced vs batch split, logits':<40} relative error {error:.1e} (<= 1e-4)", flush=True)
+    if not error <= 1e-4:
+        failures.append("balanced vs batch split")
+    del engine, runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="qwen3-0.6b")
@@ -146,6 +202,9 @@ def main() -> int:
     step_failures = prefill_graph_steps_exact(args.model)
     report["prefill graph steps"] = dict(exact=not step_failures, failures=step_failures)
     failed |= bool(step_failures)
+    split_failures = decode_split_steps_exact(args.model)
+    report["decode split steps"] = dict(exact=not split_failures, failures=split_failures)
+    failed |= bool(split_failures)
     variants["full-kv + prefill graphs"] = variants["full-kv"]
     variants["zipage sync + prefill graphs"] = variants["zipage sync"]
     for name, config in variants.items():
