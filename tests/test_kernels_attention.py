@@ -560,6 +560,26 @@ def test_balanced_split_matches_reference(triton_kernels, monkeypatch, dtype, fp
     assert torch.count_nonzero(out[-1]) == 0
 
 
+@under_interpreter
+@settings(max_examples=examples(8))
+@given(lengths=st.lists(st.one_of(st.integers(0, 200), st.integers(200, 1500)), min_size=1, max_size=9),
+       split=st.sampled_from(["batch", "balanced"]), grid_batch=st.sampled_from([None, 1, 3]),
+       seed=st.integers(0, 2**31 - 1))
+def test_any_split_of_any_lengths_matches_reference(triton_kernels, lengths, split, grid_batch, seed):
+    """Any batch of lengths (empty slots, one entry, rows many times the others'), either split and
+    grid: the reference's answer, and a zero output for an empty slot."""
+    generator = torch.Generator().manual_seed(seed)
+    batch = make_paged_batch([max(length, 1) for length in lengths], 16, torch.float32, generator)
+    batch.context_lens = torch.tensor(lengths, dtype=torch.int32)
+    q = torch.randn((len(lengths), NUM_KV_HEADS * 3, HEAD_DIM), generator=generator)
+    arguments = (q, batch.k_cache, batch.v_cache, batch.context_lens, batch.block_tables, 0.125)
+    out = triton_kernels.paged_decode_attention_triton(*arguments, split=split, grid_batch=grid_batch)
+    torch.testing.assert_close(out, paged_decode_attention_ref(*arguments), **TOLERANCES[torch.float32])
+    for row, length in enumerate(lengths):
+        if length == 0:
+            assert torch.count_nonzero(out[row]) == 0
+
+
 # Every model preset's query heads per KV head and head size, (2, 128) to (8, 128) and (3, 64) and
 # (7, 64): the groups that are not powers of two run padded lanes. Two KV heads each (the kernels'
 # programs split by KV head), so the shapes stay small under the interpreter.
