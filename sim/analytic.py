@@ -85,6 +85,13 @@ FOLDED_DECODE_OVERLAP = 0.26
 # launches, batch 128-512 at 576 and 2,000 entries: 2.48-2.72 TB/s against 4.01-4.31, ratios
 # 0.62-0.64 (bench/decode_kernel_info_gpu.py, 2026-12-01; docs/cost_model.md, 'FP8 KV cache').
 FP8_DECODE_BANDWIDTH_EFFICIENCY = 0.63
+# One fp8 decode program walks its partition at this many times a bfloat16 program's time an entry
+# (DECODE_PROGRAM_BANDWIDTH over bfloat16's bytes), not at half of it: it reads half the bytes but
+# widens each, on 2 warps. One layer of Llama-3.1-8B's decode attention on an H200: a 20k-entry row
+# walked by one program beside 95 of 2k, 830 / 657 us (1.26; the same on two hosts); a 20k row cut
+# into 10 / 8 partitions beside 7 of 2k, 47 / 37 ns an entry (1.27) (bench/decode_long_row_gpu.py,
+# 2026-12-02; docs/cost_model.md, 'The balanced decode split').
+FP8_DECODE_PROGRAM_ENTRY_RATIO = 1.26
 # The fp8 prefill kernel computes its query-key pairs at this fraction of the bfloat16 one's rate: it
 # widens every key and value in registers, outside the tiles' asynchronous copy pipeline, and scales
 # each logit and weight by its entry's scale on an ALU-bound softmax, so reading half the bytes buys
@@ -231,7 +238,9 @@ class AnalyticCostModel(CostModel):
             FP8_PREFILL_COMPUTE_EFFICIENCY if kv_cache_dtype == "fp8" else 1.0)
         self._kernel_chain_s = layers * KERNELS_PER_LAYER * KERNEL_LATENCY_S
         # One program's time per KV entry of its partition, over all layers.
-        self._program_entry_s = layers * 2 * self.kv_entry_bytes / DECODE_PROGRAM_BANDWIDTH
+        self._program_entry_s = (layers * 2 * kv_entry_bytes(shape.head_dim, "auto", dtype_bytes)
+                                 / DECODE_PROGRAM_BANDWIDTH
+                                 * (FP8_DECODE_PROGRAM_ENTRY_RATIO if kv_cache_dtype == "fp8" else 1.0))
         self._folded_entry_s = layers * self.q_heads / self.kv_heads * FOLDED_DECODE_HEAD_ENTRY_S
         self._step_overhead_s = gpu.step_overhead_s
         self._allreduce_token_s, self._allreduce_fixed_s = 0.0, 0.0
