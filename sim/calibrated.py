@@ -179,6 +179,7 @@ class CalibratedCostModel(CostModel):
         model = cls(decode, prefill, mixed, compress, float(contention), header, source,
                     validation, partitions=partitions, rows=rows)
         model.decode_programs_per_sm = measured_grid(header)
+        model.decode_split = header.get(DECODE_SPLIT, "batch")
         if shape is not None and gpu is not None:
             model.run_setup = (shape, gpu, {**knobs, "scoring": scoring})
         # Where it was measured and how it was re-scaled since (None: not recorded); they change

@@ -96,6 +96,9 @@ class CostModel(ABC):
     decode_graph_sizes: tuple[int, ...] = ()
     # The decode programs an SM the priced engine's split-K grid aimed for (zipage/decode_grid.py).
     decode_programs_per_sm: int = PROGRAMS_PER_SM
+    # How the priced engine split a decode step's rows (zipage/profile.py DECODE_SPLIT_MODES): the
+    # analytic model follows today's engine ("rule"); a profile, the engine it measured.
+    decode_split: str = "rule"
     # How far to trust what the model predicts: a profile's record of its errors on a held-out
     # workload (zipage/profile.py). None for the analytic model and an unvalidated profile.
     validation: Validation | None = None

@@ -55,6 +55,7 @@ class SimulatedDeployment:
         summary["prefill_buckets"] = list(self.cost_model.prefill_buckets)
         summary["decode_graph_sizes"] = list(self.cost_model.decode_graph_sizes)
         summary["decode_programs_per_sm"] = self.cost_model.decode_programs_per_sm
+        summary["decode_split"] = self.cost_model.decode_split
         validation = self.cost_model.validation
         summary["validation"] = None if validation is None else validation.summary()
         return summary
