@@ -320,6 +320,7 @@ def _drop_graphs(runner: ModelRunner | None) -> None:
     if runner is None or not (runner.graphs or runner.prefill_graphs):
         return
     runner.graphs = {}
+    runner.balanced_graphs = {}  # the decode graphs of the balanced split, too
     runner.prefill_graphs = {}  # prefill graphs capture the all-reduces too
     gc.collect()
     torch.cuda.synchronize(runner.device)
