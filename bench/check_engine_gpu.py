@@ -69,6 +69,15 @@ def run(trace, config: ZipageConfig, cuda_graphs: bool, model: str,
 SECTION_ALWAYS, FOLD_ALWAYS = RULES["always"], RULES["never"]
 
 
+def check_close(part: str, name: str, got: torch.Tensor, want: torch.Tensor, failures: list[str]) -> None:
+    """Logits of two paths that sum in different orders (float32): within 1e-4 of the largest, else
+    `name` joins the failures."""
+    error = float((got - want).abs().max() / want.abs().max())
+    print(f"{part} {name + ', logits':<40} relative error {error:.1e} (<= 1e-4)", flush=True)
+    if not error <= 1e-4:
+        failures.append(name)
+
+
 def prefill_graph_steps_exact(model: str) -> list[str]:
     """Prefill / mixed steps: graph replay against the same padded forward run eagerly, bit for
     bit (logits and the KV the step wrote). Returns the failures."""
@@ -122,10 +131,7 @@ def prefill_graph_steps_exact(model: str) -> list[str]:
         if plan is mixed:
             mixed_logits[sectioned] = graph_logits
     runner_module.takes_decode_section = rule
-    error = float((mixed_logits[True] - mixed_logits[False]).abs().max() / mixed_logits[False].abs().max())
-    print(f"prefill graph {'decode section vs folded, logits':<40} relative error {error:.1e} (<= 1e-4)", flush=True)
-    if not error <= 1e-4:
-        failures.append("decode section vs folded")
+    check_close("prefill graph", "decode section vs folded", mixed_logits[True], mixed_logits[False], failures)
     del engine, runner
     gc.collect()
     torch.cuda.empty_cache()
@@ -173,10 +179,7 @@ def decode_split_steps_exact(model: str) -> list[str]:
     print(f"decode split {'balanced graph replay == eager':<40} {same}", flush=True)
     if not same:
         failures.append("balanced decode graph vs eager")
-    error = float((logits["eager"] - logits["batch split"]).abs().max() / logits["batch split"].abs().max())
-    print(f"decode split {'balanced vs batch split, logits':<40} relative error {error:.1e} (<= 1e-4)", flush=True)
-    if not error <= 1e-4:
-        failures.append("balanced vs batch split")
+    check_close("decode split", "balanced vs batch split", logits["eager"], logits["batch split"], failures)
     del engine, runner
     gc.collect()
     torch.cuda.empty_cache()
